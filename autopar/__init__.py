@@ -1,0 +1,41 @@
+"""autopar: automatic parallelization of unmodified PyTorch models.
+
+pmodel = autopar.autoparallelize(model, cluster_spec, example_inputs)   # on every rank
+plan = autopar.plan(model, cluster_spec, example_inputs)                # offline, no GPU needed
+"""
+
+from autopar.api import autoparallelize, plan, search
+from autopar.cluster import ClusterSpec, DeviceSpec, LinkSpec
+from autopar.errors import (
+    AutoparError,
+    ClusterSpecError,
+    DistributedSetupError,
+    NoPlanFitsError,
+    PlanFormatError,
+    PlanMismatchError,
+    TraceError,
+)
+from autopar.passes.costs import Optimizer
+from autopar.passes.strategies import AxisRole
+from autopar.plan import NodeDecision, Plan, Predicted
+
+__all__ = [
+    "AutoparError",
+    "AxisRole",
+    "ClusterSpec",
+    "ClusterSpecError",
+    "DeviceSpec",
+    "DistributedSetupError",
+    "LinkSpec",
+    "NoPlanFitsError",
+    "NodeDecision",
+    "Optimizer",
+    "Plan",
+    "PlanFormatError",
+    "PlanMismatchError",
+    "Predicted",
+    "TraceError",
+    "autoparallelize",
+    "plan",
+    "search",
+]

@@ -1,0 +1,336 @@
+"""Public API: ``plan`` (offline search) and ``autoparallelize`` (search or apply, then run).
+
+The pipeline is one function of named steps, ``search``; each step's output can be dumped for
+debugging with ``dump_dir=...`` (or the ``AUTOPAR_DUMP_DIR`` environment variable):
+
+    trace -> analyze -> strategies -> cost -> solve -> plan          (then, on ranks: codegen)
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from autopar.cluster import ClusterSpec
+from autopar.errors import DistributedSetupError, NoPlanFitsError, PlanFormatError
+from autopar.passes.analyze import NodeInfo, analyze
+from autopar.passes.costs import CostTables, Optimizer, build_costs, resolve_source
+from autopar.passes.solver import Solution, evaluate, mesh_candidates, solve
+from autopar.passes.strategies import AxisRole, Strategy, build_strategies
+from autopar.passes.trace import Role, TracedGraph, normalize_inputs, trace
+from autopar.placement import spec_from_str, spec_to_str, volume_factor
+from autopar.plan import NodeDecision, Plan, Predicted, SolverInfo
+
+log = logging.getLogger("autopar")
+
+# fraction of device memory the plan may use; the rest is a reserve for fragmentation and workspaces
+MEMORY_FRACTION = 0.9
+
+
+@dataclass
+class SearchResult:
+    plan: Plan
+    traced: TracedGraph
+    choice: dict[str, Strategy]
+
+
+def _progress(fn: Callable[[str], None] | None, msg: str) -> None:
+    log.info(msg)
+    if fn is not None:
+        fn(msg)
+
+
+def search(
+    model: torch.nn.Module,
+    cluster: ClusterSpec,
+    example_inputs,
+    *,
+    mesh_shape: Sequence[int] | None = None,
+    memory_limit_bytes: float | None = None,
+    time_limit_s: float | None = None,
+    axis_roles: Sequence[AxisRole] | None = None,
+    optimizer: Optimizer = Optimizer.ADAM,
+    progress: Callable[[str], None] | None = None,
+    dump_dir: str | os.PathLike | None = None,
+) -> SearchResult:
+    dump = (
+        Path(dump_dir or os.environ.get("AUTOPAR_DUMP_DIR", ""))
+        if (dump_dir or os.environ.get("AUTOPAR_DUMP_DIR"))
+        else None
+    )
+    if dump:
+        dump.mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter()
+
+    # -- trace ----------------------------------------------------------------------------------
+    tg = trace(model, example_inputs)
+    _progress(
+        progress, f"trace: {len(tg.graph.nodes)} nodes with {tg.tracer} ({time.perf_counter() - t0:.1f} s)"
+    )
+    if dump:
+        (dump / "1_trace.py").write_text(tg.graph_module.code)
+
+    # -- analyze --------------------------------------------------------------------------------
+    infos = analyze(tg)
+    if dump:
+        _dump_infos(dump / "2_analyze.tsv", infos)
+
+    limit = (
+        memory_limit_bytes
+        if memory_limit_bytes is not None
+        else cluster.device.memory_bytes * MEMORY_FRACTION
+    )
+    if mesh_shape is not None:
+        meshes = [tuple(int(x) for x in mesh_shape)]
+        if math.prod(meshes[0]) != cluster.world_size:
+            raise NoPlanFitsError(
+                f"mesh_shape {meshes[0]} has {math.prod(meshes[0])} devices but the cluster has {cluster.world_size}"
+            )
+    else:
+        max_axes = len(axis_roles) if axis_roles else 2
+        meshes = [
+            m
+            for m in mesh_candidates(cluster.world_size, max_axes)
+            if not axis_roles or len(m) == len(axis_roles)
+        ]
+
+    best: tuple[float, tuple, Solution, CostTables, dict] | None = None
+    candidates = []
+    min_needed = math.inf
+    for mesh in meshes:
+        # -- strategies ---------------------------------------------------------------------------
+        strats = build_strategies(tg, infos, mesh, axis_roles)
+        # -- cost -----------------------------------------------------------------------------------
+        tables = build_costs(
+            tg, infos, strats, cluster, mesh, optimizer, tuple(axis_roles) if axis_roles else None
+        )
+        min_needed = min(min_needed, sum(min(m) for m in tables.node_mem.values()))
+        # -- solve ----------------------------------------------------------------------------------
+        sol = solve(tables, limit, time_limit_s)
+        if sol is None:
+            candidates.append({"mesh_shape": list(mesh), "status": "infeasible", "objective": None})
+            _progress(progress, f"solve: mesh {mesh}: no plan fits {limit / 2**30:.2f} GiB per device")
+            continue
+        t_step, _ = evaluate(tables, sol.choice)
+        candidates.append({"mesh_shape": list(mesh), "status": sol.status, "objective": t_step})
+        _progress(
+            progress,
+            f"solve: mesh {mesh}: {sol.status}, predicted step {t_step * 1e3:.3f} ms "
+            f"({sol.num_variables} variables, {sol.solve_time_s:.2f} s)",
+        )
+        if dump:
+            (dump / f"4_solve_{'x'.join(map(str, mesh))}.json").write_text(
+                json.dumps({"status": sol.status, "objective": t_step, "choice": sol.choice}, indent=0)
+            )
+        if best is None or t_step < best[0] - 1e-12:
+            best = (t_step, mesh, sol, tables, strats)
+    if best is None:
+        raise NoPlanFitsError(
+            f"no plan fits: needs at least {min_needed / 2**30:.2f} GiB per device, the limit is "
+            f"{limit / 2**30:.2f} GiB ({cluster.device.name}, {cluster.world_size} devices); try more devices, "
+            "a smaller batch or sequence, another mesh_shape or a larger memory_limit_bytes"
+        )
+    _, mesh, sol, tables, strats = best
+    choice = {v: tables.strategies[v][i] for v, i in sol.choice.items()}
+    # -- plan -------------------------------------------------------------------------------------
+    plan = _make_plan(tg, infos, tables, sol, choice, cluster, mesh, optimizer, candidates)
+    if dump:
+        plan.save(dump / "5_plan.json")
+    _progress(progress, f"plan: mesh {mesh}, {time.perf_counter() - t0:.1f} s in all")
+    return SearchResult(plan, tg, _with_getitems(tg, choice))
+
+
+def _with_getitems(tg: TracedGraph, choice: dict[str, Strategy]) -> dict[str, Strategy]:
+    out = dict(choice)
+    for n in tg.graph.nodes:
+        if n.op == "call_function" and n.name not in out:
+            src = resolve_source(n)
+            if src.name in choice:
+                out[n.name] = Strategy(choice[src.name].out, (choice[src.name].out,))
+    return out
+
+
+def _make_plan(tg, infos, tables, sol, choice, cluster, mesh, optimizer, candidates) -> Plan:
+    comm_in: dict[str, float] = {}
+    colls: dict[str, list[str]] = {}
+    for e in tables.edges:
+        b = 0 if e.dst == "output" else sol.choice[e.dst]
+        a = sol.choice[e.src]
+        comm_in[e.dst] = comm_in.get(e.dst, 0.0) + e.cost[a][b]
+        colls.setdefault(e.dst, []).extend(e.colls[a][b])
+    decisions = []
+    param_b = grad_b = 0.0
+    compute = 0.0
+    every = _with_getitems(tg, choice)
+    for n in tg.graph.nodes:
+        if n.op not in ("placeholder", "call_function") or n.name not in every:
+            continue
+        info = infos[n.name]
+        s = every[n.name]
+        cost = tables.node_cost[n.name][sol.choice[n.name]] if n.name in sol.choice else 0.0
+        vol = volume_factor(s.out, mesh)
+        if info.role is Role.PARAM:
+            param_b += info.out_bytes / vol
+            grad_b += info.out_bytes / vol if info.requires_grad else 0.0
+        compute += cost
+        decisions.append(
+            NodeDecision(
+                name=n.name,
+                op="placeholder" if n.op == "placeholder" else str(n.target),
+                role=info.role.value,
+                target=info.target if n.op == "placeholder" else "",
+                shape=info.shape,
+                output=spec_to_str(s.out),
+                inputs=tuple(spec_to_str(x) for x in s.ins),
+                compute_s=cost,
+                comm_s=comm_in.get(n.name, 0.0),
+                collectives=tuple(colls.get(n.name, ())),
+            )
+        )
+    t_step, mem = evaluate(tables, sol.choice)
+    comm = t_step - compute
+    opt_b = grad_b * optimizer.value
+    act_b = mem - param_b - grad_b - opt_b - _buffers_inputs(infos, choice, mesh)
+    predicted = Predicted(
+        step_time_s=t_step,
+        peak_memory_bytes=int(mem),
+        compute_s=compute,
+        comm_s=max(comm, 0.0),
+        param_bytes=int(param_b),
+        grad_bytes=int(grad_b),
+        optimizer_bytes=int(opt_b),
+        activation_bytes=int(max(act_b, 0.0)),
+    )
+    return Plan(
+        fingerprint=tg.fingerprint(),
+        model=tg.model_name,
+        cluster=cluster.to_dict(),
+        mesh_shape=tuple(mesh),
+        decisions=tuple(decisions),
+        predicted=predicted,
+        solver=SolverInfo(
+            name=sol.solver,
+            status=sol.status,
+            objective=sol.objective,
+            solve_time_s=sol.solve_time_s,
+            num_variables=sol.num_variables,
+            num_constraints=sol.num_constraints,
+            candidates=tuple(candidates),
+        ),
+    )
+
+
+def _buffers_inputs(infos: dict[str, NodeInfo], choice, mesh) -> float:
+    return sum(
+        infos[v].out_bytes / volume_factor(s.out, mesh)
+        for v, s in choice.items()
+        if infos[v].role in (Role.BUFFER, Role.INPUT)
+    )
+
+
+def _dump_infos(path: Path, infos: dict[str, NodeInfo]) -> None:
+    rows = ["name\trole\ttarget\tshape\tdtype\tflops\tbytes\trequires_grad"]
+    for i in infos.values():
+        rows.append(
+            f"{i.name}\t{i.role.value}\t{i.target}\t{i.shape}\t{i.dtype}\t{i.flops:.0f}\t{i.bytes}\t{i.requires_grad}"
+        )
+    path.write_text("\n".join(rows) + "\n")
+
+
+def plan(
+    model: torch.nn.Module,
+    cluster: ClusterSpec,
+    example_inputs,
+    *,
+    mesh_shape: Sequence[int] | None = None,
+    memory_limit_bytes: float | None = None,
+    time_limit_s: float | None = None,
+    axis_roles: Sequence[AxisRole] | None = None,
+    optimizer: Optimizer = Optimizer.ADAM,
+    progress: Callable[[str], None] | None = None,
+    dump_dir: str | os.PathLike | None = None,
+) -> Plan:
+    """Search a sharding plan offline: no process group needed; works on meta-device models."""
+    return search(
+        model,
+        cluster,
+        example_inputs,
+        mesh_shape=mesh_shape,
+        memory_limit_bytes=memory_limit_bytes,
+        time_limit_s=time_limit_s,
+        axis_roles=axis_roles,
+        optimizer=optimizer,
+        progress=progress,
+        dump_dir=dump_dir,
+    ).plan
+
+
+def autoparallelize(
+    model: torch.nn.Module,
+    cluster: ClusterSpec | None,
+    example_inputs,
+    *,
+    plan: Plan | str | os.PathLike | None = None,
+    **search_kwargs,
+):
+    """Call on every rank inside an initialized process group; returns the rank-local module.
+
+    Every rank must pass the same model (same weights) and, at run time, the same full global
+    batch: the module slices its own part. Gradients and optimizer steps are ordinary PyTorch.
+    """
+    from autopar.codegen.build import build_parallel_module
+
+    if not dist.is_available() or not dist.is_initialized():
+        raise DistributedSetupError(
+            "autoparallelize needs an initialized process group: launch with torchrun and call "
+            "torch.distributed.init_process_group(...) first (use autopar.plan(...) for offline planning)"
+        )
+    world = dist.get_world_size()
+    if cluster is None:
+        cluster = ClusterSpec.local()
+    if cluster.world_size != world:
+        raise DistributedSetupError(
+            f"the cluster spec describes {cluster.world_size} devices but the process group has {world}; "
+            f"pass a spec of {world} devices (e.g. ClusterSpec.local())"
+        )
+    if isinstance(plan, (str, os.PathLike)):
+        plan = Plan.load(plan)
+    if plan is None:
+        result = search(model, cluster, example_inputs, **search_kwargs)
+        tg, the_plan = result.traced, result.plan
+    else:
+        tg = trace(model, example_inputs)
+        plan.check_matches(tg.fingerprint(), world)
+        the_plan = plan
+    choice = choice_from_plan(tg, the_plan)
+    return build_parallel_module(model, tg, the_plan, choice, normalize_inputs(example_inputs))
+
+
+def choice_from_plan(tg: TracedGraph, plan: Plan) -> dict[str, Strategy]:
+    """Read every node's strategy back from the plan, refusing any the rules would not allow."""
+    infos = analyze(tg)
+    allowed = build_strategies(tg, infos, plan.mesh_shape)
+    choice = {}
+    for d in plan.decisions:
+        s = Strategy(spec_from_str(d.output), tuple(spec_from_str(x) for x in d.inputs))
+        if d.name in allowed and s not in allowed[d.name].strategies:
+            raise PlanFormatError(
+                f"node {d.name} ({d.op}): placement out={d.output} in={list(d.inputs)} is not a valid strategy on "
+                f"mesh {plan.mesh_shape}; re-plan instead of editing the plan by hand"
+            )
+        choice[d.name] = s
+    missing = [
+        n.name for n in tg.graph.nodes if n.op in ("placeholder", "call_function") and n.name not in choice
+    ]
+    if missing:
+        raise PlanFormatError(f"the plan has no decision for nodes {missing[:5]}; re-plan for this model")
+    return choice

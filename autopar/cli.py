@@ -1,0 +1,100 @@
+"""The ``autopar`` command line.
+
+    autopar demo [--out DIR] [--model MODEL_SPEC] [--world-size N]
+    autopar plan MODEL_SPEC --cluster PRESET[:NODESxDEVICES] | SPEC_FILE --out plan.json [--report r.html]
+
+MODEL_SPEC is ``path/to/file.py:function`` or ``package.module:function`` (a callable returning
+``(model, example_inputs)``), e.g. ``autopar.examples:gpt2_tiny``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from autopar.errors import AutoparError
+
+
+def _mesh(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(x) for x in text.lower().split("x"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"bad mesh {text!r}: use e.g. 4 or 2x2") from None
+
+
+def _build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="autopar", description="Automatic parallelization for PyTorch models.")
+    sub = p.add_subparsers(dest="cmd", required=True)
+
+    d = sub.add_parser(
+        "demo", help="plan and run a small GPT-2 on local CPU processes; write plan and report"
+    )
+    d.add_argument("--out", default="autopar_out", help="output folder (default: autopar_out)")
+    d.add_argument("--model", default="autopar.examples:gpt2_tiny", help="MODEL_SPEC to run")
+    d.add_argument("--world-size", type=int, default=4, help="number of local gloo processes (default: 4)")
+    d.add_argument("--steps", type=int, default=3, help="SGD steps compared with the single-device model")
+
+    pl = sub.add_parser("plan", help="search a sharding plan offline and write it as JSON")
+    pl.add_argument("model", metavar="MODEL_SPEC")
+    pl.add_argument(
+        "--cluster", required=True, help="PRESET[:NODESxDEVICES] (e.g. h100-sxm:8x8) or a spec file"
+    )
+    pl.add_argument("--out", default="plan.json", help="where to write the plan (default: plan.json)")
+    pl.add_argument("--report", default=None, help="also write an HTML report here")
+    pl.add_argument("--mesh", type=_mesh, default=None, help="fix the mesh shape, e.g. 2x4 (default: search)")
+    pl.add_argument("--memory-limit-gib", type=float, default=None, help="per-device memory limit in GiB")
+    pl.add_argument("--time-limit", type=float, default=None, help="solver time limit per mesh, in seconds")
+    pl.add_argument("--meta", action="store_true", help="build the model on the meta device (no weights)")
+    return p
+
+
+def _cmd_plan(args) -> int:
+    import torch
+
+    import autopar
+    from autopar.model_spec import load_model_spec
+    from autopar.report import write_report
+
+    cluster = autopar.ClusterSpec.parse(args.cluster)
+    if args.meta:
+        with torch.device("meta"):
+            model, inputs = load_model_spec(args.model)
+    else:
+        model, inputs = load_model_spec(args.model)
+    plan = autopar.plan(
+        model,
+        cluster,
+        inputs,
+        mesh_shape=args.mesh,
+        memory_limit_bytes=args.memory_limit_gib * 2**30 if args.memory_limit_gib else None,
+        time_limit_s=args.time_limit,
+        progress=lambda m: print(m, flush=True),
+    )
+    plan.save(args.out)
+    print(plan.summary())
+    print(f"wrote {args.out}")
+    if args.report:
+        print(f"wrote {write_report(plan, args.report)}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    args = _build_parser().parse_args(argv)
+    try:
+        if args.cmd == "demo":
+            from autopar.demo import run_demo
+
+            run_demo(args.out, args.model, args.world_size, args.steps)
+            return 0
+        if args.cmd == "plan":
+            return _cmd_plan(args)
+    except AutoparError as e:
+        print(f"autopar: error: {e}", file=sys.stderr)
+        return 2
+    return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,39 @@
+"""Typed errors. Each message says what went wrong and how to fix it."""
+
+from __future__ import annotations
+
+
+class AutoparError(Exception):
+    """Base class of every error autopar raises on purpose."""
+
+
+class ClusterSpecError(AutoparError, ValueError):
+    """A cluster description is invalid: the message names the field and the allowed values."""
+
+
+class TraceError(AutoparError):
+    """The model could not be captured as a graph: the message names the failing construct."""
+
+
+class NoPlanFitsError(AutoparError):
+    """No sharding plan fits the per-device memory: the message gives needed vs available bytes."""
+
+
+class PlanMismatchError(AutoparError):
+    """A saved plan was made for a different model, input shapes or cluster."""
+
+
+class PlanFormatError(AutoparError, ValueError):
+    """A plan file is not valid autopar plan JSON (or has an unsupported schema version)."""
+
+
+class SolverError(AutoparError):
+    """The ILP solver failed or returned no feasible solution."""
+
+
+class DistributedSetupError(AutoparError, RuntimeError):
+    """torch.distributed is not initialized or does not match the plan's mesh."""
+
+
+class ModelSpecError(AutoparError, ValueError):
+    """A MODEL_SPEC on the command line could not be loaded."""

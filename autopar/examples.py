@@ -1,0 +1,80 @@
+"""Small example models for the demo and for ``MODEL_SPEC``s such as ``autopar.examples:gpt2_tiny``.
+
+Each function returns ``(model, example_inputs)``. Hugging Face models are built from configs
+(no weights are downloaded) with dropout off so that parallel runs can be compared exactly.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from autopar.errors import ModelSpecError
+
+
+def _transformers():
+    try:
+        import transformers
+    except ImportError as e:  # transformers is a dev extra
+        raise ModelSpecError(
+            "this example needs Hugging Face transformers: pip install 'transformers>=5,<6' (or make setup)"
+        ) from e
+    return transformers
+
+
+def _tokens(batch: int, seq: int, vocab: int, seed: int = 1) -> torch.Tensor:
+    return torch.randint(0, vocab, (batch, seq), generator=torch.Generator().manual_seed(seed))
+
+
+def gpt2_tiny(batch: int = 8, seq: int = 32, layers: int = 2, hidden: int = 64, vocab: int = 256):
+    tf = _transformers()
+    torch.manual_seed(0)
+    cfg = tf.GPT2Config(
+        n_layer=layers, n_embd=hidden, n_head=4, vocab_size=vocab, n_positions=max(seq, 64),
+        bos_token_id=0, eos_token_id=0, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False,
+    )  # fmt: skip
+    ids = _tokens(batch, seq, vocab)
+    return tf.GPT2LMHeadModel(cfg), {"input_ids": ids, "labels": ids}
+
+
+def llama_tiny(batch: int = 8, seq: int = 32, layers: int = 2, hidden: int = 64, vocab: int = 256):
+    tf = _transformers()
+    torch.manual_seed(0)
+    cfg = tf.LlamaConfig(
+        num_hidden_layers=layers, hidden_size=hidden, intermediate_size=2 * hidden, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=vocab, max_position_embeddings=max(seq, 64), use_cache=False,
+        bos_token_id=0, eos_token_id=0, pad_token_id=0,
+    )  # fmt: skip
+    ids = _tokens(batch, seq, vocab)
+    return tf.LlamaForCausalLM(cfg), {"input_ids": ids, "labels": ids}
+
+
+def bert_tiny(batch: int = 8, seq: int = 32, layers: int = 2, hidden: int = 64, vocab: int = 256):
+    tf = _transformers()
+    torch.manual_seed(0)
+    cfg = tf.BertConfig(
+        num_hidden_layers=layers, hidden_size=hidden, intermediate_size=2 * hidden, num_attention_heads=4,
+        vocab_size=vocab, max_position_embeddings=max(seq, 64), hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0, pad_token_id=0,
+    )  # fmt: skip
+    ids = _tokens(batch, seq, vocab)
+    labels = ids.clone()
+    labels[torch.rand(batch, seq, generator=torch.Generator().manual_seed(2)) > 0.15] = -100  # 15% masked
+    return tf.BertForMaskedLM(cfg), {"input_ids": ids, "labels": labels}
+
+
+def mlp(batch: int = 64, hidden: int = 256, ffn: int = 1024):
+    """A plain-torch MLP block (no transformers needed): Linear -> GELU -> Linear, with an MSE loss."""
+
+    class MLP(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.up = torch.nn.Linear(hidden, ffn)
+            self.down = torch.nn.Linear(ffn, hidden)
+
+        def forward(self, x, target):
+            y = self.down(torch.nn.functional.gelu(self.up(x)))
+            return torch.nn.functional.mse_loss(y, target), y
+
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(1)
+    return MLP(), (torch.randn(batch, hidden, generator=g), torch.randn(batch, hidden, generator=g))

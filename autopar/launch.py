@@ -1,0 +1,81 @@
+"""Run a function on N local gloo processes (used by ``autopar demo`` and the multi-process tests).
+
+Each rank gets ``fn(rank, world_size, *args)`` inside an initialized gloo process group; the
+return value of every rank comes back to the caller (it must be picklable). A rank that raises
+fails the whole run with that rank's traceback; a run that exceeds ``timeout_s`` is killed.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import socket
+import traceback
+from collections.abc import Callable
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, world: int, port: int, fn: Callable, args: tuple, queue, timeout_s: float) -> None:
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    torch.set_num_threads(1)
+    try:
+        dist.init_process_group(
+            "gloo",
+            init_method=f"tcp://127.0.0.1:{port}",
+            rank=rank,
+            world_size=world,
+            timeout=timedelta(seconds=timeout_s),
+        )
+        result = fn(rank, world, *args)
+        buf = io.BytesIO()
+        torch.save(result, buf)  # plain bytes: no shared-memory handles that die with this process
+        queue.put((rank, True, buf.getvalue()))
+    except BaseException:  # noqa: BLE001 - reported to the parent, which re-raises
+        queue.put((rank, False, traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+class RankFailed(RuntimeError):
+    pass
+
+
+def run_on_ranks(fn: Callable, world_size: int, *args, timeout_s: float = 300.0) -> list:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo processes; return every rank's result."""
+    ctx = mp.get_context("spawn")
+    queue = ctx.SimpleQueue()
+    port = free_port()
+    procs = mp.start_processes(
+        _worker,
+        args=(world_size, port, fn, args, queue, timeout_s),
+        nprocs=world_size,
+        join=False,
+        start_method="spawn",
+    )
+    results: dict[int, object] = {}
+    errors = []
+    for _ in range(world_size):
+        rank, ok, value = queue.get()
+        if ok:
+            results[rank] = torch.load(io.BytesIO(value), weights_only=False)
+        else:
+            errors.append(f"rank {rank} failed:\n{value}")
+            break
+    if errors:
+        for p in procs.processes:
+            if p.is_alive():
+                p.terminate()
+        raise RankFailed("\n".join(errors))
+    procs.join(timeout_s)
+    return [results[r] for r in range(world_size)]

@@ -1,0 +1,91 @@
+"""Placements (DTensor's classes) and their compact text form used in plans and reports.
+
+A *spec* is one placement per mesh axis, e.g. ``(Shard(0), Replicate())`` on a 2D mesh.
+Text form: ``R`` (Replicate), ``S(d)`` (Shard on tensor dim d), ``P`` (Partial sum).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+
+from torch.distributed.tensor.placement_types import Partial, Placement, Replicate, Shard
+
+Spec = tuple[Placement, ...]
+
+R = Replicate()
+P = Partial()
+
+_SHARD_RE = re.compile(r"^S\((-?\d+)\)$")
+
+
+def placement_to_str(p: Placement) -> str:
+    if isinstance(p, Replicate):
+        return "R"
+    if isinstance(p, Shard):
+        return f"S({p.dim})"
+    if isinstance(p, Partial):
+        if p.reduce_op != "sum":
+            raise ValueError(f"only Partial('sum') is used by autopar, got Partial({p.reduce_op!r})")
+        return "P"
+    raise ValueError(f"unsupported placement {p!r}; autopar uses Replicate, Shard(dim) and Partial()")
+
+
+def placement_from_str(s: str) -> Placement:
+    s = s.strip()
+    if s == "R":
+        return R
+    if s == "P":
+        return P
+    m = _SHARD_RE.match(s)
+    if m:
+        return Shard(int(m.group(1)))
+    raise ValueError(f"bad placement {s!r}: expected 'R', 'P' or 'S(<dim>)'")
+
+
+def spec_to_str(spec: Sequence[Placement]) -> str:
+    return ",".join(placement_to_str(p) for p in spec)
+
+
+def spec_from_str(s: str) -> Spec:
+    return tuple(placement_from_str(x) for x in s.split(","))
+
+
+def replicated(ndim_mesh: int) -> Spec:
+    return (R,) * ndim_mesh
+
+
+def is_replicated(spec: Sequence[Placement]) -> bool:
+    return all(isinstance(p, Replicate) for p in spec)
+
+
+def shard_factor(spec: Sequence[Placement], mesh_shape: Sequence[int], dim: int) -> int:
+    """How many pieces tensor dim ``dim`` is cut into under ``spec``."""
+    f = 1
+    for p, n in zip(spec, mesh_shape):
+        if isinstance(p, Shard) and p.dim == dim:
+            f *= n
+    return f
+
+
+def local_shape(
+    shape: Sequence[int], spec: Sequence[Placement], mesh_shape: Sequence[int]
+) -> tuple[int, ...]:
+    """Shape of one rank's piece. Plans only use even shardings, so every rank's piece has this shape."""
+    out = list(shape)
+    for p, n in zip(spec, mesh_shape):
+        if isinstance(p, Shard):
+            d = p.dim % len(shape)
+            if out[d] % n:
+                raise ValueError(f"dim {d} of size {out[d]} does not divide evenly over {n} ranks")
+            out[d] //= n
+    return tuple(out)
+
+
+def volume_factor(spec: Sequence[Placement], mesh_shape: Sequence[int]) -> int:
+    """Fraction (as a divisor) of a tensor's elements one rank holds."""
+    f = 1
+    for p, n in zip(spec, mesh_shape):
+        if isinstance(p, Shard):
+            f *= n
+    return f

@@ -1,0 +1,251 @@
+"""The Plan: every decision the search took, with its predicted costs, as a frozen, versioned value.
+
+JSON layout (schema_version 1)::
+
+    {
+      "schema_version": 1,
+      "fingerprint": "<sha256 of the traced graph: ops, shapes, dtypes, parameter names>",
+      "model": "GPT2LMHeadModel",
+      "cluster": {... ClusterSpec.to_dict() ...},
+      "mesh_shape": [2, 2],
+      "decisions": [
+        {"name": "linear_3", "op": "aten.linear.default", "role": "activation", "target": "",
+         "shape": [4, 16, 128], "output": "S(0),R", "inputs": ["S(0),R", "R,S(0)"],
+         "compute_s": 1.2e-06, "comm_s": 0.0, "collectives": ["all_reduce@1 4096B"]},
+        ...
+      ],
+      "predicted": {"step_time_s": ..., "peak_memory_bytes": ..., "compute_s": ..., "comm_s": ...,
+                    "param_bytes": ..., "grad_bytes": ..., "optimizer_bytes": ..., "activation_bytes": ...},
+      "solver": {"name": "PULP_CBC_CMD", "status": "Optimal", "objective": ..., "solve_time_s": ...,
+                 "num_variables": ..., "num_constraints": ..., "candidates": [...mesh shapes tried...]}
+    }
+
+Placements are written as text (``R``, ``S(d)``, ``P``), one per mesh axis, comma separated.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from autopar.errors import PlanFormatError, PlanMismatchError
+from autopar.placement import Spec, spec_from_str
+
+SCHEMA_VERSION = 1
+
+
+@dataclass(frozen=True)
+class NodeDecision:
+    """The strategy chosen for one graph node."""
+
+    name: str
+    op: str
+    role: str  # "param" | "buffer" | "input" | "activation" | "output"
+    target: str  # parameter / buffer FQN or user input name; "" for activations
+    shape: tuple[int, ...]  # global shape of the (first) tensor output; () when not a tensor
+    output: str  # placement text of the output, e.g. "S(0),R"
+    inputs: tuple[str, ...]  # required placement of each tensor input, in argument order
+    compute_s: float = 0.0
+    comm_s: float = 0.0  # resharding into this node's inputs (forward + backward)
+    collectives: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        spec_from_str(self.output)  # validates
+        for s in self.inputs:
+            spec_from_str(s)
+        if self.compute_s < 0 or self.comm_s < 0:
+            raise PlanFormatError(f"node {self.name}: negative predicted time")
+
+    @property
+    def output_spec(self) -> Spec:
+        return spec_from_str(self.output)
+
+    @property
+    def input_specs(self) -> tuple[Spec, ...]:
+        return tuple(spec_from_str(s) for s in self.inputs)
+
+
+@dataclass(frozen=True)
+class Predicted:
+    """Predicted per-device costs of one training step (forward + backward + optimizer step)."""
+
+    step_time_s: float
+    peak_memory_bytes: int
+    compute_s: float
+    comm_s: float
+    param_bytes: int
+    grad_bytes: int
+    optimizer_bytes: int
+    activation_bytes: int
+
+    def __post_init__(self) -> None:
+        if self.step_time_s < 0 or self.peak_memory_bytes < 0:
+            raise PlanFormatError("predicted costs must be non-negative")
+
+
+@dataclass(frozen=True)
+class SolverInfo:
+    name: str
+    status: str
+    objective: float
+    solve_time_s: float
+    num_variables: int = 0
+    num_constraints: int = 0
+    candidates: tuple[
+        dict, ...
+    ] = ()  # one entry per mesh shape tried: {"mesh_shape", "status", "objective", ...}
+
+
+@dataclass(frozen=True)
+class Plan:
+    fingerprint: str
+    model: str
+    cluster: dict  # ClusterSpec.to_dict(); kept as plain data so a plan loads without the spec class
+    mesh_shape: tuple[int, ...]
+    decisions: tuple[NodeDecision, ...]
+    predicted: Predicted
+    solver: SolverInfo
+    schema_version: int = SCHEMA_VERSION
+    _by_name: dict = field(default=None, repr=False, compare=False, hash=False)  # type: ignore[assignment]
+
+    def __post_init__(self) -> None:
+        if self.schema_version != SCHEMA_VERSION:
+            raise PlanFormatError(
+                f"plan schema_version {self.schema_version} is not supported (this autopar reads {SCHEMA_VERSION}); "
+                "re-plan with `autopar plan`"
+            )
+        if not self.mesh_shape or any(int(n) < 1 for n in self.mesh_shape):
+            raise PlanFormatError(f"mesh_shape must be positive integers, got {self.mesh_shape}")
+        for d in self.decisions:
+            if len(d.output_spec) != len(self.mesh_shape):
+                raise PlanFormatError(
+                    f"node {d.name}: placement {d.output!r} has {len(d.output_spec)} axes, mesh has {len(self.mesh_shape)}"
+                )
+        object.__setattr__(self, "_by_name", {d.name: d for d in self.decisions})
+
+    # -- reading ---------------------------------------------------------------------------------
+    @property
+    def world_size(self) -> int:
+        n = 1
+        for s in self.mesh_shape:
+            n *= s
+        return n
+
+    def decision(self, name: str) -> NodeDecision:
+        try:
+            return self._by_name[name]
+        except KeyError:
+            raise KeyError(f"no node named {name!r} in this plan; see plan.decisions for the names") from None
+
+    def __getitem__(self, name: str) -> NodeDecision:
+        return self.decision(name)
+
+    @property
+    def parameter_placements(self) -> dict[str, str]:
+        """Parameter FQN -> placement text: how each parameter is stored on the mesh."""
+        return {d.target: d.output for d in self.decisions if d.role == "param"}
+
+    def summary(self, max_rows: int = 40) -> str:
+        p = self.predicted
+        lines = [
+            f"plan for {self.model} on mesh {tuple(self.mesh_shape)} ({self.world_size} devices, "
+            f"{self.cluster.get('name', '?')})",
+            f"  predicted step time {p.step_time_s * 1e3:.3f} ms (compute {p.compute_s * 1e3:.3f} ms, "
+            f"communication {p.comm_s * 1e3:.3f} ms)",
+            f"  predicted peak memory per device {p.peak_memory_bytes / 2**20:.2f} MiB (params "
+            f"{p.param_bytes / 2**20:.2f}, grads {p.grad_bytes / 2**20:.2f}, optimizer {p.optimizer_bytes / 2**20:.2f}, "
+            f"activations {p.activation_bytes / 2**20:.2f})",
+            f"  solver {self.solver.name}: {self.solver.status}, {self.solver.solve_time_s:.2f} s",
+            "  parameter placements:",
+        ]
+        params = [d for d in self.decisions if d.role == "param"]
+        for d in params[:max_rows]:
+            lines.append(f"    {d.target:60s} {d.output}")
+        if len(params) > max_rows:
+            lines.append(f"    ... {len(params) - max_rows} more")
+        return "\n".join(lines)
+
+    # -- (de)serialization -------------------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "schema_version": self.schema_version,
+            "fingerprint": self.fingerprint,
+            "model": self.model,
+            "cluster": self.cluster,
+            "mesh_shape": list(self.mesh_shape),
+            "decisions": [
+                {
+                    **asdict(d),
+                    "shape": list(d.shape),
+                    "inputs": list(d.inputs),
+                    "collectives": list(d.collectives),
+                }
+                for d in self.decisions
+            ],
+            "predicted": asdict(self.predicted),
+            "solver": {**asdict(self.solver), "candidates": list(self.solver.candidates)},
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Plan:
+        try:
+            version = data["schema_version"]
+            if version != SCHEMA_VERSION:
+                raise PlanFormatError(
+                    f"plan schema_version {version} is not supported (this autopar reads {SCHEMA_VERSION}); "
+                    "re-plan with `autopar plan`"
+                )
+            decisions = tuple(
+                NodeDecision(
+                    **{
+                        **d,
+                        "shape": tuple(d["shape"]),
+                        "inputs": tuple(d["inputs"]),
+                        "collectives": tuple(d.get("collectives", ())),
+                    }
+                )
+                for d in data["decisions"]
+            )
+            solver = dict(data["solver"])
+            solver["candidates"] = tuple(solver.get("candidates", ()))
+            return cls(
+                fingerprint=data["fingerprint"],
+                model=data["model"],
+                cluster=data["cluster"],
+                mesh_shape=tuple(int(x) for x in data["mesh_shape"]),
+                decisions=decisions,
+                predicted=Predicted(**data["predicted"]),
+                solver=SolverInfo(**solver),
+                schema_version=version,
+            )
+        except (KeyError, TypeError) as e:
+            raise PlanFormatError(f"not a valid autopar plan: {e!r}") from e
+
+    def save(self, path: str | os.PathLike) -> None:
+        with open(path, "w") as f:
+            json.dump(self.to_dict(), f, indent=1)
+            f.write("\n")
+
+    @classmethod
+    def load(cls, path: str | os.PathLike) -> Plan:
+        try:
+            with open(path) as f:
+                data = json.load(f)
+        except json.JSONDecodeError as e:
+            raise PlanFormatError(f"{path}: not JSON ({e})") from e
+        return cls.from_dict(data)
+
+    def check_matches(self, fingerprint: str, world_size: int) -> None:
+        """Raise PlanMismatchError unless this plan was made for this graph and this many devices."""
+        if fingerprint != self.fingerprint:
+            raise PlanMismatchError(
+                f"this plan was made for a different model or input shapes (plan fingerprint {self.fingerprint[:12]}, "
+                f"traced graph {fingerprint[:12]}); re-plan with autopar.plan(...) for this model and these inputs"
+            )
+        if world_size != self.world_size:
+            raise PlanMismatchError(
+                f"this plan is for {self.world_size} devices (mesh {tuple(self.mesh_shape)}) but the process group has "
+                f"{world_size}; re-plan for this cluster or launch {self.world_size} processes"
+            )

@@ -1,0 +1,341 @@
+"""A self-contained HTML report of a :class:`~autopar.plan.Plan`.
+
+One file, no external scripts, styles or fonts: tables plus hand-made inline SVG charts (memory breakdown,
+the most expensive nodes, and predicted step time per candidate mesh shape). Pass ``measured`` (e.g.
+``{"step_time_s": 0.012, "peak_memory_bytes": 3 << 30, "world_size": 8}``) to show measured values next to
+the predictions with their relative error.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import pathlib
+from html import escape
+from numbers import Real
+from typing import Any
+
+from autopar.plan import Plan
+
+COMPUTE_COLOUR = "#4c78a8"
+COMM_COLOUR = "#f58518"
+CHOSEN_COLOUR = "#e45756"
+OTHER_COLOUR = "#9ecae9"
+MEMORY_PARTS = (  # (label, Predicted attribute, colour)
+    ("params", "param_bytes", "#4c78a8"),
+    ("grads", "grad_bytes", "#72b7b2"),
+    ("optimizer", "optimizer_bytes", "#54a24b"),
+    ("activations", "activation_bytes", "#e45756"),
+)
+TOP_NODES = 20
+
+_CSS = """
+body{font-family:system-ui,sans-serif;margin:2em;color:#222;max-width:1200px}
+h1{font-size:1.5em}h2{font-size:1.2em;margin-top:1.6em;border-bottom:1px solid #ccc}
+table{border-collapse:collapse;font-size:.9em;margin:.5em 0}
+th,td{border:1px solid #ddd;padding:3px 8px;text-align:left;vertical-align:top}
+th{background:#f3f3f3}td.num{text-align:right;font-variant-numeric:tabular-nums}
+code{font-family:ui-monospace,monospace}.bad{color:#b00}svg{display:block;margin:.5em 0}
+"""
+
+
+# -- number formatting ---------------------------------------------------------------------------
+def _is_num(x: Any) -> bool:
+    return isinstance(x, Real) and not isinstance(x, bool)
+
+
+def _finite(x: Any) -> bool:
+    return _is_num(x) and math.isfinite(x)
+
+
+def fmt_time(s: Any) -> str:
+    """Seconds with a readable unit (s, ms, µs, ns)."""
+    if not _is_num(s):
+        return "—"
+    if math.isnan(s):
+        return "—"
+    if math.isinf(s):
+        return "∞"
+    a = abs(s)
+    if a == 0:
+        return "0 s"
+    for scale, unit in ((1.0, "s"), (1e-3, "ms"), (1e-6, "µs")):
+        if a >= scale:
+            return f"{s / scale:.3f} {unit}"
+    return f"{s / 1e-9:.1f} ns"
+
+
+def fmt_ms(s: Any) -> str:
+    return f"{s * 1e3:.3f} ms" if _finite(s) else fmt_time(s)
+
+
+def fmt_mib(b: Any) -> str:
+    return f"{b / 2**20:.2f} MiB" if _finite(b) else "—"
+
+
+def rel_error(predicted: Any, measured: Any) -> float | None:
+    """(predicted - measured) / measured, or None when it is not defined."""
+    if not (_finite(predicted) and _finite(measured)) or measured == 0:
+        return None
+    return (predicted - measured) / measured
+
+
+def _fmt_err(e: float | None) -> str:
+    return "—" if e is None else f"{e * 100:+.1f}%"
+
+
+def _shape(shape: Any) -> str:
+    return "(" + ", ".join(str(int(n)) for n in shape) + ")" if shape is not None else "—"
+
+
+# -- SVG helpers -------------------------------------------------------------------------------------
+def _rect(x: float, y: float, w: float, h: float, colour: str, tip: str) -> str:
+    return (
+        f'<rect x="{x:.1f}" y="{y:.1f}" width="{max(w, 0.0):.1f}" height="{h:.1f}" fill="{colour}">'
+        f"<title>{escape(tip)}</title></rect>"
+    )
+
+
+def _text(x: float, y: float, s: str, anchor: str = "start", size: int = 11) -> str:
+    return f'<text x="{x:.1f}" y="{y:.1f}" font-size="{size}" text-anchor="{anchor}">{escape(s)}</text>'
+
+
+def _svg(width: int, height: int, body: list[str], label: str) -> str:
+    return (
+        f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
+        f'viewBox="0 0 {width} {height}" role="img" aria-label="{escape(label)}">' + "".join(body) + "</svg>"
+    )
+
+
+def _legend(x: float, y: float, items: list[tuple[str, str]]) -> list[str]:
+    out = []
+    for label, colour in items:
+        out.append(f'<rect x="{x:.1f}" y="{y - 9:.1f}" width="10" height="10" fill="{colour}"/>')
+        out.append(_text(x + 14, y, label))
+        x += 14 + 7 * len(label) + 16
+    return out
+
+
+def _short(s: str, n: int = 36) -> str:
+    return s if len(s) <= n else s[: n - 1] + "…"
+
+
+# -- charts ----------------------------------------------------------------------------------------------
+def memory_svg(plan: Plan) -> str:
+    """Stacked horizontal bar of params / grads / optimizer / activations per device."""
+    p = plan.predicted
+    parts = [(label, max(float(getattr(p, attr)), 0.0), colour) for label, attr, colour in MEMORY_PARTS]
+    total = sum(b for _, b, _ in parts)
+    width, x0, bar_w = 760, 10, 740
+    body = []
+    x = float(x0)
+    for label, b, colour in parts:
+        w = bar_w * b / total if total else 0.0
+        body.append(_rect(x, 10, w, 28, colour, f"{label}: {fmt_mib(b)}"))
+        x += w
+    if not total:
+        body.append(_text(x0 + bar_w / 2, 29, "no memory predicted", "middle"))
+    body += _legend(x0, 58, [(f"{label} {fmt_mib(b)}", colour) for label, b, colour in parts])
+    return _svg(width, 70, body, "predicted memory per device")
+
+
+def nodes_svg(plan: Plan, top: int = TOP_NODES) -> str:
+    """Horizontal bars of the ``top`` nodes by compute_s + comm_s, compute and communication stacked."""
+    nodes = sorted(plan.decisions, key=lambda d: d.compute_s + d.comm_s, reverse=True)[:top]
+    label_w, bar_w, row_h, top_pad = 250, 420, 18, 24
+    width = label_w + bar_w + 110
+    height = top_pad + row_h * max(len(nodes), 1) + 10
+    body = _legend(label_w, 14, [("compute", COMPUTE_COLOUR), ("communication", COMM_COLOUR)])
+    biggest = max((d.compute_s + d.comm_s for d in nodes), default=0.0)
+    if not nodes:
+        body.append(_text(label_w, top_pad + 13, "no nodes"))
+    for i, d in enumerate(nodes):
+        y = top_pad + i * row_h
+        body.append(_text(label_w - 6, y + 13, _short(d.name), "end"))
+        wc = bar_w * d.compute_s / biggest if biggest else 0.0
+        wm = bar_w * d.comm_s / biggest if biggest else 0.0
+        body.append(
+            _rect(label_w, y + 2, wc, row_h - 4, COMPUTE_COLOUR, f"{d.name} compute {fmt_time(d.compute_s)}")
+        )
+        body.append(
+            _rect(label_w + wc, y + 2, wm, row_h - 4, COMM_COLOUR, f"{d.name} comm {fmt_time(d.comm_s)}")
+        )
+        body.append(_text(label_w + wc + wm + 4, y + 13, fmt_time(d.compute_s + d.comm_s)))
+    return _svg(width, height, body, f"top {len(nodes)} nodes by predicted time")
+
+
+def _mesh_key(shape: Any) -> tuple[int, ...] | None:
+    try:
+        return tuple(int(n) for n in shape)
+    except (TypeError, ValueError):
+        return None
+
+
+def candidates_svg(plan: Plan) -> str:
+    """Vertical bars: predicted step time per candidate mesh shape; the chosen mesh highlighted."""
+    cands = list(plan.solver.candidates)
+    chosen = tuple(int(n) for n in plan.mesh_shape)
+    col_w, plot_h, top_pad, bottom = 90, 160, 20, 44
+    width = max(col_w * len(cands) + 20, 300)
+    body = _legend(10, 14, [("chosen", CHOSEN_COLOUR), ("other", OTHER_COLOUR)])
+    objs = [c.get("objective") for c in cands]
+    biggest = max((o for o in objs if _finite(o)), default=0.0)
+    base = top_pad + plot_h
+    for i, c in enumerate(cands):
+        x = 10 + i * col_w
+        key = _mesh_key(c.get("mesh_shape"))
+        label = _shape(key) if key is not None else str(c.get("mesh_shape"))
+        obj, status = c.get("objective"), str(c.get("status", ""))
+        is_chosen = key == chosen
+        if _finite(obj) and biggest > 0:
+            h = max(plot_h * obj / biggest, 1.0)
+            colour = CHOSEN_COLOUR if is_chosen else OTHER_COLOUR
+            body.append(
+                _rect(x + 10, base - h, col_w - 20, h, colour, f"mesh {label}: {fmt_ms(obj)} ({status})")
+            )
+            body.append(_text(x + col_w / 2, base - h - 4, fmt_ms(obj), "middle", 10))
+        else:
+            body.append(_text(x + col_w / 2, base - 4, "infeasible", "middle", 10))
+        body.append(_text(x + col_w / 2, base + 16, label + (" ★" if is_chosen else ""), "middle"))
+        body.append(_text(x + col_w / 2, base + 32, _short(status, 14), "middle", 10))
+    body.append(f'<line x1="5" y1="{base}" x2="{width - 5}" y2="{base}" stroke="#888"/>')
+    return _svg(width, base + bottom, body, "predicted step time per candidate mesh shape")
+
+
+# -- tables ------------------------------------------------------------------------------------------------
+def _table(headers: list[str], rows: list[list[tuple[str, bool]]]) -> str:
+    """rows: cells as (already-escaped html, is_numeric)."""
+    head = "".join(f"<th>{escape(h)}</th>" for h in headers)
+    body = "".join(
+        "<tr>" + "".join(f'<td class="num">{c}</td>' if num else f"<td>{c}</td>" for c, num in row) + "</tr>"
+        for row in rows
+    )
+    return f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
+
+
+def _t(s: Any) -> tuple[str, bool]:
+    return escape(str(s)), False
+
+
+def _n(s: str) -> tuple[str, bool]:
+    return escape(s), True
+
+
+def _summary_table(plan: Plan, measured: dict | None) -> str:
+    p = plan.predicted
+    rows: list[tuple[str, str, Any, str]] = [  # label, unit kind, predicted value, key in `measured`
+        ("step time", "ms", p.step_time_s, "step_time_s"),
+        ("· compute", "ms", p.compute_s, "compute_s"),
+        ("· communication", "ms", p.comm_s, "comm_s"),
+        ("peak memory / device", "mib", p.peak_memory_bytes, "peak_memory_bytes"),
+    ]
+    for label, attr, _ in MEMORY_PARTS:
+        rows.append((f"· {label}", "mib", getattr(p, attr), attr))
+    rows.append(("world size", "int", plan.world_size, "world_size"))
+    fmt = {"ms": fmt_ms, "mib": fmt_mib, "int": lambda v: str(v) if _is_num(v) else "—"}
+    headers = ["quantity", "predicted"] + (
+        ["measured", "rel. error (pred − meas) / meas"] if measured else []
+    )
+    out, used = [], set()
+    for label, kind, pred, key in rows:
+        cells = [_t(label), _n(fmt[kind](pred))]
+        if measured:
+            m = measured.get(key)
+            used.add(key)
+            cells += [
+                _n(fmt[kind](m) if _is_num(m) else "—"),
+                _n(_fmt_err(rel_error(pred, m)) if kind != "int" else "—"),
+            ]
+            if kind == "int" and _is_num(m) and m != pred:
+                cells[-1] = ('<span class="bad">mismatch</span>', True)
+        out.append(cells)
+    for key, m in (measured or {}).items():
+        if key not in used and _is_num(m):
+            out.append([_t(key), _n("—"), _n(f"{m:.6g}"), _n("—")])
+    return _table(headers, out)
+
+
+def render_report(plan: Plan, *, measured: dict | None = None, title: str | None = None) -> str:
+    """The report as one HTML string."""
+    c = plan.cluster if isinstance(plan.cluster, dict) else {}
+    nodes, per = c.get("nodes"), c.get("devices_per_node")
+    if _is_num(nodes) and _is_num(per):
+        size = f"{nodes} × {per} = {nodes * per} devices"
+    elif _is_num(nodes) or _is_num(per):
+        size = f"{nodes if _is_num(nodes) else '?'} nodes × {per if _is_num(per) else '?'} devices"
+    else:
+        size = "size unknown"
+    s = plan.solver
+    title = title or f"autopar plan: {plan.model}"
+    head = _table(
+        ["model", "cluster", "mesh", "solver", "fingerprint"],
+        [
+            [
+                _t(plan.model),
+                _t(f"{c.get('name', '?')} ({size})"),
+                _t(f"{_shape(plan.mesh_shape)} — {plan.world_size} devices"),
+                _t(
+                    f"{s.name}: {s.status}, {fmt_time(s.solve_time_s)}, {s.num_variables} vars, {s.num_constraints} constraints"
+                ),
+                (f"<code>{escape(plan.fingerprint[:16])}</code>", False),
+            ]
+        ],
+    )
+    params = _table(
+        ["parameter", "shape", "placement"],
+        [
+            [_t(d.target), _t(_shape(d.shape)), (f"<code>{escape(d.output)}</code>", False)]
+            for d in plan.decisions
+            if d.role == "param"
+        ],
+    )
+    decisions = _table(
+        ["name", "op", "role", "shape", "output", "inputs", "compute", "comm", "collectives"],
+        [
+            [
+                _t(d.name),
+                _t(d.op),
+                _t(d.role),
+                _t(_shape(d.shape)),
+                (f"<code>{escape(d.output)}</code>", False),
+                ("<br>".join(f"<code>{escape(i)}</code>" for i in d.inputs), False),
+                _n(fmt_time(d.compute_s)),
+                _n(fmt_time(d.comm_s)),
+                ("<br>".join(escape(x) for x in d.collectives), False),
+            ]
+            for d in plan.decisions
+        ],
+    )
+    parts = [
+        "<!DOCTYPE html>",
+        '<html lang="en"><head><meta charset="utf-8">',
+        f"<title>{escape(title)}</title><style>{_CSS}</style></head><body>",
+        f"<h1>{escape(title)}</h1>",
+        head,
+        "<h2>Summary</h2>",
+        _summary_table(plan, measured),
+        "<h2>Predicted memory per device</h2>",
+        memory_svg(plan),
+        f"<h2>Top {min(TOP_NODES, len(plan.decisions))} nodes by predicted time</h2>",
+        nodes_svg(plan),
+    ]
+    if s.candidates:
+        parts += ["<h2>Candidate mesh shapes</h2>", candidates_svg(plan)]
+    parts += [
+        "<h2>Parameter placements</h2>",
+        params,
+        f"<h2>All decisions ({len(plan.decisions)})</h2>",
+        decisions,
+        "</body></html>",
+    ]
+    return "\n".join(parts) + "\n"
+
+
+def write_report(
+    plan: Plan, path: str | os.PathLike, *, measured: dict | None = None, title: str | None = None
+) -> pathlib.Path:
+    """Write the report to ``path`` (parent folders are created) and return the path."""
+    out = pathlib.Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(render_report(plan, measured=measured, title=title), encoding="utf-8")
+    return out

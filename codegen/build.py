@@ -1,0 +1,71 @@
+"""Build the rank-local ParallelModule from a plan: device mesh, local shards, lowered graph."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.utils._pytree as pytree
+from torch.distributed.device_mesh import init_device_mesh
+
+from autopar.codegen.lower import lower, mangle
+from autopar.codegen.module import ParallelModule, local_piece
+from autopar.errors import DistributedSetupError
+from autopar.passes.strategies import Strategy
+from autopar.passes.trace import Role, TracedGraph
+
+
+def _device() -> torch.device:
+    if dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def build_parallel_module(
+    model, tg: TracedGraph, plan, choice: dict[str, Strategy], inputs
+) -> ParallelModule:
+    device = _device()
+    mesh = init_device_mesh(device.type, tuple(plan.mesh_shape))
+    model_state = model.state_dict(keep_vars=True)
+    # tied weights appear once in the graph under one name: map every state-dict name to that one
+    traced_by_id = {id(t): name for name, t in model_state.items() if name in tg.state}
+    aliases, extra = {}, {}
+    for name, t in model_state.items():
+        fqn = name if name in tg.state else traced_by_id.get(id(t))
+        aliases[name] = fqn if fqn is not None else name
+        if fqn is None:  # state the graph never reads (e.g. an unused buffer): returned as it was
+            extra[name] = t.detach().clone()
+
+    attrs: dict[str, torch.Tensor] = {}
+    state_specs = {}
+    for p in tg.placeholders:
+        if p.role is Role.INPUT:
+            continue
+        full = tg.state[p.target]
+        if full.is_meta:
+            raise DistributedSetupError(
+                f"{p.target} is on the meta device: autoparallelize needs real weights on every rank "
+                "(plan meta-device models offline with autopar.plan)"
+            )
+        spec = choice[p.name].out
+        piece = local_piece(full.detach(), spec, mesh).to(device).clone()
+        if p.role is Role.PARAM:
+            piece = torch.nn.Parameter(piece, requires_grad=full.requires_grad)
+        attrs[mangle(p.target)] = piece
+        state_specs[p.target] = (mangle(p.target), spec)
+
+    gm = lower(tg, choice, plan.mesh_shape, device, attrs)
+    args, kwargs = inputs
+    flat = pytree.tree_leaves((args, kwargs))
+    return ParallelModule(
+        local=gm,
+        mesh=mesh,
+        in_spec=tg.in_spec,
+        kwarg_order=list(kwargs),
+        input_shapes=[tuple(t.shape) for t in flat],
+        out_spec=tg.out_spec,
+        state_specs=state_specs,
+        aliases=aliases,
+        extra_state=extra,
+        device=device,
+        plan=plan,
+    )

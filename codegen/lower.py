@@ -1,0 +1,211 @@
+"""Lower: rewrite the traced global graph into a rank-local graph with explicit collectives.
+
+For every node, in order:
+
+1. each tensor input is resharded from its producer's placement to the placement the chosen
+   strategy requires (``emit_reshard``: one call per collective, named by mesh axis), followed by
+   Megatron's "f" on the axes where a Replicate input meets a split op (its gradient is partial);
+2. the op runs on local pieces: the same aten op, except for *lowerings* (``LOWERINGS``) that
+   rewrite arguments that refer to global sizes (views, expands), rescale a mean over a sharded
+   dim, or reduce a batch-sharded cross-entropy with explicit all-reduces;
+3. outputs are gathered to Replicate (full tensors) before they leave the module.
+
+Parameters and buffers become ``get_attr`` of local shards; user inputs arrive full and are sliced
+locally. The generated ``.code`` is straight-line: local aten ops and ``autopar`` collectives.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Callable, Sequence
+
+import torch
+import torch.fx as fx
+import torch.utils._pytree as pytree
+from torch.distributed.tensor.placement_types import Partial, Replicate, Shard
+
+from autopar.codegen import collectives as C
+from autopar.passes.costs import f_axes
+from autopar.passes.rules import _norm
+from autopar.passes.strategies import Strategy
+from autopar.passes.trace import Role, TracedGraph
+from autopar.placement import Spec, local_shape, replicated
+
+aten = torch.ops.aten
+
+
+def mangle(fqn: str) -> str:
+    return "p__" + fqn.replace(".", "__")
+
+
+def emit_reshard(
+    g: fx.Graph, x: fx.Node, src: Spec, dst: Spec, mesh_shape: Sequence[int], fops=()
+) -> fx.Node:
+    """Emit the collectives that move ``x`` from ``src`` to ``dst`` (see cost_model/comm.py)."""
+    fops = set(fops)
+    order = sorted(range(len(src)), key=lambda a: not isinstance(dst[a], Replicate))
+    for a in order:
+        s, d = src[a], dst[a]
+        if mesh_shape[a] == 1 or s == d:
+            continue
+        if isinstance(s, Shard) and isinstance(d, Replicate):
+            fused = a in fops
+            fops.discard(a)
+            x = g.call_function(C.all_gather, (x, s.dim, a, fused))
+        elif isinstance(s, Partial) and isinstance(d, Replicate):
+            x = g.call_function(C.all_reduce, (x, a))
+        elif isinstance(s, Replicate) and isinstance(d, Shard):
+            x = g.call_function(C.chunk, (x, d.dim, a))
+        elif isinstance(s, Partial) and isinstance(d, Shard):
+            x = g.call_function(C.reduce_scatter, (x, d.dim, a))
+        elif isinstance(s, Replicate) and isinstance(d, Partial):
+            x = g.call_function(C.to_partial, (x, a))
+        elif isinstance(s, Shard) and isinstance(d, Shard):
+            x = g.call_function(C.all_gather, (x, s.dim, a, False))
+            x = g.call_function(C.chunk, (x, d.dim, a))
+        elif isinstance(s, Shard) and isinstance(d, Partial):
+            x = g.call_function(C.all_gather, (x, s.dim, a, False))
+            x = g.call_function(C.to_partial, (x, a))
+        else:
+            raise AssertionError(f"no reshard from {s} to {d}")
+    for a in sorted(fops):
+        if mesh_shape[a] > 1:
+            x = g.call_function(C.f, (x, a))
+    return x
+
+
+# ------------------------------------------------------------------------------------------------
+# lowerings: ops whose local call differs from the global one
+# ------------------------------------------------------------------------------------------------
+
+LowerFn = Callable[[fx.Graph, fx.Node, tuple, dict, Strategy, Sequence[int]], fx.Node]
+LOWERINGS: dict = {}
+
+
+def lowering(*ops):
+    def deco(fn):
+        for op in ops:
+            LOWERINGS[op] = fn
+        return fn
+
+    return deco
+
+
+def _out_shape(node: fx.Node) -> tuple[int, ...]:
+    return tuple(int(s) for s in node.meta["val"].shape)
+
+
+@lowering(aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.expand.default)
+def _lower_sized_view(g, node, args, kwargs, s, mesh_shape):
+    size = list(local_shape(_out_shape(node), s.out, mesh_shape))
+    return g.call_function(node.target, (args[0], size) + tuple(args[2:]), kwargs)
+
+
+@lowering(aten.mean.dim, aten.mean.default)
+def _lower_mean(g, node, args, kwargs, s, mesh_shape):
+    out = g.call_function(node.target, args, kwargs)
+    nd = len(node.args[0].meta["val"].shape)
+    dims = args[1] if node.target is aten.mean.dim and len(args) > 1 and args[1] else list(range(nd))
+    reduced = {_norm(d, nd) for d in dims}
+    k = 1
+    for a, p in enumerate(s.ins[0]):
+        if isinstance(p, Shard) and p.dim in reduced:
+            k *= mesh_shape[a]
+    # mean over a dim cut in k equal pieces: the sum over ranks of (local mean / k) is the global mean
+    return g.call_function(aten.div.Tensor, (out, k)) if k > 1 else out
+
+
+@lowering(aten.cross_entropy_loss.default)
+def _lower_cross_entropy(g, node, args, kwargs, s, mesh_shape):
+    split = [a for a, sp in enumerate(s.split_axes()) if sp and mesh_shape[a] > 1]
+    reduction = node.args[3] if len(node.args) > 3 else node.kwargs.get("reduction", 1)
+    if not split or reduction != 1:
+        return g.call_function(node.target, args, kwargs)
+    logits, target = args[0], args[1]
+    ignore = node.args[4] if len(node.args) > 4 else node.kwargs.get("ignore_index", -100)
+    total = g.call_function(aten.cross_entropy_loss.default, (logits, target, None, 2, ignore, 0.0))
+    count = g.call_function(aten.ne.Scalar, (target, ignore))
+    count = g.call_function(aten.sum.dim_IntList, (count, []), {"dtype": node.meta["val"].dtype})
+    for a in split:
+        total = g.call_function(C.all_reduce, (total, a))
+        count = g.call_function(C.all_reduce, (count, a))
+    return g.call_function(aten.div.Tensor, (total, count))
+
+
+# ------------------------------------------------------------------------------------------------
+
+
+def lower(
+    tg: TracedGraph,
+    choice: dict[str, Strategy],
+    mesh_shape: Sequence[int],
+    device: torch.device,
+    attrs: dict[str, torch.Tensor],
+) -> fx.GraphModule:
+    """Return the rank-local GraphModule; ``attrs`` maps mangled names to local parameter/buffer shards."""
+    src_graph = tg.graph
+    g = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    spec: dict[fx.Node, Spec] = {}
+    roles = {p.name: p for p in tg.placeholders}
+    root = torch.nn.Module()
+    for name, t in attrs.items():
+        if isinstance(t, torch.nn.Parameter):
+            root.register_parameter(name, t)
+        else:
+            root.register_buffer(name, t)
+    r = replicated(len(mesh_shape))
+
+    def map_device(a):
+        return device if isinstance(a, torch.device) else a
+
+    for node in src_graph.nodes:
+        if node.op == "placeholder":
+            info = roles[node.name]
+            s = choice[node.name]
+            if info.role is Role.INPUT:
+                x = g.placeholder(node.name)
+                x.meta = dict(node.meta)
+                env[node] = emit_reshard(g, x, r, s.out, mesh_shape)
+            else:
+                env[node] = g.get_attr(mangle(info.target))
+            spec[node] = s.out
+        elif node.op == "get_attr":
+            setattr(root, node.target, getattr(tg.graph_module, node.target))
+            env[node] = g.get_attr(node.target)
+        elif node.op == "call_function" and node.target is operator.getitem:
+            env[node] = g.call_function(operator.getitem, (env[node.args[0]], node.args[1]))
+            spec[node] = spec[node.args[0]]
+        elif node.op == "call_function":
+            s = choice[node.name]
+            leaves, tree = pytree.tree_flatten((node.args, node.kwargs))
+            k = 0
+            new_leaves = []
+            for leaf in leaves:
+                if isinstance(leaf, fx.Node) and isinstance(leaf.meta.get("val"), torch.Tensor):
+                    fops = (
+                        f_axes(s, k) if leaf.meta["val"].dtype.is_floating_point else ()
+                    )  # no gradient otherwise
+                    new_leaves.append(emit_reshard(g, env[leaf], spec[leaf], s.ins[k], mesh_shape, fops))
+                    k += 1
+                elif isinstance(leaf, fx.Node):
+                    new_leaves.append(env[leaf])
+                else:
+                    new_leaves.append(map_device(leaf))
+            args, kwargs = pytree.tree_unflatten(new_leaves, tree)
+            fn = LOWERINGS.get(node.target)
+            out = (
+                fn(g, node, args, kwargs, s, mesh_shape) if fn else g.call_function(node.target, args, kwargs)
+            )
+            env[node] = out
+            spec[node] = s.out
+        elif node.op == "output":
+            outs = []
+            for leaf in pytree.tree_leaves(node.args[0]):
+                if isinstance(leaf, fx.Node) and isinstance(leaf.meta.get("val"), torch.Tensor):
+                    outs.append(emit_reshard(g, env[leaf], spec[leaf], r, mesh_shape))
+                else:
+                    outs.append(env[leaf] if isinstance(leaf, fx.Node) else leaf)
+            g.output(outs)
+    g.lint()
+    return fx.GraphModule(root, g, class_name="RankLocal")

@@ -1,0 +1,150 @@
+"""Communication costs in seconds: collectives per mesh axis (alpha-beta, ring) and resharding.
+
+Mesh layout: ranks are laid out row-major over the mesh, so the LAST axis is the fastest (its
+groups are runs of consecutive ranks, inside a node when it fits). For axis ``a`` with size
+``n_a`` and stride ``s_a = prod(mesh[a+1:])`` a group spans ``s_a * n_a`` consecutive ranks:
+
+* inside one node when ``s_a * n_a <= devices_per_node``: the intra-node link;
+* otherwise the inter-node link (each device has its own NIC; bandwidth per device).
+
+Ring alpha-beta costs (Thakur, Rabenseifner, Gropp, "Optimization of Collective Communication
+Operations in MPICH", IJHPCA 2005; the same bus-bandwidth convention as nccl-tests), with ``B``
+the bytes of the *full* (unsharded-over-the-axis) tensor, ``n`` the group size, ``bw`` the link's
+bus bandwidth (B/s) and ``lat`` its latency (s):
+
+* all-reduce:              2 (n-1)/n * B / bw + 2 (n-1) lat
+* all-gather, reduce-scatter, all-to-all:  (n-1)/n * B / bw + (n-1) lat
+* send/recv:               B / bw + lat
+
+Resharding one tensor from ``src`` to ``dst`` placements is done axis by axis (see
+``codegen/collectives.py`` for the code that runs it). Forward and backward are both priced:
+gradients of Replicate/Partial values are full, gradients of Shard values are shards, so
+
+=============  ======================  ====================================================
+transition     forward                 backward (only when the value needs a gradient)
+=============  ======================  ====================================================
+S(d) -> R      all-gather              local slice (free), or reduce-scatter when fused
+                                       with a Megatron "f" (see below)
+R -> S(d)      local slice (free)      all-gather
+P -> R         all-reduce              nothing
+P -> S(d)      reduce-scatter          all-gather
+R -> P         local mask (free)       nothing
+S(d) -> S(e)   all-gather + slice      all-gather + slice
+=============  ======================  ====================================================
+
+The "f" operator (identity forward, all-reduce backward; Megatron-LM, Shoeybi et al. 2019) is
+inserted on a Replicate input of an op that is split over the axis: each rank then holds a
+partial gradient of that input.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from collections.abc import Sequence
+
+from torch.distributed.tensor.placement_types import Partial, Replicate, Shard
+
+from autopar.cluster import ClusterSpec, LinkSpec
+from autopar.placement import Spec
+
+
+class Collective(enum.Enum):
+    ALL_REDUCE = "all_reduce"
+    ALL_GATHER = "all_gather"
+    REDUCE_SCATTER = "reduce_scatter"
+    ALL_TO_ALL = "all_to_all"
+    SEND_RECV = "send_recv"
+
+
+def collective_time(kind: Collective, nbytes: float, n: int, link: LinkSpec) -> float:
+    """Seconds for one ring collective over ``n`` ranks; ``nbytes`` is the full tensor's size."""
+    if n <= 1 or nbytes <= 0:
+        return 0.0
+    if kind is Collective.ALL_REDUCE:
+        return 2 * (n - 1) / n * nbytes / link.bandwidth + 2 * (n - 1) * link.latency
+    if kind in (Collective.ALL_GATHER, Collective.REDUCE_SCATTER, Collective.ALL_TO_ALL):
+        return (n - 1) / n * nbytes / link.bandwidth + (n - 1) * link.latency
+    if kind is Collective.SEND_RECV:
+        return nbytes / link.bandwidth + link.latency
+    raise ValueError(f"unknown collective {kind}")
+
+
+def axis_link(cluster: ClusterSpec, mesh_shape: Sequence[int], axis: int) -> LinkSpec:
+    stride = math.prod(mesh_shape[axis + 1 :])
+    span = stride * mesh_shape[axis]
+    return cluster.intra_node if span <= cluster.devices_per_node else cluster.inter_node
+
+
+class CommModel:
+    """Prices collectives and resharding on one mesh of one cluster."""
+
+    def __init__(self, cluster: ClusterSpec, mesh_shape: Sequence[int]):
+        self.cluster = cluster
+        self.mesh_shape = tuple(mesh_shape)
+        self.links = [axis_link(cluster, self.mesh_shape, a) for a in range(len(self.mesh_shape))]
+
+    def time(self, kind: Collective, nbytes: float, axis: int) -> float:
+        return collective_time(kind, nbytes, self.mesh_shape[axis], self.links[axis])
+
+    def reshard(
+        self, src: Spec, dst: Spec, nbytes: float, requires_grad: bool, f_axes: Sequence[int] = ()
+    ) -> tuple[float, list[str]]:
+        """Forward + backward seconds to move a tensor of ``nbytes`` (global) from src to dst, plus
+        the backward all-reduce of every Megatron "f" on ``f_axes``; and a list of the collectives."""
+        local = nbytes / _volume(src, self.mesh_shape)  # bytes one rank holds now
+        t, names = 0.0, []
+        f_axes = set(f_axes)
+        # gathers / reductions first (the tensor grows), then slices (it shrinks): the same order as codegen
+        order = sorted(range(len(src)), key=lambda a: not isinstance(dst[a], Replicate))
+        for a in order:
+            s, d, n = src[a], dst[a], self.mesh_shape[a]
+            if n == 1 or s == d:
+                continue
+            if isinstance(s, Shard) and isinstance(d, Replicate):
+                full = local * n
+                t += self.time(Collective.ALL_GATHER, full, a)
+                names.append(f"all_gather@{a}")
+                if requires_grad and a in f_axes:  # fused: reduce-scatter replaces f's all-reduce + slice
+                    t += self.time(Collective.REDUCE_SCATTER, full, a)
+                    names.append(f"reduce_scatter(bwd)@{a}")
+                    f_axes.discard(a)
+                local = full
+            elif isinstance(s, Partial) and isinstance(d, Replicate):
+                t += self.time(Collective.ALL_REDUCE, local, a)
+                names.append(f"all_reduce@{a}")
+            elif isinstance(s, Replicate) and isinstance(d, Shard):
+                if requires_grad:
+                    t += self.time(Collective.ALL_GATHER, local, a)
+                    names.append(f"all_gather(bwd)@{a}")
+                local = local / n
+            elif isinstance(s, Partial) and isinstance(d, Shard):
+                t += self.time(Collective.REDUCE_SCATTER, local, a)
+                names.append(f"reduce_scatter@{a}")
+                if requires_grad:
+                    t += self.time(Collective.ALL_GATHER, local, a)
+                    names.append(f"all_gather(bwd)@{a}")
+                local = local / n
+            elif isinstance(s, Shard) and isinstance(d, Shard):
+                full = local * n
+                t += self.time(Collective.ALL_GATHER, full, a) * (2 if requires_grad else 1)
+                names.append(f"all_gather@{a}")
+            elif isinstance(s, Shard) and isinstance(d, Partial):
+                t += self.time(Collective.ALL_GATHER, local * n, a)
+                names.append(f"all_gather@{a}")
+                local = local * n
+            # R -> P: a local mask forward, identity backward: free
+        if requires_grad:
+            for a in sorted(f_axes):
+                if self.mesh_shape[a] > 1:
+                    t += self.time(Collective.ALL_REDUCE, local, a)
+                    names.append(f"all_reduce(bwd)@{a}")
+        return t, names
+
+
+def _volume(spec: Spec, mesh_shape: Sequence[int]) -> int:
+    v = 1
+    for p, n in zip(spec, mesh_shape):
+        if isinstance(p, Shard):
+            v *= n
+    return v

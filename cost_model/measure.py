@@ -1,0 +1,88 @@
+"""Measure what runs: live tensor bytes (peak) and step time of a training step, on any device.
+
+``LiveTensorTracker`` is a TorchDispatchMode that sees every tensor an op returns (forward,
+backward and optimizer alike), counts each storage once (views share it) and subtracts it when the
+last tensor on it dies. Tensors that exist before tracking starts (parameters, buffers) are added
+with ``add_existing``. On CUDA, ``torch.cuda.max_memory_allocated`` measures the same thing
+including the caching allocator's rounding.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+import weakref
+from collections.abc import Callable, Iterable
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+
+class LiveTensorTracker(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.live = 0
+        self.peak = 0
+        self._refs: dict[int, int] = {}  # storage data_ptr -> live tensors on it
+        self._size: dict[int, int] = {}
+
+    def _release(self, key: int) -> None:
+        self._refs[key] -= 1
+        if self._refs[key] == 0:
+            self.live -= self._size.pop(key)
+            del self._refs[key]
+
+    def _track(self, t: torch.Tensor) -> None:
+        if t.device.type == "meta":
+            return
+        st = t.untyped_storage()
+        key = st.data_ptr()
+        if key == 0:
+            return
+        if key not in self._refs:
+            self._refs[key] = 0
+            self._size[key] = st.nbytes()
+            self.live += st.nbytes()
+            self.peak = max(self.peak, self.live)
+        self._refs[key] += 1
+        weakref.finalize(t, self._release, key)
+
+    def add_existing(self, tensors: Iterable[torch.Tensor]) -> None:
+        for t in tensors:
+            self._track(t)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor):
+                self._track(t)
+        return out
+
+
+def peak_step_memory(module: torch.nn.Module, step: Callable[[], None]) -> int:
+    """Peak live tensor bytes on this rank while ``step()`` runs (parameters and buffers included)."""
+    tracker = LiveTensorTracker()
+    tracker.add_existing(list(module.parameters()) + list(module.buffers()))
+    tracker.add_existing(p.grad for p in module.parameters() if p.grad is not None)
+    with tracker:
+        step()
+    return tracker.peak
+
+
+def time_steps(
+    step: Callable[[], None], warmup: int = 2, repeat: int = 5, barrier: Callable[[], None] | None = None
+) -> float:
+    """Median seconds of ``step()`` over ``repeat`` runs after ``warmup`` runs."""
+    for _ in range(warmup):
+        step()
+    times = []
+    for _ in range(repeat):
+        if barrier:
+            barrier()
+        t0 = time.perf_counter()
+        step()
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)

@@ -1,0 +1,178 @@
+"""Cost tables: for every node strategy its seconds and bytes, for every edge a resharding matrix.
+
+* node cost ``c[v, s]`` (s): compute of ``v`` under strategy ``s`` (``cost_model.compute``) plus
+  collectives inside a lowering (the all-reduces of a batch-sharded mean cross-entropy);
+* node memory ``m[v, s]`` (B per device): parameters (+ gradient + optimizer states) for parameter
+  placeholders, buffers and inputs, and for activations that need a gradient, the output saved for
+  backward; each divided by the number of pieces its placement cuts it into;
+* edge cost ``c[e, s_u, s_v]`` (s): resharding the tensor on edge ``e = (u -> v, input i)`` from
+  ``u``'s output placement to what ``v`` requires under ``s_v``, forward and backward, plus the
+  backward all-reduce of the Megatron "f" on the Replicate inputs of a split op
+  (``cost_model.comm.CommModel.reshard``); ``inf`` marks a pair the axis roles forbid; edge memory ``m[e, s_u, s_v]``: the resharded copy when
+  it is saved for backward.
+
+``getitem`` nodes take their producer's placement; their edges are attached to the producer.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+import operator
+from dataclasses import dataclass, field
+
+import torch
+import torch.fx as fx
+from torch.distributed.tensor.placement_types import Replicate
+
+from autopar.cluster import ClusterSpec
+from autopar.cost_model.comm import Collective, CommModel
+from autopar.cost_model.compute import node_time, optimizer_step_time
+from autopar.passes.analyze import NodeInfo
+from autopar.passes.strategies import AxisRole, NodeStrategies, Strategy
+from autopar.passes.trace import Role, TracedGraph
+from autopar.placement import Spec, replicated, volume_factor
+
+aten = torch.ops.aten
+
+
+class Optimizer(enum.Enum):
+    """Optimizer state kept per parameter element, in copies of the parameter."""
+
+    SGD = 0
+    SGD_MOMENTUM = 1
+    ADAM = 2
+
+
+@dataclass
+class Edge:
+    src: str  # variable-carrying node (getitem resolved to its producer)
+    dst: str  # consumer ("output" for the graph outputs)
+    cost: list[list[float]]  # [s_src][s_dst] seconds
+    mem: list[list[float]]  # [s_src][s_dst] bytes
+    colls: list[list[tuple[str, ...]]]  # collectives run, for the plan
+
+
+@dataclass
+class CostTables:
+    mesh_shape: tuple[int, ...]
+    strategies: dict[str, list[Strategy]]
+    node_cost: dict[str, list[float]]
+    node_mem: dict[str, list[float]]
+    edges: list[Edge] = field(default_factory=list)
+
+
+def resolve_source(node: fx.Node) -> fx.Node:
+    while node.op == "call_function" and node.target is operator.getitem:
+        node = node.args[0]
+    return node
+
+
+def build_costs(
+    tg: TracedGraph,
+    infos: dict[str, NodeInfo],
+    strats: dict[str, NodeStrategies],
+    cluster: ClusterSpec,
+    mesh_shape: tuple[int, ...],
+    optimizer: Optimizer,
+    axis_roles: tuple[AxisRole, ...] | None = None,
+) -> CostTables:
+    comm = CommModel(cluster, mesh_shape)
+    device = cluster.device
+    tables = CostTables(mesh_shape, {k: v.strategies for k, v in strats.items()}, {}, {})
+    for name, ns in strats.items():
+        info = infos[name]
+        costs, mems = [], []
+        for s in ns.strategies:
+            vol = volume_factor(s.out, mesh_shape)
+            if info.role is Role.PARAM:
+                copies = 1 + (1 + optimizer.value if info.requires_grad else 0)
+                step = (
+                    optimizer_step_time(info.out_bytes / vol, optimizer.value, device)
+                    if info.requires_grad
+                    else 0.0
+                )
+                costs.append(step)
+                mems.append(info.out_bytes * copies / vol)
+                continue
+            if info.role in (Role.BUFFER, Role.INPUT):
+                costs.append(0.0)
+                mems.append(info.out_bytes / vol)
+                continue
+            k = 1
+            for a, split in enumerate(s.split_axes()):
+                if split:
+                    k *= mesh_shape[a]
+            t = node_time(info.flops, info.bytes, info.dtype, device, k, info.requires_grad)
+            t += _lowering_comm(ns.node, s, comm)
+            costs.append(t)
+            mems.append(info.out_bytes / vol if info.requires_grad else 0.0)
+        tables.node_cost[name] = costs
+        tables.node_mem[name] = mems
+
+    for name, ns in strats.items():
+        for i, inp in enumerate(ns.inputs):
+            src = resolve_source(inp)
+            if src.name not in strats:
+                continue
+            pinned = _pinned_axes(infos[src.name], axis_roles)
+            tables.edges.append(_edge(src.name, name, i, inp, infos, strats, comm, pinned))
+    out_node = next(n for n in tg.graph.nodes if n.op == "output")
+    r = replicated(len(mesh_shape))
+    for inp in out_node.all_input_nodes:
+        if not isinstance(inp.meta.get("val"), torch.Tensor):
+            continue
+        src = resolve_source(inp)
+        nbytes = infos[inp.name].out_bytes
+        row_c, row_m, row_n = [], [], []
+        for su in strats[src.name].strategies:
+            c, names = comm.reshard(su.out, r, nbytes, False)
+            row_c.append([c])
+            row_m.append([0.0])
+            row_n.append([tuple(names)])
+        tables.edges.append(Edge(src.name, "output", row_c, row_m, row_n))
+    return tables
+
+
+def f_axes(s: Strategy, i: int) -> list[int]:
+    """Axes on which input ``i`` is Replicate while the op is split: Megatron "f" goes there."""
+    return [a for a, split in enumerate(s.split_axes()) if split and isinstance(s.ins[i][a], Replicate)]
+
+
+def _pinned_axes(info: NodeInfo, axis_roles) -> list[int]:
+    """Tensor-parallel axes: there a weight (2+ dims) is used where it is stored (never gathered)."""
+    if info.role is not Role.PARAM or not axis_roles or len(info.shape) < 2:
+        return []
+    return [a for a, r in enumerate(axis_roles) if r is AxisRole.TENSOR]
+
+
+def _edge(src, dst, i, inp, infos, strats, comm: CommModel, pinned=()) -> Edge:
+    info = infos[inp.name]
+    nbytes = info.out_bytes
+    rg = info.requires_grad
+    cost, mem, colls = [], [], []
+    for su in strats[src].strategies:
+        row_c, row_m, row_n = [], [], []
+        for sv in strats[dst].strategies:
+            need: Spec = sv.ins[i]
+            c, names = comm.reshard(su.out, need, nbytes, rg, f_axes(sv, i))
+            if any(su.out[a] != need[a] for a in pinned):
+                c = math.inf  # forbidden pair (see _pinned_axes)
+            row_c.append(c)
+            row_m.append(nbytes / volume_factor(need, comm.mesh_shape) if (rg and need != su.out) else 0.0)
+            row_n.append(tuple(names))
+        cost.append(row_c)
+        mem.append(row_m)
+        colls.append(row_n)
+    return Edge(src, dst, cost, mem, colls)
+
+
+def _lowering_comm(node: fx.Node, s: Strategy, comm: CommModel) -> float:
+    """Collectives that a lowering runs inside the op (see codegen/lower.py)."""
+    if node.target is aten.cross_entropy_loss.default and not isinstance(s.ins[0][0], Replicate):
+        if s.out and all(isinstance(p, Replicate) for p in s.out):
+            # all-reduce of the local loss sum and of the local token count, per split axis
+            return sum(
+                2 * comm.time(Collective.ALL_REDUCE, 4, a) for a, split in enumerate(s.split_axes()) if split
+            )
+    return 0.0

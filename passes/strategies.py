@@ -1,0 +1,180 @@
+"""Strategies: every placement a node may take on the whole mesh, with its input requirements.
+
+Per-axis options from ``rules.py`` are expanded to the mesh as their cartesian product, keeping a
+combination only if every tensor it touches divides evenly (each sharded dim by its axis size) and
+no tensor dim is sharded by two axes. Placeholders (parameters, buffers, user inputs) may take
+Replicate or Shard(d) for any dim. Ops without a rule get the all-Replicate strategy only, and the
+fallback is logged once per op.
+
+Constraints on the search (``AxisRole``) restrict the strategies of placeholders:
+``DATA`` on an axis replicates parameters and shards user inputs on dim 0 (data parallelism);
+``TENSOR`` replicates user inputs and shards every parameter of two or more dims (tensor
+parallelism); ``AUTO`` leaves the choice to the solver.
+"""
+
+from __future__ import annotations
+
+import enum
+import itertools
+import logging
+import operator
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.fx as fx
+from torch.distributed.tensor.placement_types import Partial, Replicate, Shard
+
+from autopar.errors import NoPlanFitsError
+from autopar.passes.analyze import NodeInfo
+from autopar.passes.rules import RULES, AxisOption, make_ctx, tensor_inputs
+from autopar.passes.trace import Role, TracedGraph
+from autopar.placement import Spec
+
+log = logging.getLogger(__name__)
+R = Replicate()
+
+
+class AxisRole(enum.Enum):
+    AUTO = "auto"
+    DATA = "data"
+    TENSOR = "tensor"
+
+
+@dataclass(frozen=True)
+class Strategy:
+    out: Spec
+    ins: tuple[Spec, ...]  # one spec per tensor input (see rules.tensor_inputs)
+
+    def split_axes(self) -> tuple[bool, ...]:
+        """Per axis: does this strategy divide work over the axis (anything but all-Replicate)?"""
+        n = len(self.out)
+        return tuple(
+            not isinstance(self.out[a], Replicate) or any(not isinstance(s[a], Replicate) for s in self.ins)
+            for a in range(n)
+        )
+
+
+@dataclass
+class NodeStrategies:
+    node: fx.Node
+    strategies: list[Strategy]
+    inputs: list[fx.Node]  # tensor inputs, aligned with Strategy.ins
+    has_rule: bool
+
+
+_warned_fallback: set[str] = set()
+
+
+def _fits(shape: Sequence[int], spec: Spec, mesh_shape: Sequence[int]) -> bool:
+    seen = set()
+    for p, n in zip(spec, mesh_shape):
+        if isinstance(p, Shard):
+            if not shape:
+                return False
+            d = p.dim % len(shape)
+            if d in seen or shape[d] % n or shape[d] < n:
+                return False
+            seen.add(d)
+    return True
+
+
+def _normalize(spec: Spec, ndim: int) -> Spec:
+    return tuple(Shard(p.dim % ndim) if isinstance(p, Shard) and ndim else p for p in spec)
+
+
+def expand(
+    options: list[AxisOption],
+    n_in: int,
+    out_shapes: Sequence[Sequence[int]],
+    in_shapes: Sequence[Sequence[int]],
+    mesh_shape: Sequence[int],
+) -> list[Strategy]:
+    """Cartesian product of per-axis options, filtered for even, non-overlapping sharding."""
+    per_axis = [AxisOption(R, (R,) * n_in)] + [o for o in options if len(o.ins) == n_in]
+    out: list[Strategy] = []
+    seen = set()
+    for combo in itertools.product(per_axis, repeat=len(mesh_shape)):
+        o_spec = tuple(c.out for c in combo)
+        if not out_shapes:
+            o_spec = tuple(R for _ in combo) if any(not isinstance(p, Replicate) for p in o_spec) else o_spec
+        ins = tuple(tuple(c.ins[i] for c in combo) for i in range(n_in))
+        if out_shapes:
+            o_spec = _normalize(o_spec, len(out_shapes[0]))
+        ins = tuple(_normalize(s, len(shape)) for s, shape in zip(ins, in_shapes))
+        if not all(_fits(s, o_spec, mesh_shape) for s in out_shapes):
+            continue
+        if not all(_fits(shape, s, mesh_shape) for shape, s in zip(in_shapes, ins)):
+            continue
+        key = (o_spec, ins)
+        if key not in seen:
+            seen.add(key)
+            out.append(Strategy(o_spec, ins))
+    return out
+
+
+def placeholder_options(shape: Sequence[int], floating: bool) -> list[AxisOption]:
+    del floating
+    return [AxisOption(Shard(d), ()) for d in range(len(shape)) if shape[d] > 1]
+
+
+def build_strategies(
+    tg: TracedGraph,
+    infos: dict[str, NodeInfo],
+    mesh_shape: Sequence[int],
+    axis_roles: Sequence[AxisRole] | None = None,
+) -> dict[str, NodeStrategies]:
+    axis_roles = tuple(axis_roles or (AxisRole.AUTO,) * len(mesh_shape))
+    if len(axis_roles) != len(mesh_shape):
+        raise ValueError(f"axis_roles {axis_roles} must have one entry per mesh axis {tuple(mesh_shape)}")
+    result: dict[str, NodeStrategies] = {}
+    for node in tg.graph.nodes:
+        info = infos[node.name]
+        if node.op == "placeholder":
+            strategies = expand(placeholder_options(info.shape, True), 0, info.shapes, [], mesh_shape)
+            strategies = [s for s in strategies if _placeholder_allowed(s.out, info, axis_roles)]
+            if not strategies:
+                raise NoPlanFitsError(
+                    f"{info.role.value} {info.target} of shape {info.shape} has no placement allowed by axis roles "
+                    f"{[r.value for r in axis_roles]} on mesh {tuple(mesh_shape)} (dims must divide evenly); "
+                    "use another mesh shape or AxisRole.AUTO"
+                )
+            result[node.name] = NodeStrategies(node, strategies, [], True)
+        elif node.op == "call_function":
+            if node.target is operator.getitem:
+                continue  # aliases its producer's placement; see solver.resolve_source
+            ins = tensor_inputs(node)
+            in_shapes = [tuple(a.meta["val"].shape) for a in ins]
+            rule = RULES.get(node.target)
+            options: list[AxisOption] = []
+            if rule is not None:
+                options = rule(make_ctx(node))
+            else:
+                name = str(node.target)
+                if name not in _warned_fallback:
+                    _warned_fallback.add(name)
+                    log.info("no sharding rule for %s: replicated", name)
+            strategies = expand(options, len(ins), info.shapes, in_shapes, mesh_shape)
+            result[node.name] = NodeStrategies(node, strategies, ins, rule is not None)
+    return result
+
+
+def _placeholder_allowed(spec: Spec, info: NodeInfo, axis_roles: Sequence[AxisRole]) -> bool:
+    for p, role in zip(spec, axis_roles):
+        if info.role is Role.INPUT:
+            if role is AxisRole.DATA and not (isinstance(p, Shard) and p.dim == 0):
+                return False
+            if role is AxisRole.TENSOR and not isinstance(p, Replicate):
+                return False
+        elif info.role is Role.PARAM:
+            if role is AxisRole.DATA and not isinstance(p, Replicate):
+                return False
+            if role is AxisRole.TENSOR and len(info.shape) >= 2 and isinstance(p, Replicate):
+                return False
+        if isinstance(p, Partial):
+            return False
+    return True
+
+
+def is_tensor_node(node: fx.Node) -> bool:
+    return isinstance(node.meta.get("val"), torch.Tensor)

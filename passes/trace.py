@@ -1,0 +1,261 @@
+"""Trace: capture an unmodified model as a flat, aten-level FX graph.
+
+Primary path: ``torch.export.export(..., strict=False)`` (training IR: keeps ``aten.linear``,
+``aten.scaled_dot_product_attention``, ``aten.layer_norm``... which carry the sharding structure).
+Fallback: ``torch.fx.experimental.proxy_tensor.make_fx(pre_dispatch=True)`` over a functional
+call of the module, which also gives an aten-level graph.
+
+The result, :class:`TracedGraph`, has one placeholder per parameter, buffer, constant and user
+input (in that order, each with its role), ``meta["val"]`` fake tensors on every node, and the
+pytree specs needed to call it like the original module and to rebuild its output structure.
+"""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+import traceback
+from dataclasses import dataclass
+
+import torch
+import torch.fx as fx
+import torch.utils._pytree as pytree
+
+from autopar.errors import TraceError
+
+
+class Role(enum.Enum):
+    PARAM = "param"
+    BUFFER = "buffer"
+    INPUT = "input"
+    ACTIVATION = "activation"
+    OUTPUT = "output"
+
+
+@dataclass(frozen=True)
+class PlaceholderInfo:
+    name: str  # node name in the graph
+    role: Role
+    target: str  # FQN of the parameter / buffer, or the user input's path ("input_ids", "0", ...)
+
+
+@dataclass
+class TracedGraph:
+    graph_module: fx.GraphModule
+    placeholders: tuple[PlaceholderInfo, ...]
+    in_spec: pytree.TreeSpec  # of (args, kwargs)
+    out_spec: pytree.TreeSpec
+    state: dict[str, torch.Tensor]  # FQN -> original parameter / buffer / constant tensor
+    model_name: str
+    tracer: str  # "torch.export" or "make_fx"
+
+    @property
+    def graph(self) -> fx.Graph:
+        return self.graph_module.graph
+
+    def role_of(self, node_name: str) -> Role:
+        for p in self.placeholders:
+            if p.name == node_name:
+                return p.role
+        return Role.ACTIVATION
+
+    def fingerprint(self) -> str:
+        """sha256 over ops, shapes, dtypes and placeholder targets: identifies model + input shapes."""
+        h = hashlib.sha256()
+        for p in self.placeholders:
+            h.update(f"{p.role.value}:{p.target};".encode())
+        for n in self.graph.nodes:
+            val = n.meta.get("val")
+            shape = tuple(val.shape) if isinstance(val, torch.Tensor) else ()
+            dtype = str(val.dtype) if isinstance(val, torch.Tensor) else ""
+            h.update(f"{n.op}:{_target_name(n.target)}:{shape}:{dtype};".encode())
+        return h.hexdigest()
+
+
+def _target_name(target) -> str:
+    if isinstance(target, str):
+        return target
+    return getattr(target, "__name__", None) and str(target) or repr(target)
+
+
+def normalize_inputs(example_inputs) -> tuple[tuple, dict]:
+    """Accept a tuple/list of positional tensors, a dict of keyword tensors, or a single tensor."""
+    if isinstance(example_inputs, torch.Tensor):
+        return (example_inputs,), {}
+    if isinstance(example_inputs, dict):
+        return (), dict(example_inputs)
+    if isinstance(example_inputs, (tuple, list)):
+        return tuple(example_inputs), {}
+    raise TypeError(
+        f"example_inputs must be a tensor, a tuple of positional tensors or a dict of keyword tensors, "
+        f"got {type(example_inputs).__name__}"
+    )
+
+
+def _describe_failure(exc: BaseException) -> str:
+    """Name the failing construct: the innermost frame of user (non-torch) code plus the error."""
+    frames = traceback.extract_tb(exc.__traceback__)
+    user = [f for f in frames if "/torch/" not in f.filename and "/autopar/" not in f.filename]
+    where = (
+        f"{user[-1].filename}:{user[-1].lineno} in {user[-1].name}: {user[-1].line}"
+        if user
+        else "unknown location"
+    )
+    first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    return f"{type(exc).__name__}: {first_line} (at {where})"
+
+
+def trace(model: torch.nn.Module, example_inputs) -> TracedGraph:
+    """Capture ``model(*args, **kwargs)`` as a TracedGraph; raise TraceError naming what failed."""
+    args, kwargs = normalize_inputs(example_inputs)
+    try:
+        return _trace_export(model, args, kwargs)
+    except TraceError:
+        raise
+    except Exception as export_exc:  # noqa: BLE001 - any export failure falls back to make_fx
+        try:
+            return _trace_make_fx(model, args, kwargs)
+        except Exception as fx_exc:  # noqa: BLE001
+            raise TraceError(
+                f"could not trace {type(model).__name__}.\n"
+                f"  torch.export (non-strict) failed: {_describe_failure(export_exc)}\n"
+                f"  make_fx fallback failed: {_describe_failure(fx_exc)}\n"
+                "  Make the failing construct traceable (no data-dependent Python control flow on tensor values, "
+                "no .item() / .tolist() in forward), or pass inputs that avoid it (e.g. use_cache=False for "
+                "Hugging Face models)."
+            ) from export_exc
+
+
+def _trace_export(model, args, kwargs) -> TracedGraph:
+    from torch.export.graph_signature import InputKind, OutputKind
+
+    ep = torch.export.export(model, args, kwargs, strict=False)
+    sig = ep.graph_signature
+    bad_outputs = [o for o in sig.output_specs if o.kind != OutputKind.USER_OUTPUT]
+    if bad_outputs:
+        kinds = sorted({o.kind.name for o in bad_outputs})
+        raise TraceError(
+            f"{type(model).__name__} mutates state in forward ({', '.join(kinds)}: "
+            f"{[o.target for o in bad_outputs][:3]}); autopar v0 supports models whose forward does not update "
+            "buffers (e.g. put BatchNorm models in eval mode or replace BatchNorm by LayerNorm/GroupNorm)"
+        )
+    roles = {
+        InputKind.PARAMETER: Role.PARAM,
+        InputKind.BUFFER: Role.BUFFER,
+        InputKind.CONSTANT_TENSOR: Role.BUFFER,
+    }
+    placeholders: list[PlaceholderInfo] = []
+    state: dict[str, torch.Tensor] = {}
+    user_paths = _user_input_paths(args, kwargs)
+    user_i = 0
+    for spec in sig.input_specs:
+        if spec.kind == InputKind.USER_INPUT:
+            placeholders.append(PlaceholderInfo(spec.arg.name, Role.INPUT, user_paths[user_i]))
+            user_i += 1
+        elif spec.kind in roles:
+            placeholders.append(PlaceholderInfo(spec.arg.name, roles[spec.kind], spec.target))
+            if spec.kind == InputKind.PARAMETER:
+                state[spec.target] = ep.state_dict[spec.target]
+            elif spec.kind == InputKind.BUFFER:
+                state[spec.target] = (
+                    ep.state_dict[spec.target] if spec.target in ep.state_dict else ep.constants[spec.target]
+                )
+            else:
+                state[spec.target] = ep.constants[spec.target]
+        else:
+            raise TraceError(f"unsupported exported input kind {spec.kind.name} for {spec.target}")
+    gm = ep.graph_module
+    _drop_asserts(gm)
+    placeholders = _merge_tied(gm, placeholders, state)
+    return TracedGraph(
+        graph_module=gm,
+        placeholders=tuple(placeholders),
+        in_spec=ep.call_spec.in_spec,
+        out_spec=ep.call_spec.out_spec,
+        state=state,
+        model_name=type(model).__name__,
+        tracer="torch.export",
+    )
+
+
+def _user_input_paths(args, kwargs) -> list[str]:
+    leaves, _ = pytree.tree_flatten_with_path((args, kwargs))
+    return [pytree.keystr(path[1:]).strip("[]'\"") or "input" for path, _ in leaves]
+
+
+def _merge_tied(
+    gm: fx.GraphModule, placeholders: list[PlaceholderInfo], state: dict
+) -> list[PlaceholderInfo]:
+    """Tied weights (one tensor under two names) are lifted as two placeholders: keep the first one,
+    so that the parallel module keeps a single parameter and sums the gradients of every use."""
+    first: dict[int, PlaceholderInfo] = {}
+    keep = []
+    nodes = {n.name: n for n in gm.graph.nodes if n.op == "placeholder"}
+    for p in placeholders:
+        if p.role is Role.INPUT:
+            keep.append(p)
+            continue
+        owner = first.setdefault(id(state[p.target]), p)
+        if owner is p:
+            keep.append(p)
+            continue
+        nodes[p.name].replace_all_uses_with(nodes[owner.name])
+        gm.graph.erase_node(nodes[p.name])
+        del state[p.target]
+    gm.recompile()
+    return keep
+
+
+def _drop_asserts(gm: fx.GraphModule) -> None:
+    """Remove runtime metadata asserts: they check global shapes and would fail on local shards."""
+    for n in list(gm.graph.nodes):
+        if n.op == "call_function" and n.target in (
+            torch.ops.aten._assert_tensor_metadata.default,
+            torch.ops.aten._assert_scalar.default,
+        ):
+            gm.graph.erase_node(n)
+    gm.graph.eliminate_dead_code()
+    gm.recompile()
+
+
+def _trace_make_fx(model, args, kwargs) -> TracedGraph:
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    params = dict(model.named_parameters())
+    buffers = dict(model.named_buffers())
+    flat_inputs, in_spec = pytree.tree_flatten((args, kwargs))
+    names_p, names_b = list(params), list(buffers)
+    out_spec_box: list = []
+
+    def fn(*flat):
+        p = dict(zip(names_p, flat[: len(names_p)]))
+        b = dict(zip(names_b, flat[len(names_p) : len(names_p) + len(names_b)]))
+        a, k = pytree.tree_unflatten(list(flat[len(names_p) + len(names_b) :]), in_spec)
+        out = torch.func.functional_call(model, {**p, **b}, a, k)
+        leaves, spec = pytree.tree_flatten(out)
+        out_spec_box.append(spec)
+        return leaves
+
+    gm = make_fx(fn, pre_dispatch=True, tracing_mode="fake")(
+        *params.values(), *buffers.values(), *flat_inputs
+    )
+    phs = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    user_paths = _user_input_paths(args, kwargs)
+    infos = (
+        [PlaceholderInfo(n.name, Role.PARAM, t) for n, t in zip(phs, names_p)]
+        + [PlaceholderInfo(n.name, Role.BUFFER, t) for n, t in zip(phs[len(names_p) :], names_b)]
+        + [
+            PlaceholderInfo(n.name, Role.INPUT, t)
+            for n, t in zip(phs[len(names_p) + len(names_b) :], user_paths)
+        ]
+    )
+    _drop_asserts(gm)
+    return TracedGraph(
+        graph_module=gm,
+        placeholders=tuple(infos),
+        in_spec=in_spec,
+        out_spec=out_spec_box[-1],
+        state={**{k: v for k, v in params.items()}, **buffers},
+        model_name=type(model).__name__,
+        tracer="make_fx",
+    )

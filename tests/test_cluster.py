@@ -1,0 +1,395 @@
+"""Tests for autopar.cluster: presets, parsing, files, validation, local process group."""
+
+from __future__ import annotations
+
+import json
+import socket
+
+import pytest
+import torch
+import torch.distributed as dist
+import yaml
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from autopar.cluster import PRESET_NAMES, ClusterSpec, DeviceSpec, LinkSpec, _gpu_device
+from autopar.errors import ClusterSpecError
+
+GiB = 2**30
+
+
+# ------------------------------------------------------------------------------------------ presets
+
+
+def test_preset_names():
+    assert set(PRESET_NAMES) == {"a100-40gb", "a100-80gb", "h100-sxm", "h200", "cpu"}
+    for name in PRESET_NAMES:
+        spec = ClusterSpec.preset(name)
+        assert spec.name == name
+        assert spec.nodes == 1
+
+
+def test_h100_numbers():
+    c = ClusterSpec.preset("h100-sxm")
+    assert c.devices_per_node == 8
+    assert c.world_size == 8
+    assert c.device.peak_flops_for(torch.bfloat16) == 989e12
+    assert c.device.peak_flops_for("float16") == 989e12
+    assert c.device.peak_flops_for("float32") == 67e12
+    assert c.device.peak_flops_for(torch.float8_e4m3fn) == 1979e12
+    assert c.device.memory_bytes == 80 * GiB
+    assert c.device.memory_bandwidth == 3.35e12
+    assert c.inter_node.bandwidth == 50e9
+    assert c.host_link.bandwidth == 50e9
+    assert 360e9 <= c.intra_node.bandwidth <= 480e9
+
+
+def test_a100_numbers():
+    a40 = ClusterSpec.preset("a100-40gb")
+    a80 = ClusterSpec.preset("a100-80gb")
+    for c in (a40, a80):
+        assert c.device.peak_flops_for("float32") == 19.5e12
+        assert c.device.peak_flops_for(torch.bfloat16) == 312e12
+        assert c.device.peak_flops_for(torch.float16) == 312e12
+        assert c.intra_node.bandwidth == 240e9
+        assert c.inter_node.bandwidth == 25e9
+        assert c.host_link.bandwidth == 25e9
+    assert a40.device.memory_bytes == 40 * GiB
+    assert a80.device.memory_bytes == 80 * GiB
+    assert a40.device.memory_bandwidth == 1555e9
+    assert a80.device.memory_bandwidth == 2039e9
+    # no fp8 on A100: falls back to the float32 peak
+    assert a40.device.peak_flops_for(torch.float8_e4m3fn) == 19.5e12
+
+
+def test_h200_numbers():
+    h200 = ClusterSpec.preset("h200")
+    h100 = ClusterSpec.preset("h100-sxm")
+    assert h200.device.peak_flops == h100.device.peak_flops
+    assert h200.device.memory_bytes == 141 * GiB
+    assert h200.device.memory_bandwidth == 4.8e12
+    assert h200.host_memory_bytes == 2 * 2**40
+
+
+def test_cpu_numbers():
+    c = ClusterSpec.preset("cpu")
+    assert c.devices_per_node == 4
+    assert c.device.peak_flops_for(torch.float32) == 50e9
+    assert c.device.peak_flops_for(torch.bfloat16) == 50e9  # fallback to float32
+    assert c.device.memory_bytes == 8 * GiB
+    assert c.device.memory_bandwidth == 20e9
+    assert c.intra_node == LinkSpec(2e9, 30e-6)
+    assert c.inter_node == LinkSpec(1.25e9, 50e-6)
+
+
+def test_world_size_and_hashable():
+    c = ClusterSpec.preset("a100-80gb", nodes=3, devices_per_node=2)
+    assert c.world_size == 6
+    assert hash(c) == hash(ClusterSpec.preset("a100-80gb", nodes=3, devices_per_node=2))
+    assert c.with_overrides(nodes=5).world_size == 10
+    assert c.nodes == 3  # frozen copy, original unchanged
+
+
+def test_peak_flops_accepts_dict_and_sorts():
+    d = DeviceSpec("x", {"float16": 2.0, torch.float32: 1.0}, 10, 1.0)
+    assert d.peak_flops == (("float16", 2.0), ("float32", 1.0))
+    assert d.peak_flops_for(torch.float64) == 1.0
+
+
+def test_peak_flops_for_without_float32_raises():
+    d = DeviceSpec("x", {"bfloat16": 2.0}, 10, 1.0)
+    assert d.peak_flops_for("bfloat16") == 2.0
+    with pytest.raises(ClusterSpecError, match="float32"):
+        d.peak_flops_for(torch.float16)
+
+
+# ------------------------------------------------------------------------------------------ parse
+
+
+def test_parse_preset_with_shape():
+    c = ClusterSpec.parse("h100-sxm:8x8")
+    assert c.world_size == 64
+    assert (c.nodes, c.devices_per_node) == (8, 8)
+    assert ClusterSpec.parse("cpu:1x4").world_size == 4
+    assert ClusterSpec.parse("h200") == ClusterSpec.preset("h200")
+
+
+@pytest.mark.parametrize("text", ["h100-sxm:8", "h100-sxm:8by8", "h100-sxm:x8", "h100-sxm:8x8x2", ""])
+def test_parse_malformed(text):
+    with pytest.raises(ClusterSpecError, match="NODESxDEVICES"):
+        ClusterSpec.parse(text)
+
+
+def test_parse_unknown_preset():
+    with pytest.raises(ClusterSpecError, match="h100-sxm"):  # lists the known names
+        ClusterSpec.parse("tpu-v5:2x4")
+    with pytest.raises(ClusterSpecError, match="nodes"):
+        ClusterSpec.parse("h100-sxm:0x8")
+
+
+def test_parse_path(tmp_path):
+    p = tmp_path / "c.json"
+    p.write_text(json.dumps({"preset": "h100-sxm", "nodes": 2, "devices_per_node": 8}))
+    assert ClusterSpec.parse(str(p)).world_size == 16
+
+
+# ------------------------------------------------------------------------------------------ files
+
+
+@pytest.mark.parametrize("suffix", [".json", ".yaml", ".yml"])
+def test_save_and_from_file(tmp_path, suffix):
+    c = ClusterSpec.preset("a100-40gb", nodes=2, devices_per_node=4)
+    p = tmp_path / f"cluster{suffix}"
+    c.save(p)
+    text = p.read_text()
+    loaded = json.loads(text) if suffix == ".json" else yaml.safe_load(text)
+    assert loaded["device"]["peak_flops"]["bfloat16"] == 312e12
+    assert ClusterSpec.from_file(p) == c
+
+
+def test_from_file_preset_only_json(tmp_path):
+    p = tmp_path / "c.json"
+    p.write_text(json.dumps({"preset": "h100-sxm", "nodes": 2, "devices_per_node": 8}))
+    c = ClusterSpec.from_file(p)
+    assert c == ClusterSpec.preset("h100-sxm", nodes=2, devices_per_node=8)
+    assert c.world_size == 16
+
+
+def test_from_file_preset_with_overrides_yaml(tmp_path):
+    p = tmp_path / "c.yaml"
+    p.write_text(
+        "preset: cpu\n"
+        "devices_per_node: 2\n"
+        "device:\n"
+        "  memory_bytes: 1000000\n"
+        "  peak_flops: {bfloat16: 1e9}\n"  # YAML 1.1 reads '1e9' as a string; accepted
+        "inter_node:\n"
+        "  bandwidth: 1.0e+8\n"
+    )
+    c = ClusterSpec.from_file(p)
+    base = ClusterSpec.preset("cpu")
+    assert c.devices_per_node == 2
+    assert c.nodes == 1
+    assert c.device.memory_bytes == 1_000_000
+    assert c.device.peak_flops_for("bfloat16") == 1e9
+    assert c.device.peak_flops_for("float32") == base.device.peak_flops_for("float32")  # merged, kept
+    assert c.device.memory_bandwidth == base.device.memory_bandwidth
+    assert c.inter_node == LinkSpec(1e8, base.inter_node.latency)
+
+
+def test_from_file_override_unknown_key(tmp_path):
+    p = tmp_path / "c.json"
+    p.write_text(json.dumps({"preset": "cpu", "device": {"memroy_bytes": 5}}))
+    with pytest.raises(ClusterSpecError, match="memroy_bytes"):
+        ClusterSpec.from_file(p)
+
+
+def test_from_file_bad_extension_and_missing(tmp_path):
+    with pytest.raises(ClusterSpecError, match="path"):
+        ClusterSpec.from_file(tmp_path / "c.toml")
+    with pytest.raises(ClusterSpecError, match="cannot read"):
+        ClusterSpec.from_file(tmp_path / "missing.json")
+
+
+def test_from_file_invalid_json(tmp_path):
+    p = tmp_path / "c.json"
+    p.write_text("{not json")
+    with pytest.raises(ClusterSpecError, match="not valid JSON"):
+        ClusterSpec.from_file(p)
+
+
+# ------------------------------------------------------------------------------------------ validation
+
+
+def test_negative_bandwidth():
+    with pytest.raises(ClusterSpecError, match="bandwidth") as ei:
+        LinkSpec(bandwidth=-1.0, latency=0.0)
+    assert "-1.0" in str(ei.value)
+
+
+def test_negative_latency_and_nan():
+    with pytest.raises(ClusterSpecError, match="latency"):
+        LinkSpec(bandwidth=1.0, latency=-1e-6)
+    with pytest.raises(ClusterSpecError, match="bandwidth"):
+        LinkSpec(bandwidth=float("nan"), latency=0.0)
+    with pytest.raises(ClusterSpecError, match="bandwidth"):
+        LinkSpec(bandwidth=True, latency=0.0)
+
+
+def test_zero_nodes():
+    with pytest.raises(ClusterSpecError, match="nodes") as ei:
+        ClusterSpec.preset("h100-sxm", nodes=0)
+    assert ">= 1" in str(ei.value)
+    with pytest.raises(ClusterSpecError, match="devices_per_node"):
+        ClusterSpec.preset("cpu", devices_per_node=0)
+
+
+def test_unknown_preset_lists_names():
+    with pytest.raises(ClusterSpecError, match="preset") as ei:
+        ClusterSpec.preset("v100")
+    for name in PRESET_NAMES:
+        assert name in str(ei.value)
+
+
+def test_bad_device_fields():
+    with pytest.raises(ClusterSpecError, match="memory_bytes"):
+        DeviceSpec("x", {"float32": 1.0}, 0, 1.0)
+    with pytest.raises(ClusterSpecError, match="peak_flops"):
+        DeviceSpec("x", {"not_a_dtype": 1.0}, 1, 1.0)
+    with pytest.raises(ClusterSpecError, match="peak_flops"):
+        DeviceSpec("x", {"float32": 0.0}, 1, 1.0)
+    with pytest.raises(ClusterSpecError, match="peak_flops"):
+        DeviceSpec("x", {}, 1, 1.0)
+    with pytest.raises(ClusterSpecError, match="memory_bandwidth"):
+        DeviceSpec("x", {"float32": 1.0}, 1, -5.0)
+    with pytest.raises(ClusterSpecError, match="name"):
+        DeviceSpec("", {"float32": 1.0}, 1, 1.0)
+
+
+def test_from_dict_unknown_and_missing_keys():
+    d = ClusterSpec.preset("cpu").to_dict()
+    d["colour"] = "blue"
+    with pytest.raises(ClusterSpecError, match="colour"):
+        ClusterSpec.from_dict(d)
+    d = ClusterSpec.preset("cpu").to_dict()
+    del d["host_link"]
+    with pytest.raises(ClusterSpecError, match="host_link"):
+        ClusterSpec.from_dict(d)
+    d = ClusterSpec.preset("cpu").to_dict()
+    d["intra_node"]["bandwidth"] = -3
+    with pytest.raises(ClusterSpecError, match="intra_node.*bandwidth"):
+        ClusterSpec.from_dict(d)
+
+
+def test_with_overrides_unknown_field():
+    with pytest.raises(ClusterSpecError, match="gpus"):
+        ClusterSpec.preset("cpu").with_overrides(gpus=3)
+    with pytest.raises(ClusterSpecError, match="nodes"):
+        ClusterSpec.preset("cpu").with_overrides(nodes=-1)
+
+
+# ------------------------------------------------------------------------------------------ round trip
+
+_finite = {"allow_nan": False, "allow_infinity": False}
+_pos = st.floats(min_value=1e-9, max_value=1e18, **_finite)
+_nonneg = st.floats(min_value=0.0, max_value=1.0, **_finite)
+_names = st.text(alphabet="abcdefghijklmnopqrstuvwxyz0123456789-_ ", min_size=1, max_size=20).filter(
+    lambda s: s.strip()
+)
+_links = st.builds(LinkSpec, bandwidth=_pos, latency=_nonneg)
+_dtypes = ["bfloat16", "float16", "float8_e4m3fn", "float64"]
+_peaks = st.builds(
+    lambda extra, f32: {"float32": f32, **extra},
+    st.dictionaries(st.sampled_from(_dtypes), _pos),
+    _pos,
+)
+_devices = st.builds(
+    DeviceSpec,
+    name=_names,
+    peak_flops=_peaks,
+    memory_bytes=st.integers(min_value=1, max_value=2**50),
+    memory_bandwidth=_pos,
+    kernel_launch_s=_nonneg,
+)
+_clusters = st.builds(
+    ClusterSpec,
+    name=_names,
+    nodes=st.integers(min_value=1, max_value=4096),
+    devices_per_node=st.integers(min_value=1, max_value=64),
+    device=_devices,
+    intra_node=_links,
+    inter_node=_links,
+    host_memory_bytes=st.integers(min_value=1, max_value=2**50),
+    host_link=_links,
+)
+
+
+@settings(max_examples=75, deadline=None)
+@given(_clusters)
+def test_to_dict_from_dict_round_trip(spec):
+    d = spec.to_dict()
+    assert isinstance(d["device"]["peak_flops"], dict)
+    via_json = json.loads(json.dumps(d))
+    back = ClusterSpec.from_dict(via_json)
+    assert back == spec
+    assert back.to_dict() == d
+
+
+# ------------------------------------------------------------------------------------------ local()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_local_without_process_group():
+    assert not dist.is_initialized()
+    with pytest.raises(ClusterSpecError, match="init_process_group"):
+        ClusterSpec.local()
+
+
+def test_local_single_process_gloo(monkeypatch):
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
+    try:
+        c = ClusterSpec.local()
+        cpu = ClusterSpec.preset("cpu")
+        assert c.name == "local"
+        assert c.world_size == 1
+        assert (c.nodes, c.devices_per_node) == (1, 1)
+        assert c.device == cpu.device
+        assert c.intra_node == cpu.intra_node
+        assert c.inter_node == cpu.inter_node
+        monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")  # does not divide world size 1
+        with pytest.raises(ClusterSpecError, match="LOCAL_WORLD_SIZE"):
+            ClusterSpec.local()
+        monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+        assert ClusterSpec.local(name="mine").name == "mine"
+    finally:
+        dist.destroy_process_group()
+    assert not dist.is_initialized()
+
+
+@pytest.mark.parametrize(
+    ("gpu", "mem", "flops_bf16", "bandwidth"),
+    [
+        ("NVIDIA A100-SXM4-40GB", 42_298_834_944, 312e12, 1555e9),
+        ("NVIDIA A100-SXM4-80GB", 85_198_045_184, 312e12, 2039e9),
+        ("NVIDIA H100 80GB HBM3", 85_020_000_000, 989e12, 3.35e12),
+        ("NVIDIA H200", 150_000_000_000, 989e12, 4.8e12),
+        ("NVIDIA L40S", 48_000_000_000, 989e12, 3.35e12),  # unknown -> h100 numbers
+    ],
+)
+def test_gpu_device_selection(gpu, mem, flops_bf16, bandwidth):
+    d = _gpu_device(gpu, mem)
+    assert d.memory_bytes == mem
+    assert d.name == gpu
+    assert d.peak_flops_for(torch.bfloat16) == flops_bf16
+    assert d.memory_bandwidth == bandwidth
+
+
+def test_local_gpu_backend_picks_closest_preset(monkeypatch):
+    """With an NCCL-like backend and CUDA present, local() maps the GPU name to a preset's numbers."""
+
+    class _Props:
+        total_memory = 85_198_045_184
+
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
+    try:
+        monkeypatch.setattr(dist, "get_backend", lambda *a, **k: "nccl")
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+        monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "NVIDIA A100-SXM4-80GB")
+        monkeypatch.setattr(torch.cuda, "get_device_properties", lambda *a: _Props())
+        c = ClusterSpec.local()
+    finally:
+        monkeypatch.undo()
+        dist.destroy_process_group()
+    a100 = ClusterSpec.preset("a100-80gb")
+    assert c.world_size == 1
+    assert c.device.memory_bytes == 85_198_045_184
+    assert c.device.peak_flops == a100.device.peak_flops
+    assert c.intra_node == a100.intra_node
+    assert c.inter_node == a100.inter_node
