@@ -119,10 +119,11 @@ class Plan:
         if not self.mesh_shape or any(int(n) < 1 for n in self.mesh_shape):
             raise PlanFormatError(f"mesh_shape must be positive integers, got {self.mesh_shape}")
         for d in self.decisions:
-            if len(d.output_spec) != len(self.mesh_shape):
-                raise PlanFormatError(
-                    f"node {d.name}: placement {d.output!r} has {len(d.output_spec)} axes, mesh has {len(self.mesh_shape)}"
-                )
+            for text, spec in [(d.output, d.output_spec), *zip(d.inputs, d.input_specs)]:
+                if len(spec) != len(self.mesh_shape):
+                    raise PlanFormatError(
+                        f"node {d.name}: placement {text!r} has {len(spec)} axes, mesh has {len(self.mesh_shape)}"
+                    )
         object.__setattr__(self, "_by_name", {d.name: d for d in self.decisions})
 
     # -- reading ---------------------------------------------------------------------------------
@@ -220,8 +221,10 @@ class Plan:
                 solver=SolverInfo(**solver),
                 schema_version=version,
             )
-        except (KeyError, TypeError) as e:
-            raise PlanFormatError(f"not a valid autopar plan: {e!r}") from e
+        except (KeyError, TypeError, ValueError) as e:
+            if isinstance(e, PlanFormatError):
+                raise
+            raise PlanFormatError(f"not a valid autopar plan: {e}") from e
 
     def save(self, path: str | os.PathLike) -> None:
         with open(path, "w") as f:
@@ -233,8 +236,8 @@ class Plan:
         try:
             with open(path) as f:
                 data = json.load(f)
-        except json.JSONDecodeError as e:
-            raise PlanFormatError(f"{path}: not JSON ({e})") from e
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise PlanFormatError(f"{path}: not a JSON plan file ({e})") from e
         return cls.from_dict(data)
 
     def check_matches(self, fingerprint: str, world_size: int) -> None:

@@ -1,0 +1,58 @@
+"""The `autopar` command line: plan writes a loadable plan and report; errors exit 2 with a message."""
+
+from __future__ import annotations
+
+import textwrap
+
+import pytest
+
+import autopar
+from autopar.cli import main
+from autopar.model_spec import load_model_spec
+
+
+def test_plan_writes_plan_and_report(tmp_path, capsys):
+    out, report = tmp_path / "plan.json", tmp_path / "report.html"
+    rc = main(["plan", "autopar.examples:mlp(batch=8, hidden=16, ffn=32)", "--cluster", "cpu:1x2",
+               "--out", str(out), "--report", str(report)])  # fmt: skip
+    assert rc == 0
+    plan = autopar.Plan.load(out)
+    assert plan.world_size == 2 and plan.model == "MLP"
+    assert "<svg" in report.read_text()
+    printed = capsys.readouterr().out
+    assert "solve: mesh (2,)" in printed and "predicted step time" in printed
+
+
+def test_plan_from_a_file_model_spec_with_fixed_mesh(tmp_path):
+    f = tmp_path / "my_model.py"
+    f.write_text(
+        textwrap.dedent("""
+        import torch
+        def build():
+            model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 8))
+            return model, (torch.randn(4, 8),)
+    """)
+    )
+    out = tmp_path / "p.json"
+    assert main(["plan", f"{f}:build", "--cluster", "cpu:1x4", "--mesh", "2x2", "--out", str(out)]) == 0
+    assert autopar.Plan.load(out).mesh_shape == (2, 2)
+
+
+@pytest.mark.parametrize(
+    "argv, needle",
+    [
+        (["plan", "autopar.examples:mlp", "--cluster", "nosuchgpu:1x2"], "nosuchgpu"),
+        (["plan", "no_such_module_xyz:build", "--cluster", "cpu"], "no_such_module_xyz"),
+        (["plan", "autopar.examples", "--cluster", "cpu"], "MODEL_SPEC"),
+        (["plan", "autopar.examples:mlp", "--cluster", "cpu:1x2", "--mesh", "3"], "devices"),
+    ],
+)
+def test_errors_exit_2_with_a_message(argv, needle, capsys, tmp_path):
+    assert main(argv + ["--out", str(tmp_path / "x.json")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("autopar: error:") and needle in err
+
+
+def test_model_spec_kwargs():
+    model, inputs = load_model_spec("autopar.examples:mlp(batch=3, hidden=5, ffn=7)")
+    assert inputs[0].shape == (3, 5) and model.up.weight.shape == (7, 5)

@@ -1,0 +1,64 @@
+"""Tracing: clear errors, tied weights kept tied, meta-device models, positional and keyword inputs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import autopar
+from autopar.examples import gpt2_tiny, llama_tiny, mlp
+from autopar.passes.trace import Role, trace
+
+
+class DataDependent(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+
+    def forward(self, x):
+        y = self.lin(x)
+        if y.sum().item() > 0:  # data-dependent Python control flow: not traceable
+            return y * 2
+        return y
+
+
+def test_untraceable_model_names_the_construct():
+    with pytest.raises(autopar.TraceError) as e:
+        trace(DataDependent(), (torch.randn(2, 4),))
+    msg = str(e.value)
+    assert "DataDependent" in msg
+    assert "test_trace.py" in msg and "y.sum().item()" in msg  # file, line and source of the culprit
+
+
+def test_tied_weights_stay_one_parameter():
+    model, inputs = gpt2_tiny(batch=2, seq=8, hidden=32, vocab=64)
+    assert model.lm_head.weight is model.transformer.wte.weight
+    tg = trace(model, inputs)
+    params = [p.target for p in tg.placeholders if p.role is Role.PARAM]
+    assert len(params) == len({id(t) for t in model.parameters()})
+    assert ("lm_head.weight" in params) != ("transformer.wte.weight" in params)
+
+
+def test_roles_and_inputs():
+    model, inputs = mlp(batch=4, hidden=8, ffn=16)
+    tg = trace(model, inputs)  # positional inputs
+    roles = [(p.role, p.target) for p in tg.placeholders]
+    assert roles == [(Role.PARAM, "up.weight"), (Role.PARAM, "up.bias"), (Role.PARAM, "down.weight"),
+                     (Role.PARAM, "down.bias"), (Role.INPUT, "0"), (Role.INPUT, "1")]  # fmt: skip
+    model, inputs = llama_tiny(batch=2, seq=8, hidden=32, vocab=64)
+    tg = trace(model, inputs)  # keyword inputs
+    assert [p.target for p in tg.placeholders if p.role is Role.INPUT] == ["input_ids", "labels"]
+
+
+def test_meta_device_model_plans_without_memory():
+    """A 8B-wide Llama layer stack on the meta device plans without allocating its weights."""
+    with torch.device("meta"):
+        model, _ = llama_tiny(layers=2, hidden=4096, vocab=32000)
+    assert all(p.is_meta for p in model.parameters())
+    ids = torch.randint(0, 32000, (8, 1024))
+    plan = autopar.plan(model, autopar.ClusterSpec.preset("h100-sxm"), {"input_ids": ids, "labels": ids},
+                        mesh_shape=(8,))  # fmt: skip
+    n_params = sum(p.numel() for p in model.parameters())
+    assert n_params > 5e8
+    assert plan.predicted.param_bytes >= n_params * 4 / 8  # at most 8-way sharded fp32 weights
+    assert plan.predicted.step_time_s > 0
