@@ -44,7 +44,10 @@ def _worker(rank: int, world: int, port: int, fn: Callable, args: tuple, queue, 
         queue.put((rank, False, traceback.format_exc()))
     finally:
         if dist.is_initialized():
-            dist.destroy_process_group()
+            try:
+                dist.barrier()  # no rank tears gloo down while another still talks to it
+            finally:
+                dist.destroy_process_group()
 
 
 class RankFailed(RuntimeError):
