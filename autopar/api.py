@@ -23,9 +23,10 @@ import torch.distributed as dist
 from autopar.cluster import ClusterSpec
 from autopar.errors import DistributedSetupError, NoPlanFitsError, PlanFormatError
 from autopar.passes.analyze import NodeInfo, analyze
+from autopar.passes.coarsen import find_classes
 from autopar.passes.costs import CostTables, Optimizer, build_costs, resolve_source
 from autopar.passes.solver import Solution, evaluate, mesh_candidates, solve
-from autopar.passes.strategies import AxisRole, Strategy, build_strategies
+from autopar.passes.strategies import AxisRole, Strategy, build_strategies, variable_nodes
 from autopar.passes.trace import Role, TracedGraph, normalize_inputs, trace
 from autopar.placement import spec_from_str, spec_to_str, volume_factor
 from autopar.plan import NodeDecision, Plan, Predicted, SolverInfo
@@ -61,6 +62,7 @@ def search(
     optimizer: Optimizer = Optimizer.ADAM,
     progress: Callable[[str], None] | None = None,
     dump_dir: str | os.PathLike | None = None,
+    coarsen: bool = True,
 ) -> SearchResult:
     dump = (
         Path(dump_dir or os.environ.get("AUTOPAR_DUMP_DIR", ""))
@@ -83,6 +85,10 @@ def search(
     infos = analyze(tg)
     if dump:
         _dump_infos(dump / "2_analyze.tsv", infos)
+    # -- coarsen: repeated-block twins share their ILP variables -----------------------------------
+    classes = find_classes(tg, infos, variable_nodes(tg)) if coarsen else None
+    if classes is not None:
+        _progress(progress, f"coarsen: {len(classes.rep)} nodes in {len(classes.members)} classes")
 
     limit = (
         memory_limit_bytes
@@ -108,11 +114,10 @@ def search(
     min_needed = math.inf
     for mesh in meshes:
         # -- strategies ---------------------------------------------------------------------------
-        strats = build_strategies(tg, infos, mesh, axis_roles)
+        strats = build_strategies(tg, infos, mesh, axis_roles, only=set(classes.members) if classes else None)
         # -- cost -----------------------------------------------------------------------------------
-        tables = build_costs(
-            tg, infos, strats, cluster, mesh, optimizer, tuple(axis_roles) if axis_roles else None
-        )
+        roles = tuple(axis_roles) if axis_roles else None
+        tables = build_costs(tg, infos, strats, cluster, mesh, optimizer, roles, classes)
         min_needed = min(min_needed, sum(min(m) for m in tables.node_mem.values()))
         # -- solve ----------------------------------------------------------------------------------
         sol = solve(tables, limit, time_limit_s)
@@ -140,7 +145,8 @@ def search(
             "a smaller batch or sequence, another mesh_shape or a larger memory_limit_bytes"
         )
     _, mesh, sol, tables, strats = best
-    choice = {v: tables.strategies[v][i] for v, i in sol.choice.items()}
+    members = tables.classes.members
+    choice = {m: tables.strategies[v][i] for v, i in sol.choice.items() for m in members[v]}
     # -- plan -------------------------------------------------------------------------------------
     plan = _make_plan(tg, infos, tables, sol, choice, cluster, mesh, optimizer, candidates)
     if dump:
@@ -160,13 +166,15 @@ def _with_getitems(tg: TracedGraph, choice: dict[str, Strategy]) -> dict[str, St
 
 
 def _make_plan(tg, infos, tables, sol, choice, cluster, mesh, optimizer, candidates) -> Plan:
-    comm_in: dict[str, float] = {}
+    classes = tables.classes
+    comm_in: dict[str, float] = {}  # per class representative, per member
     colls: dict[str, list[str]] = {}
     for e in tables.edges:
         b = 0 if e.dst == "output" else sol.choice[e.dst]
         a = sol.choice[e.src]
-        comm_in[e.dst] = comm_in.get(e.dst, 0.0) + e.cost[a][b]
-        colls.setdefault(e.dst, []).extend(e.colls[a][b])
+        share = 1 if e.dst == "output" else classes.count(e.dst)
+        comm_in[e.dst] = comm_in.get(e.dst, 0.0) + e.cost[a][b] / share
+        colls.setdefault(e.dst, []).extend(e.colls[a][b] * max(e.count // share, 1))
     decisions = []
     param_b = grad_b = 0.0
     compute = 0.0
@@ -176,7 +184,8 @@ def _make_plan(tg, infos, tables, sol, choice, cluster, mesh, optimizer, candida
             continue
         info = infos[n.name]
         s = every[n.name]
-        cost = tables.node_cost[n.name][sol.choice[n.name]] if n.name in sol.choice else 0.0
+        rep = classes.rep.get(n.name)
+        cost = tables.node_cost[rep][sol.choice[rep]] / classes.count(rep) if rep else 0.0
         vol = volume_factor(s.out, mesh)
         if info.role is Role.PARAM:
             param_b += info.out_bytes / vol
@@ -192,8 +201,8 @@ def _make_plan(tg, infos, tables, sol, choice, cluster, mesh, optimizer, candida
                 output=spec_to_str(s.out),
                 inputs=tuple(spec_to_str(x) for x in s.ins),
                 compute_s=cost,
-                comm_s=comm_in.get(n.name, 0.0),
-                collectives=tuple(colls.get(n.name, ())),
+                comm_s=comm_in.get(rep, 0.0) if rep else 0.0,
+                collectives=tuple(colls.get(rep, ())) if rep else (),
             )
         )
     t_step, mem = evaluate(tables, sol.choice)

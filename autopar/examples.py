@@ -78,3 +78,49 @@ def mlp(batch: int = 64, hidden: int = 256, ffn: int = 1024):
     torch.manual_seed(0)
     g = torch.Generator().manual_seed(1)
     return MLP(), (torch.randn(batch, hidden, generator=g), torch.randn(batch, hidden, generator=g))
+
+
+def palm_tiny(
+    batch: int = 4, seq: int = 16, layers: int = 2, hidden: int = 64, heads: int = 4, vocab: int = 256
+):
+    """A plain-torch PaLM-style LM (``autopar.models.palm``): parallel attention + MLP, multi-query
+    attention (one K/V head), SwiGLU, RoPE, no biases, tied embeddings. Returns ``.loss``/``.logits``."""
+    from autopar.models.palm import PalmLM
+
+    torch.manual_seed(0)
+    model = PalmLM(vocab=vocab, hidden=hidden, layers=layers, heads=heads, max_seq=max(seq, 64))
+    ids = _tokens(batch, seq, vocab)
+    return model, {"input_ids": ids, "labels": ids}
+
+
+def t5_tiny(
+    batch: int = 4, seq: int = 16, layers: int = 2, hidden: int = 64, heads: int = 4, vocab: int = 256
+):
+    """Hugging Face T5 (encoder-decoder, relative position buckets); the decoder inputs are the
+    labels shifted right, built by the model itself."""
+    tf = _transformers()
+    torch.manual_seed(0)
+    cfg = tf.T5Config(
+        vocab_size=vocab, d_model=hidden, d_kv=hidden // heads, d_ff=2 * hidden, num_layers=layers,
+        num_decoder_layers=layers, num_heads=heads, relative_attention_num_buckets=8,
+        relative_attention_max_distance=max(seq, 16), dropout_rate=0.0, use_cache=False,
+        pad_token_id=0, eos_token_id=1, decoder_start_token_id=0,
+    )  # fmt: skip
+    ids = _tokens(batch, seq, vocab)
+    labels = _tokens(batch, seq, vocab, seed=2)
+    return tf.T5ForConditionalGeneration(cfg), {"input_ids": ids, "labels": labels}
+
+
+def vit_tiny(batch: int = 4, layers: int = 2, hidden: int = 64, heads: int = 4, num_labels: int = 10):
+    """Hugging Face ViT image classifier on 32x32 images cut into 8x8 patches (a conv2d embedding)."""
+    tf = _transformers()
+    torch.manual_seed(0)
+    cfg = tf.ViTConfig(
+        image_size=32, patch_size=8, num_channels=3, hidden_size=hidden, num_hidden_layers=layers,
+        num_attention_heads=heads, intermediate_size=2 * hidden, hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0, num_labels=num_labels,
+    )  # fmt: skip
+    g = torch.Generator().manual_seed(1)
+    pixels = torch.randn(batch, 3, 32, 32, generator=g)
+    labels = torch.randint(0, num_labels, (batch,), generator=g)
+    return tf.ViTForImageClassification(cfg), {"pixel_values": pixels, "labels": labels}

@@ -101,6 +101,14 @@ def _lower_sized_view(g, node, args, kwargs, s, mesh_shape):
     return g.call_function(node.target, (args[0], size) + tuple(args[2:]), kwargs)
 
 
+@lowering(aten.squeeze.dim, aten.squeeze.dims, aten.squeeze.default)
+def _lower_squeeze(g, node, args, kwargs, s, mesh_shape):
+    # a local piece may have size 1 where the global dim does not: squeeze by the global shape
+    return g.call_function(
+        aten.view.default, (args[0], list(local_shape(_out_shape(node), s.out, mesh_shape)))
+    )
+
+
 @lowering(aten.mean.dim, aten.mean.default)
 def _lower_mean(g, node, args, kwargs, s, mesh_shape):
     out = g.call_function(node.target, args, kwargs)

@@ -83,6 +83,7 @@ class CommModel:
         self.cluster = cluster
         self.mesh_shape = tuple(mesh_shape)
         self.links = [axis_link(cluster, self.mesh_shape, a) for a in range(len(self.mesh_shape))]
+        self._cache: dict[tuple, tuple[float, list[str]]] = {}
 
     def time(self, kind: Collective, nbytes: float, axis: int) -> float:
         return collective_time(kind, nbytes, self.mesh_shape[axis], self.links[axis])
@@ -92,6 +93,13 @@ class CommModel:
     ) -> tuple[float, list[str]]:
         """Forward + backward seconds to move a tensor of ``nbytes`` (global) from src to dst, plus
         the backward all-reduce of every Megatron "f" on ``f_axes``; and a list of the collectives."""
+        key = (tuple(src), tuple(dst), nbytes, requires_grad, tuple(f_axes))
+        hit = self._cache.get(key)
+        if hit is None:
+            hit = self._cache[key] = self._reshard(*key)
+        return hit[0], list(hit[1])
+
+    def _reshard(self, src, dst, nbytes, requires_grad, f_axes) -> tuple[float, list[str]]:
         local = nbytes / _volume(src, self.mesh_shape)  # bytes one rank holds now
         t, names = 0.0, []
         f_axes = set(f_axes)

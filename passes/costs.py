@@ -3,8 +3,9 @@
 * node cost ``c[v, s]`` (s): compute of ``v`` under strategy ``s`` (``cost_model.compute``) plus
   collectives inside a lowering (the all-reduces of a batch-sharded mean cross-entropy);
 * node memory ``m[v, s]`` (B per device): parameters (+ gradient + optimizer states) for parameter
-  placeholders, buffers and inputs, and for activations that need a gradient, the output saved for
-  backward; each divided by the number of pieces its placement cuts it into;
+  placeholders, buffers and inputs, and for activations that need a gradient, the output (kept for
+  backward; views allocate nothing); each divided by the number of pieces its placement cuts it
+  into. A sum, not yet a liveness peak: an upper bound of what autograd keeps;
 * edge cost ``c[e, s_u, s_v]`` (s): resharding the tensor on edge ``e = (u -> v, input i)`` from
   ``u``'s output placement to what ``v`` requires under ``s_v``, forward and backward, plus the
   backward all-reduce of the Megatron "f" on the Replicate inputs of a split op
@@ -17,6 +18,7 @@
 from __future__ import annotations
 
 import enum
+import functools
 import math
 import operator
 from dataclasses import dataclass, field
@@ -29,6 +31,8 @@ from autopar.cluster import ClusterSpec
 from autopar.cost_model.comm import Collective, CommModel
 from autopar.cost_model.compute import node_time, optimizer_step_time
 from autopar.passes.analyze import NodeInfo
+from autopar.passes.coarsen import Classes
+from autopar.passes.rules import ALIASING_OPS, tensor_inputs
 from autopar.passes.strategies import AxisRole, NodeStrategies, Strategy
 from autopar.passes.trace import Role, TracedGraph
 from autopar.placement import Spec, replicated, volume_factor
@@ -51,6 +55,19 @@ class Edge:
     cost: list[list[float]]  # [s_src][s_dst] seconds
     mem: list[list[float]]  # [s_src][s_dst] bytes
     colls: list[list[tuple[str, ...]]]  # collectives run, for the plan
+    count: int = 1  # how many graph edges this one stands for (repeated blocks)
+
+    def scaled(self, k: int) -> Edge:
+        if k == 1:
+            return self
+        return Edge(
+            self.src,
+            self.dst,
+            [[c * k for c in row] for row in self.cost],
+            [[m * k for m in row] for row in self.mem],
+            self.colls,
+            self.count * k,
+        )
 
 
 @dataclass
@@ -60,6 +77,7 @@ class CostTables:
     node_cost: dict[str, list[float]]
     node_mem: dict[str, list[float]]
     edges: list[Edge] = field(default_factory=list)
+    classes: Classes | None = None
 
 
 def resolve_source(node: fx.Node) -> fx.Node:
@@ -76,12 +94,18 @@ def build_costs(
     mesh_shape: tuple[int, ...],
     optimizer: Optimizer,
     axis_roles: tuple[AxisRole, ...] | None = None,
+    classes: Classes | None = None,
 ) -> CostTables:
+    """Cost tables over class representatives (every node its own class when ``classes`` is None):
+    node costs are multiplied by the class size, edges between the same two classes are priced once
+    and multiplied by how many there are; an edge inside one class is a self-loop (same strategy)."""
     comm = CommModel(cluster, mesh_shape)
     device = cluster.device
-    tables = CostTables(mesh_shape, {k: v.strategies for k, v in strats.items()}, {}, {})
+    classes = classes or Classes.identity(list(strats))
+    tables = CostTables(mesh_shape, {k: v.strategies for k, v in strats.items()}, {}, {}, classes=classes)
     for name, ns in strats.items():
         info = infos[name]
+        n = classes.count(name)
         costs, mems = [], []
         for s in ns.strategies:
             vol = volume_factor(s.out, mesh_shape)
@@ -92,12 +116,12 @@ def build_costs(
                     if info.requires_grad
                     else 0.0
                 )
-                costs.append(step)
-                mems.append(info.out_bytes * copies / vol)
+                costs.append(n * step)
+                mems.append(n * info.out_bytes * copies / vol)
                 continue
             if info.role in (Role.BUFFER, Role.INPUT):
                 costs.append(0.0)
-                mems.append(info.out_bytes / vol)
+                mems.append(n * info.out_bytes / vol)
                 continue
             k = 1
             for a, split in enumerate(s.split_axes()):
@@ -105,38 +129,51 @@ def build_costs(
                     k *= mesh_shape[a]
             t = node_time(info.flops, info.bytes, info.dtype, device, k, info.requires_grad)
             t += _lowering_comm(ns.node, s, comm)
-            costs.append(t)
-            mems.append(info.out_bytes / vol if info.requires_grad else 0.0)
+            costs.append(n * t)
+            allocates = info.requires_grad and ns.node.target not in ALIASING_OPS
+            mems.append(n * info.out_bytes / vol if allocates else 0.0)
         tables.node_cost[name] = costs
         tables.node_mem[name] = mems
 
-    for name, ns in strats.items():
-        for i, inp in enumerate(ns.inputs):
-            src = resolve_source(inp)
-            if src.name not in strats:
+    # group edges by (source class, destination class, input index, tensor): price each group once
+    groups: dict[tuple, list] = {}
+    nodes = {n.name: n for n in tg.graph.nodes}
+    for name, rep in classes.rep.items():
+        node = nodes[name]
+        if node.op != "call_function":
+            continue
+        for i, inp in enumerate(tensor_inputs(node)):
+            src = resolve_source(inp).name
+            if src not in classes.rep:
                 continue
-            pinned = _pinned_axes(infos[src.name], axis_roles)
-            tables.edges.append(_edge(src.name, name, i, inp, infos, strats, comm, pinned))
+            info = infos[inp.name]
+            key = (classes.rep[src], rep, i, info.out_bytes, info.requires_grad)
+            groups.setdefault(key, [inp, 0])[1] += 1
+    for (src, dst, i, _, _), (inp, count) in groups.items():
+        pinned = _pinned_axes(infos[src], axis_roles)
+        tables.edges.append(_edge(src, dst, i, inp, infos, strats, comm, pinned).scaled(count))
+
     out_node = next(n for n in tg.graph.nodes if n.op == "output")
     r = replicated(len(mesh_shape))
     for inp in out_node.all_input_nodes:
         if not isinstance(inp.meta.get("val"), torch.Tensor):
             continue
-        src = resolve_source(inp)
+        src = classes.rep[resolve_source(inp).name]
         nbytes = infos[inp.name].out_bytes
         row_c, row_m, row_n = [], [], []
-        for su in strats[src.name].strategies:
+        for su in strats[src].strategies:
             c, names = comm.reshard(su.out, r, nbytes, False)
             row_c.append([c])
             row_m.append([0.0])
             row_n.append([tuple(names)])
-        tables.edges.append(Edge(src.name, "output", row_c, row_m, row_n))
+        tables.edges.append(Edge(src, "output", row_c, row_m, row_n))
     return tables
 
 
-def f_axes(s: Strategy, i: int) -> list[int]:
+@functools.cache
+def f_axes(s: Strategy, i: int) -> tuple[int, ...]:
     """Axes on which input ``i`` is Replicate while the op is split: Megatron "f" goes there."""
-    return [a for a, split in enumerate(s.split_axes()) if split and isinstance(s.ins[i][a], Replicate)]
+    return tuple(a for a, split in enumerate(s.split_axes()) if split and isinstance(s.ins[i][a], Replicate))
 
 
 def _pinned_axes(info: NodeInfo, axis_roles) -> list[int]:

@@ -101,6 +101,14 @@ def _norm(d: int, ndim: int) -> int:
 # --------------------------------------------------------------------------------------------------
 
 
+def _partial_ok(ctx: OpCtx) -> bool:
+    """Partial values are summed by all-reduce: only floating-point outputs may be Partial."""
+    val = ctx.node.meta.get("val")
+    if isinstance(val, (tuple, list)):
+        val = next((v for v in val if isinstance(v, torch.Tensor)), None)
+    return isinstance(val, torch.Tensor) and val.dtype.is_floating_point
+
+
 def broadcast_option(ctx: OpCtx, out_dim: int) -> AxisOption:
     """Shard output dim ``out_dim``; each input follows through broadcasting (size-1/missing -> R)."""
     ins = []
@@ -133,6 +141,7 @@ UNARY_NONLINEAR = [
     aten.bitwise_and.Tensor, aten.bitwise_or.Tensor, aten.logical_and.default, aten.logical_or.default,
     aten.maximum.default, aten.minimum.default, aten.pow.Tensor_Tensor, aten.fill.Scalar,
     aten.zeros_like.default, aten.ones_like.default, aten.full_like.default,
+    aten.min.other, aten.max.other, aten.where.ScalarOther, aten.where.ScalarSelf, aten.where.Scalar,
 ]  # fmt: skip
 
 
@@ -153,9 +162,10 @@ def unary_linear_rule(ctx: OpCtx) -> list[AxisOption]:
 @register(aten.add.Tensor, aten.sub.Tensor)
 def add_rule(ctx: OpCtx) -> list[AxisOption]:
     opts = shard_every_dim(ctx)
-    # sum of partials is partial; `alpha` is a scalar and keeps linearity
-    if ctx.n_in >= 1 and ctx.node.meta["val"].dtype.is_floating_point:
-        opts.append(AxisOption(P, (P,) * ctx.n_in))
+    # sum of partials is partial (`alpha` is a scalar and keeps linearity); x + c with a Python scalar c
+    # is not: summing x_r + c over n ranks gives x + n c
+    if ctx.n_in == 2 and _partial_ok(ctx):
+        opts.append(AxisOption(P, (P, P)))
     return opts
 
 
@@ -266,17 +276,21 @@ def softmax_rule(ctx: OpCtx) -> list[AxisOption]:
 
 @register(aten.scaled_dot_product_attention.default)
 def sdpa_rule(ctx: OpCtx) -> list[AxisOption]:
+    # q [..., L, E], k/v [..., S, E]: only the leading (batch, head) dims may be sharded, never L or S
     q, k = ctx.in_shapes[0], ctx.in_shapes[1]
+    nd = len(q)
     mask = ctx.in_shapes[3] if ctx.n_in > 3 else None
+    if nd < 3 or len(k) != nd:
+        return []
 
     def mask_pl(dim: int) -> tuple[Placement, ...]:
         if mask is None:
             return ()
-        j = dim - (4 - len(mask))
+        j = dim - (nd - len(mask))
         return (Shard(j) if j >= 0 and mask[j] > 1 else R,)
 
-    opts = [AxisOption(Shard(0), (Shard(0),) * 3 + mask_pl(0))]
-    if q[1] == k[1] or ctx.arg(7, "enable_gqa", False):
+    opts = [AxisOption(Shard(0), (Shard(0),) * 3 + mask_pl(0))] if q[0] == k[0] else []
+    if nd == 4 and (q[1] == k[1] or ctx.arg(7, "enable_gqa", False)):
         kv = Shard(1) if k[1] > 1 else R  # a single K/V head (multi-query) stays replicated
         opts.append(AxisOption(Shard(1), (Shard(1), kv, kv) + mask_pl(1)))
     return opts
@@ -358,7 +372,7 @@ def unsqueeze_rule(ctx: OpCtx) -> list[AxisOption]:
     src = ctx.in_shapes[0]
     u = _norm(ctx.arg(1, "dim"), len(src) + 1)
     opts = [AxisOption(Shard(d + (d >= u)), (Shard(d),)) for d in range(len(src)) if src[d] > 1]
-    return opts + [AxisOption(P, (P,))]
+    return opts + ([AxisOption(P, (P,))] if _partial_ok(ctx) else [])
 
 
 @register(aten.squeeze.dim, aten.squeeze.dims, aten.squeeze.default)
@@ -391,7 +405,7 @@ def t_rule(ctx: OpCtx) -> list[AxisOption]:
 def _permute_options(ctx: OpCtx, perm: list[int]) -> list[AxisOption]:
     # output dim i is input dim perm[i]
     opts = [AxisOption(Shard(i), (Shard(p),)) for i, p in enumerate(perm) if ctx.out_shape[i] > 1]
-    return opts + [AxisOption(P, (P,))]
+    return opts + ([AxisOption(P, (P,))] if _partial_ok(ctx) else [])
 
 
 @register(aten.expand.default)
@@ -403,7 +417,7 @@ def expand_rule(ctx: OpCtx) -> list[AxisOption]:
         for d in range(len(src))
         if src[d] == dst[d + off] and src[d] > 1
     ]
-    return opts + [AxisOption(P, (P,))]
+    return opts + ([AxisOption(P, (P,))] if _partial_ok(ctx) else [])
 
 
 @register(
@@ -412,16 +426,15 @@ def expand_rule(ctx: OpCtx) -> list[AxisOption]:
 def slice_rule(ctx: OpCtx) -> list[AxisOption]:
     src = ctx.in_shapes[0]
     nd = len(src)
-    dim = _norm(ctx.arg(1 if ctx.node.target is not aten.split.Tensor else 2, "dim", 0), nd)
-    if ctx.node.target in (aten.split.Tensor, aten.split_with_sizes.default, aten.chunk.default):
-        dim = _norm(ctx.arg(2, "dim", 0), nd)
+    splits = (aten.split.Tensor, aten.split_with_sizes.default, aten.chunk.default)
+    dim = _norm(ctx.arg(2 if ctx.node.target in splits else 1, "dim", 0), nd)
     removes = ctx.node.target is aten.select.int
     opts = []
     for d in range(nd):
         if d == dim or src[d] <= 1:
             continue
         opts.append(AxisOption(Shard(d - (removes and d > dim)), (Shard(d),)))
-    return opts + [AxisOption(P, (P,))]
+    return opts + ([AxisOption(P, (P,))] if _partial_ok(ctx) else [])
 
 
 @register(aten.cat.default)
@@ -435,7 +448,63 @@ def cat_rule(ctx: OpCtx) -> list[AxisOption]:
         for d in range(nd)
         if d != dim and ctx.out_shape[d] > 1 and all(s[d] == ctx.out_shape[d] for s in ctx.in_shapes)
     ]
-    return opts + [AxisOption(P, (P,) * ctx.n_in)]
+    return opts + ([AxisOption(P, (P,) * ctx.n_in)] if _partial_ok(ctx) else [])
+
+
+@register(aten.flatten.using_ints)
+def flatten_rule(ctx: OpCtx) -> list[AxisOption]:
+    # a reshape that needs no local sizes: the local flatten of local pieces is the local piece
+    return view_rule(ctx)
+
+
+@register(aten.pad.default, aten.constant_pad_nd.default)
+def pad_rule(ctx: OpCtx) -> list[AxisOption]:
+    src = ctx.in_shapes[0]
+    nd = len(src)
+    pad = list(ctx.arg(1, "pad"))
+    padded = {nd - 1 - i // 2 for i in range(len(pad)) if pad[i] != 0}  # pairs from the last dim backwards
+    # every mode pads a dim from values along that dim only: the other dims may be cut
+    opts = [AxisOption(Shard(d), (Shard(d),)) for d in range(nd) if d not in padded and src[d] > 1]
+    if ctx.node.target is aten.pad.default:
+        mode, value = ctx.arg(2, "mode", "constant"), ctx.arg(3, "value", None)
+    else:
+        mode, value = "constant", ctx.arg(2, "value", 0)
+    if mode == "constant" and not value and ctx.node.meta["val"].dtype.is_floating_point:
+        opts.append(AxisOption(P, (P,)))  # zero padding is linear
+    return opts
+
+
+@register(aten.conv1d.default, aten.conv2d.default, aten.conv3d.default)
+def conv_rule(ctx: OpCtx) -> list[AxisOption]:
+    x, w = ctx.in_shapes[0], ctx.in_shapes[1]
+    if len(x) != len(w) or isinstance(ctx.arg(4, "padding", 0), str):  # unbatched input or "same"/"valid"
+        return []
+    has_bias = ctx.n_in == 3
+    groups = ctx.arg(6, "groups", 1)
+    b = (R,) if has_bias else ()
+    opts = [AxisOption(Shard(0), (Shard(0), R) + b)]  # batch
+    if groups == 1:
+        opts.append(AxisOption(Shard(1), (R, Shard(0)) + ((Shard(0),) if has_bias else ())))  # out channels
+        opts.append(AxisOption(P, (Shard(1), Shard(1)) + ((P,) if has_bias else ())))  # in channels
+    opts.append(AxisOption(P, (P, R) + ((P,) if has_bias else ())))  # linear in x
+    return opts
+
+
+# ops whose (single) output is a view of their first input
+VIEW_OPS = frozenset(
+    [
+        aten.view.default, aten._unsafe_view.default, aten.transpose.int, aten.permute.default,
+        aten.unsqueeze.default, aten.squeeze.dim, aten.squeeze.dims, aten.squeeze.default, aten.expand.default,
+        aten.t.default, aten.alias.default, aten.slice.Tensor, aten.select.int, aten.as_strided.default,
+    ]
+)  # fmt: skip
+# ops that allocate no new storage: views, plus the multi-output views and detach
+ALIASING_OPS = VIEW_OPS | {
+    aten.split.Tensor,
+    aten.split_with_sizes.default,
+    aten.chunk.default,
+    aten.detach.default,
+}
 
 
 def has_rule(target) -> bool:

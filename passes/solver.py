@@ -18,12 +18,15 @@ Constraints
 
 (2) is the standard tight linearization of x[u,a] * x[v,b] (its LP relaxation's vertices are
 integral on trees), as in Alpa (Zheng et al., OSDI 2022) and meta-pytorch/autoparallel.
-The outer search tries every mesh shape (``mesh_candidates``) and keeps the best objective.
+Before the ILP, followers are folded into their producers (``fold_followers``), which
+removes most edges of a transformer block. The outer search tries every mesh shape (``mesh_candidates``) and keeps the best objective.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
+import os
 import time
 from dataclasses import dataclass
 
@@ -65,9 +68,83 @@ def mesh_candidates(world_size: int, max_axes: int = 2) -> list[tuple[int, ...]]
 
 
 def solve(
-    tables: CostTables, memory_limit_bytes: float, time_limit_s: float | None = None
+    tables: CostTables,
+    memory_limit_bytes: float,
+    time_limit_s: float | None = None,
+    merge_followers: bool = True,
 ) -> Solution | None:
-    """Return the optimal choice, or None if no assignment fits ``memory_limit_bytes``."""
+    """Return the best choice, or None if no assignment fits ``memory_limit_bytes``.
+
+    With ``merge_followers`` (see ``fold_followers``) the ILP is smaller and the result optimal over
+    the plans in which every follower answers its producer as cheaply as it can; without, optimal."""
+    sol = None
+    if merge_followers:
+        reduced, merged = fold_followers(tables)
+        sol = _solve(reduced, memory_limit_bytes, time_limit_s)
+        if sol is not None:
+            choice = dict(sol.choice)
+            for v, (u, response) in reversed(merged):
+                choice[v] = response[choice[u]]
+            sol = dataclasses.replace(sol, choice=choice)
+    if sol is None:
+        sol = _solve(tables, memory_limit_bytes, time_limit_s)
+    if sol is None:
+        return None
+    # the ILP's objective leaves out constants (single-strategy nodes, graph outputs): report the full price
+    return dataclasses.replace(sol, objective=evaluate(tables, sol.choice)[0])
+
+
+def fold_followers(tables: CostTables) -> tuple[CostTables, list[tuple[str, tuple[str, list[int]]]]]:
+    r"""Merge every *follower* into its producer: a node v whose only input with a choice comes from
+    one producer u (views, unary elementwise ops, softmax, ...). For each strategy a of u, v takes
+    its best response ``b*(a) = argmin_b  c[u->v, a, b] + c[v, b]``; v's costs move into u's
+    (``c[u, a] += c[u->v, a, b*(a)] + c[v, b*(a)]``, the same for memory) and v's out-edges start
+    from u with rows ``b*(a)``. Repeated until no follower is left: chains of views collapse."""
+    strategies = dict(tables.strategies)
+    cost = {k: list(v) for k, v in tables.node_cost.items()}
+    mem = {k: list(v) for k, v in tables.node_mem.items()}
+    edges = list(tables.edges)
+    merged: list[tuple[str, tuple[str, list[int]]]] = []
+    while True:
+        # fold constant sources and self-loops into node costs, then look for a follower
+        sources: dict[str, set[str]] = {}
+        kept = []
+        for e in edges:
+            if e.dst != "output" and (e.src == e.dst or len(strategies[e.src]) == 1):
+                for b in range(len(strategies[e.dst])):
+                    a = b if e.src == e.dst else 0
+                    cost[e.dst][b] += e.cost[a][b]
+                    mem[e.dst][b] += e.mem[a][b]
+                continue
+            kept.append(e)
+            if e.dst != "output":
+                sources.setdefault(e.dst, set()).add(e.src)
+        edges = kept
+        v = next((v for v, srcs in sources.items() if len(srcs) == 1 and len(strategies[v]) > 1), None)
+        if v is None:
+            break
+        (u,) = sources[v]
+        into = [e for e in edges if e.dst == v]
+        nb = len(strategies[v])
+        response = []
+        for a in range(len(strategies[u])):
+            totals = [sum(e.cost[a][b] for e in into) + cost[v][b] for b in range(nb)]
+            b = min(range(nb), key=totals.__getitem__)
+            response.append(b)
+            cost[u][a] += totals[b]
+            mem[u][a] += sum(e.mem[a][b] for e in into) + mem[v][b]
+        edges = [
+            Edge(u, e.dst, [e.cost[b] for b in response], [e.mem[b] for b in response],
+                 [e.colls[b] for b in response], e.count) if e.src == v else e
+            for e in edges
+            if e.dst != v
+        ]  # fmt: skip
+        merged.append((v, (u, response)))
+        del strategies[v], cost[v], mem[v]
+    return CostTables(tables.mesh_shape, strategies, cost, mem, edges, tables.classes), merged
+
+
+def _solve(tables: CostTables, memory_limit_bytes: float, time_limit_s: float | None) -> Solution | None:
     t0 = time.perf_counter()
     prob = pulp.LpProblem("autopar", pulp.LpMinimize)
     x = _node_vars(prob, tables)
@@ -92,7 +169,7 @@ def solve(
     prob += objective
     _memory_constraint(prob, x, quad, lin_mem, memory_limit_bytes)
 
-    solver = pulp.PULP_CBC_CMD(msg=False, timeLimit=time_limit_s)
+    solver = make_solver(time_limit_s)
     try:
         prob.solve(solver)
     except pulp.PulpSolverError as e:
@@ -118,6 +195,23 @@ def solve(
     )
 
 
+def make_solver(time_limit_s: float | None = None, name: str | None = None):
+    """HiGHS (through highspy) when it is installed, else PuLP's bundled CBC, which always works."""
+    name = name or os.environ.get("AUTOPAR_SOLVER") or ("HiGHS" if _highs_available() else "CBC")
+    if name == "HiGHS":
+        return pulp.HiGHS(msg=False, timeLimit=time_limit_s)
+    if name == "CBC":
+        return pulp.PULP_CBC_CMD(msg=False, timeLimit=time_limit_s)
+    raise SolverError(f"unknown solver {name!r}: use 'HiGHS' or 'CBC'")
+
+
+def _highs_available() -> bool:
+    try:
+        return pulp.HiGHS(msg=False).available()
+    except Exception:  # noqa: BLE001 - any failure to load highspy means: not available
+        return False
+
+
 def _node_vars(prob: pulp.LpProblem, tables: CostTables) -> dict[str, list]:
     x = {}
     for i, (v, ss) in enumerate(tables.strategies.items()):
@@ -131,6 +225,11 @@ def _node_vars(prob: pulp.LpProblem, tables: CostTables) -> dict[str, list]:
 
 def _fold_edge(e: Edge, tables: CostTables, lin_cost: dict, lin_mem: dict) -> bool:
     n_src, n_dst = len(tables.strategies[e.src]), _n_dst(e, tables)
+    if e.src == e.dst:  # inside one class of repeated nodes: both ends take the same strategy
+        for a in range(n_src):
+            lin_cost[e.src][a] += e.cost[a][a]
+            lin_mem[e.src][a] += e.mem[a][a]
+        return True
     if n_src == 1:
         if e.dst == "output":
             return True  # a constant: does not change the argmin (``evaluate`` reports it)

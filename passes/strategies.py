@@ -15,19 +15,19 @@ parallelism); ``AUTO`` leaves the choice to the solver.
 from __future__ import annotations
 
 import enum
+import functools
 import itertools
 import logging
 import operator
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-import torch
 import torch.fx as fx
 from torch.distributed.tensor.placement_types import Partial, Replicate, Shard
 
 from autopar.errors import NoPlanFitsError
 from autopar.passes.analyze import NodeInfo
-from autopar.passes.rules import RULES, AxisOption, make_ctx, tensor_inputs
+from autopar.passes.rules import RULES, VIEW_OPS, AxisOption, make_ctx, tensor_inputs
 from autopar.passes.trace import Role, TracedGraph
 from autopar.placement import Spec
 
@@ -48,11 +48,15 @@ class Strategy:
 
     def split_axes(self) -> tuple[bool, ...]:
         """Per axis: does this strategy divide work over the axis (anything but all-Replicate)?"""
-        n = len(self.out)
-        return tuple(
-            not isinstance(self.out[a], Replicate) or any(not isinstance(s[a], Replicate) for s in self.ins)
-            for a in range(n)
-        )
+        return _split_axes(self)
+
+
+@functools.cache
+def _split_axes(s: Strategy) -> tuple[bool, ...]:
+    return tuple(
+        not isinstance(s.out[a], Replicate) or any(not isinstance(x[a], Replicate) for x in s.ins)
+        for a in range(len(s.out))
+    )
 
 
 @dataclass
@@ -123,12 +127,17 @@ def build_strategies(
     infos: dict[str, NodeInfo],
     mesh_shape: Sequence[int],
     axis_roles: Sequence[AxisRole] | None = None,
+    only: set[str] | None = None,
 ) -> dict[str, NodeStrategies]:
+    """Strategies of every placeholder and op node (or of the names in ``only``: class representatives)."""
     axis_roles = tuple(axis_roles or (AxisRole.AUTO,) * len(mesh_shape))
     if len(axis_roles) != len(mesh_shape):
         raise ValueError(f"axis_roles {axis_roles} must have one entry per mesh axis {tuple(mesh_shape)}")
     result: dict[str, NodeStrategies] = {}
+    mutated = mutated_views(tg)
     for node in tg.graph.nodes:
+        if only is not None and node.name not in only:
+            continue
         info = infos[node.name]
         if node.op == "placeholder":
             strategies = expand(placeholder_options(info.shape, True), 0, info.shapes, [], mesh_shape)
@@ -154,9 +163,35 @@ def build_strategies(
                 if name not in _warned_fallback:
                     _warned_fallback.add(name)
                     log.info("no sharding rule for %s: replicated", name)
+            if node.name in mutated:
+                options = []  # stays replicated: a reshard would copy it and the mutation would be lost
             strategies = expand(options, len(ins), info.shapes, in_shapes, mesh_shape)
             result[node.name] = NodeStrategies(node, strategies, ins, rule is not None)
     return result
+
+
+def mutated_views(tg: TracedGraph) -> set[str]:
+    """Nodes an in-place op writes into, and the views between them and their base.
+
+    e.g. ``z = new_zeros(...); z[:, 1:].copy_(x)`` (T5's shift-right): ``z`` and the slice must be
+    one storage for the copy to land in ``z``. Placeholders are excluded: they are never resharded
+    in place (they are parameters, buffers or inputs, which in-place ops do not touch in training)."""
+    out: set[str] = set()
+    for node in tg.graph.nodes:
+        schema = getattr(node.target, "_schema", None)
+        if node.op != "call_function" or schema is None or not schema.is_mutable:
+            continue
+        for arg, formal in zip(node.args, schema.arguments):
+            if not (
+                isinstance(arg, fx.Node) and formal.alias_info is not None and formal.alias_info.is_write
+            ):
+                continue
+            while isinstance(arg, fx.Node) and arg.op == "call_function":
+                out.add(arg.name)
+                if arg.target not in VIEW_OPS:
+                    break
+                arg = arg.args[0]
+    return out
 
 
 def _placeholder_allowed(spec: Spec, info: NodeInfo, axis_roles: Sequence[AxisRole]) -> bool:
@@ -176,5 +211,10 @@ def _placeholder_allowed(spec: Spec, info: NodeInfo, axis_roles: Sequence[AxisRo
     return True
 
 
-def is_tensor_node(node: fx.Node) -> bool:
-    return isinstance(node.meta.get("val"), torch.Tensor)
+def variable_nodes(tg: TracedGraph) -> list[str]:
+    """Nodes that carry a strategy choice: placeholders and ops (getitem follows its producer)."""
+    return [
+        n.name
+        for n in tg.graph.nodes
+        if n.op == "placeholder" or (n.op == "call_function" and n.target is not operator.getitem)
+    ]

@@ -1,0 +1,1 @@
+"""Small plain-torch models used by ``autopar.examples`` (no Hugging Face dependency)."""

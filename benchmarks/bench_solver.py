@@ -1,0 +1,91 @@
+"""Planning time = trace on the meta device + strategies + costs + ILP, for the sizes of issue 5.
+
+    .venv/bin/python benchmarks/bench_solver.py [--case NAME ...]
+
+Cases: gpt2-small on 8 devices; LLaMA-3-8B shape on 64 (8 nodes x 8 H100); LLaMA-70B shape on
+1024; and the scaling of one width with 12, 24, 48 and 96 layers. Figures, with the machine they
+were measured on, are recorded in benchmarks/README.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import time
+
+import torch
+
+import autopar
+
+
+def _llama(layers, hidden, ffn, heads, kv_heads, vocab=128256):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(
+        num_hidden_layers=layers,
+        hidden_size=hidden,
+        intermediate_size=ffn,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        vocab_size=vocab,
+        max_position_embeddings=8192,
+        use_cache=False,
+        bos_token_id=0,
+        eos_token_id=0,
+        pad_token_id=0,
+    )
+    with torch.device("meta"):
+        return LlamaForCausalLM(cfg).to(torch.bfloat16)
+
+
+def _gpt2_small():
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    with torch.device("meta"):
+        return GPT2LMHeadModel(GPT2Config(use_cache=False)).to(torch.bfloat16)
+
+
+def run(name, model, batch, seq, vocab, cluster, **kw):
+    ids = torch.randint(0, vocab, (batch, seq))
+    lines: list[str] = []
+    t0 = time.perf_counter()
+    plan = autopar.plan(model, cluster, {"input_ids": ids, "labels": ids}, progress=lines.append, **kw)
+    dt = time.perf_counter() - t0
+    p = plan.predicted
+    print(
+        f"{name:34s} {cluster.world_size:5d} dev  plan {dt:6.1f} s  mesh {str(plan.mesh_shape):12s} "
+        f"step {p.step_time_s * 1e3:10.1f} ms  mem {p.peak_memory_bytes / 2**30:7.1f} GiB  "
+        f"gap {plan.solver.status}",
+        flush=True,
+    )
+    for line in lines:
+        print("    " + line)
+    return dt
+
+
+CASES = {
+    "gpt2-small-8": lambda: run("gpt2-small (12L, 768)", _gpt2_small(), 32, 1024, 50257,
+                                autopar.ClusterSpec.preset("h100-sxm")),
+    "llama3-8b-64": lambda: run("llama-3-8b shape (32L, 4096)", _llama(32, 4096, 14336, 32, 8), 64, 4096, 128256,
+                                autopar.ClusterSpec.preset("h100-sxm", nodes=8)),
+    "llama-70b-1024": lambda: run("llama-70b shape (80L, 8192)", _llama(80, 8192, 28672, 64, 8), 1024, 4096, 128256,
+                                  autopar.ClusterSpec.preset("h100-sxm", nodes=128)),
+    "depth": lambda: [
+        run(f"llama 2048-wide, {n} layers", _llama(n, 2048, 5632, 16, 4, 32000), 16, 2048, 32000,
+            autopar.ClusterSpec.preset("h100-sxm"), mesh_shape=(2, 4))
+        for n in (12, 24, 48, 96)
+    ],
+}  # fmt: skip
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--case", action="append", choices=list(CASES), help="run only these (repeatable)")
+    args = ap.parse_args()
+    print(f"# {platform.machine()}, {torch.get_num_threads()} threads, torch {torch.__version__}")
+    for name in args.case or list(CASES):
+        CASES[name]()
+
+
+if __name__ == "__main__":
+    main()
