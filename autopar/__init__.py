@@ -6,6 +6,7 @@ plan = autopar.plan(model, cluster_spec, example_inputs)                # offlin
 
 from autopar.api import autoparallelize, plan, search
 from autopar.cluster import ClusterSpec, DeviceSpec, LinkSpec
+from autopar.coverage import OpCoverage, coverage
 from autopar.errors import (
     AutoparError,
     ClusterSpecError,
@@ -29,6 +30,7 @@ __all__ = [
     "LinkSpec",
     "NoPlanFitsError",
     "NodeDecision",
+    "OpCoverage",
     "Optimizer",
     "Plan",
     "PlanFormatError",
@@ -36,6 +38,7 @@ __all__ = [
     "Predicted",
     "TraceError",
     "autoparallelize",
+    "coverage",
     "plan",
     "search",
 ]

@@ -2,6 +2,7 @@
 
     autopar demo [--out DIR] [--model MODEL_SPEC] [--world-size N]
     autopar plan MODEL_SPEC --cluster PRESET[:NODESxDEVICES] | SPEC_FILE --out plan.json [--report r.html]
+    autopar coverage MODEL_SPEC [--json]
 
 MODEL_SPEC is ``path/to/file.py:function`` or ``package.module:function`` (a callable returning
 ``(model, example_inputs)``), e.g. ``autopar.examples:gpt2_tiny``.
@@ -34,6 +35,10 @@ def _build_parser() -> argparse.ArgumentParser:
     d.add_argument("--model", default="autopar.examples:gpt2_tiny", help="MODEL_SPEC to run")
     d.add_argument("--world-size", type=int, default=4, help="number of local gloo processes (default: 4)")
     d.add_argument("--steps", type=int, default=3, help="SGD steps compared with the single-device model")
+
+    cv = sub.add_parser("coverage", help="list the model's ops and which have sharding rules")
+    cv.add_argument("model", metavar="MODEL_SPEC")
+    cv.add_argument("--json", action="store_true", help="print JSON instead of a table")
 
     pl = sub.add_parser("plan", help="search a sharding plan offline and write it as JSON")
     pl.add_argument("model", metavar="MODEL_SPEC")
@@ -79,6 +84,17 @@ def _cmd_plan(args) -> int:
     return 0
 
 
+def _cmd_coverage(args) -> int:
+    import json
+
+    from autopar.coverage import coverage, format_table
+    from autopar.model_spec import load_model_spec
+
+    rows = coverage(*load_model_spec(args.model))
+    print(json.dumps([r.to_dict() for r in rows], indent=1) if args.json else format_table(rows))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     args = _build_parser().parse_args(argv)
@@ -90,6 +106,8 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         if args.cmd == "plan":
             return _cmd_plan(args)
+        if args.cmd == "coverage":
+            return _cmd_coverage(args)
     except AutoparError as e:
         print(f"autopar: error: {e}", file=sys.stderr)
         return 2

@@ -56,3 +56,18 @@ def test_errors_exit_2_with_a_message(argv, needle, capsys, tmp_path):
 def test_model_spec_kwargs():
     model, inputs = load_model_spec("autopar.examples:mlp(batch=3, hidden=5, ffn=7)")
     assert inputs[0].shape == (3, 5) and model.up.weight.shape == (7, 5)
+
+
+def test_coverage_lists_ops_and_fallbacks(capsys):
+    import json
+
+    assert (
+        main(["coverage", "autopar.examples:gpt2_tiny(batch=2, seq=8, hidden=32, vocab=64)", "--json"]) == 0
+    )
+    rows = {r["op"]: r for r in json.loads(capsys.readouterr().out)}
+    assert rows["aten.linear.default"]["has_rule"] and rows["aten.addmm.default"]["count"] == 2 * 4
+    assert not rows["aten.arange.default"]["has_rule"]  # factory op: replicated
+    assert "<built-in function getitem>" not in rows
+    assert main(["coverage", "autopar.examples:mlp(batch=4, hidden=8, ffn=16)"]) == 0
+    table = capsys.readouterr().out
+    assert "aten.linear.default" in table and "have no rule" in table

@@ -93,6 +93,32 @@ def test_follower_folding_gives_a_feasible_plan_priced_exactly(problem):
     assert sol.objective == pytest.approx(t, rel=1e-6, abs=1e-6)  # the ILP's own objective prices it right
 
 
+@pytest.mark.parametrize("solver", ["CBC", "HiGHS"])
+def test_both_solvers_find_the_optimum(solver, monkeypatch):
+    """HiGHS (default when highspy is installed) and CBC (always there) agree with brute force."""
+    from autopar.passes.solver import _highs_available
+
+    if solver == "HiGHS" and not _highs_available():
+        pytest.skip("highspy not installed")
+    monkeypatch.setenv("AUTOPAR_SOLVER", solver)
+    tables, limit = _fixed_problem()
+    sol = solve(tables, limit, merge_followers=False)
+    assert sol is not None and solver.lower() in sol.solver.lower()
+    assert evaluate(tables, sol.choice)[0] == pytest.approx(brute_force(tables, limit))
+
+
+def _fixed_problem():
+    dummy = Strategy((R,), ())
+    names = ["a", "b", "c"]
+    tables = CostTables((1,), {v: [dummy] * 3 for v in names},
+                        {"a": [3.0, 1.0, 2.0], "b": [1.0, 2.0, 0.5], "c": [2.0, 2.0, 2.0]},
+                        {v: [1.0, 2.0, 3.0] for v in names})  # fmt: skip
+    for src, dst in (("a", "b"), ("b", "c"), ("a", "c")):
+        cost = [[0.0 if i == j else 1.5 for j in range(3)] for i in range(3)]
+        tables.edges.append(Edge(src, dst, cost, [[0.0] * 3 for _ in range(3)], [[()] * 3 for _ in range(3)]))
+    return tables, 7.0
+
+
 def test_mesh_candidates():
     assert mesh_candidates(1) == [(1,)]
     assert mesh_candidates(8) == [(8,), (2, 4), (4, 2)]
