@@ -25,7 +25,7 @@ from autopar.errors import DistributedSetupError, NoPlanFitsError, PlanFormatErr
 from autopar.passes.analyze import NodeInfo, analyze
 from autopar.passes.coarsen import find_classes
 from autopar.passes.costs import CostTables, Optimizer, build_costs, resolve_source
-from autopar.passes.solver import Solution, evaluate, mesh_candidates, solve
+from autopar.passes.solver import Solution, evaluate, lower_bound, mesh_candidates, solve
 from autopar.passes.strategies import AxisRole, Strategy, build_strategies, variable_nodes
 from autopar.passes.trace import Role, TracedGraph, normalize_inputs, trace
 from autopar.placement import spec_from_str, spec_to_str, volume_factor
@@ -33,6 +33,10 @@ from autopar.plan import NodeDecision, Plan, Predicted, SolverInfo
 
 log = logging.getLogger("autopar")
 
+# meshes of up to this many axes are searched when no mesh shape or axis roles are given. 3-axis
+# meshes plan when asked for (mesh_shape=...), but their per-edge strategy-pair tables grow as
+# (options per axis)^6: searching all of them needs strategy pruning first.
+MAX_MESH_AXES = 2
 # fraction of device memory the plan may use; the rest is a reserve for fragmentation and workspaces
 MEMORY_FRACTION = 0.9
 
@@ -102,14 +106,14 @@ def search(
                 f"mesh_shape {meshes[0]} has {math.prod(meshes[0])} devices but the cluster has {cluster.world_size}"
             )
     else:
-        max_axes = len(axis_roles) if axis_roles else 2
+        max_axes = len(axis_roles) if axis_roles else MAX_MESH_AXES
         meshes = [
             m
-            for m in mesh_candidates(cluster.world_size, max_axes)
+            for m in mesh_candidates(cluster.world_size, max_axes, cluster.devices_per_node)
             if not axis_roles or len(m) == len(axis_roles)
         ]
 
-    best: tuple[float, tuple, Solution, CostTables, dict] | None = None
+    best: tuple[float, tuple, Solution, CostTables, dict, float] | None = None
     candidates = []
     min_needed = math.inf
     for mesh in meshes:
@@ -118,15 +122,28 @@ def search(
         # -- cost -----------------------------------------------------------------------------------
         roles = tuple(axis_roles) if axis_roles else None
         tables = build_costs(tg, infos, strats, cluster, mesh, optimizer, roles, classes)
-        min_needed = min(min_needed, sum(min(m) for m in tables.node_mem.values()))
+        mem_needed = sum(min(m) for m in tables.node_mem.values())
+        min_needed = min(min_needed, mem_needed)
+        bound = lower_bound(tables)
+        entry = {"mesh_shape": list(mesh), "lower_bound": bound}
+        if mem_needed > limit:
+            candidates.append({**entry, "status": "infeasible", "objective": None})
+            _progress(
+                progress, f"solve: mesh {mesh}: needs >= {mem_needed / 2**30:.2f} GiB per device: skipped"
+            )
+            continue
+        if best is not None and bound >= best[0]:
+            candidates.append({**entry, "status": "pruned", "objective": None})
+            _progress(progress, f"solve: mesh {mesh}: lower bound {bound * 1e3:.3f} ms >= best: pruned")
+            continue
         # -- solve ----------------------------------------------------------------------------------
         sol = solve(tables, limit, time_limit_s)
         if sol is None:
-            candidates.append({"mesh_shape": list(mesh), "status": "infeasible", "objective": None})
+            candidates.append({**entry, "status": "infeasible", "objective": None})
             _progress(progress, f"solve: mesh {mesh}: no plan fits {limit / 2**30:.2f} GiB per device")
             continue
         t_step, _ = evaluate(tables, sol.choice)
-        candidates.append({"mesh_shape": list(mesh), "status": sol.status, "objective": t_step})
+        candidates.append({**entry, "status": sol.status, "objective": t_step})
         _progress(
             progress,
             f"solve: mesh {mesh}: {sol.status}, predicted step {t_step * 1e3:.3f} ms "
@@ -137,18 +154,18 @@ def search(
                 json.dumps({"status": sol.status, "objective": t_step, "choice": sol.choice}, indent=0)
             )
         if best is None or t_step < best[0] - 1e-12:
-            best = (t_step, mesh, sol, tables, strats)
+            best = (t_step, mesh, sol, tables, strats, bound)
     if best is None:
         raise NoPlanFitsError(
             f"no plan fits: needs at least {min_needed / 2**30:.2f} GiB per device, the limit is "
             f"{limit / 2**30:.2f} GiB ({cluster.device.name}, {cluster.world_size} devices); try more devices, "
             "a smaller batch or sequence, another mesh_shape or a larger memory_limit_bytes"
         )
-    _, mesh, sol, tables, strats = best
+    _, mesh, sol, tables, strats, bound = best
     members = tables.classes.members
     choice = {m: tables.strategies[v][i] for v, i in sol.choice.items() for m in members[v]}
     # -- plan -------------------------------------------------------------------------------------
-    plan = _make_plan(tg, infos, tables, sol, choice, cluster, mesh, optimizer, candidates)
+    plan = _make_plan(tg, infos, tables, sol, choice, cluster, mesh, optimizer, candidates, bound)
     if dump:
         plan.save(dump / "5_plan.json")
     _progress(progress, f"plan: mesh {mesh}, {time.perf_counter() - t0:.1f} s in all")
@@ -165,7 +182,7 @@ def _with_getitems(tg: TracedGraph, choice: dict[str, Strategy]) -> dict[str, St
     return out
 
 
-def _make_plan(tg, infos, tables, sol, choice, cluster, mesh, optimizer, candidates) -> Plan:
+def _make_plan(tg, infos, tables, sol, choice, cluster, mesh, optimizer, candidates, bound) -> Plan:
     classes = tables.classes
     comm_in: dict[str, float] = {}  # per class representative, per member
     colls: dict[str, list[str]] = {}
@@ -234,6 +251,7 @@ def _make_plan(tg, infos, tables, sol, choice, cluster, mesh, optimizer, candida
             num_variables=sol.num_variables,
             num_constraints=sol.num_constraints,
             candidates=tuple(candidates),
+            lower_bound_s=bound,
         ),
     )
 

@@ -2,6 +2,7 @@
 
     autopar demo [--out DIR] [--model MODEL_SPEC] [--world-size N]
     autopar plan MODEL_SPEC --cluster PRESET[:NODESxDEVICES] | SPEC_FILE --out plan.json [--report r.html]
+    autopar calibrate [--world-size N] [--out cluster.json] [--quick]
     autopar coverage MODEL_SPEC [--json]
 
 MODEL_SPEC is ``path/to/file.py:function`` or ``package.module:function`` (a callable returning
@@ -51,7 +52,23 @@ def _build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--memory-limit-gib", type=float, default=None, help="per-device memory limit in GiB")
     pl.add_argument("--time-limit", type=float, default=None, help="solver time limit per mesh, in seconds")
     pl.add_argument("--meta", action="store_true", help="build the model on the meta device (no weights)")
+
+    ca = sub.add_parser(
+        "calibrate", help="measure links and device on local gloo processes; write a spec file"
+    )
+    ca.add_argument("--world-size", type=int, default=2, help="number of local gloo processes (default: 2)")
+    ca.add_argument("--out", default="cluster.json", help="where to write the spec (default: cluster.json)")
+    ca.add_argument("--quick", action="store_true", help="few sizes and repeats (seconds, noisier)")
     return p
+
+
+def _cmd_calibrate(args) -> int:
+    from autopar.cost_model.calibrate import run_calibration
+
+    cal = run_calibration(args.world_size, out_path=args.out, quick=args.quick)
+    print(cal.table())
+    print(f"wrote {args.out}")
+    return 0
 
 
 def _cmd_plan(args) -> int:
@@ -106,6 +123,8 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         if args.cmd == "plan":
             return _cmd_plan(args)
+        if args.cmd == "calibrate":
+            return _cmd_calibrate(args)
         if args.cmd == "coverage":
             return _cmd_coverage(args)
     except AutoparError as e:

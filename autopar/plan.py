@@ -93,9 +93,14 @@ class SolverInfo:
     solve_time_s: float
     num_variables: int = 0
     num_constraints: int = 0
-    candidates: tuple[
-        dict, ...
-    ] = ()  # one entry per mesh shape tried: {"mesh_shape", "status", "objective", ...}
+    # one entry per mesh shape tried: {"mesh_shape", "status", "objective", "lower_bound"}
+    candidates: tuple[dict, ...] = ()
+    lower_bound_s: float = 0.0  # no plan on the chosen mesh is faster: every op at its cheapest, free edges
+
+    @property
+    def gap(self) -> float:
+        """Relative distance of the predicted step time from the lower bound (0: proven optimal)."""
+        return max(self.objective - self.lower_bound_s, 0.0) / self.objective if self.objective > 0 else 0.0
 
 
 @dataclass(frozen=True)
@@ -158,7 +163,8 @@ class Plan:
             f"  predicted peak memory per device {p.peak_memory_bytes / 2**20:.2f} MiB (params "
             f"{p.param_bytes / 2**20:.2f}, grads {p.grad_bytes / 2**20:.2f}, optimizer {p.optimizer_bytes / 2**20:.2f}, "
             f"activations {p.activation_bytes / 2**20:.2f})",
-            f"  solver {self.solver.name}: {self.solver.status}, {self.solver.solve_time_s:.2f} s",
+            f"  solver {self.solver.name}: {self.solver.status}, {self.solver.solve_time_s:.2f} s; lower bound "
+            f"{self.solver.lower_bound_s * 1e3:.3f} ms (gap {self.solver.gap:.1%})",
             "  parameter placements:",
         ]
         params = [d for d in self.decisions if d.role == "param"]

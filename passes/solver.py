@@ -47,8 +47,26 @@ class Solution:
     num_constraints: int
 
 
-def mesh_candidates(world_size: int, max_axes: int = 2) -> list[tuple[int, ...]]:
-    """Every factorization of world_size into 1..max_axes axes, each of size >= 2 (or (1,))."""
+def node_aligned(mesh: tuple[int, ...], devices_per_node: int) -> bool:
+    """Every axis lies inside a node or strictly across nodes: the fast (last) axes tile a node.
+
+    Axis a (row-major, stride = product of the later axes) spans ``stride * size`` ranks: it is
+    intra-node when that span fits in a node, inter-node when its stride is a whole number of
+    nodes. Anything else mixes links inside one collective and is left out of the search."""
+    stride = 1
+    for n in reversed(mesh):
+        span = stride * n
+        if not (span <= devices_per_node and devices_per_node % span == 0) and stride % devices_per_node:
+            return False
+        stride = span
+    return True
+
+
+def mesh_candidates(
+    world_size: int, max_axes: int = 2, devices_per_node: int | None = None
+) -> list[tuple[int, ...]]:
+    """Every factorization of world_size into 1..max_axes axes, each of size >= 2 (or (1,)),
+    kept only if node-aligned when ``devices_per_node`` is given."""
     if world_size == 1:
         return [(1,)]
     out: list[tuple[int, ...]] = []
@@ -64,7 +82,16 @@ def mesh_candidates(world_size: int, max_axes: int = 2) -> list[tuple[int, ...]]
                 rec(rest // f, prefix + (f,))
 
     rec(world_size, ())
+    if devices_per_node:  # the 1-D mesh stays: plain data parallelism over everything, priced inter-node
+        out = [m for m in out if len(m) == 1 or node_aligned(m, devices_per_node)]
     return sorted(out, key=lambda m: (len(m), m))
+
+
+def lower_bound(tables: CostTables) -> float:
+    """A lower bound on the step time of any plan on these tables: every node at its cheapest
+    strategy, every edge free (edge costs are >= 0). Used to prune meshes and to report a gap."""
+    reduced, _ = fold_followers(tables)
+    return sum(min(c) for c in reduced.node_cost.values())
 
 
 def solve(

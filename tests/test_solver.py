@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 import autopar
 from autopar.examples import gpt2_tiny, mlp
 from autopar.passes.costs import CostTables, Edge
-from autopar.passes.solver import evaluate, mesh_candidates, solve
+from autopar.passes.solver import evaluate, mesh_candidates, node_aligned, solve
 from autopar.passes.strategies import Strategy
 from autopar.placement import R
 
@@ -124,6 +124,18 @@ def test_mesh_candidates():
     assert mesh_candidates(8) == [(8,), (2, 4), (4, 2)]
     assert mesh_candidates(12) == [(12,), (2, 6), (3, 4), (4, 3), (6, 2)]
     assert (2, 2, 2) in mesh_candidates(8, max_axes=3)
+    # node-aligned (8 devices per node): fast axes tile a node, slow axes cross whole nodes
+    assert mesh_candidates(64, 3, devices_per_node=8) == [
+        (64,),
+        (8, 8),
+        (2, 4, 8),
+        (4, 2, 8),
+        (8, 2, 4),
+        (8, 4, 2),
+    ]
+    assert node_aligned((128, 8), 8) and node_aligned((64, 2, 8), 8) and node_aligned((16, 2, 4), 8)
+    assert not node_aligned((16, 4), 8)  # the 16-axis has stride 4: two devices of each node per group
+    assert not node_aligned((4, 16), 8)  # the 16-axis spans two nodes from stride 1
 
 
 # -- golden: what an expert would choose ----------------------------------------------------------
@@ -162,6 +174,16 @@ def test_mlp_that_does_not_fit_replicated_is_megatron_column_then_row():
     forward = [c for d in plan.decisions for c in d.collectives if "(bwd)" not in c]
     assert forward == ["all_reduce@0"]  # one all-reduce for the whole block
     assert plan.predicted.peak_memory_bytes <= limit
+
+
+def test_plan_reports_a_lower_bound_and_gap():
+    model, inputs = mlp(batch=64, hidden=256, ffn=1024)
+    plan = autopar.plan(model, autopar.ClusterSpec.preset("h100-sxm", devices_per_node=4), inputs)
+    s = plan.solver
+    assert 0 < s.lower_bound_s <= s.objective == pytest.approx(plan.predicted.step_time_s)
+    assert 0 <= s.gap < 1 and "lower bound" in plan.summary()
+    assert {tuple(c["mesh_shape"]) for c in s.candidates} == {(4,), (2, 2)}
+    assert all(c["status"] in ("Optimal", "pruned", "infeasible") for c in s.candidates)
 
 
 def test_no_plan_fits_says_what_is_needed():

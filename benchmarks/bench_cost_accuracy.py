@@ -1,0 +1,151 @@
+"""How well does the cost model predict what runs? Predicted vs measured step time and peak memory.
+
+For 3 models x 3 plans (DP, TP, auto) x gloo world sizes 2 and 4: plan with a calibrated
+ClusterSpec (``calibrate`` once at the start, or ``--cluster FILE``), run each plan on local gloo
+processes (SGD steps), measure the step time (median, max over ranks) and the peak live tensor
+bytes (max over ranks), and print predicted vs measured with relative errors; then the median
+absolute error of each and whether the predicted ranking of the 3 plans matches the measured one.
+
+    .venv/bin/python benchmarks/bench_cost_accuracy.py [--cluster cluster.json] [--worlds 2 4]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+import autopar
+from autopar.cost_model.calibrate import run_calibration
+from autopar.cost_model.measure import peak_step_memory, time_steps
+from autopar.launch import run_on_ranks
+from autopar.model_spec import load_model_spec
+
+MODELS = {
+    "mlp": "autopar.examples:mlp(batch=64, hidden=512, ffn=2048)",
+    "gpt2_tiny": "autopar.examples:gpt2_tiny(batch=8, seq=64, hidden=128, vocab=512)",
+    "llama_tiny": "autopar.examples:llama_tiny(batch=8, seq=64, hidden=128, vocab=512)",
+}
+PLANS = {
+    "DP": (autopar.AxisRole.DATA,),
+    "TP": (autopar.AxisRole.TENSOR,),
+    "auto": None,
+}
+
+
+def _train_step(model, opt, inputs):
+    out = model(**inputs) if isinstance(inputs, dict) else model(*inputs)
+    loss = out.loss if hasattr(out, "loss") else out[0]
+    loss.backward()
+    opt.step()
+    opt.zero_grad(set_to_none=False)
+
+
+def _rank_run(rank: int, world: int, model_spec: str, cluster_dict: dict, plan_paths: dict) -> dict:
+    cluster = autopar.ClusterSpec.from_dict(cluster_dict)
+    out = {}
+    for name, path in plan_paths.items():
+        torch.manual_seed(0)
+        model, inputs = load_model_spec(model_spec)
+        pmodel = autopar.autoparallelize(model, cluster, inputs, plan=path)
+        opt = torch.optim.SGD(pmodel.parameters(), lr=0.01)
+        step = lambda m=pmodel, o=opt, x=inputs: _train_step(m, o, x)  # noqa: E731
+        step_s = time_steps(step, warmup=2, repeat=7, barrier=dist.barrier)
+        peak = peak_step_memory(pmodel, step)
+        out[name] = (step_s, peak)
+        dist.barrier()
+    return out
+
+
+def _rel(pred: float, meas: float) -> float:
+    return (pred - meas) / meas
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--cluster", default=None, help="a calibrated spec file (default: calibrate now)")
+    ap.add_argument("--worlds", type=int, nargs="+", default=[2, 4])
+    ap.add_argument("--calib-world", type=int, default=4, help="world size of the calibration run")
+    args = ap.parse_args()
+
+    if args.cluster:
+        base = autopar.ClusterSpec.from_file(args.cluster)
+        print(f"cluster: {args.cluster}")
+    else:
+        t0 = time.perf_counter()
+        cal = run_calibration(args.calib_world)
+        base = cal.cluster
+        print(f"calibrated on {args.calib_world} gloo processes in {time.perf_counter() - t0:.1f} s")
+        print(cal.table())
+    dev = base.device
+    print(
+        f"spec: link {base.intra_node.bandwidth / 1e9:.3f} GB/s + {base.intra_node.latency * 1e6:.1f} us, "
+        f"peak fp32 {dev.peak_flops_for('float32') / 1e9:.1f} GFLOP/s, mem {dev.memory_bandwidth / 1e9:.1f} GB/s, "
+        f"launch {dev.kernel_launch_s * 1e6:.2f} us\n"
+    )
+
+    tmp = Path(tempfile.mkdtemp(prefix="bench_cost_"))
+    rows = []
+    head = (
+        f"{'model':<11} {'world':>5} {'plan':<5} {'mesh':<7} {'pred ms':>9} {'meas ms':>9} {'err':>7} "
+        f"{'pred MiB':>9} {'meas MiB':>9} {'err':>7}"
+    )
+    print(head)
+    for world in args.worlds:
+        cluster = base.with_overrides(nodes=1, devices_per_node=world)
+        for mname, spec in MODELS.items():
+            plans, paths = {}, {}
+            for pname, roles in PLANS.items():
+                model, inputs = load_model_spec(spec)
+                try:
+                    plans[pname] = autopar.plan(
+                        model, cluster, inputs, axis_roles=roles, optimizer=autopar.Optimizer.SGD
+                    )
+                except Exception as e:  # noqa: BLE001 - report and go on
+                    print(f"{mname:<11} {world:>5} {pname:<5} plan failed: {type(e).__name__}: {e}")
+                    continue
+                paths[pname] = str(tmp / f"{mname}_{world}_{pname}.json")
+                plans[pname].save(paths[pname])
+            results = run_on_ranks(_rank_run, world, spec, cluster.to_dict(), paths)
+            case = {}
+            for pname, plan in plans.items():
+                meas_t = max(r[pname][0] for r in results)
+                meas_m = max(r[pname][1] for r in results)
+                p = plan.predicted
+                et, em = _rel(p.step_time_s, meas_t), _rel(p.peak_memory_bytes, meas_m)
+                case[pname] = (p.step_time_s, meas_t)
+                rows.append((mname, world, pname, et, em))
+                print(
+                    f"{mname:<11} {world:>5} {pname:<5} {'x'.join(map(str, plan.mesh_shape)):<7} "
+                    f"{p.step_time_s * 1e3:>9.3f} {meas_t * 1e3:>9.3f} {et * 100:>6.0f}% "
+                    f"{p.peak_memory_bytes / 2**20:>9.2f} {meas_m / 2**20:>9.2f} {em * 100:>6.0f}%",
+                    flush=True,
+                )
+            rows.append(("rank", mname, world, case))
+
+    cases = [r for r in rows if r[0] != "rank"]
+    print()
+    print(
+        f"median |error| step time:   {statistics.median(abs(r[3]) for r in cases) * 100:.0f}%  ({len(cases)} cases)"
+    )
+    print(f"median |error| peak memory: {statistics.median(abs(r[4]) for r in cases) * 100:.0f}%")
+    print("ranking of the plans (fastest first), predicted vs measured:")
+    agree = 0
+    ranks = [r for r in rows if r[0] == "rank"]
+    for _, mname, world, case in ranks:
+        pred = sorted(case, key=lambda k: case[k][0])
+        meas = sorted(case, key=lambda k: case[k][1])
+        ok = pred == meas
+        agree += ok
+        print(f"  {mname:<11} world {world}: predicted {' < '.join(pred):<18} measured {' < '.join(meas):<18} "
+              f"{'match' if ok else 'MISMATCH'}")  # fmt: skip
+    print(f"rankings that match: {agree}/{len(ranks)}")
+
+
+if __name__ == "__main__":
+    main()

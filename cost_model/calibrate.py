@@ -1,0 +1,439 @@
+"""Calibrate a :class:`~autopar.cluster.ClusterSpec` from measurements on the machine that will run.
+
+Method
+------
+Communication (``measure_collectives``): inside an initialized process group (any backend) every
+rank runs each collective on a float32 tensor of each size, exactly as ``codegen/collectives.py``
+runs it:
+
+* ``all_reduce``: ``clone`` + ``dist.all_reduce`` (``B`` = the tensor's bytes);
+* ``all_gather``: ``dist.all_gather`` into a list of ``n`` shards + ``torch.cat`` (``B`` = bytes of
+  the gathered, full tensor; each rank contributes ``B / n``);
+* ``reduce_scatter``: on gloo, ``all_reduce`` of the full tensor + a local slice (``B`` = the full
+  tensor's bytes); on NCCL, ``dist.reduce_scatter_tensor``.
+
+Each timed run is preceded by a barrier; a run's time is the maximum over ranks (the slowest rank
+decides when the collective is over), and a sample's time is the median over ``repeats`` runs.
+
+Fit (``fit_link``): the ring alpha-beta formulas of ``cost_model/comm.py``
+
+    t(B, n) = f(n) * B / bw + g(n) * lat                                          [s]
+
+with ``B`` in bytes, ``bw`` the link's bus bandwidth in B/s and ``lat`` its latency in s:
+
+* all-reduce:                  f = 2 (n-1)/n,  g = 2 (n-1)
+* all-gather / reduce-scatter: f =   (n-1)/n,  g =   (n-1)
+
+are linear in the unknowns ``x = (1/bw, lat)``. ``fit_link`` solves the least-squares problem in
+*relative* terms, minimising ``sum_i ((f_i B_i x_0 + g_i x_1) / t_i - 1)^2``, so small (latency-
+bound) and large (bandwidth-bound) messages weigh the same; the solution is clamped to
+``bw <= 1e15 B/s`` and ``lat >= 1e-9 s`` (when the unconstrained optimum is not positive the other
+unknown is refitted alone). ``fit_errors`` gives each sample's relative error
+``(predicted - measured) / measured``. ``calibrate`` fits one link to the all-reduce and
+all-gather samples together (the cost model uses one link per mesh axis for every collective).
+Gloo's reduce-scatter is an all-reduce + slice, i.e. about twice what the reduce-scatter formula
+says: its samples are measured and reported, not used for the link.
+
+Compute (``measure_compute``), on this rank, under whatever contention the other ranks cause
+(``calibrate`` measures on every rank at once, as training runs):
+
+* per-op overhead ``launch`` [s]: a tiny op (``torch.add`` of two 1-element tensors) timed in a
+  loop, seconds per op;
+* memory bandwidth [B/s]: ``torch.add(a, b, out=c)`` on large float32 tensors moves
+  ``M = 3 * nbytes`` (2 reads, 1 write): ``mem_bw = M / (t - launch)``;
+* FLOP/s: square fp32 matmuls of a few sizes ``s`` (``F = 2 s^3`` FLOPs); a least-squares line
+  ``t = F / rate + c`` gives the effective rate ``rate`` [FLOP/s]. The roofline of
+  ``cost_model/compute.py`` prices a large GEMM at ``F / (peak * EFF_MAX)``, so the peak stored in
+  the spec is ``rate / EFF_MAX``: the cost model then predicts the measured large-GEMM rate.
+
+``calibrate`` returns ``base`` with ``intra_node`` (and, on one node, ``inter_node``) replaced by
+the fitted link and the device's ``peak_flops['float32']``, ``memory_bandwidth`` and
+``kernel_launch_s`` replaced by the measured values; ``out_path`` saves it as JSON.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import statistics
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from autopar.cluster import ClusterSpec, LinkSpec
+from autopar.cost_model.compute import EFF_MAX
+
+__all__ = [
+    "Sample",
+    "Calibration",
+    "KINDS",
+    "DEFAULT_SIZES",
+    "QUICK_SIZES",
+    "ring_coefficients",
+    "measure_collectives",
+    "fit_link",
+    "fit_errors",
+    "predict_time",
+    "measure_compute",
+    "run_calibration",
+    "calibrate",
+]
+
+KINDS = ("all_reduce", "all_gather", "reduce_scatter")
+LINK_KINDS = ("all_reduce", "all_gather")  # the samples calibrate() fits the link to
+DEFAULT_SIZES = (2**10, 2**14, 2**17, 2**20, 2**22, 2**24)  # bytes: 1 KiB .. 16 MiB
+QUICK_SIZES = (2**10, 2**16, 2**20)
+DEFAULT_REPEATS = 7
+QUICK_REPEATS = 5
+_MAX_BANDWIDTH = 1e15  # B/s: clamp for a fit whose bandwidth term vanishes
+_MIN_LATENCY = 1e-9  # s
+
+
+@dataclass(frozen=True)
+class Sample:
+    """One measured collective: ``kind`` over ``n`` ranks on a tensor of ``nbytes`` (full size), ``seconds``."""
+
+    kind: str
+    nbytes: int
+    n: int
+    seconds: float
+
+
+def ring_coefficients(kind: str, n: int) -> tuple[float, float]:
+    """``(f, g)`` of ``t = f * B / bw + g * lat`` for ``kind`` over ``n`` ranks (as cost_model/comm.py)."""
+    if kind == "all_reduce":
+        return 2 * (n - 1) / n, 2.0 * (n - 1)
+    if kind in ("all_gather", "reduce_scatter", "all_to_all"):
+        return (n - 1) / n, float(n - 1)
+    if kind == "send_recv":
+        return 1.0, 1.0
+    raise ValueError(f"unknown collective kind {kind!r}; known: {KINDS + ('all_to_all', 'send_recv')}")
+
+
+def predict_time(sample: Sample, link: LinkSpec) -> float:
+    f, g = ring_coefficients(sample.kind, sample.n)
+    return f * sample.nbytes / link.bandwidth + g * link.latency
+
+
+# --------------------------------------------------------------------------------------------------
+# communication
+# --------------------------------------------------------------------------------------------------
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _collective_fn(
+    kind: str, numel: int, n: int, rank: int, device: torch.device, group
+) -> Callable[[], None]:
+    full = torch.ones(numel, dtype=torch.float32, device=device)
+    if kind == "all_reduce":
+
+        def run() -> None:
+            x = full.clone()
+            dist.all_reduce(x, group=group)
+
+    elif kind == "all_gather":
+        shard = torch.ones(numel // n, dtype=torch.float32, device=device)
+
+        def run() -> None:
+            parts = [torch.empty_like(shard) for _ in range(n)]
+            dist.all_gather(parts, shard, group=group)
+            torch.cat(parts)
+
+    elif kind == "reduce_scatter":
+        nccl = dist.get_backend(group) == "nccl"
+
+        def run() -> None:
+            if nccl:
+                out = torch.empty(numel // n, dtype=torch.float32, device=device)
+                dist.reduce_scatter_tensor(out, full, group=group)
+            else:  # as codegen/collectives.py on gloo: all-reduce + local slice
+                x = full.clone()
+                dist.all_reduce(x, group=group)
+                x.chunk(n)[rank].contiguous()
+
+    else:
+        raise ValueError(f"unknown collective kind {kind!r}; known: {KINDS}")
+    return run
+
+
+def measure_collectives(
+    sizes_bytes: Iterable[int] = DEFAULT_SIZES,
+    kinds: Iterable[str] = KINDS,
+    group=None,
+    repeats: int = DEFAULT_REPEATS,
+    warmup: int = 3,
+) -> list[Sample]:
+    """Time each collective of ``kinds`` at each size (bytes of the full float32 tensor).
+
+    Call on every rank of ``group`` (default: the world). Every rank returns the same samples:
+    each timed run is preceded by a barrier, its time is the max over ranks, and a sample is the
+    median over ``repeats`` runs.
+    """
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError("measure_collectives needs an initialized torch.distributed process group")
+    n = dist.get_world_size(group)
+    rank = dist.get_rank(group)
+    backend = dist.get_backend(group)
+    device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+    warm = torch.ones(1024, device=device)
+    for _ in range(5):  # first collectives on a fresh group set up connections: not timed
+        dist.all_reduce(warm, group=group)
+        dist.barrier(group=group)
+    cases: list[tuple[str, int]] = []
+    runs: list[Callable[[], None]] = []
+    for kind in kinds:
+        for size in sizes_bytes:
+            numel = max(n, int(size) // 4 // n * n)  # float32, divisible by n
+            run = _collective_fn(kind, numel, n, rank, device, group)
+            for _ in range(warmup):
+                run()
+            _sync(device)
+            cases.append((kind, numel * 4))
+            runs.append(run)
+    # repeats outer, cases inner: a burst of interference from other processes hits one run of
+    # many cases rather than every run of one case, and the median removes it
+    times = [[0.0] * repeats for _ in cases]  # [case][repeat], this rank
+    for r in range(repeats):
+        for i, run in enumerate(runs):
+            dist.barrier(group=group)
+            t0 = time.perf_counter()
+            run()
+            _sync(device)
+            times[i][r] = time.perf_counter() - t0
+    t = torch.tensor(times, dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    per_run = t.cpu()
+    return [
+        Sample(kind=kind, nbytes=nbytes, n=n, seconds=float(per_run[i].median()))
+        for i, (kind, nbytes) in enumerate(cases)
+    ]
+
+
+def fit_link(samples: Sequence[Sample], kind: str | None = None) -> LinkSpec:
+    """Least-squares (relative error) fit of ``t = f(n) B / bw + g(n) lat`` to ``samples``.
+
+    ``kind`` selects the samples of one collective (their formula); ``None`` fits all samples
+    together, each with its own kind's ``f`` and ``g``. Returns a LinkSpec with positive, finite
+    bandwidth (<= 1e15 B/s) and latency (>= 1e-9 s).
+    """
+    rows = [s for s in samples if (kind is None or s.kind == kind) and s.n > 1 and s.seconds > 0]
+    if not rows:
+        raise ValueError(f"fit_link: no usable samples (kind={kind!r}, n > 1, seconds > 0)")
+    coeffs = [ring_coefficients(s.kind, s.n) for s in rows]
+    a = np.array([[f * s.nbytes / s.seconds, g / s.seconds] for s, (f, g) in zip(rows, coeffs)])
+    y = np.ones(len(rows))
+    x, *_ = np.linalg.lstsq(a, y, rcond=None)
+    inv_bw, lat = float(x[0]), float(x[1])
+    if not (inv_bw > 0 and lat > 0):  # non-negative least squares in 2 unknowns: refit one alone
+        col_bw, col_lat = a[:, 0], a[:, 1]
+        if inv_bw <= 0:
+            inv_bw, lat = 0.0, float(col_lat @ y / (col_lat @ col_lat))
+        else:
+            inv_bw, lat = float(col_bw @ y / (col_bw @ col_bw)), 0.0
+    bandwidth = _MAX_BANDWIDTH if inv_bw <= 1 / _MAX_BANDWIDTH else 1.0 / inv_bw
+    latency = max(lat, _MIN_LATENCY) if math.isfinite(lat) else _MIN_LATENCY
+    return LinkSpec(bandwidth=bandwidth, latency=latency)
+
+
+def fit_errors(samples: Sequence[Sample], link: LinkSpec) -> list[float]:
+    """Relative error ``(predicted - measured) / measured`` of ``link`` on each sample."""
+    return [(predict_time(s, link) - s.seconds) / s.seconds for s in samples]
+
+
+# --------------------------------------------------------------------------------------------------
+# compute
+# --------------------------------------------------------------------------------------------------
+
+
+def _median_time(fn: Callable[[], object], device: torch.device, repeats: int, inner: int = 1) -> float:
+    fn()
+    _sync(device)
+    ts = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        for _ in range(inner):
+            fn()
+        _sync(device)
+        ts.append((time.perf_counter() - t0) / inner)
+    return statistics.median(ts)
+
+
+def measure_compute(device: torch.device | str = "cpu", quick: bool = False) -> dict:
+    """Effective fp32 matmul FLOP/s, memory bandwidth (B/s) and per-op overhead (s) of ``device``.
+
+    Returns ``{"peak_flops": rate / EFF_MAX, "flops_effective": rate, "memory_bandwidth": ...,
+    "kernel_launch_s": ..., "matmul": [(size, flops, seconds), ...], "matmul_intercept_s": ...}``;
+    ``peak_flops``, ``memory_bandwidth`` and ``kernel_launch_s`` are the DeviceSpec fields.
+    """
+    dev = torch.device(device)
+    repeats = 3 if quick else 7
+    # per-op overhead: a tiny out-of-place op, timed in a loop
+    a1 = torch.ones(1, device=dev)
+    b1 = torch.ones(1, device=dev)
+    launch = _median_time(lambda: torch.add(a1, b1), dev, repeats, inner=200 if quick else 1000)
+    # memory bandwidth: a large elementwise op (2 reads + 1 write)
+    numel = (4 if quick else 16) * 2**20  # 16 MiB / 64 MiB per float32 tensor
+    bufs = [torch.ones(numel, device=dev) for _ in range(3)]
+    t_mem = _median_time(lambda: torch.add(bufs[0], bufs[1], out=bufs[2]), dev, repeats)
+    mem_bw = 3 * numel * 4 / max(t_mem - launch, 1e-9)
+    bufs.clear()
+    # FLOP/s: square matmuls, t = F / rate + c
+    points = []
+    for s in (96, 192, 288) if quick else (128, 256, 384, 512):
+        x = torch.randn(s, s, device=dev)
+        w = torch.randn(s, s, device=dev)
+        points.append((s, 2.0 * s**3, _median_time(lambda x=x, w=w: torch.mm(x, w), dev, repeats)))
+    fl = np.array([p[1] for p in points])
+    ts = np.array([p[2] for p in points])
+    slope, intercept = np.polyfit(fl, ts, 1)
+    if not slope > 0:  # degenerate fit (noise): use the largest matmul's rate
+        slope, intercept = ts[-1] / fl[-1], 0.0
+    rate = 1.0 / float(slope)
+    return {
+        "peak_flops": rate / EFF_MAX,
+        "flops_effective": rate,
+        "memory_bandwidth": mem_bw,
+        "kernel_launch_s": launch,
+        "matmul": points,
+        "matmul_intercept_s": float(intercept),
+    }
+
+
+# --------------------------------------------------------------------------------------------------
+# calibrate
+# --------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Calibration:
+    """Everything one calibration measured and fitted; ``cluster`` is what ``calibrate`` returns."""
+
+    cluster: ClusterSpec
+    link: LinkSpec
+    samples: list[Sample]
+    errors: list[float]  # fit_errors(samples, link), per sample
+    compute: dict
+    per_kind: dict[str, LinkSpec] = field(default_factory=dict)  # each kind fitted alone
+
+    def table(self) -> str:
+        """Human-readable summary: fitted numbers and the per-size fit error."""
+        c = self.compute
+        lines = [
+            f"link (all-reduce + all-gather fit): bandwidth {self.link.bandwidth / 1e9:.3f} GB/s, "
+            f"latency {self.link.latency * 1e6:.1f} us",
+        ]
+        for kind, lk in self.per_kind.items():
+            lines.append(
+                f"  {kind:<15} alone: bandwidth {lk.bandwidth / 1e9:.3f} GB/s, latency {lk.latency * 1e6:.1f} us"
+            )
+        lines.append(
+            f"device: matmul {c['flops_effective'] / 1e9:.2f} GFLOP/s effective "
+            f"(peak_flops float32 = {c['peak_flops'] / 1e9:.2f} GFLOP/s = effective / EFF_MAX), "
+            f"memory {c['memory_bandwidth'] / 1e9:.2f} GB/s, per-op {c['kernel_launch_s'] * 1e6:.2f} us"
+        )
+        lines.append(f"{'kind':<15} {'n':>2} {'bytes':>10} {'measured':>12} {'fitted':>12} {'rel.err':>8}")
+        for s, e in zip(self.samples, self.errors):
+            used = "" if s.kind in LINK_KINDS else "  (not fitted)"
+            lines.append(
+                f"{s.kind:<15} {s.n:>2} {s.nbytes:>10d} {s.seconds * 1e6:>9.1f} us "
+                f"{predict_time(s, self.link) * 1e6:>9.1f} us {e * 100:>7.1f}%{used}"
+            )
+        return "\n".join(lines)
+
+
+def _measure_rank(sizes: Sequence[int], kinds: Sequence[str], repeats: int, quick: bool) -> dict:
+    samples = measure_collectives(sizes, kinds, repeats=repeats)
+    backend = dist.get_backend()
+    device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+    dist.barrier()
+    compute = measure_compute(device, quick=quick)  # every rank at once, as in training
+    return {"samples": samples, "compute": compute}
+
+
+def _rank_entry(rank: int, world: int, sizes, kinds, repeats, quick) -> dict:
+    return _measure_rank(sizes, kinds, repeats, quick)
+
+
+def run_calibration(
+    world_size: int | None = None,
+    base: ClusterSpec | None = None,
+    out_path: str | os.PathLike | None = None,
+    *,
+    sizes_bytes: Sequence[int] | None = None,
+    repeats: int | None = None,
+    quick: bool = False,
+) -> Calibration:
+    """Measure, fit and build the calibrated ClusterSpec; see :func:`calibrate`."""
+    sizes = tuple(sizes_bytes or (QUICK_SIZES if quick else DEFAULT_SIZES))
+    reps = repeats or (QUICK_REPEATS if quick else DEFAULT_REPEATS)
+    if dist.is_available() and dist.is_initialized():
+        world = dist.get_world_size()
+        results = [_measure_rank(sizes, KINDS, reps, quick)]
+    else:
+        world = world_size or 2
+        if world < 2:
+            raise ValueError(f"calibrate: world_size must be >= 2 to measure collectives, got {world}")
+        from autopar.launch import run_on_ranks
+
+        results = run_on_ranks(_rank_entry, world, sizes, KINDS, reps, quick)
+    samples: list[Sample] = results[0]["samples"]
+    compute = dict(results[0]["compute"])
+    for key in ("peak_flops", "flops_effective", "memory_bandwidth", "kernel_launch_s"):
+        compute[key] = statistics.median(r["compute"][key] for r in results)
+    link = fit_link([s for s in samples if s.kind in LINK_KINDS])
+    per_kind = {k: fit_link(samples, k) for k in KINDS if any(s.kind == k for s in samples)}
+
+    cluster = base or ClusterSpec.preset("cpu", devices_per_node=world)
+    peak = dict(cluster.device.peak_flops)
+    peak["float32"] = compute["peak_flops"]
+    device = dataclasses.replace(
+        cluster.device,
+        peak_flops=peak,
+        memory_bandwidth=compute["memory_bandwidth"],
+        kernel_launch_s=compute["kernel_launch_s"],
+    )
+    over = {"device": device, "intra_node": link}
+    if cluster.nodes == 1:
+        over["inter_node"] = link
+    cluster = cluster.with_overrides(**over)
+    if out_path is not None and (not dist.is_initialized() or dist.get_rank() == 0):
+        cluster.save(out_path)
+    return Calibration(
+        cluster=cluster,
+        link=link,
+        samples=samples,
+        errors=fit_errors(samples, link),
+        compute=compute,
+        per_kind=per_kind,
+    )
+
+
+def calibrate(
+    world_size: int | None = None,
+    base: ClusterSpec | None = None,
+    out_path: str | os.PathLike | None = None,
+    *,
+    sizes_bytes: Sequence[int] | None = None,
+    repeats: int | None = None,
+    quick: bool = False,
+) -> ClusterSpec:
+    """A ClusterSpec whose links and device are measured on this machine.
+
+    Inside an initialized process group, call on every rank (measures that group). Otherwise runs
+    on ``world_size`` (default 2) local gloo processes. ``base`` defaults to
+    ``ClusterSpec.preset("cpu", devices_per_node=world_size)``; its ``intra_node`` (and, on one
+    node, ``inter_node``) link and its device's float32 peak FLOP/s, memory bandwidth and
+    ``kernel_launch_s`` are replaced by the measured values. Saved as JSON to ``out_path`` if given.
+    """
+    return run_calibration(
+        world_size, base, out_path, sizes_bytes=sizes_bytes, repeats=repeats, quick=quick
+    ).cluster
