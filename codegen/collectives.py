@@ -142,6 +142,11 @@ class _F(torch.autograd.Function):
         return _all_reduce(g, ctx.axis), None
 
 
+def coordinate(axis: int) -> int:
+    """This rank's coordinate on mesh axis ``axis`` (for local ops that depend on it)."""
+    return _coord(axis)
+
+
 # The names the generated code calls. Non-tensor inputs (e.g. integer masks) go through unchanged in backward.
 def all_gather(x: torch.Tensor, dim: int, axis: int, fused_f: bool = False) -> torch.Tensor:
     return _AllGather.apply(x, dim, axis, fused_f)

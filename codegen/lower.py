@@ -25,6 +25,7 @@ import torch.utils._pytree as pytree
 from torch.distributed.tensor.placement_types import Partial, Replicate, Shard
 
 from autopar.codegen import collectives as C
+from autopar.codegen import local_ops as L
 from autopar.passes.costs import f_axes
 from autopar.passes.rules import _norm
 from autopar.passes.strategies import Strategy
@@ -121,6 +122,43 @@ def _lower_mean(g, node, args, kwargs, s, mesh_shape):
             k *= mesh_shape[a]
     # mean over a dim cut in k equal pieces: the sum over ranks of (local mean / k) is the global mean
     return g.call_function(aten.div.Tensor, (out, k)) if k > 1 else out
+
+
+def _axis_sharding(spec, dim: int) -> int | None:
+    """The mesh axis that shards tensor dim ``dim`` under ``spec`` (plans shard a dim on one axis at most)."""
+    for a, p in enumerate(spec):
+        if isinstance(p, Shard) and p.dim == dim:
+            return a
+    return None
+
+
+@lowering(aten.embedding.default)
+def _lower_embedding(g, node, args, kwargs, s, mesh_shape):
+    a = _axis_sharding(s.ins[0], 0)
+    if a is None or mesh_shape[a] == 1:  # table not cut by rows: the plain lookup
+        return g.call_function(node.target, args, kwargs)
+    padding_idx = args[2] if len(args) > 2 else kwargs.get("padding_idx", -1)
+    coord = g.call_function(C.coordinate, (a,))
+    return g.call_function(L.vocab_parallel_embedding, (args[0], args[1], coord, padding_idx))
+
+
+@lowering(aten.scaled_dot_product_attention.default)
+def _lower_sdpa(g, node, args, kwargs, s, mesh_shape):
+    nd = len(node.args[0].meta["val"].shape)
+    a = _axis_sharding(s.ins[0], nd - 2)  # query rows sharded: sequence parallel attention
+    causal = node.args[5] if len(node.args) > 5 else node.kwargs.get("is_causal", False)
+    if a is None or mesh_shape[a] == 1 or not causal:
+        return g.call_function(node.target, args, kwargs)
+    full = dict(
+        zip(["query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa"], args)
+    )
+    full.update(kwargs)
+    coord = g.call_function(C.coordinate, (a,))
+    return g.call_function(
+        L.causal_attention_rows,
+        (full["query"], full["key"], full["value"], coord, full.get("dropout_p", 0.0), full.get("scale"),
+         full.get("enable_gqa", False)),
+    )  # fmt: skip
 
 
 @lowering(aten.cross_entropy_loss.default)

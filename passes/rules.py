@@ -244,6 +244,54 @@ def bmm_rule(ctx: OpCtx) -> list[AxisOption]:
     ]
 
 
+@register(aten.matmul.default)
+def matmul_rule(ctx: OpCtx) -> list[AxisOption]:
+    a, b = ctx.in_shapes
+    if len(a) < 2 or len(b) < 2:
+        return []  # vector cases: replicated
+    nd = len(ctx.out_shape)
+    opts = []
+    for d in range(nd - 2):  # broadcast batch dims
+        pa, pb = d - (nd - len(a)), d - (nd - len(b))
+        ia = Shard(pa) if pa >= 0 and a[pa] == ctx.out_shape[d] else R
+        ib = Shard(pb) if pb >= 0 and b[pb] == ctx.out_shape[d] else R
+        if ctx.out_shape[d] > 1:
+            opts.append(AxisOption(Shard(d), (ia, ib)))
+    opts += [
+        AxisOption(Shard(nd - 2), (Shard(len(a) - 2), R)),  # rows of a
+        AxisOption(Shard(nd - 1), (R, Shard(len(b) - 1))),  # columns of b
+        AxisOption(P, (Shard(len(a) - 1), Shard(len(b) - 2))),  # contraction
+    ]
+    if _partial_ok(ctx):
+        opts += [AxisOption(P, (P, R)), AxisOption(P, (R, P))]
+    return opts
+
+
+@register(aten.einsum.default)
+def einsum_rule(ctx: OpCtx) -> list[AxisOption]:
+    eq = ctx.arg(0, "equation").replace(" ", "")
+    if "..." in eq or "->" not in eq:
+        return []
+    lhs, out = eq.split("->")
+    terms = lhs.split(",")
+    if len(terms) != ctx.n_in:
+        return []
+    sizes: dict[str, set] = {}
+    for term, shape in zip(terms, ctx.in_shapes):
+        for c, n in zip(term, shape):
+            sizes.setdefault(c, set()).add(n)
+    opts = []
+    for c, ns in sizes.items():
+        if len(ns) != 1 or next(iter(ns)) <= 1:
+            continue  # broadcast (size-1) letters stay replicated
+        ins = tuple(Shard(t.index(c)) if c in t else R for t in terms)
+        opts.append(AxisOption(Shard(out.index(c)) if c in out else P, ins))  # summed letters give Partial
+    if _partial_ok(ctx):  # multilinear: one Partial operand, the others replicated
+        for i in range(ctx.n_in):
+            opts.append(AxisOption(P, tuple(P if j == i else R for j in range(ctx.n_in))))
+    return opts
+
+
 # --------------------------------------------------------------------------------------------------
 # embedding, norms, softmax, attention, loss
 # --------------------------------------------------------------------------------------------------
@@ -254,6 +302,8 @@ def embedding_rule(ctx: OpCtx) -> list[AxisOption]:
     ids = ctx.in_shapes[1]
     opts = [AxisOption(Shard(d), (R, Shard(d))) for d in range(len(ids)) if ids[d] > 1]
     opts.append(AxisOption(Shard(len(ids)), (Shard(1), R)))  # hidden-parallel table
+    if _partial_ok(ctx) and not ctx.arg(4, "sparse", False):
+        opts.append(AxisOption(P, (Shard(0), R)))  # vocabulary-parallel: masked lookup (codegen/local_ops.py)
     return opts
 
 
@@ -290,6 +340,10 @@ def sdpa_rule(ctx: OpCtx) -> list[AxisOption]:
         return (Shard(j) if j >= 0 and mask[j] > 1 else R,)
 
     opts = [AxisOption(Shard(0), (Shard(0),) * 3 + mask_pl(0))] if q[0] == k[0] else []
+    # sequence parallel: this rank's query rows against every key (the K/V exchange is the all-gather
+    # that brings k and v to Replicate); a causal mask is rebuilt from global positions in codegen
+    if q[-2] > 1:
+        opts.append(AxisOption(Shard(nd - 2), (Shard(nd - 2), R, R) + mask_pl(nd - 2)))
     if nd == 4 and (q[1] == k[1] or ctx.arg(7, "enable_gqa", False)):
         kv = Shard(1) if k[1] > 1 else R  # a single K/V head (multi-query) stays replicated
         opts.append(AxisOption(Shard(1), (Shard(1), kv, kv) + mask_pl(1)))
@@ -435,6 +489,34 @@ def slice_rule(ctx: OpCtx) -> list[AxisOption]:
             continue
         opts.append(AxisOption(Shard(d - (removes and d > dim)), (Shard(d),)))
     return opts + ([AxisOption(P, (P,))] if _partial_ok(ctx) else [])
+
+
+@register(aten.gather.default)
+def gather_rule(ctx: OpCtx) -> list[AxisOption]:
+    src, index = ctx.in_shapes
+    nd = len(src)
+    dim = _norm(ctx.arg(1, "dim"), nd)
+    return [
+        AxisOption(Shard(d), (Shard(d), Shard(d)))
+        for d in range(nd)
+        if d != dim and src[d] == index[d] and src[d] > 1
+    ]
+
+
+@register(aten.argmax.default, aten.argmin.default, aten.max.dim, aten.min.dim)
+def arg_reduction_rule(ctx: OpCtx) -> list[AxisOption]:
+    src = ctx.in_shapes[0]
+    nd = len(src)
+    dim = ctx.arg(1, "dim")
+    if dim is None:
+        return []  # over all elements: replicated
+    dim = _norm(dim, nd)
+    keepdim = ctx.arg(2, "keepdim", False)
+    return [
+        AxisOption(Shard(d if keepdim or d < dim else d - 1), (Shard(d),))
+        for d in range(nd)
+        if d != dim and src[d] > 1
+    ]
 
 
 @register(aten.cat.default)

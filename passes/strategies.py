@@ -9,7 +9,9 @@ fallback is logged once per op.
 Constraints on the search (``AxisRole``) restrict the strategies of placeholders:
 ``DATA`` on an axis replicates parameters and shards user inputs on dim 0 (data parallelism);
 ``TENSOR`` replicates user inputs and shards every parameter of two or more dims (tensor
-parallelism); ``AUTO`` leaves the choice to the solver.
+parallelism); ``SEQUENCE`` replicates parameters and shards user inputs on dim 1, the sequence
+(context parallelism: attention then runs on query blocks against gathered keys and values);
+``AUTO`` leaves the choice to the solver.
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ class AxisRole(enum.Enum):
     AUTO = "auto"
     DATA = "data"
     TENSOR = "tensor"
+    SEQUENCE = "sequence"
 
 
 @dataclass(frozen=True)
@@ -201,8 +204,10 @@ def _placeholder_allowed(spec: Spec, info: NodeInfo, axis_roles: Sequence[AxisRo
                 return False
             if role is AxisRole.TENSOR and not isinstance(p, Replicate):
                 return False
+            if role is AxisRole.SEQUENCE and p != (Shard(1) if len(info.shape) >= 2 else R):
+                return False
         elif info.role is Role.PARAM:
-            if role is AxisRole.DATA and not isinstance(p, Replicate):
+            if role in (AxisRole.DATA, AxisRole.SEQUENCE) and not isinstance(p, Replicate):
                 return False
             if role is AxisRole.TENSOR and len(info.shape) >= 2 and isinstance(p, Replicate):
                 return False

@@ -391,7 +391,9 @@ def _run_lockstep(g: fx.Graph, local_inputs: list[list[torch.Tensor]], coords: l
             env[n] = local_inputs[k]
             k += 1
         elif n.op == "call_function":
-            if n.target in _SIMULATED:
+            if n.target is C.coordinate:  # each simulated rank's own coordinate on the axis
+                env[n] = [c[n.args[0]] for c in coords]
+            elif n.target in _SIMULATED:
                 x = n.args[0]
                 args = fx.node.map_arg(n.args, lambda a: None)
                 kwargs = fx.node.map_arg(n.kwargs, lambda a: None)

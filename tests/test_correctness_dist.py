@@ -10,14 +10,20 @@ One spawn per world size runs every configuration, to keep the suite lean.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
+from torch.distributed.tensor.placement_types import Shard
 
 import autopar
 from autopar.codegen.lower import mangle
 from autopar.examples import bert_tiny, gpt2_tiny, llama_tiny
 from autopar.launch import run_on_ranks
-from autopar.placement import spec_from_str
+from autopar.passes.analyze import analyze
+from autopar.passes.strategies import build_strategies
+from autopar.passes.trace import trace
+from autopar.placement import R, spec_from_str, spec_to_str
 
 pytestmark = pytest.mark.slow
 
@@ -27,9 +33,10 @@ MODELS = {
     "bert": lambda: bert_tiny(batch=4, seq=16, hidden=32, vocab=128),
 }
 D, T, A = autopar.AxisRole.DATA, autopar.AxisRole.TENSOR, autopar.AxisRole.AUTO
+S = autopar.AxisRole.SEQUENCE
 # name -> (mesh shape, axis roles); AUTO lets the solver choose every placement
 PLANS = {
-    2: {"dp": ((2,), (D,)), "tp": ((2,), (T,)), "auto": ((2,), None)},
+    2: {"dp": ((2,), (D,)), "tp": ((2,), (T,)), "sp": ((2,), (S,)), "auto": ((2,), None)},
     4: {"dp": ((4,), (D,)), "tp": ((4,), (T,)), "dp_tp_2x2": ((2, 2), (D, T)), "auto_2x2": ((2, 2), None)},
 }
 LR = 0.1
@@ -74,12 +81,28 @@ def _run(world, tmp_path_factory):
         model, inputs = build()
         for mode, (mesh, roles) in PLANS[world].items():
             plan = autopar.plan(model, cluster, inputs, mesh_shape=mesh, axis_roles=roles)
+            if mode == "sp":
+                plan = _with_sequence_parallel_attention(plan, model, inputs)
             path = d / f"{name}_{mode}.json"
             plan.save(path)
             plans[(name, mode)] = plan
             jobs.append(((name, mode), str(path)))
     per_rank = run_on_ranks(_rank, world, jobs, timeout_s=900)
     return plans, per_rank
+
+
+def _with_sequence_parallel_attention(plan, model, inputs):
+    """Every strategy the rules offer must run correctly, chosen or not: put each attention node on
+    its query-rows strategy (keys/values replicated) and let codegen reshard around it."""
+    tg = trace(model, inputs)
+    allowed = build_strategies(tg, analyze(tg), plan.mesh_shape)
+    decisions = []
+    for d in plan.decisions:
+        if d.op == "aten.scaled_dot_product_attention.default":
+            s = next(s for s in allowed[d.name].strategies if s.ins[0] == (Shard(2),) and s.ins[1] == (R,))
+            d = dataclasses.replace(d, output=spec_to_str(s.out), inputs=tuple(spec_to_str(x) for x in s.ins))
+        decisions.append(d)
+    return dataclasses.replace(plan, decisions=tuple(decisions))
 
 
 @pytest.fixture(scope="module")
@@ -123,6 +146,9 @@ def _check_plan_is_what_was_forced(plan, roles):
         if role is T:
             assert all(spec_from_str(d.output)[a] != autopar.placement.R for d in params)
             assert all(spec_from_str(d.output)[a] == autopar.placement.R for d in inputs)
+        if role is S:
+            assert all(spec_from_str(d.output)[a] == autopar.placement.R for d in params)
+            assert all(str(spec_from_str(d.output)[a]) == "S(1)" for d in inputs)
 
 
 @pytest.mark.parametrize("name", list(MODELS))
@@ -152,3 +178,18 @@ def test_tensor_parallel_plans_communicate_activations(world2):
         assert weights and all(w in code for w in weights)
         gathered = [w for w in weights if f"all_gather({w}," in code]
         assert not gathered, f"{name}: TP plan gathers weights {gathered}"
+
+
+def test_sequence_parallel_plans_split_attention_over_query_rows(world2):
+    """Attention on this rank's query rows against gathered keys/values (forced into the SP plans by
+    _with_sequence_parallel_attention; their outputs and trained weights matched above)."""
+    plans, per_rank = world2
+    for name in ("gpt2", "llama", "bert"):
+        attn = [
+            d for d in plans[(name, "sp")].decisions if d.op == "aten.scaled_dot_product_attention.default"
+        ]
+        assert attn and all(d.inputs[0] == "S(2)" and d.inputs[1:3] == ("R", "R") for d in attn), attn
+        # Hugging Face passes an explicit [B, 1, S, S] mask: its query rows are sharded with q, so the
+        # plain op runs on local rows. (is_causal=True needs the position-aware mask of
+        # codegen/local_ops.py: tests/test_rules_property.py::test_sequence_parallel_causal_attention.)
+        assert all(d.inputs[3] == "S(2)" for d in attn)

@@ -14,7 +14,7 @@ import os
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from torch.distributed.tensor.placement_types import Shard
+from torch.distributed.tensor.placement_types import Partial, Replicate, Shard
 
 from autopar.passes import rules
 from autopar.passes.rules import AxisOption
@@ -485,3 +485,68 @@ def test_validator_catches_wrong_rule(monkeypatch):
 def test_registry_restored_after_monkeypatch():
     assert rules.RULES[aten._softmax.default] is rules.softmax_rule
     assert rules.RULES[aten.softmax.int] is rules.softmax_rule
+
+
+# --------------------------------------------------------------------------------------------------
+# matmul / einsum / gather / arg-reductions, vocabulary-parallel embedding, sequence-parallel attention
+# --------------------------------------------------------------------------------------------------
+
+
+@SETTINGS
+@given(batch=shapes(0, 2), m=sizes, k=sizes, n=sizes, b_batched=st.booleans(), mesh=meshes)
+def test_matmul(batch, m, k, n, b_batched, mesh):
+    a = randn(batch + (m, k))
+    b = randn((batch if b_batched else ()) + (k, n), 1)
+    strategies = assert_rules_hold(aten.matmul.default, (a, b), None, mesh)
+    if mesh == (2,) and k % 2 == 0:
+        assert any(isinstance(s.out[0], Partial) for s in strategies)  # the contraction split exists
+
+
+@SETTINGS
+@given(
+    eq=st.sampled_from(["bij,bjk->bik", "ij,jk->ik", "bsh,bth->bst", "ij->j", "bhqd,bhkd->bhqk", "ij,j->i"]),
+    dims=st.lists(sizes, min_size=6, max_size=6),
+    mesh=meshes,
+)
+def test_einsum(eq, dims, mesh):
+    letters = sorted(set(eq.replace(",", "").replace("->", "")))
+    size = dict(zip(letters, dims))
+    terms = eq.split("->")[0].split(",")
+    args = [randn(tuple(size[c] for c in t), i) for i, t in enumerate(terms)]
+    assert_rules_hold(aten.einsum.default, (eq, args), None, mesh)
+
+
+@SETTINGS
+@given(shape=shapes(2, 3), data=st.data(), mesh=meshes)
+def test_gather(shape, data, mesh):
+    dim = data.draw(st.integers(0, len(shape) - 1))
+    index = torch.randint(0, shape[dim], shape, generator=_gen(3))
+    assert_rules_hold(aten.gather.default, (randn(shape), dim, index), None, mesh)
+
+
+@SETTINGS
+@given(shape=shapes(2, 3), data=st.data(), keepdim=st.booleans(), mesh=meshes)
+def test_arg_reductions(shape, data, keepdim, mesh):
+    dim = data.draw(st.integers(-len(shape), len(shape) - 1))
+    x = randn(shape)
+    for op in (aten.argmax.default, aten.argmin.default):
+        assert_rules_hold(op, (x, dim, keepdim), None, mesh, backward=False)
+    assert_rules_hold(aten.max.dim, (x, dim, keepdim), None, mesh)
+
+
+def test_vocab_parallel_embedding_is_offered_and_correct():
+    """Rows of the table cut over the axis: a masked local lookup, summed over ranks (Partial)."""
+    table, ids = randn((8, 4)), torch.tensor([[0, 3, 4, 7], [5, 2, 6, 1]])
+    for mesh in [(2,), (4,), (2, 2)]:
+        strategies = assert_rules_hold(aten.embedding.default, (table, ids, 5), None, mesh)
+        assert any(s.ins[0][0] == Shard(0) and isinstance(s.out[0], Partial) for s in strategies)
+
+
+def test_sequence_parallel_causal_attention():
+    """Query rows sharded, keys/values gathered: the causal mask must follow global positions."""
+    q, k, v = randn((2, 2, 8, 4)), randn((2, 2, 8, 4), 1), randn((2, 2, 8, 4), 2)
+    for mesh in [(2,), (4,), (2, 2)]:
+        strategies = assert_rules_hold(
+            aten.scaled_dot_product_attention.default, (q, k, v), {"is_causal": True}, mesh
+        )
+        assert any(s.ins[0][0] == Shard(2) and s.ins[1][0] == Replicate() for s in strategies)

@@ -1,0 +1,38 @@
+"""Local ops the generated code calls where a sharded op needs more than the aten op itself.
+
+Each takes this rank's mesh coordinate as an argument (from ``collectives.coordinate``), so the
+same function runs in the real module and in the single-process rule validator.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def vocab_parallel_embedding(weight: torch.Tensor, ids: torch.Tensor, coord: int, padding_idx: int = -1):
+    """Lookup in this rank's rows ``[coord * V_local, (coord + 1) * V_local)`` of the table.
+
+    Ids outside the range give zero rows: summed over the axis (Partial) every id finds its row
+    exactly once (Megatron-LM's vocabulary-parallel embedding)."""
+    rows = weight.shape[0]
+    start = coord * rows
+    outside = (ids < start) | (ids >= start + rows)
+    local = (ids - start).masked_fill(outside, 0)
+    pad = padding_idx - start if padding_idx is not None and start <= padding_idx < start + rows else -1
+    out = torch.ops.aten.embedding.default(weight, local, pad)
+    return out.masked_fill(outside.unsqueeze(-1), 0.0)
+
+
+def causal_attention_rows(q, k, v, coord: int, dropout_p: float = 0.0, scale=None, enable_gqa: bool = False):
+    """Causal attention for this rank's block of query positions against all keys.
+
+    ``q`` holds query rows ``[coord * L, (coord + 1) * L)`` of the sequence; ``k``/``v`` hold every
+    position. ``is_causal`` would align the mask to the top-left corner of the local block, so the
+    mask is built from the global positions instead."""
+    rows, keys = q.shape[-2], k.shape[-2]
+    q_pos = torch.arange(rows, device=q.device) + coord * rows
+    mask = torch.arange(keys, device=q.device)[None, :] <= q_pos[:, None]
+    return F.scaled_dot_product_attention(
+        q, k, v, attn_mask=mask, dropout_p=dropout_p, scale=scale, enable_gqa=enable_gqa
+    )
