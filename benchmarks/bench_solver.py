@@ -68,7 +68,7 @@ CASES = {
                                 autopar.ClusterSpec.preset("h100-sxm")),
     "llama3-8b-64": lambda: run("llama-3-8b shape (32L, 4096)", _llama(32, 4096, 14336, 32, 8), 64, 4096, 128256,
                                 autopar.ClusterSpec.preset("h100-sxm", nodes=8)),
-    "llama-70b-1024": lambda: run("llama-70b shape (80L, 8192)", _llama(80, 8192, 28672, 64, 8), 1024, 4096, 128256,
+    "llama-70b-1024": lambda: run("llama-70b shape (80L, 8192)", _llama(80, 8192, 28672, 64, 8), 128, 4096, 128256,
                                   autopar.ClusterSpec.preset("h100-sxm", nodes=128)),
     "depth": lambda: [
         run(f"llama 2048-wide, {n} layers", _llama(n, 2048, 5632, 16, 4, 32000), 16, 2048, 32000,

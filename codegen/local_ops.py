@@ -36,3 +36,13 @@ def causal_attention_rows(q, k, v, coord: int, dropout_p: float = 0.0, scale=Non
     return F.scaled_dot_product_attention(
         q, k, v, attn_mask=mask, dropout_p=dropout_p, scale=scale, enable_gqa=enable_gqa
     )
+
+
+def arange_piece(start, step, length: int, coord: int, **kwargs) -> torch.Tensor:
+    """This rank's block of ``arange(start, ..., step)``: elements ``[coord * length, (coord + 1) * length)``."""
+    first = start + coord * length * step
+    return (
+        torch.arange(length, **kwargs) * step + first
+        if step != 1
+        else torch.arange(first, first + length, **kwargs)
+    )

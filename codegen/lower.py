@@ -96,7 +96,10 @@ def _out_shape(node: fx.Node) -> tuple[int, ...]:
     return tuple(int(s) for s in node.meta["val"].shape)
 
 
-@lowering(aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.expand.default)
+@lowering(
+    aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.expand.default,
+    aten.new_zeros.default, aten.new_ones.default, aten.new_full.default,
+)  # fmt: skip
 def _lower_sized_view(g, node, args, kwargs, s, mesh_shape):
     size = list(local_shape(_out_shape(node), s.out, mesh_shape))
     return g.call_function(node.target, (args[0], size) + tuple(args[2:]), kwargs)
@@ -108,6 +111,27 @@ def _lower_squeeze(g, node, args, kwargs, s, mesh_shape):
     return g.call_function(
         aten.view.default, (args[0], list(local_shape(_out_shape(node), s.out, mesh_shape)))
     )
+
+
+@lowering(aten.zeros.default, aten.ones.default, aten.full.default)
+def _lower_sized_factory(g, node, args, kwargs, s, mesh_shape):
+    size = list(local_shape(_out_shape(node), s.out, mesh_shape))
+    return g.call_function(node.target, (size,) + tuple(args[1:]), kwargs)
+
+
+@lowering(aten.arange.default, aten.arange.start, aten.arange.start_step)
+def _lower_arange(g, node, args, kwargs, s, mesh_shape):
+    a = _axis_sharding(s.out, 0)
+    if a is None or mesh_shape[a] == 1:
+        return g.call_function(node.target, args, kwargs)
+    names = {aten.arange.default: ["end"], aten.arange.start: ["start", "end"]}.get(
+        node.target, ["start", "end", "step"]
+    )
+    bound = dict(zip(names, args))
+    start, step = bound.get("start", 0), bound.get("step", 1)
+    coord = g.call_function(C.coordinate, (a,))
+    kw = {k: v for k, v in kwargs.items() if k not in ("start", "end", "step")}
+    return g.call_function(L.arange_piece, (start, step, _out_shape(node)[0] // mesh_shape[a], coord), kw)
 
 
 @lowering(aten.mean.dim, aten.mean.default)

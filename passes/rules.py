@@ -519,6 +519,65 @@ def arg_reduction_rule(ctx: OpCtx) -> list[AxisOption]:
     ]
 
 
+@register(aten.cumsum.default, aten.cumprod.default)
+def scan_rule(ctx: OpCtx) -> list[AxisOption]:
+    return shard_every_dim(ctx, skip=[ctx.arg(1, "dim")])
+
+
+@register(aten.diff.default)
+def diff_rule(ctx: OpCtx) -> list[AxisOption]:
+    # diff(x, n, dim, prepend, append): prepend/append follow x on every other dim
+    nd = len(ctx.in_shapes[0])
+    dim = _norm(ctx.arg(2, "dim", -1), nd)
+    return [
+        AxisOption(Shard(d), (Shard(d),) * ctx.n_in)
+        for d in range(nd)
+        if d != dim and ctx.out_shape[d] > 1 and all(s[d] == ctx.out_shape[d] for s in ctx.in_shapes)
+    ]
+
+
+@register(aten.index.Tensor)
+def index_rule(ctx: OpCtx) -> list[AxisOption]:
+    # x[i0, i1, ..., ik-1] with index tensors on the k leading dims: out = broadcast(i) + x.shape[k:]
+    indices = ctx.arg(1, "indices")
+    k = len(indices)
+    if any(i is None for i in indices) or k == 0:
+        return []  # index tensors after a slice (None): replicated
+    src, idx_shapes = ctx.in_shapes[0], ctx.in_shapes[1:]
+    nb = len(ctx.out_shape) - (len(src) - k)
+    opts = []
+    for j in range(nb):  # a broadcast dim of the indices: gather locally from the full source
+        if ctx.out_shape[j] > 1:
+            ins = [R] + [
+                Shard(j - (nb - len(s))) if j - (nb - len(s)) >= 0 and s[j - (nb - len(s))] > 1 else R
+                for s in idx_shapes
+            ]
+            opts.append(AxisOption(Shard(j), tuple(ins)))
+    for d in range(k, len(src)):  # a dim the indices do not touch
+        if src[d] > 1:
+            opts.append(AxisOption(Shard(nb + d - k), (Shard(d),) + (R,) * len(idx_shapes)))
+    return opts
+
+
+@register(aten.zeros.default, aten.ones.default, aten.full.default, aten.arange.default, aten.arange.start,
+          aten.arange.start_step)  # fmt: skip
+def factory_rule(ctx: OpCtx) -> list[AxisOption]:
+    # no tensor input: each rank makes its own piece (codegen gives local sizes / a shifted range)
+    if ctx.n_in:
+        return []
+    return [AxisOption(Shard(d), ()) for d in range(len(ctx.out_shape)) if ctx.out_shape[d] > 1]
+
+
+@register(aten.new_zeros.default, aten.new_ones.default, aten.new_full.default)
+def new_factory_rule(ctx: OpCtx) -> list[AxisOption]:
+    # self gives only dtype and device: any placement of it will do, and the output may be made
+    # directly as a local piece (codegen gives the local size)
+    src = ctx.in_shapes[0]
+    ins = [R] + [Shard(d) for d in range(len(src)) if src[d] > 1] + ([P] if _partial_ok(ctx) else [])
+    outs = [R] + [Shard(d) for d in range(len(ctx.out_shape)) if ctx.out_shape[d] > 1]
+    return [AxisOption(o, (i,)) for o in outs for i in ins]
+
+
 @register(aten.cat.default)
 def cat_rule(ctx: OpCtx) -> list[AxisOption]:
     nd = len(ctx.out_shape)

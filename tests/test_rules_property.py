@@ -550,3 +550,49 @@ def test_sequence_parallel_causal_attention():
             aten.scaled_dot_product_attention.default, (q, k, v), {"is_causal": True}, mesh
         )
         assert any(s.ins[0][0] == Shard(2) and s.ins[1][0] == Replicate() for s in strategies)
+
+
+@SETTINGS
+@given(shape=shapes(1, 3), data=st.data(), mesh=meshes)
+def test_scans_and_diff(shape, data, mesh):
+    dim = data.draw(st.integers(-len(shape), len(shape) - 1))
+    x = randn(shape)
+    assert_rules_hold(aten.cumsum.default, (x, dim), None, mesh)
+    if shape[dim] > 1:
+        assert_rules_hold(aten.diff.default, (x, 1, dim), None, mesh)
+        pre = randn(shape[: dim % len(shape)] + (1,) + shape[dim % len(shape) + 1 :], 4)
+        assert_rules_hold(aten.diff.default, (x, 1, dim, pre), None, mesh)
+
+
+@SETTINGS
+@given(src=shapes(2, 3), b=sizes, q=sizes, mesh=meshes)
+def test_advanced_index(src, b, q, mesh):
+    """x[i0, i1] with broadcasting index tensors (Hugging Face mask bookkeeping), trailing dims kept."""
+    x = randn(src)
+    i0 = torch.randint(0, src[0], (b, 1), generator=_gen(5))
+    i1 = torch.randint(0, src[1], (1, q), generator=_gen(6))
+    assert_rules_hold(aten.index.Tensor, (x, [i0, i1]), None, mesh)
+    assert_rules_hold(aten.index.Tensor, (x, [i0.view(-1)]), None, mesh)
+
+
+@SETTINGS
+@given(shape=shapes(1, 3), start=st.integers(-3, 3), step=st.sampled_from([1, 2, 3]), mesh=meshes)
+def test_factories_make_local_pieces(shape, start, step, mesh):
+    assert_rules_hold(aten.zeros.default, (list(shape),), {"dtype": torch.float32}, mesh, backward=False)
+    assert_rules_hold(aten.full.default, (list(shape), 2.5), {"dtype": torch.float32}, mesh, backward=False)
+    n = shape[0]
+    assert_rules_hold(aten.arange.default, (n,), {"dtype": torch.int64}, mesh, backward=False)
+    assert_rules_hold(aten.arange.start_step, (start, start + n * step, step), {"dtype": torch.int64}, mesh,
+                      backward=False)  # fmt: skip
+
+
+@SETTINGS
+@given(src=shapes(1, 3), out=shapes(1, 3), mesh=meshes)
+def test_new_factories(src, out, mesh):
+    x = randn(src)
+    for op, extra in (
+        (aten.new_zeros.default, ()),
+        (aten.new_ones.default, ()),
+        (aten.new_full.default, (1.5,)),
+    ):
+        assert_rules_hold(op, (x, list(out)) + extra, None, mesh, backward=False)

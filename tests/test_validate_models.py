@@ -37,7 +37,8 @@ def test_missing_rules_are_listed(validated):
         assert p.op in ops and p.nodes and p.node == p.nodes[0]
         assert "missing rule" in str(p)
     assert len({p.op for p in missing}) == len(missing)  # one entry per op
-    assert "aten.index.Tensor" in {p.op for p in missing}  # HF position/mask bookkeeping
+    # the only op left without a rule: Llama's no-grad rotary block, a higher-order op (replicated)
+    assert {p.op for p in missing} <= {"wrap_with_set_grad_enabled"}
 
 
 def test_cli(capsys):
