@@ -3,9 +3,10 @@
 * node cost ``c[v, s]`` (s): compute of ``v`` under strategy ``s`` (``cost_model.compute``) plus
   collectives inside a lowering (the all-reduces of a batch-sharded mean cross-entropy);
 * node memory ``m[v, s]`` (B per device): parameters (+ gradient + optimizer states) for parameter
-  placeholders, buffers and inputs, and for activations that need a gradient, the output (kept for
-  backward; views allocate nothing); each divided by the number of pieces its placement cuts it
-  into. A sum, not yet a liveness peak: an upper bound of what autograd keeps;
+  placeholders, buffers and inputs; for activations, what autograd keeps until backward: the
+  output when the op or a consumer saves it (``kept_for_backward``; a saved view keeps its base),
+  plus tensors the op saves internally; each divided by the number of pieces its placement cuts
+  it into. Their sum is the memory live when backward starts, where training peaks;
 * edge cost ``c[e, s_u, s_v]`` (s): resharding the tensor on edge ``e = (u -> v, input i)`` from
   ``u``'s output placement to what ``v`` requires under ``s_v``, forward and backward, plus the
   backward all-reduce of the Megatron "f" on the Replicate inputs of a split op
@@ -102,6 +103,7 @@ def build_costs(
     comm = CommModel(cluster, mesh_shape)
     device = cluster.device
     classes = classes or Classes.identity(list(strats))
+    kept = kept_for_backward(tg, infos)
     tables = CostTables(mesh_shape, {k: v.strategies for k, v in strats.items()}, {}, {}, classes=classes)
     for name, ns in strats.items():
         info = infos[name]
@@ -130,8 +132,11 @@ def build_costs(
             t = node_time(info.flops, info.bytes, info.dtype, device, k, info.requires_grad)
             t += _lowering_comm(ns.node, s, comm)
             costs.append(n * t)
-            allocates = info.requires_grad and ns.node.target not in ALIASING_OPS
-            mems.append(n * info.out_bytes / vol if allocates else 0.0)
+            # internal saved tensors are cut like the op's work: by its largest split (e.g. a loss's
+            # log-probabilities follow the logits, not the scalar output)
+            work_vol = max([vol] + [volume_factor(x, mesh_shape) for x in s.ins])
+            saved = (info.out_bytes if name in kept else 0) / vol + info.saved_temp_bytes / work_vol
+            mems.append(n * saved)
         tables.node_cost[name] = costs
         tables.node_mem[name] = mems
 
@@ -170,6 +175,29 @@ def build_costs(
     return tables
 
 
+def _base(node: fx.Node) -> fx.Node:
+    """The node that owns the storage a view (or getitem) refers to."""
+    while node.op == "call_function" and (node.target in ALIASING_OPS or node.target is operator.getitem):
+        node = node.args[0]
+    return node
+
+
+def kept_for_backward(tg: TracedGraph, infos: dict[str, NodeInfo]) -> set[str]:
+    """Nodes whose output storage autograd keeps until backward: an op saves it as an input or as
+    its own output (analyze.NodeInfo.saves_*); a saved view keeps its base."""
+    kept: set[str] = set()
+    for node in tg.graph.nodes:
+        info = infos.get(node.name)
+        if node.op != "call_function" or info is None or not info.requires_grad:
+            continue
+        if info.saves_output:
+            kept.add(_base(node).name)
+        for inp, saved in zip(tensor_inputs(node), info.saves_inputs):
+            if saved:
+                kept.add(_base(inp).name)
+    return kept
+
+
 @functools.cache
 def f_axes(s: Strategy, i: int) -> tuple[int, ...]:
     """Axes on which input ``i`` is Replicate while the op is split: Megatron "f" goes there."""
@@ -187,6 +215,8 @@ def _edge(src, dst, i, inp, infos, strats, comm: CommModel, pinned=()) -> Edge:
     info = infos[inp.name]
     nbytes = info.out_bytes
     rg = info.requires_grad
+    saves = infos[dst].saves_inputs
+    keeps = infos[dst].requires_grad and (saves[i] if i < len(saves) else True)
     cost, mem, colls = [], [], []
     for su in strats[src].strategies:
         row_c, row_m, row_n = [], [], []
@@ -196,7 +226,8 @@ def _edge(src, dst, i, inp, infos, strats, comm: CommModel, pinned=()) -> Edge:
             if any(su.out[a] != need[a] for a in pinned):
                 c = math.inf  # forbidden pair (see _pinned_axes)
             row_c.append(c)
-            row_m.append(nbytes / volume_factor(need, comm.mesh_shape) if (rg and need != su.out) else 0.0)
+            # the resharded copy lives until backward only if the consumer keeps this input
+            row_m.append(nbytes / volume_factor(need, comm.mesh_shape) if (keeps and need != su.out) else 0.0)
             row_n.append(tuple(names))
         cost.append(row_c)
         mem.append(row_m)

@@ -326,7 +326,7 @@ def softmax_rule(ctx: OpCtx) -> list[AxisOption]:
 
 @register(aten.scaled_dot_product_attention.default)
 def sdpa_rule(ctx: OpCtx) -> list[AxisOption]:
-    # q [..., L, E], k/v [..., S, E]: only the leading (batch, head) dims may be sharded, never L or S
+    # q [..., L, E], k/v [..., S, E]: batch and head dims, or q's rows L (k/v whole); never S or E
     q, k = ctx.in_shapes[0], ctx.in_shapes[1]
     nd = len(q)
     mask = ctx.in_shapes[3] if ctx.n_in > 3 else None

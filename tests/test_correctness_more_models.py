@@ -1,8 +1,10 @@
 """More models: a plain-torch PaLM (multi-query attention, RoPE, SwiGLU, parallel block), Hugging Face
-T5 (encoder-decoder, relative position buckets) and ViT (conv2d patch embedding) on 2 gloo processes.
+T5 (encoder-decoder, relative position buckets) and ViT (conv2d patch embedding) on 2 and 4 gloo
+processes.
 
 As in ``test_correctness_dist.py``: the parent plans every (model, mode) offline and saves the plans;
-ONE spawn of 2 ranks applies them all, runs two SGD steps and returns the outputs and
+ONE spawn per world size (2 ranks: DP, TP and the solver's plan; 4 ranks: DP and TP on mesh (4,), the
+solver's plan on mesh (2, 2)) applies them all, runs two SGD steps and returns the outputs and
 ``full_state_dict()``, which must equal the single-device model's (fp32, rtol 1e-4, atol 1e-5).
 
 Fast single-process tests check the new sharding rules against the dense op (local pieces in,
@@ -16,16 +18,14 @@ import operator
 
 import pytest
 import torch
-import torch.fx as fx
-import torch.utils._pytree as pytree
-from torch.distributed.tensor.placement_types import Partial, Replicate, Shard
 
 import autopar
 from autopar.examples import palm_tiny, t5_tiny, vit_tiny
 from autopar.launch import run_on_ranks
 from autopar.models.palm import PalmOutput
-from autopar.passes.rules import RULES, make_ctx
+from autopar.passes.rules import RULES
 from autopar.passes.trace import trace
+from autopar.passes.validate import check_node, node_strategies, one_node_graph
 from autopar.placement import spec_from_str
 
 pytestmark = pytest.mark.slow
@@ -36,8 +36,12 @@ MODELS = {
     "vit": lambda: vit_tiny(batch=4, hidden=32, heads=4),
 }
 D, T = autopar.AxisRole.DATA, autopar.AxisRole.TENSOR
-PLANS = {"dp": ((2,), (D,)), "tp": ((2,), (T,)), "auto": ((2,), None)}  # mode -> (mesh, axis roles)
-WORLD = 2
+# world size -> mode -> (mesh shape, axis roles); None lets the solver choose every placement.
+# The sizes above divide 4 wherever a 4-way plan shards them (batch 4, 4 heads, hidden 32, vocab 128).
+PLANS = {
+    2: {"dp": ((2,), (D,)), "tp": ((2,), (T,)), "auto": ((2,), None)},
+    4: {"dp": ((4,), (D,)), "tp": ((4,), (T,)), "auto_2x2": ((2, 2), None)},
+}
 LR = 0.1
 STEPS = 2
 
@@ -64,20 +68,29 @@ def _rank(rank, world, jobs):
     return results
 
 
-@pytest.fixture(scope="module")
-def world2(tmp_path_factory):
-    d = tmp_path_factory.mktemp("plans_more")
-    cluster = autopar.ClusterSpec.preset("cpu", devices_per_node=WORLD)
+def _run(world, tmp_path_factory):
+    d = tmp_path_factory.mktemp(f"plans_more{world}")
+    cluster = autopar.ClusterSpec.preset("cpu", devices_per_node=world)
     jobs, plans = [], {}
     for name, build in MODELS.items():
         model, inputs = build()
-        for mode, (mesh, roles) in PLANS.items():
+        for mode, (mesh, roles) in PLANS[world].items():
             plan = autopar.plan(model, cluster, inputs, mesh_shape=mesh, axis_roles=roles)
             path = d / f"{name}_{mode}.json"
             plan.save(path)
             plans[(name, mode)] = plan
             jobs.append(((name, mode), str(path)))
-    return plans, run_on_ranks(_rank, WORLD, jobs, timeout_s=600)
+    return plans, run_on_ranks(_rank, world, jobs, timeout_s=600)
+
+
+@pytest.fixture(scope="module")
+def world2(tmp_path_factory):
+    return _run(2, tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def world4(tmp_path_factory):
+    return _run(4, tmp_path_factory)
 
 
 @pytest.fixture(scope="module")
@@ -102,10 +115,9 @@ def _check_plan_is_what_was_forced(plan, roles):
             assert all(spec_from_str(d.output)[a] == autopar.placement.R for d in inputs)
 
 
-@pytest.mark.parametrize("name", list(MODELS))
-@pytest.mark.parametrize("mode", list(PLANS))
-def test_world2(world2, references, name, mode):
-    plans, per_rank = world2
+def _check(world_result, references, name, mode):
+    plans, per_rank = world_result
+    world = len(per_rank)
     ref_outs, ref_state = references[name]
     for rank, results in enumerate(per_rank):
         outs, state = results[(name, mode)]
@@ -118,7 +130,21 @@ def test_world2(world2, references, name, mode):
         assert set(state) == set(ref_state)
         for k in ref_state:
             torch.testing.assert_close(state[k], ref_state[k], rtol=1e-4, atol=1e-5, msg=f"rank {rank} {k}")
-    _check_plan_is_what_was_forced(plans[(name, mode)], PLANS[mode][1])
+    plan = plans[(name, mode)]
+    assert tuple(plan.mesh_shape) == PLANS[world][mode][0]
+    _check_plan_is_what_was_forced(plan, PLANS[world][mode][1])
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+@pytest.mark.parametrize("mode", list(PLANS[2]))
+def test_world2(world2, references, name, mode):
+    _check(world2, references, name, mode)
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+@pytest.mark.parametrize("mode", list(PLANS[4]))
+def test_world4(world4, references, name, mode):
+    _check(world4, references, name, mode)
 
 
 def test_palm_tp_shards_query_heads_and_keeps_one_kv_head(world2):
@@ -163,58 +189,15 @@ def test_palm_traces_with_a_rule_for_every_op():
     assert sdpa.args[1].meta["val"].shape[1] == 1 and sdpa.kwargs.get("enable_gqa") is True
 
 
-def _pieces(x: torch.Tensor, p, n: int, g: torch.Generator) -> list[torch.Tensor]:
-    if isinstance(p, Shard):
-        return list(x.chunk(n, dim=p.dim))
-    if isinstance(p, Partial):
-        parts = [torch.randn(x.shape, generator=g, dtype=x.dtype) for _ in range(n - 1)]
-        return [x - sum(parts)] + parts
-    return [x] * n
-
-
 def _check_rule(op, args: tuple, kwargs: dict | None = None, n: int = 2) -> int:
-    """Every option of ``op``'s rule: the op on local pieces gives the local pieces of the dense output."""
-    kwargs = kwargs or {}
-    leaves, tree = pytree.tree_flatten((args, kwargs))
-    is_t = [isinstance(a, torch.Tensor) for a in leaves]
-    tensors = [a for a, t in zip(leaves, is_t) if t]
-    g = fx.Graph()
-    node_leaves = []
-    for i, a in enumerate(leaves):
-        if is_t[i]:
-            a = g.placeholder(f"x{i}")
-            a.meta["val"] = leaves[i]
-        node_leaves.append(a)
-    node_args, node_kwargs = pytree.tree_unflatten(node_leaves, tree)
-    node = g.call_function(op, node_args, node_kwargs)
-    full = op(*args, **kwargs)
-    node.meta["val"] = full
-    options = RULES[op](make_ctx(node))
-    assert options, f"{op}: no sharded option"
-    gen = torch.Generator().manual_seed(0)
-    for o in options:
-        assert all(not isinstance(p, Shard) or t.shape[p.dim] % n == 0 for p, t in zip(o.ins, tensors))
-        per_in = iter([_pieces(t, p, n, gen) for t, p in zip(tensors, o.ins)])
-        per_leaf = [next(per_in) if t else [a] * n for a, t in zip(leaves, is_t)]
-        locs = []
-        for r in range(n):
-            la, lk = pytree.tree_unflatten([pieces[r] for pieces in per_leaf], tree)
-            locs.append(op(*la, **lk))
-        multi = isinstance(full, (tuple, list))
-        for j, want in enumerate(full if multi else [full]):
-            outs = [loc[j] for loc in locs] if multi else locs
-            if isinstance(o.out, Shard):
-                assert want.shape[o.out.dim] % n == 0, f"{op}: pick shapes that {o} divides"
-                got = torch.cat(outs, dim=o.out.dim)
-            elif isinstance(o.out, Partial):
-                got = sum(outs)
-            else:
-                assert isinstance(o.out, Replicate)
-                for loc in outs[1:]:
-                    torch.testing.assert_close(loc, outs[0])
-                got = outs[0]
-            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5, msg=f"{op} option {o}")
-    return len(options)
+    """Every strategy of ``op`` on a mesh of ``n``: the validator runs the real generated local code
+    (lowerings and collectives included) on every simulated rank, forward and backward."""
+    node, values = one_node_graph(op, args, kwargs or {})
+    strategies = node_strategies(node, (n,))
+    assert len(strategies) > 1, f"{op}: no sharded option"
+    bad = [str(r) for r in check_node(node, (n,), values, strategies) if not r.ok]
+    assert not bad, f"{op}:\n" + "\n".join(bad)
+    return len(strategies)
 
 
 def test_new_rules_match_the_dense_op():
@@ -225,8 +208,9 @@ def test_new_rules_match_the_dense_op():
         return torch.randn(*s, generator=g)
 
     x, w, b = r(4, 6, 8, 8), r(4, 6, 3, 3), r(4)
-    assert _check_rule(aten.conv2d.default, (x, w, b, [1, 1], [1, 1], [1, 1], 1)) == 4
-    assert _check_rule(aten.conv2d.default, (x, w, None, [2, 2], [0, 0])) == 4
+    # batch, output channels, input channels (Partial), Partial input, and all-Replicate
+    assert _check_rule(aten.conv2d.default, (x, w, b, [1, 1], [1, 1], [1, 1], 1)) == 5
+    assert _check_rule(aten.conv2d.default, (x, w, None, [2, 2], [0, 0])) == 5
     _check_rule(aten.conv2d.default, (x, r(4, 3, 3, 3), b, [1, 1], [0, 0], [1, 1], 2))  # groups: batch only
     _check_rule(aten.conv1d.default, (r(2, 4, 10), r(6, 4, 3), r(6)))
     _check_rule(aten.pad.default, (r(4, 6, 8), [0, 2, 1, 0]))  # pads dims 2 and 1: dim 0 only
