@@ -307,7 +307,7 @@ def embedding_rule(ctx: OpCtx) -> list[AxisOption]:
     return opts
 
 
-@register(aten.layer_norm.default)
+@register(aten.layer_norm.default, aten.rms_norm.default)
 def layer_norm_rule(ctx: OpCtx) -> list[AxisOption]:
     normalized = ctx.arg(1, "normalized_shape")
     nd = len(ctx.out_shape)

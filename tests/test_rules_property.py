@@ -596,3 +596,12 @@ def test_new_factories(src, out, mesh):
         (aten.new_full.default, (1.5,)),
     ):
         assert_rules_hold(op, (x, list(out)) + extra, None, mesh, backward=False)
+
+
+@SETTINGS
+@given(shape=shapes(2, 3), affine=st.booleans(), mesh=meshes)
+def test_rms_norm(shape, affine, mesh):
+    """torch.nn.RMSNorm exports as aten.rms_norm: shard any dim but the normalized one."""
+    args = (randn(shape), [shape[-1]]) + ((randn((shape[-1],), 1),) if affine else ())
+    strategies = assert_rules_hold(aten.rms_norm.default, args, {"eps": 1e-6}, mesh)
+    assert all(not (isinstance(p, Shard) and p.dim == len(shape) - 1) for s in strategies for p in s.out)

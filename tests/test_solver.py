@@ -194,3 +194,53 @@ def test_no_plan_fits_says_what_is_needed():
         )
     msg = str(e.value)
     assert "needs at least" in msg and "per device" in msg and "GiB" in msg
+
+
+def _llama_block_model(layers=2, hidden=2048, ffn=8192, heads=16, vocab=32000):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(num_hidden_layers=layers, hidden_size=hidden, intermediate_size=ffn, num_attention_heads=heads,
+                      num_key_value_heads=heads, vocab_size=vocab, use_cache=False, bos_token_id=0, eos_token_id=0,
+                      pad_token_id=0)  # fmt: skip
+    with torch.device("meta"):
+        return LlamaForCausalLM(cfg)
+
+
+def test_transformer_that_does_not_fit_is_megatron_per_block():
+    """One sequence (no data parallelism possible), weights that do not fit replicated: every block
+    becomes column-parallel q/k/v and gate/up, row-parallel o and down, with ONE forward reduction
+    per attention and per MLP (all-reduce, or reduce-scatter in Megatron's sequence-parallel form)."""
+    layers = 2
+    model = _llama_block_model(layers)
+    ids = torch.randint(0, 32000, (1, 2048))
+    plan = autopar.plan(model, autopar.ClusterSpec.preset("h100-sxm", devices_per_node=4),
+                        {"input_ids": ids, "labels": ids}, mesh_shape=(4,), memory_limit_bytes=2 * 2**30)  # fmt: skip
+    params = plan.parameter_placements
+    for i in range(layers):
+        pre = f"model.layers.{i}."
+        for w in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj"):
+            assert params[pre + w + ".weight"] == "S(0)", w  # column parallel
+        for w in ("self_attn.o_proj", "mlp.down_proj"):
+            assert params[pre + w + ".weight"] == "S(1)", w  # row parallel
+    reductions = [
+        c for d in plan.decisions for c in d.collectives if c.startswith(("all_reduce@", "reduce_scatter@"))
+    ]
+    assert len(reductions) == 2 * layers, reductions
+
+
+def test_multi_query_attention_under_tensor_parallelism_gathers_the_single_kv_head():
+    """PaLM-style block with one K/V head: query heads are split over the devices, and K and V,
+    which cannot be split by heads, reach attention replicated (gathered)."""
+    from autopar.examples import palm_tiny
+
+    with torch.device("meta"):
+        model, _ = palm_tiny(layers=2, hidden=2048, heads=16, vocab=32000, seq=2048)
+    ids = torch.randint(0, 32000, (1, 2048))
+    plan = autopar.plan(model, autopar.ClusterSpec.preset("h100-sxm", devices_per_node=4),
+                        {"input_ids": ids, "labels": ids}, mesh_shape=(4,), memory_limit_bytes=2 * 2**30)  # fmt: skip
+    attn = [d for d in plan.decisions if d.op == "aten.scaled_dot_product_attention.default"]
+    assert len(attn) == 2
+    for d in attn:
+        assert d.shape[1] == 16 and d.inputs[0] == "S(1)", d  # query heads split
+        assert d.inputs[1:3] == ("R", "R"), d  # the single K/V head replicated
+    assert any(c.startswith(("all_gather@", "all_reduce@")) for d in plan.decisions for c in d.collectives)

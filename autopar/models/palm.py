@@ -107,6 +107,6 @@ class PalmLM(nn.Module):
         loss = None
         if labels is not None:
             # predict token t+1 at position t: shift the labels left, ignore the last position
-            shifted = F.pad(labels, (0, 1), value=-100)[:, 1:]
+            shifted = F.pad(labels.to(logits.device), (0, 1), value=-100)[:, 1:]
             loss = F.cross_entropy(logits.view(-1, logits.shape[-1]), shifted.reshape(-1))
         return PalmOutput(loss, logits)
