@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from autopar.cluster import ClusterSpec
+from autopar.cost_model.comm import axis_link
 from autopar.errors import DistributedSetupError, NoPlanFitsError, PlanFormatError
 from autopar.passes.analyze import NodeInfo, analyze
 from autopar.passes.coarsen import find_classes
@@ -116,7 +117,20 @@ def search(
     best: tuple[float, tuple, Solution, CostTables, dict, float] | None = None
     candidates = []
     min_needed = math.inf
+    mirrors: dict[tuple, tuple] = {}
     for mesh in meshes:
+        # a mesh whose axes are another's, permuted, each on the same kind of link, is the same problem
+        links = [axis_link(cluster, mesh, a) for a in range(len(mesh))]
+        key = tuple(sorted((n, link.bandwidth, link.latency) for n, link in zip(mesh, links)))
+        if key in mirrors:
+            candidates.append(
+                {"mesh_shape": list(mesh), "status": f"same as {mirrors[key]}", "objective": None}
+            )
+            _progress(
+                progress, f"solve: mesh {mesh}: the same problem as mesh {mirrors[key]} (axes permuted)"
+            )
+            continue
+        mirrors[key] = mesh
         # -- strategies ---------------------------------------------------------------------------
         strats = build_strategies(tg, infos, mesh, axis_roles, only=set(classes.members) if classes else None)
         # -- cost -----------------------------------------------------------------------------------

@@ -55,7 +55,7 @@ def run(name, model, batch, seq, vocab, cluster, **kw):
     print(
         f"{name:34s} {cluster.world_size:5d} dev  plan {dt:6.1f} s  mesh {str(plan.mesh_shape):12s} "
         f"step {p.step_time_s * 1e3:10.1f} ms  mem {p.peak_memory_bytes / 2**30:7.1f} GiB  "
-        f"gap to lower bound {plan.solver.gap:.1%} ({plan.solver.status})",
+        f"optimality gap {plan.solver.gap:.1%} ({plan.solver.status})",
         flush=True,
     )
     for line in lines:

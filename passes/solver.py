@@ -204,6 +204,8 @@ def _solve(tables: CostTables, memory_limit_bytes: float, time_limit_s: float | 
             f"the ILP solver failed: {e}; check that PuLP's bundled CBC runs on this machine"
         ) from e
     status = pulp.LpStatus[prob.status]
+    if prob.sol_status == pulp.LpSolutionIntegerFeasible:  # stopped by the time limit with a plan
+        status = "Feasible (time limit)"
     elapsed = time.perf_counter() - t0
     if status in ("Infeasible", "Undefined") or prob.sol_status not in (1, 2):
         return None

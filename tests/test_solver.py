@@ -181,9 +181,21 @@ def test_plan_reports_a_lower_bound_and_gap():
     plan = autopar.plan(model, autopar.ClusterSpec.preset("h100-sxm", devices_per_node=4), inputs)
     s = plan.solver
     assert 0 < s.lower_bound_s <= s.objective == pytest.approx(plan.predicted.step_time_s)
-    assert 0 <= s.gap < 1 and "lower bound" in plan.summary()
+    assert s.status == "Optimal" and s.gap == 0.0 and 0 <= s.bound_gap < 1
+    assert "lower bound" in plan.summary() and "optimality gap 0.0%" in plan.summary()
     assert {tuple(c["mesh_shape"]) for c in s.candidates} == {(4,), (2, 2)}
     assert all(c["status"] in ("Optimal", "pruned", "infeasible") for c in s.candidates)
+
+
+def test_mirror_meshes_are_solved_once_and_plans_are_deterministic():
+    """(2, 4) and (4, 2) inside one node are the same problem up to axis order: solved once. The
+    same inputs give the same plan, decision for decision."""
+    model, inputs = mlp(batch=64, hidden=256, ffn=1024)
+    cluster = autopar.ClusterSpec.preset("h100-sxm")
+    plans = [autopar.plan(model, cluster, inputs) for _ in range(2)]
+    status = {tuple(c["mesh_shape"]): c["status"] for c in plans[0].solver.candidates}
+    assert status[(4, 2)] == "same as (2, 4)"
+    assert plans[0].decisions == plans[1].decisions and plans[0].mesh_shape == plans[1].mesh_shape
 
 
 def test_no_plan_fits_says_what_is_needed():
