@@ -37,8 +37,10 @@ says: its samples are measured and reported, not used for the link.
 Compute (``measure_compute``), on this rank, under whatever contention the other ranks cause
 (``calibrate`` measures on every rank at once, as training runs):
 
-* per-op overhead ``launch`` [s]: a tiny op (``torch.add`` of two 1-element tensors) timed in a
-  loop, seconds per op;
+* per-op overhead ``launch`` [s]: a chain of 60 tiny ops (mul, add, tanh on 8 elements) run
+  forward and backward through autograd, as a training step runs them; the cost model charges
+  each op ``launch`` once forward and BACKWARD_FACTOR times backward, so
+  ``launch = t_chain / (60 * (1 + BACKWARD_FACTOR))``;
 * memory bandwidth [B/s]: ``torch.add(a, b, out=c)`` on large float32 tensors moves
   ``M = 3 * nbytes`` (2 reads, 1 write): ``mem_bw = M / (t - launch)``;
 * FLOP/s: square fp32 matmuls of a few sizes ``s`` (``F = 2 s^3`` FLOPs); a least-squares line
@@ -61,12 +63,11 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
 from autopar.cluster import ClusterSpec, LinkSpec
-from autopar.cost_model.compute import EFF_MAX
+from autopar.cost_model.compute import BACKWARD_FACTOR, EFF_MAX
 
 __all__ = [
     "Sample",
@@ -229,9 +230,11 @@ def fit_link(samples: Sequence[Sample], kind: str | None = None) -> LinkSpec:
     if not rows:
         raise ValueError(f"fit_link: no usable samples (kind={kind!r}, n > 1, seconds > 0)")
     coeffs = [ring_coefficients(s.kind, s.n) for s in rows]
-    a = np.array([[f * s.nbytes / s.seconds, g / s.seconds] for s, (f, g) in zip(rows, coeffs)])
-    y = np.ones(len(rows))
-    x, *_ = np.linalg.lstsq(a, y, rcond=None)
+    a = torch.tensor(
+        [[f * s.nbytes / s.seconds, g / s.seconds] for s, (f, g) in zip(rows, coeffs)], dtype=torch.float64
+    )
+    y = torch.ones(len(rows), dtype=torch.float64)
+    x = torch.linalg.lstsq(a, y.unsqueeze(1)).solution.squeeze(1)
     inv_bw, lat = float(x[0]), float(x[1])
     if not (inv_bw > 0 and lat > 0):  # non-negative least squares in 2 unknowns: refit one alone
         col_bw, col_lat = a[:, 0], a[:, 1]
@@ -276,10 +279,19 @@ def measure_compute(device: torch.device | str = "cpu", quick: bool = False) -> 
     """
     dev = torch.device(device)
     repeats = 3 if quick else 7
-    # per-op overhead: a tiny out-of-place op, timed in a loop
-    a1 = torch.ones(1, device=dev)
-    b1 = torch.ones(1, device=dev)
-    launch = _median_time(lambda: torch.add(a1, b1), dev, repeats, inner=200 if quick else 1000)
+    # per-op overhead as a training step pays it: a chain of tiny ops, forward and backward through
+    # autograd; the cost model charges each op its launch three times (forward + 2x backward)
+    n_ops = 60
+    x0 = torch.ones(8, device=dev, requires_grad=True)
+    c = torch.full((8,), 0.999, device=dev)
+
+    def chain():
+        y = x0
+        for i in range(n_ops // 3):
+            y = torch.tanh(torch.mul(y, c) + i)
+        y.sum().backward()
+
+    launch = _median_time(chain, dev, repeats, inner=5 if quick else 20) / (n_ops * (1 + BACKWARD_FACTOR))
     # memory bandwidth: a large elementwise op (2 reads + 1 write)
     numel = (4 if quick else 16) * 2**20  # 16 MiB / 64 MiB per float32 tensor
     bufs = [torch.ones(numel, device=dev) for _ in range(3)]
@@ -292,11 +304,12 @@ def measure_compute(device: torch.device | str = "cpu", quick: bool = False) -> 
         x = torch.randn(s, s, device=dev)
         w = torch.randn(s, s, device=dev)
         points.append((s, 2.0 * s**3, _median_time(lambda x=x, w=w: torch.mm(x, w), dev, repeats)))
-    fl = np.array([p[1] for p in points])
-    ts = np.array([p[2] for p in points])
-    slope, intercept = np.polyfit(fl, ts, 1)
+    fl = torch.tensor([p[1] for p in points], dtype=torch.float64)
+    ts = torch.tensor([p[2] for p in points], dtype=torch.float64)
+    design = torch.stack([fl, torch.ones_like(fl)], dim=1)
+    slope, intercept = (float(v) for v in torch.linalg.lstsq(design, ts.unsqueeze(1)).solution.squeeze(1))
     if not slope > 0:  # degenerate fit (noise): use the largest matmul's rate
-        slope, intercept = ts[-1] / fl[-1], 0.0
+        slope, intercept = float(ts[-1] / fl[-1]), 0.0
     rate = 1.0 / float(slope)
     return {
         "peak_flops": rate / EFF_MAX,
