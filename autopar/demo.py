@@ -21,7 +21,8 @@ from autopar.model_spec import load_model_spec
 from autopar.report import write_report
 
 
-def _train_step(model, opt, inputs):
+def train_step(model, opt, inputs):
+    """One SGD step with the model's own loss (``.loss`` or the first output); returns the loss."""
     out = model(**inputs) if isinstance(inputs, dict) else model(*inputs)
     loss = out.loss if hasattr(out, "loss") else out[0]
     loss.backward()
@@ -38,9 +39,9 @@ def _rank_main(
     cluster = autopar.ClusterSpec.from_dict(cluster_dict)
     pmodel = autopar.autoparallelize(model, cluster, inputs, plan=plan_path)
     opt = torch.optim.SGD(pmodel.parameters(), lr=0.05)
-    losses = [float(_train_step(pmodel, opt, inputs)) for _ in range(steps)]
-    step_s = time_steps(lambda: _train_step(pmodel, opt, inputs), warmup=1, repeat=5, barrier=dist.barrier)
-    peak = peak_step_memory(pmodel, lambda: _train_step(pmodel, opt, inputs))
+    losses = [float(train_step(pmodel, opt, inputs)) for _ in range(steps)]
+    step_s = time_steps(lambda: train_step(pmodel, opt, inputs), warmup=1, repeat=5, barrier=dist.barrier)
+    peak = peak_step_memory(pmodel, lambda: train_step(pmodel, opt, inputs))
     return {
         "losses": losses,
         "step_time_s": step_s,
@@ -53,7 +54,7 @@ def _reference_losses(model_spec: str, steps: int) -> list[float]:
     torch.manual_seed(0)
     model, inputs = load_model_spec(model_spec)
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
-    return [float(_train_step(model, opt, inputs)) for _ in range(steps)]
+    return [float(train_step(model, opt, inputs)) for _ in range(steps)]
 
 
 def run_demo(

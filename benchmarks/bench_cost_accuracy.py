@@ -23,6 +23,7 @@ import torch.distributed as dist
 import autopar
 from autopar.cost_model.calibrate import run_calibration
 from autopar.cost_model.measure import peak_step_memory, time_steps
+from autopar.demo import train_step
 from autopar.launch import run_on_ranks
 from autopar.model_spec import load_model_spec
 
@@ -38,14 +39,6 @@ PLANS = {
 }
 
 
-def _train_step(model, opt, inputs):
-    out = model(**inputs) if isinstance(inputs, dict) else model(*inputs)
-    loss = out.loss if hasattr(out, "loss") else out[0]
-    loss.backward()
-    opt.step()
-    opt.zero_grad(set_to_none=False)
-
-
 def _rank_run(rank: int, world: int, model_spec: str, cluster_dict: dict, plan_paths: dict) -> dict:
     cluster = autopar.ClusterSpec.from_dict(cluster_dict)
     out = {}
@@ -54,7 +47,7 @@ def _rank_run(rank: int, world: int, model_spec: str, cluster_dict: dict, plan_p
         model, inputs = load_model_spec(model_spec)
         pmodel = autopar.autoparallelize(model, cluster, inputs, plan=path)
         opt = torch.optim.SGD(pmodel.parameters(), lr=0.01)
-        step = lambda m=pmodel, o=opt, x=inputs: _train_step(m, o, x)  # noqa: E731
+        step = lambda m=pmodel, o=opt, x=inputs: train_step(m, o, x)  # noqa: E731
         step_s = time_steps(step, warmup=2, repeat=7, barrier=dist.barrier)
         peak = peak_step_memory(pmodel, step)
         out[name] = (step_s, peak)

@@ -1,11 +1,7 @@
 """Parallel runs match the single-device model: GPT-2, Llama and BERT on 2 and 4 gloo processes.
 
-For each (model, plan) the parent plans offline and saves the plan; the ranks apply it with
-``autoparallelize(..., plan=path)``, run two SGD steps with the model's own loss, and return the
-forward outputs of both steps and ``full_state_dict()``. These must equal the single-device
-model's outputs and its state after the same two steps (fp32, tight tolerance).
-
-One spawn per world size runs every configuration, to keep the suite lean.
+Plans forced to data, tensor and sequence parallelism, DP x TP on a 2x2 mesh, and the solver's
+own choice (see tests/harness.py for how they are planned, run and compared).
 """
 
 from __future__ import annotations
@@ -13,17 +9,15 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
-import torch
+from harness import D, S, T, check_run, code_of, reference, run_world
 from torch.distributed.tensor.placement_types import Shard
 
-import autopar
 from autopar.codegen.lower import mangle
 from autopar.examples import bert_tiny, gpt2_tiny, llama_tiny
-from autopar.launch import run_on_ranks
 from autopar.passes.analyze import analyze
 from autopar.passes.strategies import build_strategies
 from autopar.passes.trace import trace
-from autopar.placement import R, spec_from_str, spec_to_str
+from autopar.placement import R, spec_to_str
 
 pytestmark = pytest.mark.slow
 
@@ -32,68 +26,22 @@ MODELS = {
     "llama": lambda: llama_tiny(batch=4, seq=16, hidden=32, vocab=128),
     "bert": lambda: bert_tiny(batch=4, seq=16, hidden=32, vocab=128),
 }
-D, T, A = autopar.AxisRole.DATA, autopar.AxisRole.TENSOR, autopar.AxisRole.AUTO
-S = autopar.AxisRole.SEQUENCE
-# name -> (mesh shape, axis roles); AUTO lets the solver choose every placement
+# world size -> mode -> (mesh shape, axis roles); None lets the solver choose every placement
 PLANS = {
     2: {"dp": ((2,), (D,)), "tp": ((2,), (T,)), "sp": ((2,), (S,)), "auto": ((2,), None)},
     4: {"dp": ((4,), (D,)), "tp": ((4,), (T,)), "dp_tp_2x2": ((2, 2), (D, T)), "auto_2x2": ((2, 2), None)},
 }
-LR = 0.1
-STEPS = 2
 
 
-def _train(model, inputs, steps):
-    opt = torch.optim.SGD(model.parameters(), lr=LR)
-    outs = []
-    for _ in range(steps):
-        out = model(**inputs)
-        outs.append((out.loss.detach().clone(), out.logits.detach().clone()))
-        out.loss.backward()
-        opt.step()
-        opt.zero_grad()
-    return outs
+def build(name):
+    return MODELS[name]()
 
 
-def _reference(name):
-    model, inputs = MODELS[name]()
-    outs = _train(model, inputs, STEPS)
-    return outs, {k: v.detach().clone() for k, v in model.state_dict().items()}
-
-
-def _rank(rank, world, jobs):
-    results = {}
-    for key, plan_path in jobs:
-        name = key[0]
-        model, inputs = MODELS[name]()
-        cluster = autopar.ClusterSpec.preset("cpu", devices_per_node=world)
-        pmodel = autopar.autoparallelize(model, cluster, inputs, plan=plan_path)
-        outs = _train(pmodel, inputs, STEPS)
-        results[key] = (outs, pmodel.full_state_dict(), pmodel.code if rank == 0 else "")
-    return results
-
-
-def _run(world, tmp_path_factory):
-    d = tmp_path_factory.mktemp(f"plans{world}")
-    cluster = autopar.ClusterSpec.preset("cpu", devices_per_node=world)
-    jobs, plans = [], {}
-    for name, build in MODELS.items():
-        model, inputs = build()
-        for mode, (mesh, roles) in PLANS[world].items():
-            plan = autopar.plan(model, cluster, inputs, mesh_shape=mesh, axis_roles=roles)
-            if mode == "sp":
-                plan = _with_sequence_parallel_attention(plan, model, inputs)
-            path = d / f"{name}_{mode}.json"
-            plan.save(path)
-            plans[(name, mode)] = plan
-            jobs.append(((name, mode), str(path)))
-    per_rank = run_on_ranks(_rank, world, jobs, timeout_s=900)
-    return plans, per_rank
-
-
-def _with_sequence_parallel_attention(plan, model, inputs):
-    """Every strategy the rules offer must run correctly, chosen or not: put each attention node on
-    its query-rows strategy (keys/values replicated) and let codegen reshard around it."""
+def _with_sequence_parallel_attention(mode, plan, model, inputs):
+    """Every strategy the rules offer must run correctly, chosen or not: in the SP plans, put each
+    attention node on its query-rows strategy (keys/values replicated); codegen reshards around it."""
+    if mode != "sp":
+        return plan
     tg = trace(model, inputs)
     allowed = build_strategies(tg, analyze(tg), plan.mesh_shape)
     decisions = []
@@ -107,65 +55,36 @@ def _with_sequence_parallel_attention(plan, model, inputs):
 
 @pytest.fixture(scope="module")
 def world2(tmp_path_factory):
-    return _run(2, tmp_path_factory)
+    return run_world(
+        build, MODELS, PLANS[2], 2, tmp_path_factory.mktemp("plans2"), _with_sequence_parallel_attention
+    )
 
 
 @pytest.fixture(scope="module")
 def world4(tmp_path_factory):
-    return _run(4, tmp_path_factory)
+    return run_world(build, MODELS, PLANS[4], 4, tmp_path_factory.mktemp("plans4"))
 
 
 @pytest.fixture(scope="module")
 def references():
-    return {name: _reference(name) for name in MODELS}
-
-
-def _check(plans, per_rank, references, name, mode):
-    ref_outs, ref_state = references[name]
-    for rank, results in enumerate(per_rank):
-        outs, state, _ = results[(name, mode)]
-        for step, ((loss, logits), (rloss, rlogits)) in enumerate(zip(outs, ref_outs)):
-            torch.testing.assert_close(loss, rloss, rtol=1e-5, atol=1e-5, msg=f"rank {rank} step {step} loss")
-            torch.testing.assert_close(
-                logits, rlogits, rtol=1e-4, atol=1e-5, msg=f"rank {rank} step {step} logits"
-            )
-        assert set(state) == set(ref_state)
-        for k in ref_state:
-            torch.testing.assert_close(state[k], ref_state[k], rtol=1e-4, atol=1e-5, msg=f"rank {rank} {k}")
-    _check_plan_is_what_was_forced(plans[(name, mode)], PLANS[len(per_rank)][mode][1])
-
-
-def _check_plan_is_what_was_forced(plan, roles):
-    """The forced plans really are data / tensor parallel, so the comparison covers what it says."""
-    for a, role in enumerate(roles or ()):
-        params = [d for d in plan.decisions if d.role == "param" and len(d.shape) >= 2]
-        inputs = [d for d in plan.decisions if d.role == "input"]
-        if role is D:
-            assert all(spec_from_str(d.output)[a] == autopar.placement.R for d in params)
-            assert all(str(spec_from_str(d.output)[a]) == "S(0)" for d in inputs)
-        if role is T:
-            assert all(spec_from_str(d.output)[a] != autopar.placement.R for d in params)
-            assert all(spec_from_str(d.output)[a] == autopar.placement.R for d in inputs)
-        if role is S:
-            assert all(spec_from_str(d.output)[a] == autopar.placement.R for d in params)
-            assert all(str(spec_from_str(d.output)[a]) == "S(1)" for d in inputs)
+    return {name: reference(build, name) for name in MODELS}
 
 
 @pytest.mark.parametrize("name", list(MODELS))
 @pytest.mark.parametrize("mode", list(PLANS[2]))
 def test_world2(world2, references, name, mode):
-    _check(*world2, references, name, mode)
+    check_run(world2, references, name, mode, PLANS[2])
 
 
 @pytest.mark.parametrize("name", list(MODELS))
 @pytest.mark.parametrize("mode", list(PLANS[4]))
 def test_world4(world4, references, name, mode):
-    _check(*world4, references, name, mode)
+    check_run(world4, references, name, mode, PLANS[4])
 
 
 def test_tensor_parallel_plans_communicate_activations(world2):
     """A TP plan that gathered every weight before use would be FSDP in disguise: check it is not."""
-    plans, per_rank = world2
+    plans, _ = world2
     for name in MODELS:
         plan = plans[(name, "tp")]
         colls = [c for d in plan.decisions for c in d.collectives]
@@ -173,7 +92,7 @@ def test_tensor_parallel_plans_communicate_activations(world2):
         assert any(c.startswith(("all_reduce@", "reduce_scatter@")) for c in colls), (
             f"{name}: no forward reduction of activations in the TP plan"
         )
-        code = per_rank[0][(name, "tp")][2]
+        code = code_of(world2, name, "tp")
         weights = [mangle(d.target) for d in plan.decisions if d.role == "param" and len(d.shape) >= 2]
         assert weights and all(w in code for w in weights)
         gathered = [w for w in weights if f"all_gather({w}," in code]
@@ -183,8 +102,8 @@ def test_tensor_parallel_plans_communicate_activations(world2):
 def test_sequence_parallel_plans_split_attention_over_query_rows(world2):
     """Attention on this rank's query rows against gathered keys/values (forced into the SP plans by
     _with_sequence_parallel_attention; their outputs and trained weights matched above)."""
-    plans, per_rank = world2
-    for name in ("gpt2", "llama", "bert"):
+    plans, _ = world2
+    for name in MODELS:
         attn = [
             d for d in plans[(name, "sp")].decisions if d.op == "aten.scaled_dot_product_attention.default"
         ]

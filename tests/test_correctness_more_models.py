@@ -2,10 +2,8 @@
 T5 (encoder-decoder, relative position buckets) and ViT (conv2d patch embedding) on 2 and 4 gloo
 processes.
 
-As in ``test_correctness_dist.py``: the parent plans every (model, mode) offline and saves the plans;
-ONE spawn per world size (2 ranks: DP, TP and the solver's plan; 4 ranks: DP and TP on mesh (4,), the
-solver's plan on mesh (2, 2)) applies them all, runs two SGD steps and returns the outputs and
-``full_state_dict()``, which must equal the single-device model's (fp32, rtol 1e-4, atol 1e-5).
+2 ranks: DP, TP and the solver's plan; 4 ranks: DP and TP on mesh (4,), the solver's plan on mesh
+(2, 2). Planned, run and compared with the single-device model by tests/harness.py.
 
 Fast single-process tests check the new sharding rules against the dense op (local pieces in,
 local piece out) and that the PaLM graph has a rule for every op.
@@ -18,15 +16,13 @@ import operator
 
 import pytest
 import torch
+from harness import D, T, check_run, reference, run_world
 
-import autopar
 from autopar.examples import palm_tiny, t5_tiny, vit_tiny
-from autopar.launch import run_on_ranks
 from autopar.models.palm import PalmOutput
 from autopar.passes.rules import RULES
 from autopar.passes.trace import trace
 from autopar.passes.validate import check_node, node_strategies, one_node_graph
-from autopar.placement import spec_from_str
 
 pytestmark = pytest.mark.slow
 
@@ -35,116 +31,43 @@ MODELS = {
     "t5": lambda: t5_tiny(batch=4, seq=16, hidden=32, heads=4, vocab=128),
     "vit": lambda: vit_tiny(batch=4, hidden=32, heads=4),
 }
-D, T = autopar.AxisRole.DATA, autopar.AxisRole.TENSOR
 # world size -> mode -> (mesh shape, axis roles); None lets the solver choose every placement.
 # The sizes above divide 4 wherever a 4-way plan shards them (batch 4, 4 heads, hidden 32, vocab 128).
 PLANS = {
     2: {"dp": ((2,), (D,)), "tp": ((2,), (T,)), "auto": ((2,), None)},
     4: {"dp": ((4,), (D,)), "tp": ((4,), (T,)), "auto_2x2": ((2, 2), None)},
 }
-LR = 0.1
-STEPS = 2
 
 
-def _train(model, inputs, steps):
-    opt = torch.optim.SGD(model.parameters(), lr=LR)
-    outs = []
-    for _ in range(steps):
-        out = model(**inputs)
-        outs.append((type(out).__name__, out.loss.detach().clone(), out.logits.detach().clone()))
-        out.loss.backward()
-        opt.step()
-        opt.zero_grad()
-    return outs
-
-
-def _rank(rank, world, jobs):
-    results = {}
-    for key, plan_path in jobs:
-        model, inputs = MODELS[key[0]]()
-        cluster = autopar.ClusterSpec.preset("cpu", devices_per_node=world)
-        pmodel = autopar.autoparallelize(model, cluster, inputs, plan=plan_path)
-        results[key] = (_train(pmodel, inputs, STEPS), pmodel.full_state_dict())
-    return results
-
-
-def _run(world, tmp_path_factory):
-    d = tmp_path_factory.mktemp(f"plans_more{world}")
-    cluster = autopar.ClusterSpec.preset("cpu", devices_per_node=world)
-    jobs, plans = [], {}
-    for name, build in MODELS.items():
-        model, inputs = build()
-        for mode, (mesh, roles) in PLANS[world].items():
-            plan = autopar.plan(model, cluster, inputs, mesh_shape=mesh, axis_roles=roles)
-            path = d / f"{name}_{mode}.json"
-            plan.save(path)
-            plans[(name, mode)] = plan
-            jobs.append(((name, mode), str(path)))
-    return plans, run_on_ranks(_rank, world, jobs, timeout_s=600)
+def build(name):
+    return MODELS[name]()
 
 
 @pytest.fixture(scope="module")
 def world2(tmp_path_factory):
-    return _run(2, tmp_path_factory)
+    return run_world(build, MODELS, PLANS[2], 2, tmp_path_factory.mktemp("plans_more2"))
 
 
 @pytest.fixture(scope="module")
 def world4(tmp_path_factory):
-    return _run(4, tmp_path_factory)
+    return run_world(build, MODELS, PLANS[4], 4, tmp_path_factory.mktemp("plans_more4"))
 
 
 @pytest.fixture(scope="module")
 def references():
-    refs = {}
-    for name, build in MODELS.items():
-        model, inputs = build()
-        outs = _train(model, inputs, STEPS)
-        refs[name] = (outs, {k: v.detach().clone() for k, v in model.state_dict().items()})
-    return refs
-
-
-def _check_plan_is_what_was_forced(plan, roles):
-    for a, role in enumerate(roles or ()):
-        params = [d for d in plan.decisions if d.role == "param" and len(d.shape) >= 2]
-        inputs = [d for d in plan.decisions if d.role == "input"]
-        if role is D:
-            assert all(spec_from_str(d.output)[a] == autopar.placement.R for d in params)
-            assert all(str(spec_from_str(d.output)[a]) == "S(0)" for d in inputs)
-        if role is T:
-            assert all(spec_from_str(d.output)[a] != autopar.placement.R for d in params)
-            assert all(spec_from_str(d.output)[a] == autopar.placement.R for d in inputs)
-
-
-def _check(world_result, references, name, mode):
-    plans, per_rank = world_result
-    world = len(per_rank)
-    ref_outs, ref_state = references[name]
-    for rank, results in enumerate(per_rank):
-        outs, state = results[(name, mode)]
-        for step, ((typ, loss, logits), (rtyp, rloss, rlogits)) in enumerate(zip(outs, ref_outs)):
-            assert typ == rtyp, f"rank {rank}: the parallel module returns {typ}, the model {rtyp}"
-            torch.testing.assert_close(loss, rloss, rtol=1e-4, atol=1e-5, msg=f"rank {rank} step {step} loss")
-            torch.testing.assert_close(
-                logits, rlogits, rtol=1e-4, atol=1e-5, msg=f"rank {rank} step {step} logits"
-            )
-        assert set(state) == set(ref_state)
-        for k in ref_state:
-            torch.testing.assert_close(state[k], ref_state[k], rtol=1e-4, atol=1e-5, msg=f"rank {rank} {k}")
-    plan = plans[(name, mode)]
-    assert tuple(plan.mesh_shape) == PLANS[world][mode][0]
-    _check_plan_is_what_was_forced(plan, PLANS[world][mode][1])
+    return {name: reference(build, name) for name in MODELS}
 
 
 @pytest.mark.parametrize("name", list(MODELS))
 @pytest.mark.parametrize("mode", list(PLANS[2]))
 def test_world2(world2, references, name, mode):
-    _check(world2, references, name, mode)
+    check_run(world2, references, name, mode, PLANS[2])
 
 
 @pytest.mark.parametrize("name", list(MODELS))
 @pytest.mark.parametrize("mode", list(PLANS[4]))
 def test_world4(world4, references, name, mode):
-    _check(world4, references, name, mode)
+    check_run(world4, references, name, mode, PLANS[4])
 
 
 def test_palm_tp_shards_query_heads_and_keeps_one_kv_head(world2):

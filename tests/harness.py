@@ -1,0 +1,133 @@
+"""The shared harness of the multi-process correctness suites.
+
+The parent plans every (model, mode) offline and saves the plans; ONE spawn per world size
+applies them all with ``autoparallelize(..., plan=path)``, runs two SGD steps with the model's
+own loss, and returns the outputs of both steps, ``full_state_dict()`` and (rank 0) the
+generated code. ``check_run`` compares them with the single-device model (fp32, rtol 1e-4,
+atol 1e-5) and checks that a forced plan is what it claims to be. A configuration that raises
+(planning or on a rank) is reported by that configuration's test, with the traceback.
+
+``build`` is a module-level function ``build(name) -> (model, inputs)`` of the test module, so
+that spawned ranks can unpickle it.
+"""
+
+from __future__ import annotations
+
+import traceback
+from collections.abc import Callable
+
+import torch
+
+import autopar
+from autopar.launch import run_on_ranks
+from autopar.placement import R, spec_from_str
+
+LR = 0.1
+STEPS = 2
+D, T, S = autopar.AxisRole.DATA, autopar.AxisRole.TENSOR, autopar.AxisRole.SEQUENCE
+
+
+def train(model, inputs, steps: int = STEPS) -> list[tuple[str, torch.Tensor, torch.Tensor]]:
+    """SGD steps with the model's own loss: (output type, loss, logits) of every step."""
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    outs = []
+    for _ in range(steps):
+        out = model(**inputs)
+        outs.append((type(out).__name__, out.loss.detach().clone(), out.logits.detach().clone()))
+        out.loss.backward()
+        opt.step()
+        opt.zero_grad()
+    return outs
+
+
+def reference(build: Callable, name: str):
+    model, inputs = build(name)
+    outs = train(model, inputs)
+    return outs, {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def _rank(rank: int, world: int, build: Callable, jobs):
+    results = {}
+    for key, plan_path in jobs:
+        model, inputs = build(key[0])
+        cluster = autopar.ClusterSpec.preset("cpu", devices_per_node=world)
+        try:
+            pmodel = autopar.autoparallelize(model, cluster, inputs, plan=plan_path)
+            results[key] = (train(pmodel, inputs), pmodel.full_state_dict(), pmodel.code if rank == 0 else "")
+        except Exception:  # noqa: BLE001 - reported by that configuration's test
+            results[key] = traceback.format_exc()
+    return results
+
+
+def run_world(
+    build: Callable, names, plans_for_world: dict, world: int, tmp_dir, edit: Callable | None = None
+):
+    """Plan every (name, mode) in the parent, run them all in one spawn: (plans, per-rank results).
+
+    ``edit(mode, plan, model, inputs)`` may rewrite a plan before it is saved (any valid strategy
+    must run correctly, chosen or not)."""
+    cluster = autopar.ClusterSpec.preset("cpu", devices_per_node=world)
+    jobs, plans = [], {}
+    for name in names:
+        model, inputs = build(name)
+        for mode, (mesh, roles) in plans_for_world.items():
+            try:
+                plan = autopar.plan(model, cluster, inputs, mesh_shape=mesh, axis_roles=roles)
+                if edit is not None:
+                    plan = edit(mode, plan, model, inputs)
+            except Exception:  # noqa: BLE001 - reported by that configuration's test
+                plans[(name, mode)] = traceback.format_exc()
+                continue
+            path = tmp_dir / f"{name}_{mode}.json"
+            plan.save(path)
+            plans[(name, mode)] = plan
+            jobs.append(((name, mode), str(path)))
+    return plans, run_on_ranks(_rank, world, build, jobs, timeout_s=900)
+
+
+def check_forced(plan, roles) -> None:
+    """A forced plan is what it claims: DP replicates weights and splits the batch, TP splits every
+    weight and replicates the inputs, SP replicates weights and splits the sequence."""
+    for a, role in enumerate(roles or ()):
+        params = [d for d in plan.decisions if d.role == "param" and len(d.shape) >= 2]
+        inputs = [d for d in plan.decisions if d.role == "input"]
+        if role is D:
+            assert all(spec_from_str(d.output)[a] == R for d in params)
+            assert all(str(spec_from_str(d.output)[a]) == "S(0)" for d in inputs)
+        if role is T:
+            assert all(spec_from_str(d.output)[a] != R for d in params)
+            assert all(spec_from_str(d.output)[a] == R for d in inputs)
+        if role is S:
+            assert all(spec_from_str(d.output)[a] == R for d in params)
+            assert all(str(spec_from_str(d.output)[a]) == "S(1)" for d in inputs)
+
+
+def check_run(world_result, references, name: str, mode: str, plans_for_world: dict) -> None:
+    """Every rank's outputs and trained weights equal the single-device model's."""
+    plans, per_rank = world_result
+    plan = plans[(name, mode)]
+    assert not isinstance(plan, str), f"{name} {mode}: planning failed:\n{plan}"
+    ref_outs, ref_state = references[name]
+    for rank, results in enumerate(per_rank):
+        res = results[(name, mode)]
+        assert not isinstance(res, str), f"{name} {mode}: rank {rank} failed:\n{res}"
+        outs, state, _ = res
+        for step, ((typ, loss, logits), (rtyp, rloss, rlogits)) in enumerate(zip(outs, ref_outs)):
+            assert typ == rtyp, f"rank {rank}: the parallel module returns {typ}, the model {rtyp}"
+            torch.testing.assert_close(loss, rloss, rtol=1e-4, atol=1e-5, msg=f"rank {rank} step {step} loss")
+            torch.testing.assert_close(
+                logits, rlogits, rtol=1e-4, atol=1e-5, msg=f"rank {rank} step {step} logits"
+            )
+        assert set(state) == set(ref_state)
+        for k in ref_state:
+            torch.testing.assert_close(state[k], ref_state[k], rtol=1e-4, atol=1e-5, msg=f"rank {rank} {k}")
+    mesh, roles = plans_for_world[mode]
+    assert tuple(plan.mesh_shape) == mesh
+    check_forced(plan, roles)
+
+
+def code_of(world_result, name: str, mode: str) -> str:
+    """The generated rank-local code of rank 0 for one configuration."""
+    res = world_result[1][0][(name, mode)]
+    assert not isinstance(res, str), res
+    return res[2]
