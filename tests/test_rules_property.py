@@ -483,8 +483,8 @@ def test_validator_catches_wrong_rule(monkeypatch):
 
 
 def test_registry_restored_after_monkeypatch():
-    assert rules.RULES[aten._softmax.default] is rules.softmax_rule
-    assert rules.RULES[aten.softmax.int] is rules.softmax_rule
+    assert rules.RULES[aten._softmax.default] is rules.nn.softmax_rule
+    assert rules.RULES[aten.softmax.int] is rules.nn.softmax_rule
 
 
 # --------------------------------------------------------------------------------------------------

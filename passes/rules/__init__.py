@@ -1,0 +1,155 @@
+"""Sharding rules, written once for ONE mesh axis and expanded to every axis by ``strategies.py``.
+
+A rule maps an op (with its global input/output shapes) to the list of :class:`AxisOption`
+it supports on one mesh axis of size n: the placement of its output and the placement each tensor
+input must have. All-Replicate is always added by the expander, so rules list only the sharded
+options. An op without a rule is replicated (and priced as such), never guessed.
+
+Semantics (checked by ``passes/validate.py`` and its property tests against the dense op): running
+the op on local pieces, with inputs in ``ins``, yields the local piece of the output in ``out``:
+
+* ``Shard(d)``: each rank holds the d-th dim cut into n equal contiguous blocks;
+* ``Partial()``: each rank holds a summand; the full value is the sum over the axis;
+* ``Replicate()``: each rank holds the full value.
+
+A few ops need a rewritten local call (a *lowering*, in ``codegen/lower.py``): views, expands and
+factories get local sizes, ``mean`` over a sharded dim divides by n, a batch-sharded cross-entropy
+all-reduces sum and count, a row-sharded embedding table looks up masked ids, causal attention on
+a block of query rows gets a mask from global positions.
+
+This module holds the registry and the helpers; the rules live by family in ``elementwise``,
+``matmul``, ``nn`` (embedding, norms, softmax, attention, loss, reductions) and ``shape`` (views,
+data movement, indexing, factories), imported at the end so that they register.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.fx as fx
+import torch.utils._pytree as pytree
+from torch.distributed.tensor.placement_types import Partial, Placement, Replicate, Shard
+
+aten = torch.ops.aten
+R, P = Replicate(), Partial()
+
+
+@dataclass(frozen=True)
+class AxisOption:
+    """One way to run an op on one mesh axis."""
+
+    out: Placement
+    ins: tuple[Placement, ...]
+
+
+@dataclass
+class OpCtx:
+    """What a rule may look at: the node, its args (tensors as fake values) and tensor shapes."""
+
+    node: fx.Node
+    args: tuple
+    kwargs: dict
+    in_shapes: list[tuple[int, ...]]
+    out_shape: tuple[int, ...]
+
+    def arg(self, i: int, name: str, default: Any = None) -> Any:
+        if len(self.args) > i:
+            return self.args[i]
+        return self.kwargs.get(name, default)
+
+    @property
+    def n_in(self) -> int:
+        return len(self.in_shapes)
+
+
+RuleFn = Callable[[OpCtx], list[AxisOption]]
+RULES: dict[Any, RuleFn] = {}
+
+
+def register(*ops) -> Callable[[RuleFn], RuleFn]:
+    def deco(fn: RuleFn) -> RuleFn:
+        for op in ops:
+            RULES[op] = fn
+        return fn
+
+    return deco
+
+
+def tensor_inputs(node: fx.Node) -> list[fx.Node]:
+    """Tensor-valued input nodes in flattened (args, kwargs) order: the order ``ins`` refers to."""
+    leaves = pytree.tree_leaves((node.args, node.kwargs))
+    return [a for a in leaves if isinstance(a, fx.Node) and isinstance(a.meta.get("val"), torch.Tensor)]
+
+
+def make_ctx(node: fx.Node) -> OpCtx:
+    def to_val(a):
+        return a.meta.get("val") if isinstance(a, fx.Node) else a
+
+    args = pytree.tree_map(to_val, node.args)
+    kwargs = pytree.tree_map(to_val, node.kwargs)
+    val = node.meta.get("val")
+    if isinstance(val, (tuple, list)):
+        val = next((v for v in val if isinstance(v, torch.Tensor)), None)
+    out_shape = tuple(val.shape) if isinstance(val, torch.Tensor) else ()
+    return OpCtx(node, args, kwargs, [tuple(t.meta["val"].shape) for t in tensor_inputs(node)], out_shape)
+
+
+def _norm(d: int, ndim: int) -> int:
+    return d % ndim if ndim else 0
+
+
+# --------------------------------------------------------------------------------------------------
+# elementwise (with broadcasting) and shape-preserving ops
+# --------------------------------------------------------------------------------------------------
+
+
+def _partial_ok(ctx: OpCtx) -> bool:
+    """Partial values are summed by all-reduce: only floating-point outputs may be Partial."""
+    val = ctx.node.meta.get("val")
+    if isinstance(val, (tuple, list)):
+        val = next((v for v in val if isinstance(v, torch.Tensor)), None)
+    return isinstance(val, torch.Tensor) and val.dtype.is_floating_point
+
+
+def broadcast_option(ctx: OpCtx, out_dim: int) -> AxisOption:
+    """Shard output dim ``out_dim``; each input follows through broadcasting (size-1/missing -> R)."""
+    ins = []
+    nd = len(ctx.out_shape)
+    for in_shape in ctx.in_shapes:
+        j = out_dim - (nd - len(in_shape))
+        ins.append(Shard(j) if j >= 0 and in_shape[j] == ctx.out_shape[out_dim] else R)
+    return AxisOption(Shard(out_dim), tuple(ins))
+
+
+def shard_every_dim(ctx: OpCtx, skip: Sequence[int] = ()) -> list[AxisOption]:
+    nd = len(ctx.out_shape)
+    skip = {_norm(d, nd) for d in skip}
+    return [broadcast_option(ctx, d) for d in range(nd) if d not in skip and ctx.out_shape[d] > 1]
+
+
+# ops whose (single) output is a view of their first input
+VIEW_OPS = frozenset(
+    [
+        aten.view.default, aten._unsafe_view.default, aten.transpose.int, aten.permute.default,
+        aten.unsqueeze.default, aten.squeeze.dim, aten.squeeze.dims, aten.squeeze.default, aten.expand.default,
+        aten.t.default, aten.alias.default, aten.slice.Tensor, aten.select.int, aten.as_strided.default,
+    ]
+)  # fmt: skip
+# ops that allocate no new storage: views, plus the multi-output views and detach
+ALIASING_OPS = VIEW_OPS | {
+    aten.split.Tensor,
+    aten.split_with_sizes.default,
+    aten.chunk.default,
+    aten.detach.default,
+}
+
+
+def has_rule(target) -> bool:
+    return target in RULES
+
+
+# the families register their rules on import
+from autopar.passes.rules import elementwise, matmul, nn, shape  # noqa: E402, F401

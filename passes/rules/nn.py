@@ -1,0 +1,107 @@
+"""Embedding (hidden- and vocabulary-parallel), norms, softmax, attention (batch, heads, query
+rows), cross-entropy, and reductions (a sharded reduced dim gives Partial)."""
+
+from __future__ import annotations
+
+from torch.distributed.tensor.placement_types import Placement, Shard
+
+from autopar.passes.rules import (
+    AxisOption,
+    OpCtx,
+    P,
+    R,
+    _norm,
+    _partial_ok,
+    aten,
+    register,
+    shard_every_dim,
+)
+
+# embedding, norms, softmax, attention, loss
+
+
+@register(aten.embedding.default)
+def embedding_rule(ctx: OpCtx) -> list[AxisOption]:
+    ids = ctx.in_shapes[1]
+    opts = [AxisOption(Shard(d), (R, Shard(d))) for d in range(len(ids)) if ids[d] > 1]
+    opts.append(AxisOption(Shard(len(ids)), (Shard(1), R)))  # hidden-parallel table
+    if _partial_ok(ctx) and not ctx.arg(4, "sparse", False):
+        opts.append(AxisOption(P, (Shard(0), R)))  # vocabulary-parallel: masked lookup (codegen/local_ops.py)
+    return opts
+
+
+@register(aten.layer_norm.default, aten.rms_norm.default)
+def layer_norm_rule(ctx: OpCtx) -> list[AxisOption]:
+    normalized = ctx.arg(1, "normalized_shape")
+    nd = len(ctx.out_shape)
+    k = len(normalized)
+    opts = []
+    for d in range(nd - k):
+        if ctx.out_shape[d] > 1:
+            opts.append(AxisOption(Shard(d), (Shard(d),) + (R,) * (ctx.n_in - 1)))
+    return opts
+
+
+@register(aten.softmax.int, aten._softmax.default, aten.log_softmax.int, aten._log_softmax.default)
+def softmax_rule(ctx: OpCtx) -> list[AxisOption]:
+    return shard_every_dim(ctx, skip=[ctx.arg(1, "dim")])
+
+
+@register(aten.scaled_dot_product_attention.default)
+def sdpa_rule(ctx: OpCtx) -> list[AxisOption]:
+    # q [..., L, E], k/v [..., S, E]: batch and head dims, or q's rows L (k/v whole); never S or E
+    q, k = ctx.in_shapes[0], ctx.in_shapes[1]
+    nd = len(q)
+    mask = ctx.in_shapes[3] if ctx.n_in > 3 else None
+    if nd < 3 or len(k) != nd:
+        return []
+
+    def mask_pl(dim: int) -> tuple[Placement, ...]:
+        if mask is None:
+            return ()
+        j = dim - (nd - len(mask))
+        return (Shard(j) if j >= 0 and mask[j] > 1 else R,)
+
+    opts = [AxisOption(Shard(0), (Shard(0),) * 3 + mask_pl(0))] if q[0] == k[0] else []
+    # sequence parallel: this rank's query rows against every key (the K/V exchange is the all-gather
+    # that brings k and v to Replicate); a causal mask is rebuilt from global positions in codegen
+    if q[-2] > 1:
+        opts.append(AxisOption(Shard(nd - 2), (Shard(nd - 2), R, R) + mask_pl(nd - 2)))
+    if nd == 4 and (q[1] == k[1] or ctx.arg(7, "enable_gqa", False)):
+        kv = Shard(1) if k[1] > 1 else R  # a single K/V head (multi-query) stays replicated
+        opts.append(AxisOption(Shard(1), (Shard(1), kv, kv) + mask_pl(1)))
+    return opts
+
+
+@register(aten.cross_entropy_loss.default)
+def cross_entropy_rule(ctx: OpCtx) -> list[AxisOption]:
+    # batch-sharded logits and targets; output is the replicated loss (lowering all-reduces sum and count)
+    weight = ctx.arg(2, "weight")
+    smoothing = ctx.arg(5, "label_smoothing", 0.0)
+    reduction = ctx.arg(3, "reduction", 1)
+    if weight is not None or smoothing or ctx.n_in != 2 or reduction not in (0, 1, 2):
+        return []
+    if reduction == 0:  # 'none': elementwise over the batch
+        return [AxisOption(Shard(0), (Shard(0), Shard(0)))]
+    return [AxisOption(R if reduction == 1 else P, (Shard(0), Shard(0)))]
+
+
+@register(aten.sum.dim_IntList, aten.mean.dim, aten.sum.default, aten.mean.default)
+def reduction_rule(ctx: OpCtx) -> list[AxisOption]:
+    shape = ctx.in_shapes[0]
+    nd = len(shape)
+    dims = ctx.arg(1, "dim") if ctx.node.target in (aten.sum.dim_IntList, aten.mean.dim) else None
+    keepdim = ctx.arg(2, "keepdim", False) if dims is not None else False
+    reduced = set(range(nd)) if not dims else {_norm(d, nd) for d in dims}
+    opts = []
+    for d in range(nd):
+        if shape[d] <= 1:
+            continue
+        if d in reduced:
+            opts.append(AxisOption(P, (Shard(d),)))
+        else:
+            out_d = d if keepdim else d - sum(1 for r in reduced if r < d)
+            opts.append(AxisOption(Shard(out_d), (Shard(d),)))
+    if ctx.node.meta["val"].dtype.is_floating_point:
+        opts.append(AxisOption(P, (P,)))
+    return opts

@@ -1,0 +1,248 @@
+"""Views and data movement: reshapes tracked through dim groups, transposes, expands, slices,
+splits, cat, gather and advanced indexing, pads, and factory ops made as local pieces."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from torch.distributed.tensor.placement_types import Shard
+
+from autopar.passes.rules import (
+    AxisOption,
+    OpCtx,
+    P,
+    R,
+    _norm,
+    _partial_ok,
+    aten,
+    register,
+    shard_every_dim,
+)
+
+# views and data movement
+
+
+def view_groups(src: Sequence[int], dst: Sequence[int]) -> list[tuple[list[int], list[int]]]:
+    """Split a reshape into groups of (src dims, dst dims) with equal products, ignoring size-1 dims."""
+    s = [i for i, x in enumerate(src) if x != 1]
+    d = [i for i, x in enumerate(dst) if x != 1]
+    groups, i, j = [], 0, 0
+    while i < len(s) and j < len(d):
+        gs, gd = [s[i]], [d[j]]
+        ps, pd = src[s[i]], dst[d[j]]
+        i, j = i + 1, j + 1
+        while ps != pd:
+            if ps < pd:
+                ps *= src[s[i]]
+                gs.append(s[i])
+                i += 1
+            else:
+                pd *= dst[d[j]]
+                gd.append(d[j])
+                j += 1
+        groups.append((gs, gd))
+    return groups
+
+
+@register(aten.view.default, aten.reshape.default, aten._unsafe_view.default)
+def view_rule(ctx: OpCtx) -> list[AxisOption]:
+    src, dst = ctx.in_shapes[0], ctx.out_shape
+    # the leading dim of a group maps to the leading dim of its image: contiguous blocks stay contiguous
+    opts = [AxisOption(Shard(gd[0]), (Shard(gs[0]),)) for gs, gd in view_groups(src, dst)]
+    if ctx.node.meta["val"].dtype.is_floating_point:
+        opts.append(AxisOption(P, (P,)))
+    return opts
+
+
+@register(aten.unsqueeze.default)
+def unsqueeze_rule(ctx: OpCtx) -> list[AxisOption]:
+    src = ctx.in_shapes[0]
+    u = _norm(ctx.arg(1, "dim"), len(src) + 1)
+    opts = [AxisOption(Shard(d + (d >= u)), (Shard(d),)) for d in range(len(src)) if src[d] > 1]
+    return opts + ([AxisOption(P, (P,))] if _partial_ok(ctx) else [])
+
+
+@register(aten.squeeze.dim, aten.squeeze.dims, aten.squeeze.default)
+def squeeze_rule(ctx: OpCtx) -> list[AxisOption]:
+    return [
+        AxisOption(Shard(gd[0]), (Shard(gs[0]),)) for gs, gd in view_groups(ctx.in_shapes[0], ctx.out_shape)
+    ]
+
+
+@register(aten.transpose.int)
+def transpose_rule(ctx: OpCtx) -> list[AxisOption]:
+    nd = len(ctx.in_shapes[0])
+    a, b = _norm(ctx.arg(1, "dim0"), nd), _norm(ctx.arg(2, "dim1"), nd)
+    perm = list(range(nd))
+    perm[a], perm[b] = perm[b], perm[a]
+    return _permute_options(ctx, perm)
+
+
+@register(aten.permute.default)
+def permute_rule(ctx: OpCtx) -> list[AxisOption]:
+    nd = len(ctx.in_shapes[0])
+    return _permute_options(ctx, [_norm(d, nd) for d in ctx.arg(1, "dims")])
+
+
+@register(aten.t.default)
+def t_rule(ctx: OpCtx) -> list[AxisOption]:
+    return _permute_options(ctx, list(reversed(range(len(ctx.in_shapes[0])))))
+
+
+def _permute_options(ctx: OpCtx, perm: list[int]) -> list[AxisOption]:
+    # output dim i is input dim perm[i]
+    opts = [AxisOption(Shard(i), (Shard(p),)) for i, p in enumerate(perm) if ctx.out_shape[i] > 1]
+    return opts + ([AxisOption(P, (P,))] if _partial_ok(ctx) else [])
+
+
+@register(aten.expand.default)
+def expand_rule(ctx: OpCtx) -> list[AxisOption]:
+    src, dst = ctx.in_shapes[0], ctx.out_shape
+    off = len(dst) - len(src)
+    opts = [
+        AxisOption(Shard(d + off), (Shard(d),))
+        for d in range(len(src))
+        if src[d] == dst[d + off] and src[d] > 1
+    ]
+    return opts + ([AxisOption(P, (P,))] if _partial_ok(ctx) else [])
+
+
+@register(
+    aten.slice.Tensor, aten.select.int, aten.split.Tensor, aten.split_with_sizes.default, aten.chunk.default
+)
+def slice_rule(ctx: OpCtx) -> list[AxisOption]:
+    src = ctx.in_shapes[0]
+    nd = len(src)
+    splits = (aten.split.Tensor, aten.split_with_sizes.default, aten.chunk.default)
+    dim = _norm(ctx.arg(2 if ctx.node.target in splits else 1, "dim", 0), nd)
+    removes = ctx.node.target is aten.select.int
+    opts = []
+    for d in range(nd):
+        if d == dim or src[d] <= 1:
+            continue
+        opts.append(AxisOption(Shard(d - (removes and d > dim)), (Shard(d),)))
+    return opts + ([AxisOption(P, (P,))] if _partial_ok(ctx) else [])
+
+
+@register(aten.gather.default)
+def gather_rule(ctx: OpCtx) -> list[AxisOption]:
+    src, index = ctx.in_shapes
+    nd = len(src)
+    dim = _norm(ctx.arg(1, "dim"), nd)
+    return [
+        AxisOption(Shard(d), (Shard(d), Shard(d)))
+        for d in range(nd)
+        if d != dim and src[d] == index[d] and src[d] > 1
+    ]
+
+
+@register(aten.argmax.default, aten.argmin.default, aten.max.dim, aten.min.dim)
+def arg_reduction_rule(ctx: OpCtx) -> list[AxisOption]:
+    src = ctx.in_shapes[0]
+    nd = len(src)
+    dim = ctx.arg(1, "dim")
+    if dim is None:
+        return []  # over all elements: replicated
+    dim = _norm(dim, nd)
+    keepdim = ctx.arg(2, "keepdim", False)
+    return [
+        AxisOption(Shard(d if keepdim or d < dim else d - 1), (Shard(d),))
+        for d in range(nd)
+        if d != dim and src[d] > 1
+    ]
+
+
+@register(aten.cumsum.default, aten.cumprod.default)
+def scan_rule(ctx: OpCtx) -> list[AxisOption]:
+    return shard_every_dim(ctx, skip=[ctx.arg(1, "dim")])
+
+
+@register(aten.diff.default)
+def diff_rule(ctx: OpCtx) -> list[AxisOption]:
+    # diff(x, n, dim, prepend, append): prepend/append follow x on every other dim
+    nd = len(ctx.in_shapes[0])
+    dim = _norm(ctx.arg(2, "dim", -1), nd)
+    return [
+        AxisOption(Shard(d), (Shard(d),) * ctx.n_in)
+        for d in range(nd)
+        if d != dim and ctx.out_shape[d] > 1 and all(s[d] == ctx.out_shape[d] for s in ctx.in_shapes)
+    ]
+
+
+@register(aten.index.Tensor)
+def index_rule(ctx: OpCtx) -> list[AxisOption]:
+    # x[i0, i1, ..., ik-1] with index tensors on the k leading dims: out = broadcast(i) + x.shape[k:]
+    indices = ctx.arg(1, "indices")
+    k = len(indices)
+    if any(i is None for i in indices) or k == 0:
+        return []  # index tensors after a slice (None): replicated
+    src, idx_shapes = ctx.in_shapes[0], ctx.in_shapes[1:]
+    nb = len(ctx.out_shape) - (len(src) - k)
+    opts = []
+    for j in range(nb):  # a broadcast dim of the indices: gather locally from the full source
+        if ctx.out_shape[j] > 1:
+            ins = [R] + [
+                Shard(j - (nb - len(s))) if j - (nb - len(s)) >= 0 and s[j - (nb - len(s))] > 1 else R
+                for s in idx_shapes
+            ]
+            opts.append(AxisOption(Shard(j), tuple(ins)))
+    for d in range(k, len(src)):  # a dim the indices do not touch
+        if src[d] > 1:
+            opts.append(AxisOption(Shard(nb + d - k), (Shard(d),) + (R,) * len(idx_shapes)))
+    return opts
+
+
+@register(aten.zeros.default, aten.ones.default, aten.full.default, aten.arange.default, aten.arange.start,
+          aten.arange.start_step)  # fmt: skip
+def factory_rule(ctx: OpCtx) -> list[AxisOption]:
+    # no tensor input: each rank makes its own piece (codegen gives local sizes / a shifted range)
+    if ctx.n_in:
+        return []
+    return [AxisOption(Shard(d), ()) for d in range(len(ctx.out_shape)) if ctx.out_shape[d] > 1]
+
+
+@register(aten.new_zeros.default, aten.new_ones.default, aten.new_full.default)
+def new_factory_rule(ctx: OpCtx) -> list[AxisOption]:
+    # self gives only dtype and device: any placement of it will do, and the output may be made
+    # directly as a local piece (codegen gives the local size)
+    src = ctx.in_shapes[0]
+    ins = [R] + [Shard(d) for d in range(len(src)) if src[d] > 1] + ([P] if _partial_ok(ctx) else [])
+    outs = [R] + [Shard(d) for d in range(len(ctx.out_shape)) if ctx.out_shape[d] > 1]
+    return [AxisOption(o, (i,)) for o in outs for i in ins]
+
+
+@register(aten.cat.default)
+def cat_rule(ctx: OpCtx) -> list[AxisOption]:
+    nd = len(ctx.out_shape)
+    dim = _norm(ctx.arg(1, "dim", 0), nd)
+    if any(len(s) != nd for s in ctx.in_shapes):  # legacy empty-tensor cat: keep replicated
+        return []
+    opts = [
+        AxisOption(Shard(d), (Shard(d),) * ctx.n_in)
+        for d in range(nd)
+        if d != dim and ctx.out_shape[d] > 1 and all(s[d] == ctx.out_shape[d] for s in ctx.in_shapes)
+    ]
+    return opts + ([AxisOption(P, (P,) * ctx.n_in)] if _partial_ok(ctx) else [])
+
+
+@register(aten.flatten.using_ints)
+def flatten_rule(ctx: OpCtx) -> list[AxisOption]:
+    # a reshape that needs no local sizes: the local flatten of local pieces is the local piece
+    return view_rule(ctx)
+
+
+@register(aten.pad.default, aten.constant_pad_nd.default)
+def pad_rule(ctx: OpCtx) -> list[AxisOption]:
+    src = ctx.in_shapes[0]
+    nd = len(src)
+    pad = list(ctx.arg(1, "pad"))
+    padded = {nd - 1 - i // 2 for i in range(len(pad)) if pad[i] != 0}  # pairs from the last dim backwards
+    # every mode pads a dim from values along that dim only: the other dims may be cut
+    opts = [AxisOption(Shard(d), (Shard(d),)) for d in range(nd) if d not in padded and src[d] > 1]
+    if ctx.node.target is aten.pad.default:
+        mode, value = ctx.arg(2, "mode", "constant"), ctx.arg(3, "value", None)
+    else:
+        mode, value = "constant", ctx.arg(2, "value", 0)
+    if mode == "constant" and not value and ctx.node.meta["val"].dtype.is_floating_point:
+        opts.append(AxisOption(P, (P,)))  # zero padding is linear
+    return opts
