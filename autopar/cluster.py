@@ -54,8 +54,9 @@ Sources (numbers are repeated with their source next to each value below)
   system memory 2 TB (NVIDIA DGX datasheets).
 * [CUDA-LAUNCH] CUDA kernel launch overhead is a few microseconds (NVIDIA CUDA best-practices guide
   and common micro-benchmarks: ~3-5 us).
-* ``cpu`` preset: deliberately modest, conservative numbers for one CPU training process (a few
-  cores) talking over gloo on loopback TCP; 10 GbE = 1.25 GB/s between hosts.
+* ``cpu`` preset: modest numbers for one CPU training process (a few cores); its loopback gloo
+  link is what ``autopar calibrate`` measured on a small VM (collectives cost about a millisecond);
+  10 GbE = 1.25 GB/s between hosts. Run ``autopar calibrate`` for your own machine.
 """
 
 from __future__ import annotations
@@ -324,7 +325,9 @@ _NODES: dict[str, tuple[LinkSpec, LinkSpec, int, LinkSpec, int]] = {
     "h100-sxm": (_H100_NVLINK, _NDR_IB, 2 * TiB, _PCIE5, 8),  # [DGX] DGX H100: 2 TB RAM
     "h200": (_H100_NVLINK, _NDR_IB, 2 * TiB, _PCIE5, 8),  # [DGX] DGX H200: 2 TB RAM
     "cpu": (
-        LinkSpec(bandwidth=2e9, latency=30e-6),  # gloo over loopback TCP (conservative)
+        # gloo over loopback TCP, 4 processes on a 2-core x86 VM: `autopar calibrate --world-size 4`
+        # fitted 0.47-1.07 GB/s and 0.6-1.1 ms per collective over three runs (benchmarks/README.md)
+        LinkSpec(bandwidth=1e9, latency=1e-3),
         LinkSpec(bandwidth=1.25e9, latency=50e-6),  # 10 GbE = 1.25e9 B/s, TCP latency ~50 us
         32 * GiB,  # 4 processes x 8 GiB
         LinkSpec(bandwidth=20e9, latency=1e-6),  # "offload" is a memcpy in the same RAM
