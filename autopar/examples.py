@@ -48,6 +48,23 @@ def llama_tiny(batch: int = 8, seq: int = 32, layers: int = 2, hidden: int = 64,
     return tf.LlamaForCausalLM(cfg), {"input_ids": ids, "labels": ids}
 
 
+def llama(
+    layers: int = 32, hidden: int = 4096, ffn: int = 14336, heads: int = 32, kv_heads: int = 8,
+    vocab: int = 128256, batch: int = 8, seq: int = 4096, dtype: str = "bfloat16",
+):  # fmt: skip
+    """A Llama of any shape (defaults: LLaMA-3-8B); build it under ``--meta`` to plan large ones,
+    e.g. ``autopar.examples:llama(layers=80, hidden=8192, ffn=28672, heads=64)`` for a 70B shape."""
+    tf = _transformers()
+    torch.manual_seed(0)
+    cfg = tf.LlamaConfig(
+        num_hidden_layers=layers, hidden_size=hidden, intermediate_size=ffn, num_attention_heads=heads,
+        num_key_value_heads=kv_heads, vocab_size=vocab, max_position_embeddings=max(seq, 64), use_cache=False,
+        bos_token_id=0, eos_token_id=0, pad_token_id=0,
+    )  # fmt: skip
+    ids = _tokens(batch, seq, vocab)
+    return tf.LlamaForCausalLM(cfg).to(getattr(torch, dtype)), {"input_ids": ids, "labels": ids}
+
+
 def bert_tiny(batch: int = 8, seq: int = 32, layers: int = 2, hidden: int = 64, vocab: int = 256):
     tf = _transformers()
     torch.manual_seed(0)

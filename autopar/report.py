@@ -175,7 +175,7 @@ def candidates_svg(plan: Plan) -> str:
     """Vertical bars: predicted step time per candidate mesh shape; the chosen mesh highlighted."""
     cands = list(plan.solver.candidates)
     chosen = tuple(int(n) for n in plan.mesh_shape)
-    col_w, plot_h, top_pad, bottom = 90, 160, 20, 44
+    col_w, plot_h, top_pad, bottom = 90, 160, 40, 44  # the legend sits above the tallest bar's label
     width = max(col_w * len(cands) + 20, 300)
     body = _legend(10, 14, [("chosen", CHOSEN_COLOUR), ("other", OTHER_COLOUR)])
     objs = [c.get("objective") for c in cands]
@@ -195,7 +195,9 @@ def candidates_svg(plan: Plan) -> str:
             )
             body.append(_text(x + col_w / 2, base - h - 4, fmt_ms(obj), "middle", 10))
         else:
-            body.append(_text(x + col_w / 2, base - 4, "infeasible", "middle", 10))
+            # not solved: infeasible, pruned by a bound, or the mirror image of another mesh
+            body.append(_text(x + col_w / 2, base - 4, "infeasible" if status.lower() == "infeasible" else "not solved",
+                              "middle", 10))  # fmt: skip
         body.append(_text(x + col_w / 2, base + 16, label + (" ★" if is_chosen else ""), "middle"))
         body.append(_text(x + col_w / 2, base + 32, _short(status, 14), "middle", 10))
     body.append(f'<line x1="5" y1="{base}" x2="{width - 5}" y2="{base}" stroke="#888"/>')

@@ -71,3 +71,19 @@ def test_coverage_lists_ops_and_fallbacks(capsys):
     assert main(["coverage", "autopar.examples:mlp(batch=4, hidden=8, ffn=16)"]) == 0
     table = capsys.readouterr().out
     assert "aten.linear.default" in table and "have no rule" in table
+
+
+def test_plan_a_meta_device_llama_prints_progress_and_gap(tmp_path, capsys):
+    """The large-model path: --meta builds no weights; progress, then the plan with its gap."""
+    spec = "autopar.examples:llama(layers=2, hidden=256, ffn=512, heads=4, kv_heads=2, vocab=1000, batch=8, seq=128)"
+    out = tmp_path / "p.json"
+    assert main(["plan", spec, "--cluster", "h100-sxm:1x8", "--meta", "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert (
+        printed.index("trace:")
+        < printed.index("coarsen:")
+        < printed.index("solve: mesh (8,)")
+        < printed.index("plan for LlamaForCausalLM")
+    )
+    assert "optimality gap" in printed and "predicted peak memory per device" in printed
+    assert autopar.Plan.load(out).world_size == 8
