@@ -16,6 +16,20 @@ bus bandwidth (B/s) and ``lat`` its latency (s):
 * all-gather, reduce-scatter, all-to-all:  (n-1)/n * B / bw + (n-1) lat
 * send/recv:               B / bw + lat
 
+Two more algorithms, as NCCL picks between them (NCCL docs, "NCCL_ALGO"; Sanders, Speck,
+Traeff, "Two-tree algorithms for full bandwidth broadcast, reduction and scan", 2009):
+
+* tree all-reduce (double binary tree), for groups that cross nodes (inside a node NCCL rings):
+  2 ceil(log2 n) lat + 2 B / bw. Latency grows with log n instead of n, so small messages on
+  large groups take it.
+* hierarchical, for an axis whose group spans k whole nodes with m of its ranks in each
+  (consecutive ranks, ``stride * m = devices_per_node``):
+  all-reduce(B) = reduce-scatter_intra(m, B) + all-reduce_inter(k, B / m) + all-gather_intra(m, B);
+  all-gather(B) = all-gather_inter(k, B / m) + all-gather_intra(m, B);
+  reduce-scatter(B) = reduce-scatter_intra(m, B) + reduce-scatter_inter(k, B / m).
+
+``CommModel.time`` prices each collective at the cheapest algorithm that applies.
+
 Resharding one tensor from ``src`` to ``dst`` placements is done axis by axis (see
 ``codegen/collectives.py`` for the code that runs it). Forward and backward are both priced:
 gradients of Replicate/Partial values are full, gradients of Shard values are shards, so
@@ -70,6 +84,23 @@ def collective_time(kind: Collective, nbytes: float, n: int, link: LinkSpec) -> 
     raise ValueError(f"unknown collective {kind}")
 
 
+def tree_all_reduce_time(nbytes: float, n: int, link: LinkSpec) -> float:
+    """Seconds for a (double binary) tree all-reduce of ``nbytes`` over ``n`` ranks."""
+    if n <= 1 or nbytes <= 0:
+        return 0.0
+    return 2 * math.ceil(math.log2(n)) * link.latency + 2 * nbytes / link.bandwidth
+
+
+def node_split(cluster: ClusterSpec, mesh_shape: Sequence[int], axis: int) -> tuple[int, int] | None:
+    """(m, k) when the axis's groups span k whole nodes with m ranks in each; None otherwise."""
+    stride = math.prod(mesh_shape[axis + 1 :])
+    n, d = mesh_shape[axis], cluster.devices_per_node
+    if stride >= d or stride * n <= d or d % stride or n % (d // stride):
+        return None
+    m = d // stride
+    return m, n // m
+
+
 def axis_link(cluster: ClusterSpec, mesh_shape: Sequence[int], axis: int) -> LinkSpec:
     stride = math.prod(mesh_shape[axis + 1 :])
     span = stride * mesh_shape[axis]
@@ -83,10 +114,32 @@ class CommModel:
         self.cluster = cluster
         self.mesh_shape = tuple(mesh_shape)
         self.links = [axis_link(cluster, self.mesh_shape, a) for a in range(len(self.mesh_shape))]
+        self.splits = [node_split(cluster, self.mesh_shape, a) for a in range(len(self.mesh_shape))]
         self._cache: dict[tuple, tuple[float, list[str]]] = {}
 
     def time(self, kind: Collective, nbytes: float, axis: int) -> float:
-        return collective_time(kind, nbytes, self.mesh_shape[axis], self.links[axis])
+        """Seconds for one collective on ``axis``: the cheapest of ring, tree and hierarchical."""
+        n, link = self.mesh_shape[axis], self.links[axis]
+        best = _flat(kind, nbytes, n, link, tree=link is self.cluster.inter_node)
+        split = self.splits[axis]
+        if split is not None and kind is not Collective.SEND_RECV:
+            m, k = split
+            intra, inter = self.cluster.intra_node, self.cluster.inter_node
+            rs, ag = Collective.REDUCE_SCATTER, Collective.ALL_GATHER
+            if kind is Collective.ALL_REDUCE:
+                t = (
+                    _flat(rs, nbytes, m, intra)
+                    + _flat(kind, nbytes / m, k, inter, tree=True)
+                    + _flat(ag, nbytes, m, intra)
+                )
+            elif kind is Collective.ALL_GATHER:
+                t = _flat(ag, nbytes / m, k, inter) + _flat(ag, nbytes, m, intra)
+            elif kind is Collective.REDUCE_SCATTER:
+                t = _flat(rs, nbytes, m, intra) + _flat(rs, nbytes / m, k, inter)
+            else:  # all-to-all: every byte but 1/n crosses; the inter-node link bounds it
+                t = best
+            best = min(best, t)
+        return best
 
     def reshard(
         self, src: Spec, dst: Spec, nbytes: float, requires_grad: bool, f_axes: Sequence[int] = ()
@@ -148,6 +201,14 @@ class CommModel:
                     t += self.time(Collective.ALL_REDUCE, local, a)
                     names.append(f"all_reduce(bwd)@{a}")
         return t, names
+
+
+def _flat(kind: Collective, nbytes: float, n: int, link: LinkSpec, tree: bool = False) -> float:
+    """One level: ring, or (across nodes) tree for all-reduce when that is cheaper."""
+    t = collective_time(kind, nbytes, n, link)
+    if tree and kind is Collective.ALL_REDUCE:
+        t = min(t, tree_all_reduce_time(nbytes, n, link))
+    return t
 
 
 def _volume(spec: Spec, mesh_shape: Sequence[int]) -> int:

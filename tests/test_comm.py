@@ -314,3 +314,38 @@ def test_2d_fused_f_on_one_axis(cm2):
     t, names = cm2.reshard(spec_from_str("S(0),R"), spec_from_str("R,R"), NB2, requires_grad=True, f_axes=[1])
     assert t == approx(4.1e-4 + 1.26e-4)
     assert names == ["all_gather@0", "all_reduce(bwd)@1"]
+
+
+# ------------------------------------------------------------------------------ tree and hierarchical
+
+
+def test_tree_all_reduce_only_across_nodes_and_only_when_cheaper():
+    from autopar.cost_model.comm import tree_all_reduce_time
+
+    # 16 ranks, 1 KB: tree = 2*4*1e-5 + 2*1e3/1e10 = 8.02e-5; ring = 2*15/16*1e-7 + 30*1e-5 = 3.0019e-4
+    assert tree_all_reduce_time(1e3, 16, INTER) == approx(8.02e-5)
+    across = CommModel(_cluster(16, 1), (16,))  # one device per node: the axis crosses nodes
+    assert across.time(Collective.ALL_REDUCE, 1e3, 0) == approx(8.02e-5)
+    # 1 GB: ring 2*15/16*0.1 + 3e-4 = 0.1878 beats tree 8e-5 + 0.2
+    assert across.time(Collective.ALL_REDUCE, 1e9, 0) == approx(0.1875 + 3e-4)
+    inside = CommModel(_cluster(1, 16), (16,))  # inside a node NCCL rings: no tree
+    assert inside.time(Collective.ALL_REDUCE, 1e3, 0) == approx(2 * 15 / 16 * 1e3 / 1e11 + 30 * 1e-6)
+
+
+def test_hierarchical_collectives_on_an_axis_spanning_whole_nodes():
+    """Mesh (8,) on 2 nodes x 4: intra reduce-scatter over 4, inter all-reduce over 2 on a quarter,
+    intra all-gather over 4 -- cheaper than a flat ring over the inter-node link."""
+    m = CommModel(_cluster(2, 4), (8,))
+    b = 1e8
+    rs_intra = 3 / 4 * b / 1e11 + 3 * 1e-6  # 7.5e-4 + 3e-6
+    ar_inter = min(
+        2 * 1 / 2 * (b / 4) / 1e10 + 2 * 1e-5, 2 * 1 * 1e-5 + 2 * (b / 4) / 1e10
+    )  # ring 2.5e-3+2e-5
+    ag_intra = rs_intra
+    assert m.time(Collective.ALL_REDUCE, b, 0) == approx(rs_intra + ar_inter + ag_intra)
+    flat = 2 * 7 / 8 * b / 1e10 + 14 * 1e-5
+    assert m.time(Collective.ALL_REDUCE, b, 0) < flat
+    assert m.time(Collective.ALL_GATHER, b, 0) == approx((1 / 2 * (b / 4) / 1e10 + 1e-5) + ag_intra)
+    assert m.time(Collective.REDUCE_SCATTER, b, 0) == approx(rs_intra + (1 / 2 * (b / 4) / 1e10 + 1e-5))
+    # an axis inside a node, or strictly across nodes, is not split
+    assert CommModel(_cluster(2, 4), (2, 4)).splits == [None, None]
