@@ -26,7 +26,7 @@ from autopar.errors import DistributedSetupError, NoPlanFitsError, PlanFormatErr
 from autopar.passes.analyze import NodeInfo, analyze
 from autopar.passes.coarsen import find_classes
 from autopar.passes.costs import CostTables, Optimizer, build_costs, resolve_source
-from autopar.passes.solver import Solution, evaluate, lower_bound, mesh_candidates, solve
+from autopar.passes.solver import Solution, evaluate, fold_followers, lower_bound, mesh_candidates, solve
 from autopar.passes.strategies import AxisRole, Strategy, build_strategies, variable_nodes
 from autopar.passes.trace import Role, TracedGraph, normalize_inputs, trace
 from autopar.placement import spec_from_str, spec_to_str, volume_factor
@@ -69,11 +69,8 @@ def search(
     dump_dir: str | os.PathLike | None = None,
     coarsen: bool = True,
 ) -> SearchResult:
-    dump = (
-        Path(dump_dir or os.environ.get("AUTOPAR_DUMP_DIR", ""))
-        if (dump_dir or os.environ.get("AUTOPAR_DUMP_DIR"))
-        else None
-    )
+    dump_dir = dump_dir or os.environ.get("AUTOPAR_DUMP_DIR")
+    dump = Path(dump_dir) if dump_dir else None
     if dump:
         dump.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
@@ -114,7 +111,7 @@ def search(
             if not axis_roles or len(m) == len(axis_roles)
         ]
 
-    best: tuple[float, tuple, Solution, CostTables, dict, float] | None = None
+    best: tuple[float, tuple, Solution, CostTables, float] | None = None
     candidates = []
     min_needed = math.inf
     mirrors: dict[tuple, tuple] = {}
@@ -138,7 +135,8 @@ def search(
         tables = build_costs(tg, infos, strats, cluster, mesh, optimizer, roles, classes)
         mem_needed = sum(min(m) for m in tables.node_mem.values())
         min_needed = min(min_needed, mem_needed)
-        bound = lower_bound(tables)
+        folded = fold_followers(tables)  # shared by the bound and the solve
+        bound = lower_bound(tables, folded)
         entry = {"mesh_shape": list(mesh), "lower_bound": bound}
         if mem_needed > limit:
             candidates.append({**entry, "status": "infeasible", "objective": None})
@@ -151,12 +149,12 @@ def search(
             _progress(progress, f"solve: mesh {mesh}: lower bound {bound * 1e3:.3f} ms >= best: pruned")
             continue
         # -- solve ----------------------------------------------------------------------------------
-        sol = solve(tables, limit, time_limit_s)
+        sol = solve(tables, limit, time_limit_s, folded=folded)
         if sol is None:
             candidates.append({**entry, "status": "infeasible", "objective": None})
             _progress(progress, f"solve: mesh {mesh}: no plan fits {limit / 2**30:.2f} GiB per device")
             continue
-        t_step, _ = evaluate(tables, sol.choice)
+        t_step = sol.objective  # the full price of the choice (solve evaluates it)
         candidates.append({**entry, "status": sol.status, "objective": t_step})
         _progress(
             progress,
@@ -168,22 +166,24 @@ def search(
                 json.dumps({"status": sol.status, "objective": t_step, "choice": sol.choice}, indent=0)
             )
         if best is None or t_step < best[0] - 1e-12:
-            best = (t_step, mesh, sol, tables, strats, bound)
+            best = (t_step, mesh, sol, tables, bound)
     if best is None:
         raise NoPlanFitsError(
             f"no plan fits: needs at least {min_needed / 2**30:.2f} GiB per device, the limit is "
             f"{limit / 2**30:.2f} GiB ({cluster.device.name}, {cluster.world_size} devices); try more devices, "
             "a smaller batch or sequence, another mesh_shape or a larger memory_limit_bytes"
         )
-    _, mesh, sol, tables, strats, bound = best
+    _, mesh, sol, tables, bound = best
     members = tables.classes.members
-    choice = {m: tables.strategies[v][i] for v, i in sol.choice.items() for m in members[v]}
+    choice = _with_getitems(
+        tg, {m: tables.strategies[v][i] for v, i in sol.choice.items() for m in members[v]}
+    )
     # -- plan -------------------------------------------------------------------------------------
     plan = _make_plan(tg, infos, tables, sol, choice, cluster, mesh, optimizer, candidates, bound)
     if dump:
         plan.save(dump / "5_plan.json")
     _progress(progress, f"plan: mesh {mesh}, {time.perf_counter() - t0:.1f} s in all")
-    return SearchResult(plan, tg, _with_getitems(tg, choice))
+    return SearchResult(plan, tg, choice)
 
 
 def _with_getitems(tg: TracedGraph, choice: dict[str, Strategy]) -> dict[str, Strategy]:
@@ -209,12 +209,11 @@ def _make_plan(tg, infos, tables, sol, choice, cluster, mesh, optimizer, candida
     decisions = []
     param_b = grad_b = 0.0
     compute = 0.0
-    every = _with_getitems(tg, choice)
     for n in tg.graph.nodes:
-        if n.op not in ("placeholder", "call_function") or n.name not in every:
+        if n.op not in ("placeholder", "call_function") or n.name not in choice:
             continue
         info = infos[n.name]
-        s = every[n.name]
+        s = choice[n.name]
         rep = classes.rep.get(n.name)
         cost = tables.node_cost[rep][sol.choice[rep]] / classes.count(rep) if rep else 0.0
         vol = volume_factor(s.out, mesh)

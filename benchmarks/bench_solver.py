@@ -16,26 +16,14 @@ import time
 import torch
 
 import autopar
+from autopar.examples import llama
 
 
 def _llama(layers, hidden, ffn, heads, kv_heads, vocab=128256):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    cfg = LlamaConfig(
-        num_hidden_layers=layers,
-        hidden_size=hidden,
-        intermediate_size=ffn,
-        num_attention_heads=heads,
-        num_key_value_heads=kv_heads,
-        vocab_size=vocab,
-        max_position_embeddings=8192,
-        use_cache=False,
-        bos_token_id=0,
-        eos_token_id=0,
-        pad_token_id=0,
-    )
-    with torch.device("meta"):
-        return LlamaForCausalLM(cfg).to(torch.bfloat16)
+    with torch.device("meta"):  # seq=8192: the config's max_position_embeddings; `run` makes the inputs
+        model, _ = llama(layers=layers, hidden=hidden, ffn=ffn, heads=heads, kv_heads=kv_heads, vocab=vocab,
+                         batch=1, seq=8192)  # fmt: skip
+    return model
 
 
 def _gpt2_small():

@@ -35,6 +35,9 @@ import pulp
 from autopar.errors import SolverError
 from autopar.passes.costs import CostTables, Edge
 
+# the tables with followers folded in, and each follower with its producer and best responses
+Folded = tuple[CostTables, list[tuple[str, tuple[str, list[int]]]]]
+
 
 @dataclass(frozen=True)
 class Solution:
@@ -87,10 +90,11 @@ def mesh_candidates(
     return sorted(out, key=lambda m: (len(m), m))
 
 
-def lower_bound(tables: CostTables) -> float:
-    """A lower bound on the step time of any plan on these tables: every node at its cheapest
-    strategy, every edge free (edge costs are >= 0). Used to prune meshes and to report a gap."""
-    reduced, _ = fold_followers(tables)
+def lower_bound(tables: CostTables, folded: Folded | None = None) -> float:
+    """A lower bound on the step time of the plans the solver searches on these tables: every
+    node (followers folded in) at its cheapest strategy, every edge free (edge costs are >= 0).
+    Used to prune meshes and to report a gap. ``folded``: ``fold_followers(tables)``, if at hand."""
+    reduced, _ = folded or fold_followers(tables)
     return sum(min(c) for c in reduced.node_cost.values())
 
 
@@ -99,6 +103,7 @@ def solve(
     memory_limit_bytes: float,
     time_limit_s: float | None = None,
     merge_followers: bool = True,
+    folded: Folded | None = None,
 ) -> Solution | None:
     """Return the best choice, or None if no assignment fits ``memory_limit_bytes``.
 
@@ -106,7 +111,7 @@ def solve(
     the plans in which every follower answers its producer as cheaply as it can; without, optimal."""
     sol = None
     if merge_followers:
-        reduced, merged = fold_followers(tables)
+        reduced, merged = folded or fold_followers(tables)
         sol = _solve(reduced, memory_limit_bytes, time_limit_s)
         if sol is not None:
             choice = dict(sol.choice)
@@ -121,7 +126,7 @@ def solve(
     return dataclasses.replace(sol, objective=evaluate(tables, sol.choice)[0])
 
 
-def fold_followers(tables: CostTables) -> tuple[CostTables, list[tuple[str, tuple[str, list[int]]]]]:
+def fold_followers(tables: CostTables) -> Folded:
     r"""Merge every *follower* into its producer: a node v whose only input with a choice comes from
     one producer u (views, unary elementwise ops, softmax, ...). For each strategy a of u, v takes
     its best response ``b*(a) = argmin_b  c[u->v, a, b] + c[v, b]``; v's costs move into u's

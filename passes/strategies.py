@@ -120,8 +120,7 @@ def expand(
     return out
 
 
-def placeholder_options(shape: Sequence[int], floating: bool) -> list[AxisOption]:
-    del floating
+def placeholder_options(shape: Sequence[int]) -> list[AxisOption]:
     return [AxisOption(Shard(d), ()) for d in range(len(shape)) if shape[d] > 1]
 
 
@@ -143,7 +142,7 @@ def build_strategies(
             continue
         info = infos[node.name]
         if node.op == "placeholder":
-            strategies = expand(placeholder_options(info.shape, True), 0, info.shapes, [], mesh_shape)
+            strategies = expand(placeholder_options(info.shape), 0, info.shapes, [], mesh_shape)
             strategies = [s for s in strategies if _placeholder_allowed(s.out, info, axis_roles)]
             if not strategies:
                 raise NoPlanFitsError(

@@ -20,14 +20,13 @@ from autopar.passes.rules import (
 
 @register(aten.linear.default)
 def linear_rule(ctx: OpCtx) -> list[AxisOption]:
-    x, w = ctx.in_shapes[0], ctx.in_shapes[1]
+    x = ctx.in_shapes[0]
     has_bias = ctx.n_in == 3
     b_r = (R,) if has_bias else ()
     opts = [AxisOption(Shard(d), (Shard(d), R) + b_r) for d in range(len(x) - 1) if x[d] > 1]  # batch-like
     opts.append(AxisOption(Shard(len(x) - 1), (R, Shard(0)) + ((Shard(0),) if has_bias else ())))  # column
     opts.append(AxisOption(P, (Shard(len(x) - 1), Shard(1)) + ((P,) if has_bias else ())))  # row
     opts.append(AxisOption(P, (P, R) + ((P,) if has_bias else ())))  # linear in x
-    del w
     return opts
 
 
