@@ -237,10 +237,12 @@ def _edge(src, dst, i, inp, infos, strats, comm: CommModel, pinned=()) -> Edge:
 
 def _lowering_comm(node: fx.Node, s: Strategy, comm: CommModel) -> float:
     """Collectives that a lowering runs inside the op (see codegen/lower.py)."""
-    if node.target is aten.cross_entropy_loss.default and not isinstance(s.ins[0][0], Replicate):
-        if s.out and all(isinstance(p, Replicate) for p in s.out):
-            # all-reduce of the local loss sum and of the local token count, per split axis
-            return sum(
-                2 * comm.time(Collective.ALL_REDUCE, 4, a) for a, split in enumerate(s.split_axes()) if split
-            )
+    if node.target is aten.cross_entropy_loss.default and all(isinstance(p, Replicate) for p in s.out):
+        # a mean over a split batch: all-reduce of the local loss sum and of the local token count on
+        # every split axis, exactly as codegen/lower.py emits them (a sum or 'none' needs none)
+        return sum(
+            2 * comm.time(Collective.ALL_REDUCE, 4, a)
+            for a, split in enumerate(s.split_axes())
+            if split and comm.mesh_shape[a] > 1
+        )
     return 0.0

@@ -349,3 +349,25 @@ def test_hierarchical_collectives_on_an_axis_spanning_whole_nodes():
     assert m.time(Collective.REDUCE_SCATTER, b, 0) == approx(rs_intra + (1 / 2 * (b / 4) / 1e10 + 1e-5))
     # an axis inside a node, or strictly across nodes, is not split
     assert CommModel(_cluster(2, 4), (2, 4)).splits == [None, None]
+
+
+def test_split_mean_cross_entropy_pays_its_all_reduces_on_every_split_axis():
+    """The lowering all-reduces loss sum and token count on each axis the batch is split over; the
+    price must follow, whichever axis that is (it once looked at axis 0 only)."""
+    import torch
+    from torch.distributed.tensor.placement_types import Shard
+
+    from autopar.passes.costs import _lowering_comm
+    from autopar.passes.validate import node_strategies, one_node_graph
+
+    logits, target = torch.randn(8, 5), torch.randint(0, 5, (8,))
+    node, _ = one_node_graph(torch.ops.aten.cross_entropy_loss.default, (logits, target), None)
+    comm = CommModel(_cluster(1, 4), (2, 2))
+    per_axis = 2 * comm.time(Collective.ALL_REDUCE, 4, 0)
+    assert per_axis > 0
+    by_split = {}
+    for s in node_strategies(node, (2, 2)):
+        by_split[tuple(isinstance(p, Shard) for p in s.ins[0])] = _lowering_comm(node, s, comm)
+    assert by_split[(False, False)] == 0.0
+    assert by_split[(True, False)] == approx(per_axis)
+    assert by_split[(False, True)] == approx(per_axis)  # axis 1 alone: the case that was free
