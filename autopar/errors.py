@@ -37,3 +37,11 @@ class DistributedSetupError(AutoparError, RuntimeError):
 
 class ModelSpecError(AutoparError, ValueError):
     """A MODEL_SPEC on the command line could not be loaded."""
+
+
+class ProfilerDeviceError(AutoparError, ValueError):
+    """Op profiling was asked for a device this machine does not have: the message says what to plan with."""
+
+
+class ProfileCacheError(AutoparError, ValueError):
+    """The op profile cache file is unreadable or not autopar's: the message names the file to delete."""

@@ -1,0 +1,217 @@
+"""Tests for cost_model.profiler / profile_cache: figures against direct timings, the on-disk cache
+(reuse, keys, concurrent writers), fallbacks to the analytical model, and planning with profile=True."""
+
+from __future__ import annotations
+
+import json
+import statistics
+import threading
+import time
+
+import pytest
+import torch
+from torch.distributed.tensor.placement_types import Partial, Replicate, Shard
+
+from autopar.cost_model.profile_cache import OpTiming, ProfileCache
+from autopar.cost_model.profiler import OpProfiler, TensorSpec, _layout, op_key
+from autopar.errors import ProfileCacheError
+from autopar.passes.analyze import analyze
+from autopar.passes.strategies import Strategy, build_strategies
+from autopar.passes.trace import trace
+
+aten = torch.ops.aten
+R = Replicate()
+F32 = torch.float32
+FAST = dict(warmup=1, repeats=3, min_sample_s=2e-4)  # where only the plumbing is under test
+
+
+class EmbedMatmul(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.randn(8, 4))
+        self.e = torch.nn.Embedding(16, 8)
+
+    def forward(self, ids):
+        return (self.e(ids) @ self.w).view(-1).sum()
+
+
+@pytest.fixture(scope="module")
+def small_graph():
+    tg = trace(EmbedMatmul(), (torch.randint(0, 16, (4, 6)),))
+    infos = analyze(tg)
+    return tg, infos, build_strategies(tg, infos, (2,))
+
+
+def _node(tg, target):
+    return next(n for n in tg.graph.nodes if n.target is target)
+
+
+def _direct_median(fn, n=15) -> float:
+    for _ in range(3):
+        fn()
+    ts = []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        fn()
+        ts.append(time.perf_counter() - t0)
+    return statistics.median(ts)
+
+
+# ------------------------------------------------------------------------------------ measurements
+
+
+def test_matmul_figure_matches_a_direct_perf_counter_timing(tmp_path):
+    prof = OpProfiler(cache_path=tmp_path / "c.json", num_threads=1)
+    a, b = TensorSpec((192, 192), F32, requires_grad=True), TensorSpec((192, 192), F32, requires_grad=True)
+    timing = prof.time_op(aten.mm.default, (a, b))
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        x = torch.rand(192, 192, requires_grad=True)
+        w = torch.rand(192, 192, requires_grad=True)
+        fwd = _direct_median(lambda: torch.mm(x, w))
+        g = torch.rand(192, 192)
+        step = _direct_median(lambda: torch.autograd.grad(torch.mm(x, w), (x, w), g))
+    finally:
+        torch.set_num_threads(before)
+    assert timing.ok and timing.backward_s > 0
+    assert fwd / 3 < timing.forward_s < fwd * 3
+    assert step / 3 < timing.total_s < step * 3
+    # the backward of a matmul is two matmuls of the same size: about twice the forward
+    assert 0.7 < timing.backward_s / timing.forward_s < 6
+
+
+def test_no_gradient_means_no_backward(tmp_path):
+    prof = OpProfiler(cache_path=tmp_path / "c.json", **FAST)
+    t = prof.time_op(aten.mm.default, (TensorSpec((64, 64), F32), TensorSpec((64, 64), F32)))
+    assert t.ok and t.forward_s > 0 and t.backward_s == 0.0
+
+
+def test_synthesized_layout_follows_the_traced_strides():
+    for real in (
+        torch.empty(4, 6, 8).transpose(0, 2),
+        torch.empty(2, 3, 5, 7).permute(0, 2, 1, 3),
+        torch.empty(5, 1, 7).expand(5, 3, 7),
+        torch.empty(3, 4),
+    ):
+        perm, expanded = _layout(real)
+        made = TensorSpec(tuple(real.shape), F32, perm=perm, expanded=expanded).make(torch.device("cpu"))
+        assert made.shape == real.shape
+
+        def order(t):
+            return sorted(range(t.dim()), key=lambda d: (-t.stride(d), d))
+
+        assert order(made) == order(real)
+        assert [s == 0 for s in made.stride()] == [s == 0 for s in real.stride()]
+
+
+# ------------------------------------------------------------------------------------ cache
+
+
+def test_second_profiler_reuses_the_cache_without_running_ops(tmp_path, small_graph):
+    tg, infos, strats = small_graph
+    path = tmp_path / "c.json"
+    first = OpProfiler(cache_path=path, **FAST)
+    figures = {}
+    for name in ("embedding", "matmul", "sum_1"):
+        for s in strats[name].strategies:
+            figures[(name, s)] = first.node_time(strats[name].node, s, (2,), infos)
+    first.flush()
+    assert first.runs > 0 and first.take_stats().measured >= 6
+    mtime = path.stat().st_mtime_ns
+
+    second = OpProfiler(cache_path=path, **FAST)
+    for (name, s), t in figures.items():
+        assert second.node_time(strats[name].node, s, (2,), infos) == t
+    stats = second.take_stats()
+    assert second.runs == 0 and stats.measured == 0 and stats.cached == len(figures)
+    second.flush()  # nothing new: the file is not rewritten
+    assert path.stat().st_mtime_ns == mtime
+
+
+def test_cache_keys_distinguish_shapes_dtypes_gradients_and_threads(tmp_path):
+    path = tmp_path / "c.json"
+    prof = OpProfiler(cache_path=path, num_threads=1, **FAST)
+    variants = [
+        (TensorSpec((32, 32), F32), TensorSpec((32, 32), F32)),
+        (TensorSpec((32, 16), F32), TensorSpec((16, 32), F32)),
+        (TensorSpec((32, 32), torch.bfloat16), TensorSpec((32, 32), torch.bfloat16)),
+        (TensorSpec((32, 32), F32, requires_grad=True), TensorSpec((32, 32), F32)),
+    ]
+    for args in variants:
+        assert prof.time_op(aten.mm.default, args).ok
+    assert prof.take_stats().measured == len(variants)
+    prof.flush()
+    entries = json.loads(path.read_text())["entries"]
+    (ctx,) = entries
+    assert f"torch {torch.__version__}" in ctx and "threads 1" in ctx and ctx.startswith("cpu:")
+    assert set(entries[ctx]) == {op_key(aten.mm.default, a, {}) for a in variants}
+    # another thread count is another context: measured again, not read from the first
+    other = OpProfiler(cache_path=path, num_threads=2, **FAST)
+    other.time_op(aten.mm.default, variants[0])
+    assert other.runs > 0
+
+
+def test_concurrent_writers_keep_every_entry_and_a_valid_file(tmp_path):
+    path = tmp_path / "c.json"
+
+    def writer(w: int):
+        cache = ProfileCache(path, "ctx")
+        for i in range(15):
+            cache.put(f"op{w}-{i}", OpTiming(1e-6 * i, 0.0))
+            cache.flush()
+
+    threads = [threading.Thread(target=writer, args=(w,)) for w in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    entries = json.loads(path.read_text())["entries"]["ctx"]
+    assert len(entries) == 60
+    assert len(ProfileCache(path, "ctx")) == 60
+    assert not list(tmp_path.glob("*.tmp"))
+
+
+def test_a_corrupt_cache_raises_with_the_fix(tmp_path):
+    path = tmp_path / "c.json"
+    path.write_text('{"format": "autopar-op-profile", "version": 1, "entr')
+    with pytest.raises(ProfileCacheError, match="delete"):
+        OpProfiler(cache_path=path)
+
+
+# ------------------------------------------------------------------------------------ fallbacks
+
+
+def test_an_op_that_raises_falls_back_and_the_failure_is_remembered(tmp_path, small_graph):
+    tg, infos, strats = small_graph
+    node = _node(tg, aten.matmul.default)
+    bad = Strategy((Shard(2),), ((Shard(2),), (R,)))  # [4, 6, 4] @ [8, 4]: the op raises
+    path = tmp_path / "c.json"
+    prof = OpProfiler(cache_path=path, **FAST)
+    assert prof.node_time(node, bad, (2,), infos) is None
+    assert prof.take_stats().failed == 1
+    prof.flush()
+    (entry,) = json.loads(path.read_text())["entries"].values()
+    assert any("RuntimeError" in v["error"] for v in entry.values())
+    again = OpProfiler(cache_path=path, **FAST)
+    assert again.node_time(node, bad, (2,), infos) is None
+    assert again.runs == 0 and again.take_stats().failed == 1
+
+
+def test_ops_whose_args_hold_sizes_are_not_profiled(tmp_path, small_graph):
+    tg, infos, strats = small_graph
+    prof = OpProfiler(cache_path=tmp_path / "c.json", **FAST)
+    view = _node(tg, aten.view.default)
+    for s in strats["view"].strategies:
+        assert prof.node_time(view, s, (2,), infos) is None
+    assert prof.runs == 0 and prof.take_stats().skipped == len(strats["view"].strategies)
+
+
+def test_index_inputs_stay_in_range_of_the_local_table(tmp_path, small_graph):
+    tg, infos, strats = small_graph
+    node = _node(tg, aten.embedding.default)
+    prof = OpProfiler(cache_path=tmp_path / "c.json", **FAST)
+    vocab_parallel = next(s for s in strats["embedding"].strategies if isinstance(s.out[0], Partial))
+    call = prof.node_call(node, vocab_parallel, (2,), infos)
+    assert call[1][0].shape == (8, 8) and call[1][1].high == 8  # ids drawn below the 8 local rows
+    assert prof.node_time(node, vocab_parallel, (2,), infos) is not None
