@@ -22,6 +22,7 @@ import torch.distributed as dist
 
 from autopar.cluster import ClusterSpec
 from autopar.cost_model.comm import axis_link
+from autopar.cost_model.profiler import OpProfiler, resolve_profiler
 from autopar.errors import DistributedSetupError, NoPlanFitsError, PlanFormatError
 from autopar.passes.analyze import NodeInfo, analyze
 from autopar.passes.coarsen import find_classes
@@ -68,7 +69,12 @@ def search(
     progress: Callable[[str], None] | None = None,
     dump_dir: str | os.PathLike | None = None,
     coarsen: bool = True,
+    profile: bool | OpProfiler = False,
 ) -> SearchResult:
+    """``profile``: True (or an ``OpProfiler``) prices ops by running them on this machine's device
+    (cached, see ``cost_model.profiler``) instead of the analytical roofline; the cluster's device must
+    be this machine's kind, else ProfilerDeviceError."""
+    profiler = resolve_profiler(profile, cluster, progress)
     dump_dir = dump_dir or os.environ.get("AUTOPAR_DUMP_DIR")
     dump = Path(dump_dir) if dump_dir else None
     if dump:
@@ -132,7 +138,9 @@ def search(
         strats = build_strategies(tg, infos, mesh, axis_roles, only=set(classes.members) if classes else None)
         # -- cost -----------------------------------------------------------------------------------
         roles = tuple(axis_roles) if axis_roles else None
-        tables = build_costs(tg, infos, strats, cluster, mesh, optimizer, roles, classes)
+        tables = build_costs(tg, infos, strats, cluster, mesh, optimizer, roles, classes, profiler)
+        if profiler is not None:
+            _progress(progress, f"profile: mesh {mesh}: {profiler.take_stats().line()}")
         mem_needed = sum(min(m) for m in tables.node_mem.values())
         min_needed = min(min_needed, mem_needed)
         folded = fold_followers(tables)  # shared by the bound and the solve
@@ -298,8 +306,10 @@ def plan(
     optimizer: Optimizer = Optimizer.ADAM,
     progress: Callable[[str], None] | None = None,
     dump_dir: str | os.PathLike | None = None,
+    profile: bool | OpProfiler = False,
 ) -> Plan:
-    """Search a sharding plan offline: no process group needed; works on meta-device models."""
+    """Search a sharding plan offline: no process group needed; works on meta-device models.
+    ``profile=True`` measures ops on this machine instead of the roofline (see ``search``)."""
     return search(
         model,
         cluster,
@@ -311,6 +321,7 @@ def plan(
         optimizer=optimizer,
         progress=progress,
         dump_dir=dump_dir,
+        profile=profile,
     ).plan
 
 

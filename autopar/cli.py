@@ -2,6 +2,7 @@
 
     autopar demo [--out DIR] [--model MODEL_SPEC] [--world-size N]
     autopar plan MODEL_SPEC --cluster PRESET[:NODESxDEVICES] | SPEC_FILE --out plan.json [--report r.html]
+                 [--profile [--profile-cache PATH] [--profile-threads N]]
     autopar calibrate [--world-size N] [--out cluster.json] [--quick]
     autopar coverage MODEL_SPEC [--json]
 
@@ -52,6 +53,25 @@ def _build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--memory-limit-gib", type=float, default=None, help="per-device memory limit in GiB")
     pl.add_argument("--time-limit", type=float, default=None, help="solver time limit per mesh, in seconds")
     pl.add_argument("--meta", action="store_true", help="build the model on the meta device (no weights)")
+    pl.add_argument(
+        "--profile",
+        action="store_true",
+        help="price ops by running them on this machine (cached) instead of the analytical model; "
+        "the cluster's device must be this machine's kind",
+    )
+    pl.add_argument(
+        "--profile-cache",
+        default=None,
+        metavar="PATH",
+        help="op timing cache for --profile (default: ~/.cache/autopar/op_profile.json)",
+    )
+    pl.add_argument(
+        "--profile-threads",
+        type=int,
+        default=None,
+        metavar="N",
+        help="intra-op threads while profiling on CPU (default: 1, as CPU ranks run)",
+    )
 
     ca = sub.add_parser(
         "calibrate", help="measure links and device on local gloo processes; write a spec file"
@@ -79,6 +99,19 @@ def _cmd_plan(args) -> int:
     from autopar.report import write_report
 
     cluster = autopar.ClusterSpec.parse(args.cluster)
+    profile = False
+    if args.profile:
+        from autopar.cost_model.profiler import OpProfiler
+
+        profile = OpProfiler.for_cluster(
+            cluster,
+            cache_path=args.profile_cache,
+            num_threads=args.profile_threads,
+            progress=lambda m: print(m, flush=True),
+        )
+    elif args.profile_cache or args.profile_threads:
+        print("autopar: error: --profile-cache and --profile-threads need --profile", file=sys.stderr)
+        return 2
     if args.meta:
         with torch.device("meta"):
             model, inputs = load_model_spec(args.model)
@@ -92,6 +125,7 @@ def _cmd_plan(args) -> int:
         memory_limit_bytes=args.memory_limit_gib * 2**30 if args.memory_limit_gib else None,
         time_limit_s=args.time_limit,
         progress=lambda m: print(m, flush=True),
+        profile=profile,
     )
     plan.save(args.out)
     print(plan.summary())

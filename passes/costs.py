@@ -1,6 +1,7 @@
 """Cost tables: for every node strategy its seconds and bytes, for every edge a resharding matrix.
 
-* node cost ``c[v, s]`` (s): compute of ``v`` under strategy ``s`` (``cost_model.compute``) plus
+* node cost ``c[v, s]`` (s): compute of ``v`` under strategy ``s`` (``cost_model.compute``, or the
+  time ``cost_model.profiler`` measured for its local shapes when a profiler is given) plus
   collectives inside a lowering (the all-reduces of a batch-sharded mean cross-entropy);
 * node memory ``m[v, s]`` (B per device): parameters (+ gradient + optimizer states) for parameter
   placeholders, buffers and inputs; for activations, what autograd keeps until backward: the
@@ -23,6 +24,7 @@ import functools
 import math
 import operator
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 import torch.fx as fx
@@ -37,6 +39,9 @@ from autopar.passes.rules import ALIASING_OPS, tensor_inputs
 from autopar.passes.strategies import AxisRole, NodeStrategies, Strategy
 from autopar.passes.trace import Role, TracedGraph
 from autopar.placement import Spec, replicated, volume_factor
+
+if TYPE_CHECKING:
+    from autopar.cost_model.profiler import OpProfiler
 
 aten = torch.ops.aten
 
@@ -96,10 +101,12 @@ def build_costs(
     optimizer: Optimizer,
     axis_roles: tuple[AxisRole, ...] | None = None,
     classes: Classes | None = None,
+    profiler: OpProfiler | None = None,
 ) -> CostTables:
     """Cost tables over class representatives (every node its own class when ``classes`` is None):
     node costs are multiplied by the class size, edges between the same two classes are priced once
-    and multiplied by how many there are; an edge inside one class is a self-loop (same strategy)."""
+    and multiplied by how many there are; an edge inside one class is a self-loop (same strategy).
+    With a ``profiler``, an op's compute is its measured time on the local shapes where it has one."""
     comm = CommModel(cluster, mesh_shape)
     device = cluster.device
     classes = classes or Classes.identity(list(strats))
@@ -129,7 +136,9 @@ def build_costs(
             for a, split in enumerate(s.split_axes()):
                 if split:
                     k *= mesh_shape[a]
-            t = node_time(info.flops, info.bytes, info.dtype, device, k, info.requires_grad)
+            t = profiler.node_time(ns.node, s, mesh_shape, infos) if profiler is not None else None
+            if t is None:
+                t = node_time(info.flops, info.bytes, info.dtype, device, k, info.requires_grad)
             t += _lowering_comm(ns.node, s, comm)
             costs.append(n * t)
             # internal saved tensors are cut like the op's work: by its largest split (e.g. a loss's
@@ -139,6 +148,8 @@ def build_costs(
             mems.append(n * saved)
         tables.node_cost[name] = costs
         tables.node_mem[name] = mems
+    if profiler is not None:
+        profiler.flush()
 
     # group edges by (source class, destination class, input index, tensor): price each group once
     groups: dict[tuple, list] = {}

@@ -12,10 +12,15 @@ import pytest
 import torch
 from torch.distributed.tensor.placement_types import Partial, Replicate, Shard
 
+import autopar
+import autopar.examples
+from autopar.cli import main
+from autopar.cost_model.compute import node_time
 from autopar.cost_model.profile_cache import OpTiming, ProfileCache
-from autopar.cost_model.profiler import OpProfiler, TensorSpec, _layout, op_key
-from autopar.errors import ProfileCacheError
+from autopar.cost_model.profiler import OpProfiler, TensorSpec, _layout, op_key, profile_device_for
+from autopar.errors import ProfileCacheError, ProfilerDeviceError
 from autopar.passes.analyze import analyze
+from autopar.passes.costs import Optimizer, build_costs
 from autopar.passes.strategies import Strategy, build_strategies
 from autopar.passes.trace import trace
 
@@ -198,13 +203,20 @@ def test_an_op_that_raises_falls_back_and_the_failure_is_remembered(tmp_path, sm
     assert again.runs == 0 and again.take_stats().failed == 1
 
 
-def test_ops_whose_args_hold_sizes_are_not_profiled(tmp_path, small_graph):
+def test_ops_whose_args_hold_sizes_keep_the_analytical_figure(tmp_path, small_graph):
     tg, infos, strats = small_graph
     prof = OpProfiler(cache_path=tmp_path / "c.json", **FAST)
     view = _node(tg, aten.view.default)
-    for s in strats["view"].strategies:
-        assert prof.node_time(view, s, (2,), infos) is None
-    assert prof.runs == 0 and prof.take_stats().skipped == len(strats["view"].strategies)
+    costs = build_costs(tg, infos, strats, autopar.ClusterSpec.preset("cpu", devices_per_node=2), (2,),
+                        Optimizer.SGD, profiler=prof)  # fmt: skip
+    assert prof.node_time(view, strats["view"].strategies[0], (2,), infos) is None
+    device = autopar.ClusterSpec.preset("cpu").device
+    info = infos["view"]
+    for s, c in zip(strats["view"].strategies, costs.node_cost["view"]):
+        k = 2 if any(s.split_axes()) else 1
+        assert c == pytest.approx(
+            node_time(info.flops, info.bytes, info.dtype, device, k, info.requires_grad)
+        )
 
 
 def test_index_inputs_stay_in_range_of_the_local_table(tmp_path, small_graph):
@@ -215,3 +227,69 @@ def test_index_inputs_stay_in_range_of_the_local_table(tmp_path, small_graph):
     call = prof.node_call(node, vocab_parallel, (2,), infos)
     assert call[1][0].shape == (8, 8) and call[1][1].high == 8  # ids drawn below the 8 local rows
     assert prof.node_time(node, vocab_parallel, (2,), infos) is not None
+
+
+# ------------------------------------------------------------------------------------ planning
+
+
+def test_plan_with_profile_prices_measured_ops_by_their_measurement(tmp_path):
+    model, inputs = autopar.examples.gpt2_tiny(batch=2, seq=8, hidden=32, vocab=64)
+    cluster = autopar.ClusterSpec.preset("cpu", devices_per_node=2)
+    analytical = autopar.plan(model, cluster, inputs, mesh_shape=(2,))
+    prof = OpProfiler(cache_path=tmp_path / "c.json", num_threads=1, **FAST)
+    lines: list[str] = []
+    result = autopar.search(model, cluster, inputs, mesh_shape=(2,), profile=prof, progress=lines.append)
+    profiled = result.plan
+    assert any(m.startswith("profile: mesh (2,)") and " 0 failed" in m for m in lines)
+    assert profiled.predicted.compute_s != analytical.predicted.compute_s
+    infos = analyze(result.traced)
+    nodes = {n.name: n for n in result.traced.graph.nodes}
+    by_name = {d.name: d for d in analytical.decisions}
+    seen = {"measured": 0, "analytical": 0}
+    for d in profiled.decisions:
+        node = nodes[d.name]
+        if node.op != "call_function" or d.name not in result.choice:
+            continue
+        call = prof.node_call(node, result.choice[d.name], (2,), infos)
+        if call is None:  # not profiled: the same figure as the analytical plan when the choice agrees
+            if by_name[d.name].output == d.output and by_name[d.name].inputs == d.inputs:
+                assert d.compute_s == pytest.approx(by_name[d.name].compute_s)
+                seen["analytical"] += 1
+            continue
+        timing = prof.cache.get(op_key(*call))
+        assert timing is not None and timing.ok
+        assert d.compute_s == pytest.approx(timing.total_s)
+        seen["measured"] += 1
+    assert seen["measured"] >= 20 and seen["analytical"] >= 5
+
+
+def test_profiling_for_another_device_raises_with_the_fix(monkeypatch):
+    model, inputs = autopar.examples.mlp(batch=8, hidden=16, ffn=32)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(ProfilerDeviceError, match=r"ClusterSpec.local\(\).*drop profile=True"):
+        autopar.plan(model, autopar.ClusterSpec.preset("h100-sxm", devices_per_node=2), inputs, profile=True)
+    # a GPU of another family than the cluster's is refused too
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "NVIDIA A100-SXM4-80GB")
+    with pytest.raises(ProfilerDeviceError, match="A100.*H100"):
+        profile_device_for(autopar.ClusterSpec.preset("h100-sxm").device)
+    assert profile_device_for(autopar.ClusterSpec.preset("a100-40gb").device).type == "cuda"
+    assert profile_device_for(autopar.ClusterSpec.preset("cpu").device).type == "cpu"
+
+
+def test_cli_plan_with_profile(tmp_path, capsys):
+    cache = tmp_path / "c.json"
+    argv = ["plan", "autopar.examples:mlp(batch=8, hidden=16, ffn=32)", "--cluster", "cpu:1x2",
+            "--out", str(tmp_path / "p.json"), "--profile", "--profile-cache", str(cache)]  # fmt: skip
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "profile: mesh (2,)" in out and "cache hits" in out
+    assert cache.exists() and autopar.Plan.load(tmp_path / "p.json").predicted.compute_s > 0
+    assert main(argv) == 0
+    assert "profile: mesh (2,): 0 distinct ops measured" in capsys.readouterr().out
+    bad = ["plan", "autopar.examples:mlp(batch=8, hidden=16, ffn=32)", "--cluster", "h100-sxm:1x2", "--profile",
+           "--profile-cache", str(cache), "--out", str(tmp_path / "q.json")]  # fmt: skip
+    if not torch.cuda.is_available():
+        assert main(bad) == 2
+        assert "drop profile=True / --profile" in capsys.readouterr().err
