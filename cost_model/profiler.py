@@ -292,7 +292,7 @@ class OpProfiler:
                 locals_.append(local_shape(tuple(a.meta["val"].shape), spec, mesh_shape))
         except ValueError:
             return None  # an uneven split: strategies never make one, but never guess
-        slots: dict[int, TensorSpec] = {}
+        specs: list[TensorSpec] = []  # in rules.tensor_inputs order: the order of strategy.ins
         for i, (a, shape) in enumerate(zip(inputs, locals_)):
             v = a.meta["val"]
             high = None
@@ -303,19 +303,20 @@ class OpProfiler:
                 high = src[dim] if src else 1
             perm, expanded = _layout(v)
             rg = bool(v.dtype.is_floating_point and a.name in infos and infos[a.name].requires_grad)
-            slots[id(a)] = TensorSpec(tuple(shape), v.dtype, rg, perm, expanded, high)
+            specs.append(TensorSpec(tuple(shape), v.dtype, rg, perm, expanded, high))
+        queue = iter(specs)
         other_nodes = False
 
         def leaf(x):
             nonlocal other_nodes
             if isinstance(x, fx.Node):
-                if id(x) in slots:
-                    return slots[id(x)]
+                if isinstance(x.meta.get("val"), torch.Tensor):
+                    return next(queue)  # the same flattening as tensor_inputs
                 other_nodes = True  # a non-tensor graph value (a SymInt ...): its value is unknown here
                 return None
             return self.device if isinstance(x, torch.device) else x
 
-        args, kwargs = pytree.tree_map(leaf, (tuple(node.args), dict(node.kwargs)))
+        args, kwargs = pytree.tree_map(leaf, (node.args, node.kwargs))
         return None if other_nodes else (node.target, args, kwargs)
 
     # ------------------------------------------------------------------------------ ops
@@ -334,7 +335,9 @@ class OpProfiler:
             return None
         t0 = time.perf_counter()
         try:
-            with self._threads(), torch.enable_grad():
+            cuda = [self.device] if self.device.type == "cuda" else []
+            # forked RNG: planning with profiling leaves the caller's random streams as they were
+            with self._threads(), torch.enable_grad(), torch.random.fork_rng(devices=cuda):
                 timing = self._measure(op, args, kwargs)
         except Exception as e:  # noqa: BLE001 - any failure keeps the analytical figure (remembered)
             log.debug("profiling %s failed: %s", key, e)

@@ -293,3 +293,12 @@ def test_cli_plan_with_profile(tmp_path, capsys):
     if not torch.cuda.is_available():
         assert main(bad) == 2
         assert "drop profile=True / --profile" in capsys.readouterr().err
+
+
+def test_profiling_leaves_the_random_streams_alone(tmp_path):
+    prof = OpProfiler(cache_path=tmp_path / "c.json", **FAST)
+    torch.manual_seed(0)
+    expected = torch.rand(4)
+    torch.manual_seed(0)
+    assert prof.time_op(aten.dropout.default, (TensorSpec((16, 16), F32, True), 0.5, True)).ok
+    assert prof.runs > 0 and torch.equal(torch.rand(4), expected)
