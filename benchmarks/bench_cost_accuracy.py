@@ -6,7 +6,11 @@ processes (SGD steps), measure the step time (median, max over ranks) and the pe
 bytes (max over ranks), and print predicted vs measured with relative errors; then the median
 absolute error of each and whether the predicted ranking of the 3 plans matches the measured one.
 
+``--profile`` plans with ``cost_model.profiler`` (ops timed on this CPU with one thread, as the
+gloo ranks run them, cached in ``--profile-cache``) instead of the analytical compute model.
+
     .venv/bin/python benchmarks/bench_cost_accuracy.py [--cluster cluster.json] [--worlds 2 4]
+        [--profile [--profile-cache PATH]]
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ import torch.distributed as dist
 import autopar
 from autopar.cost_model.calibrate import run_calibration
 from autopar.cost_model.measure import peak_step_memory, time_steps
+from autopar.cost_model.profiler import OpProfiler
 from autopar.demo import train_step
 from autopar.launch import run_on_ranks
 from autopar.model_spec import load_model_spec
@@ -64,6 +69,8 @@ def main() -> None:
     ap.add_argument("--cluster", default=None, help="a calibrated spec file (default: calibrate now)")
     ap.add_argument("--worlds", type=int, nargs="+", default=[2, 4])
     ap.add_argument("--calib-world", type=int, default=4, help="world size of the calibration run")
+    ap.add_argument("--profile", action="store_true", help="plan with measured op times (OpProfiler)")
+    ap.add_argument("--profile-cache", default=None, help="op timing cache (default: ~/.cache/autopar/)")
     args = ap.parse_args()
 
     if args.cluster:
@@ -82,6 +89,9 @@ def main() -> None:
         f"launch {dev.kernel_launch_s * 1e6:.2f} us\n"
     )
 
+    profiler = OpProfiler.for_cluster(base, cache_path=args.profile_cache) if args.profile else None
+    print(f"compute: {'profiled, ' + profiler.cache.context if profiler else 'analytical (roofline)'}\n")
+
     tmp = Path(tempfile.mkdtemp(prefix="bench_cost_"))
     rows = []
     head = (
@@ -97,7 +107,12 @@ def main() -> None:
                 model, inputs = load_model_spec(spec)
                 try:
                     plans[pname] = autopar.plan(
-                        model, cluster, inputs, axis_roles=roles, optimizer=autopar.Optimizer.SGD
+                        model,
+                        cluster,
+                        inputs,
+                        axis_roles=roles,
+                        optimizer=autopar.Optimizer.SGD,
+                        profile=profiler or False,
                     )
                 except Exception as e:  # noqa: BLE001 - report and go on
                     print(f"{mname:<11} {world:>5} {pname:<5} plan failed: {type(e).__name__}: {e}")
