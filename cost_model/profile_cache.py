@@ -163,13 +163,18 @@ class ProfileCache:
         return len(self._entries)
 
     def flush(self) -> None:
-        """Merge the entries put since the last flush into the file (locked, atomic replace)."""
+        """Merge the entries put since the last flush into the file (locked, atomic replace), and take
+        in the entries other processes wrote there since this cache was loaded."""
         if not self._new:
             return
         self.path.parent.mkdir(parents=True, exist_ok=True)
         with _locked(self.path):
             entries = read_entries(self.path)
-            entries.setdefault(self.context, {}).update({k: t.to_dict() for k, t in self._new.items()})
+            ours = entries.setdefault(self.context, {})
+            for k, v in ours.items():  # what other processes measured meanwhile serves this one too
+                if k not in self._entries:
+                    self._entries[k] = OpTiming.from_dict(v)
+            ours.update({k: t.to_dict() for k, t in self._new.items()})
             data = {"format": CACHE_FORMAT, "version": CACHE_VERSION, "entries": entries}
             fd, tmp = tempfile.mkstemp(dir=self.path.parent, prefix=self.path.name + ".", suffix=".tmp")
             try:

@@ -177,6 +177,17 @@ def test_concurrent_writers_keep_every_entry_and_a_valid_file(tmp_path):
     assert not list(tmp_path.glob("*.tmp"))
 
 
+def test_a_flush_takes_in_what_other_processes_wrote(tmp_path):
+    a, b = ProfileCache(tmp_path / "c.json", "ctx"), ProfileCache(tmp_path / "c.json", "ctx")
+    a.put("x", OpTiming(1e-3, 2e-3))
+    a.flush()
+    assert b.get("x") is None  # loaded before a wrote
+    b.put("y", OpTiming(1e-3, 0.0))
+    b.flush()
+    assert b.get("x") == OpTiming(1e-3, 2e-3)
+    assert ProfileCache(tmp_path / "c.json", "other").get("x") is None  # another machine context
+
+
 def test_a_corrupt_cache_raises_with_the_fix(tmp_path):
     path = tmp_path / "c.json"
     path.write_text('{"format": "autopar-op-profile", "version": 1, "entr')
