@@ -26,7 +26,6 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.fx as fx
-from torch.distributed.tensor.placement_types import Replicate
 
 from autopar.cluster import ClusterSpec
 from autopar.cost_model.comm import Collective, CommModel
@@ -36,7 +35,7 @@ from autopar.passes.coarsen import Classes
 from autopar.passes.rules import ALIASING_OPS, tensor_inputs
 from autopar.passes.strategies import AxisRole, NodeStrategies, Strategy
 from autopar.passes.trace import Role, TracedGraph
-from autopar.placement import Spec, replicated, volume_factor
+from autopar.placement import is_replicate, replicated, volume_factor
 
 aten = torch.ops.aten
 
@@ -201,7 +200,7 @@ def kept_for_backward(tg: TracedGraph, infos: dict[str, NodeInfo]) -> set[str]:
 @functools.cache
 def f_axes(s: Strategy, i: int) -> tuple[int, ...]:
     """Axes on which input ``i`` is Replicate while the op is split: Megatron "f" goes there."""
-    return tuple(a for a, split in enumerate(s.split_axes()) if split and isinstance(s.ins[i][a], Replicate))
+    return tuple(a for a, split in enumerate(s.split_axes()) if split and is_replicate(s.ins[i][a]))
 
 
 def _pinned_axes(info: NodeInfo, axis_roles) -> list[int]:
@@ -217,27 +216,34 @@ def _edge(src, dst, i, inp, infos, strats, comm: CommModel, pinned=()) -> Edge:
     rg = info.requires_grad
     saves = infos[dst].saves_inputs
     keeps = infos[dst].requires_grad and (saves[i] if i < len(saves) else True)
-    cost, mem, colls = [], [], []
-    for su in strats[src].strategies:
-        row_c, row_m, row_n = [], [], []
-        for sv in strats[dst].strategies:
-            need: Spec = sv.ins[i]
-            c, names = comm.reshard(su.out, need, nbytes, rg, f_axes(sv, i))
-            if any(su.out[a] != need[a] for a in pinned):
+    # strategies share output placements and input requirements: price each distinct pair once
+    have_ix: dict = {}
+    rows = [have_ix.setdefault(su.out, len(have_ix)) for su in strats[src].strategies]
+    need_ix: dict = {}
+    cols = [need_ix.setdefault((sv.ins[i], f_axes(sv, i)), len(need_ix)) for sv in strats[dst].strategies]
+    row_c, row_m, row_n = [], [], []
+    for have in have_ix:
+        rc, rm, rn = [], [], []
+        for need, f in need_ix:
+            c, names = comm.reshard(have, need, nbytes, rg, f)
+            if any(have[a] != need[a] for a in pinned):
                 c = math.inf  # forbidden pair (see _pinned_axes)
-            row_c.append(c)
+            rc.append(c)
             # the resharded copy lives until backward only if the consumer keeps this input
-            row_m.append(nbytes / volume_factor(need, comm.mesh_shape) if (keeps and need != su.out) else 0.0)
-            row_n.append(tuple(names))
-        cost.append(row_c)
-        mem.append(row_m)
-        colls.append(row_n)
+            rm.append(nbytes / volume_factor(need, comm.mesh_shape) if (keeps and need != have) else 0.0)
+            rn.append(tuple(names))
+        row_c.append([rc[j] for j in cols])
+        row_m.append([rm[j] for j in cols])
+        row_n.append([rn[j] for j in cols])
+    cost = [list(row_c[r]) for r in rows]
+    mem = [list(row_m[r]) for r in rows]
+    colls = [row_n[r] for r in rows]
     return Edge(src, dst, cost, mem, colls)
 
 
 def _lowering_comm(node: fx.Node, s: Strategy, comm: CommModel) -> float:
     """Collectives that a lowering runs inside the op (see codegen/lower.py)."""
-    if node.target is aten.cross_entropy_loss.default and all(isinstance(p, Replicate) for p in s.out):
+    if node.target is aten.cross_entropy_loss.default and all(is_replicate(p) for p in s.out):
         # a mean over a split batch: all-reduce of the local loss sum and of the local token count on
         # every split axis, exactly as codegen/lower.py emits them (a sum or 'none' needs none)
         return sum(
