@@ -1,6 +1,7 @@
 """Cost tables: for every node strategy its seconds and bytes, for every edge a resharding matrix.
 
-* node cost ``c[v, s]`` (s): compute of ``v`` under strategy ``s`` (``cost_model.compute``) plus
+* node cost ``c[v, s]`` (s): compute of ``v`` under strategy ``s`` (``cost_model.compute``, times
+  ``ClusterSpec.compute_slowdown`` when CPU ranks share too few cores) plus
   collectives inside a lowering (the all-reduces of a batch-sharded mean cross-entropy);
 * node memory ``m[v, s]`` (B per device): parameters (+ gradient + optimizer states) for parameter
   placeholders, buffers and inputs; for activations, what autograd keeps until backward: the
@@ -101,6 +102,7 @@ def build_costs(
     and multiplied by how many there are; an edge inside one class is a self-loop (same strategy)."""
     comm = CommModel(cluster, mesh_shape)
     device = cluster.device
+    slow = cluster.compute_slowdown  # CPU ranks sharing too few cores
     classes = classes or Classes.identity(list(strats))
     kept = kept_for_backward(tg, infos)
     tables = CostTables(mesh_shape, {k: v.strategies for k, v in strats.items()}, {}, {}, classes=classes)
@@ -113,7 +115,7 @@ def build_costs(
             if info.role is Role.PARAM:
                 copies = 1 + (1 + optimizer.value if info.requires_grad else 0)
                 step = (
-                    optimizer_step_time(info.out_bytes / vol, optimizer.value, device)
+                    optimizer_step_time(info.out_bytes / vol, optimizer.value, device) * slow
                     if info.requires_grad
                     else 0.0
                 )
@@ -128,7 +130,7 @@ def build_costs(
             for a, split in enumerate(s.split_axes()):
                 if split:
                     k *= mesh_shape[a]
-            t = node_time(info.flops, info.bytes, info.dtype, device, k, info.requires_grad)
+            t = node_time(info.flops, info.bytes, info.dtype, device, k, info.requires_grad) * slow
             t += _lowering_comm(ns.node, s, comm)
             costs.append(n * t)
             # internal saved tensors are cut like the op's work: by its largest split (e.g. a loss's
