@@ -155,7 +155,9 @@ def search(
         strats = build_strategies(tg, infos, mesh, roles, only=only, fixed=fixed)
         # -- cost -----------------------------------------------------------------------------------
         tables = build_costs(tg, infos, strats, cluster, mesh, optimizer, roles, classes)
-        mem_needed = sum(min(m) for m in tables.node_mem.values())
+        mem_needed = sum(min(m) for m in tables.node_mem.values()) + max(
+            (min(p) for p in tables.node_peak.values()), default=0.0
+        )
         min_needed = min(min_needed, mem_needed)
         folded = fold_followers(tables)  # shared by the bound and the solve
         bound = lower_bound(tables, folded)

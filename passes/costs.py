@@ -7,7 +7,11 @@
   placeholders, buffers and inputs; for activations, what autograd keeps until backward: the
   output when the op or a consumer saves it (``kept_for_backward``; a saved view keeps its base),
   plus tensors the op saves internally; each divided by the number of pieces its placement cuts
-  it into. Their sum is the memory live when backward starts, where training peaks;
+  it into. Their sum is the memory live when backward starts;
+* node transient ``p[v, s]`` (B per device): what ``v``'s backward holds while it runs, the
+  gradient of its output and the gradients of its inputs (a replicated weight's whole gradient
+  under data parallelism, a shard under tensor parallelism). The peak of a step is the memory
+  above plus the largest transient of the chosen strategies (``solver``: a max, linearized);
 * edge cost ``c[e, s_u, s_v]`` (s): resharding the tensor on edge ``e = (u -> v, input i)`` from
   ``u``'s output placement to what ``v`` requires under ``s_v``, forward and backward, plus the
   backward all-reduce of the Megatron "f" on the Replicate inputs of a split op
@@ -79,6 +83,9 @@ class CostTables:
     node_mem: dict[str, list[float]]
     edges: list[Edge] = field(default_factory=list)
     classes: Classes | None = None
+    # bytes a node's backward holds only while it runs (its output's gradient and its inputs'
+    # gradients, local pieces): the plan's peak adds the largest of these, not their sum
+    node_peak: dict[str, list[float]] = field(default_factory=dict)
 
 
 def resolve_source(node: fx.Node) -> fx.Node:
@@ -109,7 +116,7 @@ def build_costs(
     for name, ns in strats.items():
         info = infos[name]
         n = classes.count(name)
-        costs, mems = [], []
+        costs, mems, peaks = [], [], []
         for s in ns.strategies:
             vol = volume_factor(s.out, mesh_shape)
             if info.role is Role.PARAM:
@@ -138,8 +145,17 @@ def build_costs(
             work_vol = max([vol] + [volume_factor(x, mesh_shape) for x in s.ins])
             saved = (info.out_bytes if name in kept else 0) / vol + info.saved_temp_bytes / work_vol
             mems.append(n * saved)
+            if info.requires_grad:
+                grads = info.out_bytes / vol + sum(
+                    infos[a.name].out_bytes / volume_factor(x, mesh_shape)
+                    for a, x in zip(ns.inputs, s.ins)
+                    if infos[a.name].requires_grad
+                )
+                peaks.append(grads)
         tables.node_cost[name] = costs
         tables.node_mem[name] = mems
+        if len(peaks) == len(costs):
+            tables.node_peak[name] = peaks
 
     # group edges by (source class, destination class, input index, tensor): price each group once
     groups: dict[tuple, list] = {}

@@ -18,7 +18,8 @@ Constraints
         elsewhere usually reshard a given tensor alike.
         Edges whose source or destination has a single strategy need no y: their cost is linear
         in the other end's x and is folded into it (``_fold_edge``).
-    (3) per-device memory:         sum_{v,s} m[v,s] x[v,s] + sum_{e,a,b} m[e,a,b] y[e,a,b] <= M
+    (3) per-device memory:         sum_{v,s} m[v,s] x[v,s] + sum_{e,a,b} m[e,a,b] y[e,a,b] + z <= M
+        with the largest backward transient  z >= sum_s p[v,s] x[v,s]  for every v
                                                                             (``_memory_constraint``)
 
 (2) is the standard tight linearization of x[u,a] * x[v,b] (its LP relaxation's vertices are
@@ -153,6 +154,7 @@ def fold_followers(tables: CostTables) -> Folded:
     strategies = dict(tables.strategies)
     cost = {k: list(v) for k, v in tables.node_cost.items()}
     mem = {k: list(v) for k, v in tables.node_mem.items()}
+    peak = {k: list(v) for k, v in tables.node_peak.items()}
     edges = list(tables.edges)
     merged: list[tuple[str, tuple[str, list[int]]]] = []
     while True:
@@ -183,6 +185,9 @@ def fold_followers(tables: CostTables) -> Folded:
             response.append(b)
             cost[u][a] += totals[b]
             mem[u][a] += sum(e.mem[a][b] for e in into) + mem[v][b]
+            if v in peak:  # transients do not add up: the largest counts
+                pu = peak.setdefault(u, [0.0] * len(strategies[u]))
+                pu[a] = max(pu[a], peak[v][b])
         edges = [
             Edge(u, e.dst, [e.cost[b] for b in response], [e.mem[b] for b in response],
                  [e.colls[b] for b in response], e.count) if e.src == v else e
@@ -191,7 +196,9 @@ def fold_followers(tables: CostTables) -> Folded:
         ]  # fmt: skip
         merged.append((v, (u, response)))
         del strategies[v], cost[v], mem[v]
-    return CostTables(tables.mesh_shape, strategies, cost, mem, edges, tables.classes), merged
+        peak.pop(v, None)
+    reduced = CostTables(tables.mesh_shape, strategies, cost, mem, edges, tables.classes, peak)
+    return reduced, merged
 
 
 def _solve(
@@ -222,7 +229,7 @@ def _solve(
         if e.cost[a][b] and math.isfinite(e.cost[a][b])
     ]
     prob += _affine(objective)
-    _memory_constraint(prob, x, quad, lin_mem, memory_limit_bytes)
+    _memory_constraint(prob, x, quad, lin_mem, memory_limit_bytes, tables.node_peak)
 
     solver = make_solver(time_limit_s)
     try:
@@ -357,18 +364,31 @@ def _edge_vars(prob: pulp.LpProblem, e: Edge, x: dict, tables: CostTables) -> di
     return ys
 
 
-def _memory_constraint(prob, x, quad, lin_mem, limit: float) -> None:
+def _memory_constraint(prob, x, quad, lin_mem, limit: float, peaks: dict[str, list[float]]) -> None:
+    """(3), plus the largest transient: z >= sum_s p[v,s] x[v,s] for every v, and z in the sum
+    (only nodes whose largest transient can exceed every node's smallest can set the max)."""
     if not math.isfinite(limit):
         return
-    terms = [(x[v][s], m) for v, ms in lin_mem.items() for s, m in enumerate(ms) if m]
-    terms += [(y, e.mem[a][b]) for e, ys in quad for (a, b), y in ys.items() if e.mem[a][b]]
-    prob += pulp.LpConstraint(_affine(terms), pulp.LpConstraintLE, "memory", limit)
+    # in units of the limit: byte-sized coefficients (1e10) trip HiGHS's presolve into "infeasible"
+    g = 1 / limit if limit > 0 else 1.0
+    terms = [(x[v][s], m * g) for v, ms in lin_mem.items() for s, m in enumerate(ms) if m]
+    terms += [(y, e.mem[a][b] * g) for e, ys in quad for (a, b), y in ys.items() if e.mem[a][b]]
+    if peaks:
+        floor = max(min(p) for p in peaks.values())
+        z = pulp.LpVariable("peak_transient", lowBound=floor * g)
+        for i, (v, p) in enumerate(peaks.items()):
+            if max(p) > floor:
+                node = [(x[v][s], ps * g) for s, ps in enumerate(p)] + [(z, -1)]
+                prob += pulp.LpConstraint(_affine(node), pulp.LpConstraintLE, f"peak_{i}", 0)
+        terms.append((z, 1))
+    prob += pulp.LpConstraint(_affine(terms), pulp.LpConstraintLE, "memory", limit * g)
 
 
 def evaluate(tables: CostTables, choice: dict[str, int]) -> tuple[float, float]:
     """(seconds, bytes) of a full assignment: the ILP objective and memory, computed directly."""
     t = sum(tables.node_cost[v][s] for v, s in choice.items())
     m = sum(tables.node_mem[v][s] for v, s in choice.items())
+    m += max((p[choice[v]] for v, p in tables.node_peak.items() if v in choice), default=0.0)
     for e in tables.edges:
         b = 0 if e.dst == "output" else choice[e.dst]
         t += e.cost[choice[e.src]][b]

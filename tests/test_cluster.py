@@ -410,7 +410,9 @@ def test_cpu_ranks_sharing_cores_compute_slower_in_proportion():
     assert ClusterSpec.from_dict(shared.to_dict()) == shared
     model, inputs = mlp(batch=16, hidden=32, ffn=64)
     compute = {
-        c.device.host_cores: autopar.plan(model, c, inputs, axis_roles=(autopar.AxisRole.DATA,)).predicted.compute_s
+        c.device.host_cores: autopar.plan(
+            model, c, inputs, axis_roles=(autopar.AxisRole.DATA,)
+        ).predicted.compute_s
         for c in (shared, own, dedicated)
     }
     assert compute[2] == pytest.approx(2 * compute[4]) and compute[4] == pytest.approx(compute[0])

@@ -50,6 +50,9 @@ def problems(draw):
             )
     tables.edges.append(Edge(names[-1], "output", [[draw(cost)] for _ in range(sizes[names[-1]])],
                              [[0.0] for _ in range(sizes[names[-1]])], [[()] for _ in range(sizes[names[-1]])]))  # fmt: skip
+    if draw(st.booleans()):  # backward transients: the peak adds the largest of the chosen ones
+        for v in draw(st.sets(st.sampled_from(names), min_size=1)):
+            tables.node_peak[v] = [draw(mem) for _ in range(sizes[v])]
     limit = draw(st.one_of(st.just(math.inf), st.floats(5, 60)))
     return tables, limit
 
@@ -304,4 +307,7 @@ def test_pinned_data_axis_is_a_restriction_of_the_full_three_axis_search():
         tables = build_costs(tg, infos, strats, cluster, mesh, Optimizer.ADAM, r)
         sols[key] = solve(tables, math.inf, merge_followers=False)
     assert sols["pinned"].objective >= sols["full"].objective - 1e-12
-    assert sum(len(ns.strategies) for ns in pinned.values()) < sum(len(ns.strategies) for ns in full.values()) / 3
+    assert (
+        sum(len(ns.strategies) for ns in pinned.values())
+        < sum(len(ns.strategies) for ns in full.values()) / 3
+    )
