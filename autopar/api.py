@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import operator
 import os
 import time
 from collections.abc import Callable, Sequence
@@ -21,12 +22,13 @@ import torch
 import torch.distributed as dist
 
 from autopar.cluster import ClusterSpec
-from autopar.cost_model.comm import axis_link
+from autopar.cost_model.comm import CommModel, axis_link
 from autopar.cost_model.profiler import OpProfiler, resolve_profiler
 from autopar.errors import DistributedSetupError, NoPlanFitsError, PlanFormatError
 from autopar.passes.analyze import NodeInfo, analyze
 from autopar.passes.coarsen import find_classes
-from autopar.passes.costs import CostTables, Optimizer, build_costs, resolve_source
+from autopar.passes.costs import CostTables, Optimizer, build_costs, f_axes, resolve_source
+from autopar.passes.rules import tensor_inputs
 from autopar.passes.solver import Solution, evaluate, fold_followers, lower_bound, mesh_candidates, solve
 from autopar.passes.strategies import AxisRole, Strategy, build_strategies, variable_nodes
 from autopar.passes.trace import Role, TracedGraph, normalize_inputs, trace
@@ -35,10 +37,14 @@ from autopar.plan import NodeDecision, Plan, Predicted, SolverInfo
 
 log = logging.getLogger("autopar")
 
-# meshes of up to this many axes are searched when no mesh shape or axis roles are given. 3-axis
-# meshes plan when asked for (mesh_shape=...), but their per-edge strategy-pair tables grow as
-# (options per axis)^6: searching all of them needs strategy pruning first.
-MAX_MESH_AXES = 2
+# meshes of up to this many axes are searched when no mesh shape or axis roles are given
+MAX_MESH_AXES = 3
+# in that search, a mesh of this many axes or more has its outer axis (the slowest links, across
+# nodes when the mesh spans nodes) data parallel: every node's placement on it is fixed to the
+# data-parallel solution of that axis alone, so the strategy tables are those of the other axes.
+# Free, the tables of a 3-axis mesh grow as (options per axis)^6 per edge. A mesh_shape passed
+# explicitly is searched without this restriction.
+DATA_OUTER_MIN_AXES = 3
 # fraction of device memory the plan may use; the rest is a reserve for fragmentation and workspaces
 MEMORY_FRACTION = 0.9
 
@@ -82,7 +88,7 @@ def search(
     t0 = time.perf_counter()
 
     # -- trace ----------------------------------------------------------------------------------
-    tg = trace(model, example_inputs)
+    tg = trace(model, example_inputs, stack_traces=dump is not None)
     _progress(
         progress, f"trace: {len(tg.graph.nodes)} nodes with {tg.tracer} ({time.perf_counter() - t0:.1f} s)"
     )
@@ -121,52 +127,74 @@ def search(
     candidates = []
     min_needed = math.inf
     mirrors: dict[tuple, tuple] = {}
+    only = set(classes.members) if classes else None
+    data_axis: dict[int, dict[str, Strategy]] = {}  # data-parallel solution of one axis, by size
     for mesh in meshes:
-        # a mesh whose axes are another's, permuted, each on the same kind of link, is the same problem
+        roles = tuple(axis_roles) if axis_roles else None
+        data_outer = roles is None and mesh_shape is None and len(mesh) >= DATA_OUTER_MIN_AXES
+        if data_outer:
+            roles = (AxisRole.DATA,) + (AxisRole.AUTO,) * (len(mesh) - 1)
+        label = f"{mesh}" + (" (axis 0 data parallel)" if data_outer else "")
+        # a mesh whose axes are another's, permuted, each on the same kind of link (and role), is the same problem
         links = [axis_link(cluster, mesh, a) for a in range(len(mesh))]
-        key = tuple(sorted((n, link.bandwidth, link.latency) for n, link in zip(mesh, links)))
+        key = tuple(
+            sorted(
+                (n, link.bandwidth, link.latency, roles[a].value if roles else "")
+                for a, (n, link) in enumerate(zip(mesh, links))
+            )
+        )
         if key in mirrors:
             candidates.append(
                 {"mesh_shape": list(mesh), "status": f"same as {mirrors[key]}", "objective": None}
             )
             _progress(
-                progress, f"solve: mesh {mesh}: the same problem as mesh {mirrors[key]} (axes permuted)"
+                progress, f"solve: mesh {label}: the same problem as mesh {mirrors[key]} (axes permuted)"
             )
             continue
         mirrors[key] = mesh
         # -- strategies ---------------------------------------------------------------------------
-        strats = build_strategies(tg, infos, mesh, axis_roles, only=set(classes.members) if classes else None)
+        fixed = None
+        if data_outer:
+            if mesh[0] not in data_axis:
+                data_axis[mesh[0]] = _data_parallel_axis(
+                    tg, infos, cluster, mesh[0], optimizer, classes, profiler
+                )
+            fixed = {0: data_axis[mesh[0]]}
+        strats = build_strategies(tg, infos, mesh, roles, only=only, fixed=fixed)
         # -- cost -----------------------------------------------------------------------------------
-        roles = tuple(axis_roles) if axis_roles else None
         tables = build_costs(tg, infos, strats, cluster, mesh, optimizer, roles, classes, profiler)
         if profiler is not None:
             _progress(progress, f"profile: mesh {mesh}: {profiler.take_stats().line()}")
-        mem_needed = sum(min(m) for m in tables.node_mem.values())
+        mem_needed = sum(min(m) for m in tables.node_mem.values()) + max(
+            (min(p) for p in tables.node_peak.values()), default=0.0
+        )
         min_needed = min(min_needed, mem_needed)
         folded = fold_followers(tables)  # shared by the bound and the solve
         bound = lower_bound(tables, folded)
         entry = {"mesh_shape": list(mesh), "lower_bound": bound}
+        if roles:
+            entry["axis_roles"] = [r.value for r in roles]
         if mem_needed > limit:
             candidates.append({**entry, "status": "infeasible", "objective": None})
             _progress(
-                progress, f"solve: mesh {mesh}: needs >= {mem_needed / 2**30:.2f} GiB per device: skipped"
+                progress, f"solve: mesh {label}: needs >= {mem_needed / 2**30:.2f} GiB per device: skipped"
             )
             continue
         if best is not None and bound >= best[0]:
             candidates.append({**entry, "status": "pruned", "objective": None})
-            _progress(progress, f"solve: mesh {mesh}: lower bound {bound * 1e3:.3f} ms >= best: pruned")
+            _progress(progress, f"solve: mesh {label}: lower bound {bound * 1e3:.3f} ms >= best: pruned")
             continue
         # -- solve ----------------------------------------------------------------------------------
         sol = solve(tables, limit, time_limit_s, folded=folded)
         if sol is None:
             candidates.append({**entry, "status": "infeasible", "objective": None})
-            _progress(progress, f"solve: mesh {mesh}: no plan fits {limit / 2**30:.2f} GiB per device")
+            _progress(progress, f"solve: mesh {label}: no plan fits {limit / 2**30:.2f} GiB per device")
             continue
         t_step = sol.objective  # the full price of the choice (solve evaluates it)
         candidates.append({**entry, "status": sol.status, "objective": t_step})
         _progress(
             progress,
-            f"solve: mesh {mesh}: {sol.status}, predicted step {t_step * 1e3:.3f} ms "
+            f"solve: mesh {label}: {sol.status}, predicted step {t_step * 1e3:.3f} ms "
             f"({sol.num_variables} variables, {sol.solve_time_s:.2f} s)",
         )
         if dump:
@@ -194,6 +222,29 @@ def search(
     return SearchResult(plan, tg, choice)
 
 
+def _data_parallel_axis(
+    tg: TracedGraph,
+    infos: dict[str, NodeInfo],
+    cluster: ClusterSpec,
+    size: int,
+    optimizer: Optimizer,
+    classes,
+    profiler: OpProfiler | None = None,
+) -> dict[str, Strategy]:
+    """Every node's placement on one data-parallel axis of ``size`` devices: the plan the solver
+    picks on the mesh ``(size,)`` with parameters replicated and inputs split on dim 0."""
+    mesh = (size,)
+    roles = (AxisRole.DATA,)
+    strats = build_strategies(tg, infos, mesh, roles, only=set(classes.members) if classes else None)
+    tables = build_costs(tg, infos, strats, cluster, mesh, optimizer, roles, classes, profiler)
+    sol = solve(tables, math.inf)
+    if sol is None:  # no memory limit: cannot happen unless the roles forbid every strategy somewhere
+        raise NoPlanFitsError(
+            f"no data-parallel placement over {size} devices; pass mesh_shape=... explicitly"
+        )
+    return {v: tables.strategies[v][i] for v, i in sol.choice.items()}
+
+
 def _with_getitems(tg: TracedGraph, choice: dict[str, Strategy]) -> dict[str, Strategy]:
     out = dict(choice)
     for n in tg.graph.nodes:
@@ -206,14 +257,7 @@ def _with_getitems(tg: TracedGraph, choice: dict[str, Strategy]) -> dict[str, St
 
 def _make_plan(tg, infos, tables, sol, choice, cluster, mesh, optimizer, candidates, bound) -> Plan:
     classes = tables.classes
-    comm_in: dict[str, float] = {}  # per class representative, per member
-    colls: dict[str, list[str]] = {}
-    for e in tables.edges:
-        b = 0 if e.dst == "output" else sol.choice[e.dst]
-        a = sol.choice[e.src]
-        share = 1 if e.dst == "output" else classes.count(e.dst)
-        comm_in[e.dst] = comm_in.get(e.dst, 0.0) + e.cost[a][b] / share
-        colls.setdefault(e.dst, []).extend(e.colls[a][b] * max(e.count // share, 1))
+    comm_in, colls = _node_collectives(tg, infos, choice, CommModel(cluster, mesh))
     decisions = []
     param_b = grad_b = 0.0
     compute = 0.0
@@ -239,8 +283,8 @@ def _make_plan(tg, infos, tables, sol, choice, cluster, mesh, optimizer, candida
                 output=spec_to_str(s.out),
                 inputs=tuple(spec_to_str(x) for x in s.ins),
                 compute_s=cost,
-                comm_s=comm_in.get(rep, 0.0) if rep else 0.0,
-                collectives=tuple(colls.get(rep, ())) if rep else (),
+                comm_s=comm_in.get(n.name, 0.0),
+                collectives=tuple(colls.get(n.name, ())),
             )
         )
     t_step, mem = evaluate(tables, sol.choice)
@@ -275,6 +319,29 @@ def _make_plan(tg, infos, tables, sol, choice, cluster, mesh, optimizer, candida
             lower_bound_s=bound,
         ),
     )
+
+
+def _node_collectives(tg: TracedGraph, infos, choice: dict[str, Strategy], comm: CommModel):
+    """Per node: seconds and names of the collectives that bring its inputs to the placements it
+    takes (priced as in the cost tables' edges, but per graph edge, not per class of edges)."""
+    seconds: dict[str, float] = {}
+    names: dict[str, list[str]] = {}
+    for n in tg.graph.nodes:
+        if n.op != "call_function" or n.target is operator.getitem or n.name not in choice:
+            continue
+        s = choice[n.name]
+        for i, inp in enumerate(tensor_inputs(n)):
+            src = resolve_source(inp).name
+            if src not in choice:
+                continue
+            info = infos[inp.name]
+            c, called = comm.reshard(
+                choice[src].out, s.ins[i], info.out_bytes, info.requires_grad, f_axes(s, i)
+            )
+            if called:
+                seconds[n.name] = seconds.get(n.name, 0.0) + c
+                names.setdefault(n.name, []).extend(called)
+    return seconds, names
 
 
 def _buffers_inputs(infos: dict[str, NodeInfo], choice, mesh) -> float:

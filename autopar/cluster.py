@@ -21,6 +21,11 @@ Fields
 * ``memory_bytes``: device memory in B (HBM for GPUs; RAM budget per process for CPU).
 * ``memory_bandwidth``: device memory bandwidth in B/s (prices memory-bound kernels).
 * ``kernel_launch_s``: fixed overhead per kernel / op launch in s.
+* ``host_cores``: for CPU "devices", the cores of the host that all ranks of a node share (each
+  rank computes on one thread, as ``autopar.launch`` sets it); ``0`` for accelerators, which do
+  not share. The peak figures are one rank's when it has a core to itself; with more ranks than
+  cores, compute is priced ``devices_per_node / host_cores`` times slower
+  (:attr:`ClusterSpec.compute_slowdown`).
 
 :class:`ClusterSpec` -- the whole cluster:
 
@@ -54,7 +59,8 @@ Sources (numbers are repeated with their source next to each value below)
   system memory 2 TB (NVIDIA DGX datasheets).
 * [CUDA-LAUNCH] CUDA kernel launch overhead is a few microseconds (NVIDIA CUDA best-practices guide
   and common micro-benchmarks: ~3-5 us).
-* ``cpu`` preset: modest numbers for one CPU training process (a few cores); its loopback gloo
+* ``cpu`` preset: modest numbers for one CPU training process (one core); ``host_cores`` is the
+  number of cores this process may run on (``os.sched_getaffinity``); its loopback gloo
   link is what ``autopar calibrate`` measured on a small VM (collectives cost about a millisecond);
   10 GbE = 1.25 GB/s between hosts. Run ``autopar calibrate`` for your own machine.
 """
@@ -177,9 +183,13 @@ class DeviceSpec:
     memory_bytes: int
     memory_bandwidth: float
     kernel_launch_s: float = DEFAULT_KERNEL_LAUNCH_S
+    host_cores: int = 0
 
     def __post_init__(self) -> None:
         _check_name("DeviceSpec.name", self.name)
+        object.__setattr__(
+            self, "host_cores", _check_int("DeviceSpec.host_cores", self.host_cores, minimum=0)
+        )
         pf = self.peak_flops
         if isinstance(pf, Mapping):
             items = list(pf.items())
@@ -241,6 +251,7 @@ class DeviceSpec:
             "memory_bytes": self.memory_bytes,
             "memory_bandwidth": self.memory_bandwidth,
             "kernel_launch_s": self.kernel_launch_s,
+            "host_cores": self.host_cores,
         }
 
 
@@ -311,7 +322,7 @@ _DEVICES: dict[str, DeviceSpec] = {
     ),
     "cpu": DeviceSpec(
         name="cpu",
-        peak_flops={"float32": 50e9},  # conservative: one process on a few cores, ~50 GFLOP/s fp32
+        peak_flops={"float32": 50e9},  # conservative: one process on one core, ~50 GFLOP/s fp32
         memory_bytes=8 * GiB,  # RAM budget per process
         memory_bandwidth=20e9,  # conservative share of a DDR4/DDR5 socket's bandwidth
         kernel_launch_s=10e-6,  # eager PyTorch CPU op dispatch overhead, ~10 us
@@ -347,9 +358,17 @@ _CLUSTER_KEYS = (
     "host_memory_bytes",
     "host_link",
 )
-_DEVICE_KEYS = ("name", "peak_flops", "memory_bytes", "memory_bandwidth", "kernel_launch_s")
-_DEVICE_OPTIONAL = ("kernel_launch_s",)
+_DEVICE_KEYS = ("name", "peak_flops", "memory_bytes", "memory_bandwidth", "kernel_launch_s", "host_cores")
+_DEVICE_OPTIONAL = ("kernel_launch_s", "host_cores")
 _LINK_KEYS = ("bandwidth", "latency")
+
+
+def usable_cores() -> int:
+    """Cores this process may run on (its CPU affinity), else the machine's count."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
 
 
 def _coerce_number(v: Any) -> Any:
@@ -397,8 +416,9 @@ def _device_from_dict(where: str, d: Any) -> DeviceSpec:
         "memory_bytes": _coerce_number(d["memory_bytes"]),
         "memory_bandwidth": _coerce_number(d["memory_bandwidth"]),
     }
-    if "kernel_launch_s" in d:
-        kw["kernel_launch_s"] = _coerce_number(d["kernel_launch_s"])
+    for key in _DEVICE_OPTIONAL:
+        if key in d:
+            kw[key] = _coerce_number(d[key])
     try:
         return DeviceSpec(**kw)
     except ClusterSpecError as e:
@@ -475,6 +495,13 @@ class ClusterSpec:
     def world_size(self) -> int:
         return self.nodes * self.devices_per_node
 
+    @property
+    def compute_slowdown(self) -> float:
+        """How much slower each rank computes than the device's figures say: CPU ranks of one node
+        share ``device.host_cores`` cores (1 when they do not share, or have a core each)."""
+        cores = self.device.host_cores
+        return max(1.0, self.devices_per_node / cores) if cores else 1.0
+
     def with_overrides(self, **kw: Any) -> ClusterSpec:
         """A copy with some fields replaced (validated again)."""
         unknown = sorted(set(kw) - set(_CLUSTER_KEYS))
@@ -492,11 +519,14 @@ class ClusterSpec:
         if key not in _DEVICES:
             raise ClusterSpecError(f"preset: unknown preset {name!r}; known presets are {list(PRESET_NAMES)}")
         intra, inter, host_mem, host_link, default_dpn = _NODES[key]
+        device = _DEVICES[key]
+        if key == "cpu":  # processes on this host: they share its cores
+            device = dataclasses.replace(device, host_cores=usable_cores())
         return cls(
             name=key,
             nodes=nodes,
             devices_per_node=default_dpn if devices_per_node is None else devices_per_node,
-            device=_DEVICES[key],
+            device=device,
             intra_node=intra,
             inter_node=inter,
             host_memory_bytes=host_mem,
@@ -638,7 +668,7 @@ class ClusterSpec:
         backend = str(dist.get_backend()).lower()
         if backend == "gloo" or not torch.cuda.is_available():
             preset = "cpu"
-            device = _DEVICES["cpu"]
+            device = dataclasses.replace(_DEVICES["cpu"], host_cores=usable_cores())
         else:
             props = torch.cuda.get_device_properties(0)
             gpu_name = torch.cuda.get_device_name(0)

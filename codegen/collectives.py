@@ -27,6 +27,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from autopar.errors import DistributedSetupError
+from autopar.placement import is_partial, is_shard
 
 _MESH: DeviceMesh | None = None
 
@@ -176,13 +177,12 @@ def f(x: torch.Tensor, axis: int) -> torch.Tensor:
 @torch.no_grad()
 def gather_full(x: torch.Tensor, spec, mesh_shape) -> torch.Tensor:
     """Rebuild the full tensor from this rank's piece (no autograd): for checkpoints and comparison."""
-    from torch.distributed.tensor.placement_types import Partial, Shard
 
     for a, p in enumerate(spec):
         if mesh_shape[a] == 1:
             continue
-        if isinstance(p, Shard):
+        if is_shard(p):
             x = _gather(x, p.dim, a)
-        elif isinstance(p, Partial):
+        elif is_partial(p):
             x = _all_reduce(x, a)
     return x

@@ -22,7 +22,6 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
-from torch.distributed.tensor.placement_types import Partial, Replicate, Shard
 
 from autopar.codegen import collectives as C
 from autopar.codegen import local_ops as L
@@ -30,7 +29,7 @@ from autopar.passes.costs import f_axes
 from autopar.passes.rules import _norm
 from autopar.passes.strategies import Strategy
 from autopar.passes.trace import Role, TracedGraph
-from autopar.placement import Spec, local_shape, replicated
+from autopar.placement import Spec, is_partial, is_replicate, is_shard, local_shape, replicated
 
 aten = torch.ops.aten
 
@@ -44,27 +43,27 @@ def emit_reshard(
 ) -> fx.Node:
     """Emit the collectives that move ``x`` from ``src`` to ``dst`` (see cost_model/comm.py)."""
     fops = set(fops)
-    order = sorted(range(len(src)), key=lambda a: not isinstance(dst[a], Replicate))
+    order = sorted(range(len(src)), key=lambda a: not is_replicate(dst[a]))
     for a in order:
         s, d = src[a], dst[a]
         if mesh_shape[a] == 1 or s == d:
             continue
-        if isinstance(s, Shard) and isinstance(d, Replicate):
+        if is_shard(s) and is_replicate(d):
             fused = a in fops
             fops.discard(a)
             x = g.call_function(C.all_gather, (x, s.dim, a, fused))
-        elif isinstance(s, Partial) and isinstance(d, Replicate):
+        elif is_partial(s) and is_replicate(d):
             x = g.call_function(C.all_reduce, (x, a))
-        elif isinstance(s, Replicate) and isinstance(d, Shard):
+        elif is_replicate(s) and is_shard(d):
             x = g.call_function(C.chunk, (x, d.dim, a))
-        elif isinstance(s, Partial) and isinstance(d, Shard):
+        elif is_partial(s) and is_shard(d):
             x = g.call_function(C.reduce_scatter, (x, d.dim, a))
-        elif isinstance(s, Replicate) and isinstance(d, Partial):
+        elif is_replicate(s) and is_partial(d):
             x = g.call_function(C.to_partial, (x, a))
-        elif isinstance(s, Shard) and isinstance(d, Shard):
+        elif is_shard(s) and is_shard(d):
             x = g.call_function(C.all_gather, (x, s.dim, a, False))
             x = g.call_function(C.chunk, (x, d.dim, a))
-        elif isinstance(s, Shard) and isinstance(d, Partial):
+        elif is_shard(s) and is_partial(d):
             x = g.call_function(C.all_gather, (x, s.dim, a, False))
             x = g.call_function(C.to_partial, (x, a))
         else:
@@ -142,7 +141,7 @@ def _lower_mean(g, node, args, kwargs, s, mesh_shape):
     reduced = {_norm(d, nd) for d in dims}
     k = 1
     for a, p in enumerate(s.ins[0]):
-        if isinstance(p, Shard) and p.dim in reduced:
+        if is_shard(p) and p.dim in reduced:
             k *= mesh_shape[a]
     # mean over a dim cut in k equal pieces: the sum over ranks of (local mean / k) is the global mean
     return g.call_function(aten.div.Tensor, (out, k)) if k > 1 else out
@@ -151,7 +150,7 @@ def _lower_mean(g, node, args, kwargs, s, mesh_shape):
 def _axis_sharding(spec, dim: int) -> int | None:
     """The mesh axis that shards tensor dim ``dim`` under ``spec`` (plans shard a dim on one axis at most)."""
     for a, p in enumerate(spec):
-        if isinstance(p, Shard) and p.dim == dim:
+        if is_shard(p) and p.dim == dim:
             return a
     return None
 

@@ -14,17 +14,16 @@ import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor.placement_types import Shard
 
 from autopar.codegen import collectives as C
-from autopar.placement import Spec
+from autopar.placement import Spec, is_shard
 
 
 def local_piece(full: torch.Tensor, spec: Spec, mesh: DeviceMesh) -> torch.Tensor:
     """This rank's piece of ``full`` under ``spec`` (Partial is never used for stored state)."""
     x = full
     for a, p in enumerate(spec):
-        if isinstance(p, Shard) and mesh.size(a) > 1:
+        if is_shard(p) and mesh.size(a) > 1:
             x = x.chunk(mesh.size(a), dim=p.dim)[mesh.get_local_rank(a)]
     return x.contiguous()
 

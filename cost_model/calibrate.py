@@ -34,8 +34,11 @@ all-gather samples together (the cost model uses one link per mesh axis for ever
 Gloo's reduce-scatter is an all-reduce + slice, i.e. about twice what the reduce-scatter formula
 says: its samples are measured and reported, not used for the link.
 
-Compute (``measure_compute``), on this rank, under whatever contention the other ranks cause
-(``calibrate`` measures on every rank at once, as training runs):
+Compute (``measure_compute``), on rank 0 while the other ranks wait, so the figures are one
+rank's own. On CPUs the ranks of a node share its cores: ``calibrate`` records the cores this
+process may use as ``DeviceSpec.host_cores`` and the cost model prices compute
+``devices_per_node / host_cores`` times slower when there are more ranks than cores
+(``ClusterSpec.compute_slowdown``; each rank computes on one thread, as ``autopar.launch`` sets it):
 
 * per-op overhead ``launch`` [s]: a chain of 60 tiny ops (mul, add, tanh on 8 elements) run
   forward and backward through autograd, as a training step runs them; the cost model charges
@@ -66,7 +69,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from autopar.cluster import ClusterSpec, LinkSpec
+from autopar.cluster import ClusterSpec, LinkSpec, usable_cores
 from autopar.cost_model.compute import BACKWARD_FACTOR, EFF_MAX
 
 __all__ = [
@@ -368,8 +371,11 @@ def _measure_rank(sizes: Sequence[int], kinds: Sequence[str], repeats: int, quic
     backend = dist.get_backend()
     device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
     dist.barrier()
-    compute = measure_compute(device, quick=quick)  # every rank at once, as in training
-    return {"samples": samples, "compute": compute}
+    # rank 0 alone, the others waiting: the spec holds one rank's own figures; ranks that share a
+    # host's cores are priced by ClusterSpec.compute_slowdown (host_cores, recorded here for CPUs)
+    box = [measure_compute(device, quick=quick) if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(box, src=0)
+    return {"samples": samples, "compute": box[0], "host_cores": 0 if backend == "nccl" else usable_cores()}
 
 
 def _rank_entry(rank: int, world: int, sizes, kinds, repeats, quick) -> dict:
@@ -413,6 +419,7 @@ def run_calibration(
         peak_flops=peak,
         memory_bandwidth=compute["memory_bandwidth"],
         kernel_launch_s=compute["kernel_launch_s"],
+        host_cores=results[0]["host_cores"],
     )
     over = {"device": device, "intra_node": link}
     if cluster.nodes == 1:

@@ -57,10 +57,8 @@ import enum
 import math
 from collections.abc import Sequence
 
-from torch.distributed.tensor.placement_types import Partial, Replicate, Shard
-
 from autopar.cluster import ClusterSpec, LinkSpec
-from autopar.placement import Spec
+from autopar.placement import Spec, is_partial, is_replicate, is_shard
 
 
 class Collective(enum.Enum):
@@ -157,12 +155,12 @@ class CommModel:
         t, names = 0.0, []
         f_axes = set(f_axes)
         # gathers / reductions first (the tensor grows), then slices (it shrinks): the same order as codegen
-        order = sorted(range(len(src)), key=lambda a: not isinstance(dst[a], Replicate))
+        order = sorted(range(len(src)), key=lambda a: not is_replicate(dst[a]))
         for a in order:
             s, d, n = src[a], dst[a], self.mesh_shape[a]
             if n == 1 or s == d:
                 continue
-            if isinstance(s, Shard) and isinstance(d, Replicate):
+            if is_shard(s) and is_replicate(d):
                 full = local * n
                 t += self.time(Collective.ALL_GATHER, full, a)
                 names.append(f"all_gather@{a}")
@@ -171,26 +169,26 @@ class CommModel:
                     names.append(f"reduce_scatter(bwd)@{a}")
                     f_axes.discard(a)
                 local = full
-            elif isinstance(s, Partial) and isinstance(d, Replicate):
+            elif is_partial(s) and is_replicate(d):
                 t += self.time(Collective.ALL_REDUCE, local, a)
                 names.append(f"all_reduce@{a}")
-            elif isinstance(s, Replicate) and isinstance(d, Shard):
+            elif is_replicate(s) and is_shard(d):
                 if requires_grad:
                     t += self.time(Collective.ALL_GATHER, local, a)
                     names.append(f"all_gather(bwd)@{a}")
                 local = local / n
-            elif isinstance(s, Partial) and isinstance(d, Shard):
+            elif is_partial(s) and is_shard(d):
                 t += self.time(Collective.REDUCE_SCATTER, local, a)
                 names.append(f"reduce_scatter@{a}")
                 if requires_grad:
                     t += self.time(Collective.ALL_GATHER, local, a)
                     names.append(f"all_gather(bwd)@{a}")
                 local = local / n
-            elif isinstance(s, Shard) and isinstance(d, Shard):
+            elif is_shard(s) and is_shard(d):
                 full = local * n
                 t += self.time(Collective.ALL_GATHER, full, a) * (2 if requires_grad else 1)
                 names.append(f"all_gather@{a}")
-            elif isinstance(s, Shard) and isinstance(d, Partial):
+            elif is_shard(s) and is_partial(d):
                 t += self.time(Collective.ALL_GATHER, local * n, a)
                 names.append(f"all_gather@{a}")
                 local = local * n
@@ -214,6 +212,6 @@ def _flat(kind: Collective, nbytes: float, n: int, link: LinkSpec, tree: bool = 
 def _volume(spec: Spec, mesh_shape: Sequence[int]) -> int:
     v = 1
     for p, n in zip(spec, mesh_shape):
-        if isinstance(p, Shard):
+        if is_shard(p):
             v *= n
     return v

@@ -1,13 +1,19 @@
 """Cost tables: for every node strategy its seconds and bytes, for every edge a resharding matrix.
 
 * node cost ``c[v, s]`` (s): compute of ``v`` under strategy ``s`` (``cost_model.compute``, or the
-  time ``cost_model.profiler`` measured for its local shapes when a profiler is given) plus
+  time ``cost_model.profiler`` measured for its local shapes on one uncontended rank when a
+  profiler is given; either times ``ClusterSpec.compute_slowdown`` when CPU ranks share too few
+  cores) plus
   collectives inside a lowering (the all-reduces of a batch-sharded mean cross-entropy);
 * node memory ``m[v, s]`` (B per device): parameters (+ gradient + optimizer states) for parameter
   placeholders, buffers and inputs; for activations, what autograd keeps until backward: the
   output when the op or a consumer saves it (``kept_for_backward``; a saved view keeps its base),
   plus tensors the op saves internally; each divided by the number of pieces its placement cuts
-  it into. Their sum is the memory live when backward starts, where training peaks;
+  it into. Their sum is the memory live when backward starts;
+* node transient ``p[v, s]`` (B per device): what ``v``'s backward holds while it runs, the
+  gradient of its output and the gradients of its inputs (a replicated weight's whole gradient
+  under data parallelism, a shard under tensor parallelism). The peak of a step is the memory
+  above plus the largest transient of the chosen strategies (``solver``: a max, linearized);
 * edge cost ``c[e, s_u, s_v]`` (s): resharding the tensor on edge ``e = (u -> v, input i)`` from
   ``u``'s output placement to what ``v`` requires under ``s_v``, forward and backward, plus the
   backward all-reduce of the Megatron "f" on the Replicate inputs of a split op
@@ -28,7 +34,6 @@ from typing import TYPE_CHECKING
 
 import torch
 import torch.fx as fx
-from torch.distributed.tensor.placement_types import Replicate
 
 from autopar.cluster import ClusterSpec
 from autopar.cost_model.comm import Collective, CommModel
@@ -38,7 +43,7 @@ from autopar.passes.coarsen import Classes
 from autopar.passes.rules import ALIASING_OPS, tensor_inputs
 from autopar.passes.strategies import AxisRole, NodeStrategies, Strategy
 from autopar.passes.trace import Role, TracedGraph
-from autopar.placement import Spec, replicated, volume_factor
+from autopar.placement import is_replicate, replicated, volume_factor
 
 if TYPE_CHECKING:
     from autopar.cost_model.profiler import OpProfiler
@@ -84,6 +89,9 @@ class CostTables:
     node_mem: dict[str, list[float]]
     edges: list[Edge] = field(default_factory=list)
     classes: Classes | None = None
+    # bytes a node's backward holds only while it runs (its output's gradient and its inputs'
+    # gradients, local pieces): the plan's peak adds the largest of these, not their sum
+    node_peak: dict[str, list[float]] = field(default_factory=dict)
 
 
 def resolve_source(node: fx.Node) -> fx.Node:
@@ -109,19 +117,20 @@ def build_costs(
     With a ``profiler``, an op's compute is its measured time on the local shapes where it has one."""
     comm = CommModel(cluster, mesh_shape)
     device = cluster.device
+    slow = cluster.compute_slowdown  # CPU ranks sharing too few cores
     classes = classes or Classes.identity(list(strats))
     kept = kept_for_backward(tg, infos)
     tables = CostTables(mesh_shape, {k: v.strategies for k, v in strats.items()}, {}, {}, classes=classes)
     for name, ns in strats.items():
         info = infos[name]
         n = classes.count(name)
-        costs, mems = [], []
+        costs, mems, peaks = [], [], []
         for s in ns.strategies:
             vol = volume_factor(s.out, mesh_shape)
             if info.role is Role.PARAM:
                 copies = 1 + (1 + optimizer.value if info.requires_grad else 0)
                 step = (
-                    optimizer_step_time(info.out_bytes / vol, optimizer.value, device)
+                    optimizer_step_time(info.out_bytes / vol, optimizer.value, device) * slow
                     if info.requires_grad
                     else 0.0
                 )
@@ -139,6 +148,7 @@ def build_costs(
             t = profiler.node_time(ns.node, s, mesh_shape, infos) if profiler is not None else None
             if t is None:
                 t = node_time(info.flops, info.bytes, info.dtype, device, k, info.requires_grad)
+            t *= slow
             t += _lowering_comm(ns.node, s, comm)
             costs.append(n * t)
             # internal saved tensors are cut like the op's work: by its largest split (e.g. a loss's
@@ -146,8 +156,17 @@ def build_costs(
             work_vol = max([vol] + [volume_factor(x, mesh_shape) for x in s.ins])
             saved = (info.out_bytes if name in kept else 0) / vol + info.saved_temp_bytes / work_vol
             mems.append(n * saved)
+            if info.requires_grad:
+                grads = info.out_bytes / vol + sum(
+                    infos[a.name].out_bytes / volume_factor(x, mesh_shape)
+                    for a, x in zip(ns.inputs, s.ins)
+                    if infos[a.name].requires_grad
+                )
+                peaks.append(grads)
         tables.node_cost[name] = costs
         tables.node_mem[name] = mems
+        if len(peaks) == len(costs):
+            tables.node_peak[name] = peaks
     if profiler is not None:
         profiler.flush()
 
@@ -212,7 +231,7 @@ def kept_for_backward(tg: TracedGraph, infos: dict[str, NodeInfo]) -> set[str]:
 @functools.cache
 def f_axes(s: Strategy, i: int) -> tuple[int, ...]:
     """Axes on which input ``i`` is Replicate while the op is split: Megatron "f" goes there."""
-    return tuple(a for a, split in enumerate(s.split_axes()) if split and isinstance(s.ins[i][a], Replicate))
+    return tuple(a for a, split in enumerate(s.split_axes()) if split and is_replicate(s.ins[i][a]))
 
 
 def _pinned_axes(info: NodeInfo, axis_roles) -> list[int]:
@@ -228,27 +247,34 @@ def _edge(src, dst, i, inp, infos, strats, comm: CommModel, pinned=()) -> Edge:
     rg = info.requires_grad
     saves = infos[dst].saves_inputs
     keeps = infos[dst].requires_grad and (saves[i] if i < len(saves) else True)
-    cost, mem, colls = [], [], []
-    for su in strats[src].strategies:
-        row_c, row_m, row_n = [], [], []
-        for sv in strats[dst].strategies:
-            need: Spec = sv.ins[i]
-            c, names = comm.reshard(su.out, need, nbytes, rg, f_axes(sv, i))
-            if any(su.out[a] != need[a] for a in pinned):
+    # strategies share output placements and input requirements: price each distinct pair once
+    have_ix: dict = {}
+    rows = [have_ix.setdefault(su.out, len(have_ix)) for su in strats[src].strategies]
+    need_ix: dict = {}
+    cols = [need_ix.setdefault((sv.ins[i], f_axes(sv, i)), len(need_ix)) for sv in strats[dst].strategies]
+    row_c, row_m, row_n = [], [], []
+    for have in have_ix:
+        rc, rm, rn = [], [], []
+        for need, f in need_ix:
+            c, names = comm.reshard(have, need, nbytes, rg, f)
+            if any(have[a] != need[a] for a in pinned):
                 c = math.inf  # forbidden pair (see _pinned_axes)
-            row_c.append(c)
+            rc.append(c)
             # the resharded copy lives until backward only if the consumer keeps this input
-            row_m.append(nbytes / volume_factor(need, comm.mesh_shape) if (keeps and need != su.out) else 0.0)
-            row_n.append(tuple(names))
-        cost.append(row_c)
-        mem.append(row_m)
-        colls.append(row_n)
+            rm.append(nbytes / volume_factor(need, comm.mesh_shape) if (keeps and need != have) else 0.0)
+            rn.append(tuple(names))
+        row_c.append([rc[j] for j in cols])
+        row_m.append([rm[j] for j in cols])
+        row_n.append([rn[j] for j in cols])
+    cost = [list(row_c[r]) for r in rows]
+    mem = [list(row_m[r]) for r in rows]
+    colls = [row_n[r] for r in rows]
     return Edge(src, dst, cost, mem, colls)
 
 
 def _lowering_comm(node: fx.Node, s: Strategy, comm: CommModel) -> float:
     """Collectives that a lowering runs inside the op (see codegen/lower.py)."""
-    if node.target is aten.cross_entropy_loss.default and all(isinstance(p, Replicate) for p in s.out):
+    if node.target is aten.cross_entropy_loss.default and all(is_replicate(p) for p in s.out):
         # a mean over a split batch: all-reduce of the local loss sum and of the local token count on
         # every split axis, exactly as codegen/lower.py emits them (a sum or 'none' needs none)
         return sum(

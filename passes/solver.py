@@ -11,15 +11,25 @@ Constraints
     (1) one strategy per node:     sum_s x[v,s] = 1                         (``_node_vars``)
     (2) edge linearization:        sum_b y[e,a,b] = x[u,a],  sum_a y[e,a,b] = x[v,b]
                                                                             (``_edge_vars``)
+        over groups: strategies of u whose rows of (c[e], m[e]) are identical form one group A
+        (likewise columns of v, group B); y[e,A,B] with sum_B y[e,A,B] = sum_{a in A} x[u,a] and
+        sum_A y[e,A,B] = sum_{b in B} x[v,b]. Exact for integral x (one group on each side sums
+        to 1, so y[e,A,B] = 1 for exactly that pair), with far fewer y: strategies that differ
+        elsewhere usually reshard a given tensor alike.
         Edges whose source or destination has a single strategy need no y: their cost is linear
         in the other end's x and is folded into it (``_fold_edge``).
-    (3) per-device memory:         sum_{v,s} m[v,s] x[v,s] + sum_{e,a,b} m[e,a,b] y[e,a,b] <= M
+    (3) per-device memory:         sum_{v,s} m[v,s] x[v,s] + sum_{e,a,b} m[e,a,b] y[e,a,b] + z <= M
+        with the largest backward transient  z >= sum_s p[v,s] x[v,s]  for every v
                                                                             (``_memory_constraint``)
 
 (2) is the standard tight linearization of x[u,a] * x[v,b] (its LP relaxation's vertices are
 integral on trees), as in Alpa (Zheng et al., OSDI 2022) and meta-pytorch/autoparallel.
 Before the ILP, followers are folded into their producers (``fold_followers``), which
-removes most edges of a transformer block. The outer search tries every mesh shape (``mesh_candidates``) and keeps the best objective.
+removes most edges of a transformer block. When the folded ILP has no plan under M, the LP
+relaxation of the unfolded one is solved first: if even it is infeasible, so is the ILP (a cheap
+proof; the unfolded ILP runs only otherwise). The outer search (``autopar.api.search``) tries every
+mesh shape (``mesh_candidates``: 1, 2 and 3 axes; a 3-axis mesh's outer axis data parallel) and
+keeps the best objective.
 """
 
 from __future__ import annotations
@@ -92,10 +102,13 @@ def mesh_candidates(
 
 def lower_bound(tables: CostTables, folded: Folded | None = None) -> float:
     """A lower bound on the step time of the plans the solver searches on these tables: every
-    node (followers folded in) at its cheapest strategy, every edge free (edge costs are >= 0).
-    Used to prune meshes and to report a gap. ``folded``: ``fold_followers(tables)``, if at hand."""
+    node (followers folded in) at its cheapest strategy, every edge at its cheapest pair, each
+    chosen independently. An edge's cheapest pair is often > 0: e.g. a replicated weight's gradient
+    all-reduce over a data-parallel axis, which every pair pays. Used to prune meshes and to report
+    a gap. ``folded``: ``fold_followers(tables)``, if at hand."""
     reduced, _ = folded or fold_followers(tables)
-    return sum(min(c) for c in reduced.node_cost.values())
+    nodes = sum(min(c) for c in reduced.node_cost.values())
+    return nodes + sum(min(min(row) for row in e.cost) for e in reduced.edges)
 
 
 def solve(
@@ -118,6 +131,12 @@ def solve(
             for v, (u, response) in reversed(merged):
                 choice[v] = response[choice[u]]
             sol = dataclasses.replace(sol, choice=choice)
+    if (
+        sol is None
+        and merge_followers
+        and _solve(tables, memory_limit_bytes, time_limit_s, relax=True) is None
+    ):
+        return None  # not even the LP relaxation of the full problem fits: proven infeasible, cheaply
     if sol is None:
         sol = _solve(tables, memory_limit_bytes, time_limit_s)
     if sol is None:
@@ -135,6 +154,7 @@ def fold_followers(tables: CostTables) -> Folded:
     strategies = dict(tables.strategies)
     cost = {k: list(v) for k, v in tables.node_cost.items()}
     mem = {k: list(v) for k, v in tables.node_mem.items()}
+    peak = {k: list(v) for k, v in tables.node_peak.items()}
     edges = list(tables.edges)
     merged: list[tuple[str, tuple[str, list[int]]]] = []
     while True:
@@ -165,6 +185,9 @@ def fold_followers(tables: CostTables) -> Folded:
             response.append(b)
             cost[u][a] += totals[b]
             mem[u][a] += sum(e.mem[a][b] for e in into) + mem[v][b]
+            if v in peak:  # transients do not add up: the largest counts
+                pu = peak.setdefault(u, [0.0] * len(strategies[u]))
+                pu[a] = max(pu[a], peak[v][b])
         edges = [
             Edge(u, e.dst, [e.cost[b] for b in response], [e.mem[b] for b in response],
                  [e.colls[b] for b in response], e.count) if e.src == v else e
@@ -173,13 +196,19 @@ def fold_followers(tables: CostTables) -> Folded:
         ]  # fmt: skip
         merged.append((v, (u, response)))
         del strategies[v], cost[v], mem[v]
-    return CostTables(tables.mesh_shape, strategies, cost, mem, edges, tables.classes), merged
+        peak.pop(v, None)
+    reduced = CostTables(tables.mesh_shape, strategies, cost, mem, edges, tables.classes, peak)
+    return reduced, merged
 
 
-def _solve(tables: CostTables, memory_limit_bytes: float, time_limit_s: float | None) -> Solution | None:
+def _solve(
+    tables: CostTables, memory_limit_bytes: float, time_limit_s: float | None, relax: bool = False
+) -> Solution | None:
+    """The ILP on ``tables``; with ``relax``, its LP relaxation (x continuous in [0, 1]), whose
+    infeasibility proves the ILP's."""
     t0 = time.perf_counter()
     prob = pulp.LpProblem("autopar", pulp.LpMinimize)
-    x = _node_vars(prob, tables)
+    x = _node_vars(prob, tables, pulp.LpContinuous if relax else pulp.LpBinary)
     lin_cost = {k: list(v) for k, v in tables.node_cost.items()}
     lin_mem = {k: list(v) for k, v in tables.node_mem.items()}
     quad: list[tuple[Edge, dict]] = []
@@ -191,15 +220,16 @@ def _solve(tables: CostTables, memory_limit_bytes: float, time_limit_s: float | 
         for (a, b), y in ys.items():
             if math.isinf(e.cost[a][b]):
                 y.upBound = 0
-    objective = pulp.lpSum(c * x[v][s] for v, cs in lin_cost.items() for s, c in enumerate(cs) if c)
-    objective += pulp.lpSum(
-        e.cost[a][b] * y
+    # expressions are built from (variable, coefficient) pairs directly: PuLP's operators are slow
+    objective = [(x[v][s], c) for v, cs in lin_cost.items() for s, c in enumerate(cs) if c]
+    objective += [
+        (y, e.cost[a][b])
         for e, ys in quad
         for (a, b), y in ys.items()
         if e.cost[a][b] and math.isfinite(e.cost[a][b])
-    )
-    prob += objective
-    _memory_constraint(prob, x, quad, lin_mem, memory_limit_bytes)
+    ]
+    prob += _affine(objective)
+    _memory_constraint(prob, x, quad, lin_mem, memory_limit_bytes, tables.node_peak)
 
     solver = make_solver(time_limit_s)
     try:
@@ -246,15 +276,27 @@ def _highs_available() -> bool:
         return False
 
 
-def _node_vars(prob: pulp.LpProblem, tables: CostTables) -> dict[str, list]:
+def _node_vars(prob: pulp.LpProblem, tables: CostTables, cat: str = pulp.LpBinary) -> dict[str, list]:
     x = {}
     for i, (v, ss) in enumerate(tables.strategies.items()):
         if len(ss) == 1:
             x[v] = [1]  # constant: no variable needed
             continue
-        x[v] = [pulp.LpVariable(f"x_{i}_{s}", cat=pulp.LpBinary) for s in range(len(ss))]
-        prob += pulp.lpSum(x[v]) == 1, f"one_{i}"
+        x[v] = [pulp.LpVariable(f"x_{i}_{s}", 0, 1, cat=cat) for s in range(len(ss))]
+        prob += pulp.LpConstraint(_affine([(var, 1) for var in x[v]]), pulp.LpConstraintEQ, f"one_{i}", 1)
     return x
+
+
+def _affine(terms: list[tuple]) -> pulp.LpAffineExpression:
+    """sum of coefficient * variable over distinct variables; a constant node's ``1`` goes into the constant."""
+    constant = 0.0
+    pairs = []
+    for var, coef in terms:
+        if isinstance(var, int):
+            constant += coef * var
+        else:
+            pairs.append((var, coef))
+    return pulp.LpAffineExpression(pairs, constant=constant)
 
 
 def _fold_edge(e: Edge, tables: CostTables, lin_cost: dict, lin_mem: dict) -> bool:
@@ -295,31 +337,58 @@ def _n_dst(e: Edge, tables: CostTables) -> int:
 
 
 def _edge_vars(prob: pulp.LpProblem, e: Edge, x: dict, tables: CostTables) -> dict:
+    """y over groups of identical rows and of identical columns of the edge's (cost, memory) tables:
+    strategies that differ elsewhere often reshard this tensor alike (same output placement, same
+    requirement), so one y serves them all. Keyed by the groups' first (a, b)."""
     idx = len(prob.constraints)
-    ys = {}
     n_src, n_dst = len(tables.strategies[e.src]), _n_dst(e, tables)
+    rows: dict[tuple, list[int]] = {}
     for a in range(n_src):
-        for b in range(n_dst):
-            ys[(a, b)] = pulp.LpVariable(f"y_{idx}_{a}_{b}", lowBound=0, upBound=1)
-    for a in range(n_src):
-        prob += pulp.lpSum(ys[(a, b)] for b in range(n_dst)) == x[e.src][a], f"ys_{idx}_{a}"
+        rows.setdefault((tuple(e.cost[a]), tuple(e.mem[a])), []).append(a)
+    cols: dict[tuple, list[int]] = {}
     for b in range(n_dst):
-        prob += pulp.lpSum(ys[(a, b)] for a in range(n_src)) == x[e.dst][b], f"yd_{idx}_{b}"
+        key = (tuple(e.cost[a][b] for a in range(n_src)), tuple(e.mem[a][b] for a in range(n_src)))
+        cols.setdefault(key, []).append(b)
+    row_groups, col_groups = list(rows.values()), list(cols.values())
+    ys = {}
+    for g in row_groups:
+        for h in col_groups:
+            ys[(g[0], h[0])] = pulp.LpVariable(f"y_{idx}_{g[0]}_{h[0]}", lowBound=0, upBound=1)
+    eq = pulp.LpConstraintEQ
+    for g in row_groups:
+        terms = [(ys[(g[0], h[0])], 1) for h in col_groups] + [(x[e.src][a], -1) for a in g]
+        prob += pulp.LpConstraint(_affine(terms), eq, f"ys_{idx}_{g[0]}", 0)
+    for h in col_groups:
+        terms = [(ys[(g[0], h[0])], 1) for g in row_groups] + [(x[e.dst][b], -1) for b in h]
+        prob += pulp.LpConstraint(_affine(terms), eq, f"yd_{idx}_{h[0]}", 0)
     return ys
 
 
-def _memory_constraint(prob, x, quad, lin_mem, limit: float) -> None:
+def _memory_constraint(prob, x, quad, lin_mem, limit: float, peaks: dict[str, list[float]]) -> None:
+    """(3), plus the largest transient: z >= sum_s p[v,s] x[v,s] for every v, and z in the sum
+    (only nodes whose largest transient can exceed every node's smallest can set the max)."""
     if not math.isfinite(limit):
         return
-    terms = [m * x[v][s] for v, ms in lin_mem.items() for s, m in enumerate(ms) if m]
-    terms += [e.mem[a][b] * y for e, ys in quad for (a, b), y in ys.items() if e.mem[a][b]]
-    prob += pulp.lpSum(terms) <= limit, "memory"
+    # in units of the limit: byte-sized coefficients (1e10) trip HiGHS's presolve into "infeasible"
+    g = 1 / limit if limit > 0 else 1.0
+    terms = [(x[v][s], m * g) for v, ms in lin_mem.items() for s, m in enumerate(ms) if m]
+    terms += [(y, e.mem[a][b] * g) for e, ys in quad for (a, b), y in ys.items() if e.mem[a][b]]
+    if peaks:
+        floor = max(min(p) for p in peaks.values())
+        z = pulp.LpVariable("peak_transient", lowBound=floor * g)
+        for i, (v, p) in enumerate(peaks.items()):
+            if max(p) > floor:
+                node = [(x[v][s], ps * g) for s, ps in enumerate(p)] + [(z, -1)]
+                prob += pulp.LpConstraint(_affine(node), pulp.LpConstraintLE, f"peak_{i}", 0)
+        terms.append((z, 1))
+    prob += pulp.LpConstraint(_affine(terms), pulp.LpConstraintLE, "memory", limit * g)
 
 
 def evaluate(tables: CostTables, choice: dict[str, int]) -> tuple[float, float]:
     """(seconds, bytes) of a full assignment: the ILP objective and memory, computed directly."""
     t = sum(tables.node_cost[v][s] for v, s in choice.items())
     m = sum(tables.node_mem[v][s] for v, s in choice.items())
+    m += max((p[choice[v]] for v, p in tables.node_peak.items() if v in choice), default=0.0)
     for e in tables.edges:
         b = 0 if e.dst == "output" else choice[e.dst]
         t += e.cost[choice[e.src]][b]

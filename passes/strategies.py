@@ -12,6 +12,10 @@ Constraints on the search (``AxisRole``) restrict the strategies of placeholders
 parallelism); ``SEQUENCE`` replicates parameters and shards user inputs on dim 1, the sequence
 (context parallelism: attention then runs on query blocks against gathered keys and values);
 ``AUTO`` leaves the choice to the solver.
+
+``fixed`` pins mesh axes of every node to placements chosen beforehand, given as strategies on a
+1-axis mesh (the default search pins a 3-axis mesh's outer axis to the data-parallel solution of
+that axis alone, so that its strategy tables stay the size of a 2-axis mesh's).
 """
 
 from __future__ import annotations
@@ -25,13 +29,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch.fx as fx
-from torch.distributed.tensor.placement_types import Partial, Replicate, Shard
+from torch.distributed.tensor.placement_types import Replicate, Shard
 
 from autopar.errors import NoPlanFitsError
 from autopar.passes.analyze import NodeInfo
 from autopar.passes.rules import RULES, VIEW_OPS, AxisOption, make_ctx, tensor_inputs
 from autopar.passes.trace import Role, TracedGraph
-from autopar.placement import Spec
+from autopar.placement import Spec, is_partial, is_replicate, is_shard
 
 log = logging.getLogger(__name__)
 R = Replicate()
@@ -57,8 +61,7 @@ class Strategy:
 @functools.cache
 def _split_axes(s: Strategy) -> tuple[bool, ...]:
     return tuple(
-        not isinstance(s.out[a], Replicate) or any(not isinstance(x[a], Replicate) for x in s.ins)
-        for a in range(len(s.out))
+        not is_replicate(s.out[a]) or any(not is_replicate(x[a]) for x in s.ins) for a in range(len(s.out))
     )
 
 
@@ -76,7 +79,7 @@ _warned_fallback: set[str] = set()
 def _fits(shape: Sequence[int], spec: Spec, mesh_shape: Sequence[int]) -> bool:
     seen = set()
     for p, n in zip(spec, mesh_shape):
-        if isinstance(p, Shard):
+        if is_shard(p):
             if not shape:
                 return False
             d = p.dim % len(shape)
@@ -87,7 +90,7 @@ def _fits(shape: Sequence[int], spec: Spec, mesh_shape: Sequence[int]) -> bool:
 
 
 def _normalize(spec: Spec, ndim: int) -> Spec:
-    return tuple(Shard(p.dim % ndim) if isinstance(p, Shard) and ndim else p for p in spec)
+    return tuple(Shard(p.dim % ndim) if is_shard(p) and ndim else p for p in spec)
 
 
 def expand(
@@ -96,15 +99,18 @@ def expand(
     out_shapes: Sequence[Sequence[int]],
     in_shapes: Sequence[Sequence[int]],
     mesh_shape: Sequence[int],
+    pinned: dict[int, AxisOption] | None = None,
 ) -> list[Strategy]:
-    """Cartesian product of per-axis options, filtered for even, non-overlapping sharding."""
+    """Cartesian product of per-axis options, filtered for even, non-overlapping sharding; an axis
+    in ``pinned`` takes that one option."""
     per_axis = [AxisOption(R, (R,) * n_in)] + [o for o in options if len(o.ins) == n_in]
+    choices = [[pinned[a]] if pinned and a in pinned else per_axis for a in range(len(mesh_shape))]
     out: list[Strategy] = []
     seen = set()
-    for combo in itertools.product(per_axis, repeat=len(mesh_shape)):
+    for combo in itertools.product(*choices):
         o_spec = tuple(c.out for c in combo)
         if not out_shapes:
-            o_spec = tuple(R for _ in combo) if any(not isinstance(p, Replicate) for p in o_spec) else o_spec
+            o_spec = tuple(R for _ in combo) if any(not is_replicate(p) for p in o_spec) else o_spec
         ins = tuple(tuple(c.ins[i] for c in combo) for i in range(n_in))
         if out_shapes:
             o_spec = _normalize(o_spec, len(out_shapes[0]))
@@ -130,8 +136,11 @@ def build_strategies(
     mesh_shape: Sequence[int],
     axis_roles: Sequence[AxisRole] | None = None,
     only: set[str] | None = None,
+    fixed: dict[int, dict[str, Strategy]] | None = None,
 ) -> dict[str, NodeStrategies]:
-    """Strategies of every placeholder and op node (or of the names in ``only``: class representatives)."""
+    """Strategies of every placeholder and op node (or of the names in ``only``: class representatives).
+
+    ``fixed[a][name]``: a strategy on a 1-axis mesh that node ``name`` takes on mesh axis ``a``."""
     axis_roles = tuple(axis_roles or (AxisRole.AUTO,) * len(mesh_shape))
     if len(axis_roles) != len(mesh_shape):
         raise ValueError(f"axis_roles {axis_roles} must have one entry per mesh axis {tuple(mesh_shape)}")
@@ -141,8 +150,13 @@ def build_strategies(
         if only is not None and node.name not in only:
             continue
         info = infos[node.name]
+        pinned = {
+            a: AxisOption(f[node.name].out[0], tuple(x[0] for x in f[node.name].ins))
+            for a, f in (fixed or {}).items()
+            if node.name in f
+        }
         if node.op == "placeholder":
-            strategies = expand(placeholder_options(info.shape), 0, info.shapes, [], mesh_shape)
+            strategies = expand(placeholder_options(info.shape), 0, info.shapes, [], mesh_shape, pinned)
             strategies = [s for s in strategies if _placeholder_allowed(s.out, info, axis_roles)]
             if not strategies:
                 raise NoPlanFitsError(
@@ -167,7 +181,7 @@ def build_strategies(
                     log.info("no sharding rule for %s: replicated", name)
             if node.name in mutated:
                 options = []  # stays replicated: a reshard would copy it and the mutation would be lost
-            strategies = expand(options, len(ins), info.shapes, in_shapes, mesh_shape)
+            strategies = expand(options, len(ins), info.shapes, in_shapes, mesh_shape, pinned)
             result[node.name] = NodeStrategies(node, strategies, ins, rule is not None)
     return result
 
@@ -199,18 +213,18 @@ def mutated_views(tg: TracedGraph) -> set[str]:
 def _placeholder_allowed(spec: Spec, info: NodeInfo, axis_roles: Sequence[AxisRole]) -> bool:
     for p, role in zip(spec, axis_roles):
         if info.role is Role.INPUT:
-            if role is AxisRole.DATA and not (isinstance(p, Shard) and p.dim == 0):
+            if role is AxisRole.DATA and not (is_shard(p) and p.dim == 0):
                 return False
-            if role is AxisRole.TENSOR and not isinstance(p, Replicate):
+            if role is AxisRole.TENSOR and not is_replicate(p):
                 return False
             if role is AxisRole.SEQUENCE and p != (Shard(1) if len(info.shape) >= 2 else R):
                 return False
         elif info.role is Role.PARAM:
-            if role in (AxisRole.DATA, AxisRole.SEQUENCE) and not isinstance(p, Replicate):
+            if role in (AxisRole.DATA, AxisRole.SEQUENCE) and not is_replicate(p):
                 return False
-            if role is AxisRole.TENSOR and len(info.shape) >= 2 and isinstance(p, Replicate):
+            if role is AxisRole.TENSOR and len(info.shape) >= 2 and is_replicate(p):
                 return False
-        if isinstance(p, Partial):
+        if is_partial(p):
             return False
     return True
 

@@ -62,7 +62,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
-from torch.distributed.tensor.placement_types import Partial, Placement, Shard
+from torch.distributed.tensor.placement_types import Placement
 
 from autopar.codegen import collectives as C
 from autopar.codegen.lower import LOWERINGS, emit_reshard
@@ -70,7 +70,7 @@ from autopar.passes.costs import f_axes
 from autopar.passes.rules import RULES, make_ctx, tensor_inputs
 from autopar.passes.strategies import Strategy, expand
 from autopar.passes.trace import Role, TracedGraph, normalize_inputs
-from autopar.placement import spec_to_str
+from autopar.placement import is_partial, is_shard, spec_to_str
 
 aten = torch.ops.aten
 
@@ -197,9 +197,9 @@ def _distribute(
         p = spec[a]
         nxt: dict[Coord, torch.Tensor] = {}
         for c, v in pieces.items():
-            if isinstance(p, Shard):
+            if is_shard(p):
                 parts = list(torch.chunk(v, n, p.dim))
-            elif isinstance(p, Partial) and not grad_conv:
+            elif is_partial(p) and not grad_conv:
                 parts = _summands(v, n, gen)
             else:
                 parts = [v] * n
@@ -240,9 +240,9 @@ def _assemble(
         nxt: dict[Coord, torch.Tensor] = {}
         for c in {c[:a] for c in pieces}:
             parts = [pieces[c + (i,)] for i in range(n)]
-            if isinstance(p, Shard):
+            if is_shard(p):
                 nxt[c] = torch.cat(parts, dim=p.dim)
-            elif isinstance(p, Partial) and not grad_conv:
+            elif is_partial(p) and not grad_conv:
                 if parts[0].dtype == torch.bool:
                     nxt[c] = torch.stack(parts).any(0)
                 else:

@@ -393,3 +393,26 @@ def test_local_gpu_backend_picks_closest_preset(monkeypatch):
     assert c.device.peak_flops == a100.device.peak_flops
     assert c.intra_node == a100.intra_node
     assert c.inter_node == a100.inter_node
+
+
+def test_cpu_ranks_sharing_cores_compute_slower_in_proportion():
+    """4 ranks on 2 cores: every op and optimizer step is priced twice as long; a core each: as given."""
+    import dataclasses
+
+    import autopar
+    from autopar.examples import mlp
+
+    base = ClusterSpec.preset("cpu", devices_per_node=4)
+    shared = base.with_overrides(device=dataclasses.replace(base.device, host_cores=2))
+    own = base.with_overrides(device=dataclasses.replace(base.device, host_cores=4))
+    dedicated = base.with_overrides(device=dataclasses.replace(base.device, host_cores=0))
+    assert (shared.compute_slowdown, own.compute_slowdown, dedicated.compute_slowdown) == (2.0, 1.0, 1.0)
+    assert ClusterSpec.from_dict(shared.to_dict()) == shared
+    model, inputs = mlp(batch=16, hidden=32, ffn=64)
+    compute = {
+        c.device.host_cores: autopar.plan(
+            model, c, inputs, axis_roles=(autopar.AxisRole.DATA,)
+        ).predicted.compute_s
+        for c in (shared, own, dedicated)
+    }
+    assert compute[2] == pytest.approx(2 * compute[4]) and compute[4] == pytest.approx(compute[0])

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import statistics
 import threading
@@ -214,20 +215,25 @@ def test_an_op_that_raises_falls_back_and_the_failure_is_remembered(tmp_path, sm
     assert again.runs == 0 and again.take_stats().failed == 1
 
 
-def test_ops_whose_args_hold_sizes_keep_the_analytical_figure(tmp_path, small_graph):
+def test_build_costs_prices_measured_ops_by_their_measurement_times_core_sharing(tmp_path, small_graph):
     tg, infos, strats = small_graph
     prof = OpProfiler(cache_path=tmp_path / "c.json", **FAST)
+    base = autopar.ClusterSpec.preset("cpu", devices_per_node=2)
+    # two ranks on one core: each computes half as fast as the one rank the profiler measured
+    shared = base.with_overrides(device=dataclasses.replace(base.device, host_cores=1))
+    assert shared.compute_slowdown == 2.0
+    costs = build_costs(tg, infos, strats, shared, (2,), Optimizer.SGD, profiler=prof)
+    matmul = _node(tg, aten.matmul.default)
+    for s, c in zip(strats["matmul"].strategies, costs.node_cost["matmul"]):
+        assert c == pytest.approx(2.0 * prof.node_time(matmul, s, (2,), infos))
+    # a view's arguments hold sizes: not run, the analytical figure
     view = _node(tg, aten.view.default)
-    costs = build_costs(tg, infos, strats, autopar.ClusterSpec.preset("cpu", devices_per_node=2), (2,),
-                        Optimizer.SGD, profiler=prof)  # fmt: skip
     assert prof.node_time(view, strats["view"].strategies[0], (2,), infos) is None
-    device = autopar.ClusterSpec.preset("cpu").device
     info = infos["view"]
     for s, c in zip(strats["view"].strategies, costs.node_cost["view"]):
         k = 2 if any(s.split_axes()) else 1
-        assert c == pytest.approx(
-            node_time(info.flops, info.bytes, info.dtype, device, k, info.requires_grad)
-        )
+        analytical = node_time(info.flops, info.bytes, info.dtype, shared.device, k, info.requires_grad)
+        assert c == pytest.approx(2.0 * analytical)
 
 
 def test_index_inputs_stay_in_range_of_the_local_table(tmp_path, small_graph):
@@ -269,7 +275,7 @@ def test_plan_with_profile_prices_measured_ops_by_their_measurement(tmp_path):
             continue
         timing = prof.cache.get(op_key(*call))
         assert timing is not None and timing.ok
-        assert d.compute_s == pytest.approx(timing.total_s)
+        assert d.compute_s == pytest.approx(timing.total_s * cluster.compute_slowdown)
         seen["measured"] += 1
     assert seen["measured"] >= 20 and seen["analytical"] >= 5
 
