@@ -157,10 +157,19 @@ def _dtype_name(field: str, key: Any) -> str:
 
 @dataclass(frozen=True)
 class LinkSpec:
-    """A link priced as ``latency + nbytes / bandwidth`` (bandwidth in B/s, latency in s)."""
+    """A link priced as ``latency + nbytes / bandwidth`` (bandwidth in B/s, latency in s).
+
+    ``ranges``: optional ``(collective, up_to_bytes, bandwidth, latency)`` entries, ascending in
+    ``up_to_bytes`` per collective (``"all_reduce"``, ``"all_gather"``, ``"reduce_scatter"``...):
+    that collective on a tensor of ``B <= up_to_bytes`` bytes (the first such entry) is priced with
+    the entry's figures, larger ones with its last entry's. ``autopar calibrate`` fits one per
+    collective and size range, since transports change regime with message size and implement
+    collectives differently (gloo's small all-reduce costs 5x its all-gather on a 2-core VM).
+    A collective without entries uses ``bandwidth`` and ``latency``."""
 
     bandwidth: float
     latency: float
+    ranges: tuple[tuple[str, float, float, float], ...] = ()
 
     def __post_init__(self) -> None:
         object.__setattr__(
@@ -169,9 +178,39 @@ class LinkSpec:
         object.__setattr__(
             self, "latency", _check_float("LinkSpec.latency", self.latency, minimum=0.0, strict=False)
         )
+        ranges: list[tuple[str, float, float, float]] = []
+        last: dict[str, float] = {}
+        for i, r in enumerate(self.ranges or ()):
+            if not (isinstance(r, (tuple, list)) and len(r) == 4 and isinstance(r[0], str)):
+                raise ClusterSpecError(
+                    f"LinkSpec.ranges[{i}]: got {r!r}; must be [collective, up_to_bytes, bandwidth B/s, latency s]"
+                )
+            up = _check_float(f"LinkSpec.ranges[{i}][1]", r[1], minimum=0.0, strict=True)
+            bw = _check_float(f"LinkSpec.ranges[{i}][2]", r[2], minimum=0.0, strict=True)
+            lat = _check_float(f"LinkSpec.ranges[{i}][3]", r[3], minimum=0.0, strict=False)
+            if up <= last.get(r[0], 0.0):
+                raise ClusterSpecError(
+                    f"LinkSpec.ranges: up_to_bytes of {r[0]!r} must ascend, got {up} after {last[r[0]]}"
+                )
+            last[r[0]] = up
+            ranges.append((r[0], up, bw, lat))
+        object.__setattr__(self, "ranges", tuple(ranges))
 
-    def to_dict(self) -> dict[str, float]:
-        return {"bandwidth": self.bandwidth, "latency": self.latency}
+    def at(self, nbytes: float, collective: str = "") -> tuple[float, float]:
+        """(bandwidth, latency) for ``collective`` on a tensor of ``nbytes``."""
+        mine = [r for r in self.ranges if r[0] == collective]
+        for _, up, bw, lat in mine:
+            if nbytes <= up:
+                return bw, lat
+        if mine:
+            return mine[-1][2], mine[-1][3]
+        return self.bandwidth, self.latency
+
+    def to_dict(self) -> dict[str, Any]:
+        d: dict[str, Any] = {"bandwidth": self.bandwidth, "latency": self.latency}
+        if self.ranges:
+            d["ranges"] = [list(r) for r in self.ranges]
+        return d
 
 
 @dataclass(frozen=True)
@@ -360,7 +399,7 @@ _CLUSTER_KEYS = (
 )
 _DEVICE_KEYS = ("name", "peak_flops", "memory_bytes", "memory_bandwidth", "kernel_launch_s", "host_cores")
 _DEVICE_OPTIONAL = ("kernel_launch_s", "host_cores")
-_LINK_KEYS = ("bandwidth", "latency")
+_LINK_KEYS = ("bandwidth", "latency", "ranges")
 
 
 def usable_cores() -> int:
@@ -398,9 +437,20 @@ def _check_keys(where: str, d: Any, required: tuple[str, ...], optional: tuple[s
 
 
 def _link_from_dict(where: str, d: Any) -> LinkSpec:
-    _check_keys(where, d, _LINK_KEYS)
+    _check_keys(where, d, _LINK_KEYS, ("ranges",))
+    ranges = d.get("ranges") or ()
+    if not isinstance(ranges, (list, tuple)):
+        raise ClusterSpecError(
+            f"{where}.ranges: got {ranges!r}; must be a list of [up_to_bytes, bandwidth, latency]"
+        )
     try:
-        return LinkSpec(bandwidth=_coerce_number(d["bandwidth"]), latency=_coerce_number(d["latency"]))
+        return LinkSpec(
+            bandwidth=_coerce_number(d["bandwidth"]),
+            latency=_coerce_number(d["latency"]),
+            ranges=tuple(
+                tuple(_coerce_number(v) for v in r) if isinstance(r, (list, tuple)) else r for r in ranges
+            ),
+        )
     except ClusterSpecError as e:
         raise ClusterSpecError(f"{where}: {e}") from None
 

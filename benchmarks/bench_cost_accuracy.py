@@ -68,29 +68,36 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--cluster", default=None, help="a calibrated spec file (default: calibrate now)")
     ap.add_argument("--worlds", type=int, nargs="+", default=[2, 4])
-    ap.add_argument("--calib-world", type=int, default=4, help="world size of the calibration run")
+    ap.add_argument(
+        "--calib-world", type=int, default=None, help="one calibration on this many ranks for every world size "
+        "(default: calibrate on each world size's own ranks, as a user of that many ranks would)"
+    )
     ap.add_argument("--profile", action="store_true", help="plan with measured op times (OpProfiler)")
     ap.add_argument("--profile-cache", default=None, help="op timing cache (default: ~/.cache/autopar/)")
     args = ap.parse_args()
 
-    if args.cluster:
-        base = autopar.ClusterSpec.from_file(args.cluster)
-        print(f"cluster: {args.cluster}")
-    else:
-        t0 = time.perf_counter()
-        cal = run_calibration(args.calib_world)
-        base = cal.cluster
-        print(f"calibrated on {args.calib_world} gloo processes in {time.perf_counter() - t0:.1f} s")
-        print(cal.table())
-    dev = base.device
-    print(
-        f"spec: link {base.intra_node.bandwidth / 1e9:.3f} GB/s + {base.intra_node.latency * 1e6:.1f} us, "
-        f"peak fp32 {dev.peak_flops_for('float32') / 1e9:.1f} GFLOP/s, mem {dev.memory_bandwidth / 1e9:.1f} GB/s, "
-        f"launch {dev.kernel_launch_s * 1e6:.2f} us\n"
-    )
+    calibrated: dict[int, autopar.ClusterSpec] = {}
 
-    profiler = OpProfiler.for_cluster(base, cache_path=args.profile_cache) if args.profile else None
-    print(f"compute: {'profiled, ' + profiler.cache.context if profiler else 'analytical (roofline)'}\n")
+    def cluster_for(world: int) -> autopar.ClusterSpec:
+        """The spec a user of ``world`` local ranks would plan with: a file, or a calibration."""
+        if args.cluster:
+            base = autopar.ClusterSpec.from_file(args.cluster)
+        else:
+            n = args.calib_world or world  # default: calibrate on the ranks that will run
+            if n not in calibrated:
+                t0 = time.perf_counter()
+                cal = run_calibration(n)
+                calibrated[n] = cal.cluster
+                print(f"calibrated on {n} gloo processes in {time.perf_counter() - t0:.1f} s")
+                print(cal.table())
+            base = calibrated[n]
+        dev = base.device
+        print(
+            f"spec: link {base.intra_node.bandwidth / 1e9:.3f} GB/s + {base.intra_node.latency * 1e6:.1f} us, "
+            f"peak fp32 {dev.peak_flops_for('float32') / 1e9:.1f} GFLOP/s, mem {dev.memory_bandwidth / 1e9:.1f} GB/s, "
+            f"launch {dev.kernel_launch_s * 1e6:.2f} us, host cores {dev.host_cores}\n"
+        )
+        return base.with_overrides(nodes=1, devices_per_node=world)
 
     tmp = Path(tempfile.mkdtemp(prefix="bench_cost_"))
     rows = []
@@ -98,9 +105,11 @@ def main() -> None:
         f"{'model':<11} {'world':>5} {'plan':<5} {'mesh':<7} {'pred ms':>9} {'meas ms':>9} {'err':>7} "
         f"{'pred MiB':>9} {'meas MiB':>9} {'err':>7}"
     )
-    print(head)
     for world in args.worlds:
-        cluster = base.with_overrides(nodes=1, devices_per_node=world)
+        cluster = cluster_for(world)
+        profiler = OpProfiler.for_cluster(cluster, cache_path=args.profile_cache) if args.profile else None
+        print(f"compute: {'profiled, ' + profiler.cache.context if profiler else 'analytical (roofline)'}")
+        print(head)
         for mname, spec in MODELS.items():
             plans, paths = {}, {}
             for pname, roles in PLANS.items():

@@ -30,9 +30,11 @@ bound) and large (bandwidth-bound) messages weigh the same; the solution is clam
 ``bw <= 1e15 B/s`` and ``lat >= 1e-9 s`` (when the unconstrained optimum is not positive the other
 unknown is refitted alone). ``fit_errors`` gives each sample's relative error
 ``(predicted - measured) / measured``. ``calibrate`` fits one link to the all-reduce and
-all-gather samples together (the cost model uses one link per mesh axis for every collective).
+all-gather samples together, and one (bandwidth, latency) per collective and size range between
+neighbouring sample sizes (``fit_ranges``, ``LinkSpec.ranges``), which the cost model uses:
+transports change regime with message size and implement each collective their own way.
 Gloo's reduce-scatter is an all-reduce + slice, i.e. about twice what the reduce-scatter formula
-says: its samples are measured and reported, not used for the link.
+says: its samples are left out of the one-line link but have their own ranges.
 
 Compute (``measure_compute``), on rank 0 while the other ranks wait, so the figures are one
 rank's own. On CPUs the ranks of a node share its cores: ``calibrate`` records the cores this
@@ -81,6 +83,7 @@ __all__ = [
     "ring_coefficients",
     "measure_collectives",
     "fit_link",
+    "fit_ranges",
     "fit_errors",
     "predict_time",
     "measure_compute",
@@ -90,7 +93,7 @@ __all__ = [
 
 KINDS = ("all_reduce", "all_gather", "reduce_scatter")
 LINK_KINDS = ("all_reduce", "all_gather")  # the samples calibrate() fits the link to
-DEFAULT_SIZES = (2**10, 2**14, 2**17, 2**20, 2**22, 2**24)  # bytes: 1 KiB .. 16 MiB
+DEFAULT_SIZES = (2**10, 2**13, 2**16, 2**18, 2**20, 2**22, 2**24)  # bytes: 1 KiB .. 16 MiB
 QUICK_SIZES = (2**10, 2**16, 2**20)
 DEFAULT_REPEATS = 7
 QUICK_REPEATS = 5
@@ -121,7 +124,8 @@ def ring_coefficients(kind: str, n: int) -> tuple[float, float]:
 
 def predict_time(sample: Sample, link: LinkSpec) -> float:
     f, g = ring_coefficients(sample.kind, sample.n)
-    return f * sample.nbytes / link.bandwidth + g * link.latency
+    bw, lat = link.at(sample.nbytes, sample.kind)
+    return f * sample.nbytes / bw + g * lat
 
 
 # --------------------------------------------------------------------------------------------------
@@ -179,8 +183,8 @@ def measure_collectives(
     """Time each collective of ``kinds`` at each size (bytes of the full float32 tensor).
 
     Call on every rank of ``group`` (default: the world). Every rank returns the same samples:
-    each timed run is preceded by a barrier, its time is the max over ranks, and a sample is the
-    median over ``repeats`` runs.
+    each repeat runs every case back to back after one barrier, a run's time is the max over
+    ranks, and a sample is the median over ``repeats`` runs.
     """
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError("measure_collectives needs an initialized torch.distributed process group")
@@ -204,11 +208,13 @@ def measure_collectives(
             cases.append((kind, numel * 4))
             runs.append(run)
     # repeats outer, cases inner: a burst of interference from other processes hits one run of
-    # many cases rather than every run of one case, and the median removes it
+    # many cases rather than every run of one case, and the median removes it. One barrier per
+    # repeat, then the cases back to back, as a training step issues its collectives: on gloo a
+    # collective right after another takes up to 6x longer than one right after a barrier
     times = [[0.0] * repeats for _ in cases]  # [case][repeat], this rank
     for r in range(repeats):
+        dist.barrier(group=group)
         for i, run in enumerate(runs):
-            dist.barrier(group=group)
             t0 = time.perf_counter()
             run()
             _sync(device)
@@ -220,6 +226,22 @@ def measure_collectives(
         Sample(kind=kind, nbytes=nbytes, n=n, seconds=float(per_run[i].median()))
         for i, (kind, nbytes) in enumerate(cases)
     ]
+
+
+def fit_ranges(samples: Sequence[Sample]) -> tuple[tuple[str, float, float, float], ...]:
+    """One (bandwidth, latency) per collective and size range: ``fit_link`` on each collective's
+    samples at two neighbouring sizes, applying up to the larger size (``LinkSpec.ranges``).
+    Transports change regime with message size and implement each collective their own way (on
+    this 2-core VM, gloo's back-to-back all-reduce of 1 KiB takes ~3.7 ms, its all-gather ~0.8 ms),
+    which one line per link cannot follow."""
+    ranges = []
+    for kind in dict.fromkeys(s.kind for s in samples):
+        mine = [s for s in samples if s.kind == kind]
+        sizes = sorted({s.nbytes for s in mine})
+        for lo, hi in zip(sizes, sizes[1:]):
+            link = fit_link([s for s in mine if s.nbytes in (lo, hi)], kind)
+            ranges.append((kind, float(hi), link.bandwidth, link.latency))
+    return tuple(ranges)
 
 
 def fit_link(samples: Sequence[Sample], kind: str | None = None) -> LinkSpec:
@@ -408,7 +430,9 @@ def run_calibration(
     compute = dict(results[0]["compute"])
     for key in ("peak_flops", "flops_effective", "memory_bandwidth", "kernel_launch_s"):
         compute[key] = statistics.median(r["compute"][key] for r in results)
-    link = fit_link([s for s in samples if s.kind in LINK_KINDS])
+    link = dataclasses.replace(
+        fit_link([s for s in samples if s.kind in LINK_KINDS]), ranges=fit_ranges(samples)
+    )
     per_kind = {k: fit_link(samples, k) for k in KINDS if any(s.kind == k for s in samples)}
 
     cluster = base or ClusterSpec.preset("cpu", devices_per_node=world)

@@ -10,7 +10,9 @@ groups are runs of consecutive ranks, inside a node when it fits). For axis ``a`
 Ring alpha-beta costs (Thakur, Rabenseifner, Gropp, "Optimization of Collective Communication
 Operations in MPICH", IJHPCA 2005; the same bus-bandwidth convention as nccl-tests), with ``B``
 the bytes of the *full* (unsharded-over-the-axis) tensor, ``n`` the group size, ``bw`` the link's
-bus bandwidth (B/s) and ``lat`` its latency (s):
+bus bandwidth (B/s) and ``lat`` its latency (s), both those of the collective and the size range
+``B`` falls in when the link has ranges (``LinkSpec.at``; a calibrated link fits one pair per
+collective and size range):
 
 * all-reduce:              2 (n-1)/n * B / bw + 2 (n-1) lat
 * all-gather, reduce-scatter, all-to-all:  (n-1)/n * B / bw + (n-1) lat
@@ -73,12 +75,13 @@ def collective_time(kind: Collective, nbytes: float, n: int, link: LinkSpec) -> 
     """Seconds for one ring collective over ``n`` ranks; ``nbytes`` is the full tensor's size."""
     if n <= 1 or nbytes <= 0:
         return 0.0
+    bw, lat = link.at(nbytes, kind.value)
     if kind is Collective.ALL_REDUCE:
-        return 2 * (n - 1) / n * nbytes / link.bandwidth + 2 * (n - 1) * link.latency
+        return 2 * (n - 1) / n * nbytes / bw + 2 * (n - 1) * lat
     if kind in (Collective.ALL_GATHER, Collective.REDUCE_SCATTER, Collective.ALL_TO_ALL):
-        return (n - 1) / n * nbytes / link.bandwidth + (n - 1) * link.latency
+        return (n - 1) / n * nbytes / bw + (n - 1) * lat
     if kind is Collective.SEND_RECV:
-        return nbytes / link.bandwidth + link.latency
+        return nbytes / bw + lat
     raise ValueError(f"unknown collective {kind}")
 
 
@@ -86,7 +89,8 @@ def tree_all_reduce_time(nbytes: float, n: int, link: LinkSpec) -> float:
     """Seconds for a (double binary) tree all-reduce of ``nbytes`` over ``n`` ranks."""
     if n <= 1 or nbytes <= 0:
         return 0.0
-    return 2 * math.ceil(math.log2(n)) * link.latency + 2 * nbytes / link.bandwidth
+    bw, lat = link.at(nbytes, Collective.ALL_REDUCE.value)
+    return 2 * math.ceil(math.log2(n)) * lat + 2 * nbytes / bw
 
 
 def node_split(cluster: ClusterSpec, mesh_shape: Sequence[int], axis: int) -> tuple[int, int] | None:

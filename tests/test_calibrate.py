@@ -17,6 +17,7 @@ from autopar.cost_model.calibrate import (
     calibrate,
     fit_errors,
     fit_link,
+    fit_ranges,
     predict_time,
     ring_coefficients,
 )
@@ -62,6 +63,52 @@ def test_fit_link_recovers_bandwidth_and_latency(log_bw, log_lat, seed):
         assert link.latency == pytest.approx(lat, rel=0.1)
     errs = fit_errors(samples, fit_link(samples))
     assert max(abs(e) for e in errs) < 0.1
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    small=st.tuples(st.floats(8, 10), st.floats(-6, -4)),  # log10 of (bandwidth, latency)
+    large=st.tuples(st.floats(8, 10), st.floats(-4, -2)),
+    cut=st.integers(3, 10),
+    seed=st.integers(0, 2**16),
+)
+def test_fit_ranges_follows_a_transport_that_changes_regime(small, large, cut, seed):
+    """Samples from two links (one below a size, another above): the ranges recover each and predict
+    every sample within noise, but the one whose range straddles the change."""
+    links = [LinkSpec(10 ** small[0], 10 ** small[1]), LinkSpec(10 ** large[0], 10 ** large[1])]
+    rng = random.Random(seed)
+    samples = []
+    for kind in ("all_reduce", "all_gather"):
+        for k, b in enumerate(SIZES):
+            link = links[k >= cut]
+            t = collective_time(Collective(kind), b, 4, link) * (1 + rng.uniform(-0.01, 0.01))
+            samples.append(Sample(kind=kind, nbytes=b, n=4, seconds=t))
+    ranged = LinkSpec(1e9, 1e-5, ranges=fit_ranges(samples))
+    assert [r[1] for r in ranged.ranges if r[0] == "all_reduce"] == SIZES[1:]
+    for k, b in enumerate(SIZES[1:], start=1):
+        if k not in (cut,):  # the range straddling the change mixes both links
+            truth = links[k >= cut]
+            assert predict_time(Sample("all_reduce", b, 4, 1.0), ranged) == pytest.approx(
+                collective_time(Collective.ALL_REDUCE, b, 4, truth), rel=0.05
+            )
+    errs = [e for smp, e in zip(samples, fit_errors(samples, ranged)) if smp.nbytes != SIZES[cut]]
+    assert max(abs(e) for e in errs) < 0.05
+
+
+def test_link_ranges_price_by_size_and_round_trip():
+    ag = "all_gather"
+    link = LinkSpec(
+        1e9, 1e-3, ranges=((ag, 1024, 5e8, 1e-5), (ag, 2**20, 1e9, 1e-4), ("all_reduce", 64, 1e8, 1e-2))
+    )
+    assert link.at(10, ag) == (5e8, 1e-5) and link.at(1024, ag) == (5e8, 1e-5)
+    assert link.at(4096, ag) == (1e9, 1e-4) and link.at(2**30, ag) == (1e9, 1e-4)  # past the last: the last
+    assert link.at(10, "send_recv") == (1e9, 1e-3)  # no ranges of its own: the link's figures
+    assert collective_time(Collective.ALL_GATHER, 512, 2, link) == pytest.approx(0.5 * 512 / 5e8 + 1e-5)
+    assert collective_time(Collective.ALL_REDUCE, 512, 2, link) == pytest.approx(512 / 1e8 + 2e-2)
+    cluster = ClusterSpec.preset("cpu").with_overrides(intra_node=link)
+    assert ClusterSpec.from_dict(json.loads(json.dumps(cluster.to_dict()))) == cluster
+    with pytest.raises(Exception, match="ascend"):
+        LinkSpec(1e9, 1e-3, ranges=((ag, 2048, 1e9, 1e-5), (ag, 1024, 1e9, 1e-5)))
 
 
 def test_fit_link_clamps_to_positive():
