@@ -16,6 +16,7 @@ gloo ranks run them, cached in ``--profile-cache``) instead of the analytical co
 from __future__ import annotations
 
 import argparse
+import itertools
 import statistics
 import tempfile
 import time
@@ -37,6 +38,8 @@ MODELS = {
     "gpt2_tiny": "autopar.examples:gpt2_tiny(batch=8, seq=64, hidden=128, vocab=512)",
     "llama_tiny": "autopar.examples:llama_tiny(batch=8, seq=64, hidden=128, vocab=512)",
 }
+# plans predicted closer than this are a tie for the model (its median error is about this size)
+RANK_MARGIN = 0.10
 PLANS = {
     "DP": (autopar.AxisRole.DATA,),
     "TP": (autopar.AxisRole.TENSOR,),
@@ -69,8 +72,11 @@ def main() -> None:
     ap.add_argument("--cluster", default=None, help="a calibrated spec file (default: calibrate now)")
     ap.add_argument("--worlds", type=int, nargs="+", default=[2, 4])
     ap.add_argument(
-        "--calib-world", type=int, default=None, help="one calibration on this many ranks for every world size "
-        "(default: calibrate on each world size's own ranks, as a user of that many ranks would)"
+        "--calib-world",
+        type=int,
+        default=None,
+        help="one calibration on this many ranks for every world size "
+        "(default: calibrate on each world size's own ranks, as a user of that many ranks would)",
     )
     ap.add_argument("--profile", action="store_true", help="plan with measured op times (OpProfiler)")
     ap.add_argument("--profile-cache", default=None, help="op timing cache (default: ~/.cache/autopar/)")
@@ -153,15 +159,26 @@ def main() -> None:
     print(f"median |error| peak memory: {statistics.median(abs(r[4]) for r in cases) * 100:.0f}%")
     print("ranking of the plans (fastest first), predicted vs measured:")
     agree = 0
+    pairs = ordered = 0
     ranks = [r for r in rows if r[0] == "rank"]
     for _, mname, world, case in ranks:
         pred = sorted(case, key=lambda k: case[k][0])
         meas = sorted(case, key=lambda k: case[k][1])
         ok = pred == meas
         agree += ok
+        # pairs the model tells apart (predictions RANK_MARGIN or more apart): measured in that order?
+        calls = []
+        for a, b in itertools.combinations(case, 2):
+            (pa, ma), (pb, mb) = case[a], case[b]
+            if abs(pa - pb) >= RANK_MARGIN * min(pa, pb):
+                pairs += 1
+                good = (pa < pb) == (ma < mb)
+                ordered += good
+                calls.append(f"{a}{'<' if pa < pb else '>'}{b} {'ok' if good else 'WRONG'}")
         print(f"  {mname:<11} world {world}: predicted {' < '.join(pred):<18} measured {' < '.join(meas):<18} "
-              f"{'match' if ok else 'MISMATCH'}")  # fmt: skip
-    print(f"rankings that match: {agree}/{len(ranks)}")
+              f"{'match' if ok else 'differs'}; pairs apart by >= {RANK_MARGIN:.0%}: {', '.join(calls) or 'none'}")  # fmt: skip
+    print(f"rankings that match exactly: {agree}/{len(ranks)}")
+    print(f"plan pairs predicted >= {RANK_MARGIN:.0%} apart and measured in that order: {ordered}/{pairs}")
 
 
 if __name__ == "__main__":

@@ -12,8 +12,12 @@ runs it:
 * ``reduce_scatter``: on gloo, ``all_reduce`` of the full tensor + a local slice (``B`` = the full
   tensor's bytes); on NCCL, ``dist.reduce_scatter_tensor``.
 
-Each timed run is preceded by a barrier; a run's time is the maximum over ranks (the slowest rank
-decides when the collective is over), and a sample's time is the median over ``repeats`` runs.
+Each repeat runs every case after one barrier, in a shuffled order, each after 0.5 ms of compute,
+as a training step issues its collectives between ops (on gloo, a collective right after another
+often stalls ~2 ms, one right after a barrier does not; a step sits in between). A run's time is
+the maximum over ranks (the slowest rank decides when the collective is over), and a sample's
+time is the 10%-trimmed mean over ``repeats`` runs (a step pays the expected time of each
+collective, stalls included).
 
 Fit (``fit_link``): the ring alpha-beta formulas of ``cost_model/comm.py``
 
@@ -63,6 +67,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import random
 import statistics
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -95,7 +100,7 @@ KINDS = ("all_reduce", "all_gather", "reduce_scatter")
 LINK_KINDS = ("all_reduce", "all_gather")  # the samples calibrate() fits the link to
 DEFAULT_SIZES = (2**10, 2**13, 2**16, 2**18, 2**20, 2**22, 2**24)  # bytes: 1 KiB .. 16 MiB
 QUICK_SIZES = (2**10, 2**16, 2**20)
-DEFAULT_REPEATS = 7
+DEFAULT_REPEATS = 11
 QUICK_REPEATS = 5
 _MAX_BANDWIDTH = 1e15  # B/s: clamp for a fit whose bandwidth term vanishes
 _MIN_LATENCY = 1e-9  # s
@@ -179,12 +184,14 @@ def measure_collectives(
     group=None,
     repeats: int = DEFAULT_REPEATS,
     warmup: int = 3,
+    gap_s: float = 5e-4,
 ) -> list[Sample]:
     """Time each collective of ``kinds`` at each size (bytes of the full float32 tensor).
 
     Call on every rank of ``group`` (default: the world). Every rank returns the same samples:
-    each repeat runs every case back to back after one barrier, a run's time is the max over
-    ranks, and a sample is the median over ``repeats`` runs.
+    each repeat runs every case after one barrier, in a shuffled order, each after ``gap_s`` of
+    compute (as a training step issues collectives between ops), a run's time is the max over
+    ranks, and a sample is the 10%-trimmed mean over ``repeats`` runs.
     """
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError("measure_collectives needs an initialized torch.distributed process group")
@@ -207,25 +214,49 @@ def measure_collectives(
             _sync(device)
             cases.append((kind, numel * 4))
             runs.append(run)
-    # repeats outer, cases inner: a burst of interference from other processes hits one run of
-    # many cases rather than every run of one case, and the median removes it. One barrier per
-    # repeat, then the cases back to back, as a training step issues its collectives: on gloo a
-    # collective right after another takes up to 6x longer than one right after a barrier
+    # repeats outer, cases inner, in an order shuffled per repeat (the same on every rank): a burst
+    # of interference hits one run of many cases, and no case always follows the same one. One
+    # barrier per repeat, then the cases back to back, as a training step issues its collectives:
+    # on gloo a collective right after another often stalls (~2 ms on this VM) where one right
+    # after a barrier does not
     times = [[0.0] * repeats for _ in cases]  # [case][repeat], this rank
     for r in range(repeats):
+        order = list(range(len(runs)))
+        random.Random(r).shuffle(order)
         dist.barrier(group=group)
-        for i, run in enumerate(runs):
+        for i in order:
+            _busy(gap_s)  # the compute a step runs between two collectives
             t0 = time.perf_counter()
-            run()
+            runs[i]()
             _sync(device)
             times[i][r] = time.perf_counter() - t0
     t = torch.tensor(times, dtype=torch.float64, device=device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
     per_run = t.cpu()
     return [
-        Sample(kind=kind, nbytes=nbytes, n=n, seconds=float(per_run[i].median()))
+        Sample(kind=kind, nbytes=nbytes, n=n, seconds=trimmed_mean(per_run[i].tolist()))
         for i, (kind, nbytes) in enumerate(cases)
     ]
+
+
+def _busy(seconds: float) -> None:
+    """Keep this rank's core busy with small tensor ops for about ``seconds``."""
+    if seconds <= 0:
+        return
+    a = torch.ones(64, 64)
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        a = torch.tanh(a @ a * 0.01)
+
+
+def trimmed_mean(values: Sequence[float], trim: float = 0.1) -> float:
+    """Mean without the lowest and highest ``trim`` fraction. A step pays every collective's
+    expected time, stalls included: the mean, not the median, predicts a sum of many of them;
+    the trim drops rare outliers (a preempted process)."""
+    v = sorted(values)
+    k = int(len(v) * trim)
+    v = v[k : len(v) - k] or v
+    return sum(v) / len(v)
 
 
 def fit_ranges(samples: Sequence[Sample]) -> tuple[tuple[str, float, float, float], ...]:
