@@ -175,7 +175,7 @@ def candidates_svg(plan: Plan) -> str:
     """Vertical bars: predicted step time per candidate mesh shape; the chosen mesh highlighted."""
     cands = list(plan.solver.candidates)
     chosen = tuple(int(n) for n in plan.mesh_shape)
-    col_w, plot_h, top_pad, bottom = 90, 160, 40, 44  # the legend sits above the tallest bar's label
+    col_w, plot_h, top_pad, bottom = 90, 160, 40, 56  # the legend sits above the tallest bar's label
     width = max(col_w * len(cands) + 20, 300)
     body = _legend(10, 14, [("chosen", CHOSEN_COLOUR), ("other", OTHER_COLOUR)])
     objs = [c.get("objective") for c in cands]
@@ -200,6 +200,9 @@ def candidates_svg(plan: Plan) -> str:
                               "middle", 10))  # fmt: skip
         body.append(_text(x + col_w / 2, base + 16, label + (" ★" if is_chosen else ""), "middle"))
         body.append(_text(x + col_w / 2, base + 32, _short(status, 14), "middle", 10))
+        roles = c.get("axis_roles") or ()
+        if roles:  # e.g. a 3-axis mesh searched with its outer axis data parallel
+            body.append(_text(x + col_w / 2, base + 46, "/".join(r[0].upper() for r in roles), "middle", 10))
     body.append(f'<line x1="5" y1="{base}" x2="{width - 5}" y2="{base}" stroke="#888"/>')
     return _svg(width, base + bottom, body, "predicted step time per candidate mesh shape")
 
@@ -322,7 +325,12 @@ def render_report(plan: Plan, *, measured: dict | None = None, title: str | None
         nodes_svg(plan),
     ]
     if s.candidates:
-        parts += ["<h2>Candidate mesh shapes</h2>", candidates_svg(plan)]
+        parts += [
+            "<h2>Candidate mesh shapes</h2>",
+            candidates_svg(plan),
+            "<p>Letters under a mesh: each axis's role in its search (D data parallel, A any placement, "
+            "T tensor, S sequence).</p>",
+        ]
     parts += [
         "<h2>Parameter placements</h2>",
         params,
