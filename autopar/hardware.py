@@ -1,0 +1,259 @@
+"""Hardware building blocks of a cluster description: links and devices, validated.
+
+Units everywhere: seconds (s), bytes (B), FLOP/s, bytes/s (B/s). All classes are frozen (hashable)
+dataclasses validated on construction; an invalid value raises
+:class:`autopar.errors.ClusterSpecError` naming the field, the bad value and what is allowed.
+
+Fields
+------
+:class:`LinkSpec` -- one kind of point-to-point/collective link, priced as ``latency + bytes / bandwidth``:
+
+* ``bandwidth``: achievable bandwidth in B/s (> 0). For GPU interconnects this is the *bus bandwidth*
+  an NCCL all-reduce reaches (as reported by nccl-tests), not the marketing total.
+* ``latency``: fixed per-message cost in s (>= 0).
+
+:class:`DeviceSpec` -- one accelerator (or one CPU process for the ``cpu`` preset):
+
+* ``name``: free text, e.g. ``"NVIDIA H100 80GB HBM3"``.
+* ``peak_flops``: dense (no sparsity) peak FLOP/s per torch dtype name (``"float32"``, ``"bfloat16"``,
+  ``"float16"``, ``"float8_e4m3fn"``...). Accepts a dict, stored as a sorted tuple of pairs.
+  A dtype that is not listed is priced at the ``"float32"`` peak (see :meth:`DeviceSpec.peak_flops_for`).
+* ``memory_bytes``: device memory in B (HBM for GPUs; RAM budget per process for CPU).
+* ``memory_bandwidth``: device memory bandwidth in B/s (prices memory-bound kernels).
+* ``kernel_launch_s``: fixed overhead per kernel / op launch in s.
+* ``host_cores``: for CPU "devices", the cores of the host that all ranks of a node share (each
+  rank computes on one thread, as ``autopar.launch`` sets it); ``0`` for accelerators, which do
+  not share. The peak figures are one rank's when it has a core to itself; with more ranks than
+  cores, compute is priced ``devices_per_node / host_cores`` times slower
+  (:attr:`ClusterSpec.compute_slowdown`).
+
+Where preset figures come from: ``autopar/presets.py``.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from autopar.errors import ClusterSpecError
+
+__all__ = ["LinkSpec", "DeviceSpec", "DEFAULT_KERNEL_LAUNCH_S", "usable_cores"]
+
+GiB = 2**30
+TiB = 2**40
+
+# [CUDA-LAUNCH] typical CUDA kernel launch overhead, ~3-5 us.
+DEFAULT_KERNEL_LAUNCH_S = 5e-6
+
+
+# --------------------------------------------------------------------------------------------------
+# validation helpers
+# --------------------------------------------------------------------------------------------------
+
+
+def _is_number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _check_float(field: str, value: Any, *, minimum: float, strict: bool) -> float:
+    """A finite real number > minimum (strict) or >= minimum; returned as float."""
+    rel = ">" if strict else ">="
+    allowed = f"a finite number {rel} {minimum:g}"
+    if not _is_number(value):
+        raise ClusterSpecError(f"{field}: got {value!r} ({type(value).__name__}); must be {allowed}")
+    fv = float(value)
+    if not math.isfinite(fv) or (fv <= minimum if strict else fv < minimum):
+        raise ClusterSpecError(f"{field}: got {value!r}; must be {allowed}")
+    return fv
+
+
+def _check_int(field: str, value: Any, *, minimum: int) -> int:
+    """An integer >= minimum (an integral float such as 8.0 is accepted); returned as int."""
+    allowed = f"an integer >= {minimum}"
+    if isinstance(value, float) and math.isfinite(value) and value.is_integer():
+        value = int(value)
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise ClusterSpecError(f"{field}: got {value!r} ({type(value).__name__}); must be {allowed}")
+    if value < minimum:
+        raise ClusterSpecError(f"{field}: got {value!r}; must be {allowed}")
+    return value
+
+
+def _check_name(field: str, value: Any) -> str:
+    if not isinstance(value, str) or not value.strip():
+        raise ClusterSpecError(f"{field}: got {value!r}; must be a non-empty string")
+    return value
+
+
+_KNOWN_DTYPE_NAMES = ("float32", "bfloat16", "float16", "float8_e4m3fn", "float8_e5m2", "float64")
+
+
+def _dtype_name(field: str, key: Any) -> str:
+    """Canonical torch dtype name ('float32', 'bfloat16', ...) for a torch.dtype or a name."""
+    if isinstance(key, torch.dtype):
+        return str(key).removeprefix("torch.")
+    if isinstance(key, str):
+        attr = getattr(torch, key.strip().removeprefix("torch."), None)
+        if isinstance(attr, torch.dtype):
+            return str(attr).removeprefix("torch.")
+    raise ClusterSpecError(
+        f"{field}: got dtype {key!r}; must be a torch.dtype or a torch dtype name such as "
+        f"{', '.join(repr(n) for n in _KNOWN_DTYPE_NAMES)}"
+    )
+
+
+# --------------------------------------------------------------------------------------------------
+# dataclasses
+# --------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class LinkSpec:
+    """A link priced as ``latency + nbytes / bandwidth`` (bandwidth in B/s, latency in s).
+
+    ``ranges``: optional ``(collective, up_to_bytes, bandwidth, latency)`` entries, ascending in
+    ``up_to_bytes`` per collective (``"all_reduce"``, ``"all_gather"``, ``"reduce_scatter"``...):
+    that collective on a tensor of ``B <= up_to_bytes`` bytes (the first such entry) is priced with
+    the entry's figures, larger ones with its last entry's. ``autopar calibrate`` fits one per
+    collective and size range, since transports change regime with message size and implement
+    collectives differently (gloo's small all-reduce costs 5x its all-gather on a 2-core VM).
+    A collective without entries uses ``bandwidth`` and ``latency``."""
+
+    bandwidth: float
+    latency: float
+    ranges: tuple[tuple[str, float, float, float], ...] = ()
+
+    def __post_init__(self) -> None:
+        object.__setattr__(
+            self, "bandwidth", _check_float("LinkSpec.bandwidth", self.bandwidth, minimum=0.0, strict=True)
+        )
+        object.__setattr__(
+            self, "latency", _check_float("LinkSpec.latency", self.latency, minimum=0.0, strict=False)
+        )
+        ranges: list[tuple[str, float, float, float]] = []
+        last: dict[str, float] = {}
+        for i, r in enumerate(self.ranges or ()):
+            if not (isinstance(r, (tuple, list)) and len(r) == 4 and isinstance(r[0], str)):
+                raise ClusterSpecError(
+                    f"LinkSpec.ranges[{i}]: got {r!r}; must be [collective, up_to_bytes, bandwidth B/s, latency s]"
+                )
+            up = _check_float(f"LinkSpec.ranges[{i}][1]", r[1], minimum=0.0, strict=True)
+            bw = _check_float(f"LinkSpec.ranges[{i}][2]", r[2], minimum=0.0, strict=True)
+            lat = _check_float(f"LinkSpec.ranges[{i}][3]", r[3], minimum=0.0, strict=False)
+            if up <= last.get(r[0], 0.0):
+                raise ClusterSpecError(
+                    f"LinkSpec.ranges: up_to_bytes of {r[0]!r} must ascend, got {up} after {last[r[0]]}"
+                )
+            last[r[0]] = up
+            ranges.append((r[0], up, bw, lat))
+        object.__setattr__(self, "ranges", tuple(ranges))
+
+    def at(self, nbytes: float, collective: str = "") -> tuple[float, float]:
+        """(bandwidth, latency) for ``collective`` on a tensor of ``nbytes``."""
+        mine = [r for r in self.ranges if r[0] == collective]
+        for _, up, bw, lat in mine:
+            if nbytes <= up:
+                return bw, lat
+        if mine:
+            return mine[-1][2], mine[-1][3]
+        return self.bandwidth, self.latency
+
+    def to_dict(self) -> dict[str, Any]:
+        d: dict[str, Any] = {"bandwidth": self.bandwidth, "latency": self.latency}
+        if self.ranges:
+            d["ranges"] = [list(r) for r in self.ranges]
+        return d
+
+
+@dataclass(frozen=True)
+class DeviceSpec:
+    """One device: dense peak FLOP/s per dtype name, memory (B), memory bandwidth (B/s), launch cost (s)."""
+
+    name: str
+    peak_flops: tuple[tuple[str, float], ...]
+    memory_bytes: int
+    memory_bandwidth: float
+    kernel_launch_s: float = DEFAULT_KERNEL_LAUNCH_S
+    host_cores: int = 0
+
+    def __post_init__(self) -> None:
+        _check_name("DeviceSpec.name", self.name)
+        object.__setattr__(
+            self, "host_cores", _check_int("DeviceSpec.host_cores", self.host_cores, minimum=0)
+        )
+        pf = self.peak_flops
+        if isinstance(pf, Mapping):
+            items = list(pf.items())
+        elif isinstance(pf, (tuple, list)) and all(isinstance(p, (tuple, list)) and len(p) == 2 for p in pf):
+            items = [tuple(p) for p in pf]
+        else:
+            raise ClusterSpecError(
+                f"DeviceSpec.peak_flops: got {pf!r}; must be a dict (or tuple of pairs) mapping torch dtype "
+                f"names such as 'float32', 'bfloat16' to FLOP/s > 0"
+            )
+        if not items:
+            raise ClusterSpecError(
+                "DeviceSpec.peak_flops: got an empty mapping; must list at least 'float32' -> FLOP/s > 0"
+            )
+        norm: dict[str, float] = {}
+        for key, val in items:
+            name = _dtype_name("DeviceSpec.peak_flops", key)
+            if name in norm:
+                raise ClusterSpecError(
+                    f"DeviceSpec.peak_flops: dtype {name!r} given twice (as {key!r}); list each dtype once"
+                )
+            norm[name] = _check_float(f"DeviceSpec.peak_flops[{name!r}]", val, minimum=0.0, strict=True)
+        object.__setattr__(self, "peak_flops", tuple(sorted(norm.items())))
+        object.__setattr__(
+            self, "memory_bytes", _check_int("DeviceSpec.memory_bytes", self.memory_bytes, minimum=1)
+        )
+        object.__setattr__(
+            self,
+            "memory_bandwidth",
+            _check_float("DeviceSpec.memory_bandwidth", self.memory_bandwidth, minimum=0.0, strict=True),
+        )
+        object.__setattr__(
+            self,
+            "kernel_launch_s",
+            _check_float("DeviceSpec.kernel_launch_s", self.kernel_launch_s, minimum=0.0, strict=False),
+        )
+
+    @property
+    def peak_flops_dict(self) -> dict[str, float]:
+        return dict(self.peak_flops)
+
+    def peak_flops_for(self, dtype: torch.dtype | str) -> float:
+        """Dense peak FLOP/s for ``dtype``; a dtype not listed is priced at the 'float32' peak."""
+        name = _dtype_name("dtype", dtype)
+        table = dict(self.peak_flops)
+        if name in table:
+            return table[name]
+        if "float32" not in table:
+            raise ClusterSpecError(
+                f"DeviceSpec.peak_flops: no entry for {name!r} and no 'float32' fallback on device "
+                f"{self.name!r} (has {sorted(table)}); add a 'float32' entry"
+            )
+        return table["float32"]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "peak_flops": dict(self.peak_flops),
+            "memory_bytes": self.memory_bytes,
+            "memory_bandwidth": self.memory_bandwidth,
+            "kernel_launch_s": self.kernel_launch_s,
+            "host_cores": self.host_cores,
+        }
+
+
+def usable_cores() -> int:
+    """Cores this process may run on (its CPU affinity), else the machine's count."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1

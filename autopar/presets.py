@@ -1,0 +1,148 @@
+"""Preset devices and nodes (``ClusterSpec.preset``), each number with its source.
+
+Presets (``ClusterSpec.preset``): ``a100-40gb``, ``a100-80gb``, ``h100-sxm``, ``h200``, ``cpu``.
+
+Sources (numbers are repeated with their source next to each value below)
+-------------------------------------------------------------------------
+* [A100-DS] NVIDIA A100 Tensor Core GPU datasheet (SXM column), nvidia.com/a100:
+  FP32 19.5 TFLOPS, TF32 156 TFLOPS, BF16/FP16 312 TFLOPS (dense), 40 GB HBM2 at 1,555 GB/s,
+  80 GB HBM2e at 2,039 GB/s, NVLink (3rd gen) 600 GB/s, PCIe Gen4 64 GB/s (32 GB/s per direction).
+* [H100-DS] NVIDIA H100 Tensor Core GPU datasheet (SXM column), nvidia.com/h100: FP32 67 TFLOPS,
+  BF16/FP16 1,979 TFLOPS *with sparsity* = 989 TFLOPS dense, FP8 3,958 with sparsity = 1,979 dense,
+  80 GB HBM3 at 3.35 TB/s, NVLink (4th gen) 900 GB/s, PCIe Gen5 128 GB/s (64 GB/s per direction).
+* [H200-DS] NVIDIA H200 product page / datasheet, nvidia.com/h200: same Tensor Core throughput as
+  H100 SXM, 141 GB HBM3e at 4.8 TB/s, NVLink 900 GB/s, PCIe Gen5.
+* [NCCL-TESTS] github.com/NVIDIA/nccl-tests (doc/PERFORMANCE.md defines "bus bandwidth"); published
+  all_reduce_perf runs on 8-GPU DGX A100 reach ~230-240 GB/s busbw, on DGX H100 ~360-480 GB/s.
+* [IB] InfiniBand HDR = 200 Gb/s = 25 GB/s per port, NDR = 400 Gb/s = 50 GB/s per port; DGX A100
+  ships 1 HDR port per GPU, DGX H100/H200 one NDR port per GPU (DGX user guides). MPI/NCCL small-
+  message latency over IB is a few microseconds.
+* [DGX] DGX A100 system memory 1 TB (320 GB system) / 2 TB (640 GB system); DGX H100 and DGX H200
+  system memory 2 TB (NVIDIA DGX datasheets).
+* [CUDA-LAUNCH] CUDA kernel launch overhead is a few microseconds (NVIDIA CUDA best-practices guide
+  and common micro-benchmarks: ~3-5 us).
+* ``cpu`` preset: modest numbers for one CPU training process (one core); ``host_cores`` is the
+  number of cores this process may run on (``os.sched_getaffinity``); its loopback gloo
+  link is what ``autopar calibrate`` measured on a small VM (collectives cost about a millisecond);
+  10 GbE = 1.25 GB/s between hosts. Run ``autopar calibrate`` for your own machine.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from autopar.hardware import DEFAULT_KERNEL_LAUNCH_S, DeviceSpec, GiB, LinkSpec, TiB
+
+__all__ = ["PRESET_NAMES"]
+
+
+# --------------------------------------------------------------------------------------------------
+# presets (numbers with their source; see module docstring for the full references)
+# --------------------------------------------------------------------------------------------------
+
+_NVLINK_LATENCY = 3e-6  # [NCCL-TESTS] small-message NVLink/NVSwitch latency, a few us
+_IB_LATENCY = 5e-6  # [IB] small-message InfiniBand latency, a few us
+_PCIE_LATENCY = 10e-6  # small cudaMemcpy host<->device latency, ~10 us (common micro-benchmarks)
+
+_A100_FLOPS = {
+    "float32": 19.5e12,  # [A100-DS] FP32 19.5 TFLOPS (TF32 tensor cores: 156 TFLOPS, not assumed here)
+    "bfloat16": 312e12,  # [A100-DS] BF16 Tensor Core 312 TFLOPS dense
+    "float16": 312e12,  # [A100-DS] FP16 Tensor Core 312 TFLOPS dense
+}
+_H100_FLOPS = {
+    "float32": 67e12,  # [H100-DS] FP32 67 TFLOPS (SXM)
+    "bfloat16": 989e12,  # [H100-DS] BF16 Tensor Core 1,979 TFLOPS with sparsity -> 989 dense
+    "float16": 989e12,  # [H100-DS] FP16 Tensor Core 1,979 TFLOPS with sparsity -> 989 dense
+    "float8_e4m3fn": 1979e12,  # [H100-DS] FP8 Tensor Core 3,958 TFLOPS with sparsity -> 1,979 dense
+}
+
+# A100 nodes (DGX A100): NVLink3 600 GB/s total per GPU [A100-DS]; achievable all-reduce bus bandwidth
+# measured by nccl-tests on 8x A100 is ~240 GB/s [NCCL-TESTS] -> 240e9 B/s.
+_A100_NVLINK = LinkSpec(bandwidth=240e9, latency=_NVLINK_LATENCY)
+# A100 clusters typically use InfiniBand HDR 200 Gb/s per GPU = 25e9 B/s [IB].
+_HDR_IB = LinkSpec(bandwidth=25e9, latency=_IB_LATENCY)
+# PCIe Gen4 x16: 32 GB/s per direction theoretical [A100-DS], ~25 GB/s achievable.
+_PCIE4 = LinkSpec(bandwidth=25e9, latency=_PCIE_LATENCY)
+
+# H100/H200 nodes (DGX H100/H200): NVLink4 900 GB/s total per GPU [H100-DS]; nccl-tests all-reduce
+# bus bandwidth on 8x H100 is ~360-480 GB/s [NCCL-TESTS] -> 450e9 B/s.
+_H100_NVLINK = LinkSpec(bandwidth=450e9, latency=_NVLINK_LATENCY)
+# InfiniBand NDR 400 Gb/s per GPU = 50e9 B/s [IB].
+_NDR_IB = LinkSpec(bandwidth=50e9, latency=_IB_LATENCY)
+# PCIe Gen5 x16: 64 GB/s per direction theoretical [H100-DS], ~50 GB/s achievable.
+_PCIE5 = LinkSpec(bandwidth=50e9, latency=_PCIE_LATENCY)
+
+_DEVICES: dict[str, DeviceSpec] = {
+    "a100-40gb": DeviceSpec(
+        name="NVIDIA A100-SXM4-40GB",
+        peak_flops=_A100_FLOPS,
+        memory_bytes=40 * GiB,  # [A100-DS] 40 GB HBM2
+        memory_bandwidth=1555e9,  # [A100-DS] 1,555 GB/s
+        kernel_launch_s=DEFAULT_KERNEL_LAUNCH_S,  # [CUDA-LAUNCH]
+    ),
+    "a100-80gb": DeviceSpec(
+        name="NVIDIA A100-SXM4-80GB",
+        peak_flops=_A100_FLOPS,
+        memory_bytes=80 * GiB,  # [A100-DS] 80 GB HBM2e
+        memory_bandwidth=2039e9,  # [A100-DS] 2,039 GB/s
+        kernel_launch_s=DEFAULT_KERNEL_LAUNCH_S,  # [CUDA-LAUNCH]
+    ),
+    "h100-sxm": DeviceSpec(
+        name="NVIDIA H100 80GB HBM3",
+        peak_flops=_H100_FLOPS,
+        memory_bytes=80 * GiB,  # [H100-DS] 80 GB HBM3
+        memory_bandwidth=3.35e12,  # [H100-DS] 3.35 TB/s
+        kernel_launch_s=DEFAULT_KERNEL_LAUNCH_S,  # [CUDA-LAUNCH]
+    ),
+    "h200": DeviceSpec(
+        name="NVIDIA H200",
+        peak_flops=_H100_FLOPS,  # [H200-DS] same compute as H100 SXM
+        memory_bytes=141 * GiB,  # [H200-DS] 141 GB HBM3e
+        memory_bandwidth=4.8e12,  # [H200-DS] 4.8 TB/s
+        kernel_launch_s=DEFAULT_KERNEL_LAUNCH_S,  # [CUDA-LAUNCH]
+    ),
+    "cpu": DeviceSpec(
+        name="cpu",
+        peak_flops={"float32": 50e9},  # conservative: one process on one core, ~50 GFLOP/s fp32
+        memory_bytes=8 * GiB,  # RAM budget per process
+        memory_bandwidth=20e9,  # conservative share of a DDR4/DDR5 socket's bandwidth
+        kernel_launch_s=10e-6,  # eager PyTorch CPU op dispatch overhead, ~10 us
+    ),
+}
+
+# (intra_node, inter_node, host_memory_bytes per node, host_link, default devices_per_node)
+_NODES: dict[str, tuple[LinkSpec, LinkSpec, int, LinkSpec, int]] = {
+    "a100-40gb": (_A100_NVLINK, _HDR_IB, 1 * TiB, _PCIE4, 8),  # [DGX] DGX A100 320GB: 1 TB RAM
+    "a100-80gb": (_A100_NVLINK, _HDR_IB, 2 * TiB, _PCIE4, 8),  # [DGX] DGX A100 640GB: 2 TB RAM
+    "h100-sxm": (_H100_NVLINK, _NDR_IB, 2 * TiB, _PCIE5, 8),  # [DGX] DGX H100: 2 TB RAM
+    "h200": (_H100_NVLINK, _NDR_IB, 2 * TiB, _PCIE5, 8),  # [DGX] DGX H200: 2 TB RAM
+    "cpu": (
+        # gloo over loopback TCP, 4 processes on a 2-core x86 VM: `autopar calibrate --world-size 4`
+        # fitted 0.47-1.07 GB/s and 0.6-1.1 ms per collective over three runs (benchmarks/README.md)
+        LinkSpec(bandwidth=1e9, latency=1e-3),
+        LinkSpec(bandwidth=1.25e9, latency=50e-6),  # 10 GbE = 1.25e9 B/s, TCP latency ~50 us
+        32 * GiB,  # 4 processes x 8 GiB
+        LinkSpec(bandwidth=20e9, latency=1e-6),  # "offload" is a memcpy in the same RAM
+        4,  # CPU "devices" are processes
+    ),
+}
+
+PRESET_NAMES: tuple[str, ...] = tuple(_DEVICES)
+
+
+def _gpu_preset_for(gpu_name: str, total_memory: int) -> str:
+    """Closest GPU preset for a CUDA device name ("A100" + memory size, "H100", "H200"); else h100-sxm."""
+    upper = gpu_name.upper()
+    if "H200" in upper:
+        return "h200"
+    if "H100" in upper:
+        return "h100-sxm"
+    if "A100" in upper:
+        return "a100-80gb" if total_memory > 60 * GiB else "a100-40gb"
+    return "h100-sxm"  # unknown GPU: modern-GPU numbers, with the real memory size
+
+
+def _gpu_device(gpu_name: str, total_memory: int) -> DeviceSpec:
+    """The closest GPU preset's device, with the real device name and memory size."""
+    base = _DEVICES[_gpu_preset_for(gpu_name, total_memory)]
+    return dataclasses.replace(base, name=gpu_name or base.name, memory_bytes=total_memory)
