@@ -29,7 +29,16 @@ from autopar.passes.analyze import NodeInfo, analyze
 from autopar.passes.coarsen import find_classes
 from autopar.passes.costs import CostTables, Optimizer, build_costs, f_axes, resolve_source
 from autopar.passes.rules import tensor_inputs
-from autopar.passes.solver import Solution, evaluate, fold_followers, lower_bound, mesh_candidates, solve
+from autopar.passes.solver import (
+    EXACT_FOLD_MAX_PAIRS,
+    Solution,
+    edge_pairs,
+    evaluate,
+    fold_followers,
+    lower_bound,
+    mesh_candidates,
+    solve,
+)
 from autopar.passes.strategies import AxisRole, Strategy, build_strategies, variable_nodes
 from autopar.passes.trace import Role, TracedGraph, normalize_inputs, trace
 from autopar.placement import spec_from_str, spec_to_str, volume_factor
@@ -169,8 +178,9 @@ def search(
             (min(p) for p in tables.node_peak.values()), default=0.0
         )
         min_needed = min(min_needed, mem_needed)
-        folded = fold_followers(tables)  # shared by the bound and the solve
-        bound = lower_bound(tables, folded)
+        exact = fold_followers(tables, exact=True)  # keeps the optimum: the bound is valid on it
+        bound = lower_bound(tables, exact)
+        folded = exact if edge_pairs(tables) <= EXACT_FOLD_MAX_PAIRS else fold_followers(tables, exact=False)
         entry = {"mesh_shape": list(mesh), "lower_bound": bound}
         if roles:
             entry["axis_roles"] = [r.value for r in roles]

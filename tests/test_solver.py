@@ -100,6 +100,19 @@ def test_follower_folding_gives_a_feasible_plan_priced_exactly(problem):
     assert sol.objective == pytest.approx(t, rel=1e-6, abs=1e-6)  # the ILP's own objective prices it right
 
 
+@settings(max_examples=80, deadline=None)
+@given(problems())
+def test_exact_folding_keeps_the_optimum_and_its_lower_bound_holds(problem):
+    """Folding only dominant followers keeps the optimum, and the bound on it never exceeds it."""
+    from autopar.passes.solver import fold_followers, lower_bound
+
+    tables, _ = problem
+    best = brute_force(tables, math.inf)
+    exact = fold_followers(tables, exact=True)
+    assert lower_bound(tables, exact) <= best + 1e-9
+    assert solve(tables, math.inf, folded=exact).objective == pytest.approx(best, rel=1e-6, abs=1e-6)
+
+
 @pytest.mark.parametrize("solver", ["CBC", "HiGHS"])
 def test_both_solvers_find_the_optimum(solver, monkeypatch):
     """HiGHS (default when highspy is installed) and CBC (always there) agree with brute force."""
