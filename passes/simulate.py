@@ -1,0 +1,314 @@
+"""Simulate every rank of a mesh in one process: local pieces, lock-step runs, collectives.
+
+Used by ``passes/validate.py`` to check sharding rules on real values:
+
+* a global value becomes each rank's local piece from its placement, axis by axis
+  (:func:`_distribute`): ``Shard(d)`` keeps ``torch.chunk(x, n, d)[c]`` (c: the rank's coordinate
+  on the axis), ``Replicate`` the full value, ``Partial`` one of ``n`` random summands; ranks are
+  ordered row-major over the mesh (last axis fastest, :func:`_coords`);
+* :func:`_local_graph` is the rank-local code the real code generator emits for one node;
+* :func:`_run_lockstep` runs it for all ranks at once, simulating each call to
+  ``autopar.codegen.collectives`` over the ranks of its mesh-axis group with
+  :class:`_GroupCollective` (the real collective's forward and backward);
+* :func:`_assemble` rebuilds the global value from the pieces (concatenate shards, sum partials,
+  require replicas to agree).
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Sequence
+
+import torch
+import torch.fx as fx
+import torch.utils._pytree as pytree
+from torch.distributed.tensor.placement_types import Placement
+
+from autopar.codegen import collectives as C
+from autopar.codegen.lower import LOWERINGS, emit_reshard
+from autopar.passes.costs import f_axes
+from autopar.passes.rules import tensor_inputs
+from autopar.passes.strategies import Strategy
+from autopar.placement import is_partial, is_shard
+
+aten = torch.ops.aten
+Coord = tuple[int, ...]
+
+
+# --------------------------------------------------------------------------------------------------
+# mesh helpers
+# --------------------------------------------------------------------------------------------------
+
+
+def _coords(mesh_shape: Sequence[int]) -> list[Coord]:
+    """Rank coordinates, row-major (last axis fastest): rank r is ``_coords(mesh)[r]``."""
+    return list(itertools.product(*[range(n) for n in mesh_shape]))
+
+
+def _tolerance(dtype: torch.dtype) -> float:
+    if dtype == torch.float64:
+        return 1e-9
+    if dtype == torch.float32:
+        return 2e-5
+    if dtype.is_floating_point:
+        return 2e-2
+    return 0.0
+
+
+def _summands(x: torch.Tensor, n: int, gen: torch.Generator) -> list[torch.Tensor]:
+    """``n`` random tensors that add up to ``x`` (bool: ``x`` on coordinate 0, False elsewhere)."""
+    if n == 1:
+        return [x]
+    if x.dtype == torch.bool:
+        return [x] + [torch.zeros_like(x)] * (n - 1)
+    if x.dtype.is_floating_point or x.dtype.is_complex:
+        scale = float(x.abs().mean()) + 1.0 if x.numel() else 1.0
+        noise = [
+            torch.randn(x.shape, generator=gen, dtype=torch.float64).to(x.dtype) * scale for _ in range(n - 1)
+        ]
+    else:
+        noise = [torch.randint(-5, 6, x.shape, generator=gen).to(x.dtype) for _ in range(n - 1)]
+    return noise + [x - sum(noise)]
+
+
+def _distribute(
+    x: torch.Tensor,
+    spec: Sequence[Placement],
+    mesh_shape: Sequence[int],
+    gen: torch.Generator,
+    grad_conv=False,
+) -> dict[Coord, torch.Tensor]:
+    """Each rank's local piece of global ``x`` under ``spec``. With ``grad_conv`` (gradients),
+    Partial is treated like Replicate: the full gradient on every rank."""
+    pieces: dict[Coord, torch.Tensor] = {(): x}
+    for a, n in enumerate(mesh_shape):
+        p = spec[a]
+        nxt: dict[Coord, torch.Tensor] = {}
+        for c, v in pieces.items():
+            if is_shard(p):
+                parts = list(torch.chunk(v, n, p.dim))
+            elif is_partial(p) and not grad_conv:
+                parts = _summands(v, n, gen)
+            else:
+                parts = [v] * n
+            for i in range(n):
+                nxt[c + (i,)] = parts[i]
+        pieces = nxt
+    return pieces
+
+
+def _max_err(got: torch.Tensor, ref: torch.Tensor) -> float:
+    """max |got - ref| / (1 + max |ref|); exact for non-float; inf on shape mismatch or stray NaN."""
+    if tuple(got.shape) != tuple(ref.shape):
+        return math.inf
+    if not ref.dtype.is_floating_point and not ref.dtype.is_complex:
+        return 0.0 if torch.equal(got.to(ref.dtype), ref) else 1.0
+    if got.numel() == 0:
+        return 0.0
+    g, r = got.detach().to(torch.float64), ref.detach().to(torch.float64)
+    gn, rn = torch.isnan(g), torch.isnan(r)
+    if not torch.equal(gn, rn):
+        return math.inf
+    g, r = g.masked_fill(gn, 0.0), r.masked_fill(rn, 0.0)
+    gi, ri = torch.isinf(g), torch.isinf(r)
+    if not torch.equal(gi, ri) or not torch.equal(g[gi], r[ri]):
+        return math.inf
+    g, r = g.masked_fill(gi, 0.0), r.masked_fill(ri, 0.0)
+    return float((g - r).abs().max()) / (1.0 + float(r.abs().max()))
+
+
+def _assemble(
+    pieces: dict[Coord, torch.Tensor], spec: Sequence[Placement], mesh_shape: Sequence[int], grad_conv=False
+) -> tuple[torch.Tensor, float]:
+    """Inverse of :func:`_distribute`: the global value, and the largest disagreement between ranks
+    that must agree (Replicate; Partial too with ``grad_conv``)."""
+    spread = 0.0
+    for a in reversed(range(len(mesh_shape))):
+        p, n = spec[a], mesh_shape[a]
+        nxt: dict[Coord, torch.Tensor] = {}
+        for c in {c[:a] for c in pieces}:
+            parts = [pieces[c + (i,)] for i in range(n)]
+            if is_shard(p):
+                nxt[c] = torch.cat(parts, dim=p.dim)
+            elif is_partial(p) and not grad_conv:
+                if parts[0].dtype == torch.bool:
+                    nxt[c] = torch.stack(parts).any(0)
+                else:
+                    nxt[c] = torch.stack(parts).sum(0).to(parts[0].dtype)
+            else:
+                for q in parts[1:]:
+                    spread = max(spread, _max_err(q, parts[0]))
+                nxt[c] = parts[0]
+        pieces = nxt
+    return pieces[()], spread
+
+
+# --------------------------------------------------------------------------------------------------
+# simulated collectives (same forward and backward as codegen/collectives.py, over a list of ranks)
+# --------------------------------------------------------------------------------------------------
+
+
+def _sim_fwd(kind: str, dim: int, xs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    n = len(xs)
+    if kind == "all_gather":
+        full = torch.cat([x.contiguous() for x in xs], dim=dim)
+        return [full.clone() for _ in xs]
+    if kind == "chunk":
+        return [x.chunk(n, dim=dim)[c].contiguous() for c, x in enumerate(xs)]
+    if kind == "all_reduce":
+        total = torch.stack([x.contiguous() for x in xs]).sum(0).to(xs[0].dtype)
+        return [total.clone() for _ in xs]
+    if kind == "reduce_scatter":
+        total = torch.stack([x.contiguous() for x in xs]).sum(0).to(xs[0].dtype)
+        return [total.chunk(n, dim=dim)[c].contiguous() for c in range(n)]
+    if kind == "to_partial":
+        return [x.clone() if c == 0 else torch.zeros_like(x) for c, x in enumerate(xs)]
+    if kind == "f":
+        return [x.clone() for x in xs]
+    raise AssertionError(kind)
+
+
+_BWD = {  # backward of each collective is another collective (see the table in collectives.py)
+    "all_gather": "chunk",
+    "chunk": "all_gather",
+    "all_reduce": "identity",
+    "reduce_scatter": "all_gather",
+    "to_partial": "identity",
+    "f": "all_reduce",
+}
+
+
+class _GroupCollective(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, kind, dim, fused_f, *xs):
+        ctx.kind, ctx.dim, ctx.fused_f = kind, dim, fused_f
+        outs = _sim_fwd(kind, dim, xs)
+        ctx.mark_non_differentiable(*[o for o in outs if not o.dtype.is_floating_point])
+        return tuple(outs)
+
+    @staticmethod
+    def backward(ctx, *gs):
+        kind = _BWD[ctx.kind]
+        if ctx.kind == "all_gather" and ctx.fused_f:
+            kind = "reduce_scatter"
+        grads = list(gs) if kind == "identity" else _sim_fwd(kind, ctx.dim, gs)
+        return (None, None, None, *grads)
+
+
+_SIMULATED = {  # collective -> (kind, index of dim argument or None, index of axis argument)
+    C.all_gather: ("all_gather", 1, 2),
+    C.chunk: ("chunk", 1, 2),
+    C.all_reduce: ("all_reduce", None, 1),
+    C.reduce_scatter: ("reduce_scatter", 1, 2),
+    C.to_partial: ("to_partial", None, 1),
+    C.f: ("f", None, 1),
+}
+
+
+def _run_collective(target, args: tuple, kwargs: dict, env_x: list, coords: list[Coord]) -> list:
+    kind, dim_i, axis_i = _SIMULATED[target]
+    flat = list(args) + list(kwargs.values())
+    axis = flat[axis_i]
+    dim = flat[dim_i] if dim_i is not None else 0
+    fused = bool(flat[3]) if kind == "all_gather" and len(flat) > 3 else False
+    out: list = [None] * len(coords)
+    groups: dict[Coord, list[int]] = {}
+    for r, c in enumerate(coords):
+        groups.setdefault(c[:axis] + c[axis + 1 :], []).append(r)  # in coordinate order along axis
+    for ranks in groups.values():
+        res = _GroupCollective.apply(kind, dim, fused, *[env_x[r] for r in ranks])
+        for r, v in zip(ranks, res):
+            out[r] = v
+    return out
+
+
+# --------------------------------------------------------------------------------------------------
+# the local program of one node
+# --------------------------------------------------------------------------------------------------
+
+
+def _local_graph(node: fx.Node, strategy: Strategy, mesh_shape: Sequence[int]) -> fx.Graph:
+    """The rank-local code ``codegen.lower.lower`` generates for ``node``, inputs already in place."""
+    g = fx.Graph()
+    ins = tensor_inputs(node)
+    phs = []
+    for k, src in enumerate(ins):
+        ph = g.placeholder(f"in{k}")
+        ph.meta = dict(src.meta)
+        phs.append(ph)
+    leaves, tree = pytree.tree_flatten((node.args, node.kwargs))
+    k = 0
+    new_leaves = []
+    for leaf in leaves:
+        if isinstance(leaf, fx.Node) and isinstance(leaf.meta.get("val"), torch.Tensor):
+            fops = f_axes(strategy, k) if leaf.meta["val"].dtype.is_floating_point else ()
+            s = strategy.ins[k]
+            new_leaves.append(emit_reshard(g, phs[k], s, s, mesh_shape, fops))
+            k += 1
+        elif isinstance(leaf, fx.Node):
+            new_leaves.append(_constant_of(leaf))
+        else:
+            new_leaves.append(leaf)
+    args, kwargs = pytree.tree_unflatten(new_leaves, tree)
+    fn = LOWERINGS.get(node.target)
+    out = (
+        fn(g, node, args, kwargs, strategy, mesh_shape) if fn else g.call_function(node.target, args, kwargs)
+    )
+    g.output(out)
+    return g
+
+
+def _constant_of(leaf: fx.Node):
+    """A non-tensor node argument (a get_attr submodule, a static SymInt): its value."""
+    if leaf.op == "get_attr" and leaf.graph.owning_module is not None:
+        obj = leaf.graph.owning_module
+        for part in str(leaf.target).split("."):
+            obj = getattr(obj, part)
+        return obj
+    if "val" in leaf.meta and not isinstance(leaf.meta["val"], torch.Tensor):
+        return leaf.meta["val"]
+    raise NotImplementedError(f"cannot validate {leaf.op} {leaf.name} used as a non-tensor argument")
+
+
+def _run_lockstep(g: fx.Graph, local_inputs: list[list[torch.Tensor]], coords: list[Coord]) -> list:
+    """Run ``g`` for every rank; ``local_inputs[k][r]`` is input k on rank r. Returns outputs per rank."""
+    env: dict[fx.Node, list] = {}
+    k = 0
+    for n in g.nodes:
+        if n.op == "placeholder":
+            env[n] = local_inputs[k]
+            k += 1
+        elif n.op == "call_function":
+            if n.target is C.coordinate:  # each simulated rank's own coordinate on the axis
+                env[n] = [c[n.args[0]] for c in coords]
+            elif n.target in _SIMULATED:
+                x = n.args[0]
+                args = fx.node.map_arg(n.args, lambda a: None)
+                kwargs = fx.node.map_arg(n.kwargs, lambda a: None)
+                env[n] = _run_collective(n.target, args, kwargs, env[x], coords)
+            else:
+                outs = []
+                for r in range(len(coords)):
+                    args = fx.node.map_arg(n.args, lambda a, r=r: env[a][r])
+                    kwargs = fx.node.map_arg(n.kwargs, lambda a, r=r: env[a][r])
+                    outs.append(n.target(*args, **kwargs))
+                env[n] = outs
+        elif n.op == "output":
+            return env[n.args[0]]
+        else:
+            raise NotImplementedError(f"unexpected {n.op} in a local graph")
+    raise AssertionError("graph without output")
+
+
+def _is_random(node: fx.Node) -> bool:
+    target = node.target
+    if target is aten.dropout.default:
+        p = node.args[1] if len(node.args) > 1 else node.kwargs.get("p", 0.5)
+        train = node.args[2] if len(node.args) > 2 else node.kwargs.get("train", True)
+        return bool(p) and bool(train)
+    if target is aten.scaled_dot_product_attention.default:
+        p = node.args[4] if len(node.args) > 4 else node.kwargs.get("dropout_p", 0.0)
+        return bool(p)
+    tags = getattr(target, "tags", ())
+    return torch.Tag.nondeterministic_seeded in tags
