@@ -26,7 +26,7 @@ import torch.utils._pytree as pytree
 from autopar.codegen import collectives as C
 from autopar.codegen import local_ops as L
 from autopar.passes.costs import f_axes
-from autopar.passes.rules import _norm
+from autopar.passes.rules import _norm, map_args
 from autopar.passes.strategies import Strategy
 from autopar.passes.trace import Role, TracedGraph
 from autopar.placement import Spec, is_partial, is_replicate, is_shard, local_shape, replicated
@@ -247,21 +247,14 @@ def lower(
             spec[node] = spec[node.args[0]]
         elif node.op == "call_function":
             s = choice[node.name]
-            leaves, tree = pytree.tree_flatten((node.args, node.kwargs))
-            k = 0
-            new_leaves = []
-            for leaf in leaves:
-                if isinstance(leaf, fx.Node) and isinstance(leaf.meta.get("val"), torch.Tensor):
-                    fops = (
-                        f_axes(s, k) if leaf.meta["val"].dtype.is_floating_point else ()
-                    )  # no gradient otherwise
-                    new_leaves.append(emit_reshard(g, env[leaf], spec[leaf], s.ins[k], mesh_shape, fops))
-                    k += 1
-                elif isinstance(leaf, fx.Node):
-                    new_leaves.append(env[leaf])
-                else:
-                    new_leaves.append(map_device(leaf))
-            args, kwargs = pytree.tree_unflatten(new_leaves, tree)
+
+            def reshard(k, leaf, s=s):
+                fops = (
+                    f_axes(s, k) if leaf.meta["val"].dtype.is_floating_point else ()
+                )  # no gradient otherwise
+                return emit_reshard(g, env[leaf], spec[leaf], s.ins[k], mesh_shape, fops)
+
+            args, kwargs = map_args(node, reshard, env.__getitem__, map_device)
             fn = LOWERINGS.get(node.target)
             out = (
                 fn(g, node, args, kwargs, s, mesh_shape) if fn else g.call_function(node.target, args, kwargs)

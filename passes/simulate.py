@@ -22,13 +22,12 @@ from collections.abc import Sequence
 
 import torch
 import torch.fx as fx
-import torch.utils._pytree as pytree
 from torch.distributed.tensor.placement_types import Placement
 
 from autopar.codegen import collectives as C
 from autopar.codegen.lower import LOWERINGS, emit_reshard
 from autopar.passes.costs import f_axes
-from autopar.passes.rules import tensor_inputs
+from autopar.passes.rules import map_args, tensor_inputs
 from autopar.passes.strategies import Strategy
 from autopar.placement import is_partial, is_shard
 
@@ -237,20 +236,12 @@ def _local_graph(node: fx.Node, strategy: Strategy, mesh_shape: Sequence[int]) -
         ph = g.placeholder(f"in{k}")
         ph.meta = dict(src.meta)
         phs.append(ph)
-    leaves, tree = pytree.tree_flatten((node.args, node.kwargs))
-    k = 0
-    new_leaves = []
-    for leaf in leaves:
-        if isinstance(leaf, fx.Node) and isinstance(leaf.meta.get("val"), torch.Tensor):
-            fops = f_axes(strategy, k) if leaf.meta["val"].dtype.is_floating_point else ()
-            s = strategy.ins[k]
-            new_leaves.append(emit_reshard(g, phs[k], s, s, mesh_shape, fops))
-            k += 1
-        elif isinstance(leaf, fx.Node):
-            new_leaves.append(_constant_of(leaf))
-        else:
-            new_leaves.append(leaf)
-    args, kwargs = pytree.tree_unflatten(new_leaves, tree)
+
+    def in_place(k, leaf):
+        fops = f_axes(strategy, k) if leaf.meta["val"].dtype.is_floating_point else ()
+        return emit_reshard(g, phs[k], strategy.ins[k], strategy.ins[k], mesh_shape, fops)
+
+    args, kwargs = map_args(node, in_place, _constant_of)
     fn = LOWERINGS.get(node.target)
     out = (
         fn(g, node, args, kwargs, strategy, mesh_shape) if fn else g.call_function(node.target, args, kwargs)

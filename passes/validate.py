@@ -63,7 +63,7 @@ import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
 
-from autopar.passes.rules import RULES, make_ctx, tensor_inputs
+from autopar.passes.rules import RULES, make_ctx, map_args, tensor_inputs
 from autopar.passes.simulate import (
     _assemble,
     _constant_of,
@@ -196,17 +196,7 @@ def check_strategy(
 
     # dense reference
     dense_in = [x.clone().requires_grad_(f and backward) for x, f in zip(globals_, floating)]
-    leaves, tree = pytree.tree_flatten((node.args, node.kwargs))
-    k, dense_leaves = 0, []
-    for leaf in leaves:
-        if isinstance(leaf, fx.Node) and isinstance(leaf.meta.get("val"), torch.Tensor):
-            dense_leaves.append(dense_in[k])
-            k += 1
-        elif isinstance(leaf, fx.Node):
-            dense_leaves.append(_constant_of(leaf))
-        else:
-            dense_leaves.append(leaf)
-    d_args, d_kwargs = pytree.tree_unflatten(dense_leaves, tree)
+    d_args, d_kwargs = map_args(node, lambda k, _: dense_in[k], _constant_of)
     dense_out = node.target(*d_args, **d_kwargs)
     dense_outs = [t for t in pytree.tree_leaves(dense_out) if isinstance(t, torch.Tensor)]
     out_dtype = dense_outs[0].dtype if dense_outs else torch.float64

@@ -78,10 +78,34 @@ def register(*ops) -> Callable[[RuleFn], RuleFn]:
     return deco
 
 
+def _is_tensor_node(a) -> bool:
+    return isinstance(a, fx.Node) and isinstance(a.meta.get("val"), torch.Tensor)
+
+
 def tensor_inputs(node: fx.Node) -> list[fx.Node]:
     """Tensor-valued input nodes in flattened (args, kwargs) order: the order ``ins`` refers to."""
-    leaves = pytree.tree_leaves((node.args, node.kwargs))
-    return [a for a in leaves if isinstance(a, fx.Node) and isinstance(a.meta.get("val"), torch.Tensor)]
+    return [a for a in pytree.tree_leaves((node.args, node.kwargs)) if _is_tensor_node(a)]
+
+
+def map_args(
+    node: fx.Node,
+    tensor: Callable[[int, fx.Node], Any],
+    other_node: Callable[[fx.Node], Any],
+    value: Callable[[Any], Any] = lambda v: v,
+) -> tuple[tuple, dict]:
+    """``node``'s (args, kwargs) with its k-th tensor input (``tensor_inputs`` order) replaced by
+    ``tensor(k, input)``, any other node by ``other_node(it)`` and every other leaf by ``value(it)``."""
+    leaves, tree = pytree.tree_flatten((node.args, node.kwargs))
+    out, k = [], 0
+    for leaf in leaves:
+        if _is_tensor_node(leaf):
+            out.append(tensor(k, leaf))
+            k += 1
+        elif isinstance(leaf, fx.Node):
+            out.append(other_node(leaf))
+        else:
+            out.append(value(leaf))
+    return pytree.tree_unflatten(out, tree)
 
 
 def make_ctx(node: fx.Node) -> OpCtx:
