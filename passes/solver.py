@@ -209,7 +209,7 @@ def fold_followers(tables: CostTables, exact: bool | None = None) -> Folded:
                 continue
             (u,) = srcs
             if exact:
-                response = _dominant_responses(cand, u, edges, cost[cand], len(strategies[u]))
+                response = _dominant_responses(cand, edges, cost[cand], len(strategies[u]))
             else:
                 response = _best_responses(cand, edges, cost[cand], len(strategies[u]))
             if response is not None:
@@ -220,8 +220,7 @@ def fold_followers(tables: CostTables, exact: bool | None = None) -> Folded:
             break
         into = [e for e in edges if e.dst == v]
         for a, b in enumerate(response):
-            totals = [sum(e.cost[a][b] for e in into) + cost[v][b] for b in range(len(strategies[v]))]
-            cost[u][a] += totals[b]
+            cost[u][a] += sum(e.cost[a][b] for e in into) + cost[v][b]
             mem[u][a] += sum(e.mem[a][b] for e in into) + mem[v][b]
             if v in peak:  # transients do not add up: the largest counts
                 pu = peak.setdefault(u, [0.0] * len(strategies[u]))
@@ -243,16 +242,17 @@ def _best_responses(v: str, edges: list[Edge], v_cost: list[float], na: int) -> 
     """For each strategy a of the producer, v's cheapest response counting what its consumers pay
     at least to take its output (their own choices still open): a heuristic, see fold_followers."""
     into = [e for e in edges if e.dst == v]
+    out = [e for e in edges if e.src == v and e.dst != v]
     nb = len(v_cost)
-    ahead = [sum(min(e.cost[b]) for e in edges if e.src == v and e.dst != v) for b in range(nb)]
+    ahead = [sum(min(e.cost[b]) for e in out) for b in range(nb)]
     return [
         min(range(nb), key=lambda b: sum(e.cost[a][b] for e in into) + v_cost[b] + ahead[b])
         for a in range(na)
     ]
 
 
-def _dominant_responses(v: str, u: str, edges: list[Edge], v_cost: list[float], na: int) -> list[int] | None:
-    """For each strategy a of u, the response b of follower v that is best whatever v's consumers
+def _dominant_responses(v: str, edges: list[Edge], v_cost: list[float], na: int) -> list[int] | None:
+    """For each strategy a of v's producer u, the response b of v that is best whatever v's consumers
     choose: ``t[a, b] + sum_e max_c (c[e, b, c] - c[e, b', c]) <= t[a, b']`` for every b', with
     ``t[a, b] = c[u->v, a, b] + c[v, b]``. None if some a has no such b: then v stays a variable
     (folding it would fix a choice that depends on the consumers, and lose optimality)."""
