@@ -180,7 +180,6 @@ def search(
         min_needed = min(min_needed, mem_needed)
         exact = fold_followers(tables, exact=True)  # keeps the optimum: the bound is valid on it
         bound = lower_bound(tables, exact)
-        folded = exact if edge_pairs(tables) <= EXACT_FOLD_MAX_PAIRS else fold_followers(tables, exact=False)
         entry = {"mesh_shape": list(mesh), "lower_bound": bound}
         if roles:
             entry["axis_roles"] = [r.value for r in roles]
@@ -195,6 +194,8 @@ def search(
             _progress(progress, f"solve: mesh {label}: lower bound {bound * 1e3:.3f} ms >= best: pruned")
             continue
         # -- solve ----------------------------------------------------------------------------------
+        # the ILP's tables: only meshes that get solved pay for this fold
+        folded = exact if edge_pairs(tables) <= EXACT_FOLD_MAX_PAIRS else fold_followers(tables, exact=False)
         sol = solve(tables, limit, time_limit_s, folded=folded)
         if sol is None:
             candidates.append({**entry, "status": "infeasible", "objective": None})
