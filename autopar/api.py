@@ -22,12 +22,13 @@ import torch
 import torch.distributed as dist
 
 from autopar.cluster import ClusterSpec
-from autopar.cost_model.comm import CommModel, axis_link
+from autopar.cost_model.comm import Collective, CommModel, axis_link
 from autopar.cost_model.profiler import OpProfiler, resolve_profiler
 from autopar.errors import DistributedSetupError, NoPlanFitsError, PlanFormatError
 from autopar.passes.analyze import NodeInfo, analyze
 from autopar.passes.coarsen import find_classes
 from autopar.passes.costs import CostTables, Optimizer, build_costs, f_axes, resolve_source
+from autopar.passes.grad_sync import GradSyncCost, price_grad_sync
 from autopar.passes.rules import tensor_inputs
 from autopar.passes.solver import (
     EXACT_FOLD_MAX_PAIRS,
@@ -132,7 +133,8 @@ def search(
             if not axis_roles or len(m) == len(axis_roles)
         ]
 
-    best: tuple[float, tuple, Solution, CostTables, float] | None = None
+    best: tuple[float, tuple, Solution, CostTables, float, GradSyncCost] | None = None
+    best_objective = math.inf
     candidates = []
     min_needed = math.inf
     mirrors: dict[tuple, tuple] = {}
@@ -189,7 +191,9 @@ def search(
                 progress, f"solve: mesh {label}: needs >= {mem_needed / 2**30:.2f} GiB per device: skipped"
             )
             continue
-        if best is not None and bound >= best[0]:
+        # pruning compares the tables' totals (the bound is one of those); the overlap adjustment
+        # below re-ranks the meshes that get solved
+        if bound >= best_objective:
             candidates.append({**entry, "status": "pruned", "objective": None})
             _progress(progress, f"solve: mesh {label}: lower bound {bound * 1e3:.3f} ms >= best: pruned")
             continue
@@ -201,7 +205,11 @@ def search(
             candidates.append({**entry, "status": "infeasible", "objective": None})
             _progress(progress, f"solve: mesh {label}: no plan fits {limit / 2**30:.2f} GiB per device")
             continue
-        t_step = sol.objective  # the full price of the choice (solve evaluates it)
+        # the full price of the choice (solve evaluates it), with the gradient all-reduces as they run:
+        # once per parameter, partly behind backward compute (passes/grad_sync.py)
+        gs = _grad_sync_cost(tg, infos, tables, sol, cluster, mesh)
+        t_step = sol.objective + gs.adjustment_s
+        best_objective = min(best_objective, sol.objective)
         candidates.append({**entry, "status": sol.status, "objective": t_step})
         _progress(
             progress,
@@ -213,20 +221,17 @@ def search(
                 json.dumps({"status": sol.status, "objective": t_step, "choice": sol.choice}, indent=0)
             )
         if best is None or t_step < best[0] - 1e-12:
-            best = (t_step, mesh, sol, tables, bound)
+            best = (t_step, mesh, sol, tables, bound, gs)
     if best is None:
         raise NoPlanFitsError(
             f"no plan fits: needs at least {min_needed / 2**30:.2f} GiB per device, the limit is "
             f"{limit / 2**30:.2f} GiB ({cluster.device.name}, {cluster.world_size} devices); try more devices, "
             "a smaller batch or sequence, another mesh_shape or a larger memory_limit_bytes"
         )
-    _, mesh, sol, tables, bound = best
-    members = tables.classes.members
-    choice = _with_getitems(
-        tg, {m: tables.strategies[v][i] for v, i in sol.choice.items() for m in members[v]}
-    )
+    _, mesh, sol, tables, bound, gs = best
+    choice = _expanded_choice(tg, tables, sol)
     # -- plan -------------------------------------------------------------------------------------
-    plan = _make_plan(tg, infos, tables, sol, choice, cluster, mesh, optimizer, candidates, bound)
+    plan = _make_plan(tg, infos, tables, sol, choice, cluster, mesh, optimizer, candidates, bound, gs)
     if dump:
         plan.save(dump / "5_plan.json")
     _progress(progress, f"plan: mesh {mesh}, {time.perf_counter() - t0:.1f} s in all")
@@ -256,6 +261,25 @@ def _data_parallel_axis(
     return {v: tables.strategies[v][i] for v, i in sol.choice.items()}
 
 
+def _expanded_choice(tg: TracedGraph, tables: CostTables, sol: Solution) -> dict[str, Strategy]:
+    """Every node's strategy: its class representative's, getitems their producer's."""
+    members = tables.classes.members
+    return _with_getitems(tg, {m: tables.strategies[v][i] for v, i in sol.choice.items() for m in members[v]})
+
+
+def _node_compute(tables: CostTables, sol: Solution, node: str) -> float:
+    """Seconds of one node's compute (forward + backward, or its optimizer step) in the solution."""
+    classes = tables.classes
+    rep = classes.rep.get(node)
+    return tables.node_cost[rep][sol.choice[rep]] / classes.count(rep) if rep else 0.0
+
+
+def _grad_sync_cost(tg, infos, tables: CostTables, sol: Solution, cluster: ClusterSpec, mesh) -> GradSyncCost:
+    choice = _expanded_choice(tg, tables, sol)
+    compute = {n: _node_compute(tables, sol, n) for n in choice}
+    return price_grad_sync(tg, infos, choice, compute, CommModel(cluster, mesh), cluster.device.comm_overlap)
+
+
 def _with_getitems(tg: TracedGraph, choice: dict[str, Strategy]) -> dict[str, Strategy]:
     out = dict(choice)
     for n in tg.graph.nodes:
@@ -266,9 +290,8 @@ def _with_getitems(tg: TracedGraph, choice: dict[str, Strategy]) -> dict[str, St
     return out
 
 
-def _make_plan(tg, infos, tables, sol, choice, cluster, mesh, optimizer, candidates, bound) -> Plan:
-    classes = tables.classes
-    comm_in, colls = _node_collectives(tg, infos, choice, CommModel(cluster, mesh))
+def _make_plan(tg, infos, tables, sol, choice, cluster, mesh, optimizer, candidates, bound, gs) -> Plan:
+    comm_in, colls = _node_collectives(tg, infos, choice, CommModel(cluster, mesh), gs.deferred)
     decisions = []
     param_b = grad_b = 0.0
     compute = 0.0
@@ -277,8 +300,7 @@ def _make_plan(tg, infos, tables, sol, choice, cluster, mesh, optimizer, candida
             continue
         info = infos[n.name]
         s = choice[n.name]
-        rep = classes.rep.get(n.name)
-        cost = tables.node_cost[rep][sol.choice[rep]] / classes.count(rep) if rep else 0.0
+        cost = _node_compute(tables, sol, n.name)
         vol = volume_factor(s.out, mesh)
         if info.role is Role.PARAM:
             param_b += info.out_bytes / vol
@@ -299,6 +321,7 @@ def _make_plan(tg, infos, tables, sol, choice, cluster, mesh, optimizer, candida
             )
         )
     t_step, mem = evaluate(tables, sol.choice)
+    t_step += gs.adjustment_s
     comm = t_step - compute
     opt_b = grad_b * optimizer.value
     act_b = mem - param_b - grad_b - opt_b - _buffers_inputs(infos, choice, mesh)
@@ -311,6 +334,7 @@ def _make_plan(tg, infos, tables, sol, choice, cluster, mesh, optimizer, candida
         grad_bytes=int(grad_b),
         optimizer_bytes=int(opt_b),
         activation_bytes=int(max(act_b, 0.0)),
+        grad_sync_hidden_s=gs.hidden_s,
     )
     return Plan(
         fingerprint=tg.fingerprint(),
@@ -332,9 +356,10 @@ def _make_plan(tg, infos, tables, sol, choice, cluster, mesh, optimizer, candida
     )
 
 
-def _node_collectives(tg: TracedGraph, infos, choice: dict[str, Strategy], comm: CommModel):
+def _node_collectives(tg: TracedGraph, infos, choice: dict[str, Strategy], comm: CommModel, deferred):
     """Per node: seconds and names of the collectives that bring its inputs to the placements it
-    takes (priced as in the cost tables' edges, but per graph edge, not per class of edges)."""
+    takes (priced as in the cost tables' edges, but per graph edge, not per class of edges); a
+    parameter's ``deferred`` gradient all-reduce is listed on the parameter."""
     seconds: dict[str, float] = {}
     names: dict[str, list[str]] = {}
     for n in tg.graph.nodes:
@@ -346,12 +371,15 @@ def _node_collectives(tg: TracedGraph, infos, choice: dict[str, Strategy], comm:
             if src not in choice:
                 continue
             info = infos[inp.name]
-            c, called = comm.reshard(
-                choice[src].out, s.ins[i], info.out_bytes, info.requires_grad, f_axes(s, i)
-            )
+            f = tuple(a for a in f_axes(s, i) if a not in deferred.get(src, ()))
+            c, called = comm.reshard(choice[src].out, s.ins[i], info.out_bytes, info.requires_grad, f)
             if called:
                 seconds[n.name] = seconds.get(n.name, 0.0) + c
                 names.setdefault(n.name, []).extend(called)
+    for p, axes in deferred.items():
+        nbytes = infos[p].out_bytes / volume_factor(choice[p].out, comm.mesh_shape)
+        seconds[p] = sum(comm.time(Collective.ALL_REDUCE, nbytes, a) for a in axes)
+        names[p] = [f"all_reduce(axis {a}, overlapped)" for a in axes]
     return seconds, names
 
 

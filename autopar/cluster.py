@@ -62,8 +62,16 @@ _CLUSTER_KEYS = (
     "host_memory_bytes",
     "host_link",
 )
-_DEVICE_KEYS = ("name", "peak_flops", "memory_bytes", "memory_bandwidth", "kernel_launch_s", "host_cores")
-_DEVICE_OPTIONAL = ("kernel_launch_s", "host_cores")
+_DEVICE_KEYS = (
+    "name",
+    "peak_flops",
+    "memory_bytes",
+    "memory_bandwidth",
+    "kernel_launch_s",
+    "host_cores",
+    "comm_overlap",
+)
+_DEVICE_OPTIONAL = ("kernel_launch_s", "host_cores", "comm_overlap")
 _LINK_KEYS = ("bandwidth", "latency", "ranges")
 
 

@@ -26,6 +26,9 @@ Fields
   not share. The peak figures are one rank's when it has a core to itself; with more ranks than
   cores, compute is priced ``devices_per_node / host_cores`` times slower
   (:attr:`ClusterSpec.compute_slowdown`).
+* ``comm_overlap``: in [0, 1], the fraction of the ideal overlap of a gradient all-reduce with
+  concurrent backward compute that the device realizes (``cost_model/overlap.py``); 0 prices
+  overlapped collectives as if they ran inline. ``autopar calibrate`` measures it.
 
 Where preset figures come from: ``autopar/presets.py``.
 """
@@ -180,9 +183,14 @@ class DeviceSpec:
     memory_bandwidth: float
     kernel_launch_s: float = DEFAULT_KERNEL_LAUNCH_S
     host_cores: int = 0
+    comm_overlap: float = 0.0
 
     def __post_init__(self) -> None:
         _check_name("DeviceSpec.name", self.name)
+        overlap = _check_float("DeviceSpec.comm_overlap", self.comm_overlap, minimum=0.0, strict=False)
+        if overlap > 1.0:
+            raise ClusterSpecError(f"DeviceSpec.comm_overlap: got {overlap!r}; must be in [0, 1]")
+        object.__setattr__(self, "comm_overlap", overlap)
         object.__setattr__(
             self, "host_cores", _check_int("DeviceSpec.host_cores", self.host_cores, minimum=0)
         )
@@ -248,6 +256,7 @@ class DeviceSpec:
             "memory_bandwidth": self.memory_bandwidth,
             "kernel_launch_s": self.kernel_launch_s,
             "host_cores": self.host_cores,
+            "comm_overlap": self.comm_overlap,
         }
 
 

@@ -79,6 +79,8 @@ class Predicted:
     grad_bytes: int
     optimizer_bytes: int
     activation_bytes: int
+    # seconds of gradient all-reduce hidden behind backward compute (already out of step_time_s)
+    grad_sync_hidden_s: float = 0.0
 
     def __post_init__(self) -> None:
         if self.step_time_s < 0 or self.peak_memory_bytes < 0:
@@ -166,7 +168,8 @@ class Plan:
             f"plan for {self.model} on mesh {tuple(self.mesh_shape)} ({self.world_size} devices, "
             f"{self.cluster.get('name', '?')})",
             f"  predicted step time {p.step_time_s * 1e3:.3f} ms (compute {p.compute_s * 1e3:.3f} ms, "
-            f"communication {p.comm_s * 1e3:.3f} ms)",
+            f"communication {p.comm_s * 1e3:.3f} ms exposed, "
+            f"{p.grad_sync_hidden_s * 1e3:.3f} ms of gradient all-reduce hidden behind backward)",
             f"  predicted peak memory per device {p.peak_memory_bytes / 2**20:.2f} MiB (params "
             f"{p.param_bytes / 2**20:.2f}, grads {p.grad_bytes / 2**20:.2f}, optimizer {p.optimizer_bytes / 2**20:.2f}, "
             f"activations {p.activation_bytes / 2**20:.2f})",

@@ -21,6 +21,14 @@ Sources (numbers are repeated with their source next to each value below)
   system memory 2 TB (NVIDIA DGX datasheets).
 * [CUDA-LAUNCH] CUDA kernel launch overhead is a few microseconds (NVIDIA CUDA best-practices guide
   and common micro-benchmarks: ~3-5 us).
+* [OVERLAP] How much of an NCCL collective hides behind concurrent GEMMs has no datasheet figure.
+  Published bounds: an H100 GEMM sized to one wave of 132 SMs nearly doubles in time next to a
+  24-block NCCL all-gather (NVIDIA developer forum, "Compute-communication overlap causes severe
+  GEMM performance degradation because of tail effect", 2025: efficiency near 0 in that worst
+  case); arXiv 2606.09200 (Resource-aware computation-communication overlap, A100/H100/MI250X)
+  gets up to 25.5% lower total time only after reshaping kernel occupancy and stream priorities,
+  i.e. stock overlap is partial. GPU presets take 0.5, between those bounds; ``autopar
+  calibrate`` measures a cluster's own (``cost_model/overlap.py``).
 * ``cpu`` preset: modest numbers for one CPU training process (one core); ``host_cores`` is the
   number of cores this process may run on (``os.sched_getaffinity``); its loopback gloo
   link is what ``autopar calibrate`` measured on a small VM (collectives cost about a millisecond);
@@ -40,6 +48,7 @@ __all__ = ["PRESET_NAMES"]
 # presets (numbers with their source; see module docstring for the full references)
 # --------------------------------------------------------------------------------------------------
 
+_GPU_OVERLAP = 0.5  # [OVERLAP] fraction of the ideal gradient all-reduce / backward overlap realized
 _NVLINK_LATENCY = 3e-6  # [NCCL-TESTS] small-message NVLink/NVSwitch latency, a few us
 _IB_LATENCY = 5e-6  # [IB] small-message InfiniBand latency, a few us
 _PCIE_LATENCY = 10e-6  # small cudaMemcpy host<->device latency, ~10 us (common micro-benchmarks)
@@ -79,6 +88,7 @@ _DEVICES: dict[str, DeviceSpec] = {
         memory_bytes=40 * GiB,  # [A100-DS] 40 GB HBM2
         memory_bandwidth=1555e9,  # [A100-DS] 1,555 GB/s
         kernel_launch_s=DEFAULT_KERNEL_LAUNCH_S,  # [CUDA-LAUNCH]
+        comm_overlap=_GPU_OVERLAP,  # [OVERLAP]
     ),
     "a100-80gb": DeviceSpec(
         name="NVIDIA A100-SXM4-80GB",
@@ -86,6 +96,7 @@ _DEVICES: dict[str, DeviceSpec] = {
         memory_bytes=80 * GiB,  # [A100-DS] 80 GB HBM2e
         memory_bandwidth=2039e9,  # [A100-DS] 2,039 GB/s
         kernel_launch_s=DEFAULT_KERNEL_LAUNCH_S,  # [CUDA-LAUNCH]
+        comm_overlap=_GPU_OVERLAP,  # [OVERLAP]
     ),
     "h100-sxm": DeviceSpec(
         name="NVIDIA H100 80GB HBM3",
@@ -93,6 +104,7 @@ _DEVICES: dict[str, DeviceSpec] = {
         memory_bytes=80 * GiB,  # [H100-DS] 80 GB HBM3
         memory_bandwidth=3.35e12,  # [H100-DS] 3.35 TB/s
         kernel_launch_s=DEFAULT_KERNEL_LAUNCH_S,  # [CUDA-LAUNCH]
+        comm_overlap=_GPU_OVERLAP,  # [OVERLAP]
     ),
     "h200": DeviceSpec(
         name="NVIDIA H200",
@@ -100,6 +112,7 @@ _DEVICES: dict[str, DeviceSpec] = {
         memory_bytes=141 * GiB,  # [H200-DS] 141 GB HBM3e
         memory_bandwidth=4.8e12,  # [H200-DS] 4.8 TB/s
         kernel_launch_s=DEFAULT_KERNEL_LAUNCH_S,  # [CUDA-LAUNCH]
+        comm_overlap=_GPU_OVERLAP,  # [OVERLAP]
     ),
     "cpu": DeviceSpec(
         name="cpu",
@@ -107,6 +120,9 @@ _DEVICES: dict[str, DeviceSpec] = {
         memory_bytes=8 * GiB,  # RAM budget per process
         memory_bandwidth=20e9,  # conservative share of a DDR4/DDR5 socket's bandwidth
         kernel_launch_s=10e-6,  # eager PyTorch CPU op dispatch overhead, ~10 us
+        # gloo's threads compete with the ranks for cores: `autopar calibrate` measured 0.0-0.4 on
+        # the 2-core VM (4 and 2 processes); 0 prices overlapped all-reduces as inline
+        comm_overlap=0.0,
     ),
 }
 

@@ -7,9 +7,11 @@ import torch.distributed as dist
 import torch.utils._pytree as pytree
 from torch.distributed.device_mesh import init_device_mesh
 
+from autopar.codegen.grad_sync import GradSync
 from autopar.codegen.lower import lower, mangle
 from autopar.codegen.module import ParallelModule, local_piece
 from autopar.errors import DistributedSetupError
+from autopar.passes.grad_sync import deferred_grad_axes
 from autopar.passes.strategies import Strategy
 from autopar.passes.trace import Role, TracedGraph
 
@@ -53,7 +55,10 @@ def build_parallel_module(
         attrs[mangle(p.target)] = piece
         state_specs[p.target] = (mangle(p.target), spec)
 
-    gm = lower(tg, choice, plan.mesh_shape, device, attrs)
+    deferred = deferred_grad_axes(tg, choice, plan.mesh_shape)
+    gm = lower(tg, choice, plan.mesh_shape, device, attrs, deferred)
+    names = {p.name: p.target for p in tg.placeholders}
+    grad_sync = GradSync({n: (attrs[mangle(names[n])], axes) for n, axes in deferred.items()})
     args, kwargs = inputs
     flat = pytree.tree_leaves((args, kwargs))
     return ParallelModule(
@@ -68,4 +73,5 @@ def build_parallel_module(
         extra_state=extra,
         device=device,
         plan=plan,
+        grad_sync=grad_sync,
     )

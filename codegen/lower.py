@@ -210,8 +210,12 @@ def lower(
     mesh_shape: Sequence[int],
     device: torch.device,
     attrs: dict[str, torch.Tensor],
+    deferred: dict[str, tuple[int, ...]] | None = None,
 ) -> fx.GraphModule:
-    """Return the rank-local GraphModule; ``attrs`` maps mangled names to local parameter/buffer shards."""
+    """Return the rank-local GraphModule; ``attrs`` maps mangled names to local parameter/buffer shards.
+    ``deferred``: parameter placeholder -> axes whose "f" is left out because the accumulated
+    gradient is all-reduced after backward (``passes/grad_sync.py``, ``codegen/grad_sync.py``)."""
+    deferred = deferred or {}
     src_graph = tg.graph
     g = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
@@ -252,6 +256,8 @@ def lower(
                 fops = (
                     f_axes(s, k) if leaf.meta["val"].dtype.is_floating_point else ()
                 )  # no gradient otherwise
+                if leaf.name in deferred:
+                    fops = tuple(a for a in fops if a not in deferred[leaf.name])
                 return emit_reshard(g, env[leaf], spec[leaf], s.ins[k], mesh_shape, fops)
 
             args, kwargs = map_args(node, reshard, env.__getitem__, map_device)

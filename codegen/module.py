@@ -42,6 +42,7 @@ class ParallelModule(torch.nn.Module):
         extra_state: dict[str, torch.Tensor],
         device: torch.device,
         plan,
+        grad_sync=None,
     ):
         super().__init__()
         self.local = local
@@ -55,6 +56,7 @@ class ParallelModule(torch.nn.Module):
         self._aliases = aliases  # every state-dict name -> canonical FQN
         self._extra_state = extra_state  # state the graph never reads: kept as it was
         self._device = device
+        self.grad_sync = grad_sync  # codegen/grad_sync.GradSync: the overlapped gradient all-reduces
 
     @property
     def code(self) -> str:

@@ -57,6 +57,10 @@ process may use as ``DeviceSpec.host_cores`` and the cost model prices compute
   ``cost_model/compute.py`` prices a large GEMM at ``F / (peak * EFF_MAX)``, so the peak stored in
   the spec is ``rate / EFF_MAX``: the cost model then predicts the measured large-GEMM rate.
 
+Overlap (``cost_model/overlap.py:measure_overlap``), on every rank at once: how much of an
+all-reduce issued asynchronously is hidden behind concurrent compute, stored as
+``DeviceSpec.comm_overlap``.
+
 ``calibrate`` returns ``base`` with ``intra_node`` (and, on one node, ``inter_node``) replaced by
 the fitted link and the device's ``peak_flops['float32']``, ``memory_bandwidth`` and
 ``kernel_launch_s`` replaced by the measured values; ``out_path`` saves it as JSON.
@@ -78,6 +82,7 @@ import torch.distributed as dist
 
 from autopar.cluster import ClusterSpec, LinkSpec, usable_cores
 from autopar.cost_model.compute import BACKWARD_FACTOR, EFF_MAX
+from autopar.cost_model.overlap import measure_overlap
 
 __all__ = [
     "Sample",
@@ -409,6 +414,13 @@ class Calibration:
             f"(peak_flops float32 = {c['peak_flops'] / 1e9:.2f} GFLOP/s = effective / EFF_MAX), "
             f"memory {c['memory_bandwidth'] / 1e9:.2f} GB/s, per-op {c['kernel_launch_s'] * 1e6:.2f} us"
         )
+        o = c.get("overlap")
+        if o:
+            lines.append(
+                f"overlap: all-reduce of {o['nbytes'] / 2**20:.0f} MiB {o['t_comm'] * 1e3:.2f} ms, compute "
+                f"{o['t_compute'] * 1e3:.2f} ms, both at once {o['t_both'] * 1e3:.2f} ms: "
+                f"comm_overlap = {o['efficiency']:.2f}"
+            )
         lines.append(f"{'kind':<15} {'n':>2} {'bytes':>10} {'measured':>12} {'fitted':>12} {'rel.err':>8}")
         for s, e in zip(self.samples, self.errors):
             used = "" if s.kind in LINK_KINDS else "  (not fitted)"
@@ -428,7 +440,13 @@ def _measure_rank(sizes: Sequence[int], kinds: Sequence[str], repeats: int, quic
     # host's cores are priced by ClusterSpec.compute_slowdown (host_cores, recorded here for CPUs)
     box = [measure_compute(device, quick=quick) if dist.get_rank() == 0 else None]
     dist.broadcast_object_list(box, src=0)
-    return {"samples": samples, "compute": box[0], "host_cores": 0 if backend == "nccl" else usable_cores()}
+    overlap = measure_overlap(repeats=3 if quick else 7)  # every rank: an all-reduce under compute
+    return {
+        "samples": samples,
+        "compute": box[0],
+        "host_cores": 0 if backend == "nccl" else usable_cores(),
+        "overlap": overlap,
+    }
 
 
 def _rank_entry(rank: int, world: int, sizes, kinds, repeats, quick) -> dict:
@@ -459,6 +477,7 @@ def run_calibration(
         results = run_on_ranks(_rank_entry, world, sizes, KINDS, reps, quick)
     samples: list[Sample] = results[0]["samples"]
     compute = dict(results[0]["compute"])
+    compute["overlap"] = results[0]["overlap"]
     for key in ("peak_flops", "flops_effective", "memory_bandwidth", "kernel_launch_s"):
         compute[key] = statistics.median(r["compute"][key] for r in results)
     link = dataclasses.replace(
@@ -475,6 +494,7 @@ def run_calibration(
         memory_bandwidth=compute["memory_bandwidth"],
         kernel_launch_s=compute["kernel_launch_s"],
         host_cores=results[0]["host_cores"],
+        comm_overlap=results[0]["overlap"]["efficiency"],
     )
     over = {"device": device, "intra_node": link}
     if cluster.nodes == 1:

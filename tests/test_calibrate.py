@@ -137,13 +137,35 @@ def test_quick_calibration_on_two_processes_and_cli(tmp_path, capsys):
     dev = spec.device
     assert all(0 < v < math.inf for v in (dev.peak_flops_for("float32"), dev.memory_bandwidth))
     assert 0 < dev.kernel_launch_s < 1e-2
+    assert 0.0 <= dev.comm_overlap <= 1.0
     assert ClusterSpec.from_file(path) == spec
 
     cli_path = tmp_path / "cli_cluster.json"
     assert main(["calibrate", "--world-size", "2", "--out", str(cli_path), "--quick"]) == 0
     printed = capsys.readouterr().out
     assert "bandwidth" in printed and "rel.err" in printed and f"wrote {cli_path}" in printed
+    assert "comm_overlap" in printed
     loaded = ClusterSpec.from_file(cli_path)
     assert _positive_finite(loaded.intra_node) and json.loads(cli_path.read_text())["devices_per_node"] == 2
     # the file is what `autopar plan --cluster FILE` takes
     assert ClusterSpec.parse(str(cli_path)) == loaded
+
+
+@pytest.mark.slow
+def test_overlap_measurement_is_physical():
+    """Both at once take at least as long as the longer of the two alone (within noise), and at
+    most both in a row (plus noise); the efficiency follows from the three times."""
+    from autopar.launch import run_on_ranks
+
+    res = run_on_ranks(_overlap_rank, 2)
+    for r in res:
+        longer = max(r["t_compute"], r["t_comm"])
+        assert 0.7 * longer <= r["t_both"] <= 1.5 * (r["t_compute"] + r["t_comm"])
+        eff = (r["t_compute"] + r["t_comm"] - r["t_both"]) / min(r["t_compute"], r["t_comm"])
+        assert r["efficiency"] == pytest.approx(min(1.0, max(0.0, eff)))
+
+
+def _overlap_rank(rank, world):
+    from autopar.cost_model.overlap import measure_overlap
+
+    return measure_overlap(nbytes=2**20, repeats=3)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import socket
 
@@ -397,7 +398,6 @@ def test_local_gpu_backend_picks_closest_preset(monkeypatch):
 
 def test_cpu_ranks_sharing_cores_compute_slower_in_proportion():
     """4 ranks on 2 cores: every op and optimizer step is priced twice as long; a core each: as given."""
-    import dataclasses
 
     import autopar
     from autopar.examples import mlp
@@ -416,3 +416,19 @@ def test_cpu_ranks_sharing_cores_compute_slower_in_proportion():
         for c in (shared, own, dedicated)
     }
     assert compute[2] == pytest.approx(2 * compute[4]) and compute[4] == pytest.approx(compute[0])
+
+
+@pytest.mark.parametrize("bad", [-0.1, 1.5, float("nan"), "half"])
+def test_comm_overlap_must_be_a_fraction(bad):
+    base = ClusterSpec.preset("cpu")
+    with pytest.raises(ClusterSpecError, match="comm_overlap"):
+        dataclasses.replace(base.device, comm_overlap=bad)
+
+
+def test_comm_overlap_round_trips_and_defaults_to_inline():
+    base = ClusterSpec.preset("cpu")
+    spec = base.with_overrides(device=dataclasses.replace(base.device, comm_overlap=0.25))
+    assert ClusterSpec.from_dict(spec.to_dict()).device.comm_overlap == 0.25
+    d = spec.to_dict()
+    del d["device"]["comm_overlap"]  # a spec written before the field existed
+    assert ClusterSpec.from_dict(d).device.comm_overlap == 0.0

@@ -1,0 +1,84 @@
+"""Asynchronous gradient all-reduce of parameters, overlapped with the rest of backward.
+
+For the parameters ``passes/grad_sync.py`` selects (every use needs the same pure "f"), the
+generated graph has no "f"; instead each such parameter gets two hooks:
+
+* a tensor hook, which sees the gradient autograd is about to accumulate. If ``.grad`` already
+  holds a value (gradient accumulation over micro-batches) or this backward will not accumulate
+  into ``.grad`` (``torch.autograd.grad``), it all-reduces the incoming gradient inline, exactly
+  as the "f" would have: an accumulated gradient must never be reduced twice. Otherwise it lets
+  the local gradient through and marks the parameter;
+* a post-accumulate-grad hook, which starts ``all_reduce(p.grad, async_op=True)`` for a marked
+  parameter and queues, once per backward, a callback that the autograd engine runs when backward
+  ends (as ``DistributedDataParallel`` does): it waits for every pending reduction, so
+  ``loss.backward()`` returns with the same gradients as the inline version.
+
+A parameter reduced over several mesh axes starts the first asynchronously and the others after
+it completes (one process group per axis).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch.autograd import Variable
+
+from autopar.codegen import collectives as C
+
+
+def _accumulates(acc) -> bool:
+    """Will the running backward accumulate into ``.grad`` through ``acc`` (its AccumulateGrad)?"""
+    try:
+        return torch._C._will_engine_execute_node(acc)
+    except RuntimeError:  # raised for leaves under torch.autograd.grad, which never accumulates
+        return False
+
+
+class GradSync:
+    def __init__(self, params: dict[str, tuple[torch.nn.Parameter, tuple[int, ...]]]):
+        self._axes = {id(p): axes for p, axes in params.values()}
+        self._marked: set[int] = set()
+        self._pending: list[tuple[torch.Tensor, object, tuple[int, ...]]] = []
+        self._queued = False
+        self._handles = []
+        for p, axes in params.values():
+            acc = p.view_as(p).grad_fn.next_functions[0][0]  # this parameter's AccumulateGrad node
+            self._handles.append(p.register_hook(self._pre_hook(p, acc, axes)))
+            self._handles.append(p.register_post_accumulate_grad_hook(self._post_hook))
+            # keep the accumulator alive: the engine looks it up through a weak reference
+            p._autopar_grad_acc = acc
+
+    def _pre_hook(self, p: torch.nn.Parameter, acc, axes: tuple[int, ...]):
+        def hook(g: torch.Tensor) -> torch.Tensor:
+            if p.grad is not None or not _accumulates(acc):
+                for a in axes:
+                    g = C._all_reduce(g, a)
+                return g
+            self._marked.add(id(p))
+            return g
+
+        return hook
+
+    def _post_hook(self, p: torch.nn.Parameter) -> None:
+        if id(p) not in self._marked:
+            return
+        self._marked.discard(id(p))
+        axes = self._axes[id(p)]
+        work = dist.all_reduce(p.grad, group=C._group(axes[0]), async_op=True)
+        self._pending.append((p.grad, work, axes[1:]))
+        if not self._queued:
+            self._queued = True
+            Variable._execution_engine.queue_callback(self.finish)
+
+    def finish(self) -> None:
+        """Wait for every reduction started in this backward (runs when backward ends)."""
+        pending, self._pending, self._queued = self._pending, [], False
+        for grad, work, rest in pending:
+            work.wait()
+            for a in rest:
+                dist.all_reduce(grad, group=C._group(a))
+
+    def remove(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
