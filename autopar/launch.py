@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import io
 import os
+import queue as pyqueue
 import socket
+import time
 import traceback
 from collections.abc import Callable
 from datetime import timedelta
@@ -54,10 +56,34 @@ class RankFailed(RuntimeError):
     pass
 
 
+def _next_result(queue, processes, deadline: float):
+    """The next rank's ``(rank, ok, value)``, or a message when a rank process died without one
+    (killed, or failed before ``fn`` ran: e.g. ``fn`` not importable in a fresh interpreter) or
+    the run passed its deadline."""
+    while True:
+        try:
+            return queue.get(timeout=0.5)
+        except pyqueue.Empty:
+            pass
+        dead = [(i, p.exitcode) for i, p in enumerate(processes) if p.exitcode not in (None, 0)]
+        if dead:
+            try:  # its report may have arrived just before it exited
+                return queue.get(timeout=2.0)
+            except pyqueue.Empty:
+                i, code = dead[0]
+                return (
+                    f"rank {i} process exited with code {code} before reporting a result (is the "
+                    "function importable from a fresh interpreter, i.e. defined at module level "
+                    "in an importable module?)"
+                )
+        if time.monotonic() > deadline:
+            return "timed out waiting for the ranks' results"
+
+
 def run_on_ranks(fn: Callable, world_size: int, *args, timeout_s: float = 300.0) -> list:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo processes; return every rank's result."""
     ctx = mp.get_context("spawn")
-    queue = ctx.SimpleQueue()
+    queue = ctx.Queue()
     port = free_port()
     procs = mp.start_processes(
         _worker,
@@ -68,8 +94,13 @@ def run_on_ranks(fn: Callable, world_size: int, *args, timeout_s: float = 300.0)
     )
     results: dict[int, object] = {}
     errors = []
+    deadline = time.monotonic() + timeout_s + 60.0  # + spawn and import time
     for _ in range(world_size):
-        rank, ok, value = queue.get()
+        got = _next_result(queue, procs.processes, deadline)
+        if isinstance(got, str):  # a rank died without reporting, or the run timed out
+            errors.append(got)
+            break
+        rank, ok, value = got
         if ok:
             results[rank] = torch.load(io.BytesIO(value), weights_only=False)
         else:
