@@ -27,7 +27,7 @@ def train_step(model, opt, inputs):
     loss = out.loss if hasattr(out, "loss") else out[0]
     loss.backward()
     opt.step()
-    opt.zero_grad(set_to_none=False)
+    opt.zero_grad()  # set_to_none: the next backward allocates fresh gradients (and overlaps their reduction)
     return loss.detach()
 
 
