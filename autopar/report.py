@@ -231,7 +231,8 @@ def _summary_table(plan: Plan, measured: dict | None) -> str:
     rows: list[tuple[str, str, Any, str]] = [  # label, unit kind, predicted value, key in `measured`
         ("step time", "ms", p.step_time_s, "step_time_s"),
         ("· compute", "ms", p.compute_s, "compute_s"),
-        ("· communication", "ms", p.comm_s, "comm_s"),
+        ("· communication (exposed)", "ms", p.comm_s, "comm_s"),
+        ("· gradient all-reduce hidden behind backward", "ms", p.grad_sync_hidden_s, "grad_sync_hidden_s"),
         ("peak memory / device", "mib", p.peak_memory_bytes, "peak_memory_bytes"),
     ]
     for label, attr, _ in MEMORY_PARTS:

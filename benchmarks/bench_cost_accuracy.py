@@ -1,9 +1,9 @@
 """How well does the cost model predict what runs? Predicted vs measured step time and peak memory.
 
 For 3 models x 3 plans (DP, TP, auto) x gloo world sizes 2 and 4: plan with a calibrated
-ClusterSpec (``calibrate`` once at the start, or ``--cluster FILE``), run each plan on local gloo
-processes (SGD steps), measure the step time (median, max over ranks) and the peak live tensor
-bytes (max over ranks), and print predicted vs measured with relative errors; then the median
+ClusterSpec (``calibrate`` once at the start, or ``--cluster FILE``), run the 3 plans of a model on local gloo
+processes (SGD steps) in interleaved rounds, measure the step time (median over rounds of the
+slowest rank's step) and the peak live tensor bytes (max over ranks), and print predicted vs measured with relative errors; then the median
 absolute error of each and whether the predicted ranking of the 3 plans matches the measured one.
 
 ``--profile`` plans with ``cost_model.profiler`` (ops timed on this CPU with one thread, as the
@@ -27,7 +27,7 @@ import torch.distributed as dist
 
 import autopar
 from autopar.cost_model.calibrate import run_calibration
-from autopar.cost_model.measure import peak_step_memory, time_steps
+from autopar.cost_model.measure import peak_step_memory
 from autopar.cost_model.profiler import OpProfiler
 from autopar.demo import train_step
 from autopar.launch import run_on_ranks
@@ -38,6 +38,7 @@ MODELS = {
     "gpt2_tiny": "autopar.examples:gpt2_tiny(batch=8, seq=64, hidden=128, vocab=512)",
     "llama_tiny": "autopar.examples:llama_tiny(batch=8, seq=64, hidden=128, vocab=512)",
 }
+WARMUP = 2  # untimed rounds (first-call allocations, autograd graph caches)
 # plans predicted closer than this are a tie for the model (its median error is about this size)
 RANK_MARGIN = 0.10
 PLANS = {
@@ -47,18 +48,34 @@ PLANS = {
 }
 
 
-def _rank_run(rank: int, world: int, model_spec: str, cluster_dict: dict, plan_paths: dict) -> dict:
+def _rank_run(
+    rank: int, world: int, model_spec: str, cluster_dict: dict, plan_paths: dict, rounds: int
+) -> dict:
+    """Every plan of one model, timed in interleaved rounds: a slow spell of the shared machine
+    hits every plan alike instead of whichever plan ran during it. A step's time is its slowest
+    rank's (the step ends for all when the last rank is done); each plan's figure is the median
+    over rounds after a warm-up. Memory: one tracked step per plan."""
     cluster = autopar.ClusterSpec.from_dict(cluster_dict)
-    out = {}
+    runs = {}
     for name, path in plan_paths.items():
         torch.manual_seed(0)
         model, inputs = load_model_spec(model_spec)
         pmodel = autopar.autoparallelize(model, cluster, inputs, plan=path)
         opt = torch.optim.SGD(pmodel.parameters(), lr=0.01)
-        step = lambda m=pmodel, o=opt, x=inputs: train_step(m, o, x)  # noqa: E731
-        step_s = time_steps(step, warmup=2, repeat=7, barrier=dist.barrier)
-        peak = peak_step_memory(pmodel, step)
-        out[name] = (step_s, peak)
+        runs[name] = (pmodel, lambda m=pmodel, o=opt, x=inputs: train_step(m, o, x))  # noqa: E731
+    times: dict[str, list[float]] = {name: [] for name in runs}
+    for r in range(WARMUP + rounds):
+        for name, (_, step) in runs.items():
+            dist.barrier()
+            t0 = time.perf_counter()
+            step()
+            t = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
+            dist.all_reduce(t, op=dist.ReduceOp.MAX)
+            if r >= WARMUP:
+                times[name].append(float(t.item()))
+    out = {}
+    for name, (pmodel, step) in runs.items():
+        out[name] = (statistics.median(times[name]), peak_step_memory(pmodel, step))
         dist.barrier()
     return out
 
@@ -78,6 +95,7 @@ def main() -> None:
         help="one calibration on this many ranks for every world size "
         "(default: calibrate on each world size's own ranks, as a user of that many ranks would)",
     )
+    ap.add_argument("--rounds", type=int, default=15, help="timed rounds per plan (interleaved)")
     ap.add_argument("--profile", action="store_true", help="plan with measured op times (OpProfiler)")
     ap.add_argument("--profile-cache", default=None, help="op timing cache (default: ~/.cache/autopar/)")
     args = ap.parse_args()
@@ -134,7 +152,7 @@ def main() -> None:
                     continue
                 paths[pname] = str(tmp / f"{mname}_{world}_{pname}.json")
                 plans[pname].save(paths[pname])
-            results = run_on_ranks(_rank_run, world, spec, cluster.to_dict(), paths)
+            results = run_on_ranks(_rank_run, world, spec, cluster.to_dict(), paths, args.rounds)
             case = {}
             for pname, plan in plans.items():
                 meas_t = max(r[pname][0] for r in results)

@@ -10,7 +10,10 @@ runs it:
 * ``all_gather``: ``dist.all_gather`` into a list of ``n`` shards + ``torch.cat`` (``B`` = bytes of
   the gathered, full tensor; each rank contributes ``B / n``);
 * ``reduce_scatter``: on gloo, ``all_reduce`` of the full tensor + a local slice (``B`` = the full
-  tensor's bytes); on NCCL, ``dist.reduce_scatter_tensor``.
+  tensor's bytes); on NCCL, ``dist.reduce_scatter_tensor``;
+* ``all_reduce_queued``: ``QUEUE_DEPTH`` asynchronous in-place all-reduces issued back to back and
+  then waited for, timed per call: what an overlapped gradient all-reduce costs behind another
+  (``codegen/grad_sync.py``, ``cost_model/overlap.py``); fitted like ``all_reduce``.
 
 Each repeat runs every case after one barrier, in a shuffled order, each after 0.5 ms of compute,
 as a training step issues its collectives between ops (on gloo, a collective right after another
@@ -101,7 +104,8 @@ __all__ = [
     "calibrate",
 ]
 
-KINDS = ("all_reduce", "all_gather", "reduce_scatter")
+KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_reduce_queued")
+QUEUE_DEPTH = 8  # all_reduce_queued: a burst of this many async all-reduces, priced per call
 LINK_KINDS = ("all_reduce", "all_gather")  # the samples calibrate() fits the link to
 DEFAULT_SIZES = (2**10, 2**13, 2**16, 2**18, 2**20, 2**22, 2**24)  # bytes: 1 KiB .. 16 MiB
 QUICK_SIZES = (2**10, 2**16, 2**20)
@@ -123,7 +127,7 @@ class Sample:
 
 def ring_coefficients(kind: str, n: int) -> tuple[float, float]:
     """``(f, g)`` of ``t = f * B / bw + g * lat`` for ``kind`` over ``n`` ranks (as cost_model/comm.py)."""
-    if kind == "all_reduce":
+    if kind in ("all_reduce", "all_reduce_queued"):
         return 2 * (n - 1) / n, 2.0 * (n - 1)
     if kind in ("all_gather", "reduce_scatter", "all_to_all"):
         return (n - 1) / n, float(n - 1)
@@ -177,6 +181,13 @@ def _collective_fn(
                 x = full.clone()
                 dist.all_reduce(x, group=group)
                 x.chunk(n)[rank].contiguous()
+
+    elif kind == "all_reduce_queued":  # as codegen/grad_sync.py: in place, async, back to back
+        bufs = [full.clone() for _ in range(QUEUE_DEPTH)]
+
+        def run() -> None:
+            for w in [dist.all_reduce(b, group=group, async_op=True) for b in bufs]:
+                w.wait()
 
     else:
         raise ValueError(f"unknown collective kind {kind!r}; known: {KINDS}")
@@ -234,7 +245,9 @@ def measure_collectives(
             t0 = time.perf_counter()
             runs[i]()
             _sync(device)
-            times[i][r] = time.perf_counter() - t0
+            times[i][r] = (time.perf_counter() - t0) / (
+                QUEUE_DEPTH if cases[i][0] == "all_reduce_queued" else 1
+            )
     t = torch.tensor(times, dtype=torch.float64, device=device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
     per_run = t.cpu()

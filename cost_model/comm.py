@@ -71,6 +71,10 @@ class Collective(enum.Enum):
     SEND_RECV = "send_recv"
 
 
+# ``LinkSpec.ranges`` name of the all-reduce issued behind another one still in flight
+QUEUED_ALL_REDUCE = "all_reduce_queued"
+
+
 def collective_time(kind: Collective, nbytes: float, n: int, link: LinkSpec) -> float:
     """Seconds for one ring collective over ``n`` ranks; ``nbytes`` is the full tensor's size."""
     if n <= 1 or nbytes <= 0:
@@ -142,6 +146,20 @@ class CommModel:
                 t = best
             best = min(best, t)
         return best
+
+    def queued_all_reduce_time(self, nbytes: float, axis: int) -> float:
+        """Seconds of an all-reduce issued while the previous one is still in flight (the
+        overlapped gradient all-reduces of ``codegen/grad_sync.py``): priced with the link's
+        ``all_reduce_queued`` ranges when ``autopar calibrate`` measured them, else as
+        :meth:`time` (no pipelining assumed)."""
+        link = self.links[axis]
+        if self.splits[axis] is None and any(r[0] == QUEUED_ALL_REDUCE for r in link.ranges):
+            n = self.mesh_shape[axis]
+            if n <= 1 or nbytes <= 0:
+                return 0.0
+            bw, lat = link.at(nbytes, QUEUED_ALL_REDUCE)
+            return 2 * (n - 1) / n * nbytes / bw + 2 * (n - 1) * lat
+        return self.time(Collective.ALL_REDUCE, nbytes, axis)
 
     def reshard(
         self, src: Spec, dst: Spec, nbytes: float, requires_grad: bool, f_axes: Sequence[int] = ()

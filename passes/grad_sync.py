@@ -140,7 +140,13 @@ def price_grad_sync(
     for p, axes in deferred.items():
         nbytes = infos[p].out_bytes / volume_factor(choice[p].out, mesh)
         t = sum(comm.time(Collective.ALL_REDUCE, nbytes, a) for a in axes)
+        # only the first axis's reduction runs queued; the others follow it when backward ends
+        t_q = (
+            t
+            - comm.time(Collective.ALL_REDUCE, nbytes, axes[0])
+            + comm.queued_all_reduce_time(nbytes, axes[0])
+        )
         allreduce += t
-        steps[first_use[p]][1].append(t)
+        steps[first_use[p]][1].append((t, t_q))
     hidden = hidden_seconds(list(reversed(steps)), efficiency)
     return GradSyncCost(deferred, inline_f, allreduce, hidden)

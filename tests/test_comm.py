@@ -371,3 +371,16 @@ def test_split_mean_cross_entropy_pays_its_all_reduces_on_every_split_axis():
     assert by_split[(False, False)] == 0.0
     assert by_split[(True, False)] == approx(per_axis)
     assert by_split[(False, True)] == approx(per_axis)  # axis 1 alone: the case that was free
+
+
+def test_queued_all_reduce_uses_its_own_ranges_else_the_inline_price():
+    from autopar.cost_model.comm import QUEUED_ALL_REDUCE
+
+    base = ClusterSpec.preset("cpu", devices_per_node=2)
+    plain = CommModel(base, (2,))
+    assert plain.queued_all_reduce_time(2**16, 0) == plain.time(Collective.ALL_REDUCE, 2**16, 0)
+    link = LinkSpec(1e9, 1e-3, ranges=((QUEUED_ALL_REDUCE, 2.0**20, 1e9, 2e-4),))
+    cm = CommModel(base.with_overrides(intra_node=link, inter_node=link), (2,))
+    # ring all-reduce over 2 ranks: B / bw + 2 lat, with the queued entry's latency
+    assert cm.queued_all_reduce_time(2**16, 0) == pytest.approx(2**16 / 1e9 + 2 * 2e-4)
+    assert cm.time(Collective.ALL_REDUCE, 2**16, 0) == pytest.approx(2**16 / 1e9 + 2 * 1e-3)

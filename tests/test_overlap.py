@@ -13,19 +13,22 @@ from autopar.cost_model.overlap import hidden_seconds, two_stream_end
 from autopar.examples import gpt2_tiny
 
 times = st.floats(min_value=0.0, max_value=10.0, allow_nan=False)
-steps_st = st.lists(st.tuples(times, st.lists(times, max_size=3)), min_size=1, max_size=12)
+# an all-reduce: one price, or (idle price, queued price <= idle price)
+all_reduce_st = times | st.tuples(times, st.floats(0.0, 1.0)).map(lambda p: (p[0], p[0] * p[1]))
+steps_st = st.lists(st.tuples(times, st.lists(all_reduce_st, max_size=3)), min_size=1, max_size=12)
 
 
 def _event_sim(steps):
-    """Discrete-event reference: a compute stream that never waits and a FIFO comm stream."""
-    events = []  # (ready time, duration) in issue order
+    """Discrete-event reference: a compute stream that never waits and a FIFO comm stream on
+    which an all-reduce that waits for the previous one runs at its queued price."""
+    events = []  # (ready time, idle price, queued price) in issue order
     clock = 0.0
     for c, issued in steps:
         clock += c
-        events.extend((clock, r) for r in issued)
+        events.extend((clock,) + ((r, r) if isinstance(r, float) else r) for r in issued)
     free = 0.0
-    for ready, r in events:
-        free = max(free, ready) + r
+    for ready, t_iso, t_q in events:
+        free = (ready + t_iso) if ready >= free else (free + t_q)
     return max(clock, free)
 
 
@@ -34,11 +37,14 @@ def _event_sim(steps):
 def test_timeline_bounds(steps, eff):
     end = two_stream_end(steps)
     compute = sum(c for c, _ in steps)
-    comm = sum(sum(r) for _, r in steps)
+    iso = [r if isinstance(r, float) else r[0] for _, rs in steps for r in rs]
+    queued = [r if isinstance(r, float) else r[1] for _, rs in steps for r in rs]
     assert end == pytest.approx(_event_sim(steps))
-    assert max(compute, comm) - 1e-9 <= end <= compute + comm + 1e-9
+    assert max(compute, sum(queued)) - 1e-9 <= end <= compute + sum(iso) + 1e-9
     hidden = hidden_seconds(steps, eff)
-    assert 0.0 <= hidden <= eff * min(compute, comm) + 1e-9
+    # never more than queueing saves plus the overlap of the shorter stream; never a negative price
+    assert 0.0 <= hidden <= sum(iso) - sum(queued) + eff * min(compute, sum(iso)) + 1e-9
+    assert compute + sum(iso) - hidden >= max(compute, sum(queued)) - 1e-9
 
 
 def test_timeline_cases():
@@ -50,6 +56,9 @@ def test_timeline_cases():
     assert hidden_seconds(steps, 0.5) == pytest.approx(0.4)
     # a long all-reduce issued first: the rest of the compute hides under it
     assert hidden_seconds([(1.0, [5.0]), (2.0, [])], 1.0) == pytest.approx(2.0)
+    # a burst issued together: the first runs idle, the others queued, whatever the device
+    burst = [(1.0, [(1.0, 0.4)] * 3)]
+    assert hidden_seconds(burst, 0.0) == pytest.approx(1.2)
 
 
 def test_plan_step_time_falls_with_overlap_by_the_hidden_seconds():
