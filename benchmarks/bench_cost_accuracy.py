@@ -39,6 +39,9 @@ MODELS = {
     "llama_tiny": "autopar.examples:llama_tiny(batch=8, seq=64, hidden=128, vocab=512)",
 }
 WARMUP = 2  # untimed rounds (first-call allocations, autograd graph caches)
+# steps timed back to back per round, as a training loop runs them: ranks leave a barrier up to
+# ~2 ms apart on gloo, and one step after a barrier would charge that skew to the step
+STEPS_PER_ROUND = 4
 # plans predicted closer than this are a tie for the model (its median error is about this size)
 RANK_MARGIN = 0.10
 PLANS = {
@@ -52,9 +55,9 @@ def _rank_run(
     rank: int, world: int, model_spec: str, cluster_dict: dict, plan_paths: dict, rounds: int
 ) -> dict:
     """Every plan of one model, timed in interleaved rounds: a slow spell of the shared machine
-    hits every plan alike instead of whichever plan ran during it. A step's time is its slowest
-    rank's (the step ends for all when the last rank is done); each plan's figure is the median
-    over rounds after a warm-up. Memory: one tracked step per plan."""
+    hits every plan alike instead of whichever plan ran during it. A round runs
+    ``STEPS_PER_ROUND`` steps back to back; its time per step is the slowest rank's; each plan's
+    figure is the median over rounds after a warm-up. Memory: one tracked step per plan."""
     cluster = autopar.ClusterSpec.from_dict(cluster_dict)
     runs = {}
     for name, path in plan_paths.items():
@@ -68,8 +71,9 @@ def _rank_run(
         for name, (_, step) in runs.items():
             dist.barrier()
             t0 = time.perf_counter()
-            step()
-            t = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
+            for _ in range(STEPS_PER_ROUND):
+                step()
+            t = torch.tensor([(time.perf_counter() - t0) / STEPS_PER_ROUND], dtype=torch.float64)
             dist.all_reduce(t, op=dist.ReduceOp.MAX)
             if r >= WARMUP:
                 times[name].append(float(t.item()))
@@ -96,19 +100,25 @@ def main() -> None:
         "(default: calibrate on each world size's own ranks, as a user of that many ranks would)",
     )
     ap.add_argument("--rounds", type=int, default=15, help="timed rounds per plan (interleaved)")
+    ap.add_argument(
+        "--calibrate-each",
+        action="store_true",
+        help="calibrate again right before each model's runs: on a shared VM the collectives' cost "
+        "drifts by up to 40%% within minutes, and this keeps calibration and measurement together",
+    )
     ap.add_argument("--profile", action="store_true", help="plan with measured op times (OpProfiler)")
     ap.add_argument("--profile-cache", default=None, help="op timing cache (default: ~/.cache/autopar/)")
     args = ap.parse_args()
 
     calibrated: dict[int, autopar.ClusterSpec] = {}
 
-    def cluster_for(world: int) -> autopar.ClusterSpec:
+    def cluster_for(world: int, fresh: bool = False) -> autopar.ClusterSpec:
         """The spec a user of ``world`` local ranks would plan with: a file, or a calibration."""
         if args.cluster:
             base = autopar.ClusterSpec.from_file(args.cluster)
         else:
             n = args.calib_world or world  # default: calibrate on the ranks that will run
-            if n not in calibrated:
+            if n not in calibrated or fresh:
                 t0 = time.perf_counter()
                 cal = run_calibration(n)
                 calibrated[n] = cal.cluster
@@ -135,6 +145,8 @@ def main() -> None:
         print(f"compute: {'profiled, ' + profiler.cache.context if profiler else 'analytical (roofline)'}")
         print(head)
         for mname, spec in MODELS.items():
+            if args.calibrate_each and not args.cluster and mname != next(iter(MODELS)):
+                cluster = cluster_for(world, fresh=True)
             plans, paths = {}, {}
             for pname, roles in PLANS.items():
                 model, inputs = load_model_spec(spec)
