@@ -7,7 +7,8 @@
   collectives inside a lowering (the all-reduces of a batch-sharded mean cross-entropy);
 * node memory ``m[v, s]`` (B per device): parameters (+ gradient + optimizer states) for parameter
   placeholders, buffers and inputs; for activations, what autograd keeps until backward: the
-  output when the op or a consumer saves it (``kept_for_backward``; a saved view keeps its base),
+  output when the op or a consumer saves it (``kept_for_backward``; a saved view keeps its base:
+  ``NodeInfo.view_of``, an output that shares an input's storage),
   plus tensors the op saves internally; each divided by the number of pieces its placement cuts
   it into. Their sum is the memory live when backward starts;
 * node transient ``p[v, s]`` (B per device): what ``v``'s backward holds while it runs, the
@@ -40,7 +41,7 @@ from autopar.cost_model.comm import Collective, CommModel
 from autopar.cost_model.compute import node_time, optimizer_step_time
 from autopar.passes.analyze import NodeInfo
 from autopar.passes.coarsen import Classes
-from autopar.passes.rules import ALIASING_OPS, tensor_inputs
+from autopar.passes.rules import tensor_inputs
 from autopar.passes.strategies import AxisRole, NodeStrategies, Strategy
 from autopar.passes.trace import Role, TracedGraph
 from autopar.placement import is_replicate, replicated, volume_factor
@@ -205,10 +206,16 @@ def build_costs(
     return tables
 
 
-def _base(node: fx.Node) -> fx.Node:
-    """The node that owns the storage a view (or getitem) refers to."""
-    while node.op == "call_function" and (node.target in ALIASING_OPS or node.target is operator.getitem):
-        node = node.args[0]
+def _base(node: fx.Node, infos: dict[str, NodeInfo]) -> fx.Node:
+    """The node that owns the storage a view (or getitem, or an op returning its input) refers to."""
+    while node.op == "call_function":
+        if node.target is operator.getitem:
+            node = node.args[0]
+        elif infos.get(node.name) is not None and infos[node.name].view_of:
+            view_of = infos[node.name].view_of
+            node = next(a for a in node.all_input_nodes if a.name == view_of)
+        else:
+            break
     return node
 
 
@@ -221,10 +228,10 @@ def kept_for_backward(tg: TracedGraph, infos: dict[str, NodeInfo]) -> set[str]:
         if node.op != "call_function" or info is None or not info.requires_grad:
             continue
         if info.saves_output:
-            kept.add(_base(node).name)
+            kept.add(_base(node, infos).name)
         for inp, saved in zip(tensor_inputs(node), info.saves_inputs):
             if saved:
-                kept.add(_base(inp).name)
+                kept.add(_base(inp, infos).name)
     return kept
 
 
