@@ -32,9 +32,9 @@ def _rank(rank: int, world: int, cluster_dict: dict, plan_path: str) -> int:
 
 
 def test_a_plan_for_a_device_too_small_for_the_unconstrained_plan_runs_within_its_memory(tmp_path):
-    """The device's memory is set so that the plan may use (MEMORY_FRACTION of it) 80% of what the
+    """The device's memory is set so that the plan may use (MEMORY_FRACTION of it) 90% of what the
     unconstrained plan needs. What runs must fit the device: the 10% reserve absorbs the memory
-    model's error (about 3% under here) and, on GPUs, fragmentation."""
+    model's error (within 2% here) and, on GPUs, fragmentation."""
     import dataclasses
 
     from autopar.api import MEMORY_FRACTION
@@ -42,7 +42,7 @@ def test_a_plan_for_a_device_too_small_for_the_unconstrained_plan_runs_within_it
     base = autopar.ClusterSpec.preset("cpu", devices_per_node=2)
     model, inputs = load_model_spec(SPEC)
     free = autopar.plan(model, base, inputs, optimizer=autopar.Optimizer.SGD)
-    device_bytes = int(0.8 * free.predicted.peak_memory_bytes / MEMORY_FRACTION)
+    device_bytes = int(0.9 * free.predicted.peak_memory_bytes / MEMORY_FRACTION)
     cluster = base.with_overrides(device=dataclasses.replace(base.device, memory_bytes=device_bytes))
     plan = autopar.plan(model, cluster, inputs, optimizer=autopar.Optimizer.SGD)
     assert (
