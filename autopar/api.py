@@ -28,6 +28,7 @@ from autopar.errors import DistributedSetupError, NoPlanFitsError, PlanFormatErr
 from autopar.passes.analyze import NodeInfo, analyze
 from autopar.passes.coarsen import find_classes
 from autopar.passes.costs import CostTables, Optimizer, build_costs, f_axes, resolve_source
+from autopar.passes.memory_row import lower_bound_bytes
 from autopar.passes.rules import tensor_inputs
 from autopar.passes.solver import (
     EXACT_FOLD_MAX_PAIRS,
@@ -174,9 +175,7 @@ def search(
         tables = build_costs(tg, infos, strats, cluster, mesh, optimizer, roles, classes, profiler)
         if profiler is not None:
             _progress(progress, f"profile: mesh {mesh}: {profiler.take_stats().line()}")
-        mem_needed = sum(min(m) for m in tables.node_mem.values()) + max(
-            (min(p) for p in tables.node_peak.values()), default=0.0
-        )
+        mem_needed = lower_bound_bytes(tables)
         min_needed = min(min_needed, mem_needed)
         exact = fold_followers(tables, exact=True)  # keeps the optimum: the bound is valid on it
         bound = lower_bound(tables, exact)

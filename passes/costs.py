@@ -120,6 +120,10 @@ class CostTables:
     # node -> owner -> bytes per strategy of the owner's storage kept through that node (edges
     # folded into it, see Edge.keep): the owner counts once, the largest, times its class size
     node_keep: dict[str, dict[str, list[float]]] = field(default_factory=dict)
+    # node -> positions (graph order) of its class's members: where its bytes are charged
+    positions: dict[str, tuple[float, ...]] = field(default_factory=dict)
+    # node -> position -> transients folded into it from elsewhere (``memory_row.Maxima``)
+    peak_at: dict[str, dict[float, list[float]]] = field(default_factory=dict)
 
 
 def resolve_source(node: fx.Node) -> fx.Node:
@@ -149,6 +153,8 @@ def build_costs(
     classes = classes or Classes.identity(list(strats))
     kept = kept_for_backward(tg, infos)
     tables = CostTables(mesh_shape, {k: v.strategies for k, v in strats.items()}, {}, {}, classes=classes)
+    order = {n.name: i for i, n in enumerate(tg.graph.nodes)}
+    tables.positions = {r: tuple(sorted(order[m] for m in classes.members[r])) for r in strats}
     for name, ns in strats.items():
         info = infos[name]
         n = classes.count(name)

@@ -18,13 +18,14 @@ Constraints
         elsewhere usually reshard a given tensor alike.
         Edges whose source or destination has a single strategy need no y: their cost is linear
         in the other end's x and is folded into it (``_fold_edge``).
-    (3) per-device memory:         sum_{v,s} m[v,s] x[v,s] + sum_{e,a,b} m[e,a,b] y[e,a,b]
-                                   + z + sum_o n_o K_o <= M
-        with the largest transient     z >= sum_s p[v,s] x[v,s]  for every v (and the same over y
-                                       for edges with transients), and each storage o that several
-                                       consumers keep as it is counted once, K_o >= sum_{a,b}
-                                       k[e,a,b] y[e,a,b] for each of its keepers e (n_o: its class
-                                       size)                 (``_memory_constraint``, ``shared_bytes``)
+    (3) per-device memory, from liveness: at every position p (graph order) where a transient can
+        set the peak, S(p) + z_p <= M, and S(end) <= M, with
+            S(p) = sum of m[v,s] x[v,s], m[e,a,b] y[e,a,b] and K_o charged at positions <= p
+                   (a node's bytes at its members' positions, an edge's at its source's),
+            z_p >= sum_s p[v,s] x[v,s]  for every transient at p (a node's backward, or the same
+                   over y for a reshard's collectives), and each storage o that several consumers
+                   keep as it is counted once, K_o >= sum_{a,b} k[e,a,b] y[e,a,b] for each keeper e
+                                                            (``memory_row.add_memory_rows``)
 
 (2) is the standard tight linearization of x[u,a] * x[v,b] (its LP relaxation's vertices are
 integral on trees), as in Alpa (Zheng et al., OSDI 2022) and meta-pytorch/autoparallel.
@@ -49,7 +50,7 @@ import pulp
 
 from autopar.errors import SolverError
 from autopar.passes.costs import CostTables, Edge
-from autopar.passes.shared_bytes import SharedBytes, owner_count, shared_bytes
+from autopar.passes.memory_row import Maxima, add_memory_rows, peak_bytes, positions
 
 # the tables with followers folded in, and each follower with its producer and best responses
 Folded = tuple[CostTables, list[tuple[str, tuple[str, list[int]]]]]
@@ -189,7 +190,8 @@ def fold_followers(tables: CostTables, exact: bool | None = None) -> Folded:
     strategies = dict(tables.strategies)
     cost = {k: list(v) for k, v in tables.node_cost.items()}
     mem = {k: list(v) for k, v in tables.node_mem.items()}
-    shared = SharedBytes.of(tables)
+    shared = Maxima.of(tables)
+    where = {v: positions(tables, v) for v in tables.strategies}
     edges = list(tables.edges)
     merged: list[tuple[str, tuple[str, list[int]]]] = []
     rejected: set[str] = set()  # followers whose best response depends on their consumers' choice
@@ -203,7 +205,7 @@ def fold_followers(tables: CostTables, exact: bool | None = None) -> Folded:
                     a = b if e.src == e.dst else 0
                     cost[e.dst][b] += e.cost[a][b]
                     mem[e.dst][b] += e.mem[a][b]
-                    shared.absorb_edge(e, a, b, e.dst, b, len(strategies[e.dst]))
+                    shared.absorb_edge(tables, e, a, b, e.dst, b, len(strategies[e.dst]))
                 continue
             kept.append(e)
             if e.dst != "output":
@@ -230,14 +232,14 @@ def fold_followers(tables: CostTables, exact: bool | None = None) -> Folded:
             cost[u][a] += sum(e.cost[a][b] for e in into) + cost[v][b]
             mem[u][a] += sum(e.mem[a][b] for e in into) + mem[v][b]
             for e in into:  # transients and shared storages do not add up: the largest counts
-                shared.absorb_edge(e, a, b, u, a, nu)
+                shared.absorb_edge(tables, e, a, b, u, a, nu)
             shared.absorb_node(v, b, u, a, nu)
         edges = [e.rows(u, response) if e.src == v else e for e in edges if e.dst != v]
         merged.append((v, (u, response)))
         del strategies[v], cost[v], mem[v]
         shared.drop(v)
     reduced = CostTables(
-        tables.mesh_shape, strategies, cost, mem, edges, tables.classes, shared.peak, shared.keep
+        tables.mesh_shape, strategies, cost, mem, edges, tables.classes, {}, shared.keep, where, shared.peak
     )
     return reduced, merged
 
@@ -299,7 +301,7 @@ def _solve(
     x = _node_vars(prob, tables, pulp.LpContinuous if relax else pulp.LpBinary)
     lin_cost = {k: list(v) for k, v in tables.node_cost.items()}
     lin_mem = {k: list(v) for k, v in tables.node_mem.items()}
-    shared = SharedBytes.of(tables)
+    shared = Maxima.of(tables)
     quad: list[tuple[Edge, dict]] = []
     for e in tables.edges:
         if not _fold_edge(e, tables, lin_cost, lin_mem, shared):
@@ -318,7 +320,7 @@ def _solve(
         if e.cost[a][b] and math.isfinite(e.cost[a][b])
     ]
     prob += _affine(objective)
-    _memory_constraint(prob, x, quad, lin_mem, memory_limit_bytes, shared, tables)
+    add_memory_rows(prob, x, quad, lin_mem, memory_limit_bytes, shared, tables)
 
     solver = make_solver(time_limit_s)
     try:
@@ -388,13 +390,13 @@ def _affine(terms: list[tuple]) -> pulp.LpAffineExpression:
     return pulp.LpAffineExpression(pairs, constant=constant)
 
 
-def _fold_edge(e: Edge, tables: CostTables, lin_cost: dict, lin_mem: dict, shared: SharedBytes) -> bool:
+def _fold_edge(e: Edge, tables: CostTables, lin_cost: dict, lin_mem: dict, shared: Maxima) -> bool:
     n_src, n_dst = len(tables.strategies[e.src]), _n_dst(e, tables)
     if e.src == e.dst:  # inside one class of repeated nodes: both ends take the same strategy
         pairs = [(e.src, a, a, a) for a in range(n_src)]
     elif n_src == 1 and e.dst == "output":  # a constant: no cost term (``evaluate`` reports it), but memory
         lin_mem[e.src][0] += e.mem[0][0]
-        shared.absorb_edge(e, 0, 0, e.src, 0, 1)
+        shared.absorb_edge(tables, e, 0, 0, e.src, 0, 1)
         return True
     elif n_src == 1:
         pairs = [(e.dst, b, 0, b) for b in range(n_dst)]
@@ -406,7 +408,7 @@ def _fold_edge(e: Edge, tables: CostTables, lin_cost: dict, lin_mem: dict, share
     for v, s, a, b in pairs:
         lin_cost[v][s] += e.cost[a][b]
         lin_mem[v][s] += e.mem[a][b]
-        shared.absorb_edge(e, a, b, v, s, n)
+        shared.absorb_edge(tables, e, a, b, v, s, n)
     return True
 
 
@@ -453,47 +455,9 @@ def _edge_vars(prob: pulp.LpProblem, e: Edge, x: dict, tables: CostTables) -> di
     return ys
 
 
-def _memory_constraint(prob, x, quad, lin_mem, limit: float, shared: SharedBytes, tables: CostTables) -> None:
-    """(3): kept bytes, plus the largest transient z >= sum_s p[v,s] x[v,s] for every v (and the
-    same over y for the edges left in the ILP), plus each shared storage once, K_o >= each of its
-    terms (``passes/shared_bytes.py``). Only terms that can exceed every node's smallest transient
-    can set z."""
-    if not math.isfinite(limit):
-        return
-    # in units of the limit: byte-sized coefficients (1e10) trip HiGHS's presolve into "infeasible"
-    g = 1 / limit if limit > 0 else 1.0
-    terms = [(x[v][s], m * g) for v, ms in lin_mem.items() for s, m in enumerate(ms) if m]
-    terms += [(y, e.mem[a][b] * g) for e, ys in quad for (a, b), y in ys.items() if e.mem[a][b]]
-    # the maxima: one list of (variable, coefficient) rows per bound variable
-    bounds: dict[str, list[list[tuple]]] = {"": []}
-    for v, p in shared.peak.items():
-        bounds[""].append([(x[v][s], ps) for s, ps in enumerate(p)])
-    for v, d in shared.keep.items():
-        for o, t in d.items():
-            bounds.setdefault(o, []).append([(x[v][s], k) for s, k in enumerate(t)])
-    for e, ys in quad:
-        for key, tab in (("", e.peak), (e.owner, e.keep)):
-            if tab is not None and any(tab[a][b] for a, b in ys):
-                bounds.setdefault(key, []).append([(y, tab[a][b]) for (a, b), y in ys.items()])
-    for i, (key, rows) in enumerate(bounds.items()):
-        floor = max((min(c for _, c in r) for r in rows), default=0.0)
-        rows = [r for r in rows if max(c for _, c in r) > floor]
-        if floor == 0 and not rows:
-            continue
-        bound = pulp.LpVariable(f"max_{i}", lowBound=floor * g)
-        for j, r in enumerate(rows):
-            row = [(var, c * g) for var, c in r if c] + [(bound, -1)]
-            prob += pulp.LpConstraint(_affine(row), pulp.LpConstraintLE, f"max_{i}_{j}", 0)
-        terms.append((bound, owner_count(tables, key) if key else 1))
-    prob += pulp.LpConstraint(_affine(terms), pulp.LpConstraintLE, "memory", limit * g)
-
-
 def evaluate(tables: CostTables, choice: dict[str, int]) -> tuple[float, float]:
     """(seconds, bytes) of a full assignment: the ILP objective and memory, computed directly."""
     t = sum(tables.node_cost[v][s] for v, s in choice.items())
-    m = sum(tables.node_mem[v][s] for v, s in choice.items()) + shared_bytes(tables, choice)
     for e in tables.edges:
-        b = 0 if e.dst == "output" else choice[e.dst]
-        t += e.cost[choice[e.src]][b]
-        m += e.mem[choice[e.src]][b]
-    return t, m
+        t += e.cost[choice[e.src]][0 if e.dst == "output" else choice[e.dst]]
+    return t, peak_bytes(tables, choice)
