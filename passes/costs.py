@@ -14,8 +14,8 @@
   inputs that are new tensors (a replicated weight's whole gradient under data parallelism, a
   shard under tensor parallelism; none for ``add``, which passes its gradient on) and the other
   tensors it holds at once (``NodeInfo.grad_temp_bytes``, cut like its work). The peak of a step
-  is the memory kept until backward plus the largest transient of the chosen strategies, a
-  node's or an edge's (``solver``: a max, linearized);
+  adds to the bytes kept where a transient happens the largest transient there, a node's or an
+  edge's (liveness by graph position: ``passes/memory_row.py``);
 * edge cost ``c[e, s_u, s_v]`` (s): resharding the tensor on edge ``e = (u -> v, input i)`` from
   ``u``'s output placement to what ``v`` requires under ``s_v``, forward and backward, plus the
   backward all-reduce of the Megatron "f" on the Replicate inputs of a split op
@@ -24,7 +24,7 @@
   tensor: the resharded copy when it saves it (``nbytes / pieces(s_v's input placement)``), or,
   when no collective runs, the producer's storage if ``v`` is its only keeper
   (``nbytes(base) / pieces(s_u)``); a storage several consumers keep as it is counts once, the
-  largest of their ``Edge.keep`` terms (``passes/shared_bytes.py``). The graph's outputs are kept
+  largest of their ``Edge.keep`` terms (``passes/memory_row.py``). The graph's outputs are kept
   too: the caller holds them through backward. Which storage is kept, and by whom: ``Kept``;
 * edge transient ``Edge.peak[s_u][s_v]`` (B per device): the most the reshard's collectives hold
   at once, forward or backward, as ``codegen/collectives.py`` allocates
