@@ -29,6 +29,7 @@ from autopar.passes.analyze import NodeInfo, analyze
 from autopar.passes.coarsen import find_classes
 from autopar.passes.costs import CostTables, Optimizer, build_costs, f_axes, resolve_source
 from autopar.passes.grad_sync import GradSyncCost, price_grad_sync
+from autopar.passes.memory_row import lower_bound_bytes
 from autopar.passes.rules import tensor_inputs
 from autopar.passes.solver import (
     EXACT_FOLD_MAX_PAIRS,
@@ -55,8 +56,6 @@ MAX_MESH_AXES = 3
 # Free, the tables of a 3-axis mesh grow as (options per axis)^6 per edge. A mesh_shape passed
 # explicitly is searched without this restriction.
 DATA_OUTER_MIN_AXES = 3
-# fraction of device memory the plan may use; the rest is a reserve for fragmentation and workspaces
-MEMORY_FRACTION = 0.9
 
 
 @dataclass
@@ -89,7 +88,9 @@ def search(
 ) -> SearchResult:
     """``profile``: True (or an ``OpProfiler``) prices ops by running them on this machine's device
     (cached, see ``cost_model.profiler``) instead of the analytical roofline; the cluster's device must
-    be this machine's kind, else ProfilerDeviceError."""
+    be this machine's kind, else ProfilerDeviceError. ``memory_limit_bytes``: the memory per device
+    (default: ``cluster.device.memory_bytes``); the plan's predicted peak stays under it less
+    ``cluster.memory_reserve`` (10% by default: fragmentation, workspaces, the model's error)."""
     profiler = resolve_profiler(profile, cluster, progress)
     dump_dir = dump_dir or os.environ.get("AUTOPAR_DUMP_DIR")
     dump = Path(dump_dir) if dump_dir else None
@@ -114,11 +115,8 @@ def search(
     if classes is not None:
         _progress(progress, f"coarsen: {len(classes.rep)} nodes in {len(classes.members)} classes")
 
-    limit = (
-        memory_limit_bytes
-        if memory_limit_bytes is not None
-        else cluster.device.memory_bytes * MEMORY_FRACTION
-    )
+    # the memory a plan may use: the device's (or the explicit limit), less the cluster's reserve
+    limit = cluster.memory_limit(memory_limit_bytes)
     if mesh_shape is not None:
         meshes = [tuple(int(x) for x in mesh_shape)]
         if math.prod(meshes[0]) != cluster.world_size:
@@ -176,9 +174,7 @@ def search(
         tables = build_costs(tg, infos, strats, cluster, mesh, optimizer, roles, classes, profiler)
         if profiler is not None:
             _progress(progress, f"profile: mesh {mesh}: {profiler.take_stats().line()}")
-        mem_needed = sum(min(m) for m in tables.node_mem.values()) + max(
-            (min(p) for p in tables.node_peak.values()), default=0.0
-        )
+        mem_needed = lower_bound_bytes(tables)
         min_needed = min(min_needed, mem_needed)
         exact = fold_followers(tables, exact=True)  # keeps the optimum: the bound is valid on it
         bound = lower_bound(tables, exact)
@@ -225,7 +221,8 @@ def search(
     if best is None:
         raise NoPlanFitsError(
             f"no plan fits: needs at least {min_needed / 2**30:.2f} GiB per device, the limit is "
-            f"{limit / 2**30:.2f} GiB ({cluster.device.name}, {cluster.world_size} devices); try more devices, "
+            f"{limit / 2**30:.2f} GiB ({cluster.device.name}, {cluster.world_size} devices, "
+            f"{cluster.memory_reserve:.0%} of memory held in reserve); try more devices, "
             "a smaller batch or sequence, another mesh_shape or a larger memory_limit_bytes"
         )
     _, mesh, sol, tables, bound, gs = best
@@ -415,7 +412,8 @@ def plan(
     profile: bool | OpProfiler = False,
 ) -> Plan:
     """Search a sharding plan offline: no process group needed; works on meta-device models.
-    ``profile=True`` measures ops on this machine instead of the roofline (see ``search``)."""
+    ``profile=True`` measures ops on this machine instead of the roofline; ``memory_limit_bytes``
+    is the memory per device, of which ``cluster.memory_reserve`` stays unused (see ``search``)."""
     return search(
         model,
         cluster,

@@ -50,7 +50,13 @@ def _build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--out", default="plan.json", help="where to write the plan (default: plan.json)")
     pl.add_argument("--report", default=None, help="also write an HTML report here")
     pl.add_argument("--mesh", type=_mesh, default=None, help="fix the mesh shape, e.g. 2x4 (default: search)")
-    pl.add_argument("--memory-limit-gib", type=float, default=None, help="per-device memory limit in GiB")
+    pl.add_argument(
+        "--memory-limit-gib",
+        type=float,
+        default=None,
+        help="per-device memory in GiB (default: the device's); the plan leaves the cluster's "
+        "memory_reserve of it unused (10%% unless the spec file says otherwise)",
+    )
     pl.add_argument("--time-limit", type=float, default=None, help="solver time limit per mesh, in seconds")
     pl.add_argument("--meta", action="store_true", help="build the model on the meta device (no weights)")
     pl.add_argument(

@@ -17,6 +17,13 @@ Links and devices (:class:`LinkSpec`, :class:`DeviceSpec`, their fields and unit
 * ``inter_node``: link between hosts, per device (InfiniBand / Ethernet).
 * ``host_memory_bytes``: host (CPU) RAM per node in B, shared by the node's devices (offload budget).
 * ``host_link``: device <-> host memory link (PCIe), per device.
+* ``memory_reserve``: fraction of each device's memory a plan leaves unused (default
+  ``DEFAULT_MEMORY_RESERVE`` = 0.1), of ``device.memory_bytes`` or of an explicit
+  ``memory_limit_bytes`` alike: the plan's predicted peak stays under ``(1 - memory_reserve)`` of it.
+  It holds what the cost model does not count: the caching allocator's fragmentation and block
+  rounding, the CUDA context and library workspaces (cuBLAS, NCCL buffers), and the model's own
+  error (within +-10% of the measured live tensor bytes in ``benchmarks/bench_cost_accuracy.py``).
+  Optional in spec files.
 
 Presets (``ClusterSpec.preset``): ``a100-40gb``, ``a100-80gb``, ``h100-sxm``, ``h200``, ``cpu``.
 """
@@ -61,7 +68,11 @@ _CLUSTER_KEYS = (
     "inter_node",
     "host_memory_bytes",
     "host_link",
+    "memory_reserve",
 )
+_CLUSTER_OPTIONAL = ("memory_reserve",)
+# fraction of device memory a plan leaves free by default (see the module docstring for what it holds)
+DEFAULT_MEMORY_RESERVE = 0.1
 _DEVICE_KEYS = (
     "name",
     "peak_flops",
@@ -162,6 +173,7 @@ class ClusterSpec:
     inter_node: LinkSpec
     host_memory_bytes: int
     host_link: LinkSpec
+    memory_reserve: float = DEFAULT_MEMORY_RESERVE
 
     def __post_init__(self) -> None:
         _check_name("ClusterSpec.name", self.name)
@@ -186,6 +198,19 @@ class ClusterSpec:
             "host_memory_bytes",
             _check_int("ClusterSpec.host_memory_bytes", self.host_memory_bytes, minimum=1),
         )
+        r = self.memory_reserve
+        if isinstance(r, bool) or not isinstance(r, (int, float)) or not 0 <= r < 1:
+            raise ClusterSpecError(
+                f"ClusterSpec.memory_reserve: got {r!r}; must be a fraction in [0, 1) of device memory "
+                f"(default {DEFAULT_MEMORY_RESERVE})"
+            )
+        object.__setattr__(self, "memory_reserve", float(r))
+
+    def memory_limit(self, memory_limit_bytes: float | None = None) -> float:
+        """Bytes per device a plan may use: ``memory_limit_bytes`` (default: the device's memory)
+        less the reserve."""
+        total = self.device.memory_bytes if memory_limit_bytes is None else memory_limit_bytes
+        return total * (1 - self.memory_reserve)
 
     # ---------------------------------------------------------------- derived
     @property
@@ -242,12 +267,13 @@ class ClusterSpec:
             "inter_node": self.inter_node.to_dict(),
             "host_memory_bytes": self.host_memory_bytes,
             "host_link": self.host_link.to_dict(),
+            "memory_reserve": self.memory_reserve,
         }
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> ClusterSpec:
         """Inverse of ``to_dict``; unknown or missing keys raise ClusterSpecError naming them."""
-        _check_keys("cluster", d, _CLUSTER_KEYS)
+        _check_keys("cluster", d, _CLUSTER_KEYS, _CLUSTER_OPTIONAL)
         device = _device_from_dict("cluster.device", d["device"])
         links = {f: _link_from_dict(f"cluster.{f}", d[f]) for f in ("intra_node", "inter_node", "host_link")}
         return cls(
@@ -256,6 +282,7 @@ class ClusterSpec:
             devices_per_node=_coerce_number(d["devices_per_node"]),
             device=device,
             host_memory_bytes=_coerce_number(d["host_memory_bytes"]),
+            memory_reserve=_coerce_number(d.get("memory_reserve", DEFAULT_MEMORY_RESERVE)),
             **links,
         )
 

@@ -3,19 +3,28 @@
 FLOPs come from ``torch.utils.flop_counter`` (the forward of each node run once on meta tensors,
 cached per distinct (op, shapes, dtypes, scalar args)). Bytes are the sizes of the node's tensor
 inputs plus outputs: what a memory-bound kernel moves. What each op keeps for its backward (which
-inputs, its output, internal tensors) is read the same way, through ``saved_tensors_hooks``.
+inputs, its output, internal tensors, each counted once) is read the same way, through
+``saved_tensors_hooks``, with only the inputs that need a gradient in the model requiring one
+(autograd keeps less for the others); and what its backward allocates, by running
+``torch.autograd.grad`` on the meta outputs: which input gradients are new tensors and what other
+new tensors it holds at once. An output that shares an input's storage in the traced values (a
+view, ``to`` to its own dtype, ``reshape`` or ``contiguous`` that need no copy) is marked
+``view_of`` that input: it allocates nothing.
 """
 
 from __future__ import annotations
 
 import logging
+import weakref
 from dataclasses import dataclass
 
 import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode
 
+from autopar.passes.rules import ALIASING_OPS, tensor_inputs
 from autopar.passes.trace import Role, TracedGraph
 
 log = logging.getLogger(__name__)
@@ -36,6 +45,9 @@ class NodeInfo:
     saved_temp_bytes: int = (
         0  # tensors the op keeps that are neither inputs nor outputs (sdpa's logsumexp ...)
     )
+    view_of: str = ""  # the input whose storage the output is a view of ("" if it allocates)
+    grad_new: tuple[bool, ...] = ()  # per tensor input: its gradient is a new tensor (else passed on)
+    grad_temp_bytes: int = 0  # other tensors the backward holds at once, at most (CE's log-prob gradient)
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -112,63 +124,160 @@ def _signature(node: fx.Node):
     return (str(node.target), repr(pytree.tree_map(key_of, (node.args, node.kwargs))))
 
 
-def _saved_for_backward(node: fx.Node) -> tuple[tuple[bool, ...], bool, int]:
-    """What autograd keeps for this op's backward, found by running it once on meta tensors under
-    ``saved_tensors_hooks`` (cached per op signature). An op that cannot run so keeps every input."""
-    key = _signature(node)
+@dataclass(frozen=True)
+class _Probe:
+    saves_inputs: tuple[bool, ...]
+    saves_output: bool = False
+    saved_temp_bytes: int = 0
+    grad_new: tuple[bool, ...] = ()
+    grad_temp_bytes: int = 0
+
+
+def _saved_for_backward(node: fx.Node, grads: tuple[bool, ...]) -> _Probe:
+    """What autograd keeps for this op's backward and what its backward allocates, found by running
+    it once on meta tensors (cached per op signature), each tensor input requiring a gradient as in
+    the model (``grads``, per tensor input): ``x * c`` with a constant ``c`` keeps ``c`` only.
+    Forward under ``saved_tensors_hooks``: the saved tensors. Backward (``torch.autograd.grad``)
+    under ``_NewStorage``: which input gradients are new tensors (``add`` passes its output's
+    gradient on to both inputs) and the largest bytes of other new tensors held at once
+    (``cross_entropy``: the gradient of its log-probabilities). An op that cannot run so keeps
+    every input and allocates every input gradient."""
+    key = (_signature(node), grads)
     if key in _SAVED_CACHE:
         return _SAVED_CACHE[key]
+    tins = tensor_inputs(node)
     if node.target is torch.ops.aten.scaled_dot_product_attention.default:
         # the fused kernels that run (flash / memory-efficient on GPU, flash on CPU) keep q, k, v, the
-        # output and a float32 log-sum-exp per query row; on meta the math path would claim the S x S matrix
+        # output and a float32 log-sum-exp per query row, and allocate only the gradients of q, k, v
+        # (on CPU); on meta the math path would claim the S x S matrix. A boolean mask is kept as
+        # the additive float mask it is turned into (query dtype, the mask's shape).
         q = node.args[0].meta["val"]
-        n_in = sum(1 for a in node.args[:4] if isinstance(a, fx.Node))
-        _SAVED_CACHE[key] = ((True,) * n_in, True, _numel(q.shape[:-1]) * 4)
+        mask = node.args[3] if len(node.args) > 3 else node.kwargs.get("attn_mask")
+        saves, temp = [], _numel(q.shape[:-1]) * 4
+        for a in tins:
+            v = a.meta["val"]
+            if a is mask and not v.dtype.is_floating_point:
+                saves.append(False)
+                temp += _numel(v.shape) * q.element_size()
+            else:
+                saves.append(True)
+        _SAVED_CACHE[key] = _Probe(tuple(saves), True, temp, tuple(a is not mask for a in tins))
         return _SAVED_CACHE[key]
-    leaves = pytree.tree_leaves((node.args, node.kwargs))
-    n_in = sum(1 for a in leaves if isinstance(a, fx.Node) and isinstance(a.meta.get("val"), torch.Tensor))
-    result: tuple[tuple[bool, ...], bool, int] = ((True,) * n_in, False, 0)
+    result = _Probe((True,) * len(tins), grad_new=(True,) * len(tins))
     if isinstance(node.target, torch._ops.OpOverload):
         try:
-            ins: list[torch.Tensor] = []
-
-            def to_meta(a):
-                if isinstance(a, fx.Node):
-                    v = a.meta.get("val")
-                    if isinstance(v, torch.Tensor):
-                        t = torch.empty(v.shape, dtype=v.dtype, device="meta").requires_grad_(
-                            v.dtype.is_floating_point
-                        )
-                        ins.append(t)
-                        return t
-                    return v
-                return torch.device("meta") if isinstance(a, torch.device) else a
-
-            args, kwargs = pytree.tree_map(to_meta, (node.args, node.kwargs))
-            if "device" in kwargs:
-                kwargs["device"] = torch.device("meta")
-            saved: list[torch.Tensor] = []
-            with torch.autograd.graph.saved_tensors_hooks(lambda t: (saved.append(t), t)[1], lambda t: t):
-                out = node.target(*args, **kwargs)
-
-            def sid(t):
-                return t.untyped_storage()._cdata
-
-            in_ids = [sid(t) for t in ins]
-            out_ids = {sid(t) for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)}
-            saves, saves_out, temp = [False] * len(ins), False, 0
-            for t in saved:
-                if sid(t) in in_ids:
-                    saves[in_ids.index(sid(t))] = True
-                elif sid(t) in out_ids:
-                    saves_out = True
-                else:
-                    temp += tensor_nbytes(t)
-            result = (tuple(saves), saves_out, temp)
+            result = _run_probe(node, grads)
         except Exception as e:  # noqa: BLE001 - cannot run on meta: assume every input is kept
             log.debug("no saved-tensor probe for %s: %s", node.target, e)
     _SAVED_CACHE[key] = result
     return result
+
+
+def _run_probe(node: fx.Node, grads: tuple[bool, ...]) -> _Probe:
+    ins: list[torch.Tensor] = []
+
+    def to_meta(a):
+        if isinstance(a, fx.Node):
+            v = a.meta.get("val")
+            if isinstance(v, torch.Tensor):
+                rg = grads[len(ins)] if len(ins) < len(grads) else v.dtype.is_floating_point
+                t = torch.empty(v.shape, dtype=v.dtype, device="meta")
+                t.requires_grad_(rg and v.dtype.is_floating_point)
+                ins.append(t)
+                return t
+            return v
+        return torch.device("meta") if isinstance(a, torch.device) else a
+
+    args, kwargs = pytree.tree_map(to_meta, (node.args, node.kwargs))
+    if "device" in kwargs:
+        kwargs["device"] = torch.device("meta")
+    saved: list[torch.Tensor] = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: (saved.append(t), t)[1], lambda t: t):
+        out = node.target(*args, **kwargs)
+    in_ids = [_sid(t) for t in ins]
+    outs = [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
+    out_ids = {_sid(t) for t in outs}
+    saves, saves_out, temp, temps = [False] * len(ins), False, 0, set()
+    for t in saved:
+        if _sid(t) in in_ids:
+            saves[in_ids.index(_sid(t))] = True
+        elif _sid(t) in out_ids:
+            saves_out = True
+        elif _sid(t) not in temps:  # one storage saved twice (log_softmax's output by nll_loss) is kept once
+            temps.add(_sid(t))
+            temp += t.untyped_storage().nbytes()
+    # backward: which input gradients are new storage, and what else it holds at its peak
+    diff = [t for t in outs if t.requires_grad]
+    need = [i for i, t in enumerate(ins) if t.requires_grad]
+    grad_new, grad_temp = [False] * len(ins), 0
+    if diff and need:
+        gouts = [torch.empty_like(t) for t in diff]
+        tracker = _NewStorage(ins + outs + saved + gouts)
+        with tracker:
+            gins = torch.autograd.grad(diff, [ins[i] for i in need], gouts, allow_unused=True)
+        new_ids: set[int] = set()
+        for i, g in zip(need, gins):
+            if g is not None and _sid(g) in tracker.sizes:
+                grad_new[i] = True
+                new_ids.add(_sid(g))
+        grad_temp = max(0, tracker.peak - sum(tracker.sizes[k] for k in new_ids))
+    return _Probe(tuple(saves), saves_out, temp, tuple(grad_new), grad_temp)
+
+
+def _sid(t: torch.Tensor) -> int:
+    return t.untyped_storage()._cdata
+
+
+class _NewStorage(TorchDispatchMode):
+    """Bytes of storages allocated under it (on any device, meta included), live at once at most;
+    storages of ``existing`` tensors (inputs, saved tensors) are not new, whatever views of them
+    the backward makes."""
+
+    def __init__(self, existing) -> None:
+        super().__init__()
+        self.old = {_sid(t) for t in existing}
+        self.sizes: dict[int, int] = {}  # new storage -> bytes (kept after it dies: for the caller)
+        self.refs: dict[int, int] = {}
+        self.live = self.peak = 0
+
+    def _release(self, k: int) -> None:
+        self.refs[k] -= 1
+        if not self.refs[k]:
+            del self.refs[k]
+            self.live -= self.sizes[k]
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in pytree.tree_leaves(out):
+            if isinstance(t, torch.Tensor) and _sid(t) not in self.old:
+                k = _sid(t)
+                if k not in self.refs:
+                    self.refs[k] = 0
+                    self.sizes[k] = t.untyped_storage().nbytes()
+                    self.live += self.sizes[k]
+                    self.peak = max(self.peak, self.live)
+                self.refs[k] += 1
+                weakref.finalize(t, self._release, k)
+        return out
+
+
+def _storage(v) -> int | None:
+    try:
+        return v.untyped_storage()._cdata if isinstance(v, torch.Tensor) else None
+    except Exception:  # noqa: BLE001 - a value without a storage (some tensor subclasses): no alias
+        return None
+
+
+def _view_of(node: fx.Node, tins: list[fx.Node]) -> str:
+    """The tensor input whose storage ``node``'s output shares, read from the traced (fake) values:
+    views, and ops that return their input unchanged (``to`` to the same dtype, ``reshape`` or
+    ``contiguous`` of a tensor that needs no copy). Such an output allocates nothing."""
+    if node.target in ALIASING_OPS and tins:
+        return tins[0].name
+    out = _storage(node.meta.get("val"))
+    if out is None:
+        return ""
+    return next((a.name for a in tins if _storage(a.meta.get("val")) == out), "")
 
 
 def analyze(tg: TracedGraph) -> dict[str, NodeInfo]:
@@ -189,7 +298,9 @@ def analyze(tg: TracedGraph) -> dict[str, NodeInfo]:
             rg = any(infos[a.name].requires_grad for a in ins if a.name in infos) and bool(
                 vals and any(v.dtype.is_floating_point for v in vals)
             )
-            saves_in, saves_out, temp = _saved_for_backward(node) if rg else ((), False, 0)
+            tins = tensor_inputs(node)
+            grads = tuple(infos[a.name].requires_grad if a.name in infos else True for a in tins)
+            probe = _saved_for_backward(node, grads) if rg else _Probe(())
             infos[node.name] = NodeInfo(
                 node.name,
                 Role.ACTIVATION,
@@ -199,9 +310,12 @@ def analyze(tg: TracedGraph) -> dict[str, NodeInfo]:
                 _flops_of(node),
                 in_bytes + out_bytes,
                 rg,
-                saves_in,
-                saves_out,
-                temp,
+                probe.saves_inputs,
+                probe.saves_output,
+                probe.saved_temp_bytes,
+                _view_of(node, tins),
+                probe.grad_new,
+                probe.grad_temp_bytes,
             )
         elif node.op == "output":
             infos[node.name] = NodeInfo(node.name, Role.OUTPUT, "output", (), None, 0.0, 0, False)

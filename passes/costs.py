@@ -6,19 +6,29 @@
   cores) plus
   collectives inside a lowering (the all-reduces of a batch-sharded mean cross-entropy);
 * node memory ``m[v, s]`` (B per device): parameters (+ gradient + optimizer states) for parameter
-  placeholders, buffers and inputs; for activations, what autograd keeps until backward: the
-  output when the op or a consumer saves it (``kept_for_backward``; a saved view keeps its base),
-  plus tensors the op saves internally; each divided by the number of pieces its placement cuts
-  it into. Their sum is the memory live when backward starts;
-* node transient ``p[v, s]`` (B per device): what ``v``'s backward holds while it runs, the
-  gradient of its output and the gradients of its inputs (a replicated weight's whole gradient
-  under data parallelism, a shard under tensor parallelism). The peak of a step is the memory
-  above plus the largest transient of the chosen strategies (``solver``: a max, linearized);
+  placeholders, buffers and inputs; for activations, what autograd keeps until backward and the
+  edges do not pay for (``Kept``): the output when the op itself saves it, plus tensors the op
+  saves internally; each divided by the number of pieces its placement cuts it into;
+* node transient ``p[v, s]`` (B per device): what ``v``'s backward holds while it runs, read off
+  its backward on meta tensors (``analyze``): the gradient of its output, the gradients of its
+  inputs that are new tensors (a replicated weight's whole gradient under data parallelism, a
+  shard under tensor parallelism; none for ``add``, which passes its gradient on) and the other
+  tensors it holds at once (``NodeInfo.grad_temp_bytes``, cut like its work). The peak of a step
+  adds to the bytes kept where a transient happens the largest transient there, a node's or an
+  edge's (liveness by graph position: ``passes/memory_row.py``);
 * edge cost ``c[e, s_u, s_v]`` (s): resharding the tensor on edge ``e = (u -> v, input i)`` from
   ``u``'s output placement to what ``v`` requires under ``s_v``, forward and backward, plus the
   backward all-reduce of the Megatron "f" on the Replicate inputs of a split op
-  (``cost_model.comm.CommModel.reshard``); ``inf`` marks a pair the axis roles forbid; edge memory ``m[e, s_u, s_v]``: the resharded copy when
-  it is saved for backward.
+  (``cost_model.comm.CommModel.reshard``); ``inf`` marks a pair the axis roles forbid;
+* edge memory ``m[e, s_u, s_v]`` (B per device): what ``v`` keeps until backward by taking the
+  tensor: the resharded copy when it saves it (``nbytes / pieces(s_v's input placement)``), or,
+  when no collective runs, the producer's storage if ``v`` is its only keeper
+  (``nbytes(base) / pieces(s_u)``); a storage several consumers keep as it is counts once, the
+  largest of their ``Edge.keep`` terms (``passes/memory_row.py``). The graph's outputs are kept
+  too: the caller holds them through backward. Which storage is kept, and by whom: ``Kept``;
+* edge transient ``Edge.peak[s_u][s_v]`` (B per device): the most the reshard's collectives hold
+  at once, forward or backward, as ``codegen/collectives.py`` allocates
+  (``cost_model.memory.reshard_transient``).
 
 ``getitem`` nodes take their producer's placement; their edges are attached to the producer.
 """
@@ -38,9 +48,10 @@ import torch.fx as fx
 from autopar.cluster import ClusterSpec
 from autopar.cost_model.comm import Collective, CommModel
 from autopar.cost_model.compute import node_time, optimizer_step_time
+from autopar.cost_model.memory import reshard_transient
 from autopar.passes.analyze import NodeInfo
 from autopar.passes.coarsen import Classes
-from autopar.passes.rules import ALIASING_OPS, tensor_inputs
+from autopar.passes.rules import tensor_inputs
 from autopar.passes.strategies import AxisRole, NodeStrategies, Strategy
 from autopar.passes.trace import Role, TracedGraph
 from autopar.placement import is_replicate, replicated, volume_factor
@@ -67,18 +78,32 @@ class Edge:
     mem: list[list[float]]  # [s_src][s_dst] bytes
     colls: list[list[tuple[str, ...]]]  # collectives run, for the plan
     count: int = 1  # how many graph edges this one stands for (repeated blocks)
+    # bytes that count once however many edges have them (maxima, not sums; per graph edge, not
+    # scaled by ``count``): the largest transient of the reshard's collectives, and the storage of
+    # ``owner`` (a node several consumers keep) when this consumer keeps it as it is
+    peak: list[list[float]] | None = None
+    keep: list[list[float]] | None = None
+    owner: str = ""
 
     def scaled(self, k: int) -> Edge:
         if k == 1:
             return self
+        cost = [[c * k for c in row] for row in self.cost]
+        mem = [[m * k for m in row] for row in self.mem]
         return Edge(
-            self.src,
-            self.dst,
-            [[c * k for c in row] for row in self.cost],
-            [[m * k for m in row] for row in self.mem],
-            self.colls,
-            self.count * k,
+            self.src, self.dst, cost, mem, self.colls, self.count * k, self.peak, self.keep, self.owner
         )
+
+    def rows(self, src: str, pick: list[int]) -> Edge:
+        """This edge from ``src``, whose strategy a stands for this edge's source strategy pick[a]."""
+
+        def sel(t):
+            return None if t is None else [t[b] for b in pick]
+
+        return Edge(
+            src, self.dst, sel(self.cost), sel(self.mem), sel(self.colls), self.count,
+            sel(self.peak), sel(self.keep), self.owner,
+        )  # fmt: skip
 
 
 @dataclass
@@ -92,6 +117,13 @@ class CostTables:
     # bytes a node's backward holds only while it runs (its output's gradient and its inputs'
     # gradients, local pieces): the plan's peak adds the largest of these, not their sum
     node_peak: dict[str, list[float]] = field(default_factory=dict)
+    # node -> owner -> bytes per strategy of the owner's storage kept through that node (edges
+    # folded into it, see Edge.keep): the owner counts once, the largest, times its class size
+    node_keep: dict[str, dict[str, list[float]]] = field(default_factory=dict)
+    # node -> positions (graph order) of its class's members: where its bytes are charged
+    positions: dict[str, tuple[float, ...]] = field(default_factory=dict)
+    # node -> position -> transients folded into it from elsewhere (``memory_row.Maxima``)
+    peak_at: dict[str, dict[float, list[float]]] = field(default_factory=dict)
 
 
 def resolve_source(node: fx.Node) -> fx.Node:
@@ -121,6 +153,8 @@ def build_costs(
     classes = classes or Classes.identity(list(strats))
     kept = kept_for_backward(tg, infos)
     tables = CostTables(mesh_shape, {k: v.strategies for k, v in strats.items()}, {}, {}, classes=classes)
+    order = {n.name: i for i, n in enumerate(tg.graph.nodes)}
+    tables.positions = {r: tuple(sorted(order[m] for m in classes.members[r])) for r in strats}
     for name, ns in strats.items():
         info = infos[name]
         n = classes.count(name)
@@ -154,15 +188,16 @@ def build_costs(
             # internal saved tensors are cut like the op's work: by its largest split (e.g. a loss's
             # log-probabilities follow the logits, not the scalar output)
             work_vol = max([vol] + [volume_factor(x, mesh_shape) for x in s.ins])
-            saved = (info.out_bytes if name in kept else 0) / vol + info.saved_temp_bytes / work_vol
+            saved = (info.out_bytes if name in kept.at_node else 0) / vol + info.saved_temp_bytes / work_vol
             mems.append(n * saved)
-            if info.requires_grad:
+            if info.requires_grad:  # its output's gradient, the new input gradients, internal temporaries
+                new = info.grad_new or (True,) * len(s.ins)
                 grads = info.out_bytes / vol + sum(
                     infos[a.name].out_bytes / volume_factor(x, mesh_shape)
-                    for a, x in zip(ns.inputs, s.ins)
-                    if infos[a.name].requires_grad
+                    for a, x, fresh in zip(ns.inputs, s.ins, new)
+                    if infos[a.name].requires_grad and fresh
                 )
-                peaks.append(grads)
+                peaks.append(grads + info.grad_temp_bytes / work_vol)
         tables.node_cost[name] = costs
         tables.node_mem[name] = mems
         if len(peaks) == len(costs):
@@ -182,50 +217,114 @@ def build_costs(
             if src not in classes.rep:
                 continue
             info = infos[inp.name]
-            key = (classes.rep[src], rep, i, info.out_bytes, info.requires_grad)
+            orig, owner = _owner(kept, (name, i), infos, classes)
+            key = (classes.rep[src], rep, i, info.out_bytes, info.requires_grad, orig, owner)
             groups.setdefault(key, [inp, 0])[1] += 1
-    for (src, dst, i, _, _), (inp, count) in groups.items():
+    for (src, dst, i, _, _, orig, owner), (inp, count) in groups.items():
         pinned = _pinned_axes(infos[src], axis_roles)
-        tables.edges.append(_edge(src, dst, i, inp, infos, strats, comm, pinned).scaled(count))
+        e = _edge(src, dst, i, inp, infos, strats, comm, pinned, orig, owner)
+        tables.edges.append(e.scaled(count))
 
     out_node = next(n for n in tg.graph.nodes if n.op == "output")
     r = replicated(len(mesh_shape))
-    for inp in out_node.all_input_nodes:
+    for k, inp in enumerate(out_node.all_input_nodes):
         if not isinstance(inp.meta.get("val"), torch.Tensor):
             continue
         src = classes.rep[resolve_source(inp).name]
         nbytes = infos[inp.name].out_bytes
-        row_c, row_m, row_n = [], [], []
+        orig, owner = _owner(kept, ("output", k), infos, classes)
+        row_c, row_m, row_n, row_p, row_k = [], [], [], [], []
         for su in strats[src].strategies:
             c, names = comm.reshard(su.out, r, nbytes, False)
             row_c.append([c])
-            row_m.append([0.0])
+            # the caller holds the full output through backward: a gathered copy, or the tensor itself
+            copy, own = _kept_bytes(su.out, r, nbytes, True, orig, mesh_shape)
+            row_m.append([copy + (0.0 if owner else own)])
+            row_k.append([own])
+            row_p.append([reshard_transient(su.out, r, nbytes, mesh_shape, False, (), True)])
             row_n.append([tuple(names)])
-        tables.edges.append(Edge(src, "output", row_c, row_m, row_n))
+        tables.edges.append(
+            Edge(src, "output", row_c, row_m, row_n, 1, row_p, row_k if owner else None, owner)
+        )
     return tables
 
 
-def _base(node: fx.Node) -> fx.Node:
-    """The node that owns the storage a view (or getitem) refers to."""
-    while node.op == "call_function" and (node.target in ALIASING_OPS or node.target is operator.getitem):
-        node = node.args[0]
+def _base(node: fx.Node, infos: dict[str, NodeInfo]) -> fx.Node:
+    """The node that owns the storage a view (or getitem, or an op returning its input) refers to."""
+    while node.op == "call_function":
+        if node.target is operator.getitem:
+            node = node.args[0]
+        elif infos.get(node.name) is not None and infos[node.name].view_of:
+            view_of = infos[node.name].view_of
+            node = next(a for a in node.all_input_nodes if a.name == view_of)
+        else:
+            break
     return node
 
 
-def kept_for_backward(tg: TracedGraph, infos: dict[str, NodeInfo]) -> set[str]:
-    """Nodes whose output storage autograd keeps until backward: an op saves it as an input or as
-    its own output (analyze.NodeInfo.saves_*); a saved view keeps its base."""
-    kept: set[str] = set()
+@dataclass(frozen=True)
+class Kept:
+    """Which activation storages autograd (or the caller) keeps until backward, and who pays for them.
+
+    A node's output is kept when an op saves it as an input (``NodeInfo.saves_inputs``; a saved view
+    keeps its base), when an op saves its own output, or when it is a graph output (the caller holds
+    outputs through backward, as ``out = model(x); out.loss.backward()`` does). A consumer that
+    needs the tensor in another placement saves the resharded copy codegen makes for it, not the
+    producer's tensor. So a storage that only consumers keep is paid on their edges (``keeper``:
+    (consumer, input index) -> base; the graph output's index is its position among the output's
+    inputs): a copy where the edge reshards, the storage itself where it does not, counted once
+    however many consumers keep it as it is (``shared``: those with several keepers; a max over
+    their edges, ``Edge.keep``). A storage its own op saves is paid at its node (``at_node``)."""
+
+    at_node: frozenset[str]
+    keeper: dict[tuple[str, int], str]
+    shared: frozenset[str]
+
+
+def kept_for_backward(tg: TracedGraph, infos: dict[str, NodeInfo]) -> Kept:
+    uses: dict[str, list[tuple[str, int]]] = {}
+    self_saved: set[str] = set()
     for node in tg.graph.nodes:
+        if node.op == "output":
+            for k, inp in enumerate(node.all_input_nodes):
+                if isinstance(inp.meta.get("val"), torch.Tensor):
+                    uses.setdefault(_base(inp, infos).name, []).append(("output", k))
+            continue
         info = infos.get(node.name)
         if node.op != "call_function" or info is None or not info.requires_grad:
             continue
         if info.saves_output:
-            kept.add(_base(node).name)
-        for inp, saved in zip(tensor_inputs(node), info.saves_inputs):
+            self_saved.add(_base(node, infos).name)
+        for i, (inp, saved) in enumerate(zip(tensor_inputs(node), info.saves_inputs)):
             if saved:
-                kept.add(_base(inp).name)
-    return kept
+                uses.setdefault(_base(inp, infos).name, []).append((node.name, i))
+    at_node, keeper, shared = set(self_saved), {}, set()
+    for base, users in uses.items():
+        if base in self_saved or infos[base].role is not Role.ACTIVATION:
+            at_node.add(base)
+            continue
+        keeper.update((u, base) for u in users)
+        if len(users) > 1:
+            shared.add(base)
+    return Kept(frozenset(at_node), keeper, frozenset(shared))
+
+
+def _owner(kept: Kept, use: tuple[str, int], infos, classes: Classes) -> tuple[int, str]:
+    """(bytes of the storage this use keeps when it takes it as it is, owner if others keep it too)."""
+    base = kept.keeper.get(use)
+    if base is None or base not in classes.rep:
+        return 0, ""
+    return infos[base].out_bytes, (classes.rep[base] if base in kept.shared else "")
+
+
+def _kept_bytes(have, need, nbytes: int, keeps: bool, orig: int, mesh_shape) -> tuple[float, float]:
+    """Bytes per device a consumer keeps until backward by taking a tensor (``nbytes``) from
+    placement ``have`` in placement ``need``: (the resharded copy, if it saves it; the producer's
+    storage of ``orig`` bytes, if no collective runs and the consumer keeps it). The storage is cut
+    as the tensor the consumer sees (a view of all of it, or a slice cut alike)."""
+    if any(n > 1 and h != w for h, w, n in zip(have, need, mesh_shape)):
+        return (nbytes / volume_factor(need, mesh_shape) if keeps else 0.0), 0.0
+    return 0.0, orig / volume_factor(have, mesh_shape)
 
 
 @functools.cache
@@ -241,7 +340,9 @@ def _pinned_axes(info: NodeInfo, axis_roles) -> list[int]:
     return [a for a, r in enumerate(axis_roles) if r is AxisRole.TENSOR]
 
 
-def _edge(src, dst, i, inp, infos, strats, comm: CommModel, pinned=()) -> Edge:
+def _edge(
+    src, dst, i, inp, infos, strats, comm: CommModel, pinned=(), orig: int = 0, owner: str = ""
+) -> Edge:
     info = infos[inp.name]
     nbytes = info.out_bytes
     rg = info.requires_grad
@@ -252,24 +353,25 @@ def _edge(src, dst, i, inp, infos, strats, comm: CommModel, pinned=()) -> Edge:
     rows = [have_ix.setdefault(su.out, len(have_ix)) for su in strats[src].strategies]
     need_ix: dict = {}
     cols = [need_ix.setdefault((sv.ins[i], f_axes(sv, i)), len(need_ix)) for sv in strats[dst].strategies]
-    row_c, row_m, row_n = [], [], []
+    row_c, row_m, row_n, row_p, row_k = [], [], [], [], []
     for have in have_ix:
-        rc, rm, rn = [], [], []
+        rc, rm, rn, rp, rk = [], [], [], [], []
         for need, f in need_ix:
             c, names = comm.reshard(have, need, nbytes, rg, f)
             if any(have[a] != need[a] for a in pinned):
                 c = math.inf  # forbidden pair (see _pinned_axes)
             rc.append(c)
-            # the resharded copy lives until backward only if the consumer keeps this input
-            rm.append(nbytes / volume_factor(need, comm.mesh_shape) if (keeps and need != have) else 0.0)
+            copy, own = _kept_bytes(have, need, nbytes, keeps, orig, comm.mesh_shape)
+            rm.append(copy + (0.0 if owner else own))
+            rk.append(own)
+            rp.append(reshard_transient(have, need, nbytes, comm.mesh_shape, rg, f, keeps))
             rn.append(tuple(names))
-        row_c.append([rc[j] for j in cols])
-        row_m.append([rm[j] for j in cols])
-        row_n.append([rn[j] for j in cols])
-    cost = [list(row_c[r]) for r in rows]
-    mem = [list(row_m[r]) for r in rows]
-    colls = [row_n[r] for r in rows]
-    return Edge(src, dst, cost, mem, colls)
+        for row, r in ((row_c, rc), (row_m, rm), (row_n, rn), (row_p, rp), (row_k, rk)):
+            row.append([r[j] for j in cols])
+    return Edge(
+        src, dst, [list(row_c[r]) for r in rows], [list(row_m[r]) for r in rows], [row_n[r] for r in rows], 1,
+        [row_p[r] for r in rows], [row_k[r] for r in rows] if owner else None, owner,
+    )  # fmt: skip
 
 
 def _lowering_comm(node: fx.Node, s: Strategy, comm: CommModel) -> float:

@@ -18,9 +18,14 @@ Constraints
         elsewhere usually reshard a given tensor alike.
         Edges whose source or destination has a single strategy need no y: their cost is linear
         in the other end's x and is folded into it (``_fold_edge``).
-    (3) per-device memory:         sum_{v,s} m[v,s] x[v,s] + sum_{e,a,b} m[e,a,b] y[e,a,b] + z <= M
-        with the largest backward transient  z >= sum_s p[v,s] x[v,s]  for every v
-                                                                            (``_memory_constraint``)
+    (3) per-device memory, from liveness: at every position p (graph order) where a transient can
+        set the peak, S(p) + z_p <= M, and S(end) <= M, with
+            S(p) = sum of m[v,s] x[v,s], m[e,a,b] y[e,a,b] and K_o charged at positions <= p
+                   (a node's bytes at its members' positions, an edge's at its source's),
+            z_p >= sum_s p[v,s] x[v,s]  for every transient at p (a node's backward, or the same
+                   over y for a reshard's collectives), and each storage o that several consumers
+                   keep as it is counted once, K_o >= sum_{a,b} k[e,a,b] y[e,a,b] for each keeper e
+                                                            (``memory_row.add_memory_rows``)
 
 (2) is the standard tight linearization of x[u,a] * x[v,b] (its LP relaxation's vertices are
 integral on trees), as in Alpa (Zheng et al., OSDI 2022) and meta-pytorch/autoparallel.
@@ -45,6 +50,7 @@ import pulp
 
 from autopar.errors import SolverError
 from autopar.passes.costs import CostTables, Edge
+from autopar.passes.memory_row import Maxima, add_memory_rows, peak_bytes, positions
 
 # the tables with followers folded in, and each follower with its producer and best responses
 Folded = tuple[CostTables, list[tuple[str, tuple[str, list[int]]]]]
@@ -184,7 +190,8 @@ def fold_followers(tables: CostTables, exact: bool | None = None) -> Folded:
     strategies = dict(tables.strategies)
     cost = {k: list(v) for k, v in tables.node_cost.items()}
     mem = {k: list(v) for k, v in tables.node_mem.items()}
-    peak = {k: list(v) for k, v in tables.node_peak.items()}
+    shared = Maxima.of(tables)
+    where = {v: positions(tables, v) for v in tables.strategies}
     edges = list(tables.edges)
     merged: list[tuple[str, tuple[str, list[int]]]] = []
     rejected: set[str] = set()  # followers whose best response depends on their consumers' choice
@@ -198,6 +205,7 @@ def fold_followers(tables: CostTables, exact: bool | None = None) -> Folded:
                     a = b if e.src == e.dst else 0
                     cost[e.dst][b] += e.cost[a][b]
                     mem[e.dst][b] += e.mem[a][b]
+                    shared.absorb_edge(tables, e, a, b, e.dst, b, len(strategies[e.dst]))
                 continue
             kept.append(e)
             if e.dst != "output":
@@ -219,22 +227,20 @@ def fold_followers(tables: CostTables, exact: bool | None = None) -> Folded:
         if v is None:
             break
         into = [e for e in edges if e.dst == v]
+        nu = len(strategies[u])
         for a, b in enumerate(response):
             cost[u][a] += sum(e.cost[a][b] for e in into) + cost[v][b]
             mem[u][a] += sum(e.mem[a][b] for e in into) + mem[v][b]
-            if v in peak:  # transients do not add up: the largest counts
-                pu = peak.setdefault(u, [0.0] * len(strategies[u]))
-                pu[a] = max(pu[a], peak[v][b])
-        edges = [
-            Edge(u, e.dst, [e.cost[b] for b in response], [e.mem[b] for b in response],
-                 [e.colls[b] for b in response], e.count) if e.src == v else e
-            for e in edges
-            if e.dst != v
-        ]  # fmt: skip
+            for e in into:  # transients and shared storages do not add up: the largest counts
+                shared.absorb_edge(tables, e, a, b, u, a, nu)
+            shared.absorb_node(v, b, u, a, nu)
+        edges = [e.rows(u, response) if e.src == v else e for e in edges if e.dst != v]
         merged.append((v, (u, response)))
         del strategies[v], cost[v], mem[v]
-        peak.pop(v, None)
-    reduced = CostTables(tables.mesh_shape, strategies, cost, mem, edges, tables.classes, peak)
+        shared.drop(v)
+    reduced = CostTables(
+        tables.mesh_shape, strategies, cost, mem, edges, tables.classes, {}, shared.keep, where, shared.peak
+    )
     return reduced, merged
 
 
@@ -295,9 +301,10 @@ def _solve(
     x = _node_vars(prob, tables, pulp.LpContinuous if relax else pulp.LpBinary)
     lin_cost = {k: list(v) for k, v in tables.node_cost.items()}
     lin_mem = {k: list(v) for k, v in tables.node_mem.items()}
+    shared = Maxima.of(tables)
     quad: list[tuple[Edge, dict]] = []
     for e in tables.edges:
-        if not _fold_edge(e, tables, lin_cost, lin_mem):
+        if not _fold_edge(e, tables, lin_cost, lin_mem, shared):
             quad.append((e, _edge_vars(prob, e, x, tables)))
     _forbid(prob, x, lin_cost)
     for e, ys in quad:
@@ -313,7 +320,7 @@ def _solve(
         if e.cost[a][b] and math.isfinite(e.cost[a][b])
     ]
     prob += _affine(objective)
-    _memory_constraint(prob, x, quad, lin_mem, memory_limit_bytes, tables.node_peak)
+    add_memory_rows(prob, x, quad, lin_mem, memory_limit_bytes, shared, tables)
 
     solver = make_solver(time_limit_s)
     try:
@@ -383,26 +390,26 @@ def _affine(terms: list[tuple]) -> pulp.LpAffineExpression:
     return pulp.LpAffineExpression(pairs, constant=constant)
 
 
-def _fold_edge(e: Edge, tables: CostTables, lin_cost: dict, lin_mem: dict) -> bool:
+def _fold_edge(e: Edge, tables: CostTables, lin_cost: dict, lin_mem: dict, shared: Maxima) -> bool:
     n_src, n_dst = len(tables.strategies[e.src]), _n_dst(e, tables)
     if e.src == e.dst:  # inside one class of repeated nodes: both ends take the same strategy
-        for a in range(n_src):
-            lin_cost[e.src][a] += e.cost[a][a]
-            lin_mem[e.src][a] += e.mem[a][a]
+        pairs = [(e.src, a, a, a) for a in range(n_src)]
+    elif n_src == 1 and e.dst == "output":  # a constant: no cost term (``evaluate`` reports it), but memory
+        lin_mem[e.src][0] += e.mem[0][0]
+        shared.absorb_edge(tables, e, 0, 0, e.src, 0, 1)
         return True
-    if n_src == 1:
-        if e.dst == "output":
-            return True  # a constant: does not change the argmin (``evaluate`` reports it)
-        for b in range(n_dst):
-            lin_cost[e.dst][b] += e.cost[0][b]
-            lin_mem[e.dst][b] += e.mem[0][b]
-        return True
-    if n_dst == 1:
-        for a in range(n_src):
-            lin_cost[e.src][a] += e.cost[a][0]
-            lin_mem[e.src][a] += e.mem[a][0]
-        return True
-    return False
+    elif n_src == 1:
+        pairs = [(e.dst, b, 0, b) for b in range(n_dst)]
+    elif n_dst == 1:
+        pairs = [(e.src, a, a, 0) for a in range(n_src)]
+    else:
+        return False
+    n = len(tables.strategies[pairs[0][0]])
+    for v, s, a, b in pairs:
+        lin_cost[v][s] += e.cost[a][b]
+        lin_mem[v][s] += e.mem[a][b]
+        shared.absorb_edge(tables, e, a, b, v, s, n)
+    return True
 
 
 def _forbid(prob: pulp.LpProblem, x: dict, lin_cost: dict) -> None:
@@ -426,13 +433,13 @@ def _edge_vars(prob: pulp.LpProblem, e: Edge, x: dict, tables: CostTables) -> di
     requirement), so one y serves them all. Keyed by the groups' first (a, b)."""
     idx = len(prob.constraints)
     n_src, n_dst = len(tables.strategies[e.src]), _n_dst(e, tables)
+    tabs = [t for t in (e.cost, e.mem, e.peak, e.keep) if t is not None]
     rows: dict[tuple, list[int]] = {}
     for a in range(n_src):
-        rows.setdefault((tuple(e.cost[a]), tuple(e.mem[a])), []).append(a)
+        rows.setdefault(tuple(tuple(t[a]) for t in tabs), []).append(a)
     cols: dict[tuple, list[int]] = {}
     for b in range(n_dst):
-        key = (tuple(e.cost[a][b] for a in range(n_src)), tuple(e.mem[a][b] for a in range(n_src)))
-        cols.setdefault(key, []).append(b)
+        cols.setdefault(tuple(tuple(t[a][b] for a in range(n_src)) for t in tabs), []).append(b)
     row_groups, col_groups = list(rows.values()), list(cols.values())
     ys = {}
     for g in row_groups:
@@ -448,33 +455,9 @@ def _edge_vars(prob: pulp.LpProblem, e: Edge, x: dict, tables: CostTables) -> di
     return ys
 
 
-def _memory_constraint(prob, x, quad, lin_mem, limit: float, peaks: dict[str, list[float]]) -> None:
-    """(3), plus the largest transient: z >= sum_s p[v,s] x[v,s] for every v, and z in the sum
-    (only nodes whose largest transient can exceed every node's smallest can set the max)."""
-    if not math.isfinite(limit):
-        return
-    # in units of the limit: byte-sized coefficients (1e10) trip HiGHS's presolve into "infeasible"
-    g = 1 / limit if limit > 0 else 1.0
-    terms = [(x[v][s], m * g) for v, ms in lin_mem.items() for s, m in enumerate(ms) if m]
-    terms += [(y, e.mem[a][b] * g) for e, ys in quad for (a, b), y in ys.items() if e.mem[a][b]]
-    if peaks:
-        floor = max(min(p) for p in peaks.values())
-        z = pulp.LpVariable("peak_transient", lowBound=floor * g)
-        for i, (v, p) in enumerate(peaks.items()):
-            if max(p) > floor:
-                node = [(x[v][s], ps * g) for s, ps in enumerate(p)] + [(z, -1)]
-                prob += pulp.LpConstraint(_affine(node), pulp.LpConstraintLE, f"peak_{i}", 0)
-        terms.append((z, 1))
-    prob += pulp.LpConstraint(_affine(terms), pulp.LpConstraintLE, "memory", limit * g)
-
-
 def evaluate(tables: CostTables, choice: dict[str, int]) -> tuple[float, float]:
     """(seconds, bytes) of a full assignment: the ILP objective and memory, computed directly."""
     t = sum(tables.node_cost[v][s] for v, s in choice.items())
-    m = sum(tables.node_mem[v][s] for v, s in choice.items())
-    m += max((p[choice[v]] for v, p in tables.node_peak.items() if v in choice), default=0.0)
     for e in tables.edges:
-        b = 0 if e.dst == "output" else choice[e.dst]
-        t += e.cost[choice[e.src]][b]
-        m += e.mem[choice[e.src]][b]
-    return t, m
+        t += e.cost[choice[e.src]][0 if e.dst == "output" else choice[e.dst]]
+    return t, peak_bytes(tables, choice)

@@ -432,3 +432,18 @@ def test_comm_overlap_round_trips_and_defaults_to_inline():
     d = spec.to_dict()
     del d["device"]["comm_overlap"]  # a spec written before the field existed
     assert ClusterSpec.from_dict(d).device.comm_overlap == 0.0
+
+
+def test_memory_reserve_is_a_validated_fraction_applied_to_any_limit():
+    spec = ClusterSpec.preset("h100-sxm")
+    assert spec.memory_reserve == 0.1
+    assert spec.memory_limit() == pytest.approx(0.9 * spec.device.memory_bytes)
+    assert spec.memory_limit(10 * 2**30) == pytest.approx(9 * 2**30)  # an explicit limit keeps it too
+    tight = spec.with_overrides(memory_reserve=0.25)
+    assert ClusterSpec.from_dict(tight.to_dict()) == tight
+    d = spec.to_dict()
+    del d["memory_reserve"]  # spec files (and plans) written before it existed: the default
+    assert ClusterSpec.from_dict(d) == spec
+    for bad in (-0.1, 1.0, "0.1x", True):
+        with pytest.raises(ClusterSpecError, match="memory_reserve"):
+            spec.with_overrides(memory_reserve=bad)

@@ -1,7 +1,10 @@
 """The plan's memory limit is respected by what runs: plan for a device too small for the
-unconstrained plan, run it on gloo ranks, and measure every rank's peak live tensor bytes."""
+unconstrained plan, run it on gloo ranks, and measure every rank's peak live tensor bytes. The
+cluster's memory reserve applies to the device's memory and to an explicit limit alike."""
 
 from __future__ import annotations
+
+import dataclasses
 
 import pytest
 import torch
@@ -12,8 +15,6 @@ from autopar.cost_model.measure import peak_step_memory
 from autopar.demo import train_step
 from autopar.launch import run_on_ranks
 from autopar.model_spec import load_model_spec
-
-pytestmark = pytest.mark.slow
 
 SPEC = "autopar.examples:gpt2_tiny(batch=8, seq=64, hidden=128, vocab=512)"
 
@@ -31,24 +32,38 @@ def _rank(rank: int, world: int, cluster_dict: dict, plan_path: str) -> int:
     return peak
 
 
-def test_a_plan_for_a_device_too_small_for_the_unconstrained_plan_runs_within_its_memory(tmp_path):
-    """The device's memory is set so that the plan may use (MEMORY_FRACTION of it) 80% of what the
-    unconstrained plan needs. What runs must fit the device: the 10% reserve absorbs the memory
-    model's error (about 3% under here) and, on GPUs, fragmentation."""
-    import dataclasses
-
-    from autopar.api import MEMORY_FRACTION
-
+def test_an_explicit_limit_keeps_the_reserve():
+    """A limit passed as memory_limit_bytes is memory, like the device's: the plan stays under it
+    less the reserve (the unconstrained plan's own peak as the limit must change the plan)."""
     base = autopar.ClusterSpec.preset("cpu", devices_per_node=2)
     model, inputs = load_model_spec(SPEC)
     free = autopar.plan(model, base, inputs, optimizer=autopar.Optimizer.SGD)
-    device_bytes = int(0.8 * free.predicted.peak_memory_bytes / MEMORY_FRACTION)
+    limit = free.predicted.peak_memory_bytes
+    plan = autopar.plan(model, base, inputs, optimizer=autopar.Optimizer.SGD, memory_limit_bytes=limit)
+    assert plan.predicted.peak_memory_bytes <= (1 - base.memory_reserve) * limit
+    loose = base.with_overrides(memory_reserve=0.0)  # no reserve: the free plan fits its own peak
+    same = autopar.plan(model, loose, inputs, optimizer=autopar.Optimizer.SGD, memory_limit_bytes=limit)
+    assert same.decisions == free.decisions
+
+
+@pytest.mark.slow
+def test_a_plan_for_a_device_too_small_for_the_unconstrained_plan_runs_within_its_memory(tmp_path):
+    """The device's memory is set so that the plan may use (all but the reserve) 90% of what the
+    unconstrained plan needs; the same memory given as memory_limit_bytes gives the same plan.
+    What runs must fit the device: the 10% reserve absorbs the memory model's error (within 2%
+    here) and, on GPUs, fragmentation."""
+    base = autopar.ClusterSpec.preset("cpu", devices_per_node=2)
+    model, inputs = load_model_spec(SPEC)
+    free = autopar.plan(model, base, inputs, optimizer=autopar.Optimizer.SGD)
+    device_bytes = int(0.9 * free.predicted.peak_memory_bytes / (1 - base.memory_reserve))
     cluster = base.with_overrides(device=dataclasses.replace(base.device, memory_bytes=device_bytes))
     plan = autopar.plan(model, cluster, inputs, optimizer=autopar.Optimizer.SGD)
-    assert (
-        plan.predicted.peak_memory_bytes <= MEMORY_FRACTION * device_bytes < free.predicted.peak_memory_bytes
-    )
+    assert plan.predicted.peak_memory_bytes <= cluster.memory_limit() < free.predicted.peak_memory_bytes
     assert plan.decisions != free.decisions
+    explicit = autopar.plan(
+        model, base, inputs, optimizer=autopar.Optimizer.SGD, memory_limit_bytes=device_bytes
+    )
+    assert explicit.decisions == plan.decisions
     path = tmp_path / "plan.json"
     plan.save(path)
     peaks = run_on_ranks(_rank, 2, cluster.to_dict(), str(path))

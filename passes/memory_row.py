@@ -1,0 +1,265 @@
+r"""The ILP's memory constraint (3): the peak per device, from liveness over the step.
+
+Positions are the nodes' places in the traced graph (forward order; backward runs them in reverse).
+Every byte the plan keeps until backward (``CostTables.node_mem``, ``Edge.mem``) is charged from
+the position where it is made on: a node's at the node, an edge's at its source (a copy made at the
+consumer is charged a little early: never less). Backward frees it when the last node that needs
+it has run, i.e. after the earliest of them; counting it at every later position, backward as
+forward, can only over-count. So when the node at position ``p`` runs, forward or backward, at
+most ``S(p)`` bytes are kept, the sum of what is charged at positions <= p, and the step's peak is
+
+    peak = max( S(end),  max_p  S(p) + z_p ),       z_p = the largest transient at p
+
+where a transient is what one node's backward (``node_peak``, at the node), or one reshard's
+collectives (``Edge.peak``, ``cost_model.memory``; half a position before the consumer: they run
+before its forward and after its backward), hold while they run. ``S`` is linear in x and y; in the ILP
+it is a chain of sums (one variable per position that can matter), so the row costs one term per
+variable and segment, not per variable and position:
+
+    S_1 = sum_{terms at positions <= p_1} ...,   S_j = S_{j-1} + sum_{terms in (p_{j-1}, p_j]} ...
+    S_j + z_j <= M  for every j,   S_end <= M,   z_j >= sum_s p[v,s] x[v,s] for each transient at p_j
+
+A position is left out when a later one's smallest transient is at least its largest (S only
+grows). A storage several consumers keep as it is (``Kept.shared`` in ``costs``) is charged once,
+at its owner's positions: ``K_o`` >= each of its keepers' terms (``Edge.keep``).
+
+Repeated blocks share variables (``coarsen``): a class's terms are spread over its members'
+positions, and its transient, the same for every member, matters at the last member's only.
+Folding an edge or a follower into a node (``solver.fold_followers``, ``solver._fold_edge``)
+moves its bytes to the node's positions (earlier: never less) and keeps each transient at its own
+position (``Maxima``).
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+from dataclasses import dataclass
+
+import pulp
+
+from autopar.passes.costs import CostTables, Edge
+
+END = math.inf  # after the last node: what the caller holds after forward, the start of backward
+
+
+@dataclass
+class Maxima:
+    """Transients and shared storages folded into nodes, as ``fold_followers`` merges them."""
+
+    peak: dict[str, dict[float, list[float]]]  # node -> position -> per strategy: the largest there
+    keep: dict[str, dict[str, list[float]]]  # node -> owner -> per strategy
+
+    @classmethod
+    def of(cls, tables: CostTables) -> Maxima:
+        peak = {v: {p: list(t) for p, t in d.items()} for v, d in tables.peak_at.items()}
+        for v, t in tables.node_peak.items():
+            _raise(peak.setdefault(v, {}).setdefault(last(tables, v), [0.0] * len(t)), t)
+        return cls(peak, {v: {o: list(t) for o, t in d.items()} for v, d in tables.node_keep.items()})
+
+    def absorb_edge(self, tables: CostTables, e: Edge, a: int, b: int, node: str, s: int, n: int) -> None:
+        """Edge ``e``'s pair (a, b) becomes part of ``node``'s strategy ``s`` (of ``n``)."""
+        if e.peak is not None and e.peak[a][b]:
+            row = self.peak.setdefault(node, {}).setdefault(edge_position(tables, e), [0.0] * n)
+            row[s] = max(row[s], e.peak[a][b])
+        if e.keep is not None and e.keep[a][b]:
+            row = self.keep.setdefault(node, {}).setdefault(e.owner, [0.0] * n)
+            row[s] = max(row[s], e.keep[a][b])
+
+    def absorb_node(self, v: str, b: int, node: str, s: int, n: int) -> None:
+        """Node ``v``'s strategy b becomes part of ``node``'s strategy ``s`` (of ``n``)."""
+        for p, t in self.peak.get(v, {}).items():
+            row = self.peak.setdefault(node, {}).setdefault(p, [0.0] * n)
+            row[s] = max(row[s], t[b])
+        for o, t in self.keep.get(v, {}).items():
+            row = self.keep.setdefault(node, {}).setdefault(o, [0.0] * n)
+            row[s] = max(row[s], t[b])
+
+    def drop(self, v: str) -> None:
+        self.peak.pop(v, None)
+        self.keep.pop(v, None)
+
+
+def _raise(row: list[float], t: list[float]) -> None:
+    for s, value in enumerate(t):
+        row[s] = max(row[s], value)
+
+
+def positions(tables: CostTables, v: str) -> tuple[float, ...]:
+    """The positions of node ``v``'s class members (graph order); without any recorded, its place
+    among the tables' nodes."""
+    if v not in tables.positions:
+        tables.positions.update(
+            {u: (i,) for i, u in enumerate(tables.strategies) if u not in tables.positions}
+        )
+    return tables.positions[v]
+
+
+def last(tables: CostTables, v: str) -> float:
+    return positions(tables, v)[-1]
+
+
+def edge_position(tables: CostTables, e: Edge) -> float:
+    """Where an edge's collectives run: just before its consumer (its last member) in forward, just
+    after it in backward; either way its consumer's own bytes are not there yet, or no longer
+    (half a position early). The graph output's run at the end."""
+    return END if e.dst == "output" else last(tables, e.dst) - 0.5
+
+
+def owner_count(tables: CostTables, owner: str) -> int:
+    return len(positions(tables, owner))
+
+
+# -- evaluation of a full assignment ----------------------------------------------------------------
+
+
+def peak_bytes(tables: CostTables, choice: dict[str, int]) -> float:
+    """The peak per device of a full assignment, exactly as the ILP's rows count it."""
+    charged: list[tuple[tuple[float, ...], float]] = []  # (positions, bytes per position)
+    transients: dict[float, float] = {}
+    shared = Maxima.of(tables)
+    keep: dict[str, float] = {}
+    for v, s in choice.items():
+        ps = positions(tables, v)
+        charged.append((ps, tables.node_mem[v][s] / len(ps)))
+        for p, t in shared.peak.get(v, {}).items():
+            transients[p] = max(transients.get(p, 0.0), t[s])
+        for o, t in shared.keep.get(v, {}).items():
+            keep[o] = max(keep.get(o, 0.0), t[s])
+    for e in tables.edges:
+        a, b = choice[e.src], (0 if e.dst == "output" else choice[e.dst])
+        ps = positions(tables, e.src)
+        charged.append((ps, e.mem[a][b] / len(ps)))
+        if e.peak is not None:
+            p = edge_position(tables, e)
+            transients[p] = max(transients.get(p, 0.0), e.peak[a][b])
+        if e.keep is not None:
+            keep[e.owner] = max(keep.get(e.owner, 0.0), e.keep[a][b])
+    charged += [(positions(tables, o), k) for o, k in keep.items()]
+    at: dict[float, float] = {}
+    for ps, m in charged:
+        for p in ps:
+            at[p] = at.get(p, 0.0) + m
+    total, peak = 0.0, 0.0
+    for p in sorted(set(at) | set(transients) | {END}):
+        total += at.get(p, 0.0)
+        peak = max(peak, total + transients.get(p, 0.0))
+    return peak
+
+
+def lower_bound_bytes(tables: CostTables) -> float:
+    """A lower bound on the peak of every plan on these tables (each node at its smallest)."""
+    choice = {v: min(range(len(m)), key=m.__getitem__) for v, m in tables.node_mem.items()}
+    at: dict[float, float] = {}
+    for v, s in choice.items():
+        ps = positions(tables, v)
+        for p in ps:
+            at[p] = at.get(p, 0.0) + tables.node_mem[v][s] / len(ps)
+    least = {last(tables, v): min(t) for v, t in tables.node_peak.items()}
+    total, bound = 0.0, 0.0
+    for p in sorted(set(at) | set(least) | {END}):
+        total += at.get(p, 0.0)
+        bound = max(bound, total + least.get(p, 0.0))
+    return bound
+
+
+# -- the ILP's rows ---------------------------------------------------------------------------------
+
+
+def add_memory_rows(
+    prob, x: dict, quad: list, lin_mem: dict, limit: float, shared: Maxima, tables: CostTables
+):
+    """Constraint family (3), see the module docstring. ``x``: node variables (1 for a node with one
+    strategy); ``quad``: (edge, {(a, b): y}) for the edges left in the ILP; ``lin_mem``: node bytes
+    with the other edges folded in; ``shared``: the maxima folded in likewise."""
+    if not math.isfinite(limit):
+        return
+    # in units of the limit: byte-sized coefficients (1e10) trip HiGHS's presolve into "infeasible"
+    g = 1 / limit if limit > 0 else 1.0
+    # transient rows by position, and the rows bounding each shared storage
+    rows: dict[float, list[list[tuple]]] = {}
+    keeps: dict[str, list[list[tuple]]] = {}
+    for v, d in shared.peak.items():
+        for p, t in d.items():
+            rows.setdefault(p, []).append([(x[v][s], c) for s, c in enumerate(t)])
+    for v, d in shared.keep.items():
+        for o, t in d.items():
+            keeps.setdefault(o, []).append([(x[v][s], c) for s, c in enumerate(t)])
+    for e, ys in quad:
+        if e.peak is not None and any(e.peak[a][b] for a, b in ys):
+            rows.setdefault(edge_position(tables, e), []).append(
+                [(y, e.peak[a][b]) for (a, b), y in ys.items()]
+            )
+        if e.keep is not None and any(e.keep[a][b] for a, b in ys):
+            keeps.setdefault(e.owner, []).append([(y, e.keep[a][b]) for (a, b), y in ys.items()])
+    cuts = _positions_that_matter(rows)
+    # what each segment (p_{j-1}, p_j] is charged: (variable, bytes) pairs
+    segments: list[list[tuple]] = [[] for _ in range(len(cuts) + 1)]
+
+    def charge(ps: tuple[float, ...], var, amount: float) -> None:
+        for p in ps:
+            segments[bisect.bisect_left(cuts, p)].append((var, amount * g))
+
+    for v, ms in lin_mem.items():
+        ps = positions(tables, v)
+        for s, m in enumerate(ms):
+            if m:
+                charge(ps, x[v][s], m / len(ps))
+    for e, ys in quad:
+        ps = positions(tables, e.src)
+        for (a, b), y in ys.items():
+            if e.mem[a][b]:
+                charge(ps, y, e.mem[a][b] / len(ps))
+    for i, (o, rs) in enumerate(keeps.items()):
+        k = _bound(prob, f"keep_{i}", rs, g)
+        if k is not None:
+            charge(positions(tables, o), k, 1.0 / g)
+    total = None
+    for j, seg in enumerate(segments):
+        s = pulp.LpVariable(f"kept_{j}", lowBound=0)
+        terms = seg + ([(total, 1)] if total is not None else []) + [(s, -1)]
+        prob += pulp.LpConstraint(_expr(terms), pulp.LpConstraintEQ, f"kept_{j}", 0)
+        total = s
+        if j < len(cuts):
+            z = _bound(prob, f"peak_{j}", rows[cuts[j]], g)
+            prob += pulp.LpConstraint(_expr([(s, 1), (z, 1)]), pulp.LpConstraintLE, f"memory_{j}", 1.0)
+    prob += pulp.LpConstraint(_expr([(total, 1)]), pulp.LpConstraintLE, "memory", 1.0)
+
+
+def _positions_that_matter(rows: dict[float, list[list[tuple]]]) -> list[float]:
+    """Positions with a transient that some plan could make binding: drop p when a later position's
+    smallest transient is at least p's largest (its prefix S is larger too)."""
+    keep, best = [], 0.0
+    for p in sorted(rows, reverse=True):
+        hi = max(max(c for _, c in r) for r in rows[p])
+        lo = max(min(c for _, c in r) for r in rows[p])
+        if hi > best:
+            keep.append(p)
+        best = max(best, lo)
+    return sorted(keep)
+
+
+def _bound(prob, name: str, rows: list[list[tuple]], g: float):
+    """A variable >= every row (each a sum of variable * bytes, one term equal to 1 in any plan)."""
+    floor = max((min(c for _, c in r) for r in rows), default=0.0)
+    rows = [r for r in rows if max(c for _, c in r) > floor]
+    if floor == 0 and not rows:
+        return None
+    z = pulp.LpVariable(name, lowBound=floor * g)
+    for j, r in enumerate(rows):
+        terms = [(var, c * g) for var, c in r if c] + [(z, -1)]
+        prob += pulp.LpConstraint(_expr(terms), pulp.LpConstraintLE, f"{name}_{j}", 0)
+    return z
+
+
+def _expr(terms: list[tuple]) -> pulp.LpAffineExpression:
+    """sum of coefficient * variable; a constant node's ``1`` (and None) go into the constant."""
+    constant, pairs = 0.0, {}
+    for var, coef in terms:
+        if var is None:
+            continue
+        if isinstance(var, int):
+            constant += coef * var
+        else:
+            pairs[var] = pairs.get(var, 0.0) + coef
+    return pulp.LpAffineExpression(list(pairs.items()), constant=constant)
