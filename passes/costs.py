@@ -5,10 +5,14 @@
   profiler is given; either times ``ClusterSpec.compute_slowdown`` when CPU ranks share too few
   cores) plus
   collectives inside a lowering (the all-reduces of a batch-sharded mean cross-entropy);
-* node memory ``m[v, s]`` (B per device): parameters (+ gradient + optimizer states) for parameter
+* node memory ``m[v, s]`` (B per device): parameters (+ optimizer states) for parameter
   placeholders, buffers and inputs; for activations, what autograd keeps until backward and the
   edges do not pay for (``Kept``): the output when the op itself saves it, plus tensors the op
   saves internally; each divided by the number of pieces its placement cuts it into;
+* gradient ``CostTables.grad_mem[v][s]`` (B per device) of a parameter that needs one: backward
+  allocates it (``optimizer.zero_grad()`` sets gradients to None, PyTorch's default) when it
+  reaches the parameter's last use, and it lives to the end of the step: so it is live at the
+  positions up to that use (``CostTables.grad_free``: just after it), and not in forward;
 * node transient ``p[v, s]`` (B per device): what ``v``'s backward holds while it runs, read off
   its backward on meta tensors (``analyze``): the gradient of its output, the gradients of its
   inputs that are new tensors (a replicated weight's whole gradient under data parallelism, a
@@ -124,6 +128,10 @@ class CostTables:
     positions: dict[str, tuple[float, ...]] = field(default_factory=dict)
     # node -> position -> transients folded into it from elsewhere (``memory_row.Maxima``)
     peak_at: dict[str, dict[float, list[float]]] = field(default_factory=dict)
+    # parameter -> per strategy: its gradient's bytes (class total); live from the start of the step's
+    # backward pass at the positions up to its members' last uses (``grad_free``: just after each)
+    grad_mem: dict[str, list[float]] = field(default_factory=dict)
+    grad_free: dict[str, tuple[float, ...]] = field(default_factory=dict)
 
 
 def resolve_source(node: fx.Node) -> fx.Node:
@@ -155,14 +163,20 @@ def build_costs(
     tables = CostTables(mesh_shape, {k: v.strategies for k, v in strats.items()}, {}, {}, classes=classes)
     order = {n.name: i for i, n in enumerate(tg.graph.nodes)}
     tables.positions = {r: tuple(sorted(order[m] for m in classes.members[r])) for r in strats}
+    last_use = {n.name: max((order[u.name] for u in n.users), default=order[n.name]) for n in tg.graph.nodes}
     for name, ns in strats.items():
         info = infos[name]
         n = classes.count(name)
         costs, mems, peaks = [], [], []
+        if info.role is Role.PARAM and info.requires_grad:
+            tables.grad_mem[name] = [
+                n * info.out_bytes / volume_factor(s.out, mesh_shape) for s in ns.strategies
+            ]
+            tables.grad_free[name] = tuple(sorted(last_use[m] + 0.5 for m in classes.members[name]))
         for s in ns.strategies:
             vol = volume_factor(s.out, mesh_shape)
             if info.role is Role.PARAM:
-                copies = 1 + (1 + optimizer.value if info.requires_grad else 0)
+                copies = 1 + (optimizer.value if info.requires_grad else 0)
                 step = (
                     optimizer_step_time(info.out_bytes / vol, optimizer.value, device) * slow
                     if info.requires_grad

@@ -19,8 +19,14 @@ variable and segment, not per variable and position:
     S_1 = sum_{terms at positions <= p_1} ...,   S_j = S_{j-1} + sum_{terms in (p_{j-1}, p_j]} ...
     S_j + z_j <= M  for every j,   S_end <= M,   z_j >= sum_s p[v,s] x[v,s] for each transient at p_j
 
-A position is left out when a later one's smallest transient is at least its largest (S only
-grows). A storage several consumers keep as it is (``Kept.shared`` in ``costs``) is charged once,
+Gradients (``CostTables.grad_mem``) are not kept from forward: backward allocates a parameter's
+gradient when it reaches the parameter's last use, and it lives to the end of the step. So it is
+live at the positions up to that use: it is charged at ``START`` (before every position) and
+released just after the last use (``grad_free``), a negative charge there; ``S(p)`` then counts,
+at each position, the kept bytes plus the gradients backward has made by the time it gets there.
+
+A position is left out when a later one's smallest transient is at least its largest, less what
+gradients can release between them. A storage several consumers keep as it is (``Kept.shared`` in ``costs``) is charged once,
 at its owner's positions: ``K_o`` >= each of its keepers' terms (``Edge.keep``).
 
 Repeated blocks share variables (``coarsen``): a class's terms are spread over its members'
@@ -41,6 +47,7 @@ import pulp
 from autopar.passes.costs import CostTables, Edge
 
 END = math.inf  # after the last node: what the caller holds after forward, the start of backward
+START = -1.0  # before the first node: where gradients are charged (released after their last use)
 
 
 @dataclass
@@ -136,6 +143,7 @@ def peak_bytes(tables: CostTables, choice: dict[str, int]) -> float:
         if e.keep is not None:
             keep[e.owner] = max(keep.get(e.owner, 0.0), e.keep[a][b])
     charged += [(positions(tables, o), k) for o, k in keep.items()]
+    charged += _grad_charges(tables, choice)
     at: dict[float, float] = {}
     for ps, m in charged:
         for p in ps:
@@ -147,6 +155,17 @@ def peak_bytes(tables: CostTables, choice: dict[str, int]) -> float:
     return peak
 
 
+def _grad_charges(tables: CostTables, choice: dict[str, int]) -> list[tuple[tuple[float, ...], float]]:
+    """Each chosen gradient: its bytes at START, minus each member's share after its last use."""
+    out = []
+    for v, g in tables.grad_mem.items():
+        if v in choice and g[choice[v]]:
+            free = tables.grad_free[v]
+            out.append(((START,), g[choice[v]]))
+            out.append((free, -g[choice[v]] / len(free)))
+    return out
+
+
 def lower_bound_bytes(tables: CostTables) -> float:
     """A lower bound on the peak of every plan on these tables (each node at its smallest)."""
     choice = {v: min(range(len(m)), key=m.__getitem__) for v, m in tables.node_mem.items()}
@@ -155,6 +174,9 @@ def lower_bound_bytes(tables: CostTables) -> float:
         ps = positions(tables, v)
         for p in ps:
             at[p] = at.get(p, 0.0) + tables.node_mem[v][s] / len(ps)
+    for ps, m in _grad_charges(tables, choice):
+        for p in ps:
+            at[p] = at.get(p, 0.0) + m
     least = {last(tables, v): min(t) for v, t in tables.node_peak.items()}
     total, bound = 0.0, 0.0
     for p in sorted(set(at) | set(least) | {END}):
@@ -192,7 +214,14 @@ def add_memory_rows(
             )
         if e.keep is not None and any(e.keep[a][b] for a, b in ys):
             keeps.setdefault(e.owner, []).append([(y, e.keep[a][b]) for (a, b), y in ys.items()])
-    cuts = _positions_that_matter(rows)
+    # gradients: charged at START, released after each member's last use (most a position can free)
+    grads = [(v, gm) for v, gm in tables.grad_mem.items() if v in x and any(gm)]
+    releases: dict[float, float] = {}
+    for v, gm in grads:
+        free = tables.grad_free[v]
+        for p in free:
+            releases[p] = releases.get(p, 0.0) + max(gm) / len(free)
+    cuts = _positions_that_matter(rows, releases)
     # what each segment (p_{j-1}, p_j] is charged: (variable, bytes) pairs
     segments: list[list[tuple]] = [[] for _ in range(len(cuts) + 1)]
 
@@ -210,6 +239,12 @@ def add_memory_rows(
         for (a, b), y in ys.items():
             if e.mem[a][b]:
                 charge(ps, y, e.mem[a][b] / len(ps))
+    for v, gm in grads:
+        free = tables.grad_free[v]
+        for s, b in enumerate(gm):
+            if b:
+                charge((START,), x[v][s], b)
+                charge(free, x[v][s], -b / len(free))
     for i, (o, rs) in enumerate(keeps.items()):
         k = _bound(prob, f"keep_{i}", rs, g)
         if k is not None:
@@ -226,16 +261,25 @@ def add_memory_rows(
     prob += pulp.LpConstraint(_expr([(total, 1)]), pulp.LpConstraintLE, "memory", 1.0)
 
 
-def _positions_that_matter(rows: dict[float, list[list[tuple]]]) -> list[float]:
-    """Positions with a transient that some plan could make binding: drop p when a later position's
-    smallest transient is at least p's largest (its prefix S is larger too)."""
-    keep, best = [], 0.0
+def _positions_that_matter(
+    rows: dict[float, list[list[tuple]]], releases: dict[float, float] | None = None
+) -> list[float]:
+    """Positions with a transient that some plan could make binding: drop p when a later position
+    q's smallest transient is at least p's largest plus the most gradients can release in (p, q]
+    (S(q) >= S(p) minus those releases: everything else only adds)."""
+    releases = releases or {}
+    freed = sorted(releases)
+    keep, best, prev = [], -math.inf, None
     for p in sorted(rows, reverse=True):
+        if prev is not None:  # what (p, prev] can release lowers every later position's claim
+            lo_i, hi_i = bisect.bisect_right(freed, p), bisect.bisect_right(freed, prev)
+            best -= sum(releases[f] for f in freed[lo_i:hi_i])
         hi = max(max(c for _, c in r) for r in rows[p])
         lo = max(min(c for _, c in r) for r in rows[p])
         if hi > best:
             keep.append(p)
         best = max(best, lo)
+        prev = p
     return sorted(keep)
 
 

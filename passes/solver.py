@@ -239,8 +239,10 @@ def fold_followers(tables: CostTables, exact: bool | None = None) -> Folded:
         del strategies[v], cost[v], mem[v]
         shared.drop(v)
     reduced = CostTables(
-        tables.mesh_shape, strategies, cost, mem, edges, tables.classes, {}, shared.keep, where, shared.peak
-    )
+        tables.mesh_shape, strategies, cost, mem, edges, tables.classes, {}, shared.keep, where, shared.peak,
+        {v: g for v, g in tables.grad_mem.items() if v in strategies},
+        {v: f for v, f in tables.grad_free.items() if v in strategies},
+    )  # fmt: skip
     return reduced, merged
 
 
