@@ -68,3 +68,5 @@ def test_a_plan_for_a_device_too_small_for_the_unconstrained_plan_runs_within_it
     plan.save(path)
     peaks = run_on_ranks(_rank, 2, cluster.to_dict(), str(path))
     assert max(peaks) <= device_bytes, (max(peaks), device_bytes, plan.predicted.peak_memory_bytes)
+    # and the model predicted the run's peak within its 10% target
+    assert abs(plan.predicted.peak_memory_bytes - max(peaks)) <= 0.10 * max(peaks)
