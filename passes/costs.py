@@ -124,6 +124,8 @@ class CostTables:
     positions: dict[str, tuple[float, ...]] = field(default_factory=dict)
     # node -> position -> transients folded into it from elsewhere (``memory_row.Maxima``)
     peak_at: dict[str, dict[float, list[float]]] = field(default_factory=dict)
+    # owner (class representative) -> positions of its members that several consumers keep
+    keep_positions: dict[str, tuple[float, ...]] = field(default_factory=dict)
 
 
 def resolve_source(node: fx.Node) -> fx.Node:
@@ -155,6 +157,10 @@ def build_costs(
     tables = CostTables(mesh_shape, {k: v.strategies for k, v in strats.items()}, {}, {}, classes=classes)
     order = {n.name: i for i, n in enumerate(tg.graph.nodes)}
     tables.positions = {r: tuple(sorted(order[m] for m in classes.members[r])) for r in strats}
+    for base in sorted(kept.shared, key=order.__getitem__):
+        if base in classes.rep:
+            rep = classes.rep[base]
+            tables.keep_positions[rep] = (*tables.keep_positions.get(rep, ()), order[base])
     for name, ns in strats.items():
         info = infos[name]
         n = classes.count(name)

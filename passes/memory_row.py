@@ -21,7 +21,8 @@ variable and segment, not per variable and position:
 
 A position is left out when a later one's smallest transient is at least its largest (S only
 grows). A storage several consumers keep as it is (``Kept.shared`` in ``costs``) is charged once,
-at its owner's positions: ``K_o`` >= each of its keepers' terms (``Edge.keep``).
+at its owner's positions (``CostTables.keep_positions``: the members of its class that several
+consumers keep): ``K_o`` >= each of its keepers' terms (``Edge.keep``).
 
 Repeated blocks share variables (``coarsen``): a class's terms are spread over its members'
 positions, and its transient, the same for every member, matters at the last member's only.
@@ -106,8 +107,9 @@ def edge_position(tables: CostTables, e: Edge) -> float:
     return END if e.dst == "output" else last(tables, e.dst) - 0.5
 
 
-def owner_count(tables: CostTables, owner: str) -> int:
-    return len(positions(tables, owner))
+def owner_positions(tables: CostTables, owner: str) -> tuple[float, ...]:
+    """Where a shared storage is charged: its class members that several consumers keep."""
+    return tables.keep_positions.get(owner) or positions(tables, owner)
 
 
 # -- evaluation of a full assignment ----------------------------------------------------------------
@@ -135,7 +137,7 @@ def peak_bytes(tables: CostTables, choice: dict[str, int]) -> float:
             transients[p] = max(transients.get(p, 0.0), e.peak[a][b])
         if e.keep is not None:
             keep[e.owner] = max(keep.get(e.owner, 0.0), e.keep[a][b])
-    charged += [(positions(tables, o), k) for o, k in keep.items()]
+    charged += [(owner_positions(tables, o), k) for o, k in keep.items()]
     at: dict[float, float] = {}
     for ps, m in charged:
         for p in ps:
@@ -213,7 +215,7 @@ def add_memory_rows(
     for i, (o, rs) in enumerate(keeps.items()):
         k = _bound(prob, f"keep_{i}", rs, g)
         if k is not None:
-            charge(positions(tables, o), k, 1.0 / g)
+            charge(owner_positions(tables, o), k, 1.0 / g)
     total = None
     for j, seg in enumerate(segments):
         s = pulp.LpVariable(f"kept_{j}", lowBound=0)

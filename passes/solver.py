@@ -239,8 +239,9 @@ def fold_followers(tables: CostTables, exact: bool | None = None) -> Folded:
         del strategies[v], cost[v], mem[v]
         shared.drop(v)
     reduced = CostTables(
-        tables.mesh_shape, strategies, cost, mem, edges, tables.classes, {}, shared.keep, where, shared.peak
-    )
+        tables.mesh_shape, strategies, cost, mem, edges, tables.classes, {}, shared.keep, where, shared.peak,
+        tables.keep_positions,
+    )  # fmt: skip
     return reduced, merged
 
 
