@@ -122,10 +122,13 @@ class CostTables:
     node_keep: dict[str, dict[str, list[float]]] = field(default_factory=dict)
     # node -> positions (graph order) of its class's members: where its bytes are charged
     positions: dict[str, tuple[float, ...]] = field(default_factory=dict)
-    # node -> position -> transients folded into it from elsewhere (``memory_row.Maxima``)
+    # node -> position -> transients folded into it from elsewhere (``memory_row.Folds``)
     peak_at: dict[str, dict[float, list[float]]] = field(default_factory=dict)
     # owner (class representative) -> positions of its members that several consumers keep
     keep_positions: dict[str, tuple[float, ...]] = field(default_factory=dict)
+    # folded tables: node -> positions -> bytes per strategy charged there (``memory_row.Folds``);
+    # their node_mem is then only the sum
+    mem_at: dict[str, dict[tuple[float, ...], list[float]]] = field(default_factory=dict)
 
 
 def resolve_source(node: fx.Node) -> fx.Node:
