@@ -160,14 +160,24 @@ def peak_bytes(tables: CostTables, choice: dict[str, int]) -> float:
 
 
 def lower_bound_bytes(tables: CostTables) -> float:
-    """A lower bound on the peak of every plan on these tables (each node at its smallest)."""
-    choice = {v: min(range(len(m)), key=m.__getitem__) for v, m in tables.node_mem.items()}
+    """A lower bound on the peak of every plan on these tables: each node's and each edge's bytes
+    at their smallest, and at each position the largest of the smallest transients there."""
     at: dict[float, float] = {}
-    for v, s in choice.items():
-        ps = positions(tables, v)
+
+    def charge(ps: tuple[float, ...], m: float) -> None:
         for p in ps:
-            at[p] = at.get(p, 0.0) + tables.node_mem[v][s] / len(ps)
-    least = {last(tables, v): min(t) for v, t in tables.node_peak.items()}
+            at[p] = at.get(p, 0.0) + m / len(ps)
+
+    least: dict[float, float] = {}
+    for v, m in tables.node_mem.items():
+        charge(positions(tables, v), min(m))
+    for v, t in tables.node_peak.items():
+        least[last(tables, v)] = max(least.get(last(tables, v), 0.0), min(t))
+    for e in tables.edges:
+        charge(positions(tables, e.src), min(min(row) for row in e.mem))
+        if e.peak is not None:
+            p = edge_position(tables, e)
+            least[p] = max(least.get(p, 0.0), min(min(row) for row in e.peak))
     total, bound = 0.0, 0.0
     for p in sorted(set(at) | set(least) | {END}):
         total += at.get(p, 0.0)
