@@ -37,7 +37,15 @@ def run(name, model, batch, seq, vocab, cluster, **kw):
     ids = torch.randint(0, vocab, (batch, seq))
     lines: list[str] = []
     t0 = time.perf_counter()
-    plan = autopar.plan(model, cluster, {"input_ids": ids, "labels": ids}, progress=lines.append, **kw)
+    try:
+        plan = autopar.plan(model, cluster, {"input_ids": ids, "labels": ids}, progress=lines.append, **kw)
+    except autopar.NoPlanFitsError as e:  # report it and go on with the other cases
+        print(
+            f"{name:34s} {cluster.world_size:5d} dev  plan {time.perf_counter() - t0:6.1f} s  {e}", flush=True
+        )
+        for line in lines:
+            print("    " + line)
+        return None
     dt = time.perf_counter() - t0
     p = plan.predicted
     print(

@@ -59,7 +59,8 @@ def _gather(x: torch.Tensor, dim: int, axis: int) -> torch.Tensor:
 
 
 def _slice(x: torch.Tensor, dim: int, axis: int) -> torch.Tensor:
-    return x.chunk(_size(axis), dim=dim)[_coord(axis)].contiguous()
+    # a copy even where the piece is contiguous (dim 0): a view would keep all of x alive with it
+    return x.chunk(_size(axis), dim=dim)[_coord(axis)].clone(memory_format=torch.contiguous_format)
 
 
 def _all_reduce(x: torch.Tensor, axis: int) -> torch.Tensor:

@@ -99,6 +99,7 @@ def _flops_of(node: fx.Node) -> float:
     flops = 0.0
     try:
         args, kwargs = pytree.tree_map(to_meta, (node.args, node.kwargs))
+        kwargs = dict(kwargs)  # a node's kwargs map is immutable
         if "device" in kwargs:
             kwargs["device"] = torch.device("meta")
         counter = FlopCounterMode(display=False)
@@ -146,11 +147,13 @@ def _saved_for_backward(node: fx.Node, grads: tuple[bool, ...]) -> _Probe:
     if key in _SAVED_CACHE:
         return _SAVED_CACHE[key]
     tins = tensor_inputs(node)
-    if node.target is torch.ops.aten.scaled_dot_product_attention.default:
+    mask_grad = any(g for a, g in zip(tins, grads) if a not in node.args[:3])
+    if node.target is torch.ops.aten.scaled_dot_product_attention.default and not mask_grad:
         # the fused kernels that run (flash / memory-efficient on GPU, flash on CPU) keep q, k, v, the
         # output and a float32 log-sum-exp per query row, and allocate only the gradients of q, k, v
         # (on CPU); on meta the math path would claim the S x S matrix. A boolean mask is kept as
-        # the additive float mask it is turned into (query dtype, the mask's shape).
+        # the additive float mask it is turned into (query dtype, the mask's shape). A mask that needs
+        # a gradient (T5's learned position bias) makes torch run the math path: probed on meta.
         q = node.args[0].meta["val"]
         mask = node.args[3] if len(node.args) > 3 else node.kwargs.get("attn_mask")
         saves, temp = [], _numel(q.shape[:-1]) * 4
@@ -189,6 +192,7 @@ def _run_probe(node: fx.Node, grads: tuple[bool, ...]) -> _Probe:
         return torch.device("meta") if isinstance(a, torch.device) else a
 
     args, kwargs = pytree.tree_map(to_meta, (node.args, node.kwargs))
+    kwargs = dict(kwargs)  # a node's kwargs map is immutable
     if "device" in kwargs:
         kwargs["device"] = torch.device("meta")
     saved: list[torch.Tensor] = []
@@ -271,9 +275,15 @@ def _storage(v) -> int | None:
 def _view_of(node: fx.Node, tins: list[fx.Node]) -> str:
     """The tensor input whose storage ``node``'s output shares, read from the traced (fake) values:
     views, and ops that return their input unchanged (``to`` to the same dtype, ``reshape`` or
-    ``contiguous`` of a tensor that needs no copy). Such an output allocates nothing."""
+    ``contiguous`` of a tensor that needs no copy). Such an output allocates nothing. Dropout with
+    p = 0 (or not training) returns its input in eager mode (``at::dropout``), not in the trace."""
     if node.target in ALIASING_OPS and tins:
         return tins[0].name
+    if node.target is torch.ops.aten.dropout.default and tins:
+        p = node.args[1] if len(node.args) > 1 else node.kwargs.get("p", 0.5)
+        train = node.args[2] if len(node.args) > 2 else node.kwargs.get("train", True)
+        if p == 0 or not train:
+            return tins[0].name
     out = _storage(node.meta.get("val"))
     if out is None:
         return ""

@@ -126,8 +126,13 @@ class CostTables:
     node_keep: dict[str, dict[str, list[float]]] = field(default_factory=dict)
     # node -> positions (graph order) of its class's members: where its bytes are charged
     positions: dict[str, tuple[float, ...]] = field(default_factory=dict)
-    # node -> position -> transients folded into it from elsewhere (``memory_row.Maxima``)
+    # node -> position -> transients folded into it from elsewhere (``memory_row.Folds``)
     peak_at: dict[str, dict[float, list[float]]] = field(default_factory=dict)
+    # owner (class representative) -> positions of its members that several consumers keep
+    keep_positions: dict[str, tuple[float, ...]] = field(default_factory=dict)
+    # folded tables: node -> positions -> bytes per strategy charged there (``memory_row.Folds``);
+    # their node_mem is then only the sum
+    mem_at: dict[str, dict[tuple[float, ...], list[float]]] = field(default_factory=dict)
     # parameter -> per strategy: its gradient's bytes (class total); live from the start of the step's
     # backward pass at the positions up to its members' last uses (``grad_free``: just after each)
     grad_mem: dict[str, list[float]] = field(default_factory=dict)
@@ -164,6 +169,10 @@ def build_costs(
     order = {n.name: i for i, n in enumerate(tg.graph.nodes)}
     tables.positions = {r: tuple(sorted(order[m] for m in classes.members[r])) for r in strats}
     last_use = {n.name: max((order[u.name] for u in n.users), default=order[n.name]) for n in tg.graph.nodes}
+    for base in sorted(kept.shared, key=order.__getitem__):
+        if base in classes.rep:
+            rep = classes.rep[base]
+            tables.keep_positions[rep] = (*tables.keep_positions.get(rep, ()), order[base])
     for name, ns in strats.items():
         info = infos[name]
         n = classes.count(name)
@@ -206,10 +215,13 @@ def build_costs(
             mems.append(n * saved)
             if info.requires_grad:  # its output's gradient, the new input gradients, internal temporaries
                 new = info.grad_new or (True,) * len(s.ins)
+                # a parameter's gradient made by its last use becomes its .grad: grad_mem counts it
                 grads = info.out_bytes / vol + sum(
                     infos[a.name].out_bytes / volume_factor(x, mesh_shape)
                     for a, x, fresh in zip(ns.inputs, s.ins, new)
-                    if infos[a.name].requires_grad and fresh
+                    if infos[a.name].requires_grad
+                    and fresh
+                    and not (infos[a.name].role is Role.PARAM and last_use[a.name] == order[name])
                 )
                 peaks.append(grads + info.grad_temp_bytes / work_vol)
         tables.node_cost[name] = costs

@@ -26,14 +26,15 @@ released just after the last use (``grad_free``), a negative charge there; ``S(p
 at each position, the kept bytes plus the gradients backward has made by the time it gets there.
 
 A position is left out when a later one's smallest transient is at least its largest, less what
-gradients can release between them. A storage several consumers keep as it is (``Kept.shared`` in ``costs``) is charged once,
-at its owner's positions: ``K_o`` >= each of its keepers' terms (``Edge.keep``).
+gradients can release between them. A storage several consumers keep as it is (``Kept.shared``
+in ``costs``) is charged once, at its owner's positions (``CostTables.keep_positions``: the
+members of its class that several consumers keep): ``K_o`` >= each of its keepers' terms
+(``Edge.keep``).
 
 Repeated blocks share variables (``coarsen``): a class's terms are spread over its members'
 positions, and its transient, the same for every member, matters at the last member's only.
 Folding an edge or a follower into a node (``solver.fold_followers``, ``solver._fold_edge``)
-moves its bytes to the node's positions (earlier: never less) and keeps each transient at its own
-position (``Maxima``).
+makes its terms the node's, each still charged at its own positions (``Folds``).
 """
 
 from __future__ import annotations
@@ -51,21 +52,30 @@ START = -1.0  # before the first node: where gradients are charged (released aft
 
 
 @dataclass
-class Maxima:
-    """Transients and shared storages folded into nodes, as ``fold_followers`` merges them."""
+class Folds:
+    """Each node's memory terms with where they are charged, as folding edges and followers into
+    nodes (``solver``) gathers them: bytes keep their own positions (sums), transients theirs
+    (maxima per position), shared storages their owner (maxima per owner)."""
 
+    mem: dict[str, dict[tuple[float, ...], list[float]]]  # node -> positions -> per strategy
     peak: dict[str, dict[float, list[float]]]  # node -> position -> per strategy: the largest there
     keep: dict[str, dict[str, list[float]]]  # node -> owner -> per strategy
 
     @classmethod
-    def of(cls, tables: CostTables) -> Maxima:
+    def of(cls, tables: CostTables) -> Folds:
+        if tables.mem_at:  # folded tables: their node_mem only sums these up
+            mem = {v: {ps: list(t) for ps, t in d.items()} for v, d in tables.mem_at.items()}
+        else:
+            mem = {v: {positions(tables, v): list(t)} for v, t in tables.node_mem.items()}
         peak = {v: {p: list(t) for p, t in d.items()} for v, d in tables.peak_at.items()}
         for v, t in tables.node_peak.items():
             _raise(peak.setdefault(v, {}).setdefault(last(tables, v), [0.0] * len(t)), t)
-        return cls(peak, {v: {o: list(t) for o, t in d.items()} for v, d in tables.node_keep.items()})
+        return cls(mem, peak, {v: {o: list(t) for o, t in d.items()} for v, d in tables.node_keep.items()})
 
     def absorb_edge(self, tables: CostTables, e: Edge, a: int, b: int, node: str, s: int, n: int) -> None:
         """Edge ``e``'s pair (a, b) becomes part of ``node``'s strategy ``s`` (of ``n``)."""
+        if e.mem[a][b]:
+            self.mem.setdefault(node, {}).setdefault(positions(tables, e.src), [0.0] * n)[s] += e.mem[a][b]
         if e.peak is not None and e.peak[a][b]:
             row = self.peak.setdefault(node, {}).setdefault(edge_position(tables, e), [0.0] * n)
             row[s] = max(row[s], e.peak[a][b])
@@ -75,6 +85,8 @@ class Maxima:
 
     def absorb_node(self, v: str, b: int, node: str, s: int, n: int) -> None:
         """Node ``v``'s strategy b becomes part of ``node``'s strategy ``s`` (of ``n``)."""
+        for ps, t in self.mem.get(v, {}).items():
+            self.mem.setdefault(node, {}).setdefault(ps, [0.0] * n)[s] += t[b]
         for p, t in self.peak.get(v, {}).items():
             row = self.peak.setdefault(node, {}).setdefault(p, [0.0] * n)
             row[s] = max(row[s], t[b])
@@ -83,6 +95,7 @@ class Maxima:
             row[s] = max(row[s], t[b])
 
     def drop(self, v: str) -> None:
+        self.mem.pop(v, None)
         self.peak.pop(v, None)
         self.keep.pop(v, None)
 
@@ -113,8 +126,9 @@ def edge_position(tables: CostTables, e: Edge) -> float:
     return END if e.dst == "output" else last(tables, e.dst) - 0.5
 
 
-def owner_count(tables: CostTables, owner: str) -> int:
-    return len(positions(tables, owner))
+def owner_positions(tables: CostTables, owner: str) -> tuple[float, ...]:
+    """Where a shared storage is charged: its class members that several consumers keep."""
+    return tables.keep_positions.get(owner) or positions(tables, owner)
 
 
 # -- evaluation of a full assignment ----------------------------------------------------------------
@@ -124,11 +138,10 @@ def peak_bytes(tables: CostTables, choice: dict[str, int]) -> float:
     """The peak per device of a full assignment, exactly as the ILP's rows count it."""
     charged: list[tuple[tuple[float, ...], float]] = []  # (positions, bytes per position)
     transients: dict[float, float] = {}
-    shared = Maxima.of(tables)
+    shared = Folds.of(tables)
     keep: dict[str, float] = {}
     for v, s in choice.items():
-        ps = positions(tables, v)
-        charged.append((ps, tables.node_mem[v][s] / len(ps)))
+        charged += [(ps, t[s] / len(ps)) for ps, t in shared.mem.get(v, {}).items()]
         for p, t in shared.peak.get(v, {}).items():
             transients[p] = max(transients.get(p, 0.0), t[s])
         for o, t in shared.keep.get(v, {}).items():
@@ -142,7 +155,7 @@ def peak_bytes(tables: CostTables, choice: dict[str, int]) -> float:
             transients[p] = max(transients.get(p, 0.0), e.peak[a][b])
         if e.keep is not None:
             keep[e.owner] = max(keep.get(e.owner, 0.0), e.keep[a][b])
-    charged += [(positions(tables, o), k) for o, k in keep.items()]
+    charged += [(owner_positions(tables, o), k) for o, k in keep.items()]
     charged += _grad_charges(tables, choice)
     at: dict[float, float] = {}
     for ps, m in charged:
@@ -167,17 +180,28 @@ def _grad_charges(tables: CostTables, choice: dict[str, int]) -> list[tuple[tupl
 
 
 def lower_bound_bytes(tables: CostTables) -> float:
-    """A lower bound on the peak of every plan on these tables (each node at its smallest)."""
-    choice = {v: min(range(len(m)), key=m.__getitem__) for v, m in tables.node_mem.items()}
+    """A lower bound on the peak of every plan on these tables: each node's and each edge's bytes
+    at their smallest, and at each position the largest of the smallest transients there."""
     at: dict[float, float] = {}
-    for v, s in choice.items():
-        ps = positions(tables, v)
+
+    def charge(ps: tuple[float, ...], m: float) -> None:
         for p in ps:
-            at[p] = at.get(p, 0.0) + tables.node_mem[v][s] / len(ps)
-    for ps, m in _grad_charges(tables, choice):
-        for p in ps:
-            at[p] = at.get(p, 0.0) + m
-    least = {last(tables, v): min(t) for v, t in tables.node_peak.items()}
+            at[p] = at.get(p, 0.0) + m / len(ps)
+
+    least: dict[float, float] = {}
+    for v, m in tables.node_mem.items():
+        charge(positions(tables, v), min(m))
+    for v, t in tables.node_peak.items():
+        least[last(tables, v)] = max(least.get(last(tables, v), 0.0), min(t))
+    for e in tables.edges:
+        charge(positions(tables, e.src), min(min(row) for row in e.mem))
+        if e.peak is not None:
+            p = edge_position(tables, e)
+            least[p] = max(least.get(p, 0.0), min(min(row) for row in e.peak))
+    for v, g in tables.grad_mem.items():  # each gradient at its smallest, live up to its last use
+        charge((START,), min(g))
+        free = tables.grad_free[v]
+        charge(free, -min(g))  # spread over the members' last uses
     total, bound = 0.0, 0.0
     for p in sorted(set(at) | set(least) | {END}):
         total += at.get(p, 0.0)
@@ -188,12 +212,10 @@ def lower_bound_bytes(tables: CostTables) -> float:
 # -- the ILP's rows ---------------------------------------------------------------------------------
 
 
-def add_memory_rows(
-    prob, x: dict, quad: list, lin_mem: dict, limit: float, shared: Maxima, tables: CostTables
-):
+def add_memory_rows(prob, x: dict, quad: list, limit: float, shared: Folds, tables: CostTables):
     """Constraint family (3), see the module docstring. ``x``: node variables (1 for a node with one
-    strategy); ``quad``: (edge, {(a, b): y}) for the edges left in the ILP; ``lin_mem``: node bytes
-    with the other edges folded in; ``shared``: the maxima folded in likewise."""
+    strategy); ``quad``: (edge, {(a, b): y}) for the edges left in the ILP; ``shared``: each node's
+    terms, with the other edges folded in."""
     if not math.isfinite(limit):
         return
     # in units of the limit: byte-sized coefficients (1e10) trip HiGHS's presolve into "infeasible"
@@ -229,11 +251,11 @@ def add_memory_rows(
         for p in ps:
             segments[bisect.bisect_left(cuts, p)].append((var, amount * g))
 
-    for v, ms in lin_mem.items():
-        ps = positions(tables, v)
-        for s, m in enumerate(ms):
-            if m:
-                charge(ps, x[v][s], m / len(ps))
+    for v, d in shared.mem.items():
+        for ps, ms in d.items():
+            for s, m in enumerate(ms):
+                if m:
+                    charge(ps, x[v][s], m / len(ps))
     for e, ys in quad:
         ps = positions(tables, e.src)
         for (a, b), y in ys.items():
@@ -248,7 +270,7 @@ def add_memory_rows(
     for i, (o, rs) in enumerate(keeps.items()):
         k = _bound(prob, f"keep_{i}", rs, g)
         if k is not None:
-            charge(positions(tables, o), k, 1.0 / g)
+            charge(owner_positions(tables, o), k, 1.0 / g)
     total = None
     for j, seg in enumerate(segments):
         s = pulp.LpVariable(f"kept_{j}", lowBound=0)

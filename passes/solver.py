@@ -50,7 +50,7 @@ import pulp
 
 from autopar.errors import SolverError
 from autopar.passes.costs import CostTables, Edge
-from autopar.passes.memory_row import Maxima, add_memory_rows, peak_bytes, positions
+from autopar.passes.memory_row import Folds, add_memory_rows, peak_bytes
 
 # the tables with followers folded in, and each follower with its producer and best responses
 Folded = tuple[CostTables, list[tuple[str, tuple[str, list[int]]]]]
@@ -190,8 +190,7 @@ def fold_followers(tables: CostTables, exact: bool | None = None) -> Folded:
     strategies = dict(tables.strategies)
     cost = {k: list(v) for k, v in tables.node_cost.items()}
     mem = {k: list(v) for k, v in tables.node_mem.items()}
-    shared = Maxima.of(tables)
-    where = {v: positions(tables, v) for v in tables.strategies}
+    shared = Folds.of(tables)
     edges = list(tables.edges)
     merged: list[tuple[str, tuple[str, list[int]]]] = []
     rejected: set[str] = set()  # followers whose best response depends on their consumers' choice
@@ -239,9 +238,10 @@ def fold_followers(tables: CostTables, exact: bool | None = None) -> Folded:
         del strategies[v], cost[v], mem[v]
         shared.drop(v)
     reduced = CostTables(
-        tables.mesh_shape, strategies, cost, mem, edges, tables.classes, {}, shared.keep, where, shared.peak,
-        {v: g for v, g in tables.grad_mem.items() if v in strategies},
-        {v: f for v, f in tables.grad_free.items() if v in strategies},
+        tables.mesh_shape, strategies, cost, mem, edges, tables.classes, {}, shared.keep, tables.positions,
+        shared.peak, tables.keep_positions, shared.mem,
+        grad_mem={v: g for v, g in tables.grad_mem.items() if v in strategies},
+        grad_free={v: f for v, f in tables.grad_free.items() if v in strategies},
     )  # fmt: skip
     return reduced, merged
 
@@ -302,11 +302,10 @@ def _solve(
     prob = pulp.LpProblem("autopar", pulp.LpMinimize)
     x = _node_vars(prob, tables, pulp.LpContinuous if relax else pulp.LpBinary)
     lin_cost = {k: list(v) for k, v in tables.node_cost.items()}
-    lin_mem = {k: list(v) for k, v in tables.node_mem.items()}
-    shared = Maxima.of(tables)
+    shared = Folds.of(tables)
     quad: list[tuple[Edge, dict]] = []
     for e in tables.edges:
-        if not _fold_edge(e, tables, lin_cost, lin_mem, shared):
+        if not _fold_edge(e, tables, lin_cost, shared):
             quad.append((e, _edge_vars(prob, e, x, tables)))
     _forbid(prob, x, lin_cost)
     for e, ys in quad:
@@ -322,7 +321,7 @@ def _solve(
         if e.cost[a][b] and math.isfinite(e.cost[a][b])
     ]
     prob += _affine(objective)
-    add_memory_rows(prob, x, quad, lin_mem, memory_limit_bytes, shared, tables)
+    add_memory_rows(prob, x, quad, memory_limit_bytes, shared, tables)
 
     solver = make_solver(time_limit_s)
     try:
@@ -392,12 +391,11 @@ def _affine(terms: list[tuple]) -> pulp.LpAffineExpression:
     return pulp.LpAffineExpression(pairs, constant=constant)
 
 
-def _fold_edge(e: Edge, tables: CostTables, lin_cost: dict, lin_mem: dict, shared: Maxima) -> bool:
+def _fold_edge(e: Edge, tables: CostTables, lin_cost: dict, shared: Folds) -> bool:
     n_src, n_dst = len(tables.strategies[e.src]), _n_dst(e, tables)
     if e.src == e.dst:  # inside one class of repeated nodes: both ends take the same strategy
         pairs = [(e.src, a, a, a) for a in range(n_src)]
     elif n_src == 1 and e.dst == "output":  # a constant: no cost term (``evaluate`` reports it), but memory
-        lin_mem[e.src][0] += e.mem[0][0]
         shared.absorb_edge(tables, e, 0, 0, e.src, 0, 1)
         return True
     elif n_src == 1:
@@ -409,7 +407,6 @@ def _fold_edge(e: Edge, tables: CostTables, lin_cost: dict, lin_mem: dict, share
     n = len(tables.strategies[pairs[0][0]])
     for v, s, a, b in pairs:
         lin_cost[v][s] += e.cost[a][b]
-        lin_mem[v][s] += e.mem[a][b]
         shared.absorb_edge(tables, e, a, b, v, s, n)
     return True
 

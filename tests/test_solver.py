@@ -124,6 +124,21 @@ def test_exact_folding_keeps_the_optimum_and_its_lower_bound_holds(problem):
     assert solve(tables, math.inf, folded=exact).objective == pytest.approx(best, rel=1e-6, abs=1e-6)
 
 
+@settings(max_examples=60, deadline=None)
+@given(problems())
+def test_the_memory_lower_bound_holds_for_every_plan(problem):
+    """api.search skips a mesh whose bound exceeds the limit: no plan may need less."""
+    from autopar.passes.memory_row import lower_bound_bytes
+
+    tables, _ = problem
+    names = list(tables.strategies)
+    least = min(
+        evaluate(tables, dict(zip(names, combo)))[1]
+        for combo in itertools.product(*(range(len(tables.strategies[v])) for v in names))
+    )
+    assert lower_bound_bytes(tables) <= least + 1e-9
+
+
 @pytest.mark.parametrize("solver", ["CBC", "HiGHS"])
 def test_both_solvers_find_the_optimum(solver, monkeypatch):
     """HiGHS (default when highspy is installed) and CBC (always there) agree with brute force."""
