@@ -22,13 +22,13 @@ import torch
 import torch.distributed as dist
 
 from autopar.cluster import ClusterSpec
-from autopar.cost_model.comm import Collective, CommModel, axis_link
+from autopar.cost_model.comm import CommModel, axis_link
 from autopar.cost_model.profiler import OpProfiler, resolve_profiler
 from autopar.errors import DistributedSetupError, NoPlanFitsError, PlanFormatError
 from autopar.passes.analyze import NodeInfo, analyze
 from autopar.passes.coarsen import find_classes
-from autopar.passes.costs import CostTables, Optimizer, build_costs, f_axes, resolve_source
-from autopar.passes.grad_sync import GradSyncCost, price_grad_sync
+from autopar.passes.costs import CostTables, Optimizer, build_costs, resolve_source
+from autopar.passes.grad_sync import GradSyncCost, deferred_all_reduce_s, inline_f_axes, price_grad_sync
 from autopar.passes.memory_row import lower_bound_bytes
 from autopar.passes.rules import tensor_inputs
 from autopar.passes.solver import (
@@ -368,14 +368,13 @@ def _node_collectives(tg: TracedGraph, infos, choice: dict[str, Strategy], comm:
             if src not in choice:
                 continue
             info = infos[inp.name]
-            f = tuple(a for a in f_axes(s, i) if a not in deferred.get(src, ()))
+            f = inline_f_axes(s, i, deferred.get(src, ()))
             c, called = comm.reshard(choice[src].out, s.ins[i], info.out_bytes, info.requires_grad, f)
             if called:
                 seconds[n.name] = seconds.get(n.name, 0.0) + c
                 names.setdefault(n.name, []).extend(called)
     for p, axes in deferred.items():
-        nbytes = infos[p].out_bytes / volume_factor(choice[p].out, comm.mesh_shape)
-        seconds[p] = sum(comm.time(Collective.ALL_REDUCE, nbytes, a) for a in axes)
+        seconds[p] = deferred_all_reduce_s(infos, choice, comm, p, axes)[0]
         names[p] = [f"all_reduce(axis {a}, overlapped)" for a in axes]
     return seconds, names
 

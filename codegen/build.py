@@ -58,7 +58,7 @@ def build_parallel_module(
     deferred = deferred_grad_axes(tg, choice, plan.mesh_shape)
     gm = lower(tg, choice, plan.mesh_shape, device, attrs, deferred)
     names = {p.name: p.target for p in tg.placeholders}
-    grad_sync = GradSync({n: (attrs[mangle(names[n])], axes) for n, axes in deferred.items()})
+    grad_sync = GradSync([(attrs[mangle(names[n])], axes) for n, axes in deferred.items()])
     args, kwargs = inputs
     flat = pytree.tree_leaves((args, kwargs))
     return ParallelModule(

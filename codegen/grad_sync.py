@@ -26,6 +26,8 @@ it completes (one process group per axis).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 import torch.distributed as dist
 from torch.autograd import Variable
@@ -42,18 +44,19 @@ def _accumulates(acc) -> bool:
 
 
 class GradSync:
-    def __init__(self, params: dict[str, tuple[torch.nn.Parameter, tuple[int, ...]]]):
-        self._axes = {id(p): axes for p, axes in params.values()}
+    def __init__(self, params: Sequence[tuple[torch.nn.Parameter, tuple[int, ...]]]):
+        self._axes = {id(p): axes for p, axes in params}
         self._marked: set[int] = set()
         self._pending: list[tuple[torch.nn.Parameter, torch.Tensor, object, tuple[int, ...], bool]] = []
         self._queued = False
-        self._handles = []
-        for p, axes in params.values():
-            acc = p.view_as(p).grad_fn.next_functions[0][0]  # this parameter's AccumulateGrad node
-            self._handles.append(p.register_hook(self._pre_hook(p, acc, axes)))
-            self._handles.append(p.register_post_accumulate_grad_hook(self._post_hook))
-            # keep the accumulator alive: the engine looks it up through a weak reference
-            p._autopar_grad_acc = acc
+        # each parameter's AccumulateGrad node, kept alive: the parameter holds it only weakly, and
+        # a node rebuilt later would not be the one the engine runs
+        self._accumulators = []
+        for p, axes in params:
+            acc = p.view_as(p).grad_fn.next_functions[0][0]
+            self._accumulators.append(acc)
+            p.register_hook(self._pre_hook(p, acc, axes))
+            p.register_post_accumulate_grad_hook(self._post_hook)
 
     def _pre_hook(self, p: torch.nn.Parameter, acc, axes: tuple[int, ...]):
         def hook(g: torch.Tensor) -> torch.Tensor:
@@ -91,8 +94,3 @@ class GradSync:
                 dist.all_reduce(grad, group=C._group(a))
             if add:
                 p.grad.add_(grad)
-
-    def remove(self) -> None:
-        for h in self._handles:
-            h.remove()
-        self._handles.clear()

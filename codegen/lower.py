@@ -25,7 +25,7 @@ import torch.utils._pytree as pytree
 
 from autopar.codegen import collectives as C
 from autopar.codegen import local_ops as L
-from autopar.passes.costs import f_axes
+from autopar.passes.grad_sync import inline_f_axes
 from autopar.passes.rules import _norm, map_args
 from autopar.passes.strategies import Strategy
 from autopar.passes.trace import Role, TracedGraph
@@ -254,10 +254,10 @@ def lower(
 
             def reshard(k, leaf, s=s):
                 fops = (
-                    f_axes(s, k) if leaf.meta["val"].dtype.is_floating_point else ()
+                    inline_f_axes(s, k, deferred.get(leaf.name, ()))
+                    if leaf.meta["val"].dtype.is_floating_point
+                    else ()
                 )  # no gradient otherwise
-                if leaf.name in deferred:
-                    fops = tuple(a for a in fops if a not in deferred[leaf.name])
                 return emit_reshard(g, env[leaf], spec[leaf], s.ins[k], mesh_shape, fops)
 
             args, kwargs = map_args(node, reshard, env.__getitem__, map_device)

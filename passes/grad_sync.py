@@ -41,6 +41,24 @@ def pure_f_axes(stored, s: Strategy, k: int, mesh_shape: Sequence[int]) -> tuple
     return tuple(a for a in f_axes(s, k) if mesh_shape[a] > 1 and stored[a] == s.ins[k][a])
 
 
+def inline_f_axes(s: Strategy, k: int, deferred: tuple[int, ...] = ()) -> tuple[int, ...]:
+    """The "f" axes of input ``k`` under ``s`` that run inline: all but the ``deferred`` ones of
+    the parameter feeding it (codegen emits these; the cost model prices these)."""
+    return tuple(a for a in f_axes(s, k) if a not in deferred)
+
+
+def deferred_all_reduce_s(
+    infos: dict, choice: dict[str, Strategy], comm: CommModel, p: str, axes: tuple[int, ...]
+) -> tuple[float, float]:
+    """Seconds of parameter ``p``'s gradient all-reduce over ``axes``: issued on an idle stream,
+    and issued behind another still in flight (only the first axis's runs queued; the others
+    follow it when backward ends)."""
+    nbytes = infos[p].out_bytes / volume_factor(choice[p].out, comm.mesh_shape)
+    first = comm.time(Collective.ALL_REDUCE, nbytes, axes[0])
+    rest = sum(comm.time(Collective.ALL_REDUCE, nbytes, a) for a in axes[1:])
+    return first + rest, comm.queued_all_reduce_time(nbytes, axes[0]) + rest
+
+
 def deferred_grad_axes(
     tg: TracedGraph, choice: dict[str, Strategy], mesh_shape: Sequence[int]
 ) -> dict[str, tuple[int, ...]]:
@@ -124,12 +142,11 @@ def price_grad_sync(
             if src.name not in choice:
                 continue
             info = infos[inp.name]
-            f = f_axes(s, k)
             have = choice[src.name].out
-            full, _ = comm.reshard(have, s.ins[k], info.out_bytes, info.requires_grad, f)
+            full, _ = comm.reshard(have, s.ins[k], info.out_bytes, info.requires_grad, f_axes(s, k))
             if src.name in deferred:
                 first_use.setdefault(src.name, len(steps))
-                kept = tuple(a for a in f if a not in deferred[src.name])
+                kept = inline_f_axes(s, k, deferred[src.name])
                 run, _ = comm.reshard(have, s.ins[k], info.out_bytes, info.requires_grad, kept)
                 inline_f += full - run
                 full = run
@@ -138,14 +155,7 @@ def price_grad_sync(
         steps.append((compute_s.get(node.name, 0.0) * (bwd_share if rg else 0.0) + t_comm, []))
     allreduce = 0.0
     for p, axes in deferred.items():
-        nbytes = infos[p].out_bytes / volume_factor(choice[p].out, mesh)
-        t = sum(comm.time(Collective.ALL_REDUCE, nbytes, a) for a in axes)
-        # only the first axis's reduction runs queued; the others follow it when backward ends
-        t_q = (
-            t
-            - comm.time(Collective.ALL_REDUCE, nbytes, axes[0])
-            + comm.queued_all_reduce_time(nbytes, axes[0])
-        )
+        t, t_q = deferred_all_reduce_s(infos, choice, comm, p, axes)
         allreduce += t
         steps[first_use[p]][1].append((t, t_q))
     hidden = hidden_seconds(list(reversed(steps)), efficiency)
