@@ -55,10 +55,6 @@ def two_stream(steps: Steps) -> tuple[float, float]:
     return max(ready, free), run
 
 
-def two_stream_end(steps: Steps) -> float:
-    return two_stream(steps)[0]
-
-
 def hidden_seconds(steps: Steps, efficiency: float) -> float:
     """Seconds the timeline saves against running every all-reduce inline at ``t_iso``."""
     end, run = two_stream(steps)
@@ -80,16 +76,12 @@ def measure_overlap(nbytes: int = 4 * 2**20, repeats: int = 7) -> dict:
     import torch
     import torch.distributed as dist
 
-    from autopar.cost_model.calibrate import trimmed_mean
+    from autopar.cost_model.calibrate import _sync, trimmed_mean  # calibrate imports this module
 
     cuda = dist.get_backend() == "nccl"
     dev = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
     buf = torch.ones(nbytes // 4, device=dev)
     a = torch.randn(128, 128, device=dev)
-
-    def sync():
-        if cuda:
-            torch.cuda.synchronize()
 
     def compute(iters: int) -> None:
         x = a
@@ -98,10 +90,10 @@ def measure_overlap(nbytes: int = 4 * 2**20, repeats: int = 7) -> dict:
 
     def slowest(fn) -> float:
         dist.barrier()
-        sync()
+        _sync(dev)
         t0 = time.perf_counter()
         fn()
-        sync()
+        _sync(dev)
         t = torch.tensor([time.perf_counter() - t0], dtype=torch.float64, device=dev)
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
         return float(t.item())

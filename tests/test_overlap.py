@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import autopar
-from autopar.cost_model.overlap import hidden_seconds, two_stream_end
+from autopar.cost_model.overlap import hidden_seconds, two_stream
 from autopar.examples import gpt2_tiny
 
 times = st.floats(min_value=0.0, max_value=10.0, allow_nan=False)
@@ -35,7 +35,7 @@ def _event_sim(steps):
 @settings(max_examples=200, deadline=None)
 @given(steps_st, st.floats(min_value=0.0, max_value=1.0))
 def test_timeline_bounds(steps, eff):
-    end = two_stream_end(steps)
+    end, _ = two_stream(steps)
     compute = sum(c for c, _ in steps)
     iso = [r if isinstance(r, float) else r[0] for _, rs in steps for r in rs]
     queued = [r if isinstance(r, float) else r[1] for _, rs in steps for r in rs]
