@@ -131,7 +131,7 @@ def search(
             if not axis_roles or len(m) == len(axis_roles)
         ]
 
-    best: tuple[float, tuple, Solution, CostTables, float, GradSyncCost] | None = None
+    best: tuple[float, tuple, Solution, CostTables, float, GradSyncCost, dict] | None = None
     best_objective = math.inf
     candidates = []
     min_needed = math.inf
@@ -203,7 +203,8 @@ def search(
             continue
         # the full price of the choice (solve evaluates it), with the gradient all-reduces as they run:
         # once per parameter, partly behind backward compute (passes/grad_sync.py)
-        gs = _grad_sync_cost(tg, infos, tables, sol, cluster, mesh)
+        choice = _expanded_choice(tg, tables, sol)
+        gs = _grad_sync_cost(tg, infos, tables, sol, choice, cluster, mesh)
         t_step = sol.objective + gs.adjustment_s
         best_objective = min(best_objective, sol.objective)
         candidates.append({**entry, "status": sol.status, "objective": t_step})
@@ -217,7 +218,7 @@ def search(
                 json.dumps({"status": sol.status, "objective": t_step, "choice": sol.choice}, indent=0)
             )
         if best is None or t_step < best[0] - 1e-12:
-            best = (t_step, mesh, sol, tables, bound, gs)
+            best = (t_step, mesh, sol, tables, bound, gs, choice)
     if best is None:
         raise NoPlanFitsError(
             f"no plan fits: needs at least {min_needed / 2**30:.2f} GiB per device, the limit is "
@@ -225,8 +226,7 @@ def search(
             f"{cluster.memory_reserve:.0%} of memory held in reserve); try more devices, "
             "a smaller batch or sequence, another mesh_shape or a larger memory_limit_bytes"
         )
-    _, mesh, sol, tables, bound, gs = best
-    choice = _expanded_choice(tg, tables, sol)
+    _, mesh, sol, tables, bound, gs, choice = best
     # -- plan -------------------------------------------------------------------------------------
     plan = _make_plan(tg, infos, tables, sol, choice, cluster, mesh, optimizer, candidates, bound, gs)
     if dump:
@@ -271,8 +271,9 @@ def _node_compute(tables: CostTables, sol: Solution, node: str) -> float:
     return tables.node_cost[rep][sol.choice[rep]] / classes.count(rep) if rep else 0.0
 
 
-def _grad_sync_cost(tg, infos, tables: CostTables, sol: Solution, cluster: ClusterSpec, mesh) -> GradSyncCost:
-    choice = _expanded_choice(tg, tables, sol)
+def _grad_sync_cost(
+    tg, infos, tables: CostTables, sol: Solution, choice, cluster: ClusterSpec, mesh
+) -> GradSyncCost:
     compute = {n: _node_compute(tables, sol, n) for n in choice}
     return price_grad_sync(tg, infos, choice, compute, CommModel(cluster, mesh), cluster.device.comm_overlap)
 
