@@ -27,7 +27,7 @@ import torch.distributed as dist
 
 import autopar
 from autopar.cost_model.calibrate import run_calibration
-from autopar.cost_model.measure import peak_step_memory
+from autopar.cost_model.measure import peak_step_memory, time_interleaved
 from autopar.cost_model.profiler import OpProfiler
 from autopar.demo import train_step
 from autopar.launch import run_on_ranks
@@ -66,20 +66,12 @@ def _rank_run(
         pmodel = autopar.autoparallelize(model, cluster, inputs, plan=path)
         opt = torch.optim.SGD(pmodel.parameters(), lr=0.01)
         runs[name] = (pmodel, lambda m=pmodel, o=opt, x=inputs: train_step(m, o, x))  # noqa: E731
-    times: dict[str, list[float]] = {name: [] for name in runs}
-    for r in range(WARMUP + rounds):
-        for name, (_, step) in runs.items():
-            dist.barrier()
-            t0 = time.perf_counter()
-            for _ in range(STEPS_PER_ROUND):
-                step()
-            t = torch.tensor([(time.perf_counter() - t0) / STEPS_PER_ROUND], dtype=torch.float64)
-            dist.all_reduce(t, op=dist.ReduceOp.MAX)
-            if r >= WARMUP:
-                times[name].append(float(t.item()))
+    times = time_interleaved(
+        {name: step for name, (_, step) in runs.items()}, rounds, WARMUP, STEPS_PER_ROUND
+    )
     out = {}
     for name, (pmodel, step) in runs.items():
-        out[name] = (statistics.median(times[name]), peak_step_memory(pmodel, step))
+        out[name] = (times[name], peak_step_memory(pmodel, step))
         dist.barrier()
     return out
 

@@ -14,15 +14,13 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import statistics
-import time
 
 import torch
-import torch.distributed as dist
 
 import autopar
 import autopar.codegen.build as build
 from autopar.cost_model.calibrate import run_calibration
+from autopar.cost_model.measure import time_interleaved
 from autopar.demo import train_step
 from autopar.launch import run_on_ranks
 from autopar.model_spec import load_model_spec
@@ -50,17 +48,8 @@ def _rank(rank: int, world: int, spec: str, cluster_dict: dict, path: str, round
             build.deferred_grad_axes = real
         opt = torch.optim.SGD(pm.parameters(), lr=0.01)
         runs[mode] = (lambda m=pm, o=opt, x=inputs: train_step(m, o, x), len(pm.grad_sync._axes))  # noqa: E731
-    times = {k: [] for k in runs}
-    for r in range(WARMUP + rounds):
-        for mode, (step, _) in runs.items():
-            dist.barrier()
-            t0 = time.perf_counter()
-            step()
-            t = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
-            dist.all_reduce(t, op=dist.ReduceOp.MAX)
-            if r >= WARMUP:
-                times[mode].append(float(t.item()))
-    return {k: (statistics.median(v), runs[k][1]) for k, v in times.items()}
+    times = time_interleaved({k: step for k, (step, _) in runs.items()}, rounds, WARMUP)
+    return {k: (times[k], runs[k][1]) for k in runs}
 
 
 def main() -> None:

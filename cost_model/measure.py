@@ -86,3 +86,29 @@ def time_steps(
             torch.cuda.synchronize()
         times.append(time.perf_counter() - t0)
     return statistics.median(times)
+
+
+def time_interleaved(
+    steps: dict[str, Callable[[], None]], rounds: int, warmup: int = 2, steps_per_round: int = 1
+) -> dict[str, float]:
+    """Seconds per step of each of ``steps`` (one per name), timed in interleaved rounds on every
+    rank of the default process group (call on every rank): a slow spell of a shared machine hits
+    every entry alike instead of whichever ran during it. A round runs each entry's step
+    ``steps_per_round`` times back to back after a barrier; its time per step is the slowest
+    rank's; each entry's figure is the median over ``rounds`` after ``warmup`` untimed rounds."""
+    import torch.distributed as dist
+
+    times: dict[str, list[float]] = {name: [] for name in steps}
+    for r in range(warmup + rounds):
+        for name, step in steps.items():
+            dist.barrier()
+            t0 = time.perf_counter()
+            for _ in range(steps_per_round):
+                step()
+            if torch.cuda.is_available() and torch.cuda.is_initialized():
+                torch.cuda.synchronize()
+            t = torch.tensor([(time.perf_counter() - t0) / steps_per_round], dtype=torch.float64)
+            dist.all_reduce(t, op=dist.ReduceOp.MAX)
+            if r >= warmup:
+                times[name].append(float(t.item()))
+    return {name: statistics.median(v) for name, v in times.items()}
