@@ -74,23 +74,15 @@ def _f_uses(tg, choice, mesh_shape, deferred=None) -> dict[str, list[tuple[int, 
     the generated graph: the chain of collectives between the parameter and the op using it)."""
     from autopar.codegen.lower import lower, mangle
 
-    attrs = {
-        mangle(p.target): torch.nn.Parameter(torch.empty(0))
-        for p in tg.placeholders
-        if p.role.value == "param"
-    }
+    params = {mangle(p.target): p.name for p in tg.placeholders if p.role.value == "param"}
+    attrs = {attr: torch.nn.Parameter(torch.empty(0)) for attr in params}
     gm = lower(tg, choice, mesh_shape, torch.device("cpu"), attrs, deferred)
-    names = {mangle(p.target): p.name for p in tg.placeholders}
     coll = {getattr(C, n) for n in ("f", "all_gather", "chunk", "all_reduce", "reduce_scatter", "to_partial")}
     out: dict[str, list[tuple[int, ...]]] = {}
     for node in gm.graph.nodes:
-        if (
-            node.op != "get_attr"
-            or node.target not in names
-            or names[node.target] not in {p.name for p in tg.placeholders if p.role.value == "param"}
-        ):
+        if node.op != "get_attr" or node.target not in params:
             continue
-        uses = out.setdefault(names[node.target], [])
+        uses = out.setdefault(params[node.target], [])
         stack = [(u, ()) for u in node.users]
         while stack:
             u, axes = stack.pop()
