@@ -75,11 +75,14 @@ class Collective(enum.Enum):
 QUEUED_ALL_REDUCE = "all_reduce_queued"
 
 
-def collective_time(kind: Collective, nbytes: float, n: int, link: LinkSpec) -> float:
-    """Seconds for one ring collective over ``n`` ranks; ``nbytes`` is the full tensor's size."""
+def collective_time(
+    kind: Collective, nbytes: float, n: int, link: LinkSpec, ranges: str | None = None
+) -> float:
+    """Seconds for one ring collective over ``n`` ranks; ``nbytes`` is the full tensor's size.
+    ``ranges``: the link's ranges to price it with (default: the collective's own)."""
     if n <= 1 or nbytes <= 0:
         return 0.0
-    bw, lat = link.at(nbytes, kind.value)
+    bw, lat = link.at(nbytes, ranges or kind.value)
     if kind is Collective.ALL_REDUCE:
         return 2 * (n - 1) / n * nbytes / bw + 2 * (n - 1) * lat
     if kind in (Collective.ALL_GATHER, Collective.REDUCE_SCATTER, Collective.ALL_TO_ALL):
@@ -154,11 +157,9 @@ class CommModel:
         :meth:`time` (no pipelining assumed)."""
         link = self.links[axis]
         if self.splits[axis] is None and any(r[0] == QUEUED_ALL_REDUCE for r in link.ranges):
-            n = self.mesh_shape[axis]
-            if n <= 1 or nbytes <= 0:
-                return 0.0
-            bw, lat = link.at(nbytes, QUEUED_ALL_REDUCE)
-            return 2 * (n - 1) / n * nbytes / bw + 2 * (n - 1) * lat
+            return collective_time(
+                Collective.ALL_REDUCE, nbytes, self.mesh_shape[axis], link, QUEUED_ALL_REDUCE
+            )
         return self.time(Collective.ALL_REDUCE, nbytes, axis)
 
     def reshard(
