@@ -81,8 +81,18 @@ _DEVICE_KEYS = (
     "kernel_launch_s",
     "host_cores",
     "comm_overlap",
+    "cache_bytes",
+    "cache_bandwidth",
+    "pointwise_s",
 )
-_DEVICE_OPTIONAL = ("kernel_launch_s", "host_cores", "comm_overlap")
+_DEVICE_OPTIONAL = (
+    "kernel_launch_s",
+    "host_cores",
+    "comm_overlap",
+    "cache_bytes",
+    "cache_bandwidth",
+    "pointwise_s",
+)
 _LINK_KEYS = ("bandwidth", "latency", "ranges")
 
 
@@ -131,6 +141,13 @@ def _link_from_dict(where: str, d: Any) -> LinkSpec:
         raise ClusterSpecError(f"{where}: {e}") from None
 
 
+def _coerce_table(t: Any) -> Any:
+    """``{op: [forward, backward]}`` with numbers written as text (YAML) made numbers."""
+    if not isinstance(t, Mapping):
+        return t
+    return {k: [_coerce_number(x) for x in v] if isinstance(v, (list, tuple)) else v for k, v in t.items()}
+
+
 def _device_from_dict(where: str, d: Any) -> DeviceSpec:
     _check_keys(where, d, _DEVICE_KEYS, _DEVICE_OPTIONAL)
     pf = d["peak_flops"]
@@ -144,7 +161,7 @@ def _device_from_dict(where: str, d: Any) -> DeviceSpec:
     }
     for key in _DEVICE_OPTIONAL:
         if key in d:
-            kw[key] = _coerce_number(d[key])
+            kw[key] = _coerce_number(d[key]) if key != "pointwise_s" else _coerce_table(d[key])
     try:
         return DeviceSpec(**kw)
     except ClusterSpecError as e:

@@ -175,7 +175,14 @@ class LinkSpec:
 
 @dataclass(frozen=True)
 class DeviceSpec:
-    """One device: dense peak FLOP/s per dtype name, memory (B), memory bandwidth (B/s), launch cost (s)."""
+    """One device: dense peak FLOP/s per dtype name, memory (B), memory bandwidth (B/s), launch cost (s).
+
+    Optional, measured by ``autopar calibrate`` (see ``cost_model/compute.py`` for how they price):
+    ``cache_bytes`` / ``cache_bandwidth``: an op moving at most ``cache_bytes`` (B) runs at
+    ``cache_bandwidth`` (B/s) instead of ``memory_bandwidth`` (0: no cache level modeled);
+    ``pointwise_s``: per op name (``str`` of the aten overload), the seconds per output element of
+    its forward and of its backward, for pointwise ops whose arithmetic (tanh, exp, erf ...) rather
+    than their bytes decides their time on this device."""
 
     name: str
     peak_flops: tuple[tuple[str, float], ...]
@@ -184,9 +191,39 @@ class DeviceSpec:
     kernel_launch_s: float = DEFAULT_KERNEL_LAUNCH_S
     host_cores: int = 0
     comm_overlap: float = 0.0
+    cache_bytes: int = 0
+    cache_bandwidth: float = 0.0
+    pointwise_s: tuple[tuple[str, float, float], ...] = ()
 
     def __post_init__(self) -> None:
         _check_name("DeviceSpec.name", self.name)
+        object.__setattr__(
+            self, "cache_bytes", _check_int("DeviceSpec.cache_bytes", self.cache_bytes, minimum=0)
+        )
+        object.__setattr__(
+            self,
+            "cache_bandwidth",
+            _check_float("DeviceSpec.cache_bandwidth", self.cache_bandwidth, minimum=0.0, strict=False),
+        )
+        if self.cache_bytes and not self.cache_bandwidth:
+            raise ClusterSpecError(
+                f"DeviceSpec.cache_bytes is {self.cache_bytes} but cache_bandwidth is 0; give both or neither"
+            )
+        pw = self.pointwise_s
+        items = list(pw.items()) if isinstance(pw, Mapping) else [(p[0], *p[1:]) for p in pw]
+        table = []
+        for item in items:
+            if len(item) == 2 and isinstance(item[1], (list, tuple)):
+                item = (item[0], *item[1])
+            if len(item) != 3 or not isinstance(item[0], str):
+                raise ClusterSpecError(
+                    f"DeviceSpec.pointwise_s: got entry {item!r}; must map an op name such as "
+                    f"'aten.tanh.default' to [forward, backward] seconds per element"
+                )
+            f = _check_float(f"DeviceSpec.pointwise_s[{item[0]!r}][0]", item[1], minimum=0.0, strict=False)
+            b = _check_float(f"DeviceSpec.pointwise_s[{item[0]!r}][1]", item[2], minimum=0.0, strict=False)
+            table.append((item[0], f, b))
+        object.__setattr__(self, "pointwise_s", tuple(sorted(table)))
         overlap = _check_float("DeviceSpec.comm_overlap", self.comm_overlap, minimum=0.0, strict=False)
         if overlap > 1.0:
             raise ClusterSpecError(f"DeviceSpec.comm_overlap: got {overlap!r}; must be in [0, 1]")
@@ -231,6 +268,19 @@ class DeviceSpec:
             _check_float("DeviceSpec.kernel_launch_s", self.kernel_launch_s, minimum=0.0, strict=False),
         )
 
+    def pointwise(self, op: str) -> tuple[float, float] | None:
+        """(forward, backward) seconds per output element measured for ``op``, or None."""
+        for name, f, b in self.pointwise_s:
+            if name == op:
+                return f, b
+        return None
+
+    def bandwidth_for(self, nbytes: float) -> float:
+        """B/s at which an op moving ``nbytes`` (B) runs: the cache's if it fits there."""
+        if self.cache_bytes and nbytes <= self.cache_bytes:
+            return self.cache_bandwidth
+        return self.memory_bandwidth
+
     @property
     def peak_flops_dict(self) -> dict[str, float]:
         return dict(self.peak_flops)
@@ -257,6 +307,9 @@ class DeviceSpec:
             "kernel_launch_s": self.kernel_launch_s,
             "host_cores": self.host_cores,
             "comm_overlap": self.comm_overlap,
+            "cache_bytes": self.cache_bytes,
+            "cache_bandwidth": self.cache_bandwidth,
+            "pointwise_s": {name: [f, b] for name, f, b in self.pointwise_s},
         }
 
 

@@ -43,30 +43,21 @@ transports change regime with message size and implement each collective their o
 Gloo's reduce-scatter is an all-reduce + slice, i.e. about twice what the reduce-scatter formula
 says: its samples are left out of the one-line link but have their own ranges.
 
-Compute (``measure_compute``), on rank 0 while the other ranks wait, so the figures are one
-rank's own. On CPUs the ranks of a node share its cores: ``calibrate`` records the cores this
-process may use as ``DeviceSpec.host_cores`` and the cost model prices compute
-``devices_per_node / host_cores`` times slower when there are more ranks than cores
-(``ClusterSpec.compute_slowdown``; each rank computes on one thread, as ``autopar.launch`` sets it):
-
-* per-op overhead ``launch`` [s]: a chain of 60 tiny ops (mul, add, tanh on 8 elements) run
-  forward and backward through autograd, as a training step runs them; the cost model charges
-  each op ``launch`` once forward and BACKWARD_FACTOR times backward, so
-  ``launch = t_chain / (60 * (1 + BACKWARD_FACTOR))``;
-* memory bandwidth [B/s]: ``torch.add(a, b, out=c)`` on large float32 tensors moves
-  ``M = 3 * nbytes`` (2 reads, 1 write): ``mem_bw = M / (t - launch)``;
-* FLOP/s: square fp32 matmuls of a few sizes ``s`` (``F = 2 s^3`` FLOPs); a least-squares line
-  ``t = F / rate + c`` gives the effective rate ``rate`` [FLOP/s]. The roofline of
-  ``cost_model/compute.py`` prices a large GEMM at ``F / (peak * EFF_MAX)``, so the peak stored in
-  the spec is ``rate / EFF_MAX``: the cost model then predicts the measured large-GEMM rate.
+Compute (``cost_model/calibrate_compute.py``: per-op overhead, memory and cache bandwidth,
+FLOP/s, per-element times of transcendental pointwise ops), on rank 0 while the other ranks wait,
+so the figures are one rank's own. On CPUs the ranks of a node share its cores: ``calibrate``
+records the cores this process may use as ``DeviceSpec.host_cores`` and the cost model prices
+compute ``devices_per_node / host_cores`` times slower when there are more ranks than cores
+(``ClusterSpec.compute_slowdown``; each rank computes on one thread, as ``autopar.launch`` sets it).
 
 Overlap (``cost_model/overlap.py:measure_overlap``), on every rank at once: how much of an
 all-reduce issued asynchronously is hidden behind concurrent compute, stored as
 ``DeviceSpec.comm_overlap``.
 
 ``calibrate`` returns ``base`` with ``intra_node`` (and, on one node, ``inter_node``) replaced by
-the fitted link and the device's ``peak_flops['float32']``, ``memory_bandwidth`` and
-``kernel_launch_s`` replaced by the measured values; ``out_path`` saves it as JSON.
+the fitted link and the device's ``peak_flops['float32']``, ``memory_bandwidth``,
+``kernel_launch_s``, ``cache_bytes``, ``cache_bandwidth`` and ``pointwise_s`` replaced by the
+measured values; ``out_path`` saves it as JSON.
 """
 
 from __future__ import annotations
@@ -84,7 +75,7 @@ import torch
 import torch.distributed as dist
 
 from autopar.cluster import ClusterSpec, LinkSpec, usable_cores
-from autopar.cost_model.compute import BACKWARD_FACTOR, EFF_MAX
+from autopar.cost_model.calibrate_compute import measure_compute, sync
 from autopar.cost_model.overlap import measure_overlap
 
 __all__ = [
@@ -145,11 +136,6 @@ def predict_time(sample: Sample, link: LinkSpec) -> float:
 # --------------------------------------------------------------------------------------------------
 # communication
 # --------------------------------------------------------------------------------------------------
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def _collective_fn(
@@ -227,7 +213,7 @@ def measure_collectives(
             run = _collective_fn(kind, numel, n, rank, device, group)
             for _ in range(warmup):
                 run()
-            _sync(device)
+            sync(device)
             cases.append((kind, numel * 4))
             runs.append(run)
     # repeats outer, cases inner, in an order shuffled per repeat (the same on every rank): a burst
@@ -244,7 +230,7 @@ def measure_collectives(
             _busy(gap_s)  # the compute a step runs between two collectives
             t0 = time.perf_counter()
             runs[i]()
-            _sync(device)
+            sync(device)
             times[i][r] = (time.perf_counter() - t0) / (
                 QUEUE_DEPTH if cases[i][0] == "all_reduce_queued" else 1
             )
@@ -331,70 +317,6 @@ def fit_errors(samples: Sequence[Sample], link: LinkSpec) -> list[float]:
 # --------------------------------------------------------------------------------------------------
 
 
-def _median_time(fn: Callable[[], object], device: torch.device, repeats: int, inner: int = 1) -> float:
-    fn()
-    _sync(device)
-    ts = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        for _ in range(inner):
-            fn()
-        _sync(device)
-        ts.append((time.perf_counter() - t0) / inner)
-    return statistics.median(ts)
-
-
-def measure_compute(device: torch.device | str = "cpu", quick: bool = False) -> dict:
-    """Effective fp32 matmul FLOP/s, memory bandwidth (B/s) and per-op overhead (s) of ``device``.
-
-    Returns ``{"peak_flops": rate / EFF_MAX, "flops_effective": rate, "memory_bandwidth": ...,
-    "kernel_launch_s": ..., "matmul": [(size, flops, seconds), ...], "matmul_intercept_s": ...}``;
-    ``peak_flops``, ``memory_bandwidth`` and ``kernel_launch_s`` are the DeviceSpec fields.
-    """
-    dev = torch.device(device)
-    repeats = 3 if quick else 7
-    # per-op overhead as a training step pays it: a chain of tiny ops, forward and backward through
-    # autograd; the cost model charges each op its launch three times (forward + 2x backward)
-    n_ops = 60
-    x0 = torch.ones(8, device=dev, requires_grad=True)
-    c = torch.full((8,), 0.999, device=dev)
-
-    def chain():
-        y = x0
-        for i in range(n_ops // 3):
-            y = torch.tanh(torch.mul(y, c) + i)
-        y.sum().backward()
-
-    launch = _median_time(chain, dev, repeats, inner=5 if quick else 20) / (n_ops * (1 + BACKWARD_FACTOR))
-    # memory bandwidth: a large elementwise op (2 reads + 1 write)
-    numel = (4 if quick else 16) * 2**20  # 16 MiB / 64 MiB per float32 tensor
-    bufs = [torch.ones(numel, device=dev) for _ in range(3)]
-    t_mem = _median_time(lambda: torch.add(bufs[0], bufs[1], out=bufs[2]), dev, repeats)
-    mem_bw = 3 * numel * 4 / max(t_mem - launch, 1e-9)
-    bufs.clear()
-    # FLOP/s: square matmuls, t = F / rate + c
-    points = []
-    for s in (96, 192, 288) if quick else (128, 256, 384, 512):
-        x = torch.randn(s, s, device=dev)
-        w = torch.randn(s, s, device=dev)
-        points.append((s, 2.0 * s**3, _median_time(lambda x=x, w=w: torch.mm(x, w), dev, repeats)))
-    fl = torch.tensor([p[1] for p in points], dtype=torch.float64)
-    ts = torch.tensor([p[2] for p in points], dtype=torch.float64)
-    design = torch.stack([fl, torch.ones_like(fl)], dim=1)
-    slope, intercept = (float(v) for v in torch.linalg.lstsq(design, ts.unsqueeze(1)).solution.squeeze(1))
-    if not slope > 0:  # degenerate fit (noise): use the largest matmul's rate
-        slope, intercept = float(ts[-1] / fl[-1]), 0.0
-    rate = 1.0 / float(slope)
-    return {
-        "peak_flops": rate / EFF_MAX,
-        "flops_effective": rate,
-        "memory_bandwidth": mem_bw,
-        "kernel_launch_s": launch,
-        "matmul": points,
-        "matmul_intercept_s": float(intercept),
-    }
-
-
 # --------------------------------------------------------------------------------------------------
 # calibrate
 # --------------------------------------------------------------------------------------------------
@@ -427,6 +349,19 @@ class Calibration:
             f"(peak_flops float32 = {c['peak_flops'] / 1e9:.2f} GFLOP/s = effective / EFF_MAX), "
             f"memory {c['memory_bandwidth'] / 1e9:.2f} GB/s, per-op {c['kernel_launch_s'] * 1e6:.2f} us"
         )
+        if c.get("cache_bytes"):
+            lines.append(
+                f"  cache: {c['cache_bandwidth'] / 1e9:.2f} GB/s for ops moving up to "
+                f"{c['cache_bytes'] / 2**20:.1f} MiB"
+            )
+        if c.get("pointwise_s"):
+            lines.append(
+                "  pointwise ns/element (fwd/bwd): "
+                + ", ".join(
+                    f"{k.removeprefix('aten.').split('.')[0]} {f * 1e9:.2f}/{b * 1e9:.2f}"
+                    for k, (f, b) in c["pointwise_s"].items()
+                )
+            )
         o = c.get("overlap")
         if o:
             lines.append(
@@ -506,6 +441,9 @@ def run_calibration(
         peak_flops=peak,
         memory_bandwidth=compute["memory_bandwidth"],
         kernel_launch_s=compute["kernel_launch_s"],
+        cache_bytes=compute["cache_bytes"],
+        cache_bandwidth=compute["cache_bandwidth"],
+        pointwise_s=compute["pointwise_s"],
         host_cores=results[0]["host_cores"],
         comm_overlap=results[0]["overlap"]["efficiency"],
     )

@@ -1,22 +1,35 @@
 """Compute costs in seconds: a roofline per op, forward and backward.
 
-For one node run on a rank that does ``1/k`` of the work (``k`` = product of the mesh axes the
-strategy splits the op over):
+For one node run on a rank that does ``1/k`` of the work (``k`` = ``Strategy.work_divisor``: the
+product of the mesh axes on which an input or the output is Shard; Partial inputs divide nothing):
 
-    t_fwd = max(F / k / (peak(dtype) * eff(F)), M / k / mem_bw) + launch        [s]
-    t_bwd = 2 * t_fwd  (when the output needs a gradient)                        [s]
+    t_fwd = max(F / k / (peak(dtype) * eff(F / k)),  M / k / bw(M / k),  E / k * p_fwd(op)) + launch  [s]
+    t_bwd = max(min(g, 2) * (t_fwd - launch),        E / k * p_bwd(op))                 + launch  [s]
+
+(``t_bwd`` only when the output needs a gradient; otherwise the node costs ``t_fwd``.)
 
 * ``F``: forward FLOPs of the global op (torch.utils.flop_counter); ``M``: bytes moved (inputs +
-  outputs); ``peak(dtype)``: dense peak FLOP/s of the device for the op's dtype (ClusterSpec
-  presets, datasheet figures); ``mem_bw``: device memory bandwidth in B/s.
+  outputs; 0 for a view, which moves nothing); ``E``: elements of the output.
+* ``peak(dtype)``: dense peak FLOP/s of the device for the op's dtype (ClusterSpec presets,
+  datasheet figures, or ``autopar calibrate``).
+* ``bw(M)``: ``DeviceSpec.cache_bandwidth`` when ``M <= DeviceSpec.cache_bytes`` (an op whose
+  operands fit the cache streams them from there: measured 90 GB/s against 33 GB/s from DRAM for
+  one core of this project's CPU VM, ``autopar calibrate``), else ``memory_bandwidth`` [B/s].
 * ``eff(F)``: achievable fraction of peak; large GEMMs reach ~70-80% of dense peak on A100/H100
   (e.g. NVIDIA's Megatron-LM reports 163-173 TFLOP/s of 312 on A100, ~55%, for whole models;
   cuBLAS GEMMs at large sizes reach 70-80%), small ones far less. Modeled as
   ``eff = EFF_MAX * F / (F + peak * T_HALF)``, which falls for small ops: an op that would take
   ``T_HALF`` seconds at peak reaches half of EFF_MAX (so tiny ops cost about ``T_HALF / EFF_MAX``).
-* ``launch``: per-op fixed cost (kernel launch / Python dispatch), ``device.kernel_launch_s``.
-* Backward = 2x forward: a matmul's backward is two matmuls of the same size (grad input, grad
-  weight); elementwise backward reads the output gradient and the saved input and writes a grad.
+* ``p_fwd(op)``, ``p_bwd(op)``: seconds per output element of the op's forward and backward where
+  the device measured them (``DeviceSpec.pointwise_s``, ``autopar calibrate``): transcendental
+  pointwise ops are bound by their arithmetic on CPUs (``tanh`` 2.5 ns/element on one core of
+  this project's VM against 0.13 ns for an ``add``), which no FLOP count sees. 0 where not measured.
+* ``g``: how many of the op's inputs get a *new* gradient tensor (``NodeInfo.grad_new``, from the
+  op's real backward): a matmul's backward is two matmuls of the forward's size (grad input, grad
+  weight: ``g = 2``), an elementwise op's writes one gradient per input it computes one for, an
+  ``add`` passes its output's gradient on (``g = 0``: its backward is one autograd node, ``launch``).
+* ``launch``: per-op fixed cost (kernel launch, dispatch, autograd node), ``device.kernel_launch_s``,
+  charged once forward and once backward.
 """
 
 from __future__ import annotations
@@ -27,12 +40,13 @@ from autopar.cluster import DeviceSpec
 
 EFF_MAX = 0.75
 T_HALF = 2e-6  # seconds-at-peak at which a kernel reaches half of EFF_MAX
-BACKWARD_FACTOR = 2.0
+BACKWARD_FACTOR = 2.0  # backward / forward work of an op with two (or more) new input gradients
 
 
-def forward_time(
+def forward_body(
     flops: float, nbytes: float, dtype: torch.dtype | None, device: DeviceSpec, k: float = 1
 ) -> float:
+    """The roofline part of one rank's forward (no launch, no pointwise table) [s]."""
     f = flops / k
     m = nbytes / k
     t_flops = 0.0
@@ -40,19 +54,36 @@ def forward_time(
         peak = device.peak_flops_for(dtype or torch.float32)
         eff = EFF_MAX * f / (f + peak * T_HALF)
         t_flops = f / (peak * eff)
-    t_mem = m / device.memory_bandwidth
-    return max(t_flops, t_mem) + device.kernel_launch_s
+    t_mem = m / device.bandwidth_for(m) if m > 0 else 0.0
+    return max(t_flops, t_mem)
 
 
 def node_time(
-    flops: float, nbytes: float, dtype: torch.dtype | None, device: DeviceSpec, k: float, requires_grad: bool
+    flops: float,
+    nbytes: float,
+    dtype: torch.dtype | None,
+    device: DeviceSpec,
+    k: float,
+    requires_grad: bool,
+    *,
+    new_grads: int = 2,
+    op: str = "",
+    elements: float = 0.0,
 ) -> float:
-    """Forward + backward seconds of one node on one rank."""
-    t = forward_time(flops, nbytes, dtype, device, k)
-    return t * (1 + BACKWARD_FACTOR) if requires_grad else t
+    """Forward + backward seconds of one node on one rank (see the module docstring)."""
+    body = forward_body(flops, nbytes, dtype, device, k)
+    pw = device.pointwise(op) if op else None
+    fwd = max(body, elements / k * pw[0]) if pw else body
+    t = fwd + device.kernel_launch_s
+    if requires_grad:
+        bwd = min(new_grads, BACKWARD_FACTOR) * body
+        if pw:
+            bwd = max(bwd, elements / k * pw[1])
+        t += bwd + device.kernel_launch_s
+    return t
 
 
 def optimizer_step_time(param_bytes: float, state_copies: int, device: DeviceSpec) -> float:
     """An elementwise optimizer reads param + grad + states and writes param + states: memory-bound."""
     moved = param_bytes * (2 + 2 * state_copies + 1)
-    return moved / device.memory_bandwidth + device.kernel_launch_s
+    return moved / device.bandwidth_for(moved) + device.kernel_launch_s

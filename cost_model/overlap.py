@@ -76,7 +76,8 @@ def measure_overlap(nbytes: int = 4 * 2**20, repeats: int = 7) -> dict:
     import torch
     import torch.distributed as dist
 
-    from autopar.cost_model.calibrate import _sync, trimmed_mean  # calibrate imports this module
+    from autopar.cost_model.calibrate import trimmed_mean  # calibrate imports this module
+    from autopar.cost_model.calibrate_compute import sync
 
     cuda = dist.get_backend() == "nccl"
     dev = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
@@ -90,10 +91,10 @@ def measure_overlap(nbytes: int = 4 * 2**20, repeats: int = 7) -> dict:
 
     def slowest(fn) -> float:
         dist.barrier()
-        _sync(dev)
+        sync(dev)
         t0 = time.perf_counter()
         fn()
-        _sync(dev)
+        sync(dev)
         t = torch.tensor([time.perf_counter() - t0], dtype=torch.float64, device=dev)
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
         return float(t.item())

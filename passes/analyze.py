@@ -38,7 +38,7 @@ class NodeInfo:
     shapes: tuple[tuple[int, ...], ...]  # every tensor output
     dtype: torch.dtype | None
     flops: float  # forward FLOPs of the global op
-    bytes: int  # forward bytes moved (tensor inputs + outputs)
+    bytes: int  # forward bytes moved (tensor inputs + outputs; 0 for a view: it moves nothing)
     requires_grad: bool
     saves_inputs: tuple[bool, ...] = ()  # per tensor input (rules.tensor_inputs order): kept for backward
     saves_output: bool = False  # the op keeps its own output for backward (tanh, softmax, ...)
@@ -311,6 +311,7 @@ def analyze(tg: TracedGraph) -> dict[str, NodeInfo]:
             tins = tensor_inputs(node)
             grads = tuple(infos[a.name].requires_grad if a.name in infos else True for a in tins)
             probe = _saved_for_backward(node, grads) if rg else _Probe(())
+            view_of = _view_of(node, tins)
             infos[node.name] = NodeInfo(
                 node.name,
                 Role.ACTIVATION,
@@ -318,12 +319,12 @@ def analyze(tg: TracedGraph) -> dict[str, NodeInfo]:
                 shapes,
                 dtype,
                 _flops_of(node),
-                in_bytes + out_bytes,
+                0 if view_of else in_bytes + out_bytes,
                 rg,
                 probe.saves_inputs,
                 probe.saves_output,
                 probe.saved_temp_bytes,
-                _view_of(node, tins),
+                view_of,
                 probe.grad_new,
                 probe.grad_temp_bytes,
             )

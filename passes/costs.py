@@ -49,7 +49,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.fx as fx
 
-from autopar.cluster import ClusterSpec
+from autopar.cluster import ClusterSpec, DeviceSpec
 from autopar.cost_model.comm import Collective, CommModel
 from autopar.cost_model.compute import node_time, optimizer_step_time
 from autopar.cost_model.memory import reshard_transient
@@ -198,13 +198,10 @@ def build_costs(
                 costs.append(0.0)
                 mems.append(n * info.out_bytes / vol)
                 continue
-            k = 1
-            for a, split in enumerate(s.split_axes()):
-                if split:
-                    k *= mesh_shape[a]
+            k = s.work_divisor(mesh_shape)
             t = profiler.node_time(ns.node, s, mesh_shape, infos) if profiler is not None else None
             if t is None:
-                t = node_time(info.flops, info.bytes, info.dtype, device, k, info.requires_grad)
+                t = analytical_node_time(info, ns.inputs, infos, device, k)
             t *= slow
             t += _lowering_comm(ns.node, s, comm)
             costs.append(n * t)
@@ -397,6 +394,21 @@ def _edge(
     return Edge(
         src, dst, [list(row_c[r]) for r in rows], [list(row_m[r]) for r in rows], [row_n[r] for r in rows], 1,
         [row_p[r] for r in rows], [row_k[r] for r in rows] if owner else None, owner,
+    )  # fmt: skip
+
+
+def analytical_node_time(
+    info: NodeInfo, inputs: list[fx.Node], infos: dict[str, NodeInfo], device: DeviceSpec, k: int
+) -> float:
+    """``cost_model.compute.node_time`` of one node whose work is divided ``k`` ways. Its backward
+    makes a new gradient for each input that needs one and whose gradient is not passed on (an
+    ``add`` passes its gradient on; a matmul makes two); every such input when the probe did not run."""
+    fresh = info.grad_new or (True,) * len(inputs)
+    new_grads = sum(1 for a, f in zip(inputs, fresh) if f and infos[a.name].requires_grad)
+    elements = sum(math.prod(sh) for sh in info.shapes)
+    return node_time(
+        info.flops, info.bytes, info.dtype, device, k, info.requires_grad,
+        new_grads=new_grads, op=info.target, elements=elements,
     )  # fmt: skip
 
 

@@ -54,8 +54,24 @@ class Strategy:
     ins: tuple[Spec, ...]  # one spec per tensor input (see rules.tensor_inputs)
 
     def split_axes(self) -> tuple[bool, ...]:
-        """Per axis: does this strategy divide work over the axis (anything but all-Replicate)?"""
+        """Per axis: is the op split over the axis (anything but all-Replicate)? Where an input is
+        Replicate on such an axis its gradient is partial there (Megatron "f")."""
         return _split_axes(self)
+
+    def work_divisor(self, mesh_shape: Sequence[int]) -> int:
+        """How many ranks share this op's work: the product of the axes on which some input or the
+        output is Shard. An axis where the op only takes Partial inputs divides nothing: every
+        rank runs the whole op on its own summand (a matmul of a Partial activation is full size)."""
+        return _work_divisor(self, tuple(mesh_shape))
+
+
+@functools.cache
+def _work_divisor(s: Strategy, mesh_shape: tuple[int, ...]) -> int:
+    k = 1
+    for a, n in enumerate(mesh_shape):
+        if is_shard(s.out[a]) or any(is_shard(x[a]) for x in s.ins):
+            k *= n
+    return k
 
 
 @functools.cache

@@ -27,6 +27,14 @@ STEPS = 2
 D, T, S = autopar.AxisRole.DATA, autopar.AxisRole.TENSOR, autopar.AxisRole.SEQUENCE
 
 
+def free_link_cpu(world: int) -> autopar.ClusterSpec:
+    """CPU ranks on a link priced as free (no latency, 1 TB/s): the toy models of a test, whose ops
+    take microseconds, are then data parallel wherever the batch splits; on loopback gloo's ~1 ms
+    per collective they rightly stay replicated. For tests of what data parallelism runs."""
+    link = autopar.LinkSpec(bandwidth=1e12, latency=0.0)
+    return autopar.ClusterSpec.preset("cpu", devices_per_node=world).with_overrides(intra_node=link)
+
+
 def train(model, inputs, steps: int = STEPS) -> list[tuple[str, torch.Tensor, torch.Tensor]]:
     """SGD steps with the model's own loss: (output type, loss, logits) of every step."""
     opt = torch.optim.SGD(model.parameters(), lr=LR)

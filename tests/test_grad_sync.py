@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from harness import free_link_cpu
 
 import autopar
 from autopar.codegen import collectives as C
@@ -47,7 +48,7 @@ def _full_grads(pmodel) -> dict[str, torch.Tensor]:
 
 def _rank(rank, world, plan_path):
     model, inputs = _build()
-    cluster = autopar.ClusterSpec.preset("cpu", devices_per_node=world)
+    cluster = free_link_cpu(world)
     pmodel = autopar.autoparallelize(model, cluster, inputs, plan=plan_path)
     params = list(pmodel.parameters())
     res = {"deferred": len(pmodel.grad_sync._axes)}
@@ -101,7 +102,7 @@ def test_deferred_exactly_where_every_use_has_the_same_f(world, mesh, roles):
     """A parameter's gradient is reduced after accumulation exactly when the inline code puts the
     same "f" on every one of its uses; the deferred code then has no "f" on it at all."""
     model, inputs = _build()
-    cluster = autopar.ClusterSpec.preset("cpu", devices_per_node=world)
+    cluster = free_link_cpu(world)
     res = autopar.search(model, cluster, inputs, mesh_shape=mesh, axis_roles=roles)
     deferred = deferred_grad_axes(res.traced, res.choice, mesh)
     uses = _f_uses(res.traced, res.choice, mesh)
@@ -117,7 +118,7 @@ def test_deferred_exactly_where_every_use_has_the_same_f(world, mesh, roles):
 @pytest.mark.slow
 def test_overlapped_grads_match_single_device(tmp_path):
     model, inputs = _build()
-    cluster = autopar.ClusterSpec.preset("cpu", devices_per_node=2)
+    cluster = free_link_cpu(2)
     path = tmp_path / "dp.json"
     autopar.plan(model, cluster, inputs, mesh_shape=(2,), axis_roles=(D,)).save(path)
     one, two = _reference_grads()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
+from harness import free_link_cpu
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -65,7 +66,7 @@ def test_plan_step_time_falls_with_overlap_by_the_hidden_seconds():
     """Same plan, device overlap 0 vs 1: the prediction drops by exactly the hidden seconds, and
     at 0 it is the inline price minus what one all-reduce per tied parameter saves."""
     model, inputs = gpt2_tiny(batch=8, seq=32, hidden=64, vocab=256)
-    base = autopar.ClusterSpec.preset("cpu", devices_per_node=2)
+    base = free_link_cpu(2)
     plans = {}
     for eta in (0.0, 1.0):
         cl = base.with_overrides(device=dataclasses.replace(base.device, comm_overlap=eta))

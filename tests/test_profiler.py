@@ -16,12 +16,11 @@ from torch.distributed.tensor.placement_types import Partial, Replicate, Shard
 import autopar
 import autopar.examples
 from autopar.cli import main
-from autopar.cost_model.compute import node_time
 from autopar.cost_model.profile_cache import OpTiming, ProfileCache
 from autopar.cost_model.profiler import OpProfiler, TensorSpec, _layout, op_key, profile_device_for
 from autopar.errors import ProfileCacheError, ProfilerDeviceError
 from autopar.passes.analyze import analyze
-from autopar.passes.costs import Optimizer, build_costs
+from autopar.passes.costs import Optimizer, analytical_node_time, build_costs
 from autopar.passes.strategies import Strategy, build_strategies
 from autopar.passes.trace import trace
 
@@ -231,8 +230,9 @@ def test_build_costs_prices_measured_ops_by_their_measurement_times_core_sharing
     assert prof.node_time(view, strats["view"].strategies[0], (2,), infos) is None
     info = infos["view"]
     for s, c in zip(strats["view"].strategies, costs.node_cost["view"]):
-        k = 2 if any(s.split_axes()) else 1
-        analytical = node_time(info.flops, info.bytes, info.dtype, shared.device, k, info.requires_grad)
+        analytical = analytical_node_time(
+            info, strats["view"].inputs, infos, shared.device, s.work_divisor((2,))
+        )
         assert c == pytest.approx(2.0 * analytical)
 
 

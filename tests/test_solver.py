@@ -188,8 +188,11 @@ def test_mesh_candidates():
 
 
 def test_small_model_on_many_devices_is_data_parallel():
-    """GPT-2-small width, 2 layers, batch 64 x 512 on 8 H100s: the solver shards the batch everywhere
-    and uses every weight replicated (it may store weights sharded, ZeRO-style, and gather them)."""
+    """GPT-2-small width, 2 layers, batch 64 x 512 on 8 H100s: the solver shards the batch through
+    the blocks and uses their weights replicated (it may store weights sharded, ZeRO-style, and
+    gather them). The 50304-wide head may instead be vocabulary-parallel (Megatron's choice for
+    large vocabularies): gathering the 100 MB of hidden states costs less than all-reducing the
+    154 MB gradient of the tied embedding."""
     with torch.device("meta"):
         model, _ = gpt2_tiny(layers=2, hidden=768, vocab=50304)
     ids = torch.randint(0, 50304, (64, 512))
@@ -202,7 +205,10 @@ def test_small_model_on_many_devices_is_data_parallel():
     for d in matmuls:
         weight = d.inputs[2] if d.op == "aten.addmm.default" else d.inputs[1]
         activation = d.inputs[1] if d.op == "aten.addmm.default" else d.inputs[0]
-        assert (d.output, activation, weight) == ("S(0)", "S(0)", "R"), d
+        allowed = {("S(0)", "S(0)", "R")} | (
+            {("S(2)", "R", "S(0)")} if d.op == "aten.linear.default" else set()
+        )
+        assert (d.output, activation, weight) in allowed, d
 
 
 def test_mlp_that_does_not_fit_replicated_is_megatron_column_then_row():

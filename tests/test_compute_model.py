@@ -1,0 +1,158 @@
+"""The analytical compute model (cost_model/compute.py, passes/costs.py) against real counts:
+FLOPs the op runs on one rank's local shapes, storages the traced values share."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import random
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+from torch.utils.flop_counter import FlopCounterMode
+
+import autopar.examples
+from autopar.cluster import ClusterSpec
+from autopar.cost_model.calibrate_compute import fit_cache
+from autopar.cost_model.compute import forward_body, node_time
+from autopar.cost_model.profiler import OpProfiler, TensorSpec
+from autopar.errors import ClusterSpecError
+from autopar.passes.analyze import analyze
+from autopar.passes.rules import VIEW_OPS
+from autopar.passes.strategies import build_strategies
+from autopar.passes.trace import trace
+
+aten = torch.ops.aten
+MATMULS = {aten.mm.default, aten.addmm.default, aten.bmm.default, aten.linear.default, aten.matmul.default}
+
+
+@pytest.fixture(scope="module")
+def graphs():
+    out = []
+    for make in (autopar.examples.gpt2_tiny, autopar.examples.llama_tiny):
+        model, inputs = make(batch=4, seq=8, hidden=32, vocab=64)
+        tg = trace(model, inputs)
+        out.append((tg, analyze(tg)))
+    return out
+
+
+def _local_flops(call) -> float:
+    op, args, kwargs = call
+
+    def meta(x):
+        return torch.empty(x.shape, dtype=x.dtype, device="meta") if isinstance(x, TensorSpec) else x
+
+    args, kwargs = torch.utils._pytree.tree_map(meta, (args, kwargs))
+    with FlopCounterMode(display=False) as counter:
+        op(*args, **kwargs)
+    return float(counter.get_total_flops())
+
+
+@pytest.mark.parametrize("mesh", [(2,), (2, 2)])
+def test_work_divisor_is_the_flops_a_rank_runs_on_its_local_shapes(graphs, tmp_path, mesh):
+    """A matmul strategy's work divisor is global FLOPs / the FLOPs of the op on one rank's local
+    inputs: Shard divides, Partial and Replicate inputs do not (a Partial activation times a
+    replicated weight is a full-size matmul on every rank)."""
+    prof = OpProfiler(cache_path=tmp_path / "c.json")
+    checked = partial_full = 0
+    for tg, infos in graphs:
+        strats = build_strategies(tg, infos, mesh)
+        for name, ns in strats.items():
+            if ns.node.target not in MATMULS:
+                continue
+            for s in ns.strategies:
+                call = prof.node_call(ns.node, s, mesh, infos)
+                assert call is not None
+                local = _local_flops(call)
+                assert infos[name].flops / local == pytest.approx(s.work_divisor(mesh))
+                checked += 1
+                partial_full += any(s.split_axes()) and s.work_divisor(mesh) == 1
+    assert checked > 50 and partial_full > 0  # Partial-only strategies exist and cost full work
+
+
+def test_views_move_no_bytes(graphs):
+    """A node whose output shares its input's storage (a view, an identity reshape) moves nothing;
+    every other tensor op's bytes are its inputs' and outputs' sizes."""
+    views = 0
+    for tg, infos in graphs:
+        for node in tg.graph.nodes:
+            if node.op != "call_function" or node.target not in VIEW_OPS:
+                continue
+            out = node.meta["val"]
+            src = node.all_input_nodes[0].meta["val"]
+            shares = out.untyped_storage()._cdata == src.untyped_storage()._cdata
+            assert (infos[node.name].bytes == 0) == shares, node.name
+            views += shares
+    assert views > 10
+
+
+# ------------------------------------------------------------------ roofline terms (cost_model/compute.py)
+CPU = ClusterSpec.preset("cpu").device
+
+
+@given(
+    flops=st.floats(0, 1e12), nbytes=st.floats(0, 1e10), k=st.sampled_from([1, 2, 4, 8]),
+    grads=st.integers(0, 4),
+)  # fmt: skip
+def test_backward_is_the_forward_body_once_per_new_gradient_up_to_two(flops, nbytes, k, grads):
+    body = forward_body(flops, nbytes, torch.float32, CPU, k)
+    launch = CPU.kernel_launch_s
+    assert node_time(flops, nbytes, torch.float32, CPU, k, False) == pytest.approx(body + launch)
+    t = node_time(flops, nbytes, torch.float32, CPU, k, True, new_grads=grads)
+    assert t == pytest.approx(body * (1 + min(grads, 2)) + 2 * launch)
+
+
+@given(nbytes=st.floats(1, 1e9), cache=st.integers(1, 10**8))
+def test_ops_that_fit_the_cache_stream_at_its_bandwidth(nbytes, cache):
+    dev = dataclasses.replace(CPU, cache_bytes=cache, cache_bandwidth=4 * CPU.memory_bandwidth)
+    bw = dev.cache_bandwidth if nbytes <= cache else dev.memory_bandwidth
+    assert forward_body(0.0, nbytes, torch.float32, dev) == pytest.approx(nbytes / bw)
+
+
+@given(
+    elements=st.floats(1, 1e8), fwd=st.floats(0, 1e-8), bwd=st.floats(0, 1e-8), k=st.sampled_from([1, 2, 4])
+)
+def test_a_measured_pointwise_op_costs_at_least_its_per_element_time(elements, fwd, bwd, k):
+    dev = dataclasses.replace(CPU, pointwise_s=(("aten.tanh.default", fwd, bwd),))
+    nbytes = 8 * elements
+    body = forward_body(0.0, nbytes, torch.float32, dev, k)
+    t = node_time(
+        0.0, nbytes, torch.float32, dev, k, True, new_grads=1, op="aten.tanh.default", elements=elements
+    )
+    expect = max(body, elements / k * fwd) + max(body, elements / k * bwd) + 2 * dev.kernel_launch_s
+    assert t == pytest.approx(expect)
+    # another op is not priced by tanh's figures
+    other = node_time(
+        0.0, nbytes, torch.float32, dev, k, True, new_grads=1, op="aten.exp.default", elements=elements
+    )
+    assert other == pytest.approx(2 * body + 2 * dev.kernel_launch_s)
+
+
+def test_device_tables_round_trip_and_bad_entries_say_the_fix():
+    dev = dataclasses.replace(
+        CPU, cache_bytes=2**23, cache_bandwidth=9e10, pointwise_s={"aten.tanh.default": [2.5e-9, 5e-10]}
+    )
+    assert dev.pointwise("aten.tanh.default") == (2.5e-9, 5e-10) and dev.pointwise("aten.exp.default") is None
+    spec = ClusterSpec.preset("cpu").with_overrides(device=dev)
+    assert ClusterSpec.from_dict(json.loads(json.dumps(spec.to_dict()))) == spec
+    with pytest.raises(ClusterSpecError, match="forward, backward"):
+        dataclasses.replace(CPU, pointwise_s={"aten.tanh.default": 1e-9})
+    with pytest.raises(ClusterSpecError, match="give both or neither"):
+        dataclasses.replace(CPU, cache_bytes=2**20)
+
+
+# ------------------------------------------------------------------ calibration's cache fit
+@given(
+    mem=st.floats(1e9, 1e12), gain=st.floats(1.5, 20), cut=st.integers(0, 7), seed=st.integers(0, 10**6)
+)  # fmt: skip
+def test_fit_cache_finds_the_last_size_served_from_the_cache(mem, gain, cut, seed):
+    rng = random.Random(seed)
+    sizes = [3 * 2**k for k in range(16, 24)]
+    sweep = [(m, (mem * gain if i < cut else mem) * rng.uniform(0.95, 1.05)) for i, m in enumerate(sizes)]
+    nbytes, bw = fit_cache(sweep, mem)
+    if cut >= 3:  # enough samples in the cache to take its bandwidth from
+        assert nbytes == sizes[cut - 1] and bw == pytest.approx(mem * gain, rel=0.06)
+    if cut == 0:
+        assert (nbytes, bw) == (0, 0.0)
