@@ -81,16 +81,12 @@ _DEVICE_KEYS = (
     "kernel_launch_s",
     "host_cores",
     "comm_overlap",
-    "cache_bytes",
-    "cache_bandwidth",
     "pointwise_s",
 )
 _DEVICE_OPTIONAL = (
     "kernel_launch_s",
     "host_cores",
     "comm_overlap",
-    "cache_bytes",
-    "cache_bandwidth",
     "pointwise_s",
 )
 _LINK_KEYS = ("bandwidth", "latency", "ranges")

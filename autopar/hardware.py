@@ -177,12 +177,10 @@ class LinkSpec:
 class DeviceSpec:
     """One device: dense peak FLOP/s per dtype name, memory (B), memory bandwidth (B/s), launch cost (s).
 
-    Optional, measured by ``autopar calibrate`` (see ``cost_model/compute.py`` for how they price):
-    ``cache_bytes`` / ``cache_bandwidth``: an op moving at most ``cache_bytes`` (B) runs at
-    ``cache_bandwidth`` (B/s) instead of ``memory_bandwidth`` (0: no cache level modeled);
-    ``pointwise_s``: per op name (``str`` of the aten overload), the seconds per output element of
-    its forward and of its backward, for pointwise ops whose arithmetic (tanh, exp, erf ...) rather
-    than their bytes decides their time on this device."""
+    Optional, measured by ``autopar calibrate`` (see ``cost_model/compute.py`` for how it prices):
+    ``pointwise_s``: per op name (``str`` of the aten overload), the seconds per element (of its
+    largest tensor) of its forward and of its backward, for ops whose arithmetic (tanh, exp, erf,
+    softmax, cross-entropy ...) rather than their bytes decides their time on this device."""
 
     name: str
     peak_flops: tuple[tuple[str, float], ...]
@@ -191,24 +189,10 @@ class DeviceSpec:
     kernel_launch_s: float = DEFAULT_KERNEL_LAUNCH_S
     host_cores: int = 0
     comm_overlap: float = 0.0
-    cache_bytes: int = 0
-    cache_bandwidth: float = 0.0
     pointwise_s: tuple[tuple[str, float, float], ...] = ()
 
     def __post_init__(self) -> None:
         _check_name("DeviceSpec.name", self.name)
-        object.__setattr__(
-            self, "cache_bytes", _check_int("DeviceSpec.cache_bytes", self.cache_bytes, minimum=0)
-        )
-        object.__setattr__(
-            self,
-            "cache_bandwidth",
-            _check_float("DeviceSpec.cache_bandwidth", self.cache_bandwidth, minimum=0.0, strict=False),
-        )
-        if self.cache_bytes and not self.cache_bandwidth:
-            raise ClusterSpecError(
-                f"DeviceSpec.cache_bytes is {self.cache_bytes} but cache_bandwidth is 0; give both or neither"
-            )
         pw = self.pointwise_s
         items = list(pw.items()) if isinstance(pw, Mapping) else [(p[0], *p[1:]) for p in pw]
         table = []
@@ -275,12 +259,6 @@ class DeviceSpec:
                 return f, b
         return None
 
-    def bandwidth_for(self, nbytes: float) -> float:
-        """B/s at which an op moving ``nbytes`` (B) runs: the cache's if it fits there."""
-        if self.cache_bytes and nbytes <= self.cache_bytes:
-            return self.cache_bandwidth
-        return self.memory_bandwidth
-
     @property
     def peak_flops_dict(self) -> dict[str, float]:
         return dict(self.peak_flops)
@@ -307,8 +285,6 @@ class DeviceSpec:
             "kernel_launch_s": self.kernel_launch_s,
             "host_cores": self.host_cores,
             "comm_overlap": self.comm_overlap,
-            "cache_bytes": self.cache_bytes,
-            "cache_bandwidth": self.cache_bandwidth,
             "pointwise_s": {name: [f, b] for name, f, b in self.pointwise_s},
         }
 

@@ -43,7 +43,7 @@ transports change regime with message size and implement each collective their o
 Gloo's reduce-scatter is an all-reduce + slice, i.e. about twice what the reduce-scatter formula
 says: its samples are left out of the one-line link but have their own ranges.
 
-Compute (``cost_model/calibrate_compute.py``: per-op overhead, memory and cache bandwidth,
+Compute (``cost_model/calibrate_compute.py``: per-op overhead, memory bandwidth,
 FLOP/s, per-element times of transcendental pointwise ops), on rank 0 while the other ranks wait,
 so the figures are one rank's own. On CPUs the ranks of a node share its cores: ``calibrate``
 records the cores this process may use as ``DeviceSpec.host_cores`` and the cost model prices
@@ -56,7 +56,7 @@ all-reduce issued asynchronously is hidden behind concurrent compute, stored as
 
 ``calibrate`` returns ``base`` with ``intra_node`` (and, on one node, ``inter_node``) replaced by
 the fitted link and the device's ``peak_flops['float32']``, ``memory_bandwidth``,
-``kernel_launch_s``, ``cache_bytes``, ``cache_bandwidth`` and ``pointwise_s`` replaced by the
+``kernel_launch_s`` and ``pointwise_s`` replaced by the
 measured values; ``out_path`` saves it as JSON.
 """
 
@@ -349,11 +349,6 @@ class Calibration:
             f"(peak_flops float32 = {c['peak_flops'] / 1e9:.2f} GFLOP/s = effective / EFF_MAX), "
             f"memory {c['memory_bandwidth'] / 1e9:.2f} GB/s, per-op {c['kernel_launch_s'] * 1e6:.2f} us"
         )
-        if c.get("cache_bytes"):
-            lines.append(
-                f"  cache: {c['cache_bandwidth'] / 1e9:.2f} GB/s for ops moving up to "
-                f"{c['cache_bytes'] / 2**20:.1f} MiB"
-            )
         if c.get("pointwise_s"):
             lines.append(
                 "  pointwise ns/element (fwd/bwd): "
@@ -441,8 +436,6 @@ def run_calibration(
         peak_flops=peak,
         memory_bandwidth=compute["memory_bandwidth"],
         kernel_launch_s=compute["kernel_launch_s"],
-        cache_bytes=compute["cache_bytes"],
-        cache_bandwidth=compute["cache_bandwidth"],
         pointwise_s=compute["pointwise_s"],
         host_cores=results[0]["host_cores"],
         comm_overlap=results[0]["overlap"]["efficiency"],

@@ -9,27 +9,24 @@ ranks use, so the figures are one rank's own:
 * memory bandwidth ``mem_bw`` [B/s]: ``torch.add(a, b, out=c)`` on float32 tensors larger than
   any cache moves ``M = 3 * nbytes`` (2 reads, 1 write): ``mem_bw = M / (t - t_1)``, with ``t_1``
   the same call on one element (its dispatch: no autograd here, unlike ``launch``);
-* cache (``cache_bandwidth`` [B/s], ``cache_bytes`` [B]): the same ``add`` on tensors of
-  ``CACHE_SIZES`` bytes each. ``cache_bandwidth`` is the highest bandwidth of the sweep (the median
-  of its best three); ``cache_bytes`` the most bytes an ``add`` of the sweep moved at a bandwidth
-  of at least ``sqrt(cache_bandwidth * mem_bw)`` (the geometric middle: above it the operands
-  come from memory). When the best bandwidth is under ``CACHE_MIN_GAIN`` times ``mem_bw`` no
-  cache level is recorded (``cache_bytes = 0``);
-* FLOP/s: square fp32 matmuls of a few sizes ``s`` (``F = 2 s^3`` FLOPs); a least-squares line
-  ``t = F / rate + c`` gives the effective rate ``rate`` [FLOP/s]. The roofline prices a large GEMM
-  at ``F / (peak * EFF_MAX)``, so the peak stored is ``rate / EFF_MAX``: the cost model then
+* FLOP/s: ``torch.nn.functional.linear`` of square fp32 operands of a few sizes ``s``, forward
+  and backward (gradients of input and weight) as a training step runs it, ``F = 3 * 2 s^3``
+  FLOPs (a forward and two backward matmuls, each writing a fresh output); a least-squares line
+  ``t = F / rate + c`` gives the effective rate ``rate`` [FLOP/s] (on this project's VM 90-95
+  GFLOP/s where a forward ``mm`` alone reaches 104). The roofline prices a large GEMM at
+  ``F / (peak * EFF_MAX)``, so the peak stored is ``rate / EFF_MAX``: the cost model then
   predicts the measured large-GEMM rate;
-* pointwise table ``pointwise_s`` [s per output element]: each op of ``POINTWISE_OPS`` on
-  ``POINTWISE_NUMEL`` float32 elements (rows of 256 for the ops that reduce a last dim), forward
+* pointwise table ``pointwise_s`` [s per element of the op's largest tensor]: each op of
+  ``POINTWISE_OPS`` on ``POINTWISE_NUMEL`` float32 elements (rows of 256 for the ops that reduce
+  a last dim: softmax, layer_norm, cross-entropy over 256 classes), forward
   (``t_f``) and forward + backward (``t_fb``) through autograd:
   ``p_fwd = (t_f - launch) / E``, ``p_bwd = (t_fb - t_f - launch) / E``. The size is the activations'
-  of the models this project runs on CPU; its operands stay in the cache, so the figures are the
-  ops' arithmetic (``cost_model/compute.py`` takes the larger of it and the roofline).
+  of the models this project runs on CPU (``cost_model/compute.py`` takes the larger of these
+  figures and the roofline).
 """
 
 from __future__ import annotations
 
-import math
 import statistics
 import time
 from collections.abc import Callable
@@ -41,8 +38,6 @@ from autopar.cost_model.compute import EFF_MAX
 aten = torch.ops.aten
 
 LAUNCH_CHAIN_OPS = 60
-CACHE_SIZES = tuple(2**k for k in range(18, 24))  # bytes per tensor of the cache sweep: 256 KiB .. 8 MiB
-CACHE_MIN_GAIN = 1.25
 POINTWISE_NUMEL = 2**18
 ROW = 256  # last dim of the ops that normalize over it (softmax, layer_norm)
 
@@ -67,6 +62,11 @@ POINTWISE_OPS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "aten.softmax.int": _row(lambda x: aten.softmax.int(x, -1)),
     "aten.log_softmax.int": _row(lambda x: aten.log_softmax.int(x, -1)),
     "aten.layer_norm.default": _row(lambda x: aten.layer_norm.default(x, [ROW])),
+    "aten.cross_entropy_loss.default": _row(
+        lambda x: aten.cross_entropy_loss.default(
+            x, torch.zeros(x.shape[0], dtype=torch.long, device=x.device)
+        )
+    ),
 }
 
 
@@ -125,19 +125,8 @@ def _add_bandwidth(numel: int, device: torch.device, repeats: int, overhead: flo
     return 3 * numel * 4 / max(_add_time(numel, device, repeats) - overhead, 1e-9)
 
 
-def fit_cache(sweep: list[tuple[int, float]], mem_bw: float) -> tuple[int, float]:
-    """``(cache_bytes, cache_bandwidth)`` from ``(bytes moved, B/s)`` samples; ``(0, 0.0)`` when the
-    fastest is not ``CACHE_MIN_GAIN`` times ``mem_bw`` (see the module docstring)."""
-    best = statistics.median(sorted((bw for _, bw in sweep), reverse=True)[:3])
-    if best < CACHE_MIN_GAIN * mem_bw:
-        return 0, 0.0
-    middle = math.sqrt(best * mem_bw)
-    fits = [m for m, bw in sweep if bw >= middle]
-    return (max(fits), best) if fits else (0, 0.0)
-
-
 def measure_pointwise(device: torch.device, repeats: int, launch: float) -> dict[str, list[float]]:
-    """``{op: [forward, backward] seconds per output element]}`` for ``POINTWISE_OPS``."""
+    """``{op: [forward, backward] seconds per input element]}`` for ``POINTWISE_OPS``."""
     out: dict[str, list[float]] = {}
     x = (torch.rand(POINTWISE_NUMEL, device=device) + 0.5).requires_grad_(True)
     for name, op in POINTWISE_OPS.items():
@@ -153,7 +142,7 @@ def measure_pointwise(device: torch.device, repeats: int, launch: float) -> dict
         t_f = median_time(fwd, device, repeats, _inner_for(fwd, device))
         t_fb = median_time(fwd_bwd, device, repeats, _inner_for(fwd_bwd, device))
         x.grad = None
-        n = y.numel()
+        n = x.numel()
         out[name] = [max(t_f - launch, 0.0) / n, max(t_fb - t_f - launch, 0.0) / n]
     return out
 
@@ -162,8 +151,7 @@ def measure_compute(device: torch.device | str = "cpu", quick: bool = False) -> 
     """Every compute figure of the module docstring, for ``device``.
 
     Returns ``{"peak_flops": rate / EFF_MAX, "flops_effective": rate, "memory_bandwidth": ...,
-    "kernel_launch_s": ..., "cache_bytes": ..., "cache_bandwidth": ..., "cache_sweep": [(bytes
-    moved, B/s), ...], "pointwise_s": {op: [fwd, bwd]}, "matmul": [(size, flops, seconds), ...],
+    "kernel_launch_s": ..., "pointwise_s": {op: [fwd, bwd]}, "matmul": [(size, flops, seconds), ...],
     "matmul_intercept_s": ...}``; the keys named as DeviceSpec fields are those fields.
     """
     dev = torch.device(device)
@@ -171,13 +159,17 @@ def measure_compute(device: torch.device | str = "cpu", quick: bool = False) -> 
     launch = measure_launch(dev, repeats, inner=5 if quick else 20)
     dispatch = _add_time(1, dev, repeats)
     mem_bw = _add_bandwidth((4 if quick else 16) * 2**20, dev, repeats, dispatch)  # 16 / 64 MiB per tensor
-    sweep = [(3 * nb, _add_bandwidth(nb // 4, dev, repeats, dispatch)) for nb in CACHE_SIZES]
-    cache_bytes, cache_bw = fit_cache(sweep, mem_bw)
     points = []
     for s in (96, 192, 288) if quick else (128, 256, 384, 512):
-        x = torch.randn(s, s, device=dev)
-        w = torch.randn(s, s, device=dev)
-        points.append((s, 2.0 * s**3, median_time(lambda x=x, w=w: torch.mm(x, w), dev, repeats)))
+        x = torch.randn(s, s, device=dev, requires_grad=True)
+        w = torch.randn(s, s, device=dev, requires_grad=True)
+        g = torch.randn(s, s, device=dev)
+
+        def train(x=x, w=w, g=g):
+            torch.nn.functional.linear(x, w).backward(g)
+            x.grad = w.grad = None
+
+        points.append((s, 3 * 2.0 * s**3, median_time(train, dev, repeats)))
     fl = torch.tensor([p[1] for p in points], dtype=torch.float64)
     ts = torch.tensor([p[2] for p in points], dtype=torch.float64)
     design = torch.stack([fl, torch.ones_like(fl)], dim=1)
@@ -190,9 +182,6 @@ def measure_compute(device: torch.device | str = "cpu", quick: bool = False) -> 
         "flops_effective": rate,
         "memory_bandwidth": mem_bw,
         "kernel_launch_s": launch,
-        "cache_bytes": int(cache_bytes),
-        "cache_bandwidth": cache_bw,
-        "cache_sweep": sweep,
         "pointwise_s": measure_pointwise(dev, repeats, launch),
         "matmul": points,
         "matmul_intercept_s": float(intercept),

@@ -3,24 +3,25 @@
 For one node run on a rank that does ``1/k`` of the work (``k`` = ``Strategy.work_divisor``: the
 product of the mesh axes on which an input or the output is Shard; Partial inputs divide nothing):
 
-    t_fwd = max(F / k / (peak(dtype) * eff(F / k)),  M / k / bw(M / k),  E / k * p_fwd(op)) + launch  [s]
+    t_fwd = max(F / k / (peak(dtype) * eff(F / k)),  M / k / bw,  E / k * p_fwd(op)) + launch  [s]
     t_bwd = max(min(g, 2) * (t_fwd - launch),        E / k * p_bwd(op))                 + launch  [s]
 
 (``t_bwd`` only when the output needs a gradient; otherwise the node costs ``t_fwd``.)
 
 * ``F``: forward FLOPs of the global op (torch.utils.flop_counter); ``M``: bytes moved (inputs +
-  outputs; 0 for a view, which moves nothing); ``E``: elements of the output.
+  outputs; 0 for a view, which moves nothing); ``E``: elements of the op's largest tensor.
 * ``peak(dtype)``: dense peak FLOP/s of the device for the op's dtype (ClusterSpec presets,
   datasheet figures, or ``autopar calibrate``).
-* ``bw(M)``: ``DeviceSpec.cache_bandwidth`` when ``M <= DeviceSpec.cache_bytes`` (an op whose
-  operands fit the cache streams them from there: measured 90 GB/s against 33 GB/s from DRAM for
-  one core of this project's CPU VM, ``autopar calibrate``), else ``memory_bandwidth`` [B/s].
+* ``bw``: ``DeviceSpec.memory_bandwidth`` [B/s]; calibrated as a step sees it (each op writing a
+  fresh tensor, its inputs produced a while before: ``cost_model/calibrate_compute.py``). On this
+  project's CPU VM an elementwise op in a training step ran at 14-25 GB/s, not at the 90 GB/s of
+  the same op repeated on one cache-resident buffer.
 * ``eff(F)``: achievable fraction of peak; large GEMMs reach ~70-80% of dense peak on A100/H100
   (e.g. NVIDIA's Megatron-LM reports 163-173 TFLOP/s of 312 on A100, ~55%, for whole models;
   cuBLAS GEMMs at large sizes reach 70-80%), small ones far less. Modeled as
   ``eff = EFF_MAX * F / (F + peak * T_HALF)``, which falls for small ops: an op that would take
   ``T_HALF`` seconds at peak reaches half of EFF_MAX (so tiny ops cost about ``T_HALF / EFF_MAX``).
-* ``p_fwd(op)``, ``p_bwd(op)``: seconds per output element of the op's forward and backward where
+* ``p_fwd(op)``, ``p_bwd(op)``: seconds per element of the op's forward and backward where
   the device measured them (``DeviceSpec.pointwise_s``, ``autopar calibrate``): transcendental
   pointwise ops are bound by their arithmetic on CPUs (``tanh`` 2.5 ns/element on one core of
   this project's VM against 0.13 ns for an ``add``), which no FLOP count sees. 0 where not measured.
@@ -54,7 +55,7 @@ def forward_body(
         peak = device.peak_flops_for(dtype or torch.float32)
         eff = EFF_MAX * f / (f + peak * T_HALF)
         t_flops = f / (peak * eff)
-    t_mem = m / device.bandwidth_for(m) if m > 0 else 0.0
+    t_mem = m / device.memory_bandwidth
     return max(t_flops, t_mem)
 
 
@@ -86,4 +87,4 @@ def node_time(
 def optimizer_step_time(param_bytes: float, state_copies: int, device: DeviceSpec) -> float:
     """An elementwise optimizer reads param + grad + states and writes param + states: memory-bound."""
     moved = param_bytes * (2 + 2 * state_copies + 1)
-    return moved / device.bandwidth_for(moved) + device.kernel_launch_s
+    return moved / device.memory_bandwidth + device.kernel_launch_s

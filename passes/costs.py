@@ -53,7 +53,7 @@ from autopar.cluster import ClusterSpec, DeviceSpec
 from autopar.cost_model.comm import Collective, CommModel
 from autopar.cost_model.compute import node_time, optimizer_step_time
 from autopar.cost_model.memory import reshard_transient
-from autopar.passes.analyze import NodeInfo
+from autopar.passes.analyze import NodeInfo, tensor_vals
 from autopar.passes.coarsen import Classes
 from autopar.passes.rules import tensor_inputs
 from autopar.passes.strategies import AxisRole, NodeStrategies, Strategy
@@ -402,10 +402,15 @@ def analytical_node_time(
 ) -> float:
     """``cost_model.compute.node_time`` of one node whose work is divided ``k`` ways. Its backward
     makes a new gradient for each input that needs one and whose gradient is not passed on (an
-    ``add`` passes its gradient on; a matmul makes two); every such input when the probe did not run."""
+    ``add`` passes its gradient on; a matmul makes two); every such input when the probe did not run.
+    Per-element figures count the elements of the op's largest tensor (a loss's logits, not its
+    scalar output)."""
     fresh = info.grad_new or (True,) * len(inputs)
     new_grads = sum(1 for a, f in zip(inputs, fresh) if f and infos[a.name].requires_grad)
-    elements = sum(math.prod(sh) for sh in info.shapes)
+    elements = max(
+        [math.prod(sh) for sh in info.shapes]
+        + [t.numel() for a in inputs for t in tensor_vals(a.meta.get("val"))]
+    )
     return node_time(
         info.flops, info.bytes, info.dtype, device, k, info.requires_grad,
         new_grads=new_grads, op=info.target, elements=elements,

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import random
 
 import pytest
 import torch
@@ -15,7 +14,6 @@ from torch.utils.flop_counter import FlopCounterMode
 
 import autopar.examples
 from autopar.cluster import ClusterSpec
-from autopar.cost_model.calibrate_compute import fit_cache
 from autopar.cost_model.compute import forward_body, node_time
 from autopar.cost_model.profiler import OpProfiler, TensorSpec
 from autopar.errors import ClusterSpecError
@@ -104,13 +102,6 @@ def test_backward_is_the_forward_body_once_per_new_gradient_up_to_two(flops, nby
     assert t == pytest.approx(body * (1 + min(grads, 2)) + 2 * launch)
 
 
-@given(nbytes=st.floats(1, 1e9), cache=st.integers(1, 10**8))
-def test_ops_that_fit_the_cache_stream_at_its_bandwidth(nbytes, cache):
-    dev = dataclasses.replace(CPU, cache_bytes=cache, cache_bandwidth=4 * CPU.memory_bandwidth)
-    bw = dev.cache_bandwidth if nbytes <= cache else dev.memory_bandwidth
-    assert forward_body(0.0, nbytes, torch.float32, dev) == pytest.approx(nbytes / bw)
-
-
 @given(
     elements=st.floats(1, 1e8), fwd=st.floats(0, 1e-8), bwd=st.floats(0, 1e-8), k=st.sampled_from([1, 2, 4])
 )
@@ -131,28 +122,9 @@ def test_a_measured_pointwise_op_costs_at_least_its_per_element_time(elements, f
 
 
 def test_device_tables_round_trip_and_bad_entries_say_the_fix():
-    dev = dataclasses.replace(
-        CPU, cache_bytes=2**23, cache_bandwidth=9e10, pointwise_s={"aten.tanh.default": [2.5e-9, 5e-10]}
-    )
+    dev = dataclasses.replace(CPU, pointwise_s={"aten.tanh.default": [2.5e-9, 5e-10]})
     assert dev.pointwise("aten.tanh.default") == (2.5e-9, 5e-10) and dev.pointwise("aten.exp.default") is None
     spec = ClusterSpec.preset("cpu").with_overrides(device=dev)
     assert ClusterSpec.from_dict(json.loads(json.dumps(spec.to_dict()))) == spec
     with pytest.raises(ClusterSpecError, match="forward, backward"):
         dataclasses.replace(CPU, pointwise_s={"aten.tanh.default": 1e-9})
-    with pytest.raises(ClusterSpecError, match="give both or neither"):
-        dataclasses.replace(CPU, cache_bytes=2**20)
-
-
-# ------------------------------------------------------------------ calibration's cache fit
-@given(
-    mem=st.floats(1e9, 1e12), gain=st.floats(1.5, 20), cut=st.integers(0, 7), seed=st.integers(0, 10**6)
-)  # fmt: skip
-def test_fit_cache_finds_the_last_size_served_from_the_cache(mem, gain, cut, seed):
-    rng = random.Random(seed)
-    sizes = [3 * 2**k for k in range(16, 24)]
-    sweep = [(m, (mem * gain if i < cut else mem) * rng.uniform(0.95, 1.05)) for i, m in enumerate(sizes)]
-    nbytes, bw = fit_cache(sweep, mem)
-    if cut >= 3:  # enough samples in the cache to take its bandwidth from
-        assert nbytes == sizes[cut - 1] and bw == pytest.approx(mem * gain, rel=0.06)
-    if cut == 0:
-        assert (nbytes, bw) == (0, 0.0)
