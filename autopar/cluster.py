@@ -82,12 +82,14 @@ _DEVICE_KEYS = (
     "host_cores",
     "comm_overlap",
     "pointwise_s",
+    "per_flop_s",
 )
 _DEVICE_OPTIONAL = (
     "kernel_launch_s",
     "host_cores",
     "comm_overlap",
     "pointwise_s",
+    "per_flop_s",
 )
 _LINK_KEYS = ("bandwidth", "latency", "ranges")
 
@@ -157,7 +159,9 @@ def _device_from_dict(where: str, d: Any) -> DeviceSpec:
     }
     for key in _DEVICE_OPTIONAL:
         if key in d:
-            kw[key] = _coerce_number(d[key]) if key != "pointwise_s" else _coerce_table(d[key])
+            kw[key] = (
+                _coerce_table(d[key]) if key in ("pointwise_s", "per_flop_s") else _coerce_number(d[key])
+            )
     try:
         return DeviceSpec(**kw)
     except ClusterSpecError as e:

@@ -173,14 +173,41 @@ class LinkSpec:
         return d
 
 
+def _op_table(field: str, unit: str, value: Any) -> tuple[tuple[str, float, float], ...]:
+    """``{op: [forward, backward]}`` (or its tuple form) as sorted ``(op, forward, backward)``."""
+    items = list(value.items()) if isinstance(value, Mapping) else [(p[0], *p[1:]) for p in value]
+    table = []
+    for item in items:
+        if len(item) == 2 and isinstance(item[1], (list, tuple)):
+            item = (item[0], *item[1])
+        if len(item) != 3 or not isinstance(item[0], str):
+            raise ClusterSpecError(
+                f"DeviceSpec.{field}: got entry {item!r}; must map an op name such as "
+                f"'aten.tanh.default' to [forward, backward] seconds per {unit}"
+            )
+        f = _check_float(f"DeviceSpec.{field}[{item[0]!r}][0]", item[1], minimum=0.0, strict=False)
+        b = _check_float(f"DeviceSpec.{field}[{item[0]!r}][1]", item[2], minimum=0.0, strict=False)
+        table.append((item[0], f, b))
+    return tuple(sorted(table))
+
+
+def _lookup(table: tuple[tuple[str, float, float], ...], op: str) -> tuple[float, float] | None:
+    for name, f, b in table:
+        if name == op:
+            return f, b
+    return None
+
+
 @dataclass(frozen=True)
 class DeviceSpec:
     """One device: dense peak FLOP/s per dtype name, memory (B), memory bandwidth (B/s), launch cost (s).
 
-    Optional, measured by ``autopar calibrate`` (see ``cost_model/compute.py`` for how it prices):
-    ``pointwise_s``: per op name (``str`` of the aten overload), the seconds per element (of its
-    largest tensor) of its forward and of its backward, for ops whose arithmetic (tanh, exp, erf,
-    softmax, cross-entropy ...) rather than their bytes decides their time on this device."""
+    Optional, measured by ``autopar calibrate`` (see ``cost_model/compute.py`` for how they price),
+    per op name (``str`` of the aten overload), the seconds of its forward and of its backward:
+    ``pointwise_s`` per element of its largest tensor, for ops whose arithmetic (tanh, exp, erf,
+    softmax, cross-entropy ...) rather than their bytes decides their time on this device;
+    ``per_flop_s`` per forward FLOP, for ops whose kernels run far from the matmul rate
+    (attention on a CPU)."""
 
     name: str
     peak_flops: tuple[tuple[str, float], ...]
@@ -190,24 +217,12 @@ class DeviceSpec:
     host_cores: int = 0
     comm_overlap: float = 0.0
     pointwise_s: tuple[tuple[str, float, float], ...] = ()
+    per_flop_s: tuple[tuple[str, float, float], ...] = ()
 
     def __post_init__(self) -> None:
         _check_name("DeviceSpec.name", self.name)
-        pw = self.pointwise_s
-        items = list(pw.items()) if isinstance(pw, Mapping) else [(p[0], *p[1:]) for p in pw]
-        table = []
-        for item in items:
-            if len(item) == 2 and isinstance(item[1], (list, tuple)):
-                item = (item[0], *item[1])
-            if len(item) != 3 or not isinstance(item[0], str):
-                raise ClusterSpecError(
-                    f"DeviceSpec.pointwise_s: got entry {item!r}; must map an op name such as "
-                    f"'aten.tanh.default' to [forward, backward] seconds per element"
-                )
-            f = _check_float(f"DeviceSpec.pointwise_s[{item[0]!r}][0]", item[1], minimum=0.0, strict=False)
-            b = _check_float(f"DeviceSpec.pointwise_s[{item[0]!r}][1]", item[2], minimum=0.0, strict=False)
-            table.append((item[0], f, b))
-        object.__setattr__(self, "pointwise_s", tuple(sorted(table)))
+        object.__setattr__(self, "pointwise_s", _op_table("pointwise_s", "element", self.pointwise_s))
+        object.__setattr__(self, "per_flop_s", _op_table("per_flop_s", "FLOP", self.per_flop_s))
         overlap = _check_float("DeviceSpec.comm_overlap", self.comm_overlap, minimum=0.0, strict=False)
         if overlap > 1.0:
             raise ClusterSpecError(f"DeviceSpec.comm_overlap: got {overlap!r}; must be in [0, 1]")
@@ -253,11 +268,12 @@ class DeviceSpec:
         )
 
     def pointwise(self, op: str) -> tuple[float, float] | None:
-        """(forward, backward) seconds per output element measured for ``op``, or None."""
-        for name, f, b in self.pointwise_s:
-            if name == op:
-                return f, b
-        return None
+        """(forward, backward) seconds per element measured for ``op``, or None."""
+        return _lookup(self.pointwise_s, op)
+
+    def per_flop(self, op: str) -> tuple[float, float] | None:
+        """(forward, backward) seconds per forward FLOP measured for ``op``, or None."""
+        return _lookup(self.per_flop_s, op)
 
     @property
     def peak_flops_dict(self) -> dict[str, float]:
@@ -286,6 +302,7 @@ class DeviceSpec:
             "host_cores": self.host_cores,
             "comm_overlap": self.comm_overlap,
             "pointwise_s": {name: [f, b] for name, f, b in self.pointwise_s},
+            "per_flop_s": {name: [f, b] for name, f, b in self.per_flop_s},
         }
 
 

@@ -44,8 +44,10 @@ Gloo's reduce-scatter is an all-reduce + slice, i.e. about twice what the reduce
 says: its samples are left out of the one-line link but have their own ranges.
 
 Compute (``cost_model/calibrate_compute.py``: per-op overhead, memory bandwidth,
-FLOP/s, per-element times of transcendental pointwise ops), on rank 0 while the other ranks wait,
-so the figures are one rank's own. On CPUs the ranks of a node share its cores: ``calibrate``
+FLOP/s, per-element times of transcendental pointwise ops), on as many ranks at once as the host
+has cores while the others wait, and the median over them: the ranks of a step share the host's
+memory bandwidth and caches (on this project's VM a rank streams memory at 19-24 GB/s while
+another does, 25-36 alone). On CPUs the ranks of a node share its cores: ``calibrate``
 records the cores this process may use as ``DeviceSpec.host_cores`` and the cost model prices
 compute ``devices_per_node / host_cores`` times slower when there are more ranks than cores
 (``ClusterSpec.compute_slowdown``; each rank computes on one thread, as ``autopar.launch`` sets it).
@@ -56,7 +58,7 @@ all-reduce issued asynchronously is hidden behind concurrent compute, stored as
 
 ``calibrate`` returns ``base`` with ``intra_node`` (and, on one node, ``inter_node``) replaced by
 the fitted link and the device's ``peak_flops['float32']``, ``memory_bandwidth``,
-``kernel_launch_s`` and ``pointwise_s`` replaced by the
+``kernel_launch_s``, ``pointwise_s`` and ``per_flop_s`` replaced by the
 measured values; ``out_path`` saves it as JSON.
 """
 
@@ -349,6 +351,14 @@ class Calibration:
             f"(peak_flops float32 = {c['peak_flops'] / 1e9:.2f} GFLOP/s = effective / EFF_MAX), "
             f"memory {c['memory_bandwidth'] / 1e9:.2f} GB/s, per-op {c['kernel_launch_s'] * 1e6:.2f} us"
         )
+        if c.get("per_flop_s"):
+            lines.append(
+                "  per forward GFLOP, ms (fwd/bwd): "
+                + ", ".join(
+                    f"{k.removeprefix('aten.').split('.')[0]} {f * 1e12:.2f}/{b * 1e12:.2f}"
+                    for k, (f, b) in c["per_flop_s"].items()
+                )
+            )
         if c.get("pointwise_s"):
             lines.append(
                 "  pointwise ns/element (fwd/bwd): "
@@ -379,17 +389,36 @@ def _measure_rank(sizes: Sequence[int], kinds: Sequence[str], repeats: int, quic
     backend = dist.get_backend()
     device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
     dist.barrier()
-    # rank 0 alone, the others waiting: the spec holds one rank's own figures; ranks that share a
-    # host's cores are priced by ClusterSpec.compute_slowdown (host_cores, recorded here for CPUs)
-    box = [measure_compute(device, quick=quick) if dist.get_rank() == 0 else None]
-    dist.broadcast_object_list(box, src=0)
+    # as many ranks at once as the host has cores (they share its memory and caches, as the ranks
+    # of a step do), the others waiting: ranks beyond the cores are priced by
+    # ClusterSpec.compute_slowdown (host_cores, recorded here for CPUs)
+    cores = dist.get_world_size() if backend == "nccl" else min(usable_cores(), dist.get_world_size())
+    mine = measure_compute(device, quick=quick) if dist.get_rank() < cores else None
+    every: list = [None] * dist.get_world_size()
+    dist.all_gather_object(every, mine)
+    compute = median_compute([c for c in every if c is not None])
     overlap = measure_overlap(repeats=3 if quick else 7)  # every rank: an all-reduce under compute
     return {
         "samples": samples,
-        "compute": box[0],
+        "compute": compute,
         "host_cores": 0 if backend == "nccl" else usable_cores(),
         "overlap": overlap,
     }
+
+
+def median_compute(figures: Sequence[dict]) -> dict:
+    """One ``measure_compute`` result from several ranks': the median of each number and of each
+    entry of the per-op tables; the first rank's matmul samples."""
+    out = dict(figures[0])
+    for key, value in figures[0].items():
+        if isinstance(value, (int, float)):
+            out[key] = statistics.median(f[key] for f in figures)
+        elif isinstance(value, dict):
+            out[key] = {
+                op: [statistics.median(f[key][op][i] for f in figures) for i in range(len(v))]
+                for op, v in value.items()
+            }
+    return out
 
 
 def _rank_entry(rank: int, world: int, sizes, kinds, repeats, quick) -> dict:
@@ -437,6 +466,7 @@ def run_calibration(
         memory_bandwidth=compute["memory_bandwidth"],
         kernel_launch_s=compute["kernel_launch_s"],
         pointwise_s=compute["pointwise_s"],
+        per_flop_s=compute["per_flop_s"],
         host_cores=results[0]["host_cores"],
         comm_overlap=results[0]["overlap"]["efficiency"],
     )

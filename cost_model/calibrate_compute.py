@@ -1,14 +1,19 @@
 """Measure one device's compute figures for ``cost_model/compute.py`` (``autopar calibrate``).
 
-Run on one rank while the others wait (``cost_model/calibrate.py``), with the thread count the
-ranks use, so the figures are one rank's own:
+Run with the thread count the ranks use, on as many ranks at once as the host has cores
+(``cost_model/calibrate.py``), so the figures are one rank's own while the others compute:
 
 * per-op overhead ``launch`` [s]: a chain of 60 tiny ops (mul, add, tanh on 8 elements) run
   forward and backward through autograd, as a training step runs them; the cost model charges
   each op ``launch`` once forward and once backward, so ``launch = t_chain / (60 * 2)``;
-* memory bandwidth ``mem_bw`` [B/s]: ``torch.add(a, b, out=c)`` on float32 tensors larger than
-  any cache moves ``M = 3 * nbytes`` (2 reads, 1 write): ``mem_bw = M / (t - t_1)``, with ``t_1``
-  the same call on one element (its dispatch: no autograd here, unlike ``launch``);
+* memory bandwidth ``mem_bw`` [B/s], as a training step sees it: ``STEP_LIVE`` float32 tensors
+  of ``n`` bytes are live (more than a core's cache holds); each op multiplies two of them made a
+  few and many ops before into a fresh tensor, which joins them while the oldest is freed
+  (activations made, kept, and released). ``mem_bw = 3 n / (t - t_1)`` per op, with ``t_1`` an
+  ``add`` on one element (dispatch, no autograd), the median over ``n`` in ``STEP_SIZES`` (on this
+  project's VM 19-24 GB/s with both cores doing it, where ``torch.add(a, b, out=c)`` on one
+  reused 64 MiB buffer reaches 33; inside a gpt2_tiny step a 1 MiB elementwise op ran at
+  15-25 GB/s);
 * FLOP/s: ``torch.nn.functional.linear`` of square fp32 operands of a few sizes ``s``, forward
   and backward (gradients of input and weight) as a training step runs it, ``F = 3 * 2 s^3``
   FLOPs (a forward and two backward matmuls, each writing a fresh output); a least-squares line
@@ -22,16 +27,23 @@ ranks use, so the figures are one rank's own:
   (``t_f``) and forward + backward (``t_fb``) through autograd:
   ``p_fwd = (t_f - launch) / E``, ``p_bwd = (t_fb - t_f - launch) / E``. The size is the activations'
   of the models this project runs on CPU (``cost_model/compute.py`` takes the larger of these
-  figures and the roofline).
+  figures and the roofline);
+* per-FLOP table ``per_flop_s`` [s per forward FLOP]: each op of ``PER_FLOP_OPS``
+  (``scaled_dot_product_attention`` of ``ATTENTION_SHAPE`` with a boolean causal mask, as traced
+  decoders call it), forward and forward + backward as
+  above, divided by the forward FLOPs ``FlopCounterMode`` counts for the same call on the meta device
+  (as ``passes/analyze.py`` counts a graph node's).
 """
 
 from __future__ import annotations
 
+import collections
 import statistics
 import time
 from collections.abc import Callable
 
 import torch
+from torch.utils.flop_counter import FlopCounterMode
 
 from autopar.cost_model.compute import EFF_MAX
 
@@ -40,6 +52,9 @@ aten = torch.ops.aten
 LAUNCH_CHAIN_OPS = 60
 POINTWISE_NUMEL = 2**18
 ROW = 256  # last dim of the ops that normalize over it (softmax, layer_norm)
+STEP_LIVE = 48
+STEP_SIZES = (2**20, 2**22)  # bytes per tensor
+ATTENTION_SHAPE = (4, 4, 128, 32)  # batch, heads, sequence, head dim
 
 
 def _row(f: Callable) -> Callable:
@@ -66,6 +81,23 @@ POINTWISE_OPS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
         lambda x: aten.cross_entropy_loss.default(
             x, torch.zeros(x.shape[0], dtype=torch.long, device=x.device)
         )
+    ),
+}
+
+
+def _attention(device: torch.device) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """q, k, v (needing gradients) and a boolean causal mask, as traced decoder models call it."""
+    b, _, s, _ = ATTENTION_SHAPE
+    mask = torch.ones(s, s, dtype=torch.bool, device=device).tril().expand(b, 1, s, s)
+    return [torch.rand(ATTENTION_SHAPE, device=device) for _ in range(3)], [mask]
+
+
+# op name -> (inputs maker: (tensors needing a gradient, other tensors), call): timed per forward
+# FLOP (FlopCounterMode on the same call)
+PER_FLOP_OPS: dict[str, tuple[Callable, Callable]] = {
+    "aten.scaled_dot_product_attention.default": (
+        _attention,
+        lambda q, k, v, mask: aten.scaled_dot_product_attention.default(q, k, v, mask),
     ),
 }
 
@@ -119,10 +151,24 @@ def _add_time(numel: int, device: torch.device, repeats: int) -> float:
     return median_time(add, device, repeats, _inner_for(add, device))
 
 
-def _add_bandwidth(numel: int, device: torch.device, repeats: int, overhead: float) -> float:
-    """B/s of an ``add`` of ``numel`` float32 elements, less ``overhead`` (the same call on one
-    element: dispatch without autograd, unlike ``launch``)."""
-    return 3 * numel * 4 / max(_add_time(numel, device, repeats) - overhead, 1e-9)
+def _step_bandwidth(nbytes: int, device: torch.device, repeats: int, dispatch: float) -> float:
+    """B/s of an elementwise op as a step runs it (see the module docstring)."""
+    live = collections.deque(torch.rand(nbytes // 4, device=device) for _ in range(STEP_LIVE))
+
+    def op():
+        live.append(torch.mul(live[-3], live[-STEP_LIVE // 2]))
+        live.popleft()
+
+    for _ in range(2 * STEP_LIVE):  # every live tensor made by an op, as in a step
+        op()
+    t = median_time(op, device, repeats, STEP_LIVE)
+    return 3 * nbytes / max(t - dispatch, 1e-9)
+
+
+def measure_memory_bandwidth(device: torch.device, repeats: int = 7) -> float:
+    """``mem_bw`` of the module docstring [B/s]: the median over ``STEP_SIZES``."""
+    dispatch = _add_time(1, device, repeats)
+    return statistics.median(_step_bandwidth(n, device, repeats, dispatch) for n in STEP_SIZES)
 
 
 def measure_pointwise(device: torch.device, repeats: int, launch: float) -> dict[str, list[float]]:
@@ -147,18 +193,46 @@ def measure_pointwise(device: torch.device, repeats: int, launch: float) -> dict
     return out
 
 
+def measure_per_flop(device: torch.device, repeats: int, launch: float) -> dict[str, list[float]]:
+    """``{op: [forward, backward] seconds per forward FLOP]}`` for ``PER_FLOP_OPS``."""
+    out: dict[str, list[float]] = {}
+    for name, (make, call) in PER_FLOP_OPS.items():
+        grads, others = make(device)
+        grads = [t.requires_grad_(True) for t in grads]
+        args = grads + others
+        y = call(*args)
+        with FlopCounterMode(display=False) as counter:  # on meta, as passes/analyze.py counts a node
+            call(*(torch.empty(a.shape, dtype=a.dtype, device="meta") for a in args))
+        flops = float(counter.get_total_flops())
+        if flops <= 0:
+            continue  # this torch counts no FLOPs for the op: the graph's nodes have none either
+        g = torch.ones_like(y)
+
+        def fwd(call=call, args=args):
+            call(*args)
+
+        def fwd_bwd(call=call, args=args, g=g, grads=grads):
+            torch.autograd.backward(call(*args), g)
+            for a in grads:
+                a.grad = None
+
+        t_f = median_time(fwd, device, repeats, _inner_for(fwd, device))
+        t_fb = median_time(fwd_bwd, device, repeats, _inner_for(fwd_bwd, device))
+        out[name] = [max(t_f - launch, 0.0) / flops, max(t_fb - t_f - launch, 0.0) / flops]
+    return out
+
+
 def measure_compute(device: torch.device | str = "cpu", quick: bool = False) -> dict:
     """Every compute figure of the module docstring, for ``device``.
 
     Returns ``{"peak_flops": rate / EFF_MAX, "flops_effective": rate, "memory_bandwidth": ...,
-    "kernel_launch_s": ..., "pointwise_s": {op: [fwd, bwd]}, "matmul": [(size, flops, seconds), ...],
+    "kernel_launch_s": ..., "pointwise_s": {op: [fwd, bwd]}, "per_flop_s": {op: [fwd, bwd]}, "matmul": [(size, flops, seconds), ...],
     "matmul_intercept_s": ...}``; the keys named as DeviceSpec fields are those fields.
     """
     dev = torch.device(device)
     repeats = 3 if quick else 7
     launch = measure_launch(dev, repeats, inner=5 if quick else 20)
-    dispatch = _add_time(1, dev, repeats)
-    mem_bw = _add_bandwidth((4 if quick else 16) * 2**20, dev, repeats, dispatch)  # 16 / 64 MiB per tensor
+    mem_bw = measure_memory_bandwidth(dev, repeats)
     points = []
     for s in (96, 192, 288) if quick else (128, 256, 384, 512):
         x = torch.randn(s, s, device=dev, requires_grad=True)
@@ -183,6 +257,7 @@ def measure_compute(device: torch.device | str = "cpu", quick: bool = False) -> 
         "memory_bandwidth": mem_bw,
         "kernel_launch_s": launch,
         "pointwise_s": measure_pointwise(dev, repeats, launch),
+        "per_flop_s": measure_per_flop(dev, repeats, launch),
         "matmul": points,
         "matmul_intercept_s": float(intercept),
     }

@@ -3,8 +3,8 @@
 For one node run on a rank that does ``1/k`` of the work (``k`` = ``Strategy.work_divisor``: the
 product of the mesh axes on which an input or the output is Shard; Partial inputs divide nothing):
 
-    t_fwd = max(F / k / (peak(dtype) * eff(F / k)),  M / k / bw,  E / k * p_fwd(op)) + launch  [s]
-    t_bwd = max(min(g, 2) * (t_fwd - launch),        E / k * p_bwd(op))                 + launch  [s]
+    t_fwd = max(F / k / (peak(dtype) * eff(F / k)),  M / k / bw,  U / k * p_fwd(op)) + launch  [s]
+    t_bwd = max(min(g, 2) * (t_fwd - launch),        U / k * p_bwd(op))                 + launch  [s]
 
 (``t_bwd`` only when the output needs a gradient; otherwise the node costs ``t_fwd``.)
 
@@ -21,10 +21,12 @@ product of the mesh axes on which an input or the output is Shard; Partial input
   cuBLAS GEMMs at large sizes reach 70-80%), small ones far less. Modeled as
   ``eff = EFF_MAX * F / (F + peak * T_HALF)``, which falls for small ops: an op that would take
   ``T_HALF`` seconds at peak reaches half of EFF_MAX (so tiny ops cost about ``T_HALF / EFF_MAX``).
-* ``p_fwd(op)``, ``p_bwd(op)``: seconds per element of the op's forward and backward where
-  the device measured them (``DeviceSpec.pointwise_s``, ``autopar calibrate``): transcendental
-  pointwise ops are bound by their arithmetic on CPUs (``tanh`` 2.5 ns/element on one core of
-  this project's VM against 0.13 ns for an ``add``), which no FLOP count sees. 0 where not measured.
+* ``p_fwd(op)``, ``p_bwd(op)``: seconds per unit ``U`` of the op's forward and backward where the
+  device measured them (``autopar calibrate``): per element of the op's largest tensor
+  (``U = E``, ``DeviceSpec.pointwise_s``) for ops bound by their arithmetic, which no FLOP count
+  sees (``tanh`` 2.5 ns/element on one core of this project's VM against 0.13 ns for an ``add``);
+  per forward FLOP (``U = F``, ``DeviceSpec.per_flop_s``) for ops that run far from the matmul
+  rate (``scaled_dot_product_attention`` on that CPU: ~40%). 0 where not measured.
 * ``g``: how many of the op's inputs get a *new* gradient tensor (``NodeInfo.grad_new``, from the
   op's real backward): a matmul's backward is two matmuls of the forward's size (grad input, grad
   weight: ``g = 2``), an elementwise op's writes one gradient per input it computes one for, an
@@ -53,8 +55,7 @@ def forward_body(
     t_flops = 0.0
     if f > 0:
         peak = device.peak_flops_for(dtype or torch.float32)
-        eff = EFF_MAX * f / (f + peak * T_HALF)
-        t_flops = f / (peak * eff)
+        t_flops = (f + peak * T_HALF) / (peak * EFF_MAX)  # = f / (peak * eff(f)), without 0 / 0
     t_mem = m / device.memory_bandwidth
     return max(t_flops, t_mem)
 
@@ -73,13 +74,15 @@ def node_time(
 ) -> float:
     """Forward + backward seconds of one node on one rank (see the module docstring)."""
     body = forward_body(flops, nbytes, dtype, device, k)
-    pw = device.pointwise(op) if op else None
-    fwd = max(body, elements / k * pw[0]) if pw else body
+    units, measured = elements, device.pointwise(op) if op else None
+    if op and measured is None and flops > 0:
+        units, measured = flops, device.per_flop(op)
+    fwd = max(body, units / k * measured[0]) if measured else body
     t = fwd + device.kernel_launch_s
     if requires_grad:
         bwd = min(new_grads, BACKWARD_FACTOR) * body
-        if pw:
-            bwd = max(bwd, elements / k * pw[1])
+        if measured:
+            bwd = max(bwd, units / k * measured[1])
         t += bwd + device.kernel_launch_s
     return t
 

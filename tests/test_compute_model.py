@@ -14,9 +14,11 @@ from torch.utils.flop_counter import FlopCounterMode
 
 import autopar.examples
 from autopar.cluster import ClusterSpec
+from autopar.cost_model.calibrate import median_compute
 from autopar.cost_model.compute import forward_body, node_time
 from autopar.cost_model.profiler import OpProfiler, TensorSpec
 from autopar.errors import ClusterSpecError
+from autopar.launch import keep_freed_memory
 from autopar.passes.analyze import analyze
 from autopar.passes.rules import VIEW_OPS
 from autopar.passes.strategies import build_strategies
@@ -128,3 +130,62 @@ def test_device_tables_round_trip_and_bad_entries_say_the_fix():
     assert ClusterSpec.from_dict(json.loads(json.dumps(spec.to_dict()))) == spec
     with pytest.raises(ClusterSpecError, match="forward, backward"):
         dataclasses.replace(CPU, pointwise_s={"aten.tanh.default": 1e-9})
+
+
+@given(flops=st.floats(1, 1e12), fwd=st.floats(0, 1e-9), bwd=st.floats(0, 1e-9), k=st.sampled_from([1, 2, 4]))
+def test_an_op_measured_per_flop_costs_at_least_its_flops_times_its_rate(flops, fwd, bwd, k):
+    op = "aten.scaled_dot_product_attention.default"
+    dev = dataclasses.replace(CPU, per_flop_s={op: [fwd, bwd]})
+    body = forward_body(flops, 0.0, torch.float32, dev, k)
+    t = node_time(flops, 0.0, torch.float32, dev, k, True, new_grads=3, op=op, elements=1.0)
+    expect = max(body, flops / k * fwd) + max(2 * body, flops / k * bwd) + 2 * dev.kernel_launch_s
+    assert t == pytest.approx(expect)
+    assert dev.per_flop(op) == (fwd, bwd) and dev.pointwise(op) is None
+    spec = ClusterSpec.preset("cpu").with_overrides(device=dev)
+    assert ClusterSpec.from_dict(json.loads(json.dumps(spec.to_dict()))) == spec
+
+
+def test_median_compute_takes_each_figure_and_table_entry_across_ranks():
+    ranks = [
+        {
+            "memory_bandwidth": b,
+            "kernel_launch_s": 1e-6,
+            "pointwise_s": {"aten.tanh.default": [f, 1e-9]},
+            "matmul": [r],
+        }
+        for r, (b, f) in enumerate([(10.0, 3e-9), (30.0, 1e-9), (20.0, 2e-9)])
+    ]
+    m = median_compute(ranks)
+    assert m["memory_bandwidth"] == 20.0 and m["pointwise_s"]["aten.tanh.default"] == [2e-9, 1e-9]
+    assert m["matmul"] == [0]
+
+
+def _faults_of_steps(keep: bool) -> int:
+    """Page faults of 4 "steps" after a first one, each making 40 activations of 1 MiB and
+    freeing them (glibc trims the freed top of its heap, and the next step faults it back in)."""
+    import resource
+
+    if keep:
+        assert keep_freed_memory()
+
+    def step():
+        xs = [torch.ones(2**18) for _ in range(40)]
+        del xs
+
+    step()
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    for _ in range(4):
+        step()
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+
+
+def test_ranks_keep_freed_memory_instead_of_faulting_it_back_in():
+    """Counted page faults (not time): reallocating tensors of a step's sizes faults their pages in
+    again without the setting, and not with it (one fresh process each, as ranks are)."""
+    ctx = torch.multiprocessing.get_context("spawn")
+    with ctx.Pool(1) as pool:
+        with_keep = pool.apply(_faults_of_steps, (True,))
+    with ctx.Pool(1) as pool:
+        without = pool.apply(_faults_of_steps, (False,))
+    # without it every step faults its 40 MiB (10240 pages) back in
+    assert without > 4 * 40 * 256 / 2 and with_keep < without / 20, (with_keep, without)
