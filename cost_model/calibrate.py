@@ -102,7 +102,7 @@ QUEUE_DEPTH = 8  # all_reduce_queued: a burst of this many async all-reduces, pr
 LINK_KINDS = ("all_reduce", "all_gather")  # the samples calibrate() fits the link to
 DEFAULT_SIZES = (2**10, 2**13, 2**16, 2**18, 2**20, 2**22, 2**24)  # bytes: 1 KiB .. 16 MiB
 QUICK_SIZES = (2**10, 2**16, 2**20)
-DEFAULT_REPEATS = 11
+DEFAULT_REPEATS = 40
 QUICK_REPEATS = 5
 _MAX_BANDWIDTH = 1e15  # B/s: clamp for a fit whose bandwidth term vanishes
 _MIN_LATENCY = 1e-9  # s
@@ -195,7 +195,7 @@ def measure_collectives(
     Call on every rank of ``group`` (default: the world). Every rank returns the same samples:
     each repeat runs every case after one barrier, in a shuffled order, each after ``gap_s`` of
     compute (as a training step issues collectives between ops), a run's time is the max over
-    ranks, and a sample is the 10%-trimmed mean over ``repeats`` runs.
+    ranks, and a sample is the mean over ``repeats`` runs less the top and bottom 2.5%.
     """
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError("measure_collectives needs an initialized torch.distributed process group")
@@ -255,10 +255,11 @@ def _busy(seconds: float) -> None:
         a = torch.tanh(a @ a * 0.01)
 
 
-def trimmed_mean(values: Sequence[float], trim: float = 0.1) -> float:
+def trimmed_mean(values: Sequence[float], trim: float = 0.025) -> float:
     """Mean without the lowest and highest ``trim`` fraction. A step pays every collective's
     expected time, stalls included: the mean, not the median, predicts a sum of many of them;
-    the trim drops rare outliers (a preempted process)."""
+    the trim drops only rare outliers (a preempted process), not the stalls that come in one
+    call of a few."""
     v = sorted(values)
     k = int(len(v) * trim)
     v = v[k : len(v) - k] or v

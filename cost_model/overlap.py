@@ -110,11 +110,11 @@ def measure_overlap(nbytes: int = 4 * 2**20, repeats: int = 7) -> dict:
     for _ in range(2):  # warm up both paths
         slowest(lambda: dist.all_reduce(buf))
         slowest(lambda: compute(8))
-    t_comm = trimmed_mean([slowest(lambda: dist.all_reduce(buf)) for _ in range(repeats)])
-    t_one = trimmed_mean([slowest(lambda: compute(16)) for _ in range(repeats)]) / 16
+    t_comm = trimmed_mean([slowest(lambda: dist.all_reduce(buf)) for _ in range(repeats)], 0.1)
+    t_one = trimmed_mean([slowest(lambda: compute(16)) for _ in range(repeats)], 0.1) / 16
     iters = max(1, round(t_comm / t_one))
-    t_compute = trimmed_mean([slowest(lambda: compute(iters)) for _ in range(repeats)])
-    t_both = trimmed_mean([slowest(both(iters)) for _ in range(repeats)])
+    t_compute = trimmed_mean([slowest(lambda: compute(iters)) for _ in range(repeats)], 0.1)
+    t_both = trimmed_mean([slowest(both(iters)) for _ in range(repeats)], 0.1)
     ideal = min(t_compute, t_comm)
     eff = (t_compute + t_comm - t_both) / ideal if ideal > 0 else 0.0
     return {
