@@ -319,7 +319,9 @@ def _make_plan(tg, infos, tables, sol, choice, cluster, mesh, optimizer, candida
             )
         )
     t_step, mem = evaluate(tables, sol.choice)
-    t_step += gs.adjustment_s
+    overhead = cluster.device.step_overhead_s * cluster.compute_slowdown  # the same for every plan
+    compute += overhead
+    t_step += gs.adjustment_s + overhead
     comm = t_step - compute
     opt_b = grad_b * optimizer.value
     act_b = mem - param_b - grad_b - opt_b - _buffers_inputs(infos, choice, mesh)

@@ -83,6 +83,8 @@ _DEVICE_KEYS = (
     "comm_overlap",
     "pointwise_s",
     "per_flop_s",
+    "step_overhead_s",
+    "optimizer_param_s",
 )
 _DEVICE_OPTIONAL = (
     "kernel_launch_s",
@@ -90,6 +92,8 @@ _DEVICE_OPTIONAL = (
     "comm_overlap",
     "pointwise_s",
     "per_flop_s",
+    "step_overhead_s",
+    "optimizer_param_s",
 )
 _LINK_KEYS = ("bandwidth", "latency", "ranges")
 
@@ -159,9 +163,12 @@ def _device_from_dict(where: str, d: Any) -> DeviceSpec:
     }
     for key in _DEVICE_OPTIONAL:
         if key in d:
-            kw[key] = (
-                _coerce_table(d[key]) if key in ("pointwise_s", "per_flop_s") else _coerce_number(d[key])
-            )
+            if key in ("pointwise_s", "per_flop_s"):
+                kw[key] = _coerce_table(d[key])
+            elif key == "optimizer_param_s" and isinstance(d[key], Mapping):
+                kw[key] = {k: _coerce_number(v) for k, v in d[key].items()}
+            else:
+                kw[key] = _coerce_number(d[key])
     try:
         return DeviceSpec(**kw)
     except ClusterSpecError as e:

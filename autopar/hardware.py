@@ -29,6 +29,14 @@ Fields
 * ``comm_overlap``: in [0, 1], the fraction of the ideal overlap of a gradient all-reduce with
   concurrent backward compute that the device realizes (``cost_model/overlap.py``); 0 prices
   overlapped collectives as if they ran inline. ``autopar calibrate`` measures it.
+* ``step_overhead_s``: fixed host seconds per training step outside the graph's ops: the autograd
+  engine starting ``backward()``, ``optimizer.step()`` and ``zero_grad()`` as Python calls
+  (~0.1-0.2 ms on this project's VM). 0 where not measured (the GPU presets).
+* ``optimizer_param_s``: per optimizer (``"SGD"``, ``"SGD_MOMENTUM"``, ``"ADAM"``, the names of
+  ``passes.costs.Optimizer``), the fixed seconds its ``step()`` spends per parameter tensor
+  beyond the bytes it moves: PyTorch's default per-tensor implementation on CPU launches a
+  few ops per tensor (Adam ~8: ~20 us per tensor on that VM, SGD one). Where an optimizer is not
+  listed, one ``kernel_launch_s`` per tensor.
 
 Where preset figures come from: ``autopar/presets.py``.
 """
@@ -218,9 +226,33 @@ class DeviceSpec:
     comm_overlap: float = 0.0
     pointwise_s: tuple[tuple[str, float, float], ...] = ()
     per_flop_s: tuple[tuple[str, float, float], ...] = ()
+    step_overhead_s: float = 0.0
+    optimizer_param_s: tuple[tuple[str, float], ...] = ()
 
     def __post_init__(self) -> None:
         _check_name("DeviceSpec.name", self.name)
+        object.__setattr__(
+            self,
+            "step_overhead_s",
+            _check_float("DeviceSpec.step_overhead_s", self.step_overhead_s, minimum=0.0, strict=False),
+        )
+        opt = self.optimizer_param_s
+        items = list(opt.items()) if isinstance(opt, Mapping) else [tuple(p) for p in opt]
+        if not all(len(p) == 2 and isinstance(p[0], str) for p in items):
+            raise ClusterSpecError(
+                f"DeviceSpec.optimizer_param_s: got {opt!r}; must map an optimizer name such as "
+                "'ADAM' to seconds per parameter tensor"
+            )
+        object.__setattr__(
+            self,
+            "optimizer_param_s",
+            tuple(
+                sorted(
+                    (k, _check_float(f"DeviceSpec.optimizer_param_s[{k!r}]", v, minimum=0.0, strict=False))
+                    for k, v in items
+                )
+            ),
+        )
         object.__setattr__(self, "pointwise_s", _op_table("pointwise_s", "element", self.pointwise_s))
         object.__setattr__(self, "per_flop_s", _op_table("per_flop_s", "FLOP", self.per_flop_s))
         overlap = _check_float("DeviceSpec.comm_overlap", self.comm_overlap, minimum=0.0, strict=False)
@@ -275,6 +307,10 @@ class DeviceSpec:
         """(forward, backward) seconds per forward FLOP measured for ``op``, or None."""
         return _lookup(self.per_flop_s, op)
 
+    def optimizer_param(self, optimizer: str) -> float:
+        """Fixed seconds ``optimizer``'s step spends per parameter tensor (one launch if not measured)."""
+        return dict(self.optimizer_param_s).get(optimizer, self.kernel_launch_s)
+
     @property
     def peak_flops_dict(self) -> dict[str, float]:
         return dict(self.peak_flops)
@@ -303,6 +339,8 @@ class DeviceSpec:
             "comm_overlap": self.comm_overlap,
             "pointwise_s": {name: [f, b] for name, f, b in self.pointwise_s},
             "per_flop_s": {name: [f, b] for name, f, b in self.per_flop_s},
+            "step_overhead_s": self.step_overhead_s,
+            "optimizer_param_s": dict(self.optimizer_param_s),
         }
 
 

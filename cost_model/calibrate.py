@@ -368,6 +368,11 @@ class Calibration:
                     for k, (f, b) in c["pointwise_s"].items()
                 )
             )
+        if c.get("optimizer_param_s"):
+            lines.append(
+                f"  per step {c['step_overhead_s'] * 1e6:.1f} us; optimizer per parameter tensor: "
+                + ", ".join(f"{k} {v * 1e6:.2f} us" for k, v in c["optimizer_param_s"].items())
+            )
         o = c.get("overlap")
         if o:
             lines.append(
@@ -417,6 +422,8 @@ def median_compute(figures: Sequence[dict]) -> dict:
         elif isinstance(value, dict):
             out[key] = {
                 op: [statistics.median(f[key][op][i] for f in figures) for i in range(len(v))]
+                if isinstance(v, (list, tuple))
+                else statistics.median(f[key][op] for f in figures)
                 for op, v in value.items()
             }
     return out
@@ -451,7 +458,7 @@ def run_calibration(
     samples: list[Sample] = results[0]["samples"]
     compute = dict(results[0]["compute"])
     compute["overlap"] = results[0]["overlap"]
-    for key in ("peak_flops", "flops_effective", "memory_bandwidth", "kernel_launch_s"):
+    for key in ("peak_flops", "flops_effective", "memory_bandwidth", "kernel_launch_s", "step_overhead_s"):
         compute[key] = statistics.median(r["compute"][key] for r in results)
     link = dataclasses.replace(
         fit_link([s for s in samples if s.kind in LINK_KINDS]), ranges=fit_ranges(samples)
@@ -468,6 +475,8 @@ def run_calibration(
         kernel_launch_s=compute["kernel_launch_s"],
         pointwise_s=compute["pointwise_s"],
         per_flop_s=compute["per_flop_s"],
+        optimizer_param_s=compute["optimizer_param_s"],
+        step_overhead_s=compute["step_overhead_s"],
         host_cores=results[0]["host_cores"],
         comm_overlap=results[0]["overlap"]["efficiency"],
     )

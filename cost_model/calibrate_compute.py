@@ -3,8 +3,10 @@
 Run with the thread count the ranks use, on as many ranks at once as the host has cores
 (``cost_model/calibrate.py``), so the figures are one rank's own while the others compute:
 
-* per-op overhead ``launch`` [s]: a chain of 60 tiny ops (mul, add, tanh on 8 elements) run
-  forward and backward through autograd, as a training step runs them; the cost model charges
+* per-op overhead ``launch`` [s]: a chain of 60 tiny ops (mul, add, tanh on 8 elements) called
+  through their aten overloads (``torch.ops.aten.mul.Tensor``: the generated module's calls, ~0.5
+  us more per op than ``torch.mul`` on this project's VM) and run forward and backward through
+  autograd, as a training step runs them; the cost model charges
   each op ``launch`` once forward and once backward, so ``launch = t_chain / (60 * 2)``;
 * memory bandwidth ``mem_bw`` [B/s], as a training step sees it: ``STEP_LIVE`` float32 tensors
   of ``n`` bytes are live (more than a core's cache holds); each op multiplies two of them made a
@@ -32,7 +34,14 @@ Run with the thread count the ranks use, on as many ranks at once as the host ha
   (``scaled_dot_product_attention`` of ``ATTENTION_SHAPE`` with a boolean causal mask, as traced
   decoders call it), forward and forward + backward as
   above, divided by the forward FLOPs ``FlopCounterMode`` counts for the same call on the meta device
-  (as ``passes/analyze.py`` counts a graph node's).
+  (as ``passes/analyze.py`` counts a graph node's);
+* optimizer cost per parameter tensor ``optimizer_param_s`` [s]: ``step()`` of each optimizer of
+  ``OPTIMIZERS`` (PyTorch's defaults for the device) over ``OPT_TENSORS`` tiny tensors and over 4:
+  ``(t_many - t_4) / (OPT_TENSORS - 4)``, what each further tensor adds beyond its bytes;
+* per-step overhead ``step_overhead_s`` [s]: a whole training step of a one-op model with one
+  8-element parameter (``(w * x).sum()``, ``backward()``, SGD ``step()``, ``zero_grad()``) less
+  what the cost model already charges for it (2 ops x 2 launches, one SGD tensor): the autograd
+  engine's start and the optimizer's Python around its per-tensor work.
 """
 
 from __future__ import annotations
@@ -55,6 +64,13 @@ ROW = 256  # last dim of the ops that normalize over it (softmax, layer_norm)
 STEP_LIVE = 48
 STEP_SIZES = (2**20, 2**22)  # bytes per tensor
 ATTENTION_SHAPE = (4, 4, 128, 32)  # batch, heads, sequence, head dim
+OPT_TENSORS = 36
+# passes.costs.Optimizer names -> the torch optimizer that the name prices (device defaults)
+OPTIMIZERS: dict[str, Callable[[list], torch.optim.Optimizer]] = {
+    "SGD": lambda ps: torch.optim.SGD(ps, lr=1e-3),
+    "SGD_MOMENTUM": lambda ps: torch.optim.SGD(ps, lr=1e-3, momentum=0.9),
+    "ADAM": lambda ps: torch.optim.Adam(ps, lr=1e-3),
+}
 
 
 def _row(f: Callable) -> Callable:
@@ -133,10 +149,10 @@ def measure_launch(device: torch.device, repeats: int, inner: int) -> float:
     x0 = torch.ones(8, device=device, requires_grad=True)
     c = torch.full((8,), 0.999, device=device)
 
-    def chain():
+    def chain():  # through the aten overloads, as the generated module calls its ops
         y = x0
         for i in range(LAUNCH_CHAIN_OPS // 3):
-            y = torch.tanh(torch.mul(y, c) + i)
+            y = aten.tanh.default(aten.add.Tensor(aten.mul.Tensor(y, c), i))
         y.sum().backward()
 
     return median_time(chain, device, repeats, inner) / (LAUNCH_CHAIN_OPS * 2)
@@ -222,11 +238,45 @@ def measure_per_flop(device: torch.device, repeats: int, launch: float) -> dict[
     return out
 
 
+def _optimizer_step_time(make, tensors: int, device: torch.device, repeats: int) -> float:
+    params = [torch.zeros(8, device=device, requires_grad=True) for _ in range(tensors)]
+    for p in params:
+        p.grad = torch.full_like(p, 1e-3)
+    opt = make(params)
+    return median_time(opt.step, device, repeats, _inner_for(opt.step, device))
+
+
+def measure_optimizer(device: torch.device, repeats: int) -> dict[str, float]:
+    """``optimizer_param_s`` of the module docstring: seconds per further parameter tensor."""
+    out = {}
+    for name, make in OPTIMIZERS.items():
+        many = _optimizer_step_time(make, OPT_TENSORS, device, repeats)
+        few = _optimizer_step_time(make, 4, device, repeats)
+        out[name] = max(many - few, 0.0) / (OPT_TENSORS - 4)
+    return out
+
+
+def measure_step_overhead(device: torch.device, repeats: int, launch: float, sgd_param: float) -> float:
+    """``step_overhead_s`` of the module docstring [s]."""
+    w = torch.ones(8, device=device, requires_grad=True)
+    x = torch.full((8,), 0.5, device=device)
+    opt = OPTIMIZERS["SGD"]([w])
+
+    def step():
+        (w * x).sum().backward()
+        opt.step()
+        opt.zero_grad()
+
+    t = median_time(step, device, repeats, _inner_for(step, device))
+    return max(t - 4 * launch - sgd_param, 0.0)
+
+
 def measure_compute(device: torch.device | str = "cpu", quick: bool = False) -> dict:
     """Every compute figure of the module docstring, for ``device``.
 
     Returns ``{"peak_flops": rate / EFF_MAX, "flops_effective": rate, "memory_bandwidth": ...,
-    "kernel_launch_s": ..., "pointwise_s": {op: [fwd, bwd]}, "per_flop_s": {op: [fwd, bwd]}, "matmul": [(size, flops, seconds), ...],
+    "kernel_launch_s": ..., "pointwise_s": {op: [fwd, bwd]}, "per_flop_s": {op: [fwd, bwd]},
+    "optimizer_param_s": {name: s}, "step_overhead_s": ..., "matmul": [(size, flops, seconds), ...],
     "matmul_intercept_s": ...}``; the keys named as DeviceSpec fields are those fields.
     """
     dev = torch.device(device)
@@ -251,6 +301,7 @@ def measure_compute(device: torch.device | str = "cpu", quick: bool = False) -> 
     if not slope > 0:  # degenerate fit (noise): use the largest matmul's rate
         slope, intercept = float(ts[-1] / fl[-1]), 0.0
     rate = 1.0 / float(slope)
+    optimizer = measure_optimizer(dev, repeats)
     return {
         "peak_flops": rate / EFF_MAX,
         "flops_effective": rate,
@@ -258,6 +309,8 @@ def measure_compute(device: torch.device | str = "cpu", quick: bool = False) -> 
         "kernel_launch_s": launch,
         "pointwise_s": measure_pointwise(dev, repeats, launch),
         "per_flop_s": measure_per_flop(dev, repeats, launch),
+        "optimizer_param_s": optimizer,
+        "step_overhead_s": measure_step_overhead(dev, repeats, launch, optimizer["SGD"]),
         "matmul": points,
         "matmul_intercept_s": float(intercept),
     }

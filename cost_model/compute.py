@@ -33,6 +33,16 @@ product of the mesh axes on which an input or the output is Shard; Partial input
   ``add`` passes its output's gradient on (``g = 0``: its backward is one autograd node, ``launch``).
 * ``launch``: per-op fixed cost (kernel launch, dispatch, autograd node), ``device.kernel_launch_s``,
   charged once forward and once backward.
+
+An elementwise optimizer's step over one parameter tensor of ``P`` bytes with ``c`` state copies
+(0 SGD, 1 momentum, 2 Adam) reads the parameter, its gradient and its states and writes the
+parameter and its states, plus a fixed cost per tensor (``device.optimizer_param``: the ops
+PyTorch's per-tensor implementation launches, measured by ``autopar calibrate``):
+
+    t_opt = P * (2 + 2 c + 1) / bw + o(optimizer)                                           [s]
+
+and a step pays ``device.step_overhead_s`` once (``backward()``'s engine start, ``step()`` and
+``zero_grad()`` as Python calls; added to the plan's step time by ``autopar.api``).
 """
 
 from __future__ import annotations
@@ -87,7 +97,10 @@ def node_time(
     return t
 
 
-def optimizer_step_time(param_bytes: float, state_copies: int, device: DeviceSpec) -> float:
-    """An elementwise optimizer reads param + grad + states and writes param + states: memory-bound."""
+def optimizer_step_time(
+    param_bytes: float, state_copies: int, device: DeviceSpec, optimizer: str = ""
+) -> float:
+    """``t_opt`` of the module docstring [s] for one parameter tensor (``optimizer``: an
+    ``Optimizer`` name; one launch per tensor where the device has no figure for it)."""
     moved = param_bytes * (2 + 2 * state_copies + 1)
-    return moved / device.memory_bandwidth + device.kernel_launch_s
+    return moved / device.memory_bandwidth + device.optimizer_param(optimizer)

@@ -187,7 +187,7 @@ def build_costs(
             if info.role is Role.PARAM:
                 copies = 1 + (optimizer.value if info.requires_grad else 0)
                 step = (
-                    optimizer_step_time(info.out_bytes / vol, optimizer.value, device) * slow
+                    optimizer_step_time(info.out_bytes / vol, optimizer.value, device, optimizer.name) * slow
                     if info.requires_grad
                     else 0.0
                 )
