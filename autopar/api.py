@@ -24,6 +24,7 @@ import torch.distributed as dist
 from autopar.cluster import ClusterSpec
 from autopar.cost_model.comm import CommModel, axis_link
 from autopar.cost_model.profiler import OpProfiler, resolve_profiler
+from autopar.cost_model.sync import sync_wait_s
 from autopar.errors import DistributedSetupError, NoPlanFitsError, PlanFormatError
 from autopar.passes.analyze import NodeInfo, analyze
 from autopar.passes.coarsen import find_classes
@@ -321,7 +322,9 @@ def _make_plan(tg, infos, tables, sol, choice, cluster, mesh, optimizer, candida
     t_step, mem = evaluate(tables, sol.choice)
     overhead = cluster.device.step_overhead_s * cluster.compute_slowdown  # the same for every plan
     compute += overhead
-    t_step += gs.adjustment_s + overhead
+    # ranks that share cores lend them to the rank they wait for: drift costs them nothing (sync.py)
+    drift = cluster.device.sync_wait if cluster.compute_slowdown <= 1 else 0.0
+    t_step += gs.adjustment_s + overhead + _sync_wait(decisions, drift)
     comm = t_step - compute
     opt_b = grad_b * optimizer.value
     act_b = mem - param_b - grad_b - opt_b - _buffers_inputs(infos, choice, mesh)
@@ -354,6 +357,15 @@ def _make_plan(tg, infos, tables, sol, choice, cluster, mesh, optimizer, candida
             lower_bound_s=bound,
         ),
     )
+
+
+def _sync_wait(decisions: list[NodeDecision], c: float) -> float:
+    """Seconds the plan's step waits for the slowest rank at its collectives (cost_model/sync.py)."""
+
+    def syncs(d: NodeDecision, backward: bool) -> bool:
+        return any(("(bwd)" in name) == backward for name in d.collectives if "overlapped" not in name)
+
+    return sync_wait_s([(d.compute_s, syncs(d, False), syncs(d, True)) for d in decisions], c)
 
 
 def _node_collectives(tg: TracedGraph, infos, choice: dict[str, Strategy], comm: CommModel, deferred):

@@ -85,6 +85,7 @@ _DEVICE_KEYS = (
     "per_flop_s",
     "step_overhead_s",
     "optimizer_param_s",
+    "sync_wait",
 )
 _DEVICE_OPTIONAL = (
     "kernel_launch_s",
@@ -94,6 +95,7 @@ _DEVICE_OPTIONAL = (
     "per_flop_s",
     "step_overhead_s",
     "optimizer_param_s",
+    "sync_wait",
 )
 _LINK_KEYS = ("bandwidth", "latency", "ranges")
 

@@ -29,6 +29,9 @@ Fields
 * ``comm_overlap``: in [0, 1], the fraction of the ideal overlap of a gradient all-reduce with
   concurrent backward compute that the device realizes (``cost_model/overlap.py``); 0 prices
   overlapped collectives as if they ran inline. ``autopar calibrate`` measures it.
+* ``sync_wait``: in s^0.5, how fast ranks drift apart between two synchronizing collectives: the
+  expected wait for the slowest rank after ``d`` seconds of compute is ``sync_wait * sqrt(d)``
+  (``cost_model/sync.py``). ``autopar calibrate`` measures it; 0 for the GPU presets.
 * ``step_overhead_s``: fixed host seconds per training step outside the graph's ops: the autograd
   engine starting ``backward()``, ``optimizer.step()`` and ``zero_grad()`` as Python calls
   (~0.1-0.2 ms on this project's VM). 0 where not measured (the GPU presets).
@@ -228,9 +231,13 @@ class DeviceSpec:
     per_flop_s: tuple[tuple[str, float, float], ...] = ()
     step_overhead_s: float = 0.0
     optimizer_param_s: tuple[tuple[str, float], ...] = ()
+    sync_wait: float = 0.0
 
     def __post_init__(self) -> None:
         _check_name("DeviceSpec.name", self.name)
+        object.__setattr__(
+            self, "sync_wait", _check_float("DeviceSpec.sync_wait", self.sync_wait, minimum=0.0, strict=False)
+        )
         object.__setattr__(
             self,
             "step_overhead_s",
@@ -341,6 +348,7 @@ class DeviceSpec:
             "per_flop_s": {name: [f, b] for name, f, b in self.per_flop_s},
             "step_overhead_s": self.step_overhead_s,
             "optimizer_param_s": dict(self.optimizer_param_s),
+            "sync_wait": self.sync_wait,
         }
 
 

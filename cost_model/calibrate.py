@@ -52,6 +52,10 @@ records the cores this process may use as ``DeviceSpec.host_cores`` and the cost
 compute ``devices_per_node / host_cores`` times slower when there are more ranks than cores
 (``ClusterSpec.compute_slowdown``; each rank computes on one thread, as ``autopar.launch`` sets it).
 
+Sync wait (``measure_sync_wait``, ``cost_model/sync.py``), on every rank at once: how much longer
+a collective waits for the slowest rank after more compute since the previous one, stored as
+``DeviceSpec.sync_wait``.
+
 Overlap (``cost_model/overlap.py:measure_overlap``), on every rank at once: how much of an
 all-reduce issued asynchronously is hidden behind concurrent compute, stored as
 ``DeviceSpec.comm_overlap``.
@@ -79,6 +83,7 @@ import torch.distributed as dist
 from autopar.cluster import ClusterSpec, LinkSpec, usable_cores
 from autopar.cost_model.calibrate_compute import measure_compute, sync
 from autopar.cost_model.overlap import measure_overlap
+from autopar.cost_model.sync import LONG_GAP_S, REFERENCE_GAP_S
 
 __all__ = [
     "Sample",
@@ -93,6 +98,7 @@ __all__ = [
     "fit_errors",
     "predict_time",
     "measure_compute",
+    "measure_sync_wait",
     "run_calibration",
     "calibrate",
 ]
@@ -188,7 +194,7 @@ def measure_collectives(
     group=None,
     repeats: int = DEFAULT_REPEATS,
     warmup: int = 3,
-    gap_s: float = 5e-4,
+    gap_s: float = REFERENCE_GAP_S,
 ) -> list[Sample]:
     """Time each collective of ``kinds`` at each size (bytes of the full float32 tensor).
 
@@ -243,6 +249,48 @@ def measure_collectives(
         Sample(kind=kind, nbytes=nbytes, n=n, seconds=trimmed_mean(per_run[i].tolist()))
         for i, (kind, nbytes) in enumerate(cases)
     ]
+
+
+def measure_sync_wait(group=None, repeats: int = 120, nbytes: int = 4096) -> dict:
+    """``DeviceSpec.sync_wait`` (``cost_model/sync.py``): on every rank of ``group``, a fixed
+    amount of compute (the same op count on every rank, so that ranks drift as a step's do) of
+    about ``REFERENCE_GAP_S`` and of about ``LONG_GAP_S``, each followed by an all-gather of
+    ``nbytes``; a run's time is the maximum over ranks, each gap's the trimmed mean over runs."""
+    n = dist.get_world_size(group)
+    backend = dist.get_backend(group)
+    device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+    a = torch.ones(64, 64, device=device)
+
+    def work(iters: int) -> None:
+        b = a
+        for _ in range(iters):
+            b = torch.tanh(b @ a * 0.01)
+        sync(device)
+
+    t0 = time.perf_counter()
+    work(200)
+    unit = torch.tensor([(time.perf_counter() - t0) / 200], dtype=torch.float64, device=device)
+    dist.all_reduce(unit, group=group)  # the same op count everywhere: the mean rank's pace
+    unit_s = float(unit) / n
+    x = torch.ones(max(1, nbytes // 4 // n), device=device)
+    parts = [torch.empty_like(x) for _ in range(n)]
+    out = {}
+    for name, gap in (("short", REFERENCE_GAP_S), ("long", LONG_GAP_S)):
+        iters = max(1, round(gap / unit_s))
+        times = []
+        dist.barrier(group=group)
+        for _ in range(repeats):
+            work(iters)
+            t0 = time.perf_counter()
+            dist.all_gather(parts, x, group=group)
+            sync(device)
+            times.append(time.perf_counter() - t0)
+        t = torch.tensor(times, dtype=torch.float64, device=device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+        out[name] = (iters * unit_s, trimmed_mean(t.cpu().tolist()))
+    (d_s, t_s), (d_l, t_l) = out["short"], out["long"]
+    c = max(0.0, t_l - t_s) / max(math.sqrt(d_l) - math.sqrt(d_s), 1e-9)
+    return {"short": out["short"], "long": out["long"], "sync_wait": c}
 
 
 def _busy(seconds: float) -> None:
@@ -373,6 +421,15 @@ class Calibration:
                 f"  per step {c['step_overhead_s'] * 1e6:.1f} us; optimizer per parameter tensor: "
                 + ", ".join(f"{k} {v * 1e6:.2f} us" for k, v in c["optimizer_param_s"].items())
             )
+        w = c.get("sync_wait")
+        if "sync_wait" in c and not w:
+            lines.append("sync wait: not measured (more ranks than cores: a waiting rank lends its core)")
+        if w:
+            lines.append(
+                f"sync wait: a small all-gather after {w['short'][0] * 1e3:.2f} ms of compute "
+                f"{w['short'][1] * 1e3:.2f} ms, after {w['long'][0] * 1e3:.2f} ms {w['long'][1] * 1e3:.2f} ms: "
+                f"sync_wait = {w['sync_wait']:.4f} s^0.5"
+            )
         o = c.get("overlap")
         if o:
             lines.append(
@@ -404,8 +461,12 @@ def _measure_rank(sizes: Sequence[int], kinds: Sequence[str], repeats: int, quic
     dist.all_gather_object(every, mine)
     compute = median_compute([c for c in every if c is not None])
     overlap = measure_overlap(repeats=3 if quick else 7)  # every rank: an all-reduce under compute
+    # ranks that share cores lend theirs to the rank they wait for: no drift to measure (sync.py)
+    own_cores = backend == "nccl" or dist.get_world_size() <= usable_cores()
+    sync_wait = measure_sync_wait(repeats=30 if quick else 120) if own_cores else None
     return {
         "samples": samples,
+        "sync_wait": sync_wait,
         "compute": compute,
         "host_cores": 0 if backend == "nccl" else usable_cores(),
         "overlap": overlap,
@@ -458,6 +519,7 @@ def run_calibration(
     samples: list[Sample] = results[0]["samples"]
     compute = dict(results[0]["compute"])
     compute["overlap"] = results[0]["overlap"]
+    compute["sync_wait"] = results[0]["sync_wait"]
     for key in ("peak_flops", "flops_effective", "memory_bandwidth", "kernel_launch_s", "step_overhead_s"):
         compute[key] = statistics.median(r["compute"][key] for r in results)
     link = dataclasses.replace(
@@ -479,6 +541,7 @@ def run_calibration(
         step_overhead_s=compute["step_overhead_s"],
         host_cores=results[0]["host_cores"],
         comm_overlap=results[0]["overlap"]["efficiency"],
+        sync_wait=results[0]["sync_wait"]["sync_wait"] if results[0]["sync_wait"] else 0.0,
     )
     over = {"device": device, "intra_node": link}
     if cluster.nodes == 1:

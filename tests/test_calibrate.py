@@ -152,13 +152,15 @@ def test_quick_calibration_on_two_processes_and_cli(tmp_path, capsys):
     assert all(0 < v < math.inf for v in (dev.peak_flops_for("float32"), dev.memory_bandwidth))
     assert 0 < dev.kernel_launch_s < 1e-2
     assert 0.0 <= dev.comm_overlap <= 1.0
+    assert 0.0 <= dev.sync_wait < 1.0 and 0 < dev.step_overhead_s < 1e-2
+    assert set(dict(dev.optimizer_param_s)) == {"SGD", "SGD_MOMENTUM", "ADAM"}
     assert ClusterSpec.from_file(path) == spec
 
     cli_path = tmp_path / "cli_cluster.json"
     assert main(["calibrate", "--world-size", "2", "--out", str(cli_path), "--quick"]) == 0
     printed = capsys.readouterr().out
     assert "bandwidth" in printed and "rel.err" in printed and f"wrote {cli_path}" in printed
-    assert "comm_overlap" in printed
+    assert "comm_overlap" in printed and "sync_wait" in printed and "per parameter tensor" in printed
     loaded = ClusterSpec.from_file(cli_path)
     assert _positive_finite(loaded.intra_node) and json.loads(cli_path.read_text())["devices_per_node"] == 2
     # the file is what `autopar plan --cluster FILE` takes

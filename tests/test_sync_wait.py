@@ -1,0 +1,92 @@
+"""Waiting for the slowest rank (cost_model/sync.py): gaps partition a step's compute on the
+cycle of back-to-back steps, the wait grows as the square root of a gap, plans add it."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+import autopar
+from autopar.cluster import ClusterSpec
+from autopar.cost_model.sync import FORWARD_SHARE, REFERENCE_GAP_S, sync_gaps, sync_wait_s, wait_for_gap
+
+nodes_st = st.lists(
+    st.tuples(st.floats(0, 1e-2), st.booleans(), st.booleans()), min_size=1, max_size=30
+)  # fmt: skip
+
+
+def _gaps_on_the_cycle(nodes):
+    """Independently: lay one step's events on a time line (forward in order, a node's forward
+    collectives before it; backward in reverse, its backward collectives after it), then the
+    gaps are the distances between consecutive synchronizing points on the cycle."""
+    t, points = 0.0, []
+    for c, f, _ in nodes:
+        if f:
+            points.append(t)
+        t += c * FORWARD_SHARE
+    for c, _, b in reversed(nodes):
+        t += c * (1 - FORWARD_SHARE)
+        if b:
+            points.append(t)
+    return sorted([b - a for a, b in zip(points, points[1:])] + [points[0] + t - points[-1]])
+
+
+@given(nodes_st)
+def test_gaps_partition_the_step_between_its_synchronizing_points(nodes):
+    gaps = sync_gaps(nodes)
+    if not any(f or b for _, f, b in nodes):
+        assert gaps == []
+        return
+    total = sum(c for c, _, _ in nodes)
+    assert sum(gaps) == pytest.approx(total, abs=1e-12)
+    expect = _gaps_on_the_cycle(nodes)
+    assert sorted(gaps) == pytest.approx(expect, abs=1e-12)
+
+
+@given(gap=st.floats(0, 1.0), c=st.floats(0, 0.2))
+def test_wait_grows_as_the_square_root_of_the_compute_since_the_last_collective(gap, c):
+    w = wait_for_gap(gap, c)
+    assert w == pytest.approx(c * max(0.0, math.sqrt(gap) - math.sqrt(REFERENCE_GAP_S)))
+    assert wait_for_gap(gap * 4 + REFERENCE_GAP_S, c) >= w
+    assert wait_for_gap(REFERENCE_GAP_S, c) == 0.0  # what the calibrated collectives already hold
+
+
+def test_nothing_synchronizes_nothing_waits():
+    assert sync_wait_s([(1e-3, False, False)] * 5, 0.05) == 0.0
+    assert sync_wait_s([(1e-3, True, False)] * 5, 0.0) == 0.0
+
+
+def test_a_plan_adds_the_wait_of_its_own_collectives():
+    """The same plan on a device that drifts and on one that does not: the predicted steps differ
+    by the wait of the plan's synchronizing points, a tensor-parallel plan waits, one rank does not."""
+    model, inputs = autopar.examples.mlp(batch=64, hidden=512, ffn=2048)  # gaps of ms
+    base = ClusterSpec.preset("cpu", devices_per_node=2)
+    drifting = base.with_overrides(device=dataclasses.replace(base.device, sync_wait=0.05))
+    roles = (autopar.AxisRole.TENSOR,)
+    still = autopar.plan(model, base, inputs, axis_roles=roles)
+    moving = autopar.plan(model, drifting, inputs, axis_roles=roles)
+    assert any(d.collectives for d in moving.decisions)
+    nodes = [
+        (
+            d.compute_s,
+            any("(bwd)" not in n for n in d.collectives if "overlapped" not in n),
+            any("(bwd)" in n for n in d.collectives),
+        )
+        for d in moving.decisions
+    ]
+    wait = sync_wait_s(nodes, 0.05)
+    assert wait > 0
+    assert moving.predicted.step_time_s - still.predicted.step_time_s == pytest.approx(wait)
+    # ranks that share cores lend them to the rank they wait for: no wait
+    shared = drifting.with_overrides(device=dataclasses.replace(drifting.device, host_cores=1))
+    plain = base.with_overrides(device=dataclasses.replace(base.device, host_cores=1))
+    assert autopar.plan(model, shared, inputs, axis_roles=roles).predicted.step_time_s == pytest.approx(
+        autopar.plan(model, plain, inputs, axis_roles=roles).predicted.step_time_s
+    )
+    one = autopar.plan(model, drifting.with_overrides(devices_per_node=1), inputs)
+    alone = autopar.plan(model, base.with_overrides(devices_per_node=1), inputs)
+    assert one.predicted.step_time_s == pytest.approx(alone.predicted.step_time_s)
