@@ -83,7 +83,7 @@ import torch.distributed as dist
 from autopar.cluster import ClusterSpec, LinkSpec, usable_cores
 from autopar.cost_model.calibrate_compute import measure_compute, sync
 from autopar.cost_model.overlap import measure_overlap
-from autopar.cost_model.sync import LONG_GAP_S, REFERENCE_GAP_S
+from autopar.cost_model.sync import REFERENCE_GAP_S, SYNC_GAPS_S
 
 __all__ = [
     "Sample",
@@ -251,11 +251,14 @@ def measure_collectives(
     ]
 
 
-def measure_sync_wait(group=None, repeats: int = 120, nbytes: int = 4096) -> dict:
+def measure_sync_wait(group=None, repeats: int = 60, nbytes: int = 4096) -> dict:
     """``DeviceSpec.sync_wait`` (``cost_model/sync.py``): on every rank of ``group``, a fixed
     amount of compute (the same op count on every rank, so that ranks drift as a step's do) of
-    about ``REFERENCE_GAP_S`` and of about ``LONG_GAP_S``, each followed by an all-gather of
-    ``nbytes``; a run's time is the maximum over ranks, each gap's the trimmed mean over runs."""
+    about each gap of ``SYNC_GAPS_S``, then an all-gather of ``nbytes``, ``repeats`` times in a row
+    per gap (shuffling the gaps within a repeat measured a slope about half as large, and
+    predicted the benchmark's steps 17% short where gaps in a row gave 5-12%); a run's time is
+    the maximum over ranks, each gap's time the trimmed mean over its runs, and ``sync_wait`` the
+    slope of the least-squares line ``t = a + c * sqrt(gap)``."""
     n = dist.get_world_size(group)
     backend = dist.get_backend(group)
     device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
@@ -274,23 +277,24 @@ def measure_sync_wait(group=None, repeats: int = 120, nbytes: int = 4096) -> dic
     unit_s = float(unit) / n
     x = torch.ones(max(1, nbytes // 4 // n), device=device)
     parts = [torch.empty_like(x) for _ in range(n)]
-    out = {}
-    for name, gap in (("short", REFERENCE_GAP_S), ("long", LONG_GAP_S)):
-        iters = max(1, round(gap / unit_s))
-        times = []
+    iters = [max(1, round(g / unit_s)) for g in SYNC_GAPS_S]
+    times = [[0.0] * repeats for _ in iters]
+    for i, k in enumerate(iters):  # one gap at a time (see the docstring)
         dist.barrier(group=group)
-        for _ in range(repeats):
-            work(iters)
+        for r in range(repeats):
+            work(k)
             t0 = time.perf_counter()
             dist.all_gather(parts, x, group=group)
             sync(device)
-            times.append(time.perf_counter() - t0)
-        t = torch.tensor(times, dtype=torch.float64, device=device)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
-        out[name] = (iters * unit_s, trimmed_mean(t.cpu().tolist()))
-    (d_s, t_s), (d_l, t_l) = out["short"], out["long"]
-    c = max(0.0, t_l - t_s) / max(math.sqrt(d_l) - math.sqrt(d_s), 1e-9)
-    return {"short": out["short"], "long": out["long"], "sync_wait": c}
+            times[i][r] = time.perf_counter() - t0
+    t = torch.tensor(times, dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    points = [(k * unit_s, trimmed_mean(row)) for k, row in zip(iters, t.cpu().tolist())]
+    xs = [math.sqrt(d) for d, _ in points]
+    mx, my = statistics.fmean(xs), statistics.fmean(y for _, y in points)
+    var = sum((v - mx) ** 2 for v in xs)
+    slope = sum((v - mx) * (y - my) for v, (_, y) in zip(xs, points)) / var if var > 0 else 0.0
+    return {"points": points, "sync_wait": max(0.0, slope)}
 
 
 def _busy(seconds: float) -> None:
@@ -426,9 +430,9 @@ class Calibration:
             lines.append("sync wait: not measured (more ranks than cores: a waiting rank lends its core)")
         if w:
             lines.append(
-                f"sync wait: a small all-gather after {w['short'][0] * 1e3:.2f} ms of compute "
-                f"{w['short'][1] * 1e3:.2f} ms, after {w['long'][0] * 1e3:.2f} ms {w['long'][1] * 1e3:.2f} ms: "
-                f"sync_wait = {w['sync_wait']:.4f} s^0.5"
+                "sync wait: a small all-gather after "
+                + ", ".join(f"{d * 1e3:.2f} ms of compute {t * 1e3:.2f} ms" for d, t in w["points"])
+                + f": sync_wait = {w['sync_wait']:.4f} s^0.5"
             )
         o = c.get("overlap")
         if o:
@@ -463,7 +467,7 @@ def _measure_rank(sizes: Sequence[int], kinds: Sequence[str], repeats: int, quic
     overlap = measure_overlap(repeats=3 if quick else 7)  # every rank: an all-reduce under compute
     # ranks that share cores lend theirs to the rank they wait for: no drift to measure (sync.py)
     own_cores = backend == "nccl" or dist.get_world_size() <= usable_cores()
-    sync_wait = measure_sync_wait(repeats=30 if quick else 120) if own_cores else None
+    sync_wait = measure_sync_wait(repeats=15 if quick else 60) if own_cores else None
     return {
         "samples": samples,
         "sync_wait": sync_wait,

@@ -25,9 +25,9 @@ the rank it waits for, so drift costs no time beyond the calibrated collectives 
 25-70%). ``autopar calibrate`` measures ``c`` only when the ranks have their own cores.
 
 ``c`` [s^0.5] is ``DeviceSpec.sync_wait``: ``autopar calibrate`` times a small all-gather after
-a fixed amount of compute of about ``REFERENCE_GAP_S`` and of about ``LONG_GAP_S`` on every rank,
-``c = (t_long - t_short) / (sqrt(d_long) - sqrt(d_short))`` (on this project's 2-core VM
-0.015-0.04 with 2 ranks, 0.07-0.08 with 4; 0 for the GPU presets, where it is not measured).
+a fixed amount of compute of about each gap of ``SYNC_GAPS_S`` on every rank, one gap at a time,
+and fits ``t = a + c * sqrt(d)`` by least squares (on this project's 2-core VM 0.01-0.05 with 2
+ranks, from run to run). 0 for the GPU presets, where it is not measured.
 
 The ILP prices collectives at their calibrated time; the wait depends on where the plan's
 collectives fall, so it is added to the chosen plan's predicted step (``autopar.api``).
@@ -39,7 +39,7 @@ import math
 from collections.abc import Sequence
 
 REFERENCE_GAP_S = 5e-4  # compute before each collective when calibrate times it
-LONG_GAP_S = 4e-3
+SYNC_GAPS_S = (2.5e-4, 5e-4, 1e-3, 2e-3, 4e-3)  # the gaps calibrate fits the wait over
 FORWARD_SHARE = 1.0 / 3.0
 
 
