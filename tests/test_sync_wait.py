@@ -11,6 +11,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import autopar
+import autopar.examples
 from autopar.cluster import ClusterSpec
 from autopar.cost_model.sync import FORWARD_SHARE, REFERENCE_GAP_S, sync_gaps, sync_wait_s, wait_for_gap
 
