@@ -184,4 +184,6 @@ def test_overlap_measurement_is_physical():
 def _overlap_rank(rank, world):
     from autopar.cost_model.overlap import measure_overlap
 
-    return measure_overlap(nbytes=2**20, repeats=10)  # the 10% trim drops one stalled run each side
+    # 4 MiB: a few ms each way, so that a stalled run (one 3-4 ms scheduler tick) is not most of it;
+    # the 10% trim drops one stalled run each side
+    return measure_overlap(nbytes=2**22, repeats=10)
