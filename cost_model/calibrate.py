@@ -404,22 +404,16 @@ class Calibration:
             f"(peak_flops float32 = {c['peak_flops'] / 1e9:.2f} GFLOP/s = effective / EFF_MAX), "
             f"memory {c['memory_bandwidth'] / 1e9:.2f} GB/s, per-op {c['kernel_launch_s'] * 1e6:.2f} us"
         )
-        if c.get("per_flop_s"):
-            lines.append(
-                "  per forward GFLOP, ms (fwd/bwd): "
-                + ", ".join(
-                    f"{k.removeprefix('aten.').split('.')[0]} {f * 1e12:.2f}/{b * 1e12:.2f}"
-                    for k, (f, b) in c["per_flop_s"].items()
+        for key, title, scale in (
+            ("per_flop_s", "per forward GFLOP, ms", 1e12),
+            ("pointwise_s", "pointwise ns/element", 1e9),
+        ):
+            if c.get(key):
+                ops = (
+                    f"{k.removeprefix('aten.').split('.')[0]} {f * scale:.2f}/{b * scale:.2f}"
+                    for k, (f, b) in c[key].items()
                 )
-            )
-        if c.get("pointwise_s"):
-            lines.append(
-                "  pointwise ns/element (fwd/bwd): "
-                + ", ".join(
-                    f"{k.removeprefix('aten.').split('.')[0]} {f * 1e9:.2f}/{b * 1e9:.2f}"
-                    for k, (f, b) in c["pointwise_s"].items()
-                )
-            )
+                lines.append(f"  {title} (fwd/bwd): " + ", ".join(ops))
         if c.get("optimizer_param_s"):
             lines.append(
                 f"  per step {c['step_overhead_s'] * 1e6:.1f} us; optimizer per parameter tensor: "
