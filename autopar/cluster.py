@@ -73,20 +73,6 @@ _CLUSTER_KEYS = (
 _CLUSTER_OPTIONAL = ("memory_reserve",)
 # fraction of device memory a plan leaves free by default (see the module docstring for what it holds)
 DEFAULT_MEMORY_RESERVE = 0.1
-_DEVICE_KEYS = (
-    "name",
-    "peak_flops",
-    "memory_bytes",
-    "memory_bandwidth",
-    "kernel_launch_s",
-    "host_cores",
-    "comm_overlap",
-    "pointwise_s",
-    "per_flop_s",
-    "step_overhead_s",
-    "optimizer_param_s",
-    "sync_wait",
-)
 _DEVICE_OPTIONAL = (
     "kernel_launch_s",
     "host_cores",
@@ -97,6 +83,7 @@ _DEVICE_OPTIONAL = (
     "optimizer_param_s",
     "sync_wait",
 )
+_DEVICE_KEYS = ("name", "peak_flops", "memory_bytes", "memory_bandwidth", *_DEVICE_OPTIONAL)
 _LINK_KEYS = ("bandwidth", "latency", "ranges")
 
 

@@ -291,9 +291,9 @@ def measure_sync_wait(group=None, repeats: int = 60, nbytes: int = 4096) -> dict
     dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
     points = [(k * unit_s, trimmed_mean(row)) for k, row in zip(iters, t.cpu().tolist())]
     xs = [math.sqrt(d) for d, _ in points]
-    mx, my = statistics.fmean(xs), statistics.fmean(y for _, y in points)
-    var = sum((v - mx) ** 2 for v in xs)
-    slope = sum((v - mx) * (y - my) for v, (_, y) in zip(xs, points)) / var if var > 0 else 0.0
+    if len(set(xs)) < 2:  # a device so slow that every gap rounds to one op: nothing to fit
+        return {"points": points, "sync_wait": 0.0}
+    slope = statistics.linear_regression(xs, [y for _, y in points]).slope
     return {"points": points, "sync_wait": max(0.0, slope)}
 
 
@@ -515,11 +515,9 @@ def run_calibration(
 
         results = run_on_ranks(_rank_entry, world, sizes, KINDS, reps, quick)
     samples: list[Sample] = results[0]["samples"]
-    compute = dict(results[0]["compute"])
+    compute = dict(results[0]["compute"])  # every rank holds the same median (_measure_rank)
     compute["overlap"] = results[0]["overlap"]
     compute["sync_wait"] = results[0]["sync_wait"]
-    for key in ("peak_flops", "flops_effective", "memory_bandwidth", "kernel_launch_s", "step_overhead_s"):
-        compute[key] = statistics.median(r["compute"][key] for r in results)
     link = dataclasses.replace(
         fit_link([s for s in samples if s.kind in LINK_KINDS]), ranges=fit_ranges(samples)
     )

@@ -55,22 +55,17 @@ def sync_gaps(nodes: Sequence[tuple[float, bool, bool]]) -> list[float]:
         return []
     gaps: list[float] = []
     acc = 0.0
-    first = True
     for t, fwd_sync, _ in nodes:  # forward: a node's collectives run before it
         if fwd_sync:
-            if first:
-                first_index = len(gaps)
             gaps.append(acc)
-            acc, first = 0.0, False
+            acc = 0.0
         acc += t * FORWARD_SHARE
     for t, _, bwd_sync in reversed(nodes):  # backward: its input gradients' collectives after it
         acc += t * (1.0 - FORWARD_SHARE)
         if bwd_sync:
-            if first:
-                first_index = len(gaps)
             gaps.append(acc)
-            acc, first = 0.0, False
-    gaps[first_index] += acc  # the step's tail runs before the next step's first collective
+            acc = 0.0
+    gaps[0] += acc  # the step's tail runs before the next step's first collective
     return gaps
 
 
