@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import logging
 import math
-import operator
 import os
 import time
 from collections.abc import Callable, Sequence
@@ -29,9 +28,14 @@ from autopar.errors import DistributedSetupError, NoPlanFitsError, PlanFormatErr
 from autopar.passes.analyze import NodeInfo, analyze
 from autopar.passes.coarsen import find_classes
 from autopar.passes.costs import CostTables, Optimizer, build_costs, resolve_source
-from autopar.passes.grad_sync import GradSyncCost, deferred_all_reduce_s, inline_f_axes, price_grad_sync
+from autopar.passes.grad_sync import (
+    GradSyncCost,
+    deferred_all_reduce_s,
+    inline_f_axes,
+    plan_uses,
+    price_grad_sync,
+)
 from autopar.passes.memory_row import lower_bound_bytes
-from autopar.passes.rules import tensor_inputs
 from autopar.passes.solver import (
     EXACT_FOLD_MAX_PAIRS,
     Solution,
@@ -370,24 +374,22 @@ def _sync_wait(decisions: list[NodeDecision], c: float) -> float:
 
 def _node_collectives(tg: TracedGraph, infos, choice: dict[str, Strategy], comm: CommModel, deferred):
     """Per node: seconds and names of the collectives that bring its inputs to the placements it
-    takes (priced as in the cost tables' edges, but per graph edge, not per class of edges); a
-    parameter's ``deferred`` gradient all-reduce is listed on the parameter."""
+    takes (priced as in the cost tables' edges, but per graph edge, not per class of edges; a
+    reshard several uses share is listed on the first); a parameter's ``deferred`` gradient
+    all-reduce is listed on the parameter."""
     seconds: dict[str, float] = {}
     names: dict[str, list[str]] = {}
-    for n in tg.graph.nodes:
-        if n.op != "call_function" or n.target is operator.getitem or n.name not in choice:
+    for u in plan_uses(tg, choice, deferred):
+        if not u.runs or u.user.op != "call_function":  # graph outputs: priced, not listed
             continue
-        s = choice[n.name]
-        for i, inp in enumerate(tensor_inputs(n)):
-            src = resolve_source(inp).name
-            if src not in choice:
-                continue
-            info = infos[inp.name]
-            f = inline_f_axes(s, i, deferred.get(src, ()))
-            c, called = comm.reshard(choice[src].out, s.ins[i], info.out_bytes, info.requires_grad, f)
-            if called:
-                seconds[n.name] = seconds.get(n.name, 0.0) + c
-                names.setdefault(n.name, []).extend(called)
+        info = infos[u.inp.name]
+        s = choice[u.user.name]
+        f = inline_f_axes(s, u.k, deferred.get(u.src, ()))
+        c, called = comm.reshard(choice[u.src].out, s.ins[u.k], info.out_bytes, info.requires_grad, f)
+        if called:
+            n = u.user.name
+            seconds[n] = seconds.get(n, 0.0) + c
+            names.setdefault(n, []).extend(called)
     for p, axes in deferred.items():
         seconds[p] = deferred_all_reduce_s(infos, choice, comm, p, axes)[0]
         names[p] = [f"all_reduce(axis {a}, overlapped)" for a in axes]

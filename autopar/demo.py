@@ -63,6 +63,7 @@ def run_demo(
     world_size: int = 4,
     steps: int = 3,
     cluster: autopar.ClusterSpec | None = None,
+    mesh_shape: tuple[int, ...] | None = None,
 ) -> dict:
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -70,7 +71,12 @@ def run_demo(
     print(f"[1/4] planning {model_spec} for {cluster.world_size} x {cluster.device.name} ({cluster.name})")
     model, inputs = load_model_spec(model_spec)
     plan = autopar.plan(
-        model, cluster, inputs, optimizer=autopar.Optimizer.SGD, progress=lambda m: print("      " + m)
+        model,
+        cluster,
+        inputs,
+        optimizer=autopar.Optimizer.SGD,
+        mesh_shape=mesh_shape,
+        progress=lambda m: print("      " + m),
     )
     plan_path = out / "plan.json"
     plan.save(plan_path)

@@ -5,6 +5,8 @@ For every node, in order:
 1. each tensor input is resharded from its producer's placement to the placement the chosen
    strategy requires (``emit_reshard``: one call per collective, named by mesh axis), followed by
    Megatron's "f" on the axes where a Replicate input meets a split op (its gradient is partial);
+   uses of one tensor that need the same reshard take the one the first of them made
+   (``passes/grad_sync.py:reshard_key``), so q, k and v reduce their input's gradient once;
 2. the op runs on local pieces: the same aten op, except for *lowerings* (``LOWERINGS``) that
    rewrite arguments that refer to global sizes (views, expands), rescale a mean over a sharded
    dim, or reduce a batch-sharded cross-entropy with explicit all-reduces;
@@ -25,7 +27,7 @@ import torch.utils._pytree as pytree
 
 from autopar.codegen import collectives as C
 from autopar.codegen import local_ops as L
-from autopar.passes.grad_sync import inline_f_axes
+from autopar.passes.grad_sync import emitted_f_axes, reshard_key
 from autopar.passes.rules import _norm, map_args
 from autopar.passes.strategies import Strategy
 from autopar.passes.trace import Role, TracedGraph
@@ -220,6 +222,7 @@ def lower(
     g = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
     spec: dict[fx.Node, Spec] = {}
+    shared: dict[tuple, fx.Node] = {}  # reshards several uses take (passes/grad_sync.py:reshard_key)
     roles = {p.name: p for p in tg.placeholders}
     root = torch.nn.Module()
     for name, t in attrs.items():
@@ -228,6 +231,17 @@ def lower(
         else:
             root.register_buffer(name, t)
     r = replicated(len(mesh_shape))
+
+    def reshard(fops, leaf: fx.Node, need: Spec, user: fx.Node) -> fx.Node:
+        """``leaf`` in placement ``need`` for ``user``: the reshard an earlier use with the same key
+        made, or a new one (passes/grad_sync.py:reshard_key)."""
+        key = reshard_key(leaf, spec[leaf], need, fops, user)
+        if key in shared:
+            return shared[key]
+        x = emit_reshard(g, env[leaf], spec[leaf], need, mesh_shape, fops)
+        if key is not None:
+            shared[key] = x
+        return x
 
     def map_device(a):
         return device if isinstance(a, torch.device) else a
@@ -252,26 +266,22 @@ def lower(
         elif node.op == "call_function":
             s = choice[node.name]
 
-            def reshard(k, leaf, s=s):
-                fops = (
-                    inline_f_axes(s, k, deferred.get(leaf.name, ()))
-                    if leaf.meta["val"].dtype.is_floating_point
-                    else ()
-                )  # no gradient otherwise
-                return emit_reshard(g, env[leaf], spec[leaf], s.ins[k], mesh_shape, fops)
+            def reshard_in(k, leaf, s=s, node=node):
+                return reshard(emitted_f_axes(s, k, leaf, deferred.get(leaf.name, ())), leaf, s.ins[k], node)
 
-            args, kwargs = map_args(node, reshard, env.__getitem__, map_device)
+            args, kwargs = map_args(node, reshard_in, env.__getitem__, map_device)
             fn = LOWERINGS.get(node.target)
             out = (
                 fn(g, node, args, kwargs, s, mesh_shape) if fn else g.call_function(node.target, args, kwargs)
             )
+            out.meta["traced"] = node.name  # for debugging and tests: which traced node this computes
             env[node] = out
             spec[node] = s.out
         elif node.op == "output":
             outs = []
             for leaf in pytree.tree_leaves(node.args[0]):
                 if isinstance(leaf, fx.Node) and isinstance(leaf.meta.get("val"), torch.Tensor):
-                    outs.append(emit_reshard(g, env[leaf], spec[leaf], r, mesh_shape))
+                    outs.append(reshard((), leaf, r, node))
                 else:
                     outs.append(env[leaf] if isinstance(leaf, fx.Node) else leaf)
             g.output(outs)

@@ -16,14 +16,21 @@ while the reduction is in flight. The cost model prices the overlap on a timelin
 A pure "f" on axis ``a`` is one where the stored placement already equals the use's (Replicate).
 Where the stored piece is a shard, the "f" fuses into the all-gather's backward reduce-scatter
 (``codegen/lower.py:emit_reshard``) and stays inline; so do parameters whose uses disagree on ``D``.
+
+The same linearity lets uses of an activation share a reshard (``reshard_key``, ``plan_uses``):
+uses that need the tensor in the same placement with the same "f" take one copy, made at the
+first, and backward reduces the sum of their gradients once. The cost tables price every use on
+its own (a per-edge ILP cannot see that two edges share); ``GradSyncCost.shared_s`` takes the
+duplicates back out of the plan's step time, and the timeline leaves them out.
 """
 
 from __future__ import annotations
 
 import operator
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
+import torch
 import torch.fx as fx
 
 from autopar.cost_model.comm import Collective, CommModel
@@ -33,7 +40,7 @@ from autopar.passes.costs import f_axes, resolve_source
 from autopar.passes.rules import tensor_inputs
 from autopar.passes.strategies import Strategy
 from autopar.passes.trace import Role, TracedGraph
-from autopar.placement import volume_factor
+from autopar.placement import Spec, replicated, volume_factor
 
 
 def pure_f_axes(stored, s: Strategy, k: int, mesh_shape: Sequence[int]) -> tuple[int, ...]:
@@ -45,6 +52,81 @@ def inline_f_axes(s: Strategy, k: int, deferred: tuple[int, ...] = ()) -> tuple[
     """The "f" axes of input ``k`` under ``s`` that run inline: all but the ``deferred`` ones of
     the parameter feeding it (codegen emits these; the cost model prices these)."""
     return tuple(a for a in f_axes(s, k) if a not in deferred)
+
+
+def emitted_f_axes(s: Strategy, k: int, inp: fx.Node, deferred: tuple[int, ...] = ()) -> tuple[int, ...]:
+    """The "f" axes codegen emits on input ``k`` (the tensor ``inp``) of a use under ``s``: the
+    inline ones, and none on a tensor that carries no gradient (integer masks, indices)."""
+    return inline_f_axes(s, k, deferred) if inp.meta["val"].dtype.is_floating_point else ()
+
+
+def reshard_key(inp: fx.Node, stored, need, fops: tuple[int, ...], user: fx.Node) -> tuple | None:
+    """Uses of one tensor that need the same reshard share it: codegen emits it once, at the first
+    such use in graph order, and the cost model prices it once (Megatron's one "f" on the input of
+    q, k and v). Under "f" the shared copy's gradient is the sum of the uses' gradients, reduced
+    once; all-reduce, reduce-scatter and slices are linear, so that equals the sum of the uses'
+    reduced gradients. The key, or None where the use runs its own: nothing to share, or ``user``
+    writes to its inputs."""
+    if tuple(stored) == tuple(need) and not fops:
+        return None
+    schema = getattr(user.target, "_schema", None)
+    if schema is not None and schema.is_mutable:
+        return None
+    return (inp.name, tuple(stored), tuple(need), tuple(fops))
+
+
+@dataclass(frozen=True)
+class Use:
+    """One tensor input of one op (or one graph output) in a plan, as codegen reshards it."""
+
+    user: fx.Node  # the op, or the graph's output node
+    k: int  # input index (the output's: position among its tensor inputs)
+    inp: fx.Node  # the tensor taken
+    src: str  # its producer (a getitem resolved)
+    need: Spec  # the placement the use takes it in (outputs: Replicate, full tensors)
+    fops: tuple[int, ...]  # the "f" axes emitted on it
+    runs: bool  # False: it takes the reshard an earlier use with the same key made
+
+
+def plan_uses(tg: TracedGraph, choice: dict[str, Strategy], deferred: dict) -> Iterator[Use]:
+    """Every use whose input has a producer in ``choice``, in graph order."""
+    seen: set[tuple] = set()
+
+    def use(node, k, inp, src, need, fops):
+        key = reshard_key(inp, choice[src].out, need, fops, node)
+        u = Use(node, k, inp, src, need, fops, key is None or key not in seen)
+        if key is not None:
+            seen.add(key)
+        return u
+
+    for node in tg.graph.nodes:
+        if node.op == "output":
+            tensors = [a for a in node.all_input_nodes if isinstance(a.meta.get("val"), torch.Tensor)]
+            for k, inp in enumerate(tensors):
+                src = resolve_source(inp).name
+                if src in choice:
+                    yield use(node, k, inp, src, replicated(len(choice[src].out)), ())
+            continue
+        if node.op != "call_function" or node.name not in choice or node.target is operator.getitem:
+            continue
+        s = choice[node.name]
+        for k, inp in enumerate(tensor_inputs(node)):
+            src = resolve_source(inp).name
+            if src in choice:
+                yield use(node, k, inp, src, s.ins[k], emitted_f_axes(s, k, inp, deferred.get(src, ())))
+
+
+def shared_reshards_s(tg, infos: dict, choice: dict[str, Strategy], comm: CommModel, deferred: dict) -> float:
+    """Seconds of the reshards that uses share (``reshard_key``) beyond the first of each: the cost
+    tables price every use on its own (a graph output's without a gradient), codegen runs one."""
+    total = 0.0
+    for u in plan_uses(tg, choice, deferred):
+        if not u.runs:
+            info = infos[u.inp.name]
+            op = u.user.op == "call_function"
+            f = inline_f_axes(choice[u.user.name], u.k, deferred.get(u.src, ())) if op else ()
+            total += comm.reshard(choice[u.src].out, u.need, info.out_bytes, info.requires_grad and op, f)[0]
+    return total
 
 
 def deferred_all_reduce_s(
@@ -104,10 +186,11 @@ class GradSyncCost:
     inline_f_s: float
     allreduce_s: float
     hidden_s: float
+    shared_s: float = 0.0  # the reshards that uses share (``reshard_key``), priced per use by the tables
 
     @property
     def adjustment_s(self) -> float:
-        return self.allreduce_s - self.inline_f_s - self.hidden_s
+        return self.allreduce_s - self.inline_f_s - self.hidden_s - self.shared_s
 
 
 def price_grad_sync(
@@ -132,25 +215,25 @@ def price_grad_sync(
     steps: list[tuple[float, list[float]]] = []
     first_use: dict[str, int] = {}  # deferred parameter -> index of its first use's step
     inline_f = 0.0
+    uses: dict[str, list[Use]] = {}
+    for u in plan_uses(tg, choice, deferred):
+        uses.setdefault(u.user.name, []).append(u)
     for node in tg.graph.nodes:
         if node.op != "call_function" or node.name not in choice or node.target is operator.getitem:
             continue
         s = choice[node.name]
         t_comm = 0.0
-        for k, inp in enumerate(tensor_inputs(node)):
-            src = resolve_source(inp)
-            if src.name not in choice:
-                continue
-            info = infos[inp.name]
-            have = choice[src.name].out
-            full, _ = comm.reshard(have, s.ins[k], info.out_bytes, info.requires_grad, f_axes(s, k))
-            if src.name in deferred:
-                first_use.setdefault(src.name, len(steps))
-                kept = inline_f_axes(s, k, deferred[src.name])
-                run, _ = comm.reshard(have, s.ins[k], info.out_bytes, info.requires_grad, kept)
-                inline_f += full - run
-                full = run
-            t_comm += full * (0.5 if info.requires_grad else 0.0)
+        for u in uses.get(node.name, ()):
+            info = infos[u.inp.name]
+            have, rg = choice[u.src].out, info.requires_grad
+            priced, _ = comm.reshard(have, u.need, info.out_bytes, rg, f_axes(s, u.k))  # as the tables
+            run, _ = comm.reshard(
+                have, u.need, info.out_bytes, rg, inline_f_axes(s, u.k, deferred.get(u.src, ()))
+            )
+            if u.src in deferred:
+                first_use.setdefault(u.src, len(steps))
+                inline_f += priced - run
+            t_comm += run * (0.5 if rg and u.runs else 0.0)
         rg = infos[node.name].requires_grad
         steps.append((compute_s.get(node.name, 0.0) * (bwd_share if rg else 0.0) + t_comm, []))
     allreduce = 0.0
@@ -159,4 +242,5 @@ def price_grad_sync(
         allreduce += t
         steps[first_use[p]][1].append((t, t_q))
     hidden = hidden_seconds(list(reversed(steps)), efficiency)
-    return GradSyncCost(deferred, inline_f, allreduce, hidden)
+    shared = shared_reshards_s(tg, infos, choice, comm, deferred)
+    return GradSyncCost(deferred, inline_f, allreduce, hidden, shared)
