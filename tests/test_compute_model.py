@@ -184,9 +184,9 @@ def test_step_and_optimizer_overheads_round_trip_and_bad_entries_say_the_fix(tmp
     assert set(OPTIMIZERS) == {o.name for o in Optimizer}
 
 
-def test_measured_optimizer_figures_predict_a_real_optimizer_step():
-    """Calibrate the per-tensor figures on tiny tensors, then price the step of a real model's
-    parameters (28 tensors of 16 to 16,512 elements) and compare with the step measured."""
+def _optimizer_prediction_errors() -> tuple[dict, dict[str, tuple[float, float]]]:
+    """Calibrate the per-tensor figures on tiny tensors, then (predicted, measured) seconds of the
+    step of a real model's parameters (28 tensors of 16 to 16,512 elements), per optimizer."""
     torch.set_num_threads(1)
     cpu = torch.device("cpu")
     figures = measure_optimizer(cpu, repeats=5)
@@ -197,15 +197,26 @@ def test_measured_optimizer_figures_predict_a_real_optimizer_step():
     params = [p for p in model.parameters() if p.requires_grad]
     for p in params:
         p.grad = torch.full_like(p, 1e-3)
+    out = {}
     for opt_kind in (Optimizer.SGD, Optimizer.ADAM):
         opt = OPTIMIZERS[opt_kind.name](params)
         measured = median_time(opt.step, cpu, repeats=7, inner=10)
         predicted = sum(
             optimizer_step_time(p.numel() * 4, opt_kind.value, dev, opt_kind.name) for p in params
         )
-        # step()'s own Python (~40 us) is priced per step (step_overhead_s), not here
-        # the bytes are priced at a step's bandwidth, and these tensors sit in the cache: over
-        assert 0.6 * measured <= predicted <= 1.6 * measured, (opt_kind, predicted, measured)
+        out[opt_kind.name] = (predicted, measured)
+    return figures, out
+
+
+def test_measured_optimizer_figures_predict_a_real_optimizer_step():
+    # step()'s own Python (~40 us) is priced per step (step_overhead_s), not here; the bytes are
+    # priced at a step's bandwidth, and these tensors sit in the cache: over. A burst of load on a
+    # shared VM during the 5 calibration repeats can double a figure: up to 3 tries
+    for _ in range(3):
+        figures, res = _optimizer_prediction_errors()
+        if all(0.6 * m <= p <= 1.6 * m for p, m in res.values()):
+            break
+    assert all(0.6 * m <= p <= 1.6 * m for p, m in res.values()), res
     assert figures["ADAM"] > figures["SGD"]  # Adam runs several ops per tensor, SGD one
 
 
