@@ -1,0 +1,31 @@
+"""autopar.launch.run_on_ranks: results come back, and failures say which rank and why."""
+
+from __future__ import annotations
+
+import atexit
+import os
+
+import pytest
+
+from autopar.launch import RankFailed, run_on_ranks
+
+
+def _rank_then_dies_in_teardown(rank: int, world: int) -> int:
+    if rank == 0:
+        atexit.register(os._exit, 3)  # as gloo's rare abort at process exit: after the report
+    return rank * 10
+
+
+def _rank_fails(rank: int, world: int) -> int:
+    if rank == 1:
+        raise ValueError("rank 1 broke")
+    return rank
+
+
+@pytest.mark.slow
+def test_a_rank_that_dies_after_reporting_loses_nothing_and_a_failing_rank_is_named(caplog):
+    with caplog.at_level("WARNING", logger="autopar.launch"):
+        assert run_on_ranks(_rank_then_dies_in_teardown, 2) == [0, 10]
+    assert "rank 0 reported its result, then exited with code 3" in caplog.text
+    with pytest.raises(RankFailed, match=r"(?s)rank 1 failed.*ValueError: rank 1 broke"):
+        run_on_ranks(_rank_fails, 2)
