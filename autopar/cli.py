@@ -16,6 +16,7 @@ import argparse
 import logging
 import sys
 
+from autopar.demo import DEMO_MODEL
 from autopar.errors import AutoparError
 
 
@@ -34,7 +35,7 @@ def _build_parser() -> argparse.ArgumentParser:
         "demo", help="plan and run a small GPT-2 on local CPU processes; write plan and report"
     )
     d.add_argument("--out", default="autopar_out", help="output folder (default: autopar_out)")
-    d.add_argument("--model", default="autopar.examples:gpt2_tiny", help="MODEL_SPEC to run")
+    d.add_argument("--model", default=DEMO_MODEL, help="MODEL_SPEC to run")
     d.add_argument("--world-size", type=int, default=4, help="number of local gloo processes (default: 4)")
     d.add_argument("--steps", type=int, default=3, help="SGD steps compared with the single-device model")
 

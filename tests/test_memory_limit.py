@@ -43,7 +43,9 @@ def test_an_explicit_limit_keeps_the_reserve():
     assert plan.predicted.peak_memory_bytes <= (1 - base.memory_reserve) * limit
     loose = base.with_overrides(memory_reserve=0.0)  # no reserve: the free plan fits its own peak
     same = autopar.plan(model, loose, inputs, optimizer=autopar.Optimizer.SGD, memory_limit_bytes=limit)
-    assert same.decisions == free.decisions
+    # the free plan, or another as fast (exact folding leaves ties to the solver): nothing is lost
+    assert same.predicted.step_time_s == pytest.approx(free.predicted.step_time_s, rel=1e-9)
+    assert same.predicted.peak_memory_bytes <= limit
 
 
 @pytest.mark.slow
