@@ -4,7 +4,7 @@ For one node run on a rank that does ``1/k`` of the work (``k`` = ``Strategy.wor
 product of the mesh axes on which an input or the output is Shard; Partial inputs divide nothing):
 
     t_fwd = max(F / k / (peak(dtype) * eff(F / k)),  M / k / bw,  U / k * p_fwd(op)) + launch  [s]
-    t_bwd = max(min(g, 2) * (t_fwd - launch),        U / k * p_bwd(op))                 + launch  [s]
+    t_bwd = max(min(g, 2) * (t_fwd - launch),  U / k * p_bwd(op),  G / k / bw)         + launch  [s]
 
 (``t_bwd`` only when the output needs a gradient; otherwise the node costs ``t_fwd``.)
 
@@ -31,6 +31,10 @@ product of the mesh axes on which an input or the output is Shard; Partial input
   op's real backward): a matmul's backward is two matmuls of the forward's size (grad input, grad
   weight: ``g = 2``), an elementwise op's writes one gradient per input it computes one for, an
   ``add`` passes its output's gradient on (``g = 0``: its backward is one autograd node, ``launch``).
+* ``G``: bytes a backward moves whatever its arithmetic: the output's gradient read once and each
+  new input gradient written once. It is what a view that drops elements costs backward (a slice's
+  gradient is a zero-filled tensor of the input's size with the output's gradient copied in; a
+  ``select``, ``index`` or ``expand`` likewise), where ``M`` (0 for a view) sees nothing.
 * ``launch``: per-op fixed cost (kernel launch, dispatch, autograd node), ``device.kernel_launch_s``,
   charged once forward and once backward.
 
@@ -81,8 +85,10 @@ def node_time(
     new_grads: int = 2,
     op: str = "",
     elements: float = 0.0,
+    grad_bytes: float = 0.0,
 ) -> float:
-    """Forward + backward seconds of one node on one rank (see the module docstring)."""
+    """Forward + backward seconds of one node on one rank (see the module docstring);
+    ``grad_bytes`` is ``G``."""
     body = forward_body(flops, nbytes, dtype, device, k)
     units, measured = elements, device.pointwise(op) if op else None
     if op and measured is None and flops > 0:
@@ -90,11 +96,22 @@ def node_time(
     fwd = max(body, units / k * measured[0]) if measured else body
     t = fwd + device.kernel_launch_s
     if requires_grad:
-        bwd = min(new_grads, BACKWARD_FACTOR) * body
+        bwd = max(min(new_grads, BACKWARD_FACTOR) * body, grad_bytes / k / device.memory_bandwidth)
         if measured:
             bwd = max(bwd, units / k * measured[1])
         t += bwd + device.kernel_launch_s
     return t
+
+
+def accumulate_time(nbytes: float, uses: int, device: DeviceSpec) -> float:
+    """Seconds backward spends summing the gradients of a tensor of ``nbytes`` (local) that
+    ``uses`` consumers send one each: ``uses - 1`` additions, each reading two and writing one:
+
+        t_acc = (uses - 1) * (3 * nbytes / bw + launch)                                   [s]
+    """
+    if uses <= 1:
+        return 0.0
+    return (uses - 1) * (3 * nbytes / device.memory_bandwidth + device.kernel_launch_s)
 
 
 def optimizer_step_time(

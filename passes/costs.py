@@ -3,7 +3,8 @@
 * node cost ``c[v, s]`` (s): compute of ``v`` under strategy ``s`` (``cost_model.compute``, or the
   time ``cost_model.profiler`` measured for its local shapes on one uncontended rank when a
   profiler is given; either times ``ClusterSpec.compute_slowdown`` when CPU ranks share too few
-  cores) plus
+  cores) plus the sum backward makes of its output's gradients when several ops use it
+  (``cost_model.compute.accumulate_time``; for a parameter, with its optimizer step) plus
   collectives inside a lowering (the all-reduces of a batch-sharded mean cross-entropy);
 * node memory ``m[v, s]`` (B per device): parameters (+ optimizer states) for parameter
   placeholders, buffers and inputs; for activations, what autograd keeps until backward and the
@@ -51,7 +52,7 @@ import torch.fx as fx
 
 from autopar.cluster import ClusterSpec, DeviceSpec
 from autopar.cost_model.comm import Collective, CommModel
-from autopar.cost_model.compute import node_time, optimizer_step_time
+from autopar.cost_model.compute import accumulate_time, node_time, optimizer_step_time
 from autopar.cost_model.memory import reshard_transient
 from autopar.passes.analyze import NodeInfo, tensor_vals
 from autopar.passes.coarsen import Classes
@@ -173,9 +174,11 @@ def build_costs(
         if base in classes.rep:
             rep = classes.rep[base]
             tables.keep_positions[rep] = (*tables.keep_positions.get(rep, ()), order[base])
+    uses = _grad_uses(tg, infos)
     for name, ns in strats.items():
         info = infos[name]
         n = classes.count(name)
+        members = classes.members[name]
         costs, mems, peaks = [], [], []
         if info.role is Role.PARAM and info.requires_grad:
             tables.grad_mem[name] = [
@@ -191,7 +194,8 @@ def build_costs(
                     if info.requires_grad
                     else 0.0
                 )
-                costs.append(n * step)
+                acc = sum(accumulate_time(info.out_bytes / vol, uses.get(m, 0), device) for m in members)
+                costs.append(n * step + acc * slow)
                 mems.append(n * info.out_bytes * copies / vol)
                 continue
             if info.role in (Role.BUFFER, Role.INPUT):
@@ -204,7 +208,9 @@ def build_costs(
                 t = analytical_node_time(info, ns.inputs, infos, device, k)
             t *= slow
             t += _lowering_comm(ns.node, s, comm)
-            costs.append(n * t)
+            # twins may differ in their uses (a block's last output feeds the final norm only)
+            acc = sum(accumulate_time(info.out_bytes / vol, uses.get(m, 0), device) for m in members)
+            costs.append(n * t + acc * slow)
             # internal saved tensors are cut like the op's work: by its largest split (e.g. a loss's
             # log-probabilities follow the logits, not the scalar output)
             work_vol = max([vol] + [volume_factor(x, mesh_shape) for x in s.ins])
@@ -270,6 +276,19 @@ def build_costs(
             Edge(src, "output", row_c, row_m, row_n, 1, row_p, row_k if owner else None, owner)
         )
     return tables
+
+
+def _grad_uses(tg: TracedGraph, infos: dict[str, NodeInfo]) -> dict[str, int]:
+    """Node -> how many op inputs send its output a gradient: backward sums that many."""
+    uses: dict[str, int] = {}
+    for node in tg.graph.nodes:
+        info = infos.get(node.name)
+        if node.op != "call_function" or info is None or not info.requires_grad:
+            continue
+        for inp in tensor_inputs(node):
+            if infos.get(inp.name) is not None and infos[inp.name].requires_grad:
+                uses[inp.name] = uses.get(inp.name, 0) + 1
+    return uses
 
 
 def _base(node: fx.Node, infos: dict[str, NodeInfo]) -> fx.Node:
@@ -406,14 +425,16 @@ def analytical_node_time(
     Per-element figures count the elements of the op's largest tensor (a loss's logits, not its
     scalar output)."""
     fresh = info.grad_new or (True,) * len(inputs)
-    new_grads = sum(1 for a, f in zip(inputs, fresh) if f and infos[a.name].requires_grad)
+    new = [a for a, f in zip(inputs, fresh) if f and infos[a.name].requires_grad]
+    # its output's gradient read and the new ones written; nothing where it passes the gradient on
+    grad_bytes = info.out_bytes + sum(infos[a.name].out_bytes for a in new) if new else 0
     elements = max(
         [math.prod(sh) for sh in info.shapes]
         + [t.numel() for a in inputs for t in tensor_vals(a.meta.get("val"))]
     )
     return node_time(
         info.flops, info.bytes, info.dtype, device, k, info.requires_grad,
-        new_grads=new_grads, op=info.target, elements=elements,
+        new_grads=len(new), op=info.target, elements=elements, grad_bytes=grad_bytes,
     )  # fmt: skip
 
 

@@ -251,3 +251,78 @@ def test_ranks_keep_freed_memory_instead_of_faulting_it_back_in():
     # faults in again one to four steps' worth (10,400-40,800 faults seen), with it a few hundred
     touched = 4 * 40 * 256
     assert with_keep < touched / 20 and without > 5 * with_keep, (with_keep, without)
+
+
+class _Sliced(torch.nn.Module):
+    """y has three gradient-carrying uses; a slice drops half of y, a view drops nothing."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.randn(64, 64))
+
+    def forward(self, x):
+        y = torch.relu(x @ self.w)
+        half = y[:, :32]  # slice: its backward writes a zero-filled gradient of y's size
+        flat = y.view(-1)  # view: its backward is a view of the gradient
+        return half.sum() + flat.sin().sum() + y.cos().sum()
+
+
+def _backward_ops(model, x) -> list:
+    """The aten ops that the real backward of ``model(x)`` runs."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    seen = []
+
+    class Log(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            seen.append((func, [tuple(a.shape) for a in args if isinstance(a, torch.Tensor)]))
+            return out
+
+    loss = model(x)
+    with Log():
+        loss.backward()
+    return seen
+
+
+def test_backward_sums_the_gradients_of_a_tensor_with_several_uses_as_autograd_does():
+    """The node cost of y carries one addition per use beyond the first: as many as the real
+    backward runs on y-sized gradients."""
+    from autopar.cost_model.compute import accumulate_time
+    from autopar.passes.costs import _grad_uses
+
+    model, x = _Sliced(), torch.randn(16, 64)
+    tg = trace(model, (x,))
+    infos = analyze(tg)
+    uses = _grad_uses(tg, infos)
+    relu = next(n.name for n in tg.graph.nodes if n.target is aten.relu.default)
+    ops = _backward_ops(model, x)
+    adds = [f for f, shapes in ops if f in (aten.add.Tensor, aten.add_.Tensor) and shapes[0] == (16, 64)]
+    assert uses[relu] - 1 == len(adds) == 2
+    nbytes = infos[relu].out_bytes
+    assert accumulate_time(nbytes, uses[relu], CPU) == pytest.approx(
+        2 * (3 * nbytes / CPU.memory_bandwidth + CPU.kernel_launch_s)
+    )
+    assert accumulate_time(nbytes, 1, CPU) == 0.0
+
+
+def test_a_slice_backward_pays_the_zero_filled_gradient_a_view_backward_does_not():
+    """A slice's real backward allocates y's gradient (probed on meta tensors) and is priced at
+    the bytes it writes and reads; a view's passes the gradient on and costs its launches."""
+    from autopar.passes.costs import analytical_node_time
+
+    model, x = _Sliced(), torch.randn(16, 64)
+    tg = trace(model, (x,))
+    infos = analyze(tg)
+    nodes = {n.target: n for n in tg.graph.nodes if n.op == "call_function"}
+    sl, vw = nodes[aten.slice.Tensor], nodes[aten.view.default]
+    assert infos[sl.name].grad_new == (True,) and infos[vw.name].grad_new == (False,)
+    launch2 = 2 * CPU.kernel_launch_s
+    y_bytes = infos[sl.args[0].name].out_bytes
+    t_slice = analytical_node_time(infos[sl.name], sl.all_input_nodes, infos, CPU, 1)
+    assert t_slice == pytest.approx(launch2 + (y_bytes + infos[sl.name].out_bytes) / CPU.memory_bandwidth)
+    assert analytical_node_time(infos[vw.name], vw.all_input_nodes, infos, CPU, 1) == pytest.approx(launch2)
+    # what the real backward of the slice runs: a y-sized zero fill
+    ops = _backward_ops(model, x)
+    assert any(f in (aten.zeros.default, aten.new_zeros.default, aten.fill_.Scalar, aten.zero_.default,
+                     aten.slice_backward.default) for f, _ in ops)  # fmt: skip
