@@ -40,6 +40,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import functools
 import math
@@ -89,15 +90,26 @@ class Edge:
     peak: list[list[float]] | None = None
     keep: list[list[float]] | None = None
     owner: str = ""
+    # the tensor carried (the consumer's input node), and per source strategy the placement it
+    # has, per destination strategy the placement and "f" axes it is taken in: edges of one
+    # tensor whose pairs have the same (have, need) run one reshard (passes/grad_sync.py)
+    tensor: str = ""
+    have: list | None = None
+    need: list | None = None
 
     def scaled(self, k: int) -> Edge:
         if k == 1:
             return self
         cost = [[c * k for c in row] for row in self.cost]
         mem = [[m * k for m in row] for row in self.mem]
-        return Edge(
-            self.src, self.dst, cost, mem, self.colls, self.count * k, self.peak, self.keep, self.owner
-        )
+        return dataclasses.replace(self, cost=cost, mem=mem, count=self.count * k)
+
+    def share_key(self, a: int, b: int) -> tuple | None:
+        """What pair (a, b) reshards, for sharing it with the tensor's other edges; None: nothing."""
+        if not self.tensor or self.have is None or self.need is None:
+            return None
+        have, (need, f) = self.have[a], self.need[b]
+        return None if have == need and not f else (have, need, f)
 
     def rows(self, src: str, pick: list[int]) -> Edge:
         """This edge from ``src``, whose strategy a stands for this edge's source strategy pick[a]."""
@@ -105,9 +117,9 @@ class Edge:
         def sel(t):
             return None if t is None else [t[b] for b in pick]
 
-        return Edge(
-            src, self.dst, sel(self.cost), sel(self.mem), sel(self.colls), self.count,
-            sel(self.peak), sel(self.keep), self.owner,
+        return dataclasses.replace(
+            self, src=src, cost=sel(self.cost), mem=sel(self.mem), colls=sel(self.colls),
+            peak=sel(self.peak), keep=sel(self.keep), have=sel(self.have),
         )  # fmt: skip
 
 
@@ -413,6 +425,8 @@ def _edge(
     return Edge(
         src, dst, [list(row_c[r]) for r in rows], [list(row_m[r]) for r in rows], [row_n[r] for r in rows], 1,
         [row_p[r] for r in rows], [row_k[r] for r in rows] if owner else None, owner,
+        tensor=inp.name, have=[su.out for su in strats[src].strategies],
+        need=[(sv.ins[i], f_axes(sv, i)) for sv in strats[dst].strategies],
     )  # fmt: skip
 
 

@@ -4,8 +4,16 @@ Variables
     x[v, s] in {0, 1}     node v takes strategy s                          (``_node_vars``)
     y[e, a, b] in [0, 1]  edge e = (u -> v) has u in a and v in b          (``_edge_vars``)
 
+    z[t, k] in [0, 1]     the reshard k = (have, need, "f" axes) of tensor t runs   (``_sharing_groups``)
+
 Objective (seconds per training step, per device)
-    min  sum_{v,s} c[v,s] x[v,s]  +  sum_{e,a,b} c[e,a,b] y[e,a,b]
+    min  sum_{v,s} c[v,s] x[v,s]  +  sum_{e,a,b} c[e,a,b] y[e,a,b]  +  sum_{t,k} c[t,k] z[t,k]
+
+    where the edges of a tensor t with two or more consumers (q, k and v of one input) leave the
+    pairs that reshard (``Edge.share_key``) out of the y sum: ``z[t,k] >= y[e,a,b]`` for every
+    such pair of every such edge, so the reshard is paid once however many consumers take it, as
+    codegen runs it once (``passes/grad_sync.py:reshard_key``). Edges folded into a node's cost
+    (an end with one strategy, a folded follower) are paid per edge.
 
 Constraints
     (1) one strategy per node:     sum_s x[v,s] = 1                         (``_node_vars``)
@@ -304,9 +312,10 @@ def _solve(
     lin_cost = {k: list(v) for k, v in tables.node_cost.items()}
     shared = Folds.of(tables)
     quad: list[tuple[Edge, dict]] = []
-    for e in tables.edges:
-        if not _fold_edge(e, tables, lin_cost, shared):
-            quad.append((e, _edge_vars(prob, e, x, tables)))
+    kept = [e for e in tables.edges if not _fold_edge(e, tables, lin_cost, shared)]
+    sharing = _sharing_groups(kept)
+    for e in kept:
+        quad.append((e, _edge_vars(prob, e, x, tables, by_key=id(e) in sharing)))
     _forbid(prob, x, lin_cost)
     for e, ys in quad:
         for (a, b), y in ys.items():
@@ -314,12 +323,26 @@ def _solve(
                 y.upBound = 0
     # expressions are built from (variable, coefficient) pairs directly: PuLP's operators are slow
     objective = [(x[v][s], c) for v, cs in lin_cost.items() for s, c in enumerate(cs) if c]
-    objective += [
-        (y, e.cost[a][b])
-        for e, ys in quad
-        for (a, b), y in ys.items()
-        if e.cost[a][b] and math.isfinite(e.cost[a][b])
-    ]
+    z: dict[tuple, tuple[pulp.LpVariable, float]] = {}  # (group, key) -> (z, cost of one reshard)
+    for e, ys in quad:
+        for (a, b), y in ys.items():
+            c = e.cost[a][b]
+            if not c or not math.isfinite(c):
+                continue
+            key = e.share_key(a, b) if id(e) in sharing else None
+            if key is None:
+                objective.append((y, c))
+                continue
+            # z >= y for every edge of the tensor that runs this reshard: paid once, at the max
+            k = (sharing[id(e)], key)
+            if k not in z:
+                z[k] = (pulp.LpVariable(f"z_{len(z)}", lowBound=0, upBound=1), c)
+            var, c0 = z[k]
+            z[k] = (var, max(c0, c))
+            prob += pulp.LpConstraint(
+                _affine([(var, 1), (y, -1)]), pulp.LpConstraintGE, f"zs_{len(prob.constraints)}", 0
+            )
+    objective += list(z.values())
     prob += _affine(objective)
     add_memory_rows(prob, x, quad, memory_limit_bytes, shared, tables)
 
@@ -426,19 +449,32 @@ def _n_dst(e: Edge, tables: CostTables) -> int:
     return 1 if e.dst == "output" else len(tables.strategies[e.dst])
 
 
-def _edge_vars(prob: pulp.LpProblem, e: Edge, x: dict, tables: CostTables) -> dict:
+def _sharing_groups(edges: list[Edge]) -> dict[int, tuple[str, int]]:
+    """id(edge) -> its group, for edges that carry one tensor to two or more consumers (each of
+    the graph's instances of them, ``count``): their pairs that run the same reshard share it
+    (``Edge.share_key``), and the ILP pays it once (``z``)."""
+    groups: dict[tuple[str, int], list[Edge]] = {}
+    for e in edges:
+        if e.tensor and e.dst != "output":
+            groups.setdefault((e.tensor, e.count), []).append(e)
+    return {id(e): g for g, es in groups.items() if len(es) > 1 for e in es}
+
+
+def _edge_vars(prob: pulp.LpProblem, e: Edge, x: dict, tables: CostTables, by_key: bool = False) -> dict:
     """y over groups of identical rows and of identical columns of the edge's (cost, memory) tables:
     strategies that differ elsewhere often reshard this tensor alike (same output placement, same
-    requirement), so one y serves them all. Keyed by the groups' first (a, b)."""
+    requirement), so one y serves them all. Keyed by the groups' first (a, b). ``by_key``: rows
+    and columns also differ by the placements they reshard between (for ``Edge.share_key``)."""
     idx = len(prob.constraints)
     n_src, n_dst = len(tables.strategies[e.src]), _n_dst(e, tables)
     tabs = [t for t in (e.cost, e.mem, e.peak, e.keep) if t is not None]
     rows: dict[tuple, list[int]] = {}
     for a in range(n_src):
-        rows.setdefault(tuple(tuple(t[a]) for t in tabs), []).append(a)
+        rows.setdefault(tuple(tuple(t[a]) for t in tabs) + ((e.have[a],) if by_key else ()), []).append(a)
     cols: dict[tuple, list[int]] = {}
     for b in range(n_dst):
-        cols.setdefault(tuple(tuple(t[a][b] for a in range(n_src)) for t in tabs), []).append(b)
+        sig = tuple(tuple(t[a][b] for a in range(n_src)) for t in tabs)
+        cols.setdefault(sig + ((e.need[b],) if by_key else ()), []).append(b)
     row_groups, col_groups = list(rows.values()), list(cols.values())
     ys = {}
     for g in row_groups:

@@ -129,3 +129,15 @@ def test_sharing_lowers_the_predicted_step_by_what_the_duplicates_cost():
     # the sync wait is what is left: it is >= 0 and only falls when collectives go away
     rest = res.plan.predicted.step_time_s - (objective - want + overhead)
     assert 0.0 <= rest < want
+
+
+@pytest.mark.parametrize("name,world,mesh,roles", [("llama", 2, (2,), (T,)), ("palm", 2, (2,), (T,))])
+def test_the_solver_prices_a_shared_reshard_once(name, world, mesh, roles, monkeypatch):
+    """The ILP pays a reshard that several edges of one tensor run once (``z``, passes/solver.py).
+    Its plan is at least as fast, priced as it runs, as the plan of an ILP that pays every edge."""
+    import autopar.passes.solver as solver
+
+    shared = _search(name, world, mesh, roles).plan.predicted.step_time_s
+    monkeypatch.setattr(solver, "_sharing_groups", lambda edges: {})
+    per_edge = _search(name, world, mesh, roles).plan.predicted.step_time_s
+    assert shared <= per_edge * (1 + 1e-9)
