@@ -18,6 +18,7 @@ from autopar.errors import (
 )
 from autopar.passes.costs import Optimizer
 from autopar.passes.strategies import AxisRole
+from autopar.placement import Outputs
 from autopar.plan import NodeDecision, Plan, Predicted
 
 __all__ = [
@@ -32,6 +33,7 @@ __all__ = [
     "NodeDecision",
     "OpCoverage",
     "Optimizer",
+    "Outputs",
     "Plan",
     "PlanFormatError",
     "PlanMismatchError",

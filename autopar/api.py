@@ -48,7 +48,7 @@ from autopar.passes.solver import (
 )
 from autopar.passes.strategies import AxisRole, Strategy, build_strategies, variable_nodes
 from autopar.passes.trace import Role, TracedGraph, normalize_inputs, trace
-from autopar.placement import spec_from_str, spec_to_str, volume_factor
+from autopar.placement import Outputs, spec_from_str, spec_to_str, volume_factor
 from autopar.plan import NodeDecision, Plan, Predicted, SolverInfo
 
 log = logging.getLogger("autopar")
@@ -90,8 +90,11 @@ def search(
     dump_dir: str | os.PathLike | None = None,
     coarsen: bool = True,
     profile: bool | OpProfiler = False,
+    outputs: Outputs = Outputs.FULL,
 ) -> SearchResult:
-    """``profile``: True (or an ``OpProfiler``) prices ops by running them on this machine's device
+    """``outputs``: whether the module returns each output whole on every rank (``Outputs.FULL``,
+    the default: what the single-device model returns) or as this rank's piece (``Outputs.LOCAL``:
+    no gathered logits; see ``autopar.placement.Outputs``). ``profile``: True (or an ``OpProfiler``) prices ops by running them on this machine's device
     (cached, see ``cost_model.profiler``) instead of the analytical roofline; the cluster's device must
     be this machine's kind, else ProfilerDeviceError. ``memory_limit_bytes``: the memory per device
     (default: ``cluster.device.memory_bytes``); the plan's predicted peak stays under it less
@@ -176,7 +179,7 @@ def search(
             fixed = {0: data_axis[mesh[0]]}
         strats = build_strategies(tg, infos, mesh, roles, only=only, fixed=fixed)
         # -- cost -----------------------------------------------------------------------------------
-        tables = build_costs(tg, infos, strats, cluster, mesh, optimizer, roles, classes, profiler)
+        tables = build_costs(tg, infos, strats, cluster, mesh, optimizer, roles, classes, profiler, outputs)
         if profiler is not None:
             _progress(progress, f"profile: mesh {mesh}: {profiler.take_stats().line()}")
         mem_needed = lower_bound_bytes(tables)
@@ -209,7 +212,7 @@ def search(
         # the full price of the choice (solve evaluates it), with the gradient all-reduces as they run:
         # once per parameter, partly behind backward compute (passes/grad_sync.py)
         choice = _expanded_choice(tg, tables, sol)
-        gs = _grad_sync_cost(tg, infos, tables, sol, choice, cluster, mesh)
+        gs = _grad_sync_cost(tg, infos, tables, sol, choice, cluster, mesh, outputs)
         t_step = sol.objective + gs.adjustment_s
         best_objective = min(best_objective, sol.objective)
         candidates.append({**entry, "status": sol.status, "objective": t_step})
@@ -233,7 +236,9 @@ def search(
         )
     _, mesh, sol, tables, bound, gs, choice = best
     # -- plan -------------------------------------------------------------------------------------
-    plan = _make_plan(tg, infos, tables, sol, choice, cluster, mesh, optimizer, candidates, bound, gs)
+    plan = _make_plan(
+        tg, infos, tables, sol, choice, cluster, mesh, optimizer, candidates, bound, gs, outputs
+    )
     if dump:
         plan.save(dump / "5_plan.json")
     _progress(progress, f"plan: mesh {mesh}, {time.perf_counter() - t0:.1f} s in all")
@@ -277,10 +282,11 @@ def _node_compute(tables: CostTables, sol: Solution, node: str) -> float:
 
 
 def _grad_sync_cost(
-    tg, infos, tables: CostTables, sol: Solution, choice, cluster: ClusterSpec, mesh
+    tg, infos, tables: CostTables, sol: Solution, choice, cluster: ClusterSpec, mesh, outputs: Outputs
 ) -> GradSyncCost:
     compute = {n: _node_compute(tables, sol, n) for n in choice}
-    return price_grad_sync(tg, infos, choice, compute, CommModel(cluster, mesh), cluster.device.comm_overlap)
+    comm = CommModel(cluster, mesh)
+    return price_grad_sync(tg, infos, choice, compute, comm, cluster.device.comm_overlap, outputs)
 
 
 def _with_getitems(tg: TracedGraph, choice: dict[str, Strategy]) -> dict[str, Strategy]:
@@ -293,7 +299,9 @@ def _with_getitems(tg: TracedGraph, choice: dict[str, Strategy]) -> dict[str, St
     return out
 
 
-def _make_plan(tg, infos, tables, sol, choice, cluster, mesh, optimizer, candidates, bound, gs) -> Plan:
+def _make_plan(
+    tg, infos, tables, sol, choice, cluster, mesh, optimizer, candidates, bound, gs, outputs
+) -> Plan:
     comm_in, colls = _node_collectives(tg, infos, choice, CommModel(cluster, mesh), gs.deferred)
     decisions = []
     param_b = grad_b = 0.0
@@ -350,6 +358,7 @@ def _make_plan(tg, infos, tables, sol, choice, cluster, mesh, optimizer, candida
         mesh_shape=tuple(mesh),
         decisions=tuple(decisions),
         predicted=predicted,
+        outputs=outputs.value,
         solver=SolverInfo(
             name=sol.solver,
             status=sol.status,
@@ -426,6 +435,7 @@ def plan(
     progress: Callable[[str], None] | None = None,
     dump_dir: str | os.PathLike | None = None,
     profile: bool | OpProfiler = False,
+    outputs: Outputs = Outputs.FULL,
 ) -> Plan:
     """Search a sharding plan offline: no process group needed; works on meta-device models.
     ``profile=True`` measures ops on this machine instead of the roofline; ``memory_limit_bytes``
@@ -442,6 +452,7 @@ def plan(
         progress=progress,
         dump_dir=dump_dir,
         profile=profile,
+        outputs=outputs,
     ).plan
 
 

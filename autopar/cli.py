@@ -18,6 +18,7 @@ import sys
 
 from autopar.demo import DEMO_MODEL
 from autopar.errors import AutoparError
+from autopar.placement import Outputs
 
 
 def _mesh(text: str) -> tuple[int, ...]:
@@ -60,6 +61,13 @@ def _build_parser() -> argparse.ArgumentParser:
     )
     pl.add_argument("--time-limit", type=float, default=None, help="solver time limit per mesh, in seconds")
     pl.add_argument("--meta", action="store_true", help="build the model on the meta device (no weights)")
+    pl.add_argument(
+        "--outputs",
+        choices=[o.value for o in Outputs],
+        default=Outputs.FULL.value,
+        help="return each output whole on every rank (full, the default) or as each rank's piece "
+        "(local: no gathered logits)",
+    )
     pl.add_argument(
         "--profile",
         action="store_true",
@@ -133,6 +141,7 @@ def _cmd_plan(args) -> int:
         time_limit_s=args.time_limit,
         progress=lambda m: print(m, flush=True),
         profile=profile,
+        outputs=Outputs(args.outputs),
     )
     plan.save(args.out)
     print(plan.summary())

@@ -6,6 +6,7 @@ Text form: ``R`` (Replicate), ``S(d)`` (Shard on tensor dim d), ``P`` (Partial s
 
 from __future__ import annotations
 
+import enum
 import re
 from collections.abc import Sequence
 
@@ -106,3 +107,25 @@ def volume_factor(spec: Sequence[Placement], mesh_shape: Sequence[int]) -> int:
         if is_shard(p):
             f *= n
     return f
+
+
+class Outputs(enum.Enum):
+    """How the parallel module returns the model's outputs.
+
+    * ``FULL``: every output whole on every rank (Replicate), as the single-device model returns
+      it: what a caller that reads the logits expects, at the price of gathering them.
+    * ``LOCAL``: each rank returns its piece, in the placement the plan computes the output in;
+      only pending sums (Partial) are reduced. A loss is a scalar, whole either way; the logits of
+      a vocabulary-parallel head stay sharded (for a 128k-token vocabulary, 67 GB gathered on every
+      rank otherwise). ``ParallelModule.output_specs`` says each output's placement.
+    """
+
+    FULL = "full"
+    LOCAL = "local"
+
+
+def output_placement(spec: Sequence[Placement], outputs: Outputs) -> Spec:
+    """The placement a graph output computed in ``spec`` is returned in."""
+    if outputs is Outputs.FULL:
+        return replicated(len(spec))
+    return tuple(R if is_partial(p) else p for p in spec)

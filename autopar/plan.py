@@ -16,6 +16,7 @@ JSON layout (schema_version 1)::
       ],
       "predicted": {"step_time_s": ..., "peak_memory_bytes": ..., "compute_s": ..., "comm_s": ...,
                     "param_bytes": ..., "grad_bytes": ..., "optimizer_bytes": ..., "activation_bytes": ...},
+      "outputs": "full",   (or "local": each rank returns its piece; absent in older plans: "full")
       "solver": {"name": "PULP_CBC_CMD", "status": "Optimal", "objective": ..., "solve_time_s": ...,
                  "num_variables": ..., "num_constraints": ..., "candidates": [...mesh shapes tried...]}
     }
@@ -31,7 +32,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from autopar.errors import PlanFormatError, PlanMismatchError
-from autopar.placement import Spec, spec_from_str
+from autopar.placement import Outputs, Spec, spec_from_str
 
 SCHEMA_VERSION = 1
 
@@ -121,6 +122,8 @@ class Plan:
     decisions: tuple[NodeDecision, ...]
     predicted: Predicted
     solver: SolverInfo
+    # how the module returns the outputs: "full" (gathered) or "local" (autopar.placement.Outputs)
+    outputs: str = "full"
     schema_version: int = SCHEMA_VERSION
     _by_name: dict = field(default=None, repr=False, compare=False, hash=False)  # type: ignore[assignment]
 
@@ -129,6 +132,10 @@ class Plan:
             raise PlanFormatError(
                 f"plan schema_version {self.schema_version} is not supported (this autopar reads {SCHEMA_VERSION}); "
                 "re-plan with `autopar plan`"
+            )
+        if self.outputs not in {o.value for o in Outputs}:
+            raise PlanFormatError(
+                f"outputs must be one of {[o.value for o in Outputs]}, got {self.outputs!r}"
             )
         if not self.mesh_shape or any(int(n) < 1 for n in self.mesh_shape):
             raise PlanFormatError(f"mesh_shape must be positive integers, got {self.mesh_shape}")
@@ -202,6 +209,7 @@ class Plan:
                 for d in self.decisions
             ],
             "predicted": asdict(self.predicted),
+            "outputs": self.outputs,
             "solver": {**asdict(self.solver), "candidates": list(self.solver.candidates)},
         }
 
@@ -235,6 +243,7 @@ class Plan:
                 decisions=decisions,
                 predicted=Predicted(**data["predicted"]),
                 solver=SolverInfo(**solver),
+                outputs=data.get("outputs", Outputs.FULL.value),  # plans from before the option
                 schema_version=version,
             )
         except (KeyError, TypeError, ValueError) as e:

@@ -1,10 +1,12 @@
 """Planning time = trace on the meta device + strategies + costs + ILP, for the sizes of issue 5.
 
-    .venv/bin/python benchmarks/bench_solver.py [--case NAME ...]
+    .venv/bin/python benchmarks/bench_solver.py [--case NAME ...] [--outputs full|local]
 
 Cases: gpt2-small on 8 devices; LLaMA-3-8B shape on 64 (8 nodes x 8 H100); LLaMA-70B shape on
 1024; and the scaling of one width with 12, 24, 48 and 96 layers. Figures, with the machine they
-were measured on, are recorded in benchmarks/README.md.
+were measured on, are recorded in benchmarks/README.md. ``--outputs local`` plans modules that
+return outputs as each rank's piece (``autopar.Outputs.LOCAL``): a training loop needs only the
+loss, and gathering 64 x 4096 x 128256 logits on every rank does not fit an 80 GB device.
 """
 
 from __future__ import annotations
@@ -33,7 +35,11 @@ def _gpt2_small():
         return GPT2LMHeadModel(GPT2Config(use_cache=False)).to(torch.bfloat16)
 
 
+OUTPUTS = {"outputs": autopar.Outputs.FULL}
+
+
 def run(name, model, batch, seq, vocab, cluster, **kw):
+    kw = {**OUTPUTS, **kw}
     ids = torch.randint(0, vocab, (batch, seq))
     lines: list[str] = []
     t0 = time.perf_counter()
@@ -77,7 +83,9 @@ CASES = {
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--case", action="append", choices=list(CASES), help="run only these (repeatable)")
+    ap.add_argument("--outputs", choices=[o.value for o in autopar.Outputs], default="full")
     args = ap.parse_args()
+    OUTPUTS["outputs"] = autopar.Outputs(args.outputs)
     print(f"# {platform.machine()}, {torch.get_num_threads()} threads, torch {torch.__version__}")
     for name in args.case or list(CASES):
         CASES[name]()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+import torch.fx as fx
 import torch.utils._pytree as pytree
 from torch.distributed.device_mesh import init_device_mesh
 
@@ -11,9 +12,11 @@ from autopar.codegen.grad_sync import GradSync
 from autopar.codegen.lower import lower, mangle
 from autopar.codegen.module import ParallelModule, local_piece
 from autopar.errors import DistributedSetupError
+from autopar.passes.costs import resolve_source
 from autopar.passes.grad_sync import deferred_grad_axes
 from autopar.passes.strategies import Strategy
 from autopar.passes.trace import Role, TracedGraph
+from autopar.placement import Outputs, output_placement
 
 
 def _device() -> torch.device:
@@ -56,7 +59,15 @@ def build_parallel_module(
         state_specs[p.target] = (mangle(p.target), spec)
 
     deferred = deferred_grad_axes(tg, choice, plan.mesh_shape)
-    gm = lower(tg, choice, plan.mesh_shape, device, attrs, deferred)
+    outputs = Outputs(plan.outputs)
+    gm = lower(tg, choice, plan.mesh_shape, device, attrs, deferred, outputs)
+    out_node = next(n for n in tg.graph.nodes if n.op == "output")
+    output_specs = tuple(
+        output_placement(choice[resolve_source(leaf).name].out, outputs)
+        if isinstance(leaf, fx.Node) and isinstance(leaf.meta.get("val"), torch.Tensor)
+        else None
+        for leaf in pytree.tree_leaves(out_node.args[0])
+    )
     names = {p.name: p.target for p in tg.placeholders}
     grad_sync = GradSync([(attrs[mangle(names[n])], axes) for n, axes in deferred.items()])
     args, kwargs = inputs
@@ -74,4 +85,5 @@ def build_parallel_module(
         device=device,
         plan=plan,
         grad_sync=grad_sync,
+        output_specs=output_specs,
     )

@@ -10,7 +10,8 @@ For every node, in order:
 2. the op runs on local pieces: the same aten op, except for *lowerings* (``LOWERINGS``) that
    rewrite arguments that refer to global sizes (views, expands), rescale a mean over a sharded
    dim, or reduce a batch-sharded cross-entropy with explicit all-reduces;
-3. outputs are gathered to Replicate (full tensors) before they leave the module.
+3. outputs are gathered to Replicate (full tensors) before they leave the module, or, with
+   ``Outputs.LOCAL``, leave as this rank's piece (pending sums reduced).
 
 Parameters and buffers become ``get_attr`` of local shards; user inputs arrive full and are sliced
 locally. The generated ``.code`` is straight-line: local aten ops and ``autopar`` collectives.
@@ -31,7 +32,16 @@ from autopar.passes.grad_sync import emitted_f_axes, reshard_key
 from autopar.passes.rules import _norm, map_args
 from autopar.passes.strategies import Strategy
 from autopar.passes.trace import Role, TracedGraph
-from autopar.placement import Spec, is_partial, is_replicate, is_shard, local_shape, replicated
+from autopar.placement import (
+    Outputs,
+    Spec,
+    is_partial,
+    is_replicate,
+    is_shard,
+    local_shape,
+    output_placement,
+    replicated,
+)
 
 aten = torch.ops.aten
 
@@ -213,6 +223,7 @@ def lower(
     device: torch.device,
     attrs: dict[str, torch.Tensor],
     deferred: dict[str, tuple[int, ...]] | None = None,
+    outputs: Outputs = Outputs.FULL,
 ) -> fx.GraphModule:
     """Return the rank-local GraphModule; ``attrs`` maps mangled names to local parameter/buffer shards.
     ``deferred``: parameter placeholder -> axes whose "f" is left out because the accumulated
@@ -281,7 +292,7 @@ def lower(
             outs = []
             for leaf in pytree.tree_leaves(node.args[0]):
                 if isinstance(leaf, fx.Node) and isinstance(leaf.meta.get("val"), torch.Tensor):
-                    outs.append(reshard((), leaf, r, node))
+                    outs.append(reshard((), leaf, output_placement(spec[leaf], outputs), node))
                 else:
                     outs.append(env[leaf] if isinstance(leaf, fx.Node) else leaf)
             g.output(outs)

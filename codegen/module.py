@@ -43,6 +43,7 @@ class ParallelModule(torch.nn.Module):
         device: torch.device,
         plan,
         grad_sync=None,
+        output_specs: Sequence[Spec | None] = (),
     ):
         super().__init__()
         self.local = local
@@ -57,6 +58,9 @@ class ParallelModule(torch.nn.Module):
         self._extra_state = extra_state  # state the graph never reads: kept as it was
         self._device = device
         self.grad_sync = grad_sync  # codegen/grad_sync.GradSync: the overlapped gradient all-reduces
+        # the placement of each output leaf (flattened, as pytree orders them; None: not a tensor):
+        # all Replicate unless the plan returns outputs as local pieces (autopar.placement.Outputs)
+        self.output_specs = tuple(output_specs)
 
     @property
     def code(self) -> str:
@@ -83,6 +87,16 @@ class ParallelModule(torch.nn.Module):
         C.set_mesh(self.mesh)
         outs = self.local(*flat)
         return pytree.tree_unflatten(list(outs), self._out_spec)
+
+    @torch.no_grad()
+    def full_output(self, piece: torch.Tensor, index: int) -> torch.Tensor:
+        """The whole output from this rank's ``piece`` of output leaf ``index`` (``output_specs``
+        order); collective: every rank calls it. For plans made with ``outputs=Outputs.LOCAL``."""
+        spec = self.output_specs[index]
+        if spec is None:
+            raise ValueError(f"output {index} is not a tensor")
+        C.set_mesh(self.mesh)
+        return C.gather_full(piece, spec, tuple(self.mesh.shape))
 
     @torch.no_grad()
     def full_state_dict(self) -> dict[str, torch.Tensor]:

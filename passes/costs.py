@@ -60,7 +60,7 @@ from autopar.passes.coarsen import Classes
 from autopar.passes.rules import tensor_inputs
 from autopar.passes.strategies import AxisRole, NodeStrategies, Strategy
 from autopar.passes.trace import Role, TracedGraph
-from autopar.placement import is_replicate, replicated, volume_factor
+from autopar.placement import Outputs, is_replicate, output_placement, volume_factor
 
 if TYPE_CHECKING:
     from autopar.cost_model.profiler import OpProfiler
@@ -168,11 +168,13 @@ def build_costs(
     axis_roles: tuple[AxisRole, ...] | None = None,
     classes: Classes | None = None,
     profiler: OpProfiler | None = None,
+    outputs: Outputs = Outputs.FULL,
 ) -> CostTables:
     """Cost tables over class representatives (every node its own class when ``classes`` is None):
     node costs are multiplied by the class size, edges between the same two classes are priced once
     and multiplied by how many there are; an edge inside one class is a self-loop (same strategy).
-    With a ``profiler``, an op's compute is its measured time on the local shapes where it has one."""
+    With a ``profiler``, an op's compute is its measured time on the local shapes where it has one.
+    ``outputs``: the placement the module returns the graph's outputs in (whole, or as pieces)."""
     comm = CommModel(cluster, mesh_shape)
     device = cluster.device
     slow = cluster.compute_slowdown  # CPU ranks sharing too few cores
@@ -267,7 +269,6 @@ def build_costs(
         tables.edges.append(e.scaled(count))
 
     out_node = next(n for n in tg.graph.nodes if n.op == "output")
-    r = replicated(len(mesh_shape))
     for k, inp in enumerate(out_node.all_input_nodes):
         if not isinstance(inp.meta.get("val"), torch.Tensor):
             continue
@@ -276,9 +277,10 @@ def build_costs(
         orig, owner = _owner(kept, ("output", k), infos, classes)
         row_c, row_m, row_n, row_p, row_k = [], [], [], [], []
         for su in strats[src].strategies:
+            r = output_placement(su.out, outputs)
             c, names = comm.reshard(su.out, r, nbytes, False)
             row_c.append([c])
-            # the caller holds the full output through backward: a gathered copy, or the tensor itself
+            # the caller holds the output through backward: a gathered copy, or the tensor itself
             copy, own = _kept_bytes(su.out, r, nbytes, True, orig, mesh_shape)
             row_m.append([copy + (0.0 if owner else own)])
             row_k.append([own])

@@ -40,7 +40,7 @@ from autopar.passes.costs import f_axes, resolve_source
 from autopar.passes.rules import tensor_inputs
 from autopar.passes.strategies import Strategy
 from autopar.passes.trace import Role, TracedGraph
-from autopar.placement import Spec, replicated, volume_factor
+from autopar.placement import Outputs, Spec, output_placement, volume_factor
 
 
 def pure_f_axes(stored, s: Strategy, k: int, mesh_shape: Sequence[int]) -> tuple[int, ...]:
@@ -88,8 +88,11 @@ class Use:
     runs: bool  # False: it takes the reshard an earlier use with the same key made
 
 
-def plan_uses(tg: TracedGraph, choice: dict[str, Strategy], deferred: dict) -> Iterator[Use]:
-    """Every use whose input has a producer in ``choice``, in graph order."""
+def plan_uses(
+    tg: TracedGraph, choice: dict[str, Strategy], deferred: dict, outputs: Outputs = Outputs.FULL
+) -> Iterator[Use]:
+    """Every use whose input has a producer in ``choice``, in graph order (the graph's outputs
+    taken in their ``outputs`` placement)."""
     seen: set[tuple] = set()
 
     def use(node, k, inp, src, need, fops):
@@ -105,7 +108,7 @@ def plan_uses(tg: TracedGraph, choice: dict[str, Strategy], deferred: dict) -> I
             for k, inp in enumerate(tensors):
                 src = resolve_source(inp).name
                 if src in choice:
-                    yield use(node, k, inp, src, replicated(len(choice[src].out)), ())
+                    yield use(node, k, inp, src, output_placement(choice[src].out, outputs), ())
             continue
         if node.op != "call_function" or node.name not in choice or node.target is operator.getitem:
             continue
@@ -116,11 +119,18 @@ def plan_uses(tg: TracedGraph, choice: dict[str, Strategy], deferred: dict) -> I
                 yield use(node, k, inp, src, s.ins[k], emitted_f_axes(s, k, inp, deferred.get(src, ())))
 
 
-def shared_reshards_s(tg, infos: dict, choice: dict[str, Strategy], comm: CommModel, deferred: dict) -> float:
+def shared_reshards_s(
+    tg,
+    infos: dict,
+    choice: dict[str, Strategy],
+    comm: CommModel,
+    deferred: dict,
+    outputs: Outputs = Outputs.FULL,
+) -> float:
     """Seconds of the reshards that uses share (``reshard_key``) beyond the first of each: the cost
     tables price every use on its own (a graph output's without a gradient), codegen runs one."""
     total = 0.0
-    for u in plan_uses(tg, choice, deferred):
+    for u in plan_uses(tg, choice, deferred, outputs):
         if not u.runs:
             info = infos[u.inp.name]
             op = u.user.op == "call_function"
@@ -200,6 +210,7 @@ def price_grad_sync(
     compute_s: dict[str, float],
     comm: CommModel,
     efficiency: float,
+    outputs: Outputs = Outputs.FULL,
 ) -> GradSyncCost:
     """Price the deferred all-reduces of a plan on the backward timeline.
 
@@ -216,7 +227,7 @@ def price_grad_sync(
     first_use: dict[str, int] = {}  # deferred parameter -> index of its first use's step
     inline_f = 0.0
     uses: dict[str, list[Use]] = {}
-    for u in plan_uses(tg, choice, deferred):
+    for u in plan_uses(tg, choice, deferred, outputs):
         uses.setdefault(u.user.name, []).append(u)
     for node in tg.graph.nodes:
         if node.op != "call_function" or node.name not in choice or node.target is operator.getitem:
@@ -242,5 +253,5 @@ def price_grad_sync(
         allreduce += t
         steps[first_use[p]][1].append((t, t_q))
     hidden = hidden_seconds(list(reversed(steps)), efficiency)
-    shared = shared_reshards_s(tg, infos, choice, comm, deferred)
+    shared = shared_reshards_s(tg, infos, choice, comm, deferred, outputs)
     return GradSyncCost(deferred, inline_f, allreduce, hidden, shared)

@@ -164,12 +164,14 @@ def solve(
 
 # the search folds only dominant followers (exact) up to this many edge strategy pairs, every
 # follower (heuristic) above. The heuristic fold fixes a follower's answer before its consumers
-# choose, and that loses: GPT-2 small on 8 H100s was planned at 40.5 ms per step, exactly at
-# 29.8 ms; gpt2_tiny's tensor-parallel plan on 2 gloo ranks gathered four tiny masks it could have
-# built whole (1.2 ms each). Exact folding keeps more variables: 64,786 pairs (a 2048-wide llama
-# on 2 x 4) solve in 1.7 s instead of 0.9 s on the dev VM (benchmarks/bench_solver.py).
-# Exact folding is used for the lower bound in any case (a heuristic fold gives no valid bound).
-EXACT_FOLD_MAX_PAIRS = 100_000
+# choose, and that loses: GPT-2 small on 8 H100s (23,642 pairs on 2 x 4) was planned at 40.5 ms
+# per step, exactly at 29.8 ms; gpt2_tiny's tensor-parallel plan on 2 gloo ranks gathered four
+# tiny masks it could have built whole (1.2 ms each). Exact folding keeps more variables: a
+# LLaMA-70B on (128, 8) solves in 16 s instead of 6 s for a plan 3% faster, which would take its
+# planning past issue 5's 60 s; a 2048-wide llama on 2 x 4 (64,786 pairs) gains 0.2%
+# (benchmarks/bench_solver.py). Exact folding is used for the lower bound in any case (a
+# heuristic fold gives no valid bound).
+EXACT_FOLD_MAX_PAIRS = 30_000
 
 
 def edge_pairs(tables: CostTables) -> int:

@@ -35,7 +35,10 @@ def test_plan_from_a_file_model_spec_with_fixed_mesh(tmp_path):
     )
     out = tmp_path / "p.json"
     assert main(["plan", f"{f}:build", "--cluster", "cpu:1x4", "--mesh", "2x2", "--out", str(out)]) == 0
-    assert autopar.Plan.load(out).mesh_shape == (2, 2)
+    assert autopar.Plan.load(out).mesh_shape == (2, 2) and autopar.Plan.load(out).outputs == "full"
+    args = ["plan", f"{f}:build", "--cluster", "cpu:1x4", "--outputs", "local", "--out", str(out)]
+    assert main(args) == 0
+    assert autopar.Plan.load(out).outputs == "local"
 
 
 @pytest.mark.parametrize(

@@ -12,8 +12,9 @@ from hypothesis import strategies as st
 import autopar
 import autopar.examples
 from autopar.api import choice_from_plan
+from autopar.errors import PlanFormatError
 from autopar.passes.trace import trace
-from autopar.placement import spec_from_str
+from autopar.placement import Outputs, spec_from_str
 from autopar.plan import SCHEMA_VERSION, NodeDecision, Plan, Predicted, SolverInfo
 
 # ------------------------------------------------------------------------------------------ fixtures
@@ -66,7 +67,7 @@ def test_real_plan_save_load_roundtrip(real_plan, tmp_path):
     data = json.loads(path.read_text())
     assert data["schema_version"] == SCHEMA_VERSION == 1
     assert set(data) == {
-        "schema_version", "fingerprint", "model", "cluster", "mesh_shape", "decisions", "predicted", "solver",
+        "schema_version", "fingerprint", "model", "cluster", "mesh_shape", "decisions", "predicted", "outputs", "solver",
     }  # fmt: skip
     # a loaded plan still answers lookups (the private index is rebuilt)
     for d in real_plan.decisions:
@@ -184,6 +185,7 @@ def _plans(draw) -> Plan:
         decisions=decisions,
         predicted=predicted,
         solver=solver,
+        outputs=draw(st.sampled_from([o.value for o in Outputs])),
     )
 
 
@@ -207,6 +209,15 @@ def test_equality_is_sensitive_to_each_part():
     changed = dataclasses.replace(base.decisions[1], output="S(1)")
     assert _tiny_plan(decisions=(base.decisions[0], changed)) != base
     assert _tiny_plan(predicted=dataclasses.replace(base.predicted, step_time_s=2e-3)) != base
+
+
+def test_outputs_mode_defaults_to_full_for_older_plans_and_rejects_unknown_modes():
+    data = _tiny_plan().to_dict()
+    assert data["outputs"] == "full"
+    del data["outputs"]  # a plan saved before the option
+    assert Plan.from_dict(data).outputs == "full"
+    with pytest.raises(PlanFormatError, match="outputs must be one of"):
+        Plan.from_dict({**data, "outputs": "sharded"})
 
 
 # ------------------------------------------------------------------------------------------ errors
