@@ -94,9 +94,10 @@ def search(
 ) -> SearchResult:
     """``outputs``: whether the module returns each output whole on every rank (``Outputs.FULL``,
     the default: what the single-device model returns) or as this rank's piece (``Outputs.LOCAL``:
-    no gathered logits; see ``autopar.placement.Outputs``). ``profile``: True (or an ``OpProfiler``) prices ops by running them on this machine's device
-    (cached, see ``cost_model.profiler``) instead of the analytical roofline; the cluster's device must
-    be this machine's kind, else ProfilerDeviceError. ``memory_limit_bytes``: the memory per device
+    no gathered logits; see ``autopar.placement.Outputs``). ``profile``: True (or an
+    ``OpProfiler``) prices ops by running them on this machine's device (cached, see
+    ``cost_model.profiler``) instead of the analytical roofline; the cluster's device must be this
+    machine's kind, else ProfilerDeviceError. ``memory_limit_bytes``: the memory per device
     (default: ``cluster.device.memory_bytes``); the plan's predicted peak stays under it less
     ``cluster.memory_reserve`` (10% by default: fragmentation, workspaces, the model's error)."""
     profiler = resolve_profiler(profile, cluster, progress)

@@ -20,8 +20,9 @@ Where the stored piece is a shard, the "f" fuses into the all-gather's backward 
 The same linearity lets uses of an activation share a reshard (``reshard_key``, ``plan_uses``):
 uses that need the tensor in the same placement with the same "f" take one copy, made at the
 first, and backward reduces the sum of their gradients once. The cost tables price every use on
-its own (a per-edge ILP cannot see that two edges share); ``GradSyncCost.shared_s`` takes the
-duplicates back out of the plan's step time, and the timeline leaves them out.
+its own (the ILP pays a shared reshard once where both ends of its edges are variables,
+``passes/solver.py``); ``GradSyncCost.shared_s`` takes the duplicates back out of the plan's step
+time, and the timeline leaves them out.
 """
 
 from __future__ import annotations
@@ -83,7 +84,7 @@ class Use:
     k: int  # input index (the output's: position among its tensor inputs)
     inp: fx.Node  # the tensor taken
     src: str  # its producer (a getitem resolved)
-    need: Spec  # the placement the use takes it in (outputs: Replicate, full tensors)
+    need: Spec  # the placement the use takes it in (a graph output: its ``Outputs`` placement)
     fops: tuple[int, ...]  # the "f" axes emitted on it
     runs: bool  # False: it takes the reshard an earlier use with the same key made
 
