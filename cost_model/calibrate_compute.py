@@ -16,9 +16,12 @@ Run with the thread count the ranks use, on as many ranks at once as the host ha
   project's VM 19-24 GB/s with both cores doing it, where ``torch.add(a, b, out=c)`` on one
   reused 64 MiB buffer reaches 33; inside a gpt2_tiny step a 1 MiB elementwise op ran at
   15-25 GB/s);
-* FLOP/s: ``torch.nn.functional.linear`` of square fp32 operands of a few sizes ``s``, forward
-  and backward (gradients of input and weight) as a training step runs it, ``F = 3 * 2 s^3``
-  FLOPs (a forward and two backward matmuls, each writing a fresh output); a least-squares line
+* FLOP/s: ``torch.nn.functional.linear`` of fp32 operands, an ``(m, k)`` input and an ``(n, k)``
+  weight, forward and backward (gradients of input and weight) as a training step runs it,
+  ``F = 3 * 2 m k n`` FLOPs (a forward and two backward matmuls, each writing a fresh output),
+  over ``MATMUL_SHAPES``: squares, and the tall, thin GEMMs of a transformer's projections (many
+  tokens against a narrow hidden size), which run 5-15% below squares of the same FLOPs on this
+  project's VM (512 x 128 x 4096: 82 GFLOP/s against 97 for 512^3). A least-squares line
   ``t = F / rate + c`` gives the effective rate ``rate`` [FLOP/s] (on this project's VM 90-95
   GFLOP/s where a forward ``mm`` alone reaches 104). The roofline prices a large GEMM at
   ``F / (peak * EFF_MAX)``, so the peak stored is ``rate / EFF_MAX``: the cost model then
@@ -65,6 +68,10 @@ STEP_LIVE = 48
 STEP_SIZES = (2**20, 2**22)  # bytes per tensor
 ATTENTION_SHAPE = (4, 4, 128, 32)  # batch, heads, sequence, head dim
 OPT_TENSORS = 36
+# (m, k, n) of the matmul samples: squares, and a transformer's projections (tokens x hidden)
+MATMUL_SHAPES = ((128, 128, 128), (256, 256, 256), (384, 384, 384), (512, 512, 512),
+                 (2048, 128, 128), (512, 128, 512), (512, 512, 128), (512, 128, 2048))  # fmt: skip
+MATMUL_SHAPES_QUICK = ((96, 96, 96), (192, 192, 192), (288, 288, 288), (512, 64, 512))
 # passes.costs.Optimizer names -> the torch optimizer that the name prices (device defaults)
 OPTIMIZERS: dict[str, Callable[[list], torch.optim.Optimizer]] = {
     "SGD": lambda ps: torch.optim.SGD(ps, lr=1e-3),
@@ -276,7 +283,7 @@ def measure_compute(device: torch.device | str = "cpu", quick: bool = False) -> 
 
     Returns ``{"peak_flops": rate / EFF_MAX, "flops_effective": rate, "memory_bandwidth": ...,
     "kernel_launch_s": ..., "pointwise_s": {op: [fwd, bwd]}, "per_flop_s": {op: [fwd, bwd]},
-    "optimizer_param_s": {name: s}, "step_overhead_s": ..., "matmul": [(size, flops, seconds), ...],
+    "optimizer_param_s": {name: s}, "step_overhead_s": ..., "matmul": [((m, k, n), flops, seconds), ...],
     "matmul_intercept_s": ...}``; the keys named as DeviceSpec fields are those fields.
     """
     dev = torch.device(device)
@@ -284,16 +291,16 @@ def measure_compute(device: torch.device | str = "cpu", quick: bool = False) -> 
     launch = measure_launch(dev, repeats, inner=5 if quick else 20)
     mem_bw = measure_memory_bandwidth(dev, repeats)
     points = []
-    for s in (96, 192, 288) if quick else (128, 256, 384, 512):
-        x = torch.randn(s, s, device=dev, requires_grad=True)
-        w = torch.randn(s, s, device=dev, requires_grad=True)
-        g = torch.randn(s, s, device=dev)
+    for m, k, n in MATMUL_SHAPES_QUICK if quick else MATMUL_SHAPES:
+        x = torch.randn(m, k, device=dev, requires_grad=True)
+        w = torch.randn(n, k, device=dev, requires_grad=True)
+        g = torch.randn(m, n, device=dev)
 
         def train(x=x, w=w, g=g):
             torch.nn.functional.linear(x, w).backward(g)
             x.grad = w.grad = None
 
-        points.append((s, 3 * 2.0 * s**3, median_time(train, dev, repeats)))
+        points.append(((m, k, n), 3 * 2.0 * m * k * n, median_time(train, dev, repeats)))
     fl = torch.tensor([p[1] for p in points], dtype=torch.float64)
     ts = torch.tensor([p[2] for p in points], dtype=torch.float64)
     design = torch.stack([fl, torch.ones_like(fl)], dim=1)
