@@ -4,7 +4,7 @@ pmodel = autopar.autoparallelize(model, cluster_spec, example_inputs)   # on eve
 plan = autopar.plan(model, cluster_spec, example_inputs)                # offline, no GPU needed
 """
 
-from autopar.api import autoparallelize, plan, search
+from autopar.api import autoparallelize, plan, reprice, search
 from autopar.cluster import ClusterSpec, DeviceSpec, LinkSpec
 from autopar.coverage import OpCoverage, coverage
 from autopar.errors import (
@@ -42,5 +42,6 @@ __all__ = [
     "autoparallelize",
     "coverage",
     "plan",
+    "reprice",
     "search",
 ]

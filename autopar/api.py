@@ -457,6 +457,41 @@ def plan(
     ).plan
 
 
+def reprice(
+    model: torch.nn.Module,
+    cluster: ClusterSpec,
+    example_inputs,
+    plan: Plan | str | os.PathLike,
+    *,
+    optimizer: Optimizer = Optimizer.ADAM,
+    profile: bool | OpProfiler = False,
+) -> Plan:
+    """The plan's decisions, unchanged, priced on ``cluster``: no search. For a plan searched for
+    one cluster (or one calibration) and run on another, or a plan chosen by other means, whose
+    predicted step and memory are wanted where it runs. ``optimizer``: the one the run uses (a plan
+    does not record it); ``profile``: as for ``search``. The result's solver status is
+    "Repriced"; its objective, the cost tables' total on ``cluster``."""
+    if isinstance(plan, (str, os.PathLike)):
+        plan = Plan.load(plan)
+    tg = trace(model, example_inputs)
+    plan.check_matches(tg.fingerprint(), cluster.world_size)
+    infos = analyze(tg)
+    mesh = tuple(plan.mesh_shape)
+    outputs = Outputs(plan.outputs)
+    strats = build_strategies(tg, infos, mesh)
+    profiler = resolve_profiler(profile, cluster, None)
+    tables = build_costs(tg, infos, strats, cluster, mesh, optimizer, profiler=profiler, outputs=outputs)
+    wanted = choice_from_plan(tg, plan)
+    picks = {v: ss.index(wanted[v]) for v, ss in tables.strategies.items()}
+    t, _ = evaluate(tables, picks)
+    sol = Solution(picks, t, "Repriced", 0.0, plan.solver.name, 0, 0)
+    choice = _expanded_choice(tg, tables, sol)
+    gs = _grad_sync_cost(tg, infos, tables, sol, choice, cluster, mesh, outputs)
+    return _make_plan(
+        tg, infos, tables, sol, choice, cluster, mesh, optimizer, plan.solver.candidates, 0.0, gs, outputs
+    )
+
+
 def autoparallelize(
     model: torch.nn.Module,
     cluster: ClusterSpec | None,
