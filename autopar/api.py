@@ -31,7 +31,6 @@ from autopar.passes.costs import CostTables, Optimizer, build_costs, resolve_sou
 from autopar.passes.grad_sync import (
     GradSyncCost,
     deferred_all_reduce_s,
-    inline_f_axes,
     plan_uses,
     price_grad_sync,
 )
@@ -393,9 +392,7 @@ def _node_collectives(tg: TracedGraph, infos, choice: dict[str, Strategy], comm:
         if not u.runs or u.user.op != "call_function":  # graph outputs: priced, not listed
             continue
         info = infos[u.inp.name]
-        s = choice[u.user.name]
-        f = inline_f_axes(s, u.k, deferred.get(u.src, ()))
-        c, called = comm.reshard(choice[u.src].out, s.ins[u.k], info.out_bytes, info.requires_grad, f)
+        c, called = comm.reshard(choice[u.src].out, u.need, info.out_bytes, info.requires_grad, u.fops)
         if called:
             n = u.user.name
             seconds[n] = seconds.get(n, 0.0) + c

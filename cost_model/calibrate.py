@@ -19,8 +19,8 @@ Each repeat runs every case after one barrier, in a shuffled order, each after 0
 as a training step issues its collectives between ops (on gloo, a collective right after another
 often stalls ~2 ms, one right after a barrier does not; a step sits in between). A run's time is
 the maximum over ranks (the slowest rank decides when the collective is over), and a sample's
-time is the 10%-trimmed mean over ``repeats`` runs (a step pays the expected time of each
-collective, stalls included).
+time is the mean over ``repeats`` runs less the top and bottom 2.5% (``trimmed_mean``: a step
+pays the expected time of each collective, stalls included).
 
 Fit (``fit_link``): the ring alpha-beta formulas of ``cost_model/comm.py``
 

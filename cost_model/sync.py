@@ -14,7 +14,7 @@ whose input gradients need them, in backward)
 with ``d_i`` [s] the compute since the previous synchronizing point. Steps run back to back, so
 the compute after the last one (the rest of the backward, the optimizer) joins the first gap of
 the next step. A node's compute is split into forward and backward as ``FORWARD_SHARE`` and the
-rest (a matmul's backward is two matmuls of its forward's size). Overlapped gradient
+rest (``1 : BACKWARD_FACTOR``: a matmul's backward is two matmuls of its forward's size). Overlapped gradient
 all-reduces (``codegen/grad_sync.py``) are not synchronizing points here: their wait is what
 ``cost_model/overlap.py`` prices. Plans without a synchronizing collective wait for nothing.
 
@@ -38,9 +38,11 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
+from autopar.cost_model.compute import BACKWARD_FACTOR
+
 REFERENCE_GAP_S = 5e-4  # compute before each collective when calibrate times it
 SYNC_GAPS_S = (2.5e-4, 5e-4, 1e-3, 2e-3, 4e-3)  # the gaps calibrate fits the wait over
-FORWARD_SHARE = 1.0 / 3.0
+FORWARD_SHARE = 1.0 / (1.0 + BACKWARD_FACTOR)  # as passes/grad_sync.py splits a node's compute
 
 
 def wait_for_gap(gap_s: float, c: float) -> float:

@@ -201,6 +201,9 @@ def build_costs(
             tables.grad_free[name] = tuple(sorted(last_use[m] + 0.5 for m in classes.members[name]))
         for s in ns.strategies:
             vol = volume_factor(s.out, mesh_shape)
+            # backward sums the gradients of an output several ops use (0 for buffers and inputs);
+            # twins may differ in their uses (a block's last output feeds the final norm only)
+            acc = sum(accumulate_time(info.out_bytes / vol, uses.get(m, 0), device) for m in members) * slow
             if info.role is Role.PARAM:
                 copies = 1 + (optimizer.value if info.requires_grad else 0)
                 step = (
@@ -208,8 +211,7 @@ def build_costs(
                     if info.requires_grad
                     else 0.0
                 )
-                acc = sum(accumulate_time(info.out_bytes / vol, uses.get(m, 0), device) for m in members)
-                costs.append(n * step + acc * slow)
+                costs.append(n * step + acc)
                 mems.append(n * info.out_bytes * copies / vol)
                 continue
             if info.role in (Role.BUFFER, Role.INPUT):
@@ -222,9 +224,7 @@ def build_costs(
                 t = analytical_node_time(info, ns.inputs, infos, device, k)
             t *= slow
             t += _lowering_comm(ns.node, s, comm)
-            # twins may differ in their uses (a block's last output feeds the final norm only)
-            acc = sum(accumulate_time(info.out_bytes / vol, uses.get(m, 0), device) for m in members)
-            costs.append(n * t + acc * slow)
+            costs.append(n * t + acc)
             # internal saved tensors are cut like the op's work: by its largest split (e.g. a loss's
             # log-probabilities follow the logits, not the scalar output)
             work_vol = max([vol] + [volume_factor(x, mesh_shape) for x in s.ins])

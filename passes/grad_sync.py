@@ -28,7 +28,7 @@ time, and the timeline leaves them out.
 from __future__ import annotations
 
 import operator
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -121,22 +121,17 @@ def plan_uses(
 
 
 def shared_reshards_s(
-    tg,
-    infos: dict,
-    choice: dict[str, Strategy],
-    comm: CommModel,
-    deferred: dict,
-    outputs: Outputs = Outputs.FULL,
+    uses: Iterable[Use], infos: dict, choice: dict[str, Strategy], comm: CommModel
 ) -> float:
     """Seconds of the reshards that uses share (``reshard_key``) beyond the first of each: the cost
-    tables price every use on its own (a graph output's without a gradient), codegen runs one."""
+    tables price every use on its own (a graph output's without a gradient), codegen runs one.
+    ``uses``: ``plan_uses`` of the plan."""
     total = 0.0
-    for u in plan_uses(tg, choice, deferred, outputs):
+    for u in uses:
         if not u.runs:
             info = infos[u.inp.name]
-            op = u.user.op == "call_function"
-            f = inline_f_axes(choice[u.user.name], u.k, deferred.get(u.src, ())) if op else ()
-            total += comm.reshard(choice[u.src].out, u.need, info.out_bytes, info.requires_grad and op, f)[0]
+            rg = info.requires_grad and u.user.op == "call_function"
+            total += comm.reshard(choice[u.src].out, u.need, info.out_bytes, rg, u.fops)[0]
     return total
 
 
@@ -227,8 +222,9 @@ def price_grad_sync(
     steps: list[tuple[float, list[float]]] = []
     first_use: dict[str, int] = {}  # deferred parameter -> index of its first use's step
     inline_f = 0.0
+    every = list(plan_uses(tg, choice, deferred, outputs))
     uses: dict[str, list[Use]] = {}
-    for u in plan_uses(tg, choice, deferred, outputs):
+    for u in every:
         uses.setdefault(u.user.name, []).append(u)
     for node in tg.graph.nodes:
         if node.op != "call_function" or node.name not in choice or node.target is operator.getitem:
@@ -239,9 +235,7 @@ def price_grad_sync(
             info = infos[u.inp.name]
             have, rg = choice[u.src].out, info.requires_grad
             priced, _ = comm.reshard(have, u.need, info.out_bytes, rg, f_axes(s, u.k))  # as the tables
-            run, _ = comm.reshard(
-                have, u.need, info.out_bytes, rg, inline_f_axes(s, u.k, deferred.get(u.src, ()))
-            )
+            run, _ = comm.reshard(have, u.need, info.out_bytes, rg, u.fops)
             if u.src in deferred:
                 first_use.setdefault(u.src, len(steps))
                 inline_f += priced - run
@@ -254,5 +248,5 @@ def price_grad_sync(
         allreduce += t
         steps[first_use[p]][1].append((t, t_q))
     hidden = hidden_seconds(list(reversed(steps)), efficiency)
-    shared = shared_reshards_s(tg, infos, choice, comm, deferred, outputs)
+    shared = shared_reshards_s(every, infos, choice, comm)
     return GradSyncCost(deferred, inline_f, allreduce, hidden, shared)

@@ -121,7 +121,7 @@ def test_sharing_lowers_the_predicted_step_by_what_the_duplicates_cost():
         u for u in dup if choice[u.src].out == u.need and u.fops == (0,) and infos[u.inp.name].requires_grad
     ]
     assert len(pure) >= 3 * 2, "per layer, k and v share q's input, up shares gate's"
-    want = shared_reshards_s(tg, infos, choice, comm, deferred)
+    want = shared_reshards_s(plan_uses(tg, choice, deferred), infos, choice, comm)
     by_hand = sum(comm.time(Collective.ALL_REDUCE, infos[u.inp.name].out_bytes, 0) for u in pure)
     assert want >= by_hand > 0
     objective = res.plan.solver.objective
