@@ -29,8 +29,9 @@ from autopar.passes.analyze import NodeInfo, analyze
 from autopar.passes.coarsen import find_classes
 from autopar.passes.costs import CostTables, Optimizer, build_costs, resolve_source
 from autopar.passes.grad_sync import (
+    Bucket,
     GradSyncCost,
-    deferred_all_reduce_s,
+    bucket_all_reduce_s,
     plan_uses,
     price_grad_sync,
 )
@@ -302,7 +303,7 @@ def _with_getitems(tg: TracedGraph, choice: dict[str, Strategy]) -> dict[str, St
 def _make_plan(
     tg, infos, tables, sol, choice, cluster, mesh, optimizer, candidates, bound, gs, outputs
 ) -> Plan:
-    comm_in, colls = _node_collectives(tg, infos, choice, CommModel(cluster, mesh), gs.deferred)
+    comm_in, colls = _node_collectives(tg, infos, choice, CommModel(cluster, mesh), gs.deferred, gs.buckets)
     decisions = []
     param_b = grad_b = 0.0
     compute = 0.0
@@ -381,11 +382,13 @@ def _sync_wait(decisions: list[NodeDecision], c: float) -> float:
     return sync_wait_s([(d.compute_s, syncs(d, False), syncs(d, True)) for d in decisions], c)
 
 
-def _node_collectives(tg: TracedGraph, infos, choice: dict[str, Strategy], comm: CommModel, deferred):
+def _node_collectives(
+    tg: TracedGraph, infos, choice: dict[str, Strategy], comm: CommModel, deferred, buckets: Sequence[Bucket]
+):
     """Per node: seconds and names of the collectives that bring its inputs to the placements it
     takes (priced as in the cost tables' edges, but per graph edge, not per class of edges; a
     reshard several uses share is listed on the first); a parameter's ``deferred`` gradient
-    all-reduce is listed on the parameter."""
+    all-reduce is listed on the parameter, with its share of its bucket's seconds."""
     seconds: dict[str, float] = {}
     names: dict[str, list[str]] = {}
     for u in plan_uses(tg, choice, deferred):
@@ -397,9 +400,11 @@ def _node_collectives(tg: TracedGraph, infos, choice: dict[str, Strategy], comm:
             n = u.user.name
             seconds[n] = seconds.get(n, 0.0) + c
             names.setdefault(n, []).extend(called)
-    for p, axes in deferred.items():
-        seconds[p] = deferred_all_reduce_s(infos, choice, comm, p, axes)[0]
-        names[p] = [f"all_reduce(axis {a}, overlapped)" for a in axes]
+    for k, b in enumerate(buckets):
+        t = bucket_all_reduce_s(b, comm)[0]
+        for p in b.params:  # each member's share of its bucket, by bytes
+            seconds[p] = t * infos[p].out_bytes / volume_factor(choice[p].out, comm.mesh_shape) / b.nbytes
+            names[p] = [f"all_reduce(axis {a}, overlapped, bucket {k})" for a in b.axes]
     return seconds, names
 
 

@@ -47,7 +47,7 @@ def _rank(rank: int, world: int, spec: str, cluster_dict: dict, path: str, round
         finally:
             build.deferred_grad_axes = real
         opt = torch.optim.SGD(pm.parameters(), lr=0.01)
-        runs[mode] = (lambda m=pm, o=opt, x=inputs: train_step(m, o, x), len(pm.grad_sync._axes))  # noqa: E731
+        runs[mode] = (lambda m=pm, o=opt, x=inputs: train_step(m, o, x), len(pm.grad_sync._bucket_of))  # noqa: E731
     times = time_interleaved({k: step for k, (step, _) in runs.items()}, rounds, WARMUP)
     return {k: (times[k], runs[k][1]) for k in runs}
 

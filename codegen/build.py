@@ -13,7 +13,7 @@ from autopar.codegen.lower import lower, mangle
 from autopar.codegen.module import ParallelModule, local_piece
 from autopar.errors import DistributedSetupError
 from autopar.passes.costs import resolve_source
-from autopar.passes.grad_sync import deferred_grad_axes
+from autopar.passes.grad_sync import deferred_grad_axes, grad_buckets
 from autopar.passes.strategies import Strategy
 from autopar.passes.trace import Role, TracedGraph
 from autopar.placement import Outputs, output_placement
@@ -69,7 +69,8 @@ def build_parallel_module(
         for leaf in pytree.tree_leaves(out_node.args[0])
     )
     names = {p.name: p.target for p in tg.placeholders}
-    grad_sync = GradSync([(attrs[mangle(names[n])], axes) for n, axes in deferred.items()])
+    buckets = grad_buckets(tg, choice, deferred, plan.mesh_shape)
+    grad_sync = GradSync([([attrs[mangle(names[n])] for n in b.params], b.axes) for b in buckets])
     args, kwargs = inputs
     flat = pytree.tree_leaves((args, kwargs))
     return ParallelModule(

@@ -1,26 +1,33 @@
-"""Asynchronous gradient all-reduce of parameters, overlapped with the rest of backward.
+"""Asynchronous, bucketed gradient all-reduce of parameters, overlapped with the rest of backward.
 
 For the parameters ``passes/grad_sync.py`` selects (every use needs the same pure "f"), the
-generated graph has no "f"; instead each such parameter gets two hooks:
+generated graph has no "f"; instead the parameters are grouped into buckets
+(``passes/grad_sync.py:grad_buckets``, as ``DistributedDataParallel`` groups them) and each gets
+two hooks:
 
 * a tensor hook, which sees the gradient ``g`` autograd is about to accumulate:
 
   - ``.grad`` is None (the usual step): lets ``g`` through and marks the parameter;
   - ``.grad`` already holds a value (zeroed rather than set to None, or gradient accumulation
-    over micro-batches): starts the all-reduce on a copy of ``g`` and lets zeros through, so
-    the reduced copy is added to ``.grad`` when it arrives: an accumulated gradient is never
+    over micro-batches): hands a copy of ``g`` to the bucket and lets zeros through, so the
+    reduced copy is added to ``.grad`` when it arrives: an accumulated gradient is never
     reduced twice;
   - this backward will not accumulate into ``.grad`` (``torch.autograd.grad``): all-reduces ``g``
     inline, exactly as the "f" would have;
 
-* a post-accumulate-grad hook, which starts ``all_reduce(p.grad, async_op=True)`` for a marked
-  parameter.
+* a post-accumulate-grad hook, which hands ``p.grad`` of a marked parameter to its bucket.
 
-The first reduction started in a backward queues a callback that the autograd engine runs when
-backward ends (as ``DistributedDataParallel`` does): it waits for every pending reduction (and
-adds the copies), so ``loss.backward()`` returns with the same gradients as the inline version.
+When every member of a bucket has handed its gradient in, the bucket starts one asynchronous
+all-reduce: of that gradient itself for a bucket of one, else of ``torch.cat`` of the members'
+gradients, whose slices then become the members' ``.grad`` (so the reduced values land there with
+no copy back, and the old gradients are freed). The first reduction started in a backward queues a
+callback that the autograd engine runs when backward ends (as ``DistributedDataParallel`` does): it
+starts the buckets still incomplete (a parameter this backward did not reach), with the members
+they have, then waits for every pending reduction (and adds the copies), so ``loss.backward()``
+returns with the same gradients as the inline version. Every rank runs the same backward, so the
+buckets start in the same order on all of them.
 
-A parameter reduced over several mesh axes starts the first asynchronously and the others after
+A bucket reduced over several mesh axes starts the first asynchronously and the others after
 it completes (one process group per axis).
 """
 
@@ -43,20 +50,39 @@ def _accumulates(acc) -> bool:
         return False
 
 
+class _Bucket:
+    """Members' gradients handed in so far: parameter -> (tensor to reduce, added to .grad after)."""
+
+    def __init__(self, params: Sequence[torch.nn.Parameter], axes: tuple[int, ...]):
+        self.params = list(params)
+        self.axes = axes
+        self.ready: dict[int, tuple[torch.Tensor, bool]] = {}
+
+
 class GradSync:
-    def __init__(self, params: Sequence[tuple[torch.nn.Parameter, tuple[int, ...]]]):
-        self._axes = {id(p): axes for p, axes in params}
+    """``buckets``: lists of parameters, each reduced over its mesh ``axes``, in the order backward
+    completes them (``passes/grad_sync.py:grad_buckets``)."""
+
+    def __init__(self, buckets: Sequence[tuple[Sequence[torch.nn.Parameter], tuple[int, ...]]]):
+        self._buckets = [_Bucket(ps, axes) for ps, axes in buckets]
+        self._bucket_of = {id(p): b for b in self._buckets for p in b.params}
         self._marked: set[int] = set()
-        self._pending: list[tuple[torch.nn.Parameter, torch.Tensor, object, tuple[int, ...], bool]] = []
+        # started reductions: (bucket, the tensor reduced, its work, [(param, slice) to add])
+        self._pending: list[tuple[_Bucket, torch.Tensor, object, list]] = []
         self._queued = False
         # each parameter's AccumulateGrad node, kept alive: the parameter holds it only weakly, and
         # a node rebuilt later would not be the one the engine runs
         self._accumulators = []
-        for p, axes in params:
-            acc = p.view_as(p).grad_fn.next_functions[0][0]
-            self._accumulators.append(acc)
-            p.register_hook(self._pre_hook(p, acc, axes))
-            p.register_post_accumulate_grad_hook(self._post_hook)
+        for b in self._buckets:
+            for p in b.params:
+                acc = p.view_as(p).grad_fn.next_functions[0][0]
+                self._accumulators.append(acc)
+                p.register_hook(self._pre_hook(p, acc, b.axes))
+                p.register_post_accumulate_grad_hook(self._post_hook)
+
+    @property
+    def num_buckets(self) -> int:
+        return len(self._buckets)
 
     def _pre_hook(self, p: torch.nn.Parameter, acc, axes: tuple[int, ...]):
         def hook(g: torch.Tensor) -> torch.Tensor:
@@ -67,7 +93,7 @@ class GradSync:
             if p.grad is None:
                 self._marked.add(id(p))
                 return g
-            self._start(p, g.detach().clone(), add=True)
+            self._hand_in(p, g.detach().clone(), add=True)
             return torch.zeros_like(g)
 
         return hook
@@ -75,22 +101,46 @@ class GradSync:
     def _post_hook(self, p: torch.nn.Parameter) -> None:
         if id(p) in self._marked:
             self._marked.discard(id(p))
-            self._start(p, p.grad, add=False)
+            self._hand_in(p, p.grad, add=False)
 
-    def _start(self, p: torch.nn.Parameter, grad: torch.Tensor, add: bool) -> None:
-        axes = self._axes[id(p)]
-        work = dist.all_reduce(grad, group=C._group(axes[0]), async_op=True)
-        self._pending.append((p, grad, work, axes[1:], add))
+    def _hand_in(self, p: torch.nn.Parameter, grad: torch.Tensor, add: bool) -> None:
+        b = self._bucket_of[id(p)]
+        b.ready[id(p)] = (grad, add)
+        if len(b.ready) == len(b.params):
+            self._start(b)
         if not self._queued:
             self._queued = True
             Variable._execution_engine.queue_callback(self.finish)
 
+    def _start(self, b: _Bucket) -> None:
+        members = [(p, *b.ready[id(p)]) for p in b.params if id(p) in b.ready]
+        b.ready = {}
+        if len(members) == 1:
+            (p, flat, add) = members[0]
+            adds = [(p, flat)] if add else []
+        else:
+            flat = torch.cat([g.reshape(-1) for _, g, _ in members])
+            adds, off = [], 0
+            for p, g, add in members:
+                piece = flat[off : off + g.numel()].view_as(g)
+                off += g.numel()
+                if add:
+                    adds.append((p, piece))
+                else:
+                    p.grad = piece  # the reduced values land in .grad; the old gradient is freed
+        work = dist.all_reduce(flat, group=C._group(b.axes[0]), async_op=True)
+        self._pending.append((b, flat, work, adds))
+
     def finish(self) -> None:
-        """Wait for every reduction started in this backward (runs when backward ends)."""
+        """Start the incomplete buckets and wait for every reduction started in this backward
+        (runs when backward ends)."""
+        for b in self._buckets:
+            if b.ready:
+                self._start(b)
         pending, self._pending, self._queued = self._pending, [], False
-        for p, grad, work, rest, add in pending:
+        for b, flat, work, adds in pending:
             work.wait()
-            for a in rest:
-                dist.all_reduce(grad, group=C._group(a))
-            if add:
-                p.grad.add_(grad)
+            for a in b.axes[1:]:
+                dist.all_reduce(flat, group=C._group(a))
+            for p, piece in adds:
+                p.grad.add_(piece)

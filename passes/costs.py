@@ -93,22 +93,27 @@ class Edge:
     # the tensor carried (the consumer's input node), and per source strategy the placement it
     # has, per destination strategy the placement and "f" axes it is taken in: edges of one
     # tensor whose pairs have the same (have, need) run one reshard (passes/grad_sync.py)
+    # (for the graph output, ``need`` is per source strategy: the placement it is returned in)
     tensor: str = ""
     have: list | None = None
     need: list | None = None
+    # [s_src][s_dst] bytes of ``mem`` that are the resharded copy the consumer keeps: edges of one
+    # tensor that take the same reshard keep one copy (``memory_row.peak_bytes``)
+    copy: list[list[float]] | None = None
 
     def scaled(self, k: int) -> Edge:
         if k == 1:
             return self
         cost = [[c * k for c in row] for row in self.cost]
         mem = [[m * k for m in row] for row in self.mem]
-        return dataclasses.replace(self, cost=cost, mem=mem, count=self.count * k)
+        copy = None if self.copy is None else [[m * k for m in row] for row in self.copy]
+        return dataclasses.replace(self, cost=cost, mem=mem, copy=copy, count=self.count * k)
 
     def share_key(self, a: int, b: int) -> tuple | None:
         """What pair (a, b) reshards, for sharing it with the tensor's other edges; None: nothing."""
         if not self.tensor or self.have is None or self.need is None:
             return None
-        have, (need, f) = self.have[a], self.need[b]
+        have, (need, f) = self.have[a], self.need[a if self.dst == "output" else b]
         return None if have == need and not f else (have, need, f)
 
     def rows(self, src: str, pick: list[int]) -> Edge:
@@ -119,7 +124,8 @@ class Edge:
 
         return dataclasses.replace(
             self, src=src, cost=sel(self.cost), mem=sel(self.mem), colls=sel(self.colls),
-            peak=sel(self.peak), keep=sel(self.keep), have=sel(self.have),
+            peak=sel(self.peak), keep=sel(self.keep), have=sel(self.have), copy=sel(self.copy),
+            need=sel(self.need) if self.dst == "output" else self.need,
         )  # fmt: skip
 
 
@@ -275,20 +281,25 @@ def build_costs(
         src = classes.rep[resolve_source(inp).name]
         nbytes = infos[inp.name].out_bytes
         orig, owner = _owner(kept, ("output", k), infos, classes)
-        row_c, row_m, row_n, row_p, row_k = [], [], [], [], []
+        row_c, row_m, row_n, row_p, row_k, row_cp = [], [], [], [], [], []
         for su in strats[src].strategies:
             r = output_placement(su.out, outputs)
             c, names = comm.reshard(su.out, r, nbytes, False)
             row_c.append([c])
             # the caller holds the output through backward: a gathered copy, or the tensor itself
             copy, own = _kept_bytes(su.out, r, nbytes, True, orig, mesh_shape)
+            row_cp.append([copy])
             row_m.append([copy + (0.0 if owner else own)])
             row_k.append([own])
             row_p.append([reshard_transient(su.out, r, nbytes, mesh_shape, False, (), True)])
             row_n.append([tuple(names)])
         tables.edges.append(
-            Edge(src, "output", row_c, row_m, row_n, 1, row_p, row_k if owner else None, owner)
-        )
+            Edge(
+                src, "output", row_c, row_m, row_n, 1, row_p, row_k if owner else None, owner,
+                tensor=inp.name, have=[su.out for su in strats[src].strategies],
+                need=[(output_placement(su.out, outputs), ()) for su in strats[src].strategies], copy=row_cp,
+            )
+        )  # fmt: skip
     return tables
 
 
@@ -409,9 +420,9 @@ def _edge(
     rows = [have_ix.setdefault(su.out, len(have_ix)) for su in strats[src].strategies]
     need_ix: dict = {}
     cols = [need_ix.setdefault((sv.ins[i], f_axes(sv, i)), len(need_ix)) for sv in strats[dst].strategies]
-    row_c, row_m, row_n, row_p, row_k = [], [], [], [], []
+    row_c, row_m, row_n, row_p, row_k, row_cp = [], [], [], [], [], []
     for have in have_ix:
-        rc, rm, rn, rp, rk = [], [], [], [], []
+        rc, rm, rn, rp, rk, rcp = [], [], [], [], [], []
         for need, f in need_ix:
             c, names = comm.reshard(have, need, nbytes, rg, f)
             if any(have[a] != need[a] for a in pinned):
@@ -419,16 +430,17 @@ def _edge(
             rc.append(c)
             copy, own = _kept_bytes(have, need, nbytes, keeps, orig, comm.mesh_shape)
             rm.append(copy + (0.0 if owner else own))
+            rcp.append(copy)
             rk.append(own)
             rp.append(reshard_transient(have, need, nbytes, comm.mesh_shape, rg, f, keeps))
             rn.append(tuple(names))
-        for row, r in ((row_c, rc), (row_m, rm), (row_n, rn), (row_p, rp), (row_k, rk)):
+        for row, r in ((row_c, rc), (row_m, rm), (row_n, rn), (row_p, rp), (row_k, rk), (row_cp, rcp)):
             row.append([r[j] for j in cols])
     return Edge(
         src, dst, [list(row_c[r]) for r in rows], [list(row_m[r]) for r in rows], [row_n[r] for r in rows], 1,
         [row_p[r] for r in rows], [row_k[r] for r in rows] if owner else None, owner,
         tensor=inp.name, have=[su.out for su in strats[src].strategies],
-        need=[(sv.ins[i], f_axes(sv, i)) for sv in strats[dst].strategies],
+        need=[(sv.ins[i], f_axes(sv, i)) for sv in strats[dst].strategies], copy=[row_cp[r] for r in rows],
     )  # fmt: skip
 
 

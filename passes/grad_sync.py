@@ -135,16 +135,73 @@ def shared_reshards_s(
     return total
 
 
-def deferred_all_reduce_s(
-    infos: dict, choice: dict[str, Strategy], comm: CommModel, p: str, axes: tuple[int, ...]
-) -> tuple[float, float]:
-    """Seconds of parameter ``p``'s gradient all-reduce over ``axes``: issued on an idle stream,
-    and issued behind another still in flight (only the first axis's runs queued; the others
-    follow it when backward ends)."""
-    nbytes = infos[p].out_bytes / volume_factor(choice[p].out, comm.mesh_shape)
-    first = comm.time(Collective.ALL_REDUCE, nbytes, axes[0])
-    rest = sum(comm.time(Collective.ALL_REDUCE, nbytes, a) for a in axes[1:])
-    return first + rest, comm.queued_all_reduce_time(nbytes, axes[0]) + rest
+# Bytes per gradient bucket: DistributedDataParallel's default ``bucket_cap_mb=25``
+# (torch/nn/parallel/distributed.py). Larger buckets pay the latency of fewer collectives; smaller
+# ones start reducing earlier in backward.
+BUCKET_BYTES = 25 * 2**20
+
+
+@dataclass(frozen=True)
+class Bucket:
+    """Deferred parameter gradients all-reduced as one flat tensor (``codegen/grad_sync.py``)."""
+
+    axes: tuple[int, ...]  # mesh axes, the first asynchronous, the others when backward ends
+    params: tuple[str, ...]  # parameter placeholders, in the order backward completes them
+    nbytes: float  # local bytes per rank (the sum of the members' local pieces)
+    ready: int  # graph position of the op whose backward completes the bucket (its earliest use)
+
+
+def grad_buckets(
+    tg: TracedGraph,
+    choice: dict[str, Strategy],
+    deferred: dict[str, tuple[int, ...]],
+    mesh_shape: Sequence[int],
+    cap: float | None = None,
+) -> list[Bucket]:
+    """The deferred parameters in buckets, as DistributedDataParallel forms them, in the order
+    backward completes the buckets.
+
+    A parameter's gradient is complete when backward reaches its first use in graph order.
+    Parameters are taken in that order, the latest first (ties: the later placeholder first).
+    Consecutive parameters with the same axes and dtype share a bucket until it holds ``cap``
+    bytes (default ``BUCKET_BYTES``). A bucket is reduced once every member's gradient is
+    complete. Codegen and the cost model both call this function, so they form the same buckets."""
+    cap = BUCKET_BYTES if cap is None else cap
+    order = {n.name: i for i, n in enumerate(tg.graph.nodes)}
+    nodes = {n.name: n for n in tg.graph.nodes if n.name in deferred}
+
+    def first_use(p: str) -> int:
+        return min((order[u.name] for u in nodes[p].users), default=order[p])
+
+    ranked = sorted(deferred, key=lambda p: (-first_use(p), -order[p]))
+    open_: dict[tuple, list[str]] = {}
+    size: dict[tuple, float] = {}
+    done: list[tuple[tuple, list[str], float]] = []
+    for p in ranked:
+        val = nodes[p].meta["val"]
+        key = (deferred[p], val.dtype)
+        b = val.numel() * val.element_size() / volume_factor(choice[p].out, mesh_shape)
+        open_.setdefault(key, []).append(p)
+        size[key] = size.get(key, 0.0) + b
+        if size[key] >= cap:
+            done.append((key, open_.pop(key), size.pop(key)))
+    done += [(key, ps, size[key]) for key, ps in open_.items()]
+    buckets = [Bucket(key[0], tuple(ps), nb, min(first_use(p) for p in ps)) for key, ps, nb in done]
+    return sorted(buckets, key=lambda b: -b.ready)
+
+
+def bucket_all_reduce_s(bucket: Bucket, comm: CommModel) -> tuple[float, float]:
+    """Seconds of a bucket's all-reduce: issued on an idle stream, and issued behind another still
+    in flight (only the first axis's runs queued; the others follow it when backward ends)."""
+    first = comm.time(Collective.ALL_REDUCE, bucket.nbytes, bucket.axes[0])
+    rest = sum(comm.time(Collective.ALL_REDUCE, bucket.nbytes, a) for a in bucket.axes[1:])
+    return first + rest, comm.queued_all_reduce_time(bucket.nbytes, bucket.axes[0]) + rest
+
+
+def bucket_copy_s(bucket: Bucket, device, slowdown: float = 1.0) -> float:
+    """Seconds of flattening a bucket of two or more gradients into one tensor: each byte read
+    and written once (``torch.cat``; the gradients then become views of it, no copy back)."""
+    return 2 * bucket.nbytes / device.memory_bandwidth * slowdown if len(bucket.params) > 1 else 0.0
 
 
 def deferred_grad_axes(
@@ -183,20 +240,22 @@ def _needs_grad(node: fx.Node) -> bool:
 class GradSyncCost:
     """What overlapping the deferred gradient all-reduces changes in a plan's step time [s].
 
-    The cost tables price each use's "f" inline (``inline_f_s`` in all); what runs is one
-    all-reduce per deferred parameter (``allreduce_s`` in all), of which ``hidden_s`` runs behind
-    backward compute (``cost_model/overlap.py``). The step time is the tables' total plus
-    ``adjustment_s``."""
+    The cost tables price each use's "f" inline (``inline_f_s`` in all); what runs is one all-reduce per gradient bucket
+    (``allreduce_s`` in all; ``buckets``), of which ``hidden_s`` runs behind backward compute
+    (``cost_model/overlap.py``), and the flattening of the buckets (``copy_s``). The step time
+    is the tables' total plus ``adjustment_s``."""
 
     deferred: dict[str, tuple[int, ...]]
     inline_f_s: float
     allreduce_s: float
     hidden_s: float
     shared_s: float = 0.0  # the reshards that uses share (``reshard_key``), priced per use by the tables
+    copy_s: float = 0.0  # flattening the buckets (``bucket_copy_s``)
+    buckets: tuple[Bucket, ...] = ()
 
     @property
     def adjustment_s(self) -> float:
-        return self.allreduce_s - self.inline_f_s - self.hidden_s - self.shared_s
+        return self.allreduce_s + self.copy_s - self.inline_f_s - self.hidden_s - self.shared_s
 
 
 def price_grad_sync(
@@ -213,9 +272,9 @@ def price_grad_sync(
     Backward runs the graph's ops in reverse; op ``v``'s step on the compute stream is the
     backward share of its compute (``BACKWARD_FACTOR / (1 + BACKWARD_FACTOR)`` of ``compute_s[v]``,
     the op's forward + backward seconds) and half of the collectives on its input edges as they
-    run (a forward collective's backward is its transpose, of the same size). A deferred
-    parameter's all-reduce is issued after the step of its first use in graph order, the last of
-    its uses that backward reaches."""
+    run (a forward collective's backward is its transpose, of the same size). A gradient
+    bucket's all-reduce is issued after the step that completes it: the first use in graph order
+    of its earliest-used member, the last of their uses that backward reaches."""
     mesh = comm.mesh_shape
     deferred = deferred_grad_axes(tg, choice, mesh)
     bwd_share = BACKWARD_FACTOR / (1 + BACKWARD_FACTOR)
@@ -242,11 +301,13 @@ def price_grad_sync(
             t_comm += run * (0.5 if rg and u.runs else 0.0)
         rg = infos[node.name].requires_grad
         steps.append((compute_s.get(node.name, 0.0) * (bwd_share if rg else 0.0) + t_comm, []))
-    allreduce = 0.0
-    for p, axes in deferred.items():
-        t, t_q = deferred_all_reduce_s(infos, choice, comm, p, axes)
+    allreduce = copy = 0.0
+    buckets = grad_buckets(tg, choice, deferred, mesh)
+    for b in buckets:
+        t, t_q = bucket_all_reduce_s(b, comm)
         allreduce += t
-        steps[first_use[p]][1].append((t, t_q))
+        copy += bucket_copy_s(b, comm.cluster.device, comm.cluster.compute_slowdown)
+        steps[min(first_use[p] for p in b.params)][1].append((t, t_q))
     hidden = hidden_seconds(list(reversed(steps)), efficiency)
     shared = shared_reshards_s(every, infos, choice, comm)
-    return GradSyncCost(deferred, inline_f, allreduce, hidden, shared)
+    return GradSyncCost(deferred, inline_f, allreduce, hidden, shared, copy, tuple(buckets))

@@ -12,7 +12,8 @@ import autopar
 from autopar.codegen import collectives as C
 from autopar.examples import gpt2_tiny
 from autopar.launch import run_on_ranks
-from autopar.passes.grad_sync import deferred_grad_axes
+from autopar.passes import grad_sync
+from autopar.passes.grad_sync import deferred_grad_axes, grad_buckets
 from autopar.passes.strategies import AxisRole
 
 D, T = AxisRole.DATA, AxisRole.TENSOR
@@ -46,12 +47,14 @@ def _full_grads(pmodel) -> dict[str, torch.Tensor]:
     return out
 
 
-def _rank(rank, world, plan_path):
+def _rank(rank, world, plan_path, bucket_bytes=None):
     model, inputs = _build()
     cluster = free_link_cpu(world)
+    if bucket_bytes is not None:
+        grad_sync.BUCKET_BYTES = bucket_bytes
     pmodel = autopar.autoparallelize(model, cluster, inputs, plan=plan_path)
     params = list(pmodel.parameters())
-    res = {"deferred": len(pmodel.grad_sync._axes)}
+    res = {"deferred": len(pmodel.grad_sync._bucket_of), "buckets": pmodel.grad_sync.num_buckets}
     _loss(pmodel, inputs).backward()
     res["one"] = _full_grads(pmodel)
     _loss(pmodel, inputs).backward()  # accumulates into .grad: reduced inline
@@ -116,17 +119,92 @@ def test_deferred_exactly_where_every_use_has_the_same_f(world, mesh, roles):
 
 
 @pytest.mark.slow
-def test_overlapped_grads_match_single_device(tmp_path):
+@pytest.mark.parametrize("split", [False, True])
+def test_overlapped_grads_match_single_device(tmp_path, split):
+    """One bucket for every gradient (the default cap), and buckets of a third of them (several,
+    some of one parameter)."""
     model, inputs = _build()
     cluster = free_link_cpu(2)
     path = tmp_path / "dp.json"
-    autopar.plan(model, cluster, inputs, mesh_shape=(2,), axis_roles=(D,)).save(path)
+    res = autopar.search(model, cluster, inputs, mesh_shape=(2,), axis_roles=(D,))
+    res.plan.save(path)
+    (whole,) = grad_buckets(res.traced, res.choice, deferred_grad_axes(res.traced, res.choice, (2,)), (2,))
+    bucket_bytes = whole.nbytes / 3 if split else None
     one, two = _reference_grads()
-    for res in run_on_ranks(_rank, 2, str(path)):
+    for res in run_on_ranks(_rank, 2, str(path), bucket_bytes):
         assert res["deferred"] > 0
+        if bucket_bytes is None:
+            assert res["buckets"] == 1
+        else:
+            assert 1 < res["buckets"] < res["deferred"]
         assert "autopar.codegen.collectives.f(" not in res["code"]
         for case, ref in (("one", one), ("two", two), ("zeroed", one), ("autograd_grad", one)):
             got = res[case]
             assert set(got) <= set(ref) and got, case
             for name, g in got.items():
                 torch.testing.assert_close(g, ref[name], rtol=1e-4, atol=1e-5, msg=f"{case}: {name}")
+
+
+def test_buckets_follow_backward_and_the_cap():
+    """Buckets hold parameters of one set of axes, at most ``cap`` bytes each once full, in the order
+    backward completes them: a bucket's members are all used no earlier than the next bucket's."""
+    model, inputs = _build()
+    res = autopar.search(model, free_link_cpu(2), inputs, mesh_shape=(2,), axis_roles=(D,))
+    deferred = deferred_grad_axes(res.traced, res.choice, (2,))
+    order = {n.name: i for i, n in enumerate(res.traced.graph.nodes)}
+    nodes = {n.name: n for n in res.traced.graph.nodes}
+
+    def first_use(p):
+        return min(order[u.name] for u in nodes[p].users)
+
+    def nbytes(p):
+        v = nodes[p].meta["val"]
+        return v.numel() * v.element_size()
+
+    (whole,) = grad_buckets(res.traced, res.choice, deferred, (2,))
+    assert sorted(whole.params) == sorted(deferred)
+    assert whole.nbytes == sum(nbytes(p) for p in deferred)
+    cap = whole.nbytes / 3
+    buckets = grad_buckets(res.traced, res.choice, deferred, (2,), cap)
+    assert sorted(p for b in buckets for p in b.params) == sorted(deferred)
+    for b in buckets:
+        assert b.nbytes == sum(nbytes(p) for p in b.params)
+        assert b.nbytes - nbytes(b.params[-1]) < cap  # closed by its last member
+        assert b.ready == min(first_use(p) for p in b.params)
+    for b, c in zip(buckets, buckets[1:]):
+        assert b.ready >= c.ready
+        assert min(first_use(p) for p in b.params) >= max(first_use(p) for p in c.params)
+
+
+class _TwoHeads(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = torch.nn.Linear(8, 8)
+        self.b = torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        h = self.a(x)
+        return h, self.b(h)
+
+
+def _two_heads_rank(rank, world, plan_path):
+    torch.manual_seed(0)
+    model, x = _TwoHeads(), torch.randn(4, 8)
+    pmodel = autopar.autoparallelize(model, free_link_cpu(world), (x,), plan=plan_path)
+    h, _ = pmodel(x)
+    h.sum().backward()  # never reaches b: its bucket starts with a's gradients only
+    return pmodel.grad_sync.num_buckets, {k: v.clone() for k, v in _full_grads(pmodel).items()}
+
+
+@pytest.mark.slow
+def test_a_bucket_backward_does_not_complete_starts_when_backward_ends(tmp_path):
+    torch.manual_seed(0)
+    model, x = _TwoHeads(), torch.randn(4, 8)
+    path = tmp_path / "dp.json"
+    autopar.plan(model, free_link_cpu(2), (x,), mesh_shape=(2,), axis_roles=(D,)).save(path)
+    model(x)[0].sum().backward()
+    for buckets, got in run_on_ranks(_two_heads_rank, 2, str(path)):
+        assert buckets == 1
+        assert set(got) == {"a.weight", "a.bias"}
+        for name, g in got.items():
+            torch.testing.assert_close(g, model.get_parameter(name).grad, rtol=1e-5, atol=1e-6)
