@@ -287,7 +287,9 @@ def _grad_sync_cost(
 ) -> GradSyncCost:
     compute = {n: _node_compute(tables, sol, n) for n in choice}
     comm = CommModel(cluster, mesh)
-    return price_grad_sync(tg, infos, choice, compute, comm, cluster.device.comm_overlap, outputs)
+    return price_grad_sync(
+        tg, infos, choice, compute, comm, cluster.device.comm_overlap, outputs, tuple(tables.bucket_fixed)
+    )
 
 
 def _with_getitems(tg: TracedGraph, choice: dict[str, Strategy]) -> dict[str, Strategy]:

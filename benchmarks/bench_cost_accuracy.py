@@ -14,10 +14,8 @@ gloo ranks run them, cached in ``--profile-cache``) instead of the analytical co
     .venv/bin/python benchmarks/bench_cost_accuracy.py [--cluster cluster.json] [--worlds 2 4]
         [--profile [--profile-cache PATH]]
 
-The DP plan is the search's plan with the data role on a cluster whose collectives are free (the
-batch split through every op, each gradient all-reduced), priced on the calibrated cluster by
-``autopar.reprice``: searched on gloo's ~1 ms per collective, the data role alone would have it
-gather the batch and replicate the step, which is not data parallelism.
+The DP plan is the search's plan with the data role (``AxisRole.DATA``: the batch split through
+every op, the weights whole, their gradients all-reduced in buckets).
 """
 
 from __future__ import annotations
@@ -150,27 +148,14 @@ def main() -> None:
             for pname, roles in PLANS.items():
                 model, inputs = load_model_spec(spec)
                 try:
-                    # DP: the plan searched where collectives are free (every op on its batch
-                    # shard, gradients all-reduced), priced on the calibrated cluster; searched
-                    # on gloo's ~1 ms per collective it would gather the batch instead
-                    where = _free_link(cluster) if pname == "DP" else cluster
                     plans[pname] = autopar.plan(
                         model,
-                        where,
+                        cluster,
                         inputs,
                         axis_roles=roles,
                         optimizer=autopar.Optimizer.SGD,
                         profile=profiler or False,
                     )
-                    if where is not cluster:
-                        plans[pname] = autopar.reprice(
-                            model,
-                            cluster,
-                            inputs,
-                            plans[pname],
-                            optimizer=autopar.Optimizer.SGD,
-                            profile=profiler or False,
-                        )
                 except Exception as e:  # noqa: BLE001 - report and go on
                     print(f"{mname:<11} {world:>5} {pname:<5} plan failed: {type(e).__name__}: {e}")
                     continue
@@ -224,11 +209,6 @@ def main() -> None:
               f"{'match' if ok else 'differs'}; pairs apart by >= {RANK_MARGIN:.0%}: {', '.join(calls) or 'none'}")  # fmt: skip
     print(f"rankings that match exactly: {agree}/{len(ranks)}")
     print(f"plan pairs predicted >= {RANK_MARGIN:.0%} apart and measured in that order: {ordered}/{pairs}")
-
-
-def _free_link(cluster: autopar.ClusterSpec) -> autopar.ClusterSpec:
-    """The same devices, with collectives priced as free."""
-    return cluster.with_overrides(intra_node=autopar.LinkSpec(bandwidth=1e12, latency=0.0))
 
 
 def _same_plans(plans: dict) -> list[list[str]]:

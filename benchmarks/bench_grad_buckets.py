@@ -1,9 +1,7 @@
 """Gradient buckets against one all-reduce per parameter: measured and predicted step time.
 
-For each model, one data-parallel plan: the data role searched where collectives are free (on
-gloo's ~1 ms per collective the data role alone would gather the batch; see
-``bench_cost_accuracy.py``), so that every replicated weight's gradient is all-reduced after
-backward. Every rank builds it twice: with ``passes/grad_sync.BUCKET_BYTES`` at its default
+For each model, one data-parallel plan (``AxisRole.DATA``: every weight's gradient is
+all-reduced after backward). Every rank builds it twice: with ``passes/grad_sync.BUCKET_BYTES`` at its default
 (DistributedDataParallel's 25 MiB: one flat all-reduce per bucket) and at 1 byte (each parameter
 its own bucket: one all-reduce per parameter, what codegen ran before buckets). The two are timed
 in interleaved rounds (the slowest rank's step, median over rounds), and each is priced on the
@@ -59,13 +57,12 @@ def main() -> None:
         autopar.ClusterSpec.from_file(args.cluster) if args.cluster else run_calibration(args.world).cluster
     )
     cluster = cluster.with_overrides(nodes=1, devices_per_node=args.world)
-    free = cluster.with_overrides(intra_node=autopar.LinkSpec(bandwidth=1e12, latency=0.0))
     print(f"world {args.world}; step time, predicted and measured")
     print(f"{'model':<11} {'cap':<14} {'all-reduces':>11} {'pred ms':>8} {'meas ms':>8} {'err':>5}")
     for name, spec in MODELS.items():
         model, inputs = load_model_spec(spec)
         kw = dict(mesh_shape=(args.world,), optimizer=autopar.Optimizer.SGD)
-        plan = autopar.plan(model, free, inputs, axis_roles=(autopar.AxisRole.DATA,), **kw)
+        plan = autopar.plan(model, cluster, inputs, axis_roles=(autopar.AxisRole.DATA,), **kw)
         path = f"/tmp/bench_grad_buckets_{name}.json"
         plan.save(path)
         measured = run_on_ranks(_rank, args.world, spec, cluster.to_dict(), path, args.rounds)

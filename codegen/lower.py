@@ -19,6 +19,7 @@ locally. The generated ``.code`` is straight-line: local aten ops and ``autopar`
 
 from __future__ import annotations
 
+import math
 import operator
 from collections.abc import Callable, Sequence
 
@@ -51,10 +52,28 @@ def mangle(fqn: str) -> str:
 
 
 def emit_reshard(
-    g: fx.Graph, x: fx.Node, src: Spec, dst: Spec, mesh_shape: Sequence[int], fops=()
+    g: fx.Graph,
+    x: fx.Node,
+    src: Spec,
+    dst: Spec,
+    mesh_shape: Sequence[int],
+    fops=(),
+    made: dict | None = None,
 ) -> fx.Node:
-    """Emit the collectives that move ``x`` from ``src`` to ``dst`` (see cost_model/comm.py)."""
+    """Emit the collectives that move ``x`` from ``src`` to ``dst`` (see cost_model/comm.py).
+    ``made``: collectives emitted so far, by (function, arguments): a chain that starts as an
+    earlier one did takes its steps instead of running them again (the logits gathered over the
+    vocabulary for the loss, then over the batch for the caller). Every step is linear, so its
+    gradient is the sum of its consumers'."""
     fops = set(fops)
+    call = g.call_function
+    if made is not None:
+
+        def call(fn, args):
+            if (fn, args) not in made:
+                made[(fn, args)] = g.call_function(fn, args)
+            return made[(fn, args)]
+
     order = sorted(range(len(src)), key=lambda a: not is_replicate(dst[a]))
     for a in order:
         s, d = src[a], dst[a]
@@ -63,26 +82,26 @@ def emit_reshard(
         if is_shard(s) and is_replicate(d):
             fused = a in fops
             fops.discard(a)
-            x = g.call_function(C.all_gather, (x, s.dim, a, fused))
+            x = call(C.all_gather, (x, s.dim, a, fused))
         elif is_partial(s) and is_replicate(d):
-            x = g.call_function(C.all_reduce, (x, a))
+            x = call(C.all_reduce, (x, a))
         elif is_replicate(s) and is_shard(d):
-            x = g.call_function(C.chunk, (x, d.dim, a))
+            x = call(C.chunk, (x, d.dim, a))
         elif is_partial(s) and is_shard(d):
-            x = g.call_function(C.reduce_scatter, (x, d.dim, a))
+            x = call(C.reduce_scatter, (x, d.dim, a))
         elif is_replicate(s) and is_partial(d):
-            x = g.call_function(C.to_partial, (x, a))
+            x = call(C.to_partial, (x, a))
         elif is_shard(s) and is_shard(d):
-            x = g.call_function(C.all_gather, (x, s.dim, a, False))
-            x = g.call_function(C.chunk, (x, d.dim, a))
+            x = call(C.all_gather, (x, s.dim, a, False))
+            x = call(C.chunk, (x, d.dim, a))
         elif is_shard(s) and is_partial(d):
-            x = g.call_function(C.all_gather, (x, s.dim, a, False))
-            x = g.call_function(C.to_partial, (x, a))
+            x = call(C.all_gather, (x, s.dim, a, False))
+            x = call(C.to_partial, (x, a))
         else:
             raise AssertionError(f"no reshard from {s} to {d}")
     for a in sorted(fops):
         if mesh_shape[a] > 1:
-            x = g.call_function(C.f, (x, a))
+            x = call(C.f, (x, a))
     return x
 
 
@@ -167,6 +186,15 @@ def _axis_sharding(spec, dim: int) -> int | None:
     return None
 
 
+@lowering(aten.mse_loss.default)
+def _lower_mse_loss(g, node, args, kwargs, s, mesh_shape):
+    out = g.call_function(node.target, args, kwargs)
+    reduction = args[2] if len(args) > 2 else kwargs.get("reduction", 1)
+    k = math.prod(mesh_shape[a] for a, p in enumerate(s.ins[0]) if is_shard(p))
+    # a mean of k equal pieces: the sum over ranks of (local mean / k) is the global mean
+    return g.call_function(aten.div.Tensor, (out, k)) if reduction == 1 and k > 1 else out
+
+
 @lowering(aten.embedding.default)
 def _lower_embedding(g, node, args, kwargs, s, mesh_shape):
     a = _axis_sharding(s.ins[0], 0)
@@ -233,7 +261,10 @@ def lower(
     g = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
     spec: dict[fx.Node, Spec] = {}
-    shared: dict[tuple, fx.Node] = {}  # reshards several uses take (passes/grad_sync.py:reshard_key)
+    shared: dict[tuple, fx.Node] = {}
+    made: dict[
+        tuple, fx.Node
+    ] = {}  # collectives by (function, arguments): chains share prefixes  # reshards several uses take (passes/grad_sync.py:reshard_key)
     roles = {p.name: p for p in tg.placeholders}
     root = torch.nn.Module()
     for name, t in attrs.items():
@@ -249,7 +280,7 @@ def lower(
         key = reshard_key(leaf, spec[leaf], need, fops, user)
         if key in shared:
             return shared[key]
-        x = emit_reshard(g, env[leaf], spec[leaf], need, mesh_shape, fops)
+        x = emit_reshard(g, env[leaf], spec[leaf], need, mesh_shape, fops, None if key is None else made)
         if key is not None:
             shared[key] = x
         return x

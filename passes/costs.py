@@ -45,6 +45,7 @@ import enum
 import functools
 import math
 import operator
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -60,7 +61,7 @@ from autopar.passes.coarsen import Classes
 from autopar.passes.rules import tensor_inputs
 from autopar.passes.strategies import AxisRole, NodeStrategies, Strategy
 from autopar.passes.trace import Role, TracedGraph
-from autopar.placement import Outputs, is_replicate, output_placement, volume_factor
+from autopar.placement import Outputs, is_replicate, is_shard, output_placement, volume_factor
 
 if TYPE_CHECKING:
     from autopar.cost_model.profiler import OpProfiler
@@ -100,6 +101,9 @@ class Edge:
     # [s_src][s_dst] bytes of ``mem`` that are the resharded copy the consumer keeps: edges of one
     # tensor that take the same reshard keep one copy (``memory_row.peak_bytes``)
     copy: list[list[float]] | None = None
+    # [s_src][s_dst] mesh axes where the pair defers a parameter's pure "f" to a gradient bucket
+    # (``use_price``): the ILP pays one bucket's fixed price per such axis (``CostTables.bucket_fixed``)
+    bucketed: list[list[tuple[int, ...]]] | None = None
 
     def scaled(self, k: int) -> Edge:
         if k == 1:
@@ -125,6 +129,7 @@ class Edge:
         return dataclasses.replace(
             self, src=src, cost=sel(self.cost), mem=sel(self.mem), colls=sel(self.colls),
             peak=sel(self.peak), keep=sel(self.keep), have=sel(self.have), copy=sel(self.copy),
+            bucketed=sel(self.bucketed),
             need=sel(self.need) if self.dst == "output" else self.need,
         )  # fmt: skip
 
@@ -156,6 +161,10 @@ class CostTables:
     # backward pass at the positions up to its members' last uses (``grad_free``: just after each)
     grad_mem: dict[str, list[float]] = field(default_factory=dict)
     grad_free: dict[str, tuple[float, ...]] = field(default_factory=dict)
+    # data-parallel mesh axis -> seconds a plan pays once if any pair defers a parameter's "f"
+    # there (its gradient bucket's latency, ``bucket_fixed_s``); the pairs pay their shares
+    # (``use_price``). Other axes price each "f" inline.
+    bucket_fixed: dict[int, float] = field(default_factory=dict)
 
 
 def resolve_source(node: fx.Node) -> fx.Node:
@@ -269,9 +278,12 @@ def build_costs(
             orig, owner = _owner(kept, (name, i), infos, classes)
             key = (classes.rep[src], rep, i, info.out_bytes, info.requires_grad, orig, owner)
             groups.setdefault(key, [inp, 0])[1] += 1
+    grad_total = trainable_bytes(tg, infos)
+    data_axes = tuple(a for a, r in enumerate(axis_roles or ()) if r is AxisRole.DATA and mesh_shape[a] > 1)
+    tables.bucket_fixed = {a: bucket_fixed_s(comm, a) for a in data_axes}
     for (src, dst, i, _, _, orig, owner), (inp, count) in groups.items():
         pinned = _pinned_axes(infos[src], axis_roles)
-        e = _edge(src, dst, i, inp, infos, strats, comm, pinned, orig, owner)
+        e = _edge(src, dst, i, inp, infos, strats, comm, pinned, orig, owner, grad_total, data_axes)
         tables.edges.append(e.scaled(count))
 
     out_node = next(n for n in tg.graph.nodes if n.op == "output")
@@ -407,12 +419,112 @@ def _pinned_axes(info: NodeInfo, axis_roles) -> list[int]:
     return [a for a, r in enumerate(axis_roles) if r is AxisRole.TENSOR]
 
 
+# Bytes per gradient bucket (``passes/grad_sync.py:grad_buckets``): DistributedDataParallel's
+# default ``bucket_cap_mb=25`` (torch/nn/parallel/distributed.py). Larger buckets pay the latency
+# of fewer collectives; smaller ones start reducing earlier in backward.
+BUCKET_BYTES = 25 * 2**20
+
+
+def trainable_bytes(tg: TracedGraph, infos: dict[str, NodeInfo]) -> float:
+    """Bytes of every parameter that takes a gradient: what gradient buckets hold at most."""
+    return float(
+        sum(
+            infos[p.name].out_bytes
+            for p in tg.placeholders
+            if p.role is Role.PARAM and infos[p.name].requires_grad
+        )
+    )
+
+
+def bucket_fixed_s(comm: CommModel, axis: int) -> float:
+    """Seconds of an all-reduce of nothing on ``axis``: the part of a bucket's all-reduce that does
+    not grow with its bytes (the ILP pays it once per axis, ``CostTables.bucket_fixed``)."""
+    return comm.time(Collective.ALL_REDUCE, 0.0, axis)
+
+
+def bucketed_axes(have, need, f: Sequence[int], axes: Collection[int]) -> tuple[int, ...]:
+    """Axes of a parameter use's "f" that the tables price as a gradient bucket's share: the pure
+    ones (stored as used; a fused gather + reduce-scatter stays inline) among ``axes``, the mesh's
+    data-parallel axes (``CostTables.bucket_fixed``). Only there is every weight's gradient
+    certain to join a bucket: elsewhere the few that do (a norm's weight beside tensor-parallel
+    matmuls) would be priced a share of a bucket they do not fill."""
+    return tuple(a for a in f if a in axes and have[a] == need[a])
+
+
+def use_price(
+    comm: CommModel,
+    have,
+    need,
+    nbytes: float,
+    rg: bool,
+    f: Sequence[int],
+    grad_total: float = 0.0,
+    axes: Collection[int] = (),
+) -> tuple[float, list[str]]:
+    """Seconds the tables charge a use for resharding its input and for the "f" all-reduces of its
+    gradient (``CommModel.reshard``). ``grad_total`` > 0: the input is a trainable parameter of a
+    model whose trainable parameters hold that many bytes. Its pure "f" on the data-parallel
+    ``axes`` (``bucketed_axes``) goes
+    to a gradient bucket (``passes/grad_sync.py:grad_buckets``): it pays its share of the bucket's
+    all-reduce beyond the fixed part, and of flattening the bucket,
+
+        share = (t_AR(B) - t_AR(0)) * b / B + 2 b / memory_bandwidth * slowdown,
+        B = min(BUCKET_BYTES, T / v)                                                          [s]
+
+    with ``b`` its local bytes, ``T = grad_total`` and ``v`` the pieces its placement cuts it into;
+    the ILP adds ``t_AR(0)`` once per axis where any use does this (``bucket_fixed_s``). The shares
+    of parameters that fill one bucket add up to its price: exact for data parallelism up to
+    ``BUCKET_BYTES`` of gradients, one ``t_AR(0)`` short per further bucket. Chosen plans are priced
+    bucket by bucket as they run (``passes/grad_sync.py:price_grad_sync``)."""
+    mesh = comm.mesh_shape
+    pure = bucketed_axes(have, need, f, axes) if grad_total and rg else ()
+    t, names = comm.reshard(have, need, nbytes, rg, tuple(a for a in f if a not in pure))
+    if pure:
+        vol = volume_factor(need, mesh)
+        local = nbytes / vol
+        full = min(BUCKET_BYTES, grad_total / vol)
+        for a in pure:
+            t += max(comm.time(Collective.ALL_REDUCE, full, a) - bucket_fixed_s(comm, a), 0.0) * local / full
+            names.append(f"all_reduce(bwd, bucketed)@{a}")
+        t += 2 * local / comm.cluster.device.memory_bandwidth * comm.cluster.compute_slowdown
+    return t, names
+
+
+def data_parallel_pair(have, need, param: bool, data_axes: Sequence[int]) -> bool:
+    """May a use take a tensor stored as ``have`` in placement ``need`` under data parallelism on
+    ``data_axes`` (``AxisRole.DATA``)? There a split tensor is never gathered or re-split (the
+    batch stays split, every op runs on its rows) and a parameter is used whole, as stored; a
+    pending sum may be reduced (a mean loss) and a replicated tensor sliced (a mask built whole).
+    Uses that cannot take a piece are not checked (``_takes_whole``)."""
+    for a in data_axes:
+        if have[a] != need[a] and (param or is_shard(have[a])):
+            return False
+    return True
+
+
+# ops that read only their input's dtype and device (``x.new_zeros(shape)``)
+_METADATA_ONLY = frozenset(
+    [aten.new_zeros.default, aten.new_ones.default, aten.new_full.default, aten.new_empty.default]
+)
+
+
+def _takes_whole(node: fx.Node) -> bool:
+    """Does ``node`` take its inputs whole whatever the plan: an in-place op (it writes into a
+    buffer that stays replicated, ``strategies.mutated_views``: T5 shifts its labels into one), or
+    one that reads only its input's metadata (``_METADATA_ONLY``)?"""
+    schema = getattr(node.target, "_schema", None)
+    return node.target in _METADATA_ONLY or (schema is not None and schema.is_mutable)
+
+
 def _edge(
-    src, dst, i, inp, infos, strats, comm: CommModel, pinned=(), orig: int = 0, owner: str = ""
-) -> Edge:
+    src, dst, i, inp, infos, strats, comm: CommModel, pinned=(), orig: int = 0, owner: str = "",
+    grad_total: float = 0.0, data_axes: Sequence[int] = (),
+) -> Edge:  # fmt: skip
     info = infos[inp.name]
     nbytes = info.out_bytes
     rg = info.requires_grad
+    param = grad_total if infos[src].role is Role.PARAM else 0.0
+    checked = () if _takes_whole(strats[dst].node) else data_axes
     saves = infos[dst].saves_inputs
     keeps = infos[dst].requires_grad and (saves[i] if i < len(saves) else True)
     # strategies share output placements and input requirements: price each distinct pair once
@@ -420,13 +532,19 @@ def _edge(
     rows = [have_ix.setdefault(su.out, len(have_ix)) for su in strats[src].strategies]
     need_ix: dict = {}
     cols = [need_ix.setdefault((sv.ins[i], f_axes(sv, i)), len(need_ix)) for sv in strats[dst].strategies]
-    row_c, row_m, row_n, row_p, row_k, row_cp = [], [], [], [], [], []
+    row_c, row_m, row_n, row_p, row_k, row_cp, row_b = [], [], [], [], [], [], []
     for have in have_ix:
-        rc, rm, rn, rp, rk, rcp = [], [], [], [], [], []
+        rc, rm, rn, rp, rk, rcp, rb = [], [], [], [], [], [], []
         for need, f in need_ix:
-            c, names = comm.reshard(have, need, nbytes, rg, f)
-            if any(have[a] != need[a] for a in pinned):
-                c = math.inf  # forbidden pair (see _pinned_axes)
+            c, names = use_price(comm, have, need, nbytes, rg, f, param, data_axes)
+            rb.append(bucketed_axes(have, need, f, data_axes) if param and rg else ())
+            if any(have[a] != need[a] for a in pinned) or not data_parallel_pair(
+                have,
+                need,
+                infos[src].role is Role.PARAM,
+                checked,
+            ):
+                c = math.inf  # forbidden pair (see _pinned_axes, data_parallel_pair)
             rc.append(c)
             copy, own = _kept_bytes(have, need, nbytes, keeps, orig, comm.mesh_shape)
             rm.append(copy + (0.0 if owner else own))
@@ -434,13 +552,16 @@ def _edge(
             rk.append(own)
             rp.append(reshard_transient(have, need, nbytes, comm.mesh_shape, rg, f, keeps))
             rn.append(tuple(names))
-        for row, r in ((row_c, rc), (row_m, rm), (row_n, rn), (row_p, rp), (row_k, rk), (row_cp, rcp)):
+        for row, r in (
+            (row_c, rc), (row_m, rm), (row_n, rn), (row_p, rp), (row_k, rk), (row_cp, rcp), (row_b, rb)
+        ):  # fmt: skip
             row.append([r[j] for j in cols])
     return Edge(
         src, dst, [list(row_c[r]) for r in rows], [list(row_m[r]) for r in rows], [row_n[r] for r in rows], 1,
         [row_p[r] for r in rows], [row_k[r] for r in rows] if owner else None, owner,
         tensor=inp.name, have=[su.out for su in strats[src].strategies],
         need=[(sv.ins[i], f_axes(sv, i)) for sv in strats[dst].strategies], copy=[row_cp[r] for r in rows],
+        bucketed=[row_b[r] for r in rows] if any(any(r) for r in row_b) else None,
     )  # fmt: skip
 
 

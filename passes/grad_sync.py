@@ -28,7 +28,7 @@ time, and the timeline leaves them out.
 from __future__ import annotations
 
 import operator
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Collection, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -37,7 +37,15 @@ import torch.fx as fx
 from autopar.cost_model.comm import Collective, CommModel
 from autopar.cost_model.compute import BACKWARD_FACTOR
 from autopar.cost_model.overlap import hidden_seconds
-from autopar.passes.costs import f_axes, resolve_source
+from autopar.passes.costs import (
+    BUCKET_BYTES,
+    bucket_fixed_s,
+    bucketed_axes,
+    f_axes,
+    resolve_source,
+    trainable_bytes,
+    use_price,
+)
 from autopar.passes.rules import tensor_inputs
 from autopar.passes.strategies import Strategy
 from autopar.passes.trace import Role, TracedGraph
@@ -133,12 +141,6 @@ def shared_reshards_s(
             rg = info.requires_grad and u.user.op == "call_function"
             total += comm.reshard(choice[u.src].out, u.need, info.out_bytes, rg, u.fops)[0]
     return total
-
-
-# Bytes per gradient bucket: DistributedDataParallel's default ``bucket_cap_mb=25``
-# (torch/nn/parallel/distributed.py). Larger buckets pay the latency of fewer collectives; smaller
-# ones start reducing earlier in backward.
-BUCKET_BYTES = 25 * 2**20
 
 
 @dataclass(frozen=True)
@@ -240,7 +242,9 @@ def _needs_grad(node: fx.Node) -> bool:
 class GradSyncCost:
     """What overlapping the deferred gradient all-reduces changes in a plan's step time [s].
 
-    The cost tables price each use's "f" inline (``inline_f_s`` in all); what runs is one all-reduce per gradient bucket
+    The cost tables price each use's reshard and "f" (``inline_f_s`` in all, beyond what runs
+    inline: a parameter's pure "f" at its share of a bucket, ``costs.use_price``, and a bucket's
+    fixed price once per axis where any use has one); what runs is one all-reduce per gradient bucket
     (``allreduce_s`` in all; ``buckets``), of which ``hidden_s`` runs behind backward compute
     (``cost_model/overlap.py``), and the flattening of the buckets (``copy_s``). The step time
     is the tables' total plus ``adjustment_s``."""
@@ -266,6 +270,7 @@ def price_grad_sync(
     comm: CommModel,
     efficiency: float,
     outputs: Outputs = Outputs.FULL,
+    bucket_axes: Collection[int] = (),
 ) -> GradSyncCost:
     """Price the deferred all-reduces of a plan on the backward timeline.
 
@@ -274,9 +279,13 @@ def price_grad_sync(
     the op's forward + backward seconds) and half of the collectives on its input edges as they
     run (a forward collective's backward is its transpose, of the same size). A gradient
     bucket's all-reduce is issued after the step that completes it: the first use in graph order
-    of its earliest-used member, the last of their uses that backward reaches."""
+    of its earliest-used member, the last of their uses that backward reaches. ``bucket_axes``:
+    the tables' data-parallel axes, where they price a parameter's "f" as a bucket share
+    (``CostTables.bucket_fixed``)."""
     mesh = comm.mesh_shape
     deferred = deferred_grad_axes(tg, choice, mesh)
+    grad_total = trainable_bytes(tg, infos)
+    fixed_axes: set[int] = set()  # axes where the tables charged a bucket's fixed price
     bwd_share = BACKWARD_FACTOR / (1 + BACKWARD_FACTOR)
     steps: list[tuple[float, list[float]]] = []
     first_use: dict[str, int] = {}  # deferred parameter -> index of its first use's step
@@ -293,11 +302,15 @@ def price_grad_sync(
         for u in uses.get(node.name, ()):
             info = infos[u.inp.name]
             have, rg = choice[u.src].out, info.requires_grad
-            priced, _ = comm.reshard(have, u.need, info.out_bytes, rg, f_axes(s, u.k))  # as the tables
+            # what the tables charged (a parameter's pure "f" as a bucket share), and what runs inline
+            param = grad_total if infos[u.src].role is Role.PARAM and rg else 0.0
+            priced, _ = use_price(comm, have, u.need, info.out_bytes, rg, f_axes(s, u.k), param, bucket_axes)
             run, _ = comm.reshard(have, u.need, info.out_bytes, rg, u.fops)
+            if param:
+                fixed_axes.update(bucketed_axes(have, u.need, f_axes(s, u.k), bucket_axes))
+            inline_f += priced - run
             if u.src in deferred:
                 first_use.setdefault(u.src, len(steps))
-                inline_f += priced - run
             t_comm += run * (0.5 if rg and u.runs else 0.0)
         rg = infos[node.name].requires_grad
         steps.append((compute_s.get(node.name, 0.0) * (bwd_share if rg else 0.0) + t_comm, []))
@@ -308,6 +321,7 @@ def price_grad_sync(
         allreduce += t
         copy += bucket_copy_s(b, comm.cluster.device, comm.cluster.compute_slowdown)
         steps[min(first_use[p] for p in b.params)][1].append((t, t_q))
+    inline_f += sum(bucket_fixed_s(comm, a) for a in fixed_axes)
     hidden = hidden_seconds(list(reversed(steps)), efficiency)
     shared = shared_reshards_s(every, infos, choice, comm)
     return GradSyncCost(deferred, inline_f, allreduce, hidden, shared, copy, tuple(buckets))

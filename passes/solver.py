@@ -15,6 +15,11 @@ Objective (seconds per training step, per device)
     codegen runs it once (``passes/grad_sync.py:reshard_key``). Edges folded into a node's cost
     (an end with one strategy, a folded follower) are paid per edge.
 
+    + sum_a b[a] g[a]: a parameter's gradient all-reduce deferred to a bucket on mesh axis a is
+    priced on its pair as its share of the bucket (``costs.use_price``), and the bucket's fixed
+    part ``b[a]`` (``CostTables.bucket_fixed``) once: ``g[a] >= [pair chosen]`` for every such
+    pair, linearized over the folded problem's variables (``_bucket_rows``).
+
 Constraints
     (1) one strategy per node:     sum_s x[v,s] = 1                         (``_node_vars``)
     (2) edge linearization:        sum_b y[e,a,b] = x[u,a],  sum_a y[e,a,b] = x[v,b]
@@ -142,7 +147,7 @@ def solve(
     sol = None
     if merge_followers:
         reduced, merged = folded or fold_followers(tables)
-        sol = _solve(reduced, memory_limit_bytes, time_limit_s)
+        sol = _solve(reduced, memory_limit_bytes, time_limit_s, buckets=_bucket_rows(tables, reduced, merged))
         if sol is not None:
             choice = dict(sol.choice)
             for v, (u, response) in reversed(merged):
@@ -155,7 +160,7 @@ def solve(
     ):
         return None  # not even the LP relaxation of the full problem fits: proven infeasible, cheaply
     if sol is None:
-        sol = _solve(tables, memory_limit_bytes, time_limit_s)
+        sol = _solve(tables, memory_limit_bytes, time_limit_s, buckets=_bucket_rows(tables, tables))
     if sol is None:
         return None
     # the ILP's objective leaves out constants (single-strategy nodes, graph outputs): report the full price
@@ -252,6 +257,7 @@ def fold_followers(tables: CostTables, exact: bool | None = None) -> Folded:
         shared.peak, tables.keep_positions, shared.mem,
         grad_mem={v: g for v, g in tables.grad_mem.items() if v in strategies},
         grad_free={v: f for v, f in tables.grad_free.items() if v in strategies},
+        bucket_fixed=tables.bucket_fixed,
     )  # fmt: skip
     return reduced, merged
 
@@ -293,7 +299,11 @@ def _dominant_responses(v: str, edges: list[Edge], v_cost: list[float], na: int)
         if not np.isfinite(row).any():
             response.append(0)
             continue
-        best = int(np.argmin(row + regret.max(axis=1)))
+        # a response the producer's strategy forbids (inf) is never best where another is allowed
+        score = np.where(np.isfinite(row), row + regret.max(axis=1), np.inf)
+        if not np.isfinite(score).any():
+            return None  # every allowed response may be forbidden downstream: leave v to the ILP
+        best = int(np.argmin(score))
         with np.errstate(invalid="ignore"):
             slack = row[best] + regret[best] - row
         slack = np.where(np.isnan(slack), 0.0, slack)
@@ -304,10 +314,15 @@ def _dominant_responses(v: str, edges: list[Edge], v_cost: list[float], na: int)
 
 
 def _solve(
-    tables: CostTables, memory_limit_bytes: float, time_limit_s: float | None, relax: bool = False
+    tables: CostTables,
+    memory_limit_bytes: float,
+    time_limit_s: float | None,
+    relax: bool = False,
+    buckets: list[BucketRow] = (),
 ) -> Solution | None:
     """The ILP on ``tables``; with ``relax``, its LP relaxation (x continuous in [0, 1]), whose
-    infeasibility proves the ILP's."""
+    infeasibility proves the ILP's. ``buckets``: ``_bucket_rows`` (without them the relaxation
+    is still a valid proof of infeasibility: they only add cost)."""
     t0 = time.perf_counter()
     prob = pulp.LpProblem("autopar", pulp.LpMinimize)
     x = _node_vars(prob, tables, pulp.LpContinuous if relax else pulp.LpBinary)
@@ -345,6 +360,13 @@ def _solve(
                 _affine([(var, 1), (y, -1)]), pulp.LpConstraintGE, f"zs_{len(prob.constraints)}", 0
             )
     objective += list(z.values())
+    g: dict[int, pulp.LpVariable] = {}  # axis -> a bucket's fixed price is paid there
+    for axis, coef, const in buckets:
+        if axis not in g:
+            g[axis] = pulp.LpVariable(f"g_{axis}", lowBound=0, upBound=1)
+            objective.append((g[axis], tables.bucket_fixed[axis]))
+        terms = [(g[axis], 1.0)] + [(x[v][i], -c) for (v, i), c in coef.items()]
+        prob += pulp.LpConstraint(_affine(terms), pulp.LpConstraintGE, f"gb_{len(prob.constraints)}", const)
     prob += _affine(objective)
     add_memory_rows(prob, x, quad, memory_limit_bytes, shared, tables)
 
@@ -497,4 +519,62 @@ def evaluate(tables: CostTables, choice: dict[str, int]) -> tuple[float, float]:
     t = sum(tables.node_cost[v][s] for v, s in choice.items())
     for e in tables.edges:
         t += e.cost[choice[e.src]][0 if e.dst == "output" else choice[e.dst]]
-    return t, peak_bytes(tables, choice)
+    return t + sum(tables.bucket_fixed[a] for a in bucket_axes(tables, choice)), peak_bytes(tables, choice)
+
+
+def bucket_axes(tables: CostTables, choice: dict[str, int]) -> set[int]:
+    """Mesh axes on which a full assignment defers some parameter's "f" to a gradient bucket."""
+    return {
+        a for e in tables.edges if e.bucketed is not None for a in e.bucketed[choice[e.src]][choice[e.dst]]
+    }
+
+
+# a bucket constraint: g[axis] >= sum of coef * x[node][strategy] + const
+BucketRow = tuple[int, dict[tuple[str, int], float], float]
+
+
+def _bucket_rows(tables: CostTables, target: CostTables, merged: list | None = None) -> list[BucketRow]:
+    """The constraints that make the ILP on ``target`` (``tables`` itself, or its folded form,
+    whose followers ``merged`` took responses) pay ``tables.bucket_fixed[a]`` when any pair of
+    ``tables``' edges that defers a parameter's "f" on axis ``a`` is chosen:
+
+        g[a] >= X[u, s_u] + sum_{s_v in B} X[v, s_v] - 1     (B: the s_v deferring on a with s_u)
+
+    an exact linearization of "u takes s_u and v one of B" (the sum over one node's strategies is
+    at most 1), with ``X[u, s]`` the sum of the ``target`` variables of u's root (u itself, or the
+    producer it was folded into, transitively) whose responses give u the strategy s. A source
+    with one strategy drops its term and the -1."""
+    follows = {v: (u, resp) for v, (u, resp) in merged or []}
+    roots: dict[str, tuple[str, list[int]]] = {}
+
+    def root(v: str) -> tuple[str, list[int]]:
+        if v not in roots:
+            if v in target.strategies:
+                roots[v] = (v, list(range(len(target.strategies[v]))))
+            else:
+                u, resp = follows[v]
+                r, pick = root(u)
+                roots[v] = (r, [resp[i] for i in pick])
+        return roots[v]
+
+    rows: list[BucketRow] = []
+    for e in tables.edges:
+        if e.bucketed is None or e.dst == "output":
+            continue
+        single = len(tables.strategies[e.src]) == 1
+        for su, row in enumerate(e.bucketed):
+            for axis in sorted({a for axes in row for a in axes}):
+                coef: dict[tuple[str, int], float] = {}
+                const = 0.0
+                terms = [(e.dst, {sv for sv, axes in enumerate(row) if axis in axes})]
+                if not single:
+                    terms.append((e.src, {su}))
+                    const = -1.0
+                for v, picked in terms:
+                    r, pick = root(v)
+                    for i, s in enumerate(pick):
+                        if s in picked:
+                            coef[(r, i)] = coef.get((r, i), 0.0) + 1.0
+                rows.append((axis, coef, const))
+    unique = {(axis, tuple(sorted(coef.items())), const): (axis, coef, const) for axis, coef, const in rows}
+    return list(unique.values())

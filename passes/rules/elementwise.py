@@ -15,6 +15,7 @@ from autopar.passes.rules import (
     register,
     shard_every_dim,
 )
+from autopar.placement import Shard
 
 UNARY_LINEAR = [
     aten.neg.default, aten.clone.default, aten.contiguous.default, aten.alias.default,
@@ -77,4 +78,23 @@ def mul_rule(ctx: OpCtx) -> list[AxisOption]:
         opts.append(AxisOption(P, (P, R)))  # partial * replicated (or partial / replicated)
         if ctx.node.target is aten.mul.Tensor and first_is_tensor:
             opts.append(AxisOption(P, (R, P)))
+    return opts
+
+
+@register(aten.broadcast_tensors.default)
+def broadcast_tensors_rule(ctx: OpCtx) -> list[AxisOption]:
+    """Every output has the broadcast shape: shard any of its dims; each input follows through
+    broadcasting (a size-1 or missing dim stays whole) and every output takes the shard. Linear
+    in each input alone, so a Partial input broadcasts to a Partial output only with all others."""
+    shape = tuple(torch.broadcast_shapes(*ctx.in_shapes))
+    nd = len(shape)
+    opts = []
+    for d in range(nd):
+        if shape[d] <= 1:
+            continue
+        ins = []
+        for in_shape in ctx.in_shapes:
+            j = d - (nd - len(in_shape))
+            ins.append(Shard(j) if j >= 0 and in_shape[j] == shape[d] else R)
+        opts.append(AxisOption(Shard(d), tuple(ins)))
     return opts

@@ -86,6 +86,19 @@ def cross_entropy_rule(ctx: OpCtx) -> list[AxisOption]:
     return [AxisOption(R if reduction == 1 else P, (Shard(0), Shard(0)))]
 
 
+@register(aten.mse_loss.default)
+def mse_loss_rule(ctx: OpCtx) -> list[AxisOption]:
+    """Inputs of one shape (``broadcast_tensors`` makes them so) cut alike on any dim: 'none' keeps
+    the cut, 'sum' and 'mean' leave a pending sum (the lowering divides a mean by the pieces)."""
+    a, b = ctx.in_shapes if ctx.n_in == 2 else ((), ())
+    if not a or a != b:
+        return []
+    reduction = ctx.arg(2, "reduction", 1)
+    return [
+        AxisOption(Shard(d) if reduction == 0 else P, (Shard(d), Shard(d))) for d in range(len(a)) if a[d] > 1
+    ]
+
+
 @register(aten.sum.dim_IntList, aten.mean.dim, aten.sum.default, aten.mean.default)
 def reduction_rule(ctx: OpCtx) -> list[AxisOption]:
     shape = ctx.in_shapes[0]
