@@ -147,12 +147,18 @@ def search(
     mirrors: dict[tuple, tuple] = {}
     only = set(classes.members) if classes else None
     data_axis: dict[int, dict[str, Strategy]] = {}  # data-parallel solution of one axis, by size
-    for mesh in meshes:
+    # without roles, each mesh of fewer axes is searched twice: free, and with axis 0 data parallel
+    # (the ILP prices a weight's gradient all-reduce as a bucket share only on a data axis, so the
+    # free search overprices data parallelism; see passes/costs.py:bucketed_axes)
+    runs = [(m, False) for m in meshes]
+    if not axis_roles:
+        runs = [(m, dp) for m in meshes for dp in (False, True) if not dp or len(m) < DATA_OUTER_MIN_AXES]
+    for mesh, data_first in runs:
         roles = tuple(axis_roles) if axis_roles else None
         data_outer = roles is None and mesh_shape is None and len(mesh) >= DATA_OUTER_MIN_AXES
-        if data_outer:
+        if data_outer or data_first:
             roles = (AxisRole.DATA,) + (AxisRole.AUTO,) * (len(mesh) - 1)
-        label = f"{mesh}" + (" (axis 0 data parallel)" if data_outer else "")
+        label = f"{mesh}" + (" (axis 0 data parallel)" if data_outer or data_first else "")
         # a mesh whose axes are another's, permuted, each on the same kind of link (and role), is the same problem
         links = [axis_link(cluster, mesh, a) for a in range(len(mesh))]
         key = tuple(
@@ -178,7 +184,21 @@ def search(
                     tg, infos, cluster, mesh[0], optimizer, classes, profiler
                 )
             fixed = {0: data_axis[mesh[0]]}
-        strats = build_strategies(tg, infos, mesh, roles, only=only, fixed=fixed)
+        try:
+            strats = build_strategies(tg, infos, mesh, roles, only=only, fixed=fixed)
+        except NoPlanFitsError as e:
+            if not data_first:
+                raise
+            candidates.append(
+                {
+                    "mesh_shape": list(mesh),
+                    "axis_roles": [r.value for r in roles],
+                    "status": "no data-parallel placement",
+                    "objective": None,
+                }
+            )
+            _progress(progress, f"solve: mesh {label}: skipped ({e})")
+            continue
         # -- cost -----------------------------------------------------------------------------------
         tables = build_costs(tg, infos, strats, cluster, mesh, optimizer, roles, classes, profiler, outputs)
         if profiler is not None:

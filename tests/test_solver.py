@@ -245,7 +245,9 @@ def test_mirror_meshes_are_solved_once_and_plans_are_deterministic():
     model, inputs = mlp(batch=64, hidden=256, ffn=1024)
     cluster = autopar.ClusterSpec.preset("h100-sxm")
     plans = [autopar.plan(model, cluster, inputs) for _ in range(2)]
-    status = {tuple(c["mesh_shape"]): c["status"] for c in plans[0].solver.candidates}
+    status = {
+        tuple(c["mesh_shape"]): c["status"] for c in plans[0].solver.candidates if "axis_roles" not in c
+    }
     assert status[(4, 2)] == "same as (2, 4)"
     assert plans[0].decisions == plans[1].decisions and plans[0].mesh_shape == plans[1].mesh_shape
 
