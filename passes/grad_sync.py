@@ -9,9 +9,10 @@ gradient-carrying use of a parameter needs the pure "f" on the same mesh axes ``
     sum_c AR_D(g_c) = AR_D(sum_c g_c),
 
 so codegen drops the per-use "f" and all-reduces the accumulated gradient once, asynchronously,
-as soon as autograd has accumulated it (``codegen/grad_sync.py``); backward compute then runs
-while the reduction is in flight. The cost model prices the overlap on a timeline
-(``cost_model/overlap.py``).
+in a bucket with the other gradients completed about then (``grad_buckets``, as
+DistributedDataParallel does; ``codegen/grad_sync.py``); backward compute then runs while the
+reduction is in flight. The cost model prices each bucket and the overlap on a timeline
+(``price_grad_sync``, ``cost_model/overlap.py``).
 
 A pure "f" on axis ``a`` is one where the stored placement already equals the use's (Replicate).
 Where the stored piece is a shard, the "f" fuses into the all-gather's backward reduce-scatter
