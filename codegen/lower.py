@@ -261,10 +261,9 @@ def lower(
     g = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
     spec: dict[fx.Node, Spec] = {}
-    shared: dict[tuple, fx.Node] = {}
-    made: dict[
-        tuple, fx.Node
-    ] = {}  # collectives by (function, arguments): chains share prefixes  # reshards several uses take (passes/grad_sync.py:reshard_key)
+    # collectives emitted so far, by (function, arguments): uses that need the same reshard take
+    # the first one's, and chains that start alike share their first steps (emit_reshard)
+    made: dict[tuple, fx.Node] = {}
     roles = {p.name: p for p in tg.placeholders}
     root = torch.nn.Module()
     for name, t in attrs.items():
@@ -275,15 +274,11 @@ def lower(
     r = replicated(len(mesh_shape))
 
     def reshard(fops, leaf: fx.Node, need: Spec, user: fx.Node) -> fx.Node:
-        """``leaf`` in placement ``need`` for ``user``: the reshard an earlier use with the same key
-        made, or a new one (passes/grad_sync.py:reshard_key)."""
-        key = reshard_key(leaf, spec[leaf], need, fops, user)
-        if key in shared:
-            return shared[key]
-        x = emit_reshard(g, env[leaf], spec[leaf], need, mesh_shape, fops, None if key is None else made)
-        if key is not None:
-            shared[key] = x
-        return x
+        """``leaf`` in placement ``need`` for ``user``: the collectives an earlier use with the same
+        key made (the same chain emits the same calls), or new ones where there is no key
+        (passes/grad_sync.py:reshard_key: ``user`` writes to its inputs)."""
+        shared = reshard_key(leaf, spec[leaf], need, fops, user) is not None
+        return emit_reshard(g, env[leaf], spec[leaf], need, mesh_shape, fops, made if shared else None)
 
     def map_device(a):
         return device if isinstance(a, torch.device) else a
