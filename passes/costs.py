@@ -58,7 +58,7 @@ from autopar.cost_model.compute import accumulate_time, node_time, optimizer_ste
 from autopar.cost_model.memory import reshard_transient
 from autopar.passes.analyze import NodeInfo, tensor_vals
 from autopar.passes.coarsen import Classes
-from autopar.passes.rules import tensor_inputs
+from autopar.passes.rules import tensor_inputs, writes_inputs
 from autopar.passes.strategies import AxisRole, NodeStrategies, Strategy
 from autopar.passes.trace import Role, TracedGraph
 from autopar.placement import Outputs, is_replicate, is_shard, output_placement, volume_factor
@@ -512,8 +512,7 @@ def _takes_whole(node: fx.Node) -> bool:
     """Does ``node`` take its inputs whole whatever the plan: an in-place op (it writes into a
     buffer that stays replicated, ``strategies.mutated_views``: T5 shifts its labels into one), or
     one that reads only its input's metadata (``_METADATA_ONLY``)?"""
-    schema = getattr(node.target, "_schema", None)
-    return node.target in _METADATA_ONLY or (schema is not None and schema.is_mutable)
+    return node.target in _METADATA_ONLY or writes_inputs(node)
 
 
 def _edge(

@@ -47,7 +47,7 @@ from autopar.passes.costs import (
     trainable_bytes,
     use_price,
 )
-from autopar.passes.rules import tensor_inputs
+from autopar.passes.rules import tensor_inputs, writes_inputs
 from autopar.passes.strategies import Strategy
 from autopar.passes.trace import Role, TracedGraph
 from autopar.placement import Outputs, Spec, output_placement, volume_factor
@@ -79,8 +79,7 @@ def reshard_key(inp: fx.Node, stored, need, fops: tuple[int, ...], user: fx.Node
     writes to its inputs."""
     if tuple(stored) == tuple(need) and not fops:
         return None
-    schema = getattr(user.target, "_schema", None)
-    if schema is not None and schema.is_mutable:
+    if writes_inputs(user):
         return None
     return (inp.name, tuple(stored), tuple(need), tuple(fops))
 

@@ -33,7 +33,7 @@ from torch.distributed.tensor.placement_types import Replicate, Shard
 
 from autopar.errors import NoPlanFitsError
 from autopar.passes.analyze import NodeInfo
-from autopar.passes.rules import RULES, VIEW_OPS, AxisOption, make_ctx, tensor_inputs
+from autopar.passes.rules import RULES, VIEW_OPS, AxisOption, make_ctx, tensor_inputs, writes_inputs
 from autopar.passes.trace import Role, TracedGraph
 from autopar.placement import Spec, is_partial, is_replicate, is_shard
 
@@ -210,10 +210,9 @@ def mutated_views(tg: TracedGraph) -> set[str]:
     in place (they are parameters, buffers or inputs, which in-place ops do not touch in training)."""
     out: set[str] = set()
     for node in tg.graph.nodes:
-        schema = getattr(node.target, "_schema", None)
-        if node.op != "call_function" or schema is None or not schema.is_mutable:
+        if node.op != "call_function" or not writes_inputs(node):
             continue
-        for arg, formal in zip(node.args, schema.arguments):
+        for arg, formal in zip(node.args, node.target._schema.arguments):
             if not (
                 isinstance(arg, fx.Node) and formal.alias_info is not None and formal.alias_info.is_write
             ):

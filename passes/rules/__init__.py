@@ -82,6 +82,12 @@ def _is_tensor_node(a) -> bool:
     return isinstance(a, fx.Node) and isinstance(a.meta.get("val"), torch.Tensor)
 
 
+def writes_inputs(node: fx.Node) -> bool:
+    """Does ``node`` write to some of its inputs (an in-place or ``out=`` op, by its schema)?"""
+    schema = getattr(node.target, "_schema", None)
+    return schema is not None and schema.is_mutable
+
+
 def tensor_inputs(node: fx.Node) -> list[fx.Node]:
     """Tensor-valued input nodes in flattened (args, kwargs) order: the order ``ins`` refers to."""
     return [a for a in pytree.tree_leaves((node.args, node.kwargs)) if _is_tensor_node(a)]
