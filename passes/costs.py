@@ -451,6 +451,12 @@ def bucketed_axes(have, need, f: Sequence[int], axes: Collection[int]) -> tuple[
     return tuple(a for a in f if a in axes and have[a] == need[a])
 
 
+def flatten_s(nbytes: float, cluster: ClusterSpec) -> float:
+    """Seconds of flattening ``nbytes`` of gradients into a bucket's one tensor: each byte read and
+    written once (``torch.cat``; the gradients then become views of it, no copy back)."""
+    return 2 * nbytes / cluster.device.memory_bandwidth * cluster.compute_slowdown
+
+
 def use_price(
     comm: CommModel,
     have,
@@ -460,13 +466,13 @@ def use_price(
     f: Sequence[int],
     grad_total: float = 0.0,
     axes: Collection[int] = (),
-) -> tuple[float, list[str]]:
+) -> tuple[float, list[str], tuple[int, ...]]:
     """Seconds the tables charge a use for resharding its input and for the "f" all-reduces of its
     gradient (``CommModel.reshard``). ``grad_total`` > 0: the input is a trainable parameter of a
     model whose trainable parameters hold that many bytes. Its pure "f" on the data-parallel
     ``axes`` (``bucketed_axes``) goes
     to a gradient bucket (``passes/grad_sync.py:grad_buckets``): it pays its share of the bucket's
-    all-reduce beyond the fixed part, and of flattening the bucket,
+    all-reduce beyond the fixed part, and of flattening the bucket (``flatten_s``),
 
         share = (t_AR(B) - t_AR(0)) * b / B + 2 b / memory_bandwidth * slowdown,
         B = min(BUCKET_BYTES, T / v)                                                          [s]
@@ -475,7 +481,8 @@ def use_price(
     the ILP adds ``t_AR(0)`` once per axis where any use does this (``bucket_fixed_s``). The shares
     of parameters that fill one bucket add up to its price: exact for data parallelism up to
     ``BUCKET_BYTES`` of gradients, one ``t_AR(0)`` short per further bucket. Chosen plans are priced
-    bucket by bucket as they run (``passes/grad_sync.py:price_grad_sync``)."""
+    bucket by bucket as they run (``passes/grad_sync.py:price_grad_sync``). Returns the seconds,
+    the collectives' names and the axes priced as bucket shares."""
     mesh = comm.mesh_shape
     pure = bucketed_axes(have, need, f, axes) if grad_total and rg else ()
     t, names = comm.reshard(have, need, nbytes, rg, tuple(a for a in f if a not in pure))
@@ -486,8 +493,8 @@ def use_price(
         for a in pure:
             t += max(comm.time(Collective.ALL_REDUCE, full, a) - bucket_fixed_s(comm, a), 0.0) * local / full
             names.append(f"all_reduce(bwd, bucketed)@{a}")
-        t += 2 * local / comm.cluster.device.memory_bandwidth * comm.cluster.compute_slowdown
-    return t, names
+        t += flatten_s(local, comm.cluster)
+    return t, names, pure
 
 
 def data_parallel_pair(have, need, param: bool, data_axes: Sequence[int]) -> bool:
@@ -535,14 +542,10 @@ def _edge(
     for have in have_ix:
         rc, rm, rn, rp, rk, rcp, rb = [], [], [], [], [], [], []
         for need, f in need_ix:
-            c, names = use_price(comm, have, need, nbytes, rg, f, param, data_axes)
-            rb.append(bucketed_axes(have, need, f, data_axes) if param and rg else ())
-            if any(have[a] != need[a] for a in pinned) or not data_parallel_pair(
-                have,
-                need,
-                infos[src].role is Role.PARAM,
-                checked,
-            ):
+            c, names, bucketed = use_price(comm, have, need, nbytes, rg, f, param, data_axes)
+            rb.append(bucketed)
+            pinned_moves = any(have[a] != need[a] for a in pinned)
+            if pinned_moves or not data_parallel_pair(have, need, infos[src].role is Role.PARAM, checked):
                 c = math.inf  # forbidden pair (see _pinned_axes, data_parallel_pair)
             rc.append(c)
             copy, own = _kept_bytes(have, need, nbytes, keeps, orig, comm.mesh_shape)

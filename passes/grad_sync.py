@@ -41,8 +41,8 @@ from autopar.cost_model.overlap import hidden_seconds
 from autopar.passes.costs import (
     BUCKET_BYTES,
     bucket_fixed_s,
-    bucketed_axes,
     f_axes,
+    flatten_s,
     resolve_source,
     trainable_bytes,
     use_price,
@@ -200,10 +200,10 @@ def bucket_all_reduce_s(bucket: Bucket, comm: CommModel) -> tuple[float, float]:
     return first + rest, comm.queued_all_reduce_time(bucket.nbytes, bucket.axes[0]) + rest
 
 
-def bucket_copy_s(bucket: Bucket, device, slowdown: float = 1.0) -> float:
-    """Seconds of flattening a bucket of two or more gradients into one tensor: each byte read
-    and written once (``torch.cat``; the gradients then become views of it, no copy back)."""
-    return 2 * bucket.nbytes / device.memory_bandwidth * slowdown if len(bucket.params) > 1 else 0.0
+def bucket_copy_s(bucket: Bucket, cluster) -> float:
+    """Seconds of flattening a bucket of two or more gradients into one tensor (``flatten_s``); a
+    bucket of one is reduced in place."""
+    return flatten_s(bucket.nbytes, cluster) if len(bucket.params) > 1 else 0.0
 
 
 def deferred_grad_axes(
@@ -304,10 +304,11 @@ def price_grad_sync(
             have, rg = choice[u.src].out, info.requires_grad
             # what the tables charged (a parameter's pure "f" as a bucket share), and what runs inline
             param = grad_total if infos[u.src].role is Role.PARAM and rg else 0.0
-            priced, _ = use_price(comm, have, u.need, info.out_bytes, rg, f_axes(s, u.k), param, bucket_axes)
+            priced, _, bucketed = use_price(
+                comm, have, u.need, info.out_bytes, rg, f_axes(s, u.k), param, bucket_axes
+            )
             run, _ = comm.reshard(have, u.need, info.out_bytes, rg, u.fops)
-            if param:
-                fixed_axes.update(bucketed_axes(have, u.need, f_axes(s, u.k), bucket_axes))
+            fixed_axes.update(bucketed)
             inline_f += priced - run
             if u.src in deferred:
                 first_use.setdefault(u.src, len(steps))
@@ -319,7 +320,7 @@ def price_grad_sync(
     for b in buckets:
         t, t_q = bucket_all_reduce_s(b, comm)
         allreduce += t
-        copy += bucket_copy_s(b, comm.cluster.device, comm.cluster.compute_slowdown)
+        copy += bucket_copy_s(b, comm.cluster)
         steps[min(first_use[p] for p in b.params)][1].append((t, t_q))
     inline_f += sum(bucket_fixed_s(comm, a) for a in fixed_axes)
     hidden = hidden_seconds(list(reversed(steps)), efficiency)
