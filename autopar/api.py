@@ -158,7 +158,9 @@ def search(
         data_outer = roles is None and mesh_shape is None and len(mesh) >= DATA_OUTER_MIN_AXES
         if data_outer or data_first:
             roles = (AxisRole.DATA,) + (AxisRole.AUTO,) * (len(mesh) - 1)
-        label = f"{mesh}" + (" (axis 0 data parallel)" if data_outer or data_first else "")
+            label = f"{mesh} (axis 0 data parallel)"
+        else:
+            label = f"{mesh}"
         # a mesh whose axes are another's, permuted, each on the same kind of link (and role), is the same problem
         links = [axis_link(cluster, mesh, a) for a in range(len(mesh))]
         key = tuple(

@@ -148,14 +148,15 @@ def peak_bytes(tables: CostTables, choice: dict[str, int]) -> float:
             transients[p] = max(transients.get(p, 0.0), t[s])
         for o, t in shared.keep.get(v, {}).items():
             keep[o] = max(keep.get(o, 0.0), t[s])
-    copies: dict[tuple, list[float]] = {}  # (tensor, instances, reshard) -> copies its edges keep
+    # (tensor, instances, reshard) -> where it is charged, and the copy each of its edges keeps
+    copies: dict[tuple, tuple[tuple[float, ...], list[float]]] = {}
     for e in tables.edges:
         a, b = choice[e.src], (0 if e.dst == "output" else choice[e.dst])
         ps = positions(tables, e.src)
         charged.append((ps, e.mem[a][b] / len(ps)))
         key = e.share_key(a, b)
         if e.copy is not None and e.copy[a][b] and key is not None:
-            copies.setdefault((e.tensor, e.count, key), [ps]).append(e.copy[a][b])
+            copies.setdefault((e.tensor, e.count, key), (ps, []))[1].append(e.copy[a][b])
         if e.peak is not None:
             p = edge_position(tables, e)
             transients[p] = max(transients.get(p, 0.0), e.peak[a][b])
@@ -163,7 +164,7 @@ def peak_bytes(tables: CostTables, choice: dict[str, int]) -> float:
             keep[e.owner] = max(keep.get(e.owner, 0.0), e.keep[a][b])
     charged += [(owner_positions(tables, o), k) for o, k in keep.items()]
     # uses that take one reshard keep one copy (codegen makes it once, passes/grad_sync.py:reshard_key)
-    for ps, *kept in copies.values():
+    for ps, kept in copies.values():
         charged.append((ps, -(sum(kept) - max(kept)) / len(ps)))
     charged += _grad_charges(tables, choice)
     at: dict[float, float] = {}
