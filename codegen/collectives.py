@@ -51,9 +51,21 @@ def _coord(axis: int) -> int:
     return _MESH.get_local_rank(axis)  # type: ignore[union-attr]
 
 
+# ``all_gather_single`` is ``all_gather_into_tensor``'s newer name (torch >= 2.13 warns on the old one)
+_gather_into = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
 def _gather(x: torch.Tensor, dim: int, axis: int) -> torch.Tensor:
     x = x.contiguous()
-    parts = [torch.empty_like(x) for _ in range(_size(axis))]
+    n = _size(axis)
+    if dim % x.dim() == 0:
+        # the pieces are consecutive: gathered straight into the result. No list of parts, which
+        # the backend's worker thread holds until it lets go of the work (on gloo, a race with the
+        # caller: up to n L bytes more, for a while), and no copy into a concatenation
+        out = x.new_empty((n * x.shape[0], *x.shape[1:]))
+        _gather_into(out, x, group=_group(axis))
+        return out
+    parts = [torch.empty_like(x) for _ in range(n)]
     dist.all_gather(parts, x, group=_group(axis))
     return torch.cat(parts, dim=dim)
 

@@ -8,7 +8,9 @@ runs it:
 
 * ``all_reduce``: ``clone`` + ``dist.all_reduce`` (``B`` = the tensor's bytes);
 * ``all_gather``: ``dist.all_gather`` into a list of ``n`` shards + ``torch.cat`` (``B`` = bytes of
-  the gathered, full tensor; each rank contributes ``B / n``);
+  the gathered, full tensor; each rank contributes ``B / n``), as codegen gathers along any dim
+  but 0 (along dim 0 it gathers straight into the output and skips the ``cat``'s copy, which is
+  ``B / memory_bandwidth`` less than the fit says);
 * ``reduce_scatter``: on gloo, ``all_reduce`` of the full tensor + a local slice (``B`` = the full
   tensor's bytes); on NCCL, ``dist.reduce_scatter_tensor``;
 * ``all_reduce_queued``: ``QUEUE_DEPTH`` asynchronous in-place all-reduces issued back to back and
