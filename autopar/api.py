@@ -32,10 +32,11 @@ from autopar.passes.grad_sync import (
     Bucket,
     GradSyncCost,
     bucket_all_reduce_s,
+    bucket_transients,
     plan_uses,
     price_grad_sync,
 )
-from autopar.passes.memory_row import lower_bound_bytes
+from autopar.passes.memory_row import lower_bound_bytes, peak_bytes
 from autopar.passes.solver import (
     EXACT_FOLD_MAX_PAIRS,
     Solution,
@@ -144,6 +145,7 @@ def search(
     best_objective = math.inf
     candidates = []
     min_needed = math.inf
+    refused_for_buckets = False
     mirrors: dict[tuple, tuple] = {}
     only = set(classes.members) if classes else None
     data_axis: dict[int, dict[str, Strategy]] = {}  # data-parallel solution of one axis, by size
@@ -236,6 +238,23 @@ def search(
         # once per parameter, partly behind backward compute (passes/grad_sync.py)
         choice = _expanded_choice(tg, tables, sol)
         gs = _grad_sync_cost(tg, infos, tables, sol, choice, cluster, mesh, outputs)
+        over = _peak(tables, sol, gs) - limit
+        if over > 0:
+            # flattening a gradient bucket (not in the ILP's rows: the buckets follow from the
+            # choice) passes the limit: solve again with that much less room, once
+            sol = solve(tables, limit - over, time_limit_s, folded=folded)
+            if sol is not None:
+                choice = _expanded_choice(tg, tables, sol)
+                gs = _grad_sync_cost(tg, infos, tables, sol, choice, cluster, mesh, outputs)
+            if sol is None or _peak(tables, sol, gs) > limit:
+                refused_for_buckets = True
+                candidates.append({**entry, "status": "infeasible", "objective": None})
+                _progress(
+                    progress,
+                    f"solve: mesh {label}: no plan fits {limit / 2**30:.2f} GiB per device "
+                    "with its gradient buckets' flattening",
+                )
+                continue
         t_step = sol.objective + gs.adjustment_s
         best_objective = min(best_objective, sol.objective)
         candidates.append({**entry, "status": sol.status, "objective": t_step})
@@ -254,7 +273,9 @@ def search(
         raise NoPlanFitsError(
             f"no plan fits: needs at least {min_needed / 2**30:.2f} GiB per device, the limit is "
             f"{limit / 2**30:.2f} GiB ({cluster.device.name}, {cluster.world_size} devices, "
-            f"{cluster.memory_reserve:.0%} of memory held in reserve); try more devices, "
+            f"{cluster.memory_reserve:.0%} of memory held in reserve"
+            f"{'; a plan that fit did not with its gradient buckets flattened' if refused_for_buckets else ''}"
+            "); try more devices, "
             "a smaller batch or sequence, another mesh_shape or a larger memory_limit_bytes"
         )
     _, mesh, sol, tables, bound, gs, choice = best
@@ -289,6 +310,11 @@ def _data_parallel_axis(
             f"no data-parallel placement over {size} devices; pass mesh_shape=... explicitly"
         )
     return {v: tables.strategies[v][i] for v, i in sol.choice.items()}
+
+
+def _peak(tables: CostTables, sol: Solution, gs: GradSyncCost) -> float:
+    """The plan's peak bytes per device: the tables' liveness and the gradient buckets' flattening."""
+    return peak_bytes(tables, sol.choice, bucket_transients(gs.buckets), set(gs.deferred))
 
 
 def _expanded_choice(tg: TracedGraph, tables: CostTables, sol: Solution) -> dict[str, Strategy]:
@@ -356,7 +382,8 @@ def _make_plan(
                 collectives=tuple(colls.get(n.name, ())),
             )
         )
-    t_step, mem = evaluate(tables, sol.choice)
+    t_step = evaluate(tables, sol.choice)[0]
+    mem = _peak(tables, sol, gs)
     overhead = cluster.device.step_overhead_s * cluster.compute_slowdown  # the same for every plan
     compute += overhead
     # ranks that share cores lend them to the rank they wait for: drift costs them nothing (sync.py)

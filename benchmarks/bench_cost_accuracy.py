@@ -98,6 +98,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--cluster", default=None, help="a calibrated spec file (default: calibrate now)")
     ap.add_argument("--worlds", type=int, nargs="+", default=[2, 4])
+    ap.add_argument("--models", nargs="+", choices=list(MODELS), default=list(MODELS))
     ap.add_argument(
         "--calib-world",
         type=int,
@@ -150,8 +151,9 @@ def main() -> None:
         profiler = OpProfiler.for_cluster(cluster, cache_path=args.profile_cache) if args.profile else None
         print(f"compute: {'profiled, ' + profiler.cache.context if profiler else 'analytical (roofline)'}")
         print(head)
-        for mname, spec in MODELS.items():
-            if args.calibrate_each and not args.cluster and mname != next(iter(MODELS)):
+        for mname in args.models:
+            spec = MODELS[mname]
+            if args.calibrate_each and not args.cluster and mname != args.models[0]:
                 cluster = cluster_for(world, fresh=True)
             plans, paths = {}, {}
             for pname, roles in PLANS.items():

@@ -46,3 +46,18 @@ def arange_piece(start, step, length: int, coord: int, **kwargs) -> torch.Tensor
         if step != 1
         else torch.arange(first, first + length, **kwargs)
     )
+
+
+def loss_sum_and_count(logits: torch.Tensor, target: torch.Tensor, ignore_index: int) -> torch.Tensor:
+    """This rank's cross-entropy sum and count of counted tokens, as one tensor ``[sum, count]``
+    (one all-reduce sums both over the ranks). Summed in float32 at least: in float16 a sum or
+    count past 65504 is inf, and a bfloat16 count is inexact above 256 tokens."""
+    per_token = F.cross_entropy(logits, target, ignore_index=ignore_index, reduction="none")
+    acc = torch.promote_types(per_token.dtype, torch.float32)
+    count = (target != ignore_index).sum(dtype=acc)
+    return torch.stack([per_token.sum(dtype=acc), count]).to(acc)
+
+
+def mean_of_sum_and_count(pair: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The mean loss from the all-reduced ``[sum, count]``, in the loss's dtype."""
+    return (pair[0] / pair[1]).to(dtype)

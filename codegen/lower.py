@@ -232,13 +232,14 @@ def _lower_cross_entropy(g, node, args, kwargs, s, mesh_shape):
         return g.call_function(node.target, args, kwargs)
     logits, target = args[0], args[1]
     ignore = node.args[4] if len(node.args) > 4 else node.kwargs.get("ignore_index", -100)
-    total = g.call_function(aten.cross_entropy_loss.default, (logits, target, None, 2, ignore, 0.0))
-    count = g.call_function(aten.ne.Scalar, (target, ignore))
-    count = g.call_function(aten.sum.dim_IntList, (count, []), {"dtype": node.meta["val"].dtype})
+    # the loss's dtype at run time (the rule validator runs float64), read before the logits'
+    # last use so that they are not kept through the all-reduce
+    dtype = g.call_function(getattr, (logits, "dtype"))
+    # the local loss sum and token count, all-reduced together: one collective per split axis
+    pair = g.call_function(L.loss_sum_and_count, (logits, target, ignore))
     for a in split:
-        total = g.call_function(C.all_reduce, (total, a))
-        count = g.call_function(C.all_reduce, (count, a))
-    return g.call_function(aten.div.Tensor, (total, count))
+        pair = g.call_function(C.all_reduce, (pair, a))
+    return g.call_function(L.mean_of_sum_and_count, (pair, dtype))
 
 
 # ------------------------------------------------------------------------------------------------

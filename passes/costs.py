@@ -592,10 +592,11 @@ def analytical_node_time(
 def _lowering_comm(node: fx.Node, s: Strategy, comm: CommModel) -> float:
     """Collectives that a lowering runs inside the op (see codegen/lower.py)."""
     if node.target is aten.cross_entropy_loss.default and all(is_replicate(p) for p in s.out):
-        # a mean over a split batch: all-reduce of the local loss sum and of the local token count on
-        # every split axis, exactly as codegen/lower.py emits them (a sum or 'none' needs none)
+        # a mean over a split batch: one all-reduce of the local loss sum and token count (two
+        # float32) on every split axis, exactly as codegen/lower.py emits it (a sum or 'none'
+        # needs none)
         return sum(
-            2 * comm.time(Collective.ALL_REDUCE, 4, a)
+            comm.time(Collective.ALL_REDUCE, 8, a)
             for a, split in enumerate(s.split_axes())
             if split and comm.mesh_shape[a] > 1
         )

@@ -206,6 +206,18 @@ def bucket_copy_s(bucket: Bucket, cluster) -> float:
     return flatten_s(bucket.nbytes, cluster) if len(bucket.params) > 1 else 0.0
 
 
+def bucket_transients(buckets: Sequence[Bucket]) -> dict[float, float]:
+    """Graph position -> bytes that flattening a bucket allocates there, beyond its members'
+    gradients (``torch.cat``, when backward completes the bucket; the gradients then become views
+    of it and the old ones are freed, so only this moment holds both). A bucket of one is reduced
+    in place."""
+    out: dict[float, float] = {}
+    for b in buckets:
+        if len(b.params) > 1:
+            out[b.ready] = max(out.get(b.ready, 0.0), b.nbytes)
+    return out
+
+
 def deferred_grad_axes(
     tg: TracedGraph, choice: dict[str, Strategy], mesh_shape: Sequence[int]
 ) -> dict[str, tuple[int, ...]]:

@@ -134,12 +134,20 @@ def owner_positions(tables: CostTables, owner: str) -> tuple[float, ...]:
 # -- evaluation of a full assignment ----------------------------------------------------------------
 
 
-def peak_bytes(tables: CostTables, choice: dict[str, int]) -> float:
+def peak_bytes(
+    tables: CostTables,
+    choice: dict[str, int],
+    extra: dict[float, float] | None = None,
+    deferred: frozenset[str] | set[str] = frozenset(),
+) -> float:
     """The peak per device of a full assignment, as the ILP's rows count it, except that edges of
     one tensor that take the same reshard keep one copy: the ILP's rows count each edge's, an upper
-    bound (which keeps every plan it accepts within the limit)."""
+    bound (which keeps every plan it accepts within the limit). ``extra``: more transients, by
+    position (the gradient buckets' flattening, ``passes/grad_sync.py:bucket_transients``).
+    ``deferred``: parameters whose gradient is all-reduced in a bucket (``deferred_grad_axes``):
+    their uses run no "f", so none clones a gradient (the rows count the clone: an upper bound)."""
     charged: list[tuple[tuple[float, ...], float]] = []  # (positions, bytes per position)
-    transients: dict[float, float] = {}
+    transients: dict[float, float] = dict(extra or {})
     shared = Folds.of(tables)
     keep: dict[str, float] = {}
     for v, s in choice.items():
@@ -157,7 +165,7 @@ def peak_bytes(tables: CostTables, choice: dict[str, int]) -> float:
         key = e.share_key(a, b)
         if e.copy is not None and e.copy[a][b] and key is not None:
             copies.setdefault((e.tensor, e.count, key), (ps, []))[1].append(e.copy[a][b])
-        if e.peak is not None:
+        if e.peak is not None and e.src not in deferred:
             p = edge_position(tables, e)
             transients[p] = max(transients.get(p, 0.0), e.peak[a][b])
         if e.keep is not None:

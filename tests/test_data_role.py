@@ -113,3 +113,66 @@ def test_the_default_search_weighs_data_parallelism_on_each_mesh():
     dp = autopar.plan(model, _cpu(2), inputs, axis_roles=(D,))
     assert [c.get("axis_roles") for c in auto.solver.candidates] == [None, ["data"]]
     assert auto.predicted.step_time_s <= dp.predicted.step_time_s * (1 + 1e-9)
+
+
+class _TokenLoss(torch.nn.Module):
+    """Logits of a linear layer, cast to ``dtype``, and their mean cross-entropy (ignored tokens
+    left out of the mean)."""
+
+    def __init__(self, dtype: torch.dtype):
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 16)
+        self.dtype = dtype
+
+    def forward(self, x, target):
+        return torch.nn.functional.cross_entropy(self.lin(x).to(self.dtype), target)
+
+
+def _token_loss_inputs():
+    torch.manual_seed(0)
+    x = torch.randn(70_000, 8)
+    target = torch.randint(0, 16, (70_000,))
+    target[:3001] = -100  # rank 0's half holds all the ignored tokens: the mean needs the global count
+    return x, target
+
+
+def _token_loss_rank(rank, world, path, dtype):
+    from autopar.codegen import collectives as C
+
+    torch.manual_seed(0)
+    model = _TokenLoss(dtype)
+    x, target = _token_loss_inputs()
+    pm = autopar.autoparallelize(model, _cpu(world), (x, target), plan=path)
+    reduces = [n for n in pm.local.graph.nodes if n.target is C.all_reduce]
+    loss = pm(x, target)
+    loss.backward()
+    grads = {n: p.grad.clone() for n, p in zip(pm._state_specs, pm.parameters())}
+    return len(reduces), loss.detach(), grads
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_a_split_mean_cross_entropy_is_one_all_reduce_and_the_single_device_loss(tmp_path, dtype):
+    """A mean cross-entropy over a batch split in two, ignored tokens all on one rank: one
+    all-reduce of the loss sum and token count together (the price counts one), and the loss and
+    gradients of the single device in float32. In float16 each rank's sum (~110,000) and the count
+    (66,999) are past float16's largest number: they are summed in float32."""
+    x, target = _token_loss_inputs()
+    torch.manual_seed(0)
+    model = _TokenLoss(dtype)
+    path = tmp_path / "dp.json"
+    plan = autopar.plan(model, _cpu(2), (x, target), mesh_shape=(2,), axis_roles=(D,))
+    plan.save(path)
+    ce = next(d for d in plan.decisions if "cross_entropy" in d.op)
+    assert ce.inputs[0].startswith("S(0)")
+    torch.manual_seed(0)
+    ref_model = _TokenLoss(torch.float32)
+    ref = ref_model(x, target)
+    ref.backward()
+    tol = {} if dtype == torch.float32 else {"rtol": 2e-2, "atol": 1e-4}
+    for reduces, loss, grads in run_on_ranks(_token_loss_rank, 2, str(path), dtype):
+        assert loss.dtype == dtype
+        torch.testing.assert_close(loss.float(), ref.detach(), **tol)
+        for name, g in grads.items():
+            torch.testing.assert_close(g, ref_model.get_parameter(name).grad, **tol)
+        assert reduces == 1
