@@ -119,7 +119,7 @@ _DEVICES: dict[str, DeviceSpec] = {
         peak_flops={"float32": 50e9},  # conservative: one process on one core, ~50 GFLOP/s fp32
         memory_bytes=8 * GiB,  # RAM budget per process
         memory_bandwidth=20e9,  # conservative share of a DDR4/DDR5 socket's bandwidth
-        kernel_launch_s=10e-6,  # eager PyTorch CPU op dispatch overhead, ~10 us
+        kernel_launch_s=10e-6,  # eager CPU op of a traced model, forward or backward: calibrate measures 11-16 us on the 2-core VM
         # gloo's threads compete with the ranks for cores: `autopar calibrate` measured 0.0-0.4 on
         # the 2-core VM (4 and 2 processes); 0 prices overlapped all-reduces as inline
         comm_overlap=0.0,

@@ -405,6 +405,7 @@ class Calibration:
             f"device: matmul {c['flops_effective'] / 1e9:.2f} GFLOP/s effective "
             f"(peak_flops float32 = {c['peak_flops'] / 1e9:.2f} GFLOP/s = effective / EFF_MAX), "
             f"memory {c['memory_bandwidth'] / 1e9:.2f} GB/s, per-op {c['kernel_launch_s'] * 1e6:.2f} us"
+            + (f" (a chain of one op: {c['launch_chain_s'] * 1e6:.2f} us)" if c.get("launch_chain_s") else "")
         )
         for key, title, scale in (
             ("per_flop_s", "per forward GFLOP, ms", 1e12),

@@ -3,11 +3,19 @@
 Run with the thread count the ranks use, on as many ranks at once as the host has cores
 (``cost_model/calibrate.py``), so the figures are one rank's own while the others compute:
 
-* per-op overhead ``launch`` [s]: a chain of 60 tiny ops (mul, add, tanh on 8 elements) called
-  through their aten overloads (``torch.ops.aten.mul.Tensor``: the generated module's calls, ~0.5
-  us more per op than ``torch.mul`` on this project's VM) and run forward and backward through
-  autograd, as a training step runs them; the cost model charges
-  each op ``launch`` once forward and once backward, so ``launch = t_chain / (60 * 2)``;
+* per-op overhead ``launch`` [s], as a traced model pays it: ``_OpMix`` (an embedding, a
+  pre-norm transformer block with causal attention and a GELU MLP, a vocabulary head and a
+  cross-entropy loss, at sizes where arithmetic is a few percent of the time) traced by
+  ``passes/trace.py`` and its aten graph run forward and backward as a training step runs it. The
+  cost model charges each op node ``launch`` forward and, where it needs a gradient, once more
+  backward, and one per further use whose gradient backward sums (``passes/costs.py``; a
+  ``getitem`` is free), so ``launch = (t_step - step_overhead) / launches``. Views, reshapes, multi-output ops and the autograd engine's per-node work make this
+  2-3x the figure of a chain of one op repeated (``launch_chain``, below; on this project's VM
+  8-16 us per launch inside gpt2_tiny and llama_tiny steps against a chain's 3-6);
+* ``launch_chain`` [s]: a chain of 60 tiny ops (mul, add, tanh on 8 elements) called through
+  their aten overloads (``torch.ops.aten.mul.Tensor``: the generated module's calls) forward and
+  backward, ``t_chain / (60 * 2)``: the fixed part taken off the per-element and per-FLOP tables
+  below, which time one op at a time the same way;
 * memory bandwidth ``mem_bw`` [B/s], as a training step sees it: ``STEP_LIVE`` float32 tensors
   of ``n`` bytes are live (more than a core's cache holds); each op multiplies two of them made a
   few and many ops before into a fresh tensor, which joins them while the oldest is freed
@@ -165,6 +173,74 @@ def measure_launch(device: torch.device, repeats: int, inner: int) -> float:
     return median_time(chain, device, repeats, inner) / (LAUNCH_CHAIN_OPS * 2)
 
 
+class _OpMix(torch.nn.Module):
+    """The op mix of a traced transformer, tiny: what ``measure_graph_launch`` runs."""
+
+    def __init__(self, vocab: int = 16, dim: int = 8, heads: int = 2):
+        super().__init__()
+        self.heads = heads
+        self.emb = torch.nn.Embedding(vocab, dim)
+        self.ln1 = torch.nn.LayerNorm(dim)
+        self.qkv = torch.nn.Linear(dim, 3 * dim)
+        self.proj = torch.nn.Linear(dim, dim)
+        self.ln2 = torch.nn.LayerNorm(dim)
+        self.up = torch.nn.Linear(dim, 4 * dim)
+        self.down = torch.nn.Linear(4 * dim, dim)
+        self.head = torch.nn.Linear(dim, vocab, bias=False)
+
+    def forward(self, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        x = self.emb(ids)
+        b, s, d = x.shape
+        q, k, v = self.qkv(self.ln1(x)).split(d, dim=-1)
+        q, k, v = (t.view(b, s, self.heads, d // self.heads).transpose(1, 2) for t in (q, k, v))
+        a = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.proj(a.transpose(1, 2).reshape(b, s, d))
+        x = x + self.down(torch.nn.functional.gelu(self.up(self.ln2(x))))
+        logits = self.head(x)
+        return torch.nn.functional.cross_entropy(logits.view(-1, logits.shape[-1]), labels.view(-1))
+
+
+def measure_graph_launch(device: torch.device, repeats: int, step_overhead: float) -> tuple[float, int]:
+    """``(launch, launches)`` of the module docstring: ``_OpMix``'s traced graph, forward and
+    backward."""
+    import operator
+
+    from autopar.passes.analyze import analyze  # passes import the cost model: not at module level
+    from autopar.passes.costs import _grad_uses
+    from autopar.passes.trace import Role, trace
+
+    torch.manual_seed(0)
+    model = _OpMix().to(device)
+    ids = torch.randint(0, 16, (2, 4), device=device)
+    labels = torch.randint(0, 16, (2, 4), device=device)
+    tg = trace(model, (ids, labels))
+    infos = analyze(tg)
+    launches = sum(
+        1 + infos[n.name].requires_grad
+        for n in tg.graph.nodes
+        if n.op == "call_function" and n.target is not operator.getitem
+    )
+    # and backward's sums of gradients from several uses (``accumulate_time``)
+    launches += sum(max(u - 1, 0) for u in _grad_uses(tg, infos).values())
+    values = {"0": ids, "1": labels}
+    args = []
+    for p in tg.placeholders:
+        if p.role is Role.INPUT:
+            args.append(values[p.target])
+        else:
+            t = tg.state[p.target].detach().clone()
+            args.append(t.requires_grad_(p.role is Role.PARAM))
+    params = [a for a in args if a.requires_grad]
+
+    def step():
+        torch.utils._pytree.tree_leaves(tg.graph_module(*args))[0].backward()
+        for w in params:
+            w.grad = None
+
+    t = median_time(step, device, repeats, _inner_for(step, device))
+    return max(t - step_overhead, 0.0) / launches, launches
+
+
 def _add_time(numel: int, device: torch.device, repeats: int) -> float:
     bufs = [torch.ones(numel, device=device) for _ in range(3)]
 
@@ -309,15 +385,18 @@ def measure_compute(device: torch.device | str = "cpu", quick: bool = False) -> 
         slope, intercept = float(ts[-1] / fl[-1]), 0.0
     rate = 1.0 / float(slope)
     optimizer = measure_optimizer(dev, repeats)
+    overhead = measure_step_overhead(dev, repeats, launch, optimizer["SGD"])
+    graph_launch, _ = measure_graph_launch(dev, repeats, overhead)
     return {
         "peak_flops": rate / EFF_MAX,
         "flops_effective": rate,
         "memory_bandwidth": mem_bw,
-        "kernel_launch_s": launch,
+        "kernel_launch_s": max(graph_launch, launch),
+        "launch_chain_s": launch,
         "pointwise_s": measure_pointwise(dev, repeats, launch),
         "per_flop_s": measure_per_flop(dev, repeats, launch),
         "optimizer_param_s": optimizer,
-        "step_overhead_s": measure_step_overhead(dev, repeats, launch, optimizer["SGD"]),
+        "step_overhead_s": overhead,
         "matmul": points,
         "matmul_intercept_s": float(intercept),
     }

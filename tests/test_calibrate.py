@@ -187,3 +187,29 @@ def _overlap_rank(rank, world):
     # 4 MiB: a few ms each way, so that a stalled run (one 3-4 ms scheduler tick) is not most of it;
     # the 10% trim drops one stalled run each side
     return measure_overlap(nbytes=2**22, repeats=10)
+
+
+def test_the_graph_launch_counts_what_the_cost_model_charges():
+    """``measure_graph_launch`` divides a step of ``_OpMix``'s traced graph by the launches the
+    cost model charges that graph: planned on one device, the predicted compute grows by exactly
+    that many times a change of ``kernel_launch_s``."""
+    import dataclasses
+
+    import torch
+
+    import autopar
+    from autopar.cost_model.calibrate_compute import _OpMix, measure_graph_launch
+
+    launch, launches = measure_graph_launch(torch.device("cpu"), repeats=1, step_overhead=0.0)
+    assert launch > 0 and launches > 30
+    torch.manual_seed(0)
+    model = _OpMix()
+    inputs = (torch.randint(0, 16, (2, 4)), torch.randint(0, 16, (2, 4)))
+    base = ClusterSpec.preset("cpu", devices_per_node=1)
+    compute = []
+    for per_op in (1e-3, 2e-3):
+        # the optimizer's per-tensor cost measured (else it falls back to one launch per tensor)
+        dev = dataclasses.replace(base.device, kernel_launch_s=per_op, optimizer_param_s={"SGD": 1e-6})
+        plan = autopar.plan(model, base.with_overrides(device=dev), inputs, optimizer=autopar.Optimizer.SGD)
+        compute.append(plan.predicted.compute_s)
+    assert compute[1] - compute[0] == pytest.approx(1e-3 * launches * base.compute_slowdown)
