@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 import autopar
-from autopar.cost_model.measure import peak_step_memory, time_steps
+from autopar.cost_model.measure import least_peak_step_memory, time_steps
 from autopar.launch import run_on_ranks
 from autopar.model_spec import load_model_spec
 from autopar.report import write_report
@@ -45,7 +45,7 @@ def _rank_main(
     opt = torch.optim.SGD(pmodel.parameters(), lr=0.05)
     losses = [float(train_step(pmodel, opt, inputs)) for _ in range(steps)]
     step_s = time_steps(lambda: train_step(pmodel, opt, inputs), warmup=1, repeat=5, barrier=dist.barrier)
-    peak = peak_step_memory(pmodel, lambda: train_step(pmodel, opt, inputs))
+    peak = least_peak_step_memory(pmodel, lambda: train_step(pmodel, opt, inputs), barrier=dist.barrier)
     return {
         "losses": losses,
         "step_time_s": step_s,

@@ -33,7 +33,7 @@ import torch.distributed as dist
 
 import autopar
 from autopar.cost_model.calibrate import run_calibration
-from autopar.cost_model.measure import peak_step_memory, time_interleaved
+from autopar.cost_model.measure import least_peak_step_memory, time_interleaved
 from autopar.cost_model.profiler import OpProfiler
 from autopar.demo import train_step
 from autopar.launch import run_on_ranks
@@ -50,10 +50,8 @@ WARMUP = 2  # untimed rounds (first-call allocations, autograd graph caches)
 STEPS_PER_ROUND = 4
 # plans predicted closer than this are a tie for the model (its median error is about this size)
 RANK_MARGIN = 0.10
-# tracked steps per plan; memory is the least of them. Gloo's worker thread lets go of a
-# collective's tensors at its own pace, after the caller has moved on: on 2 cores a gathered
-# input (e.g. the logits' piece) then and again outlives its last use into the next ops
-# (``cost_model/memory.py``; tests/test_memory_model.py measures the same way)
+# tracked steps per plan; memory is the least of them (``least_peak_step_memory``: gloo's worker
+# thread may hold a collective's tensors past their last use; tests/test_memory_model.py does the same)
 MEMORY_STEPS = 3
 PLANS = {
     "DP": (autopar.AxisRole.DATA,),
@@ -82,11 +80,7 @@ def _rank_run(
     )
     out = {}
     for name, (pmodel, step) in runs.items():
-        peaks = []
-        for _ in range(MEMORY_STEPS):
-            dist.barrier()
-            peaks.append(peak_step_memory(pmodel, step))
-        out[name] = (times[name], min(peaks))
+        out[name] = (times[name], least_peak_step_memory(pmodel, step, MEMORY_STEPS, dist.barrier))
     return out
 
 

@@ -70,6 +70,26 @@ def peak_step_memory(module: torch.nn.Module, step: Callable[[], None]) -> int:
     return tracker.peak
 
 
+def least_peak_step_memory(
+    module: torch.nn.Module,
+    step: Callable[[], None],
+    steps: int = 3,
+    barrier: Callable[[], None] | None = None,
+) -> int:
+    """The least of ``peak_step_memory`` over ``steps`` steps (each after ``barrier``, if given).
+
+    A collective's backend may hold its tensors a little past the op that freed them (gloo's
+    worker thread lets go of a finished work at its own pace): on a busy host a gathered input
+    then and again outlives its last use into the next ops. The least of a few steps is the step's
+    own peak, the one the cost model predicts (``cost_model/memory.py``)."""
+    peaks = []
+    for _ in range(steps):
+        if barrier:
+            barrier()
+        peaks.append(peak_step_memory(module, step))
+    return min(peaks)
+
+
 def time_steps(
     step: Callable[[], None], warmup: int = 2, repeat: int = 5, barrier: Callable[[], None] | None = None
 ) -> float:

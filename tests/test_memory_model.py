@@ -331,3 +331,26 @@ def test_a_plan_whose_bucket_flattening_passes_the_limit_is_refused():
     assert fits.predicted.peak_memory_bytes <= peak
     with pytest.raises(autopar.NoPlanFitsError, match="gradient buckets"):
         autopar.plan(model, cluster, inputs, memory_limit_bytes=peak - 1, **kw)
+
+
+def test_the_least_peak_of_a_few_steps_is_the_lean_steps_peak():
+    """A step that now and then holds a tensor longer (as a collective backend's worker thread
+    may) measures its own, lean peak: the least over the steps, with the barrier before each."""
+    from autopar.cost_model.measure import least_peak_step_memory
+
+    w = torch.nn.Linear(64, 64)
+    calls, barriers = [], []
+
+    def step():
+        lingering = torch.ones(10_000) if len(calls) % 3 != 1 else None  # the 2nd of 3 steps is lean
+        calls.append(lingering)  # kept to the end: lingers past the step's own work
+        (w(torch.ones(8, 64)) ** 2).sum().backward()
+        w.zero_grad(set_to_none=True)
+
+    step()
+    lean = peak_step_memory(w, step)  # the 2nd call: nothing lingers
+    calls.clear()
+    assert least_peak_step_memory(w, step, steps=3, barrier=lambda: barriers.append(1)) == lean
+    assert len(barriers) == 3
+    calls.clear()
+    assert peak_step_memory(w, step) > lean  # a step where it lingers measures more
