@@ -12,7 +12,7 @@ import torch.fx as fx
 import torch.utils._pytree as pytree
 
 import autopar
-from autopar.cost_model.measure import LiveTensorTracker, peak_step_memory
+from autopar.cost_model.measure import LiveTensorTracker, least_peak_step_memory, peak_step_memory
 from autopar.cost_model.memory import reshard_transient
 from autopar.demo import train_step
 from autopar.launch import free_port, run_on_ranks
@@ -208,21 +208,20 @@ SPEC = {
 ROLES = {"DP": autopar.AxisRole.DATA, "TP": autopar.AxisRole.TENSOR}
 
 
+def _step_peak(spec: str, cluster: autopar.ClusterSpec, path: str) -> tuple[int, torch.nn.Module]:
+    """The plan at ``path`` built and stepped once, then the least peak of 3 more steps (see
+    _collective_buffers), and the module."""
+    torch.manual_seed(0)
+    model, inputs = load_model_spec(spec)
+    pmodel = autopar.autoparallelize(model, cluster, inputs, plan=path)
+    opt = torch.optim.SGD(pmodel.parameters(), lr=0.01)
+    train_step(pmodel, opt, inputs)
+    return least_peak_step_memory(pmodel, lambda: train_step(pmodel, opt, inputs), 3, dist.barrier), pmodel
+
+
 def _measure_plans(rank: int, world: int, cluster_dict: dict, paths: dict) -> dict:
     cluster = autopar.ClusterSpec.from_dict(cluster_dict)
-    peaks = {}
-    for key, path in paths.items():
-        torch.manual_seed(0)
-        model, inputs = load_model_spec(SPEC[key[0]])
-        pmodel = autopar.autoparallelize(model, cluster, inputs, plan=path)
-        opt = torch.optim.SGD(pmodel.parameters(), lr=0.01)
-        train_step(pmodel, opt, inputs)
-        steps = []
-        for _ in range(3):  # see _collective_buffers: the least of 3 steps
-            dist.barrier()
-            steps.append(peak_step_memory(pmodel, lambda m=pmodel, o=opt, x=inputs: train_step(m, o, x)))
-        peaks[key] = min(steps)
-    return peaks
+    return {key: _step_peak(SPEC[key[0]], cluster, path)[0] for key, path in paths.items()}
 
 
 @pytest.mark.slow
@@ -277,16 +276,8 @@ def _bucket_peaks(rank: int, world: int, paths: dict) -> dict:
     out = {}
     for cap, path in paths.items():
         grad_sync.BUCKET_BYTES = default if cap is None else cap
-        torch.manual_seed(0)
-        model, inputs = load_model_spec(MLP)
-        pm = autopar.autoparallelize(model, cluster, inputs, plan=path)
-        opt = torch.optim.SGD(pm.parameters(), lr=0.01)
-        train_step(pm, opt, inputs)
-        steps = []
-        for _ in range(3):  # see _collective_buffers: the least of 3 steps
-            dist.barrier()
-            steps.append(peak_step_memory(pm, lambda m=pm, o=opt, x=inputs: train_step(m, o, x)))
-        out[cap] = (min(steps), pm.grad_sync.num_buckets)
+        peak, pm = _step_peak(MLP, cluster, path)
+        out[cap] = (peak, pm.grad_sync.num_buckets)
     grad_sync.BUCKET_BYTES = default
     return out
 
@@ -336,8 +327,6 @@ def test_a_plan_whose_bucket_flattening_passes_the_limit_is_refused():
 def test_the_least_peak_of_a_few_steps_is_the_lean_steps_peak():
     """A step that now and then holds a tensor longer (as a collective backend's worker thread
     may) measures its own, lean peak: the least over the steps, with the barrier before each."""
-    from autopar.cost_model.measure import least_peak_step_memory
-
     w = torch.nn.Linear(64, 64)
     calls, barriers = [], []
 
