@@ -75,7 +75,9 @@ class Folds:
     def absorb_edge(self, tables: CostTables, e: Edge, a: int, b: int, node: str, s: int, n: int) -> None:
         """Edge ``e``'s pair (a, b) becomes part of ``node``'s strategy ``s`` (of ``n``)."""
         if e.mem[a][b]:
-            self.mem.setdefault(node, {}).setdefault(positions(tables, e.src), [0.0] * n)[s] += e.mem[a][b]
+            self.mem.setdefault(node, {}).setdefault(edge_charge_positions(tables, e), [0.0] * n)[s] += e.mem[
+                a
+            ][b]
         if e.peak is not None and e.peak[a][b]:
             row = self.peak.setdefault(node, {}).setdefault(edge_position(tables, e), [0.0] * n)
             row[s] = max(row[s], e.peak[a][b])
@@ -119,6 +121,13 @@ def last(tables: CostTables, v: str) -> float:
     return positions(tables, v)[-1]
 
 
+def edge_charge_positions(tables: CostTables, e: Edge) -> tuple[float, ...]:
+    """Where an edge's kept bytes are charged: at its source's positions, and for an edge to the
+    graph output at ``START``: the caller holds the output through the whole backward, so backward
+    still has it at positions before the one that made it."""
+    return (START,) if e.dst == "output" else positions(tables, e.src)
+
+
 def edge_position(tables: CostTables, e: Edge) -> float:
     """Where an edge's collectives run: just before its consumer (its last member) in forward, just
     after it in backward; either way its consumer's own bytes are not there yet, or no longer
@@ -156,24 +165,27 @@ def peak_bytes(
             transients[p] = max(transients.get(p, 0.0), t[s])
         for o, t in shared.keep.get(v, {}).items():
             keep[o] = max(keep.get(o, 0.0), t[s])
-    # (tensor, instances, reshard) -> where it is charged, and the copy each of its edges keeps
-    copies: dict[tuple, tuple[tuple[float, ...], list[float]]] = {}
+    # (tensor, instances, reshard) -> each of its edges' copy and where it is charged
+    copies: dict[tuple, list[tuple[tuple[float, ...], float]]] = {}
     for e in tables.edges:
         a, b = choice[e.src], (0 if e.dst == "output" else choice[e.dst])
-        ps = positions(tables, e.src)
+        ps = edge_charge_positions(tables, e)
         charged.append((ps, e.mem[a][b] / len(ps)))
         key = e.share_key(a, b)
         if e.copy is not None and e.copy[a][b] and key is not None:
-            copies.setdefault((e.tensor, e.count, key), (ps, []))[1].append(e.copy[a][b])
+            copies.setdefault((e.tensor, e.count, key), []).append((ps, e.copy[a][b]))
         if e.peak is not None and e.src not in deferred:
             p = edge_position(tables, e)
             transients[p] = max(transients.get(p, 0.0), e.peak[a][b])
         if e.keep is not None:
             keep[e.owner] = max(keep.get(e.owner, 0.0), e.keep[a][b])
     charged += [(owner_positions(tables, o), k) for o, k in keep.items()]
-    # uses that take one reshard keep one copy (codegen makes it once, passes/grad_sync.py:reshard_key)
-    for ps, kept in copies.values():
-        charged.append((ps, -(sum(kept) - max(kept)) / len(ps)))
+    # uses that take one reshard keep one copy (codegen makes it once, passes/grad_sync.py:reshard_key):
+    # the one the graph output holds when it is among them (the longest lived), else the largest
+    for kept in copies.values():
+        keep_one = max(kept, key=lambda pc: (pc[0] == (START,), pc[1]))
+        kept.remove(keep_one)
+        charged += [(ps, -c / len(ps)) for ps, c in kept]
     charged += _grad_charges(tables, choice)
     at: dict[float, float] = {}
     for ps, m in charged:
@@ -212,7 +224,7 @@ def lower_bound_bytes(tables: CostTables) -> float:
     for v, t in tables.node_peak.items():
         least[last(tables, v)] = max(least.get(last(tables, v), 0.0), min(t))
     for e in tables.edges:
-        charge(positions(tables, e.src), min(min(row) for row in e.mem))
+        charge(edge_charge_positions(tables, e), min(min(row) for row in e.mem))
         if e.peak is not None:
             p = edge_position(tables, e)
             least[p] = max(least.get(p, 0.0), min(min(row) for row in e.peak))
@@ -275,7 +287,7 @@ def add_memory_rows(prob, x: dict, quad: list, limit: float, shared: Folds, tabl
                 if m:
                     charge(ps, x[v][s], m / len(ps))
     for e, ys in quad:
-        ps = positions(tables, e.src)
+        ps = edge_charge_positions(tables, e)
         for (a, b), y in ys.items():
             if e.mem[a][b]:
                 charge(ps, y, e.mem[a][b] / len(ps))

@@ -242,7 +242,11 @@ def test_the_predicted_peak_is_what_a_step_holds_on_two_ranks(tmp_path):
     ranks = run_on_ranks(_measure_plans, 2, cluster.to_dict(), paths)
     for key, plan in plans.items():
         measured = max(r[key] for r in ranks)
-        assert plan.predicted.peak_memory_bytes == pytest.approx(measured, rel=0.06), key
+        assert plan.predicted.peak_memory_bytes == pytest.approx(measured, rel=0.03), (
+            key,
+            plan.predicted.peak_memory_bytes,
+            measured,
+        )
 
 
 @pytest.mark.slow
@@ -343,3 +347,24 @@ def test_the_least_peak_of_a_few_steps_is_the_lean_steps_peak():
     assert len(barriers) == 3
     calls.clear()
     assert peak_step_memory(w, step) > lean  # a step where it lingers measures more
+
+
+@pytest.mark.slow
+def test_the_caller_holds_the_outputs_through_backward(tmp_path):
+    """GPT-2 with a batch of 16, data parallel: the step peaks early in backward, the gathered
+    logits still held by the caller. They are counted there, though made after every position
+    backward has yet to reach (they were counted from where they were made: 3% short)."""
+    spec = "autopar.examples:gpt2_tiny(batch=16, seq=64, hidden=128, vocab=256)"
+    cluster = autopar.ClusterSpec.preset("cpu", devices_per_node=2)
+    model, inputs = load_model_spec(spec)
+    plan = autopar.plan(
+        model, cluster, inputs, axis_roles=(autopar.AxisRole.DATA,), optimizer=autopar.Optimizer.SGD
+    )
+    path = str(tmp_path / "dp.json")
+    plan.save(path)
+    ranks = run_on_ranks(_measure_plans_of, 2, spec, cluster.to_dict(), path)
+    assert plan.predicted.peak_memory_bytes == pytest.approx(max(ranks), rel=0.02)
+
+
+def _measure_plans_of(rank: int, world: int, spec: str, cluster_dict: dict, path: str) -> int:
+    return _step_peak(spec, autopar.ClusterSpec.from_dict(cluster_dict), path)[0]
