@@ -41,10 +41,10 @@ from autopar.passes.solver import (
     EXACT_FOLD_MAX_PAIRS,
     Solution,
     edge_pairs,
-    evaluate,
     fold_followers,
     lower_bound,
     mesh_candidates,
+    objective_s,
     solve,
 )
 from autopar.passes.strategies import AxisRole, Strategy, build_strategies, variable_nodes
@@ -382,7 +382,7 @@ def _make_plan(
                 collectives=tuple(colls.get(n.name, ())),
             )
         )
-    t_step = evaluate(tables, sol.choice)[0]
+    t_step = objective_s(tables, sol.choice)
     mem = _peak(tables, sol, gs)
     overhead = cluster.device.step_overhead_s * cluster.compute_slowdown  # the same for every plan
     compute += overhead
@@ -536,7 +536,7 @@ def reprice(
     tables = build_costs(tg, infos, strats, cluster, mesh, optimizer, profiler=profiler, outputs=outputs)
     wanted = choice_from_plan(tg, plan)
     picks = {v: ss.index(wanted[v]) for v, ss in tables.strategies.items()}
-    t, _ = evaluate(tables, picks)
+    t = objective_s(tables, picks)
     sol = Solution(picks, t, "Repriced", 0.0, plan.solver.name, 0, 0)
     choice = _expanded_choice(tg, tables, sol)
     gs = _grad_sync_cost(tg, infos, tables, sol, choice, cluster, mesh, outputs)

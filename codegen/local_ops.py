@@ -55,7 +55,7 @@ def loss_sum_and_count(logits: torch.Tensor, target: torch.Tensor, ignore_index:
     per_token = F.cross_entropy(logits, target, ignore_index=ignore_index, reduction="none")
     acc = torch.promote_types(per_token.dtype, torch.float32)
     count = (target != ignore_index).sum(dtype=acc)
-    return torch.stack([per_token.sum(dtype=acc), count]).to(acc)
+    return torch.stack([per_token.sum(dtype=acc), count])
 
 
 def mean_of_sum_and_count(pair: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

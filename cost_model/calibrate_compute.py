@@ -9,8 +9,8 @@ Run with the thread count the ranks use, on as many ranks at once as the host ha
   ``passes/trace.py`` and its aten graph run forward and backward as a training step runs it. The
   cost model charges each op node ``launch`` forward and, where it needs a gradient, once more
   backward, and one per further use whose gradient backward sums (``passes/costs.py``; a
-  ``getitem`` is free), so ``launch = (t_step - step_overhead) / launches``. Views, reshapes, multi-output ops and the autograd engine's per-node work make this
-  2-3x the figure of a chain of one op repeated (``launch_chain``, below; on this project's VM
+  ``getitem`` is free), so ``launch = (t_step - step_overhead) / launches``. Views, reshapes,
+  multi-output ops and the autograd engine's per-node work make this 2-3x the figure of a chain of one op repeated (``launch_chain``, below; on this project's VM
   8-16 us per launch inside gpt2_tiny and llama_tiny steps against a chain's 3-6);
 * ``launch_chain`` [s]: a chain of 60 tiny ops (mul, add, tanh on 8 elements) called through
   their aten overloads (``torch.ops.aten.mul.Tensor``: the generated module's calls) forward and
@@ -208,6 +208,7 @@ def measure_graph_launch(device: torch.device, repeats: int, step_overhead: floa
     from autopar.passes.analyze import analyze  # passes import the cost model: not at module level
     from autopar.passes.costs import _grad_uses
     from autopar.passes.trace import Role, trace
+    from autopar.passes.validate import _placeholder_values
 
     torch.manual_seed(0)
     model = _OpMix().to(device)
@@ -222,15 +223,13 @@ def measure_graph_launch(device: torch.device, repeats: int, step_overhead: floa
     )
     # and backward's sums of gradients from several uses (``accumulate_time``)
     launches += sum(max(u - 1, 0) for u in _grad_uses(tg, infos).values())
-    values = {"0": ids, "1": labels}
-    args = []
-    for p in tg.placeholders:
-        if p.role is Role.INPUT:
-            args.append(values[p.target])
-        else:
-            t = tg.state[p.target].detach().clone()
-            args.append(t.requires_grad_(p.role is Role.PARAM))
-    params = [a for a in args if a.requires_grad]
+    args = _placeholder_values(tg, (ids, labels), seed=0)  # in the graph's placeholder order
+    role = {p.name: p.role for p in tg.placeholders}
+    params = [
+        a.requires_grad_()
+        for a, n in zip(args, tg.graph.find_nodes(op="placeholder"))
+        if role[n.name] is Role.PARAM
+    ]
 
     def step():
         torch.utils._pytree.tree_leaves(tg.graph_module(*args))[0].backward()

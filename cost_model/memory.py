@@ -20,9 +20,9 @@ f             nothing (a view)                             gradient L + all-redu
 A gather along dim 0 runs straight into its output (``all_gather_single``): no parts (those in
 parentheses above are for gathers along other dims). S(d) -> S(e) is an all-gather and a chunk,
 S(d) -> P an all-gather and a to_partial. A transient is the largest of these over the steps,
-forward and backward (gradients only when the tensor needs one). In forward, the last step's output is left out when the consumer keeps it for
-backward: it is then part of the memory kept until backward (``passes/costs.py``), which the
-transient is added to. The input is always counted: a consumer that reshards a tensor usually
+forward and backward (gradients only when the tensor needs one). In forward, the last step's
+output is left out when the consumer keeps it for backward: it is then part of the memory kept
+until backward (``passes/costs.py``), which the transient is added to. The input is always counted: a consumer that reshards a tensor usually
 is not what keeps the original. NCCL's reduce-scatter allocates no more than gloo's all-reduce
 + slice, so the gloo figure is used for both.
 

@@ -74,10 +74,8 @@ class Folds:
 
     def absorb_edge(self, tables: CostTables, e: Edge, a: int, b: int, node: str, s: int, n: int) -> None:
         """Edge ``e``'s pair (a, b) becomes part of ``node``'s strategy ``s`` (of ``n``)."""
-        if e.mem[a][b]:
-            self.mem.setdefault(node, {}).setdefault(edge_charge_positions(tables, e), [0.0] * n)[s] += e.mem[
-                a
-            ][b]
+        if m := e.mem[a][b]:
+            self.mem.setdefault(node, {}).setdefault(edge_charge_positions(tables, e), [0.0] * n)[s] += m
         if e.peak is not None and e.peak[a][b]:
             row = self.peak.setdefault(node, {}).setdefault(edge_position(tables, e), [0.0] * n)
             row[s] = max(row[s], e.peak[a][b])

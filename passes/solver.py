@@ -164,7 +164,7 @@ def solve(
     if sol is None:
         return None
     # the ILP's objective leaves out constants (single-strategy nodes, graph outputs): report the full price
-    return dataclasses.replace(sol, objective=evaluate(tables, sol.choice)[0])
+    return dataclasses.replace(sol, objective=objective_s(tables, sol.choice))
 
 
 # the search folds only dominant followers (exact) up to this many edge strategy pairs, every
@@ -516,10 +516,16 @@ def _edge_vars(prob: pulp.LpProblem, e: Edge, x: dict, tables: CostTables, by_ke
 
 def evaluate(tables: CostTables, choice: dict[str, int]) -> tuple[float, float]:
     """(seconds, bytes) of a full assignment: the ILP objective and memory, computed directly."""
+    return objective_s(tables, choice), peak_bytes(tables, choice)
+
+
+def objective_s(tables: CostTables, choice: dict[str, int]) -> float:
+    """The ILP objective of a full assignment [s], computed directly (``evaluate`` without the
+    memory, for callers that price memory their own way or not at all)."""
     t = sum(tables.node_cost[v][s] for v, s in choice.items())
     for e in tables.edges:
         t += e.cost[choice[e.src]][0 if e.dst == "output" else choice[e.dst]]
-    return t + sum(tables.bucket_fixed[a] for a in bucket_axes(tables, choice)), peak_bytes(tables, choice)
+    return t + sum(tables.bucket_fixed[a] for a in bucket_axes(tables, choice))
 
 
 def bucket_axes(tables: CostTables, choice: dict[str, int]) -> set[int]:
