@@ -47,7 +47,10 @@ says: its samples are left out of the one-line link but have their own ranges.
 
 Compute (``cost_model/calibrate_compute.py``: per-op overhead, memory bandwidth,
 FLOP/s, per-element times of transcendental pointwise ops), on as many ranks at once as the host
-has cores while the others wait, and the median over them: the ranks of a step share the host's
+has cores while the others wait, in lockstep (each op timed while the other ranks run it too, as
+in a step), ``COMPUTE_ROUNDS`` times spread over the calibration (before the collectives, after
+them, after the sync wait), and each figure the median over those rounds and ranks (one round's
+matmul rate varied by 20% from run to run on this project's VM): the ranks of a step share the host's
 memory bandwidth and caches (on this project's VM a rank streams memory at 19-24 GB/s while
 another does, 25-36 alone). On CPUs the ranks of a node share its cores: ``calibrate``
 records the cores this process may use as ``DeviceSpec.host_cores`` and the cost model prices
@@ -83,7 +86,7 @@ import torch
 import torch.distributed as dist
 
 from autopar.cluster import ClusterSpec, LinkSpec, usable_cores
-from autopar.cost_model.calibrate_compute import measure_compute, sync
+from autopar.cost_model.calibrate_compute import Lockstep, lockstep, measure_compute, sync
 from autopar.cost_model.overlap import measure_overlap
 from autopar.cost_model.sync import REFERENCE_GAP_S, SYNC_GAPS_S
 
@@ -112,6 +115,7 @@ DEFAULT_SIZES = (2**10, 2**13, 2**16, 2**18, 2**20, 2**22, 2**24)  # bytes: 1 Ki
 QUICK_SIZES = (2**10, 2**16, 2**20)
 DEFAULT_REPEATS = 40
 QUICK_REPEATS = 5
+COMPUTE_ROUNDS = 3  # rounds of compute figures, spread over a calibration (1 when quick)
 _MAX_BANDWIDTH = 1e15  # B/s: clamp for a fit whose bandwidth term vanishes
 _MIN_LATENCY = 1e-9  # s
 
@@ -448,23 +452,52 @@ class Calibration:
         return "\n".join(lines)
 
 
-def _measure_rank(sizes: Sequence[int], kinds: Sequence[str], repeats: int, quick: bool) -> dict:
-    samples = measure_collectives(sizes, kinds, repeats=repeats)
-    backend = dist.get_backend()
-    device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
-    dist.barrier()
-    # as many ranks at once as the host has cores (they share its memory and caches, as the ranks
-    # of a step do), the others waiting: ranks beyond the cores are priced by
-    # ClusterSpec.compute_slowdown (host_cores, recorded here for CPUs)
-    cores = dist.get_world_size() if backend == "nccl" else min(usable_cores(), dist.get_world_size())
-    mine = measure_compute(device, quick=quick) if dist.get_rank() < cores else None
+def group_lockstep(group, device: torch.device) -> Lockstep:
+    """The ranks of ``group`` (None: the world) in lockstep (``calibrate_compute.lockstep``): a
+    barrier, and the largest count through an all-reduce."""
+
+    def agree(n: int) -> int:
+        t = torch.tensor([n], dtype=torch.int64, device=device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+        return int(t.item())
+
+    return Lockstep(barrier=lambda: dist.barrier(group=group), agree=agree)
+
+
+def _compute_round(device: torch.device, cores: int, group, quick: bool) -> list[dict]:
+    """One ``measure_compute`` on each of the first ``cores`` ranks at once, in lockstep over
+    ``group`` (those ranks; they share the host's memory and caches, as the ranks of a step do),
+    the others waiting: ranks beyond the cores are priced by ClusterSpec.compute_slowdown
+    (host_cores, recorded for CPUs). Every rank gets every measuring rank's figures."""
+    mine = None
+    if dist.get_rank() < cores:
+        with lockstep(group_lockstep(group, device)):
+            mine = measure_compute(device, quick=quick)
     every: list = [None] * dist.get_world_size()
     dist.all_gather_object(every, mine)
-    compute = median_compute([c for c in every if c is not None])
+    return [c for c in every if c is not None]
+
+
+def _measure_rank(sizes: Sequence[int], kinds: Sequence[str], repeats: int, quick: bool) -> dict:
+    backend = dist.get_backend()
+    device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+    world = dist.get_world_size()
+    cores = world if backend == "nccl" else min(usable_cores(), world)
+    group = dist.new_group(list(range(cores))) if cores < world else None  # every rank creates it
+    rounds = 1 if quick else COMPUTE_ROUNDS
+    # compute rounds spread over the calibration, between the other measurements: a shared host's
+    # pace drifts over seconds, and one round of ~1.5 s catches whatever spell it falls in
+    figures = _compute_round(device, cores, group, quick)
+    samples = measure_collectives(sizes, kinds, repeats=repeats)
+    if rounds > 1:
+        figures += _compute_round(device, cores, group, quick)
     overlap = measure_overlap(repeats=3 if quick else 7)  # every rank: an all-reduce under compute
     # ranks that share cores lend theirs to the rank they wait for: no drift to measure (sync.py)
-    own_cores = backend == "nccl" or dist.get_world_size() <= usable_cores()
+    own_cores = backend == "nccl" or world <= usable_cores()
     sync_wait = measure_sync_wait(repeats=15 if quick else 60) if own_cores else None
+    for _ in range(rounds - 2):
+        figures += _compute_round(device, cores, group, quick)
+    compute = median_compute(figures)
     return {
         "samples": samples,
         "sync_wait": sync_wait,

@@ -1,7 +1,10 @@
 """Measure one device's compute figures for ``cost_model/compute.py`` (``autopar calibrate``).
 
 Run with the thread count the ranks use, on as many ranks at once as the host has cores
-(``cost_model/calibrate.py``), so the figures are one rank's own while the others compute:
+(``cost_model/calibrate.py``), in lockstep (``lockstep``: the ranks meet before each timing and
+loop each op as many times), so the figures are one rank's own while the others run the same op,
+as the ranks of a step do (at their own pace, one rank's matmuls could run beside another's
+pointwise ops, or alone while it waits, and time faster than a step runs them):
 
 * per-op overhead ``launch`` [s], as a traced model pays it: ``_OpMix`` (an embedding, a
   pre-norm transformer block with causal attention and a GELU MLP, a vocabulary head and a
@@ -58,9 +61,12 @@ Run with the thread count the ranks use, on as many ranks at once as the host ha
 from __future__ import annotations
 
 import collections
+import contextlib
+import contextvars
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 
 import torch
 from torch.utils.flop_counter import FlopCounterMode
@@ -138,10 +144,37 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+@dataclass(frozen=True)
+class Lockstep:
+    """Ranks that measure at once, kept on the same op: ``barrier()`` before each op's timed
+    samples, and ``agree(n)``, every rank's largest count of calls per sample."""
+
+    barrier: Callable[[], None]
+    agree: Callable[[int], int]
+
+
+_LOCKSTEP: contextvars.ContextVar[Lockstep | None] = contextvars.ContextVar("lockstep", default=None)
+
+
+@contextlib.contextmanager
+def lockstep(ranks: Lockstep) -> Iterator[None]:
+    """Within the block, ``median_time`` and ``_inner_for`` keep the ranks of ``ranks`` together
+    (every one of them must run the same measurements in the same order)."""
+    token = _LOCKSTEP.set(ranks)
+    try:
+        yield
+    finally:
+        _LOCKSTEP.reset(token)
+
+
 def median_time(fn: Callable[[], object], device: torch.device, repeats: int, inner: int = 1) -> float:
-    """Median seconds of one ``fn()`` over ``repeats`` samples of ``inner`` calls, after one call."""
+    """Median seconds of one ``fn()`` over ``repeats`` samples of ``inner`` calls, after one call
+    (in ``lockstep``, the samples start together on every rank)."""
     fn()
     sync(device)
+    ranks = _LOCKSTEP.get()
+    if ranks is not None:
+        ranks.barrier()
     ts = []
     for _ in range(repeats):
         t0 = time.perf_counter()
@@ -153,11 +186,14 @@ def median_time(fn: Callable[[], object], device: torch.device, repeats: int, in
 
 
 def _inner_for(fn: Callable[[], object], device: torch.device, target_s: float = 2e-3) -> int:
-    """Calls per sample so that one sample lasts about ``target_s`` (timer resolution, noise)."""
+    """Calls per sample so that one sample lasts about ``target_s`` (timer resolution, noise); in
+    ``lockstep``, the largest of the ranks' counts."""
     t0 = time.perf_counter()
     fn()
     sync(device)
-    return max(1, min(1000, int(target_s / max(time.perf_counter() - t0, 1e-7))))
+    inner = max(1, min(1000, int(target_s / max(time.perf_counter() - t0, 1e-7))))
+    ranks = _LOCKSTEP.get()
+    return ranks.agree(inner) if ranks is not None else inner
 
 
 def measure_launch(device: torch.device, repeats: int, inner: int) -> float:

@@ -213,3 +213,42 @@ def test_the_graph_launch_counts_what_the_cost_model_charges():
         plan = autopar.plan(model, base.with_overrides(device=dev), inputs, optimizer=autopar.Optimizer.SGD)
         compute.append(plan.predicted.compute_s)
     assert compute[1] - compute[0] == pytest.approx(1e-3 * launches * base.compute_slowdown)
+
+
+@pytest.mark.slow
+def test_lockstep_starts_the_timed_samples_together_with_one_count():
+    """Rank 0 comes to the measurement 50 ms late and its op is 10x slower: in lockstep both ranks
+    loop the op the same number of times per sample (the larger of their own counts) and start
+    timing within a few ms of each other."""
+    from autopar.launch import run_on_ranks
+
+    (own0, agreed0, start0), (own1, agreed1, start1) = run_on_ranks(_lockstep_rank, 2)
+    assert own0 < own1  # the slow rank alone would loop its op fewer times
+    assert agreed0 == agreed1 > own0  # the slow rank loops as often as the fast one
+    assert abs(start0 - start1) < 0.02  # 50 ms apart without lockstep
+
+
+def _lockstep_rank(rank, world):
+    import time
+
+    import torch
+
+    from autopar.cost_model.calibrate import group_lockstep
+    from autopar.cost_model.calibrate_compute import _inner_for, lockstep, median_time
+
+    cpu = torch.device("cpu")
+    pause = 1e-3 if rank == 0 else 1e-4
+    calls: list[float] = []
+
+    def op():
+        calls.append(time.perf_counter())
+        time.sleep(pause)
+
+    own = min(_inner_for(op, cpu) for _ in range(3))
+    with lockstep(group_lockstep(None, cpu)):
+        agreed = _inner_for(op, cpu)
+        if rank == 0:
+            time.sleep(0.05)
+        calls.clear()
+        median_time(op, cpu, repeats=1, inner=1)
+    return own, agreed, calls[1]  # calls[0] is median_time's untimed first call
