@@ -241,7 +241,8 @@ def search(
         over = _peak(tables, sol, gs) - limit
         if over > 0:
             # flattening a gradient bucket (not in the ILP's rows: the buckets follow from the
-            # choice) passes the limit: solve again with that much less room, once
+            # choice) or the optimizer step's temporaries (not in them either) pass the limit:
+            # solve again with that much less room, once
             sol = solve(tables, limit - over, time_limit_s, folded=folded)
             if sol is not None:
                 choice = _expanded_choice(tg, tables, sol)
@@ -252,7 +253,7 @@ def search(
                 _progress(
                     progress,
                     f"solve: mesh {label}: no plan fits {limit / 2**30:.2f} GiB per device "
-                    "with its gradient buckets' flattening",
+                    "with its gradient buckets' flattening and its optimizer step's temporaries",
                 )
                 continue
         t_step = sol.objective + gs.adjustment_s
@@ -274,7 +275,7 @@ def search(
             f"no plan fits: needs at least {min_needed / 2**30:.2f} GiB per device, the limit is "
             f"{limit / 2**30:.2f} GiB ({cluster.device.name}, {cluster.world_size} devices, "
             f"{cluster.memory_reserve:.0%} of memory held in reserve"
-            f"{'; a plan that fit did not with its gradient buckets flattened' if refused_for_buckets else ''}"
+            f"{'; a plan that fit did not with its gradient buckets flattened and its optimizer step' if refused_for_buckets else ''}"
             "); try more devices, "
             "a smaller batch or sequence, another mesh_shape or a larger memory_limit_bytes"
         )
@@ -313,7 +314,8 @@ def _data_parallel_axis(
 
 
 def _peak(tables: CostTables, sol: Solution, gs: GradSyncCost) -> float:
-    """The plan's peak bytes per device: the tables' liveness and the gradient buckets' flattening."""
+    """The plan's peak bytes per device: the tables' liveness, the gradient buckets' flattening and
+    the optimizer step's temporaries."""
     return peak_bytes(tables, sol.choice, bucket_transients(gs.buckets), set(gs.deferred))
 
 

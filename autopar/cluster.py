@@ -82,6 +82,7 @@ _DEVICE_OPTIONAL = (
     "step_overhead_s",
     "optimizer_param_s",
     "sync_wait",
+    "inplace_bandwidth",
 )
 _DEVICE_KEYS = ("name", "peak_flops", "memory_bytes", "memory_bandwidth", *_DEVICE_OPTIONAL)
 _LINK_KEYS = ("bandwidth", "latency", "ranges")

@@ -20,6 +20,10 @@ Fields
   A dtype that is not listed is priced at the ``"float32"`` peak (see :meth:`DeviceSpec.peak_flops_for`).
 * ``memory_bytes``: device memory in B (HBM for GPUs; RAM budget per process for CPU).
 * ``memory_bandwidth``: device memory bandwidth in B/s (prices memory-bound kernels).
+* ``inplace_bandwidth``: in B/s, what an elementwise op that updates a tensor in place streams
+  (an optimizer's ``add_``, ``mul_``, ``addcdiv_``: nothing freshly allocated to write into; on
+  this project's CPU VM 1.5-2x ``memory_bandwidth``, which is measured writing fresh tensors as
+  a step's activations are). 0 (the GPU presets): ``memory_bandwidth``.
 * ``kernel_launch_s``: fixed overhead per kernel / op launch in s.
 * ``host_cores``: for CPU "devices", the cores of the host that all ranks of a node share (each
   rank computes on one thread, as ``autopar.launch`` sets it); ``0`` for accelerators, which do
@@ -232,9 +236,15 @@ class DeviceSpec:
     step_overhead_s: float = 0.0
     optimizer_param_s: tuple[tuple[str, float], ...] = ()
     sync_wait: float = 0.0
+    inplace_bandwidth: float = 0.0
 
     def __post_init__(self) -> None:
         _check_name("DeviceSpec.name", self.name)
+        object.__setattr__(
+            self,
+            "inplace_bandwidth",
+            _check_float("DeviceSpec.inplace_bandwidth", self.inplace_bandwidth, minimum=0.0, strict=False),
+        )
         object.__setattr__(
             self, "sync_wait", _check_float("DeviceSpec.sync_wait", self.sync_wait, minimum=0.0, strict=False)
         )
@@ -314,6 +324,11 @@ class DeviceSpec:
         """(forward, backward) seconds per forward FLOP measured for ``op``, or None."""
         return _lookup(self.per_flop_s, op)
 
+    @property
+    def inplace_bw(self) -> float:
+        """B/s of an in-place elementwise update (``inplace_bandwidth``, else ``memory_bandwidth``)."""
+        return self.inplace_bandwidth or self.memory_bandwidth
+
     def optimizer_param(self, optimizer: str) -> float:
         """Fixed seconds ``optimizer``'s step spends per parameter tensor (one launch if not measured)."""
         return dict(self.optimizer_param_s).get(optimizer, self.kernel_launch_s)
@@ -349,6 +364,7 @@ class DeviceSpec:
             "step_overhead_s": self.step_overhead_s,
             "optimizer_param_s": dict(self.optimizer_param_s),
             "sync_wait": self.sync_wait,
+            "inplace_bandwidth": self.inplace_bandwidth,
         }
 
 

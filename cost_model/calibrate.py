@@ -67,7 +67,7 @@ all-reduce issued asynchronously is hidden behind concurrent compute, stored as
 
 ``calibrate`` returns ``base`` with ``intra_node`` (and, on one node, ``inter_node``) replaced by
 the fitted link and the device's ``peak_flops['float32']``, ``memory_bandwidth``,
-``kernel_launch_s``, ``pointwise_s`` and ``per_flop_s`` replaced by the
+``inplace_bandwidth``, ``kernel_launch_s``, ``pointwise_s`` and ``per_flop_s`` replaced by the
 measured values; ``out_path`` saves it as JSON.
 """
 
@@ -408,7 +408,8 @@ class Calibration:
         lines.append(
             f"device: matmul {c['flops_effective'] / 1e9:.2f} GFLOP/s effective "
             f"(peak_flops float32 = {c['peak_flops'] / 1e9:.2f} GFLOP/s = effective / EFF_MAX), "
-            f"memory {c['memory_bandwidth'] / 1e9:.2f} GB/s, per-op {c['kernel_launch_s'] * 1e6:.2f} us"
+            f"memory {c['memory_bandwidth'] / 1e9:.2f} GB/s (in place {c.get('inplace_bandwidth', 0) / 1e9:.2f}), "
+            f"per-op {c['kernel_launch_s'] * 1e6:.2f} us"
             + (f" (a chain of one op: {c['launch_chain_s'] * 1e6:.2f} us)" if c.get("launch_chain_s") else "")
         )
         for key, title, scale in (
@@ -566,6 +567,7 @@ def run_calibration(
         cluster.device,
         peak_flops=peak,
         memory_bandwidth=compute["memory_bandwidth"],
+        inplace_bandwidth=compute["inplace_bandwidth"],
         kernel_launch_s=compute["kernel_launch_s"],
         pointwise_s=compute["pointwise_s"],
         per_flop_s=compute["per_flop_s"],

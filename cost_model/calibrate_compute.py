@@ -37,6 +37,10 @@ pointwise ops, or alone while it waits, and time faster than a step runs them):
   GFLOP/s where a forward ``mm`` alone reaches 104). The roofline prices a large GEMM at
   ``F / (peak * EFF_MAX)``, so the peak stored is ``rate / EFF_MAX``: the cost model then
   predicts the measured large-GEMM rate;
+* in-place bandwidth ``inplace_bw`` [B/s], as an optimizer's step streams it: ``STEP_LIVE``
+  tensors of ``n`` bytes, each op adding one into another in place (``a.add_(b)``, SGD's update),
+  cycling through them so that none is in a core's cache; ``inplace_bw = 3 n / (t - t_1)``, the
+  median over ``STEP_SIZES`` (on this project's VM 1.5-2x ``mem_bw``: nothing fresh to write into);
 * pointwise table ``pointwise_s`` [s per element of the op's largest tensor]: each op of
   ``POINTWISE_OPS`` on ``POINTWISE_NUMEL`` float32 elements (rows of 256 for the ops that reduce
   a last dim: softmax, layer_norm, cross-entropy over 256 classes), forward
@@ -305,6 +309,26 @@ def measure_memory_bandwidth(device: torch.device, repeats: int = 7) -> float:
     return statistics.median(_step_bandwidth(n, device, repeats, dispatch) for n in STEP_SIZES)
 
 
+def _inplace_bandwidth(nbytes: int, device: torch.device, repeats: int, dispatch: float) -> float:
+    """B/s of an in-place update as an optimizer runs it (see the module docstring)."""
+    live = [torch.rand(nbytes // 4, device=device) for _ in range(STEP_LIVE)]
+    k = 0
+
+    def op():
+        nonlocal k
+        live[k % STEP_LIVE].add_(live[(k + STEP_LIVE // 2) % STEP_LIVE], alpha=1e-3)
+        k += 1
+
+    t = median_time(op, device, repeats, STEP_LIVE)
+    return 3 * nbytes / max(t - dispatch, 1e-9)
+
+
+def measure_inplace_bandwidth(device: torch.device, repeats: int = 7) -> float:
+    """``inplace_bw`` of the module docstring [B/s]: the median over ``STEP_SIZES``."""
+    dispatch = _add_time(1, device, repeats)
+    return statistics.median(_inplace_bandwidth(n, device, repeats, dispatch) for n in STEP_SIZES)
+
+
 def measure_pointwise(device: torch.device, repeats: int, launch: float) -> dict[str, list[float]]:
     """``{op: [forward, backward] seconds per input element]}`` for ``POINTWISE_OPS``."""
     out: dict[str, list[float]] = {}
@@ -393,6 +417,7 @@ def measure_compute(device: torch.device | str = "cpu", quick: bool = False) -> 
     """Every compute figure of the module docstring, for ``device``.
 
     Returns ``{"peak_flops": rate / EFF_MAX, "flops_effective": rate, "memory_bandwidth": ...,
+    "inplace_bandwidth": ...,
     "kernel_launch_s": ..., "pointwise_s": {op: [fwd, bwd]}, "per_flop_s": {op: [fwd, bwd]},
     "optimizer_param_s": {name: s}, "step_overhead_s": ..., "matmul": [((m, k, n), flops, seconds), ...],
     "matmul_intercept_s": ...}``; the keys named as DeviceSpec fields are those fields.
@@ -401,6 +426,7 @@ def measure_compute(device: torch.device | str = "cpu", quick: bool = False) -> 
     repeats = 3 if quick else 7
     launch = measure_launch(dev, repeats, inner=5 if quick else 20)
     mem_bw = measure_memory_bandwidth(dev, repeats)
+    inplace_bw = measure_inplace_bandwidth(dev, repeats)
     points = []
     for m, k, n in MATMUL_SHAPES_QUICK if quick else MATMUL_SHAPES:
         x = torch.randn(m, k, device=dev, requires_grad=True)
@@ -426,6 +452,7 @@ def measure_compute(device: torch.device | str = "cpu", quick: bool = False) -> 
         "peak_flops": rate / EFF_MAX,
         "flops_effective": rate,
         "memory_bandwidth": mem_bw,
+        "inplace_bandwidth": inplace_bw,
         "kernel_launch_s": max(graph_launch, launch),
         "launch_chain_s": launch,
         "pointwise_s": measure_pointwise(dev, repeats, launch),

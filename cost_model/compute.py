@@ -38,12 +38,24 @@ product of the mesh axes on which an input or the output is Shard; Partial input
 * ``launch``: per-op fixed cost (kernel launch, dispatch, autograd node), ``device.kernel_launch_s``,
   charged once forward and once backward.
 
-An elementwise optimizer's step over one parameter tensor of ``P`` bytes with ``c`` state copies
-(0 SGD, 1 momentum, 2 Adam) reads the parameter, its gradient and its states and writes the
-parameter and its states, plus a fixed cost per tensor (``device.optimizer_param``: the ops
-PyTorch's per-tensor implementation launches, measured by ``autopar calibrate``):
+An optimizer's step over one parameter tensor of ``P`` bytes streams the bytes of the kernels
+PyTorch's default implementation runs (``torch.optim``: per tensor on CPUs, ``foreach`` on GPUs,
+the same kernels; ``OPTIMIZER_TRAFFIC``), plus a fixed cost per tensor (``device.optimizer_param``:
+the ops it launches, measured by ``autopar calibrate``):
 
-    t_opt = P * (2 + 2 c + 1) / bw + o(optimizer)                                           [s]
+    t_opt = P * (a / bw_inplace + f / bw) + o(optimizer)                                    [s]
+
+with ``a`` the passes over ``P`` bytes of the kernels that update a tensor in place (at
+``device.inplace_bw``) and ``f`` those of the kernels that write a fresh temporary (at ``bw``):
+
+* SGD: ``param.add_(grad)``, a = 3 (read the parameter and the gradient, write the parameter);
+* SGD with momentum: ``buf.mul_(m).add_(grad)``, ``param.add_(buf)``: a = 2 + 3 + 3 = 8;
+* Adam: ``exp_avg.lerp_(grad)`` 3, ``exp_avg_sq.mul_(b2)`` 2 ``.addcmul_(grad, grad)`` 3,
+  ``denom = (exp_avg_sq.sqrt() / c2).add_(eps)`` 2 + 2 fresh and 2 in place,
+  ``param.addcdiv_(exp_avg, denom)`` 4: a = 14, f = 4, where a fused kernel would move 7 (on
+  this project's VM, two 16 MiB tensors: 17.8 ms measured; 7 passes at ``bw`` predicted 11.0,
+  these 17.8; tests/test_compute_model.py).
+  Its two temporaries of ``P`` bytes are live at once (``optimizer_step_bytes``).
 
 and a step pays ``device.step_overhead_s`` once (``backward()``'s engine start, ``step()`` and
 ``zero_grad()`` as Python calls; added to the plan's step time by ``autopar.api``).
@@ -114,10 +126,33 @@ def accumulate_time(nbytes: float, uses: int, device: DeviceSpec) -> float:
     return (uses - 1) * (3 * nbytes / device.memory_bandwidth + device.kernel_launch_s)
 
 
+# optimizer (``passes.costs.Optimizer`` name) -> (passes in place, passes to fresh temporaries,
+# temporaries of the parameter's size live at once) over one parameter's bytes in PyTorch's default
+# step (module docstring)
+OPTIMIZER_TRAFFIC: dict[str, tuple[int, int, int]] = {
+    "SGD": (3, 0, 0),
+    "SGD_MOMENTUM": (8, 0, 0),
+    "ADAM": (14, 4, 2),
+}
+
+
+def _traffic(state_copies: int, optimizer: str) -> tuple[int, int, int]:
+    # an optimizer not in the table: read the parameter, its gradient and states, write them back
+    return OPTIMIZER_TRAFFIC.get(optimizer, (2 + 2 * state_copies + 1, 0, 0))
+
+
 def optimizer_step_time(
     param_bytes: float, state_copies: int, device: DeviceSpec, optimizer: str = ""
 ) -> float:
     """``t_opt`` of the module docstring [s] for one parameter tensor (``optimizer``: an
     ``Optimizer`` name; one launch per tensor where the device has no figure for it)."""
-    moved = param_bytes * (2 + 2 * state_copies + 1)
-    return moved / device.memory_bandwidth + device.optimizer_param(optimizer)
+    inplace, fresh, _ = _traffic(state_copies, optimizer)
+    return param_bytes * (
+        inplace / device.inplace_bw + fresh / device.memory_bandwidth
+    ) + device.optimizer_param(optimizer)
+
+
+def optimizer_step_bytes(param_bytes: float, optimizer: str) -> float:
+    """Bytes of temporaries the step of one parameter tensor of ``param_bytes`` holds at once
+    (Adam's ``sqrt`` and the division of it: twice the parameter), freed before the next tensor's."""
+    return param_bytes * OPTIMIZER_TRAFFIC.get(optimizer, (0, 0, 0))[2]

@@ -54,7 +54,12 @@ import torch.fx as fx
 
 from autopar.cluster import ClusterSpec, DeviceSpec
 from autopar.cost_model.comm import Collective, CommModel
-from autopar.cost_model.compute import accumulate_time, node_time, optimizer_step_time
+from autopar.cost_model.compute import (
+    accumulate_time,
+    node_time,
+    optimizer_step_bytes,
+    optimizer_step_time,
+)
 from autopar.cost_model.memory import reshard_transient
 from autopar.passes.analyze import NodeInfo, tensor_vals
 from autopar.passes.coarsen import Classes
@@ -165,6 +170,12 @@ class CostTables:
     # there (its gradient bucket's latency, ``bucket_fixed_s``); the pairs pay their shares
     # (``use_price``). Other axes price each "f" inline.
     bucket_fixed: dict[int, float] = field(default_factory=dict)
+    # parameter -> per strategy: bytes of the temporaries its optimizer step holds while it runs
+    # (``compute.optimizer_step_bytes``, one tensor of the class at a time); the steps run after
+    # backward, at ``step_position`` (the last placeholder's: every parameter, state, gradient and
+    # held output is charged by then, and no activation is kept past backward)
+    step_peak: dict[str, list[float]] = field(default_factory=dict)
+    step_position: float = 0.0
 
 
 def resolve_source(node: fx.Node) -> fx.Node:
@@ -198,6 +209,7 @@ def build_costs(
     tables = CostTables(mesh_shape, {k: v.strategies for k, v in strats.items()}, {}, {}, classes=classes)
     order = {n.name: i for i, n in enumerate(tg.graph.nodes)}
     tables.positions = {r: tuple(sorted(order[m] for m in classes.members[r])) for r in strats}
+    tables.step_position = max((order[p.name] for p in tg.placeholders), default=0)
     last_use = {n.name: max((order[u.name] for u in n.users), default=order[n.name]) for n in tg.graph.nodes}
     for base in sorted(kept.shared, key=order.__getitem__):
         if base in classes.rep:
@@ -220,6 +232,10 @@ def build_costs(
             # twins may differ in their uses (a block's last output feeds the final norm only)
             acc = sum(accumulate_time(info.out_bytes / vol, uses.get(m, 0), device) for m in members) * slow
             if info.role is Role.PARAM:
+                if info.requires_grad:
+                    temp = optimizer_step_bytes(info.out_bytes / vol, optimizer.name)
+                    if temp:
+                        tables.step_peak.setdefault(name, []).append(temp)
                 copies = 1 + (optimizer.value if info.requires_grad else 0)
                 step = (
                     optimizer_step_time(info.out_bytes / vol, optimizer.value, device, optimizer.name) * slow

@@ -25,6 +25,12 @@ live at the positions up to that use: it is charged at ``START`` (before every p
 released just after the last use (``grad_free``), a negative charge there; ``S(p)`` then counts,
 at each position, the kept bytes plus the gradients backward has made by the time it gets there.
 
+The optimizer's step runs after backward, when every parameter, optimizer state, gradient and
+output the caller holds is live and no activation is: ``S`` at the last placeholder's position
+counts all of these (and the copies of parameters kept for backward, over). Its temporaries
+(Adam's ``sqrt`` and the division of it, ``CostTables.step_peak``) are a transient there, which
+``peak_bytes`` adds and the search checks the chosen plan against (the rows leave it out).
+
 A position is left out when a later one's smallest transient is at least its largest, less what
 gradients can release between them. A storage several consumers keep as it is (``Kept.shared``
 in ``costs``) is charged once, at its owner's positions (``CostTables.keep_positions``: the
@@ -149,14 +155,18 @@ def peak_bytes(
 ) -> float:
     """The peak per device of a full assignment, as the ILP's rows count it, except that edges of
     one tensor that take the same reshard keep one copy: the ILP's rows count each edge's, an upper
-    bound (which keeps every plan it accepts within the limit). ``extra``: more transients, by
-    position (the gradient buckets' flattening, ``passes/grad_sync.py:bucket_transients``).
+    bound (which keeps every plan it accepts within the limit), and that the optimizer step's
+    temporaries count (``CostTables.step_peak``; the rows leave them out). ``extra``: more
+    transients, by position (the gradient buckets' flattening, ``passes/grad_sync.py:bucket_transients``).
     ``deferred``: parameters whose gradient is all-reduced in a bucket (``deferred_grad_axes``):
     their uses run no "f", so none clones a gradient (the rows count the clone: an upper bound)."""
     charged: list[tuple[tuple[float, ...], float]] = []  # (positions, bytes per position)
     transients: dict[float, float] = dict(extra or {})
     shared = Folds.of(tables)
     keep: dict[str, float] = {}
+    step = max((tables.step_peak[v][s] for v, s in choice.items() if v in tables.step_peak), default=0.0)
+    if step:  # the optimizer's step, after backward (``CostTables.step_peak``)
+        transients[tables.step_position] = max(transients.get(tables.step_position, 0.0), step)
     for v, s in choice.items():
         charged += [(ps, t[s] / len(ps)) for ps, t in shared.mem.get(v, {}).items()]
         for p, t in shared.peak.get(v, {}).items():

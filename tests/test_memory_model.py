@@ -139,6 +139,23 @@ def test_the_predicted_peak_is_what_a_step_holds_on_one_device(one_rank, spec):
     assert plan.predicted.peak_memory_bytes == pytest.approx(measured, rel=0.10)
 
 
+@pytest.mark.parametrize("optimizer", [autopar.Optimizer.SGD, autopar.Optimizer.ADAM])
+def test_the_optimizer_steps_temporaries_are_in_the_peak(one_rank, optimizer):
+    """An mlp whose weights outweigh its activations peaks in Adam's step: the parameters, their
+    gradients and two states, and the two temporaries of one weight's size that ``sqrt`` and the
+    division of it make (SGD updates in place: its peak stays inside backward)."""
+    cluster = autopar.ClusterSpec.preset("cpu", devices_per_node=1)
+    torch.manual_seed(0)
+    model, inputs = load_model_spec("autopar.examples:mlp(batch=4, hidden=256, ffn=1024)")
+    plan = autopar.plan(model, cluster, inputs, optimizer=optimizer)
+    pmodel = autopar.autoparallelize(model, cluster, inputs, plan=plan)
+    make = torch.optim.Adam if optimizer is autopar.Optimizer.ADAM else torch.optim.SGD
+    opt = make(pmodel.parameters(), lr=1e-3)
+    train_step(pmodel, opt, inputs)  # the first step makes Adam's states
+    measured = peak_step_memory(pmodel, lambda: train_step(pmodel, opt, inputs))
+    assert plan.predicted.peak_memory_bytes == pytest.approx(measured, rel=0.02)
+
+
 # -- two gloo ranks ---------------------------------------------------------------------------------
 
 # (from, to, needs a gradient, Megatron "f" on the axis) on a mesh of 2, a tensor of 8 x 6 float32
