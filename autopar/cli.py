@@ -1,6 +1,6 @@
 """The ``autopar`` command line.
 
-    autopar demo [--out DIR] [--model MODEL_SPEC] [--world-size N]
+    autopar demo [--out DIR] [--model MODEL_SPEC] [--world-size N] [--cluster SPEC_FILE]
     autopar plan MODEL_SPEC --cluster PRESET[:NODESxDEVICES] | SPEC_FILE --out plan.json [--report r.html]
                  [--profile [--profile-cache PATH] [--profile-threads N]]
     autopar calibrate [--world-size N] [--out cluster.json] [--quick]
@@ -39,6 +39,12 @@ def _build_parser() -> argparse.ArgumentParser:
     d.add_argument("--model", default=DEMO_MODEL, help="MODEL_SPEC to run")
     d.add_argument("--world-size", type=int, default=4, help="number of local gloo processes (default: 4)")
     d.add_argument("--steps", type=int, default=3, help="SGD steps compared with the single-device model")
+    d.add_argument(
+        "--cluster",
+        default=None,
+        help="a spec file from `autopar calibrate` (default: the uncalibrated cpu preset); its "
+        "device and links, with --world-size devices on one node",
+    )
 
     cv = sub.add_parser("coverage", help="list the model's ops and which have sharding rules")
     cv.add_argument("model", metavar="MODEL_SPEC")
@@ -169,7 +175,14 @@ def main(argv: list[str] | None = None) -> int:
         if args.cmd == "demo":
             from autopar.demo import run_demo
 
-            run_demo(args.out, args.model, args.world_size, args.steps)
+            cluster = None
+            if args.cluster:
+                from autopar.cluster import ClusterSpec
+
+                cluster = ClusterSpec.from_file(args.cluster).with_overrides(
+                    nodes=1, devices_per_node=args.world_size
+                )
+            run_demo(args.out, args.model, args.world_size, args.steps, cluster=cluster)
             return 0
         if args.cmd == "plan":
             return _cmd_plan(args)

@@ -71,6 +71,7 @@ def run_demo(
 ) -> dict:
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
+    given = cluster is not None
     cluster = cluster or autopar.ClusterSpec.preset("cpu", devices_per_node=world_size)
     print(f"[1/4] planning {model_spec} for {cluster.world_size} x {cluster.device.name} ({cluster.name})")
     model, inputs = load_model_spec(model_spec)
@@ -115,6 +116,11 @@ def run_demo(
         f"      peak memory  predicted {p.peak_memory_bytes / 2**20:9.3f} MiB  "
         f"measured {measured['peak_memory_bytes'] / 2**20:9.3f} MiB"
     )
+    if not given:
+        print(
+            "      (priced with the cpu preset's figures, not this machine's: `autopar calibrate "
+            f"--world-size {world_size} --out cluster.json`, then `autopar demo --cluster cluster.json`)"
+        )
     report = write_report(plan, out / "report.html", measured=measured, title=f"autopar demo: {model_spec}")
     print(f"      wrote {report} and {out / 'rank0_code.py'} (the generated rank-local code)")
     if diff >= 1e-4:

@@ -44,3 +44,21 @@ def test_three_axis_plan_runs_on_eight_ranks(tmp_path):
     result = run_demo(tmp_path, model_spec=spec, world_size=8, steps=2, cluster=cluster, mesh_shape=(2, 2, 2))
     assert result["plan"].mesh_shape == (2, 2, 2)
     assert result["measured"]["max_loss_difference"] < 1e-4
+
+
+def test_the_demo_command_plans_with_a_calibrated_spec_file(tmp_path, monkeypatch):
+    """`autopar demo --cluster FILE` prices the plan with the file's device and links, on
+    --world-size devices of one node (the preset's figures otherwise)."""
+    import autopar.demo
+    from autopar.cli import main
+
+    spec = ClusterSpec.preset("cpu", devices_per_node=8)
+    spec = spec.with_overrides(device=dataclasses.replace(spec.device, kernel_launch_s=1.25e-5))
+    path = tmp_path / "cluster.json"
+    spec.save(path)
+    seen = {}
+    monkeypatch.setattr(autopar.demo, "run_demo", lambda *a, **k: seen.update(args=a, **k))
+    assert main(["demo", "--cluster", str(path), "--world-size", "2", "--out", str(tmp_path)]) == 0
+    cluster = seen["cluster"]
+    assert cluster.world_size == 2 and cluster.nodes == 1
+    assert cluster.device == spec.device and cluster.intra_node == spec.intra_node
