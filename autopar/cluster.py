@@ -83,6 +83,7 @@ _DEVICE_OPTIONAL = (
     "optimizer_param_s",
     "sync_wait",
     "inplace_bandwidth",
+    "matmul_dim_half",
 )
 _DEVICE_KEYS = ("name", "peak_flops", "memory_bytes", "memory_bandwidth", *_DEVICE_OPTIONAL)
 _LINK_KEYS = ("bandwidth", "latency", "ranges")

@@ -25,6 +25,9 @@ Fields
   this project's CPU VM 1.5-2x ``memory_bandwidth``, which is measured writing fresh tensors as
   a step's activations are). 0 (the GPU presets): ``memory_bandwidth``.
 * ``kernel_launch_s``: fixed overhead per kernel / op launch in s.
+* ``matmul_dim_half``: in elements, the smallest GEMM size ``d`` (of ``m``, ``k``, ``n``) at which
+  a matmul reaches half its large-GEMM efficiency: a GEMM runs ``d / (d + matmul_dim_half)`` as
+  fast (``cost_model/compute.py``). ``autopar calibrate`` fits it; 0 (the GPU presets): no loss.
 * ``host_cores``: for CPU "devices", the cores of the host that all ranks of a node share (each
   rank computes on one thread, as ``autopar.launch`` sets it); ``0`` for accelerators, which do
   not share. The peak figures are one rank's when it has a core to itself; with more ranks than
@@ -237,9 +240,15 @@ class DeviceSpec:
     optimizer_param_s: tuple[tuple[str, float], ...] = ()
     sync_wait: float = 0.0
     inplace_bandwidth: float = 0.0
+    matmul_dim_half: float = 0.0
 
     def __post_init__(self) -> None:
         _check_name("DeviceSpec.name", self.name)
+        object.__setattr__(
+            self,
+            "matmul_dim_half",
+            _check_float("DeviceSpec.matmul_dim_half", self.matmul_dim_half, minimum=0.0, strict=False),
+        )
         object.__setattr__(
             self,
             "inplace_bandwidth",
@@ -365,6 +374,7 @@ class DeviceSpec:
             "optimizer_param_s": dict(self.optimizer_param_s),
             "sync_wait": self.sync_wait,
             "inplace_bandwidth": self.inplace_bandwidth,
+            "matmul_dim_half": self.matmul_dim_half,
         }
 
 

@@ -67,7 +67,7 @@ all-reduce issued asynchronously is hidden behind concurrent compute, stored as
 
 ``calibrate`` returns ``base`` with ``intra_node`` (and, on one node, ``inter_node``) replaced by
 the fitted link and the device's ``peak_flops['float32']``, ``memory_bandwidth``,
-``inplace_bandwidth``, ``kernel_launch_s``, ``pointwise_s`` and ``per_flop_s`` replaced by the
+``inplace_bandwidth``, ``matmul_dim_half``, ``kernel_launch_s``, ``pointwise_s`` and ``per_flop_s`` replaced by the
 measured values; ``out_path`` saves it as JSON.
 """
 
@@ -407,7 +407,8 @@ class Calibration:
             )
         lines.append(
             f"device: matmul {c['flops_effective'] / 1e9:.2f} GFLOP/s effective "
-            f"(peak_flops float32 = {c['peak_flops'] / 1e9:.2f} GFLOP/s = effective / EFF_MAX), "
+            f"(peak_flops float32 = {c['peak_flops'] / 1e9:.2f} GFLOP/s = effective / EFF_MAX; "
+            f"half of it at a smallest size of {c.get('matmul_dim_half', 0):g}), "
             f"memory {c['memory_bandwidth'] / 1e9:.2f} GB/s (in place {c.get('inplace_bandwidth', 0) / 1e9:.2f}), "
             f"per-op {c['kernel_launch_s'] * 1e6:.2f} us"
             + (f" (a chain of one op: {c['launch_chain_s'] * 1e6:.2f} us)" if c.get("launch_chain_s") else "")
@@ -568,6 +569,7 @@ def run_calibration(
         peak_flops=peak,
         memory_bandwidth=compute["memory_bandwidth"],
         inplace_bandwidth=compute["inplace_bandwidth"],
+        matmul_dim_half=compute["matmul_dim_half"],
         kernel_launch_s=compute["kernel_launch_s"],
         pointwise_s=compute["pointwise_s"],
         per_flop_s=compute["per_flop_s"],

@@ -32,11 +32,13 @@ pointwise ops, or alone while it waits, and time faster than a step runs them):
   ``F = 3 * 2 m k n`` FLOPs (a forward and two backward matmuls, each writing a fresh output),
   over ``MATMUL_SHAPES``: squares, and the tall, thin GEMMs of a transformer's projections (many
   tokens against a narrow hidden size), which run 5-15% below squares of the same FLOPs on this
-  project's VM (512 x 128 x 4096: 82 GFLOP/s against 97 for 512^3). A least-squares line
-  ``t = F / rate + c`` gives the effective rate ``rate`` [FLOP/s] (on this project's VM 90-95
-  GFLOP/s where a forward ``mm`` alone reaches 104). The roofline prices a large GEMM at
-  ``F / (peak * EFF_MAX)``, so the peak stored is ``rate / EFF_MAX``: the cost model then
-  predicts the measured large-GEMM rate;
+  project's VM (512 x 128 x 4096: 82 GFLOP/s against 97 for 512^3), and skinny ones (16-64 rows,
+  a data-parallel rank's few tokens), which run slower still. The fit (``fit_matmul``)
+  ``t = F / (rate * d / (d + D)) + c``, ``d`` the shape's smallest size, gives the effective rate
+  ``rate`` [FLOP/s] of a large GEMM and ``matmul_dim_half = D`` [elements] (on this project's VM
+  a linear of 32 rows ran at 49 GFLOP/s where 512^3 ran at 63, both ranks at once). The roofline
+  prices a large GEMM at ``F / (peak * EFF_MAX)``, so the peak stored is ``rate / EFF_MAX``: the
+  cost model then predicts the measured rates;
 * in-place bandwidth ``inplace_bw`` [B/s], as an optimizer's step streams it: ``STEP_LIVE``
   tensors of ``n`` bytes, each op adding one into another in place (``a.add_(b)``, SGD's update),
   cycling through them so that none is in a core's cache; ``inplace_bw = 3 n / (t - t_1)``, the
@@ -88,8 +90,11 @@ ATTENTION_SHAPE = (4, 4, 128, 32)  # batch, heads, sequence, head dim
 OPT_TENSORS = 36
 # (m, k, n) of the matmul samples: squares, and a transformer's projections (tokens x hidden)
 MATMUL_SHAPES = ((128, 128, 128), (256, 256, 256), (384, 384, 384), (512, 512, 512),
-                 (2048, 128, 128), (512, 128, 512), (512, 512, 128), (512, 128, 2048))  # fmt: skip
-MATMUL_SHAPES_QUICK = ((96, 96, 96), (192, 192, 192), (288, 288, 288), (512, 64, 512))
+                 (2048, 128, 128), (512, 128, 512), (512, 512, 128), (512, 128, 2048),
+                 (16, 512, 1024), (32, 512, 1024), (64, 512, 1024))  # fmt: skip
+MATMUL_SHAPES_QUICK = ((96, 96, 96), (192, 192, 192), (288, 288, 288), (512, 64, 512), (16, 256, 512))
+# the values of matmul_dim_half the fit tries (elements)
+DIM_HALF_GRID = (0, 1, 2, 4, 6, 8, 12, 16, 24, 32, 48, 64)
 # passes.costs.Optimizer names -> the torch optimizer that the name prices (device defaults)
 OPTIMIZERS: dict[str, Callable[[list], torch.optim.Optimizer]] = {
     "SGD": lambda ps: torch.optim.SGD(ps, lr=1e-3),
@@ -438,13 +443,7 @@ def measure_compute(device: torch.device | str = "cpu", quick: bool = False) -> 
             x.grad = w.grad = None
 
         points.append(((m, k, n), 3 * 2.0 * m * k * n, median_time(train, dev, repeats)))
-    fl = torch.tensor([p[1] for p in points], dtype=torch.float64)
-    ts = torch.tensor([p[2] for p in points], dtype=torch.float64)
-    design = torch.stack([fl, torch.ones_like(fl)], dim=1)
-    slope, intercept = (float(v) for v in torch.linalg.lstsq(design, ts.unsqueeze(1)).solution.squeeze(1))
-    if not slope > 0:  # degenerate fit (noise): use the largest matmul's rate
-        slope, intercept = float(ts[-1] / fl[-1]), 0.0
-    rate = 1.0 / float(slope)
+    rate, intercept, dim_half = fit_matmul(points)
     optimizer = measure_optimizer(dev, repeats)
     overhead = measure_step_overhead(dev, repeats, launch, optimizer["SGD"])
     graph_launch, _ = measure_graph_launch(dev, repeats, overhead)
@@ -461,4 +460,28 @@ def measure_compute(device: torch.device | str = "cpu", quick: bool = False) -> 
         "step_overhead_s": overhead,
         "matmul": points,
         "matmul_intercept_s": float(intercept),
+        "matmul_dim_half": dim_half,
     }
+
+
+def fit_matmul(points: list) -> tuple[float, float, float]:
+    """``(rate, c, D)`` of ``t = F / (rate * d / (d + D)) + c`` over matmul samples
+    ``((m, k, n), F, t)``, ``d = min(m, k, n)``: for each ``D`` of ``DIM_HALF_GRID`` the
+    least-squares line in ``F (d + D) / d``, and the ``D`` whose line has the least squared
+    relative error (small and large samples weigh alike)."""
+    fl = torch.tensor([p[1] for p in points], dtype=torch.float64)
+    ts = torch.tensor([p[2] for p in points], dtype=torch.float64)
+    dims = torch.tensor([float(min(p[0])) for p in points], dtype=torch.float64)
+    best = None
+    for half in DIM_HALF_GRID:
+        x = fl * (dims + half) / dims
+        design = torch.stack([x, torch.ones_like(x)], dim=1)
+        slope, c = (float(v) for v in torch.linalg.lstsq(design, ts.unsqueeze(1)).solution.squeeze(1))
+        if not slope > 0:
+            continue
+        err = float((((x * slope + c) - ts) / ts).pow(2).sum())
+        if best is None or err < best[0]:
+            best = (err, 1.0 / slope, c, float(half))
+    if best is None:  # degenerate fits (noise): the largest matmul's rate, no skinny loss
+        return float(fl[-1] / ts[-1]), 0.0, 0.0
+    return best[1], best[2], best[3]

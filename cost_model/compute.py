@@ -19,8 +19,12 @@ product of the mesh axes on which an input or the output is Shard; Partial input
 * ``eff(F)``: achievable fraction of peak; large GEMMs reach ~70-80% of dense peak on A100/H100
   (e.g. NVIDIA's Megatron-LM reports 163-173 TFLOP/s of 312 on A100, ~55%, for whole models;
   cuBLAS GEMMs at large sizes reach 70-80%), small ones far less. Modeled as
-  ``eff = EFF_MAX * F / (F + peak * T_HALF)``, which falls for small ops: an op that would take
-  ``T_HALF`` seconds at peak reaches half of EFF_MAX (so tiny ops cost about ``T_HALF / EFF_MAX``).
+  ``eff = EFF_MAX * F / (F + peak * T_HALF) * d / (d + D)``, which falls for small ops (an op
+  that would take ``T_HALF`` seconds at peak reaches half of EFF_MAX, so tiny ops cost about
+  ``T_HALF / EFF_MAX``) and for skinny GEMMs: ``d`` is the smallest of the local GEMM's ``m``,
+  ``k``, ``n`` (``gemm_min_dim``; the forward and both backward GEMMs of a matmul share these
+  three sizes), ``D`` is ``device.matmul_dim_half`` (0: no such loss). On this project's VM a
+  linear of 32 rows ran at 49 GFLOP/s where 512^3 ran at 63 (``autopar calibrate`` fits ``D``).
 * ``p_fwd(op)``, ``p_bwd(op)``: seconds per unit ``U`` of the op's forward and backward where the
   device measured them (``autopar calibrate``): per element of the op's largest tensor
   (``U = E``, ``DeviceSpec.pointwise_s``) for ops bound by their arithmetic, which no FLOP count
@@ -63,6 +67,9 @@ and a step pays ``device.step_overhead_s`` once (``backward()``'s engine start, 
 
 from __future__ import annotations
 
+import math
+from collections.abc import Sequence
+
 import torch
 
 from autopar.cluster import DeviceSpec
@@ -72,18 +79,68 @@ T_HALF = 2e-6  # seconds-at-peak at which a kernel reaches half of EFF_MAX
 BACKWARD_FACTOR = 2.0  # backward / forward work of an op with two (or more) new input gradients
 
 
+def skinny_factor(min_dim: float | None, device: DeviceSpec) -> float:
+    """``d / (d + D)`` of the module docstring (1 when ``d`` is unknown or ``D`` is 0)."""
+    half = device.matmul_dim_half
+    if not min_dim or half <= 0:
+        return 1.0
+    return min_dim / (min_dim + half)
+
+
 def forward_body(
-    flops: float, nbytes: float, dtype: torch.dtype | None, device: DeviceSpec, k: float = 1
+    flops: float,
+    nbytes: float,
+    dtype: torch.dtype | None,
+    device: DeviceSpec,
+    k: float = 1,
+    min_dim: float | None = None,
 ) -> float:
-    """The roofline part of one rank's forward (no launch, no pointwise table) [s]."""
+    """The roofline part of one rank's forward (no launch, no pointwise table) [s]; ``min_dim``:
+    the smallest size of the local GEMM, for a matmul (``gemm_min_dim``)."""
     f = flops / k
     m = nbytes / k
     t_flops = 0.0
     if f > 0:
         peak = device.peak_flops_for(dtype or torch.float32)
-        t_flops = (f + peak * T_HALF) / (peak * EFF_MAX)  # = f / (peak * eff(f)), without 0 / 0
+        # = f / (peak * eff(f)), without 0 / 0
+        t_flops = (f + peak * T_HALF) / (peak * EFF_MAX * skinny_factor(min_dim, device))
     t_mem = m / device.memory_bandwidth
     return max(t_flops, t_mem)
+
+
+# matmul-family aten ops -> (m, k, n) of the GEMM from their tensor inputs' shapes
+def _mm(a, b):
+    return a[0], a[1], b[1]
+
+
+def _linear(x, w, *_):
+    return math.prod(x[:-1]), x[-1], w[0]
+
+
+def _batched(a, b, *_):
+    return (a[-2] if len(a) > 1 else 1), a[-1], (b[-1] if len(b) > 1 else 1)
+
+
+_GEMMS = {
+    "aten.mm.default": _mm,
+    "aten.addmm.default": lambda bias, a, b: _mm(a, b),
+    "aten.linear.default": _linear,
+    "aten.bmm.default": _batched,
+    "aten.baddbmm.default": lambda bias, a, b: _batched(a, b),
+    "aten.matmul.default": _batched,
+}
+
+
+def gemm_min_dim(op: str, shapes: Sequence[Sequence[int]]) -> int | None:
+    """The smallest of ``m``, ``k``, ``n`` of the GEMM that matmul-family ``op`` (``str`` of the aten
+    overload) runs on tensor inputs of these (local) ``shapes``; None for other ops."""
+    fn = _GEMMS.get(op)
+    if fn is None:
+        return None
+    try:
+        return int(min(fn(*shapes)))
+    except (IndexError, TypeError, ValueError):
+        return None
 
 
 def node_time(
@@ -98,10 +155,11 @@ def node_time(
     op: str = "",
     elements: float = 0.0,
     grad_bytes: float = 0.0,
+    min_dim: float | None = None,
 ) -> float:
     """Forward + backward seconds of one node on one rank (see the module docstring);
-    ``grad_bytes`` is ``G``."""
-    body = forward_body(flops, nbytes, dtype, device, k)
+    ``grad_bytes`` is ``G``, ``min_dim`` the local GEMM's ``d`` for a matmul."""
+    body = forward_body(flops, nbytes, dtype, device, k, min_dim)
     units, measured = elements, device.pointwise(op) if op else None
     if op and measured is None and flops > 0:
         units, measured = flops, device.per_flop(op)

@@ -56,6 +56,7 @@ from autopar.cluster import ClusterSpec, DeviceSpec
 from autopar.cost_model.comm import Collective, CommModel
 from autopar.cost_model.compute import (
     accumulate_time,
+    gemm_min_dim,
     node_time,
     optimizer_step_bytes,
     optimizer_step_time,
@@ -66,7 +67,14 @@ from autopar.passes.coarsen import Classes
 from autopar.passes.rules import tensor_inputs, writes_inputs
 from autopar.passes.strategies import AxisRole, NodeStrategies, Strategy
 from autopar.passes.trace import Role, TracedGraph
-from autopar.placement import Outputs, is_replicate, is_shard, output_placement, volume_factor
+from autopar.placement import (
+    Outputs,
+    is_replicate,
+    is_shard,
+    local_shape,
+    output_placement,
+    volume_factor,
+)
 
 if TYPE_CHECKING:
     from autopar.cost_model.profiler import OpProfiler
@@ -252,7 +260,7 @@ def build_costs(
             k = s.work_divisor(mesh_shape)
             t = profiler.node_time(ns.node, s, mesh_shape, infos) if profiler is not None else None
             if t is None:
-                t = analytical_node_time(info, ns.inputs, infos, device, k)
+                t = analytical_node_time(info, ns.inputs, infos, device, k, s, mesh_shape)
             t *= slow
             t += _lowering_comm(ns.node, s, comm)
             costs.append(n * t + acc)
@@ -584,13 +592,20 @@ def _edge(
 
 
 def analytical_node_time(
-    info: NodeInfo, inputs: list[fx.Node], infos: dict[str, NodeInfo], device: DeviceSpec, k: int
+    info: NodeInfo,
+    inputs: list[fx.Node],
+    infos: dict[str, NodeInfo],
+    device: DeviceSpec,
+    k: int,
+    s: Strategy | None = None,
+    mesh_shape: Sequence[int] = (),
 ) -> float:
     """``cost_model.compute.node_time`` of one node whose work is divided ``k`` ways. Its backward
     makes a new gradient for each input that needs one and whose gradient is not passed on (an
     ``add`` passes its gradient on; a matmul makes two); every such input when the probe did not run.
     Per-element figures count the elements of the op's largest tensor (a loss's logits, not its
-    scalar output)."""
+    scalar output). A matmul under strategy ``s`` is priced at its local GEMM's smallest size
+    (``compute.gemm_min_dim``)."""
     fresh = info.grad_new or (True,) * len(inputs)
     new = [a for a, f in zip(inputs, fresh) if f and infos[a.name].requires_grad]
     # its output's gradient read and the new ones written; nothing where it passes the gradient on
@@ -602,7 +617,27 @@ def analytical_node_time(
     return node_time(
         info.flops, info.bytes, info.dtype, device, k, info.requires_grad,
         new_grads=len(new), op=info.target, elements=elements, grad_bytes=grad_bytes,
+        min_dim=_local_gemm_min_dim(info.target, inputs, s, mesh_shape),
     )  # fmt: skip
+
+
+def _local_gemm_min_dim(
+    op: str, inputs: list[fx.Node], s: Strategy | None, mesh_shape: Sequence[int]
+) -> int | None:
+    """``gemm_min_dim`` of a matmul's local pieces under ``s`` (global shapes without one)."""
+    shapes = []
+    for i, a in enumerate(inputs):
+        val = a.meta.get("val")
+        if not isinstance(val, torch.Tensor):
+            return None
+        shape = tuple(val.shape)
+        if s is not None and i < len(s.ins):
+            try:
+                shape = local_shape(shape, s.ins[i], mesh_shape)
+            except ValueError:
+                pass  # an uneven split is never chosen: its global shape will do
+        shapes.append(shape)
+    return gemm_min_dim(op, shapes)
 
 
 def _lowering_comm(node: fx.Node, s: Strategy, comm: CommModel) -> float:

@@ -366,3 +366,43 @@ def test_a_slice_backward_pays_the_zero_filled_gradient_a_view_backward_does_not
     ops = _backward_ops(model, x)
     assert any(f in (aten.zeros.default, aten.new_zeros.default, aten.fill_.Scalar, aten.zero_.default,
                      aten.slice_backward.default) for f, _ in ops)  # fmt: skip
+
+
+@given(
+    rate=st.floats(2e10, 2e12),
+    half=st.sampled_from([0, 4, 12, 32, 64]),
+    intercept=st.floats(0.0, 2e-5),
+)
+def test_fit_matmul_recovers_the_rate_and_the_skinny_size(rate, half, intercept):
+    """Samples made by ``t = F / (rate * d / (d + D)) + c`` over the calibration's shapes give
+    back ``rate``, ``c`` and ``D``."""
+    from autopar.cost_model.calibrate_compute import MATMUL_SHAPES, fit_matmul
+
+    points = []
+    for m, k, n in MATMUL_SHAPES:
+        f, d = 6.0 * m * k * n, min(m, k, n)
+        points.append(((m, k, n), f, f / (rate * d / (d + half)) + intercept))
+    got_rate, got_c, got_half = fit_matmul(points)
+    assert got_half == half
+    assert got_rate == pytest.approx(rate, rel=1e-6)
+    assert got_c == pytest.approx(intercept, rel=1e-6, abs=1e-12)
+
+
+def test_a_skinny_local_gemm_is_priced_at_its_smallest_size():
+    """An mlp's linears: under data parallelism a rank has 32 of the 64 rows (d = 32); under
+    tensor parallelism the 64 rows stay whole and the 2048-wide side is split (d = 64). Each is
+    priced ``(d + D) / d`` times its large-GEMM time, ``d`` the local GEMM's smallest size."""
+    import autopar
+
+    base = ClusterSpec.preset("cpu", devices_per_node=2)
+    times = {}
+    for half in (0.0, 16.0):
+        cluster = base.with_overrides(device=dataclasses.replace(base.device, matmul_dim_half=half))
+        for role in (autopar.AxisRole.DATA, autopar.AxisRole.TENSOR):
+            model, inputs = autopar.examples.mlp(batch=64, hidden=512, ffn=2048)
+            p = autopar.plan(model, cluster, inputs, axis_roles=(role,), optimizer=Optimizer.SGD)
+            times[half, role] = [d.compute_s for d in p.decisions if d.op == "aten.linear.default"]
+    for role, d in ((autopar.AxisRole.DATA, 32), (autopar.AxisRole.TENSOR, 64)):
+        for plain, skinny in zip(times[0.0, role], times[16.0, role]):
+            launches = 2 * base.device.kernel_launch_s  # forward and backward, not scaled
+            assert skinny - launches == pytest.approx((plain - launches) * (d + 16) / d, rel=1e-6)
