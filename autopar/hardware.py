@@ -244,24 +244,15 @@ class DeviceSpec:
 
     def __post_init__(self) -> None:
         _check_name("DeviceSpec.name", self.name)
-        object.__setattr__(
-            self,
-            "matmul_dim_half",
-            _check_float("DeviceSpec.matmul_dim_half", self.matmul_dim_half, minimum=0.0, strict=False),
-        )
-        object.__setattr__(
-            self,
-            "inplace_bandwidth",
-            _check_float("DeviceSpec.inplace_bandwidth", self.inplace_bandwidth, minimum=0.0, strict=False),
-        )
-        object.__setattr__(
-            self, "sync_wait", _check_float("DeviceSpec.sync_wait", self.sync_wait, minimum=0.0, strict=False)
-        )
-        object.__setattr__(
-            self,
+        for name in (
+            "kernel_launch_s",
             "step_overhead_s",
-            _check_float("DeviceSpec.step_overhead_s", self.step_overhead_s, minimum=0.0, strict=False),
-        )
+            "sync_wait",
+            "inplace_bandwidth",
+            "matmul_dim_half",
+        ):
+            value = _check_float(f"DeviceSpec.{name}", getattr(self, name), minimum=0.0, strict=False)
+            object.__setattr__(self, name, value)
         opt = self.optimizer_param_s
         items = list(opt.items()) if isinstance(opt, Mapping) else [tuple(p) for p in opt]
         if not all(len(p) == 2 and isinstance(p[0], str) for p in items):
@@ -318,11 +309,6 @@ class DeviceSpec:
             self,
             "memory_bandwidth",
             _check_float("DeviceSpec.memory_bandwidth", self.memory_bandwidth, minimum=0.0, strict=True),
-        )
-        object.__setattr__(
-            self,
-            "kernel_launch_s",
-            _check_float("DeviceSpec.kernel_launch_s", self.kernel_launch_s, minimum=0.0, strict=False),
         )
 
     def pointwise(self, op: str) -> tuple[float, float] | None:
