@@ -145,7 +145,7 @@ def search(
     best_objective = math.inf
     candidates = []
     min_needed = math.inf
-    refused_for_buckets = False
+    refused_at_full_peak = False
     mirrors: dict[tuple, tuple] = {}
     only = set(classes.members) if classes else None
     data_axis: dict[int, dict[str, Strategy]] = {}  # data-parallel solution of one axis, by size
@@ -248,7 +248,7 @@ def search(
                 choice = _expanded_choice(tg, tables, sol)
                 gs = _grad_sync_cost(tg, infos, tables, sol, choice, cluster, mesh, outputs)
             if sol is None or _peak(tables, sol, gs) > limit:
-                refused_for_buckets = True
+                refused_at_full_peak = True
                 candidates.append({**entry, "status": "infeasible", "objective": None})
                 _progress(
                     progress,
@@ -275,7 +275,7 @@ def search(
             f"no plan fits: needs at least {min_needed / 2**30:.2f} GiB per device, the limit is "
             f"{limit / 2**30:.2f} GiB ({cluster.device.name}, {cluster.world_size} devices, "
             f"{cluster.memory_reserve:.0%} of memory held in reserve"
-            f"{'; a plan that fit did not with its gradient buckets flattened and its optimizer step' if refused_for_buckets else ''}"
+            f"{'; a plan that fit did not with its gradient buckets flattened and its optimizer step' if refused_at_full_peak else ''}"
             "); try more devices, "
             "a smaller batch or sequence, another mesh_shape or a larger memory_limit_bytes"
         )

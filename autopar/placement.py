@@ -100,6 +100,17 @@ def local_shape(
     return tuple(out)
 
 
+def local_shapes(
+    shapes: Sequence[Sequence[int]], specs: Sequence[Sequence[Placement]], mesh_shape: Sequence[int]
+) -> list[tuple[int, ...]] | None:
+    """``local_shape`` of each of ``shapes`` under the spec beside it; None where one does not
+    divide evenly (plans never split so)."""
+    try:
+        return [local_shape(sh, sp, mesh_shape) for sh, sp in zip(shapes, specs)]
+    except ValueError:
+        return None
+
+
 def volume_factor(spec: Sequence[Placement], mesh_shape: Sequence[int]) -> int:
     """Fraction (as a divisor) of a tensor's elements one rank holds."""
     f = 1

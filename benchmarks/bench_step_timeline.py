@@ -35,6 +35,7 @@ import time
 
 import torch
 import torch.distributed as dist
+from bench_cost_accuracy import MODELS, PLANS  # this folder: the accuracy benchmark's cases
 
 import autopar
 from autopar.cost_model.calibrate import run_calibration
@@ -43,12 +44,6 @@ from autopar.demo import train_step
 from autopar.launch import run_on_ranks
 from autopar.model_spec import load_model_spec
 
-MODELS = {
-    "mlp": "autopar.examples:mlp(batch=64, hidden=512, ffn=2048)",
-    "gpt2_tiny": "autopar.examples:gpt2_tiny(batch=8, seq=64, hidden=128, vocab=512)",
-    "llama_tiny": "autopar.examples:llama_tiny(batch=8, seq=64, hidden=128, vocab=512)",
-}
-ROLES = {"DP": (autopar.AxisRole.DATA,), "TP": (autopar.AxisRole.TENSOR,), "auto": None}
 WARMUP = 3
 
 
@@ -130,7 +125,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="llama_tiny")
     ap.add_argument("--world", type=int, default=2)
-    ap.add_argument("--plan", choices=list(ROLES), default="DP")
+    ap.add_argument("--plan", choices=list(PLANS), default="DP")
     ap.add_argument("--cluster", default=None, help="a calibrated spec file (default: calibrate now)")
     ap.add_argument("--steps", type=int, default=20)
     args = ap.parse_args()
@@ -143,7 +138,7 @@ def main() -> None:
         print(f"calibrated on {args.world} gloo processes in {time.perf_counter() - t0:.1f} s")
     cluster = base.with_overrides(nodes=1, devices_per_node=args.world)
     model, inputs = load_model_spec(spec)
-    plan = autopar.plan(model, cluster, inputs, axis_roles=ROLES[args.plan], optimizer=autopar.Optimizer.SGD)
+    plan = autopar.plan(model, cluster, inputs, axis_roles=PLANS[args.plan], optimizer=autopar.Optimizer.SGD)
     path = tempfile.mkstemp(prefix="timeline_", suffix=".json")[1]
     plan.save(path)
     p = plan.predicted

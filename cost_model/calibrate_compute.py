@@ -308,10 +308,16 @@ def _step_bandwidth(nbytes: int, device: torch.device, repeats: int, dispatch: f
     return 3 * nbytes / max(t - dispatch, 1e-9)
 
 
+def _over_step_sizes(bandwidth: Callable, device: torch.device, repeats: int) -> float:
+    """The median over ``STEP_SIZES`` of ``bandwidth(nbytes, device, repeats, dispatch)``, with
+    ``dispatch`` the time of an ``add`` on one element."""
+    dispatch = _add_time(1, device, repeats)
+    return statistics.median(bandwidth(n, device, repeats, dispatch) for n in STEP_SIZES)
+
+
 def measure_memory_bandwidth(device: torch.device, repeats: int = 7) -> float:
     """``mem_bw`` of the module docstring [B/s]: the median over ``STEP_SIZES``."""
-    dispatch = _add_time(1, device, repeats)
-    return statistics.median(_step_bandwidth(n, device, repeats, dispatch) for n in STEP_SIZES)
+    return _over_step_sizes(_step_bandwidth, device, repeats)
 
 
 def _inplace_bandwidth(nbytes: int, device: torch.device, repeats: int, dispatch: float) -> float:
@@ -330,8 +336,7 @@ def _inplace_bandwidth(nbytes: int, device: torch.device, repeats: int, dispatch
 
 def measure_inplace_bandwidth(device: torch.device, repeats: int = 7) -> float:
     """``inplace_bw`` of the module docstring [B/s]: the median over ``STEP_SIZES``."""
-    dispatch = _add_time(1, device, repeats)
-    return statistics.median(_inplace_bandwidth(n, device, repeats, dispatch) for n in STEP_SIZES)
+    return _over_step_sizes(_inplace_bandwidth, device, repeats)
 
 
 def measure_pointwise(device: torch.device, repeats: int, launch: float) -> dict[str, list[float]]:

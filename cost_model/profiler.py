@@ -66,7 +66,7 @@ from autopar.cost_model.profile_cache import OpTiming, ProfileCache, context, cp
 from autopar.errors import ProfilerDeviceError
 from autopar.passes.rules import tensor_inputs
 from autopar.passes.rules.elementwise import UNARY_LINEAR, UNARY_NONLINEAR
-from autopar.placement import local_shape
+from autopar.placement import local_shapes
 
 log = logging.getLogger(__name__)
 aten = torch.ops.aten
@@ -286,11 +286,8 @@ class OpProfiler:
         inputs = tensor_inputs(node)
         if not inputs or len(inputs) != len(strategy.ins):
             return None
-        locals_ = []
-        try:
-            for a, spec in zip(inputs, strategy.ins):
-                locals_.append(local_shape(tuple(a.meta["val"].shape), spec, mesh_shape))
-        except ValueError:
+        locals_ = local_shapes([a.meta["val"].shape for a in inputs], strategy.ins, mesh_shape)
+        if locals_ is None:
             return None  # an uneven split: strategies never make one, but never guess
         specs: list[TensorSpec] = []  # in rules.tensor_inputs order: the order of strategy.ins
         for i, (a, shape) in enumerate(zip(inputs, locals_)):

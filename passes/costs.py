@@ -71,7 +71,7 @@ from autopar.placement import (
     Outputs,
     is_replicate,
     is_shard,
-    local_shape,
+    local_shapes,
     output_placement,
     volume_factor,
 )
@@ -625,18 +625,12 @@ def _local_gemm_min_dim(
     op: str, inputs: list[fx.Node], s: Strategy | None, mesh_shape: Sequence[int]
 ) -> int | None:
     """``gemm_min_dim`` of a matmul's local pieces under ``s`` (global shapes without one)."""
-    shapes = []
-    for i, a in enumerate(inputs):
-        val = a.meta.get("val")
-        if not isinstance(val, torch.Tensor):
-            return None
-        shape = tuple(val.shape)
-        if s is not None and i < len(s.ins):
-            try:
-                shape = local_shape(shape, s.ins[i], mesh_shape)
-            except ValueError:
-                pass  # an uneven split is never chosen: its global shape will do
-        shapes.append(shape)
+    vals = [a.meta.get("val") for a in inputs]
+    if not all(isinstance(v, torch.Tensor) for v in vals):
+        return None
+    shapes = [tuple(v.shape) for v in vals]
+    if s is not None and len(s.ins) == len(shapes):
+        shapes = local_shapes(shapes, s.ins, mesh_shape) or shapes
     return gemm_min_dim(op, shapes)
 
 

@@ -196,17 +196,23 @@ def _optimizer_prediction_errors() -> tuple[dict, dict[str, tuple[float, float]]
     )
     model, _ = autopar.examples.gpt2_tiny(batch=1, seq=8, hidden=64, vocab=256)
     params = [p for p in model.parameters() if p.requires_grad]
+    return figures, _optimizer_steps(params, dev, (Optimizer.SGD, Optimizer.ADAM), repeats=7, inner=10)
+
+
+def _optimizer_steps(params, dev, kinds, repeats: int, inner: int) -> dict[str, tuple[float, float]]:
+    """(predicted on ``dev``, measured) seconds of each optimizer's step over ``params`` (given
+    gradients; ``median_time``'s untimed first step makes the states)."""
     for p in params:
         p.grad = torch.full_like(p, 1e-3)
     out = {}
-    for opt_kind in (Optimizer.SGD, Optimizer.ADAM):
+    for opt_kind in kinds:
         opt = OPTIMIZERS[opt_kind.name](params)
-        measured = median_time(opt.step, cpu, repeats=7, inner=10)
+        measured = median_time(opt.step, torch.device("cpu"), repeats=repeats, inner=inner)
         predicted = sum(
             optimizer_step_time(p.numel() * 4, opt_kind.value, dev, opt_kind.name) for p in params
         )
         out[opt_kind.name] = (predicted, measured)
-    return figures, out
+    return out
 
 
 def test_measured_optimizer_figures_predict_a_real_optimizer_step():
@@ -233,18 +239,7 @@ def _large_optimizer_errors() -> dict[str, tuple[float, float]]:
         optimizer_param_s=measure_optimizer(cpu, repeats=5),
     )
     params = [torch.zeros(2**22, requires_grad=True) for _ in range(2)]
-    for p in params:
-        p.grad = torch.full_like(p, 1e-3)
-    out = {}
-    for opt_kind in Optimizer:
-        opt = OPTIMIZERS[opt_kind.name](params)
-        opt.step()  # the states
-        measured = median_time(opt.step, cpu, repeats=5, inner=2)
-        predicted = sum(
-            optimizer_step_time(p.numel() * 4, opt_kind.value, dev, opt_kind.name) for p in params
-        )
-        out[opt_kind.name] = (predicted, measured)
-    return out
+    return _optimizer_steps(params, dev, Optimizer, repeats=5, inner=2)
 
 
 def test_an_optimizer_step_streams_the_bytes_of_pytorchs_kernels():
