@@ -388,9 +388,7 @@ def _make_plan(
     mem = _peak(tables, sol, gs)
     overhead = cluster.device.step_overhead_s * cluster.compute_slowdown  # the same for every plan
     compute += overhead
-    # ranks that share cores lend them to the rank they wait for: drift costs them nothing (sync.py)
-    drift = cluster.device.sync_wait if cluster.compute_slowdown <= 1 else 0.0
-    t_step += gs.adjustment_s + overhead + _sync_wait(decisions, drift)
+    t_step += gs.adjustment_s + overhead + _sync_wait(decisions, cluster.device.sync_wait)
     comm = t_step - compute
     opt_b = grad_b * optimizer.value
     act_b = mem - param_b - grad_b - opt_b - _buffers_inputs(infos, choice, mesh)

@@ -57,9 +57,9 @@ records the cores this process may use as ``DeviceSpec.host_cores`` and the cost
 compute ``devices_per_node / host_cores`` times slower when there are more ranks than cores
 (``ClusterSpec.compute_slowdown``; each rank computes on one thread, as ``autopar.launch`` sets it).
 
-Sync wait (``measure_sync_wait``, ``cost_model/sync.py``), on every rank at once: how much longer
-a collective waits for the slowest rank after more compute since the previous one, stored as
-``DeviceSpec.sync_wait``.
+Sync wait (``measure_sync_wait``, ``cost_model/sync.py``), on every rank at once: how much more a
+collective adds to a loop of steps (wall time, with against without it) after more compute since
+the previous one, stored as ``DeviceSpec.sync_wait``.
 
 Overlap (``cost_model/overlap.py:measure_overlap``), on every rank at once: how much of an
 all-reduce issued asynchronously is hidden behind concurrent compute, stored as
@@ -115,6 +115,7 @@ DEFAULT_SIZES = (2**10, 2**13, 2**16, 2**18, 2**20, 2**22, 2**24)  # bytes: 1 Ki
 QUICK_SIZES = (2**10, 2**16, 2**20)
 DEFAULT_REPEATS = 40
 QUICK_REPEATS = 5
+SYNC_LOOP_STEPS = 30  # iterations per timed loop of measure_sync_wait: ranks settle into a step's drift
 COMPUTE_ROUNDS = 3  # rounds of compute figures, spread over a calibration (1 when quick)
 _MAX_BANDWIDTH = 1e15  # B/s: clamp for a fit whose bandwidth term vanishes
 _MIN_LATENCY = 1e-9  # s
@@ -257,14 +258,32 @@ def measure_collectives(
     ]
 
 
-def measure_sync_wait(group=None, repeats: int = 60, nbytes: int = 4096) -> dict:
-    """``DeviceSpec.sync_wait`` (``cost_model/sync.py``): on every rank of ``group``, a fixed
-    amount of compute (the same op count on every rank, so that ranks drift as a step's do) of
-    about each gap of ``SYNC_GAPS_S``, then an all-gather of ``nbytes``, ``repeats`` times in a row
-    per gap (shuffling the gaps within a repeat measured a slope about half as large, and
-    predicted the benchmark's steps 17% short where gaps in a row gave 5-12%); a run's time is
-    the maximum over ranks, each gap's time the trimmed mean over its runs, and ``sync_wait`` the
-    slope of the least-squares line ``t = a + c * sqrt(gap)``."""
+def measure_sync_wait(
+    group=None,
+    repeats: int = 3,
+    nbytes: int = 4096,
+    steps: int = SYNC_LOOP_STEPS,
+    collective: Callable[[], None] | None = None,
+) -> dict:
+    """``DeviceSpec.sync_wait`` (``cost_model/sync.py``): what a synchronizing collective adds to
+    a loop of steps, against the compute between two of them.
+
+    On every rank of ``group``, for each gap of ``SYNC_GAPS_S``: a loop of ``steps`` iterations of
+    a fixed amount of compute (the same op count on every rank, so that ranks drift as a step's
+    do), and the same loop with an all-gather of ``nbytes`` (or ``collective``) after each
+    compute, alternated ``repeats`` times. Per gap, ``d`` is the loop without the collective, per
+    iteration, at the pace the cost model prices compute: where ranks share cores, from the first
+    rank's start to the last rank's end (they take turns on the cores: ``compute_slowdown``);
+    where each has its own, the median rank's time (compute is calibrated as the median over
+    ranks, so a slower rank's drift is part of the wait). The collective's cost is the loop with
+    it, first start to last end, less ``d`` (medians over the repeats).
+    ``sync_wait`` is the slope of the least-squares line ``cost = a + c * sqrt(d)``.
+
+    Walls, not the collective's own time: where ranks share cores, the ranks that finish their
+    compute first wait in the collective while the others compute on the cores they lent, which
+    a collective's own time counts and a step does not pay; and the ranks that leave a
+    collective first compute on cores that the others still need to finish it, which a step pays
+    and a collective's own time (after a barrier) does not see."""
     n = dist.get_world_size(group)
     backend = dist.get_backend(group)
     device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
@@ -274,28 +293,47 @@ def measure_sync_wait(group=None, repeats: int = 60, nbytes: int = 4096) -> dict
         b = a
         for _ in range(iters):
             b = torch.tanh(b @ a * 0.01)
-        sync(device)
 
-    t0 = time.perf_counter()
-    work(200)
-    unit = torch.tensor([(time.perf_counter() - t0) / 200], dtype=torch.float64, device=device)
-    dist.all_reduce(unit, group=group)  # the same op count everywhere: the mean rank's pace
-    unit_s = float(unit) / n
-    x = torch.ones(max(1, nbytes // 4 // n), device=device)
-    parts = [torch.empty_like(x) for _ in range(n)]
-    iters = [max(1, round(g / unit_s)) for g in SYNC_GAPS_S]
-    times = [[0.0] * repeats for _ in iters]
-    for i, k in enumerate(iters):  # one gap at a time (see the docstring)
-        dist.barrier(group=group)
-        for r in range(repeats):
-            work(k)
-            t0 = time.perf_counter()
+    if collective is None:
+        x = torch.ones(max(1, nbytes // 4 // n), device=device)
+        parts = [torch.empty_like(x) for _ in range(n)]
+
+        def collective() -> None:
             dist.all_gather(parts, x, group=group)
-            sync(device)
-            times[i][r] = time.perf_counter() - t0
-    t = torch.tensor(times, dtype=torch.float64, device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
-    points = [(k * unit_s, trimmed_mean(row)) for k, row in zip(iters, t.cpu().tolist())]
+
+    # the compute's pace as the cost model prices it: ranks that share cores, all of them together
+    # (compute_slowdown); ranks with cores of their own, the median rank's (compute is calibrated
+    # as the median over ranks), so that the wait also holds a slower rank's drift
+    shared = backend != "nccl" and n > usable_cores()
+
+    def loop(iters: int, coll: Callable[[], None] | None) -> tuple[float, float]:
+        """Seconds per iteration of ``steps`` x (``iters`` ops [+ ``coll``]): from the first
+        rank's start to the last rank's end, and the median rank's own."""
+        dist.barrier(group=group)
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            work(iters)
+            if coll is not None:
+                coll()
+        sync(device)
+        mine = torch.tensor([t0, time.perf_counter()], dtype=torch.float64, device=device)
+        every = [torch.empty_like(mine) for _ in range(n)]
+        dist.all_gather(every, mine, group=group)
+        starts, ends = zip(*(e.tolist() for e in every))
+        own = statistics.median(e - s for s, e in zip(starts, ends))
+        return (max(ends) - min(starts)) / steps, own / steps
+
+    loop(2, collective)  # first calls: not timed
+    unit_s = loop(20, None)[0 if shared else 1] / 20  # s per op, every rank computing
+    points = []
+    for gap in SYNC_GAPS_S:
+        k = max(1, round(gap / unit_s))
+        bare, synced = [], []
+        for _ in range(repeats):
+            bare.append(loop(k, None)[0 if shared else 1])
+            synced.append(loop(k, collective)[0])
+        d = statistics.median(bare)
+        points.append((d, statistics.median(synced) - d))
     xs = [math.sqrt(d) for d, _ in points]
     if len(set(xs)) < 2:  # a device so slow that every gap rounds to one op: nothing to fit
         return {"points": points, "sync_wait": 0.0}
@@ -429,12 +467,10 @@ class Calibration:
                 + ", ".join(f"{k} {v * 1e6:.2f} us" for k, v in c["optimizer_param_s"].items())
             )
         w = c.get("sync_wait")
-        if "sync_wait" in c and not w:
-            lines.append("sync wait: not measured (more ranks than cores: a waiting rank lends its core)")
         if w:
             lines.append(
-                "sync wait: a small all-gather after "
-                + ", ".join(f"{d * 1e3:.2f} ms of compute {t * 1e3:.2f} ms" for d, t in w["points"])
+                "sync wait: a small all-gather adds, to a loop of "
+                + ", ".join(f"{d * 1e3:.2f} ms of compute, {t * 1e3:.2f} ms" for d, t in w["points"])
                 + f": sync_wait = {w['sync_wait']:.4f} s^0.5"
             )
         o = c.get("overlap")
@@ -494,9 +530,7 @@ def _measure_rank(sizes: Sequence[int], kinds: Sequence[str], repeats: int, quic
     if rounds > 1:
         figures += _compute_round(device, cores, group, quick)
     overlap = measure_overlap(repeats=3 if quick else 7)  # every rank: an all-reduce under compute
-    # ranks that share cores lend theirs to the rank they wait for: no drift to measure (sync.py)
-    own_cores = backend == "nccl" or world <= usable_cores()
-    sync_wait = measure_sync_wait(repeats=15 if quick else 60) if own_cores else None
+    sync_wait = measure_sync_wait(repeats=1 if quick else 3, steps=10 if quick else SYNC_LOOP_STEPS)
     for _ in range(rounds - 2):
         figures += _compute_round(device, cores, group, quick)
     compute = median_compute(figures)

@@ -18,16 +18,23 @@ rest (``1 : BACKWARD_FACTOR``: a matmul's backward is two matmuls of its forward
 all-reduces (``codegen/grad_sync.py``) are not synchronizing points here: their wait is what
 ``cost_model/overlap.py`` prices. Plans without a synchronizing collective wait for nothing.
 
-Only where every rank has a core (or an accelerator) of its own: CPU ranks that share cores
-(``ClusterSpec.compute_slowdown > 1``) take turns on them, and a rank that waits lends its core to
-the rank it waits for, so drift costs no time beyond the calibrated collectives (measured: with
-4 ranks on this VM's 2 cores, the square-root wait fitted there over-predicted every plan by
-25-70%). ``autopar calibrate`` measures ``c`` only when the ranks have their own cores.
+Where CPU ranks share cores (``ClusterSpec.compute_slowdown > 1``) the same form holds for a
+different reason. The ranks that finish their compute first wait while the others compute on
+the cores they lent, which costs no time beyond the compute's own (priced shared); but the ranks
+that leave a collective first compute on cores that the others still need to finish it, and the
+longer they compute, the longer those wait (measured on this project's VM, 4 ranks on 2 cores,
+steps of steady state: a 128 KiB all-reduce added 5.9 ms to a loop with 1.1 ms of compute per
+collective, 8.5 ms with 4.4 ms and 10.2 ms with 8.5 ms; a collective's own time after a barrier
+stays at its calibrated ~6 ms).
 
-``c`` [s^0.5] is ``DeviceSpec.sync_wait``: ``autopar calibrate`` times a small all-gather after
-a fixed amount of compute of about each gap of ``SYNC_GAPS_S`` on every rank, one gap at a time,
-and fits ``t = a + c * sqrt(d)`` by least squares (on this project's 2-core VM 0.01-0.05 with 2
-ranks, from run to run). 0 for the GPU presets, where it is not measured.
+``c`` [s^0.5] is ``DeviceSpec.sync_wait``: ``autopar calibrate`` (``measure_sync_wait``) runs, on
+every rank, loops of a fixed amount of compute of about each gap of ``SYNC_GAPS_S``, with and
+without a small all-gather after each, and fits ``cost = a + c * sqrt(d)`` by least squares to
+what the all-gather adds to the loop's wall time (per iteration) against the loop's compute
+``d``. Loops, not the collective's own time: that also counts a rank's wait for ranks that
+compute on its lent core, which the compute's price holds already. On this project's 2-core VM
+``c`` is 0.02-0.03 with 2 ranks and 0.05-0.08 with 4, from run to run; 0 for the GPU presets,
+where it is not measured.
 
 The ILP prices collectives at their calibrated time; the wait depends on where the plan's
 collectives fall, so it is added to the chosen plan's predicted step (``autopar.api``).
@@ -41,7 +48,7 @@ from collections.abc import Sequence
 from autopar.cost_model.compute import BACKWARD_FACTOR
 
 REFERENCE_GAP_S = 5e-4  # compute before each collective when calibrate times it
-SYNC_GAPS_S = (2.5e-4, 5e-4, 1e-3, 2e-3, 4e-3)  # the gaps calibrate fits the wait over
+SYNC_GAPS_S = (2.5e-4, 5e-4, 1e-3, 2e-3, 4e-3, 8e-3)  # the gaps calibrate fits the wait over
 FORWARD_SHARE = 1.0 / (1.0 + BACKWARD_FACTOR)  # as passes/grad_sync.py splits a node's compute
 
 

@@ -82,12 +82,49 @@ def test_a_plan_adds_the_wait_of_its_own_collectives():
     wait = sync_wait_s(nodes, 0.05)
     assert wait > 0
     assert moving.predicted.step_time_s - still.predicted.step_time_s == pytest.approx(wait)
-    # ranks that share cores lend them to the rank they wait for: no wait
+    # ranks that share cores wait as well (sync.py), over gaps of their slowed compute
     shared = drifting.with_overrides(device=dataclasses.replace(drifting.device, host_cores=1))
     plain = base.with_overrides(device=dataclasses.replace(base.device, host_cores=1))
-    assert autopar.plan(model, shared, inputs, axis_roles=roles).predicted.step_time_s == pytest.approx(
-        autopar.plan(model, plain, inputs, axis_roles=roles).predicted.step_time_s
-    )
+    shared_plan = autopar.plan(model, shared, inputs, axis_roles=roles)
+    plain_plan = autopar.plan(model, plain, inputs, axis_roles=roles)
+    shared_wait = sync_wait_s([(d.compute_s, *s[1:]) for d, s in zip(shared_plan.decisions, nodes)], 0.05)
+    assert shared_wait > wait  # the same points, twice the compute between them
+    assert shared_plan.predicted.step_time_s - plain_plan.predicted.step_time_s == pytest.approx(shared_wait)
     one = autopar.plan(model, drifting.with_overrides(devices_per_node=1), inputs)
     alone = autopar.plan(model, base.with_overrides(devices_per_node=1), inputs)
     assert one.predicted.step_time_s == pytest.approx(alone.predicted.step_time_s)
+
+
+def test_calibration_measures_what_a_collective_adds_to_a_loop_of_steps():
+    """``measure_sync_wait`` on one gloo rank, with a stand-in collective that spins for
+    ``c * sqrt(seconds since it last returned)`` (except the first of each loop, which follows
+    whatever ran before the loop): what it adds to a loop of ``steps`` is known, and the fitted
+    ``sync_wait`` is ``c (steps - 1) / steps``."""
+    import time
+
+    import torch.distributed as dist
+
+    from autopar.cost_model.calibrate import measure_sync_wait
+    from autopar.cost_model.sync import SYNC_GAPS_S
+    from autopar.launch import free_port
+
+    c, steps = 0.2, 20  # c large against this VM's noise (a loop's pace varies ~10% run to run)
+    last, calls = [0.0], [0]
+
+    def stand_in() -> None:
+        now = time.perf_counter()
+        if calls[0] % steps:  # loops run `steps` calls each
+            end = now + c * math.sqrt(now - last[0])
+            while time.perf_counter() < end:
+                pass
+        calls[0] += 1
+        last[0] = time.perf_counter()
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    try:
+        got = measure_sync_wait(repeats=3, steps=steps, collective=stand_in)
+    finally:
+        dist.destroy_process_group()
+    assert got["sync_wait"] == pytest.approx(c * (steps - 1) / steps, rel=0.3)  # this VM: +-20% seen
+    gaps = [d for d, _ in got["points"]]
+    assert len(gaps) == len(SYNC_GAPS_S) and gaps[-1] > 8 * gaps[0]  # 32x apart asked
