@@ -84,6 +84,7 @@ _DEVICE_OPTIONAL = (
     "sync_wait",
     "inplace_bandwidth",
     "matmul_dim_half",
+    "matmul_overhead_s",
 )
 _DEVICE_KEYS = ("name", "peak_flops", "memory_bytes", "memory_bandwidth", *_DEVICE_OPTIONAL)
 _LINK_KEYS = ("bandwidth", "latency", "ranges")

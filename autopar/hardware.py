@@ -28,6 +28,10 @@ Fields
 * ``matmul_dim_half``: in elements, the smallest GEMM size ``d`` (of ``m``, ``k``, ``n``) at which
   a matmul reaches half its large-GEMM efficiency: a GEMM runs ``d / (d + matmul_dim_half)`` as
   fast (``cost_model/compute.py``). ``autopar calibrate`` fits it; 0 (the GPU presets): no loss.
+* ``matmul_overhead_s``: fixed seconds per GEMM (a forward matmul, or each of its backward's)
+  beyond ``kernel_launch_s``: what a small GEMM costs whatever its FLOPs (on this project's CPU VM
+  ~40 us: a 128^3 linear, forward and backward, took 0.30 ms where its FLOPs at the large-GEMM rate
+  take 0.15). ``autopar calibrate`` fits it; 0 (the GPU presets): none.
 * ``host_cores``: for CPU "devices", the cores of the host that all ranks of a node share (each
   rank computes on one thread, as ``autopar.launch`` sets it); ``0`` for accelerators, which do
   not share. The peak figures are one rank's when it has a core to itself; with more ranks than
@@ -241,6 +245,7 @@ class DeviceSpec:
     sync_wait: float = 0.0
     inplace_bandwidth: float = 0.0
     matmul_dim_half: float = 0.0
+    matmul_overhead_s: float = 0.0
 
     def __post_init__(self) -> None:
         _check_name("DeviceSpec.name", self.name)
@@ -250,6 +255,7 @@ class DeviceSpec:
             "sync_wait",
             "inplace_bandwidth",
             "matmul_dim_half",
+            "matmul_overhead_s",
         ):
             value = _check_float(f"DeviceSpec.{name}", getattr(self, name), minimum=0.0, strict=False)
             object.__setattr__(self, name, value)
@@ -361,6 +367,7 @@ class DeviceSpec:
             "sync_wait": self.sync_wait,
             "inplace_bandwidth": self.inplace_bandwidth,
             "matmul_dim_half": self.matmul_dim_half,
+            "matmul_overhead_s": self.matmul_overhead_s,
         }
 
 

@@ -67,7 +67,7 @@ all-reduce issued asynchronously is hidden behind concurrent compute, stored as
 
 ``calibrate`` returns ``base`` with ``intra_node`` (and, on one node, ``inter_node``) replaced by
 the fitted link and the device's ``peak_flops['float32']``, ``memory_bandwidth``,
-``inplace_bandwidth``, ``matmul_dim_half``, ``kernel_launch_s``, ``pointwise_s`` and ``per_flop_s`` replaced by the
+``inplace_bandwidth``, ``matmul_dim_half``, ``matmul_overhead_s``, ``kernel_launch_s``, ``pointwise_s`` and ``per_flop_s`` replaced by the
 measured values; ``out_path`` saves it as JSON.
 """
 
@@ -86,7 +86,7 @@ import torch
 import torch.distributed as dist
 
 from autopar.cluster import ClusterSpec, LinkSpec, usable_cores
-from autopar.cost_model.calibrate_compute import Lockstep, lockstep, measure_compute, sync
+from autopar.cost_model.calibrate_compute import Lockstep, lockstep, matmul_figures, measure_compute, sync
 from autopar.cost_model.overlap import measure_overlap
 from autopar.cost_model.sync import REFERENCE_GAP_S, SYNC_GAPS_S
 
@@ -446,7 +446,8 @@ class Calibration:
         lines.append(
             f"device: matmul {c['flops_effective'] / 1e9:.2f} GFLOP/s effective "
             f"(peak_flops float32 = {c['peak_flops'] / 1e9:.2f} GFLOP/s = effective / EFF_MAX; "
-            f"half of it at a smallest size of {c.get('matmul_dim_half', 0):g}), "
+            f"half of it at a smallest size of {c.get('matmul_dim_half', 0):g}; "
+            f"{c.get('matmul_overhead_s', 0) * 1e6:.1f} us more per GEMM), "
             f"memory {c['memory_bandwidth'] / 1e9:.2f} GB/s (in place {c.get('inplace_bandwidth', 0) / 1e9:.2f}), "
             f"per-op {c['kernel_launch_s'] * 1e6:.2f} us"
             + (f" (a chain of one op: {c['launch_chain_s'] * 1e6:.2f} us)" if c.get("launch_chain_s") else "")
@@ -545,7 +546,8 @@ def _measure_rank(sizes: Sequence[int], kinds: Sequence[str], repeats: int, quic
 
 def median_compute(figures: Sequence[dict]) -> dict:
     """One ``measure_compute`` result from several ranks': the median of each number and of each
-    entry of the per-op tables; the first rank's matmul samples."""
+    entry of the per-op tables; the matmul figures fitted once to each shape's median time (the
+    fit's rate, intercept and ``D`` trade off, so their medians need not fit together)."""
     out = dict(figures[0])
     for key, value in figures[0].items():
         if isinstance(value, (int, float)):
@@ -557,6 +559,13 @@ def median_compute(figures: Sequence[dict]) -> dict:
                 else statistics.median(f[key][op] for f in figures)
                 for op, v in value.items()
             }
+    if all(f.get("matmul") for f in figures):
+        shapes = [(p[0], p[1]) for p in figures[0]["matmul"]]
+        pooled = [
+            (mkn, fl, statistics.median(f["matmul"][i][2] for f in figures))
+            for i, (mkn, fl) in enumerate(shapes)
+        ]
+        out.update(matmul_figures(pooled, out["kernel_launch_s"]))
     return out
 
 
@@ -604,6 +613,7 @@ def run_calibration(
         memory_bandwidth=compute["memory_bandwidth"],
         inplace_bandwidth=compute["inplace_bandwidth"],
         matmul_dim_half=compute["matmul_dim_half"],
+        matmul_overhead_s=compute["matmul_overhead_s"],
         kernel_launch_s=compute["kernel_launch_s"],
         pointwise_s=compute["pointwise_s"],
         per_flop_s=compute["per_flop_s"],

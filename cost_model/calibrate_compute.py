@@ -36,7 +36,10 @@ pointwise ops, or alone while it waits, and time faster than a step runs them):
   a data-parallel rank's few tokens), which run slower still. The fit (``fit_matmul``)
   ``t = F / (rate * d / (d + D)) + c``, ``d`` the shape's smallest size, gives the effective rate
   ``rate`` [FLOP/s] of a large GEMM and ``matmul_dim_half = D`` [elements] (on this project's VM
-  a linear of 32 rows ran at 49 GFLOP/s where 512^3 ran at 63, both ranks at once). The roofline
+  a linear of 32 rows ran at 49 GFLOP/s where 512^3 ran at 63, both ranks at once), and the
+  intercept ``c`` gives each GEMM's fixed cost ``matmul_overhead_s`` (``matmul_overhead``; three
+  small shapes pin it: on that VM ``c`` was ~0.15 ms, and a 256 x 128 x 64 linear ran at 39
+  GFLOP/s). The roofline
   prices a large GEMM at ``F / (peak * EFF_MAX)``, so the peak stored is ``rate / EFF_MAX``: the
   cost model then predicts the measured rates;
 * in-place bandwidth ``inplace_bw`` [B/s], as an optimizer's step streams it: ``STEP_LIVE``
@@ -77,7 +80,7 @@ from dataclasses import dataclass
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from autopar.cost_model.compute import EFF_MAX
+from autopar.cost_model.compute import EFF_MAX, T_HALF
 
 aten = torch.ops.aten
 
@@ -89,7 +92,8 @@ STEP_SIZES = (2**20, 2**22)  # bytes per tensor
 ATTENTION_SHAPE = (4, 4, 128, 32)  # batch, heads, sequence, head dim
 OPT_TENSORS = 36
 # (m, k, n) of the matmul samples: squares, and a transformer's projections (tokens x hidden)
-MATMUL_SHAPES = ((128, 128, 128), (256, 256, 256), (384, 384, 384), (512, 512, 512),
+MATMUL_SHAPES = ((128, 64, 128), (256, 128, 64), (256, 128, 128),
+                 (128, 128, 128), (256, 256, 256), (384, 384, 384), (512, 512, 512),
                  (2048, 128, 128), (512, 128, 512), (512, 512, 128), (512, 128, 2048),
                  (16, 512, 1024), (32, 512, 1024), (64, 512, 1024))  # fmt: skip
 MATMUL_SHAPES_QUICK = ((96, 96, 96), (192, 192, 192), (288, 288, 288), (512, 64, 512), (16, 256, 512))
@@ -448,43 +452,66 @@ def measure_compute(device: torch.device | str = "cpu", quick: bool = False) -> 
             x.grad = w.grad = None
 
         points.append(((m, k, n), 3 * 2.0 * m * k * n, median_time(train, dev, repeats)))
-    rate, intercept, dim_half = fit_matmul(points)
     optimizer = measure_optimizer(dev, repeats)
     overhead = measure_step_overhead(dev, repeats, launch, optimizer["SGD"])
     graph_launch, _ = measure_graph_launch(dev, repeats, overhead)
+    kernel_launch = max(graph_launch, launch)
     return {
-        "peak_flops": rate / EFF_MAX,
-        "flops_effective": rate,
+        **matmul_figures(points, kernel_launch),
         "memory_bandwidth": mem_bw,
         "inplace_bandwidth": inplace_bw,
-        "kernel_launch_s": max(graph_launch, launch),
+        "kernel_launch_s": kernel_launch,
         "launch_chain_s": launch,
         "pointwise_s": measure_pointwise(dev, repeats, launch),
         "per_flop_s": measure_per_flop(dev, repeats, launch),
         "optimizer_param_s": optimizer,
         "step_overhead_s": overhead,
+    }
+
+
+def matmul_figures(points: list, launch: float) -> dict:
+    """The matmul figures of ``measure_compute`` from its samples ``((m, k, n), F, t)`` and the
+    device's per-op ``launch``: ``fit_matmul``'s rate (as ``peak_flops = rate / EFF_MAX``),
+    intercept and ``D``, and ``matmul_overhead``."""
+    rate, intercept, dim_half = fit_matmul(points)
+    return {
+        "peak_flops": rate / EFF_MAX,
+        "flops_effective": rate,
         "matmul": points,
         "matmul_intercept_s": float(intercept),
         "matmul_dim_half": dim_half,
+        "matmul_overhead_s": matmul_overhead(intercept, launch),
     }
+
+
+def matmul_overhead(intercept: float, launch: float) -> float:
+    """``DeviceSpec.matmul_overhead_s`` from the fitted intercept ``c`` of a linear's forward and
+    backward (``fit_matmul``): three GEMMs, less what the cost model charges that linear beyond
+    its FLOPs otherwise (two ``launch``, forward and backward, and three ``T_HALF / EFF_MAX``):
+    ``o = max(0, (c - 2 launch - 3 T_HALF / EFF_MAX) / 3)``."""
+    return max(0.0, (intercept - 2 * launch - 3 * T_HALF / EFF_MAX) / 3)
 
 
 def fit_matmul(points: list) -> tuple[float, float, float]:
     """``(rate, c, D)`` of ``t = F / (rate * d / (d + D)) + c`` over matmul samples
-    ``((m, k, n), F, t)``, ``d = min(m, k, n)``: for each ``D`` of ``DIM_HALF_GRID`` the
-    least-squares line in ``F (d + D) / d``, and the ``D`` whose line has the least squared
-    relative error (small and large samples weigh alike)."""
+    ``((m, k, n), F, t)``, ``d = min(m, k, n)``: for each ``D`` of ``DIM_HALF_GRID`` the line in
+    ``x = F (d + D) / d`` of least squared relative error (small and large samples weigh alike),
+    with ``c >= 0`` (a fixed cost is not negative: else the line through the origin), and the
+    ``D`` whose line has the least error."""
     fl = torch.tensor([p[1] for p in points], dtype=torch.float64)
     ts = torch.tensor([p[2] for p in points], dtype=torch.float64)
     dims = torch.tensor([float(min(p[0])) for p in points], dtype=torch.float64)
+    ones = torch.ones_like(ts)
     best = None
     for half in DIM_HALF_GRID:
-        x = fl * (dims + half) / dims
-        design = torch.stack([x, torch.ones_like(x)], dim=1)
-        slope, c = (float(v) for v in torch.linalg.lstsq(design, ts.unsqueeze(1)).solution.squeeze(1))
+        x = fl * (dims + half) / dims / ts  # each row divided by its t: relative errors
+        design = torch.stack([x, 1 / ts], dim=1)
+        slope, c = (float(v) for v in torch.linalg.lstsq(design, ones.unsqueeze(1)).solution.squeeze(1))
+        if c < 0:
+            slope, c = float(x @ ones / (x @ x)), 0.0
         if not slope > 0:
             continue
-        err = float((((x * slope + c) - ts) / ts).pow(2).sum())
+        err = float((x * slope + c / ts - 1).pow(2).sum())
         if best is None or err < best[0]:
             best = (err, 1.0 / slope, c, float(half))
     if best is None:  # degenerate fits (noise): the largest matmul's rate, no skinny loss

@@ -3,7 +3,7 @@
 For one node run on a rank that does ``1/k`` of the work (``k`` = ``Strategy.work_divisor``: the
 product of the mesh axes on which an input or the output is Shard; Partial inputs divide nothing):
 
-    t_fwd = max(F / k / (peak(dtype) * eff(F / k)),  M / k / bw,  U / k * p_fwd(op)) + launch  [s]
+    t_fwd = max(F / k / (peak(dtype) * eff(F / k)) + o,  M / k / bw,  U / k * p_fwd(op)) + launch  [s]
     t_bwd = max(min(g, 2) * (t_fwd - launch),  U / k * p_bwd(op),  G / k / bw)         + launch  [s]
 
 (``t_bwd`` only when the output needs a gradient; otherwise the node costs ``t_fwd``.)
@@ -25,6 +25,11 @@ product of the mesh axes on which an input or the output is Shard; Partial input
   ``k``, ``n`` (``gemm_min_dim``; the forward and both backward GEMMs of a matmul share these
   three sizes), ``D`` is ``device.matmul_dim_half`` (0: no such loss). On this project's VM a
   linear of 32 rows ran at 49 GFLOP/s where 512^3 ran at 63 (``autopar calibrate`` fits ``D``).
+* ``o``: for a matmul, ``device.matmul_overhead_s``: a GEMM's fixed seconds beyond ``launch``
+  (packing its operands, the autograd of a matmul), which small GEMMs feel: on this project's VM a
+  128^3 linear, forward and backward, took 0.30 ms where its FLOPs at the large-GEMM rate take
+  0.15, and a 256 x 128 x 128 one 0.45 ms against 0.30 (``autopar calibrate`` fits ``o``). 0 for
+  other ops.
 * ``p_fwd(op)``, ``p_bwd(op)``: seconds per unit ``U`` of the op's forward and backward where the
   device measured them (``autopar calibrate``): per element of the op's largest tensor
   (``U = E``, ``DeviceSpec.pointwise_s``) for ops bound by their arithmetic, which no FLOP count
@@ -96,7 +101,8 @@ def forward_body(
     min_dim: float | None = None,
 ) -> float:
     """The roofline part of one rank's forward (no launch, no pointwise table) [s]; ``min_dim``:
-    the smallest size of the local GEMM, for a matmul (``gemm_min_dim``)."""
+    the smallest size of the local GEMM, for a matmul (``gemm_min_dim``), which also pays
+    ``device.matmul_overhead_s``."""
     f = flops / k
     m = nbytes / k
     t_flops = 0.0
@@ -104,6 +110,8 @@ def forward_body(
         peak = device.peak_flops_for(dtype or torch.float32)
         # = f / (peak * eff(f)), without 0 / 0
         t_flops = (f + peak * T_HALF) / (peak * EFF_MAX * skinny_factor(min_dim, device))
+        if min_dim is not None:
+            t_flops += device.matmul_overhead_s
     t_mem = m / device.memory_bandwidth
     return max(t_flops, t_mem)
 

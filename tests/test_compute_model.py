@@ -8,7 +8,7 @@ import json
 
 import pytest
 import torch
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.utils.flop_counter import FlopCounterMode
 
@@ -17,6 +17,7 @@ from autopar.cluster import ClusterSpec
 from autopar.cost_model.calibrate import median_compute
 from autopar.cost_model.calibrate_compute import (
     OPTIMIZERS,
+    fit_matmul,
     measure_inplace_bandwidth,
     measure_memory_bandwidth,
     measure_optimizer,
@@ -160,14 +161,21 @@ def test_median_compute_takes_each_figure_and_table_entry_across_ranks():
             "kernel_launch_s": 1e-6,
             "pointwise_s": {"aten.tanh.default": [f, 1e-9]},
             "optimizer_param_s": {"ADAM": 10 * f},
-            "matmul": [r],
+            "matmul": [
+                ((64, 64, 64), 1.5e6, t),
+                ((128, 128, 128), 1.2e7, 8 * t),
+                ((256, 256, 256), 1e8, 64 * t),
+            ],
         }
-        for r, (b, f) in enumerate([(10.0, 3e-9), (30.0, 1e-9), (20.0, 2e-9)])
+        for b, f, t in [(10.0, 3e-9, 3e-5), (30.0, 1e-9, 1e-5), (20.0, 2e-9, 2e-5)]
     ]
     m = median_compute(ranks)
     assert m["memory_bandwidth"] == 20.0 and m["pointwise_s"]["aten.tanh.default"] == [2e-9, 1e-9]
     assert m["optimizer_param_s"] == {"ADAM": 2e-8}
-    assert m["matmul"] == [0]
+    # the matmul figures: one fit to each shape's median time
+    assert [p[2] for p in m["matmul"]] == [2e-5, 1.6e-4, 1.28e-3]
+    rate, c, half = fit_matmul(m["matmul"])
+    assert (m["flops_effective"], m["matmul_intercept_s"], m["matmul_dim_half"]) == (rate, c, half)
 
 
 def test_step_and_optimizer_overheads_round_trip_and_bad_entries_say_the_fix(tmp_path):
@@ -401,3 +409,70 @@ def test_a_skinny_local_gemm_is_priced_at_its_smallest_size():
         for plain, skinny in zip(times[0.0, role], times[16.0, role]):
             launches = 2 * base.device.kernel_launch_s  # forward and backward, not scaled
             assert skinny - launches == pytest.approx((plain - launches) * (d + 16) / d, rel=1e-6)
+
+
+@given(
+    overhead=st.floats(0.0, 1e-4),
+    flops=st.floats(1e5, 1e9),
+    grads=st.integers(1, 3),
+    gemm=st.booleans(),
+)
+def test_a_gemm_pays_its_fixed_cost_forward_and_once_per_backward_gemm(overhead, flops, grads, gemm):
+    """``matmul_overhead_s`` is added to a matmul's forward and to each of its (at most two)
+    backward GEMMs; any other op is priced as before."""
+    dev = dataclasses.replace(CPU, matmul_overhead_s=overhead)
+    min_dim = 64 if gemm else None
+    args = (flops, 0.0, torch.float32)
+    with_o = node_time(*args, dev, 1, True, new_grads=grads, min_dim=min_dim)
+    without = node_time(*args, CPU, 1, True, new_grads=grads, min_dim=min_dim)
+    assert with_o - without == pytest.approx(overhead * (1 + min(grads, 2)) if gemm else 0.0, abs=1e-12)
+
+
+@settings(deadline=None, max_examples=40)
+@given(
+    overhead=st.floats(0.0, 6e-5),
+    launch=st.floats(2e-6, 2e-5),
+    half=st.sampled_from([0, 4, 12]),
+)
+def test_the_calibrated_gemm_overhead_is_what_the_cost_model_charges(overhead, launch, half):
+    """Linears timed as the cost model prices them (forward and backward, ``matmul_overhead_s``,
+    two launches, the small-op term) over the calibration's shapes: ``fit_matmul`` and
+    ``matmul_overhead`` give back the device's fixed cost per GEMM, to the small-op term's
+    spread over the shapes (which the skinny factor scales)."""
+    from autopar.cost_model.calibrate_compute import MATMUL_SHAPES, fit_matmul, matmul_overhead
+
+    rate = 8e10
+    dev = dataclasses.replace(
+        CPU,
+        peak_flops={"float32": rate / 0.75},
+        kernel_launch_s=launch,
+        matmul_dim_half=float(half),
+        matmul_overhead_s=overhead,
+    )
+    points = []
+    for m, k, n in MATMUL_SHAPES:
+        f = 2.0 * m * k * n
+        t = node_time(f, 0.0, torch.float32, dev, 1, True, new_grads=2, min_dim=min(m, k, n))
+        points.append(((m, k, n), 3 * f, t))
+    got_rate, got_c, got_half = fit_matmul(points)
+    assert got_half == half
+    assert got_rate == pytest.approx(rate, rel=1e-3)
+    assert matmul_overhead(got_c, launch) == pytest.approx(overhead, abs=1.5e-6)
+
+
+def test_fit_matmul_keeps_a_fixed_cost_non_negative_and_weighs_shapes_alike():
+    """Samples whose small shapes ran faster than a line through the large ones allows (noise:
+    a slow spell on a large shape) fit ``c = 0``, not a negative fixed cost; and one large shape
+    timed 30% slow moves the rate and the fixed cost by a few percent (a least-squares line in
+    seconds, which the largest shapes decide, had moved the rate 13% and made ``c`` negative)."""
+    from autopar.cost_model.calibrate_compute import MATMUL_SHAPES, fit_matmul
+
+    rate, c = 8e10, 1e-4
+    clean = [((m, k, n), 6.0 * m * k * n, 6.0 * m * k * n / rate + c) for m, k, n in MATMUL_SHAPES]
+    fast_small = [(s, f, t * 0.5 if f < 3e7 else t) for s, f, t in clean]
+    got_rate, got_c, _ = fit_matmul(fast_small)
+    assert got_c >= 0.0 and got_rate > 0
+    biggest = max(range(len(clean)), key=lambda i: clean[i][1])
+    slow_big = [(s, f, t * 1.3 if i == biggest else t) for i, (s, f, t) in enumerate(clean)]
+    got_rate, got_c, _ = fit_matmul(slow_big)
+    assert got_rate == pytest.approx(rate, rel=0.05) and got_c == pytest.approx(c, rel=0.1)
