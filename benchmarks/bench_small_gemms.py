@@ -13,20 +13,14 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import statistics
 
 import torch
 
 import autopar
 from autopar.cost_model.calibrate import group_lockstep
-from autopar.cost_model.calibrate_compute import (
-    EFF_MAX,
-    fit_matmul,
-    lockstep,
-    matmul_overhead,
-    measure_launch,
-    median_time,
-)
+from autopar.cost_model.calibrate_compute import lockstep, matmul_figures, matmul_sample, measure_launch
 from autopar.cost_model.compute import node_time
 from autopar.launch import run_on_ranks
 
@@ -42,16 +36,8 @@ def _rank(rank: int, world: int, rounds: int) -> dict:
     times: dict = {s: [] for s in SHAPES}
     with lockstep(group_lockstep(None, dev)):
         for _ in range(rounds):
-            for m, k, n in SHAPES:
-                x = torch.randn(m, k, requires_grad=True)
-                w = torch.randn(n, k, requires_grad=True)
-                g = torch.randn(m, n)
-
-                def train(x=x, w=w, g=g):
-                    torch.nn.functional.linear(x, w).backward(g)
-                    x.grad = w.grad = None
-
-                times[m, k, n].append(median_time(train, dev, 7))
+            for shape in SHAPES:
+                times[shape].append(matmul_sample(shape, dev, 7)[2])
         launch = measure_launch(dev, 5, inner=20)
     return {"times": {s: statistics.median(v) for s, v in times.items()}, "launch": launch}
 
@@ -62,26 +48,23 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3, help="rounds over the shapes; each shape's median")
     args = ap.parse_args()
     res = run_on_ranks(_rank, 2, args.rounds)
-    points = [
-        ((m, k, n), 6.0 * m * k * n, statistics.median(r["times"][m, k, n] for r in res))
-        for m, k, n in SHAPES
-    ]
+    points = [(s, 6.0 * math.prod(s), statistics.median(r["times"][s] for r in res)) for s in SHAPES]
     if args.cluster:
         device = autopar.ClusterSpec.from_file(args.cluster).device
         source = args.cluster
     else:
-        rate, c, half = fit_matmul(points)
         launch = statistics.median(r["launch"] for r in res)
-        base = autopar.ClusterSpec.preset("cpu").device
+        fit = matmul_figures(points, launch)
         device = dataclasses.replace(
-            base,
-            peak_flops={"float32": rate / EFF_MAX},
+            autopar.ClusterSpec.preset("cpu").device,
+            peak_flops={"float32": fit["peak_flops"]},
             kernel_launch_s=launch,
-            matmul_dim_half=half,
-            matmul_overhead_s=matmul_overhead(c, launch),
+            matmul_dim_half=fit["matmul_dim_half"],
+            matmul_overhead_s=fit["matmul_overhead_s"],
         )
         source = (
-            f"fitted to these samples: rate {rate / 1e9:.1f} GFLOP/s, intercept {c * 1e6:.0f} us, D {half:g}"
+            f"fitted to these samples: rate {fit['flops_effective'] / 1e9:.1f} GFLOP/s, "
+            f"intercept {fit['matmul_intercept_s'] * 1e6:.0f} us, D {fit['matmul_dim_half']:g}"
         )
     without = dataclasses.replace(device, matmul_overhead_s=0.0)
     print(f"device: {source}; matmul_overhead_s {device.matmul_overhead_s * 1e6:.1f} us, "

@@ -304,7 +304,7 @@ def measure_sync_wait(
     # the compute's pace as the cost model prices it: ranks that share cores, all of them together
     # (compute_slowdown); ranks with cores of their own, the median rank's (compute is calibrated
     # as the median over ranks), so that the wait also holds a slower rank's drift
-    shared = backend != "nccl" and n > usable_cores()
+    pace = 0 if _cores(backend, n) < n else 1  # loop()'s figure: all ranks' wall, or the median rank's
 
     def loop(iters: int, coll: Callable[[], None] | None) -> tuple[float, float]:
         """Seconds per iteration of ``steps`` x (``iters`` ops [+ ``coll``]): from the first
@@ -324,13 +324,13 @@ def measure_sync_wait(
         return (max(ends) - min(starts)) / steps, own / steps
 
     loop(2, collective)  # first calls: not timed
-    unit_s = loop(20, None)[0 if shared else 1] / 20  # s per op, every rank computing
+    unit_s = loop(20, None)[pace] / 20  # s per op, every rank computing
     points = []
     for gap in SYNC_GAPS_S:
         k = max(1, round(gap / unit_s))
         bare, synced = [], []
         for _ in range(repeats):
-            bare.append(loop(k, None)[0 if shared else 1])
+            bare.append(loop(k, None)[pace])
             synced.append(loop(k, collective)[0])
         d = statistics.median(bare)
         points.append((d, statistics.median(synced) - d))
@@ -517,11 +517,17 @@ def _compute_round(device: torch.device, cores: int, group, quick: bool) -> list
     return [c for c in every if c is not None]
 
 
+def _cores(backend: str, world: int) -> int:
+    """How many of ``world`` ranks compute at once on a core (or accelerator) of their own: all
+    on NCCL, at most the cores this process may use on CPUs."""
+    return world if backend == "nccl" else min(usable_cores(), world)
+
+
 def _measure_rank(sizes: Sequence[int], kinds: Sequence[str], repeats: int, quick: bool) -> dict:
     backend = dist.get_backend()
     device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
     world = dist.get_world_size()
-    cores = world if backend == "nccl" else min(usable_cores(), world)
+    cores = _cores(backend, world)
     group = dist.new_group(list(range(cores))) if cores < world else None  # every rank creates it
     rounds = 1 if quick else COMPUTE_ROUNDS
     # compute rounds spread over the calibration, between the other measurements: a shared host's

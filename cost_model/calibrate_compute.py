@@ -441,17 +441,9 @@ def measure_compute(device: torch.device | str = "cpu", quick: bool = False) -> 
     launch = measure_launch(dev, repeats, inner=5 if quick else 20)
     mem_bw = measure_memory_bandwidth(dev, repeats)
     inplace_bw = measure_inplace_bandwidth(dev, repeats)
-    points = []
-    for m, k, n in MATMUL_SHAPES_QUICK if quick else MATMUL_SHAPES:
-        x = torch.randn(m, k, device=dev, requires_grad=True)
-        w = torch.randn(n, k, device=dev, requires_grad=True)
-        g = torch.randn(m, n, device=dev)
-
-        def train(x=x, w=w, g=g):
-            torch.nn.functional.linear(x, w).backward(g)
-            x.grad = w.grad = None
-
-        points.append(((m, k, n), 3 * 2.0 * m * k * n, median_time(train, dev, repeats)))
+    points = [
+        matmul_sample(shape, dev, repeats) for shape in (MATMUL_SHAPES_QUICK if quick else MATMUL_SHAPES)
+    ]
     optimizer = measure_optimizer(dev, repeats)
     overhead = measure_step_overhead(dev, repeats, launch, optimizer["SGD"])
     graph_launch, _ = measure_graph_launch(dev, repeats, overhead)
@@ -467,6 +459,22 @@ def measure_compute(device: torch.device | str = "cpu", quick: bool = False) -> 
         "optimizer_param_s": optimizer,
         "step_overhead_s": overhead,
     }
+
+
+def matmul_sample(shape: tuple[int, int, int], device: torch.device, repeats: int) -> tuple:
+    """``((m, k, n), F, t)``: ``torch.nn.functional.linear`` of an ``(m, k)`` input and an
+    ``(n, k)`` weight, forward and backward (gradients of both), ``F = 3 * 2 m k n`` FLOPs,
+    ``t`` its ``median_time``."""
+    m, k, n = shape
+    x = torch.randn(m, k, device=device, requires_grad=True)
+    w = torch.randn(n, k, device=device, requires_grad=True)
+    g = torch.randn(m, n, device=device)
+
+    def train() -> None:
+        torch.nn.functional.linear(x, w).backward(g)
+        x.grad = w.grad = None
+
+    return (shape, 3 * 2.0 * m * k * n, median_time(train, device, repeats))
 
 
 def matmul_figures(points: list, launch: float) -> dict:

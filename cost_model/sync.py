@@ -33,8 +33,8 @@ without a small all-gather after each, and fits ``cost = a + c * sqrt(d)`` by le
 what the all-gather adds to the loop's wall time (per iteration) against the loop's compute
 ``d``. Loops, not the collective's own time: that also counts a rank's wait for ranks that
 compute on its lent core, which the compute's price holds already. On this project's 2-core VM
-``c`` is 0.02-0.03 with 2 ranks and 0.05-0.08 with 4, from run to run; 0 for the GPU presets,
-where it is not measured.
+``c`` was 0.01-0.02 with 2 ranks and 0.005-0.04 with 4, from calibration to calibration; 0 for
+the GPU presets, where it is not measured.
 
 The ILP prices collectives at their calibrated time; the wait depends on where the plan's
 collectives fall, so it is added to the chosen plan's predicted step (``autopar.api``).

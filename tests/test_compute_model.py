@@ -16,14 +16,16 @@ import autopar.examples
 from autopar.cluster import ClusterSpec
 from autopar.cost_model.calibrate import median_compute
 from autopar.cost_model.calibrate_compute import (
+    MATMUL_SHAPES,
     OPTIMIZERS,
     fit_matmul,
+    matmul_overhead,
     measure_inplace_bandwidth,
     measure_memory_bandwidth,
     measure_optimizer,
     median_time,
 )
-from autopar.cost_model.compute import forward_body, node_time, optimizer_step_time
+from autopar.cost_model.compute import EFF_MAX, forward_body, node_time, optimizer_step_time
 from autopar.cost_model.profiler import OpProfiler, TensorSpec
 from autopar.errors import ClusterSpecError
 from autopar.launch import keep_freed_memory
@@ -379,8 +381,6 @@ def test_a_slice_backward_pays_the_zero_filled_gradient_a_view_backward_does_not
 def test_fit_matmul_recovers_the_rate_and_the_skinny_size(rate, half, intercept):
     """Samples made by ``t = F / (rate * d / (d + D)) + c`` over the calibration's shapes give
     back ``rate``, ``c`` and ``D``."""
-    from autopar.cost_model.calibrate_compute import MATMUL_SHAPES, fit_matmul
-
     points = []
     for m, k, n in MATMUL_SHAPES:
         f, d = 6.0 * m * k * n, min(m, k, n)
@@ -439,12 +439,10 @@ def test_the_calibrated_gemm_overhead_is_what_the_cost_model_charges(overhead, l
     two launches, the small-op term) over the calibration's shapes: ``fit_matmul`` and
     ``matmul_overhead`` give back the device's fixed cost per GEMM, to the small-op term's
     spread over the shapes (which the skinny factor scales)."""
-    from autopar.cost_model.calibrate_compute import MATMUL_SHAPES, fit_matmul, matmul_overhead
-
     rate = 8e10
     dev = dataclasses.replace(
         CPU,
-        peak_flops={"float32": rate / 0.75},
+        peak_flops={"float32": rate / EFF_MAX},
         kernel_launch_s=launch,
         matmul_dim_half=float(half),
         matmul_overhead_s=overhead,
@@ -465,8 +463,6 @@ def test_fit_matmul_keeps_a_fixed_cost_non_negative_and_weighs_shapes_alike():
     a slow spell on a large shape) fit ``c = 0``, not a negative fixed cost; and one large shape
     timed 30% slow moves the rate and the fixed cost by a few percent (a least-squares line in
     seconds, which the largest shapes decide, had moved the rate 13% and made ``c`` negative)."""
-    from autopar.cost_model.calibrate_compute import MATMUL_SHAPES, fit_matmul
-
     rate, c = 8e10, 1e-4
     clean = [((m, k, n), 6.0 * m * k * n, 6.0 * m * k * n / rate + c) for m, k, n in MATMUL_SHAPES]
     fast_small = [(s, f, t * 0.5 if f < 3e7 else t) for s, f, t in clean]
