@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from autopar.cluster import ClusterSpec
+from autopar.cluster import ClusterSpec, DeviceSpec
 from autopar.cost_model.comm import CommModel, axis_link
 from autopar.cost_model.profiler import OpProfiler, resolve_profiler
 from autopar.cost_model.sync import sync_wait_s
@@ -388,7 +388,7 @@ def _make_plan(
     mem = _peak(tables, sol, gs)
     overhead = cluster.device.step_overhead_s * cluster.compute_slowdown  # the same for every plan
     compute += overhead
-    t_step += gs.adjustment_s + overhead + _sync_wait(decisions, cluster.device.sync_wait)
+    t_step += gs.adjustment_s + overhead + _sync_wait(decisions, cluster.device)
     comm = t_step - compute
     opt_b = grad_b * optimizer.value
     act_b = mem - param_b - grad_b - opt_b - _buffers_inputs(infos, choice, mesh)
@@ -424,13 +424,19 @@ def _make_plan(
     )
 
 
-def _sync_wait(decisions: list[NodeDecision], c: float) -> float:
+def _sync_wait(decisions: list[NodeDecision], device: DeviceSpec) -> float:
     """Seconds the plan's step waits for the slowest rank at its collectives (cost_model/sync.py)."""
 
-    def syncs(d: NodeDecision, backward: bool) -> bool:
-        return any(("(bwd)" in name) == backward for name in d.collectives if "overlapped" not in name)
+    def c(d: NodeDecision, backward: bool) -> float | None:
+        # names as CommModel.reshard lists them: "all_gather@0", "all_reduce(bwd)@1", ...
+        kinds = [
+            name.split("@")[0].split("(")[0]
+            for name in d.collectives
+            if ("(bwd)" in name) == backward and "overlapped" not in name
+        ]
+        return max(device.sync_wait_for(k) for k in kinds) if kinds else None
 
-    return sync_wait_s([(d.compute_s, syncs(d, False), syncs(d, True)) for d in decisions], c)
+    return sync_wait_s([(d.compute_s, c(d, False), c(d, True)) for d in decisions])
 
 
 def _node_collectives(

@@ -85,6 +85,7 @@ _DEVICE_OPTIONAL = (
     "inplace_bandwidth",
     "matmul_dim_half",
     "matmul_overhead_s",
+    "sync_wait_kinds",
 )
 _DEVICE_KEYS = ("name", "peak_flops", "memory_bytes", "memory_bandwidth", *_DEVICE_OPTIONAL)
 _LINK_KEYS = ("bandwidth", "latency", "ranges")
@@ -157,7 +158,7 @@ def _device_from_dict(where: str, d: Any) -> DeviceSpec:
         if key in d:
             if key in ("pointwise_s", "per_flop_s"):
                 kw[key] = _coerce_table(d[key])
-            elif key == "optimizer_param_s" and isinstance(d[key], Mapping):
+            elif key in ("optimizer_param_s", "sync_wait_kinds") and isinstance(d[key], Mapping):
                 kw[key] = {k: _coerce_number(v) for k, v in d[key].items()}
             else:
                 kw[key] = _coerce_number(d[key])

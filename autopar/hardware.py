@@ -43,6 +43,10 @@ Fields
 * ``sync_wait``: in s^0.5, how fast ranks drift apart between two synchronizing collectives: the
   expected wait for the slowest rank after ``d`` seconds of compute is ``sync_wait * sqrt(d)``
   (``cost_model/sync.py``). ``autopar calibrate`` measures it; 0 for the GPU presets.
+  ``sync_wait_kinds``: the same per kind of collective (``"all_reduce"``, ``"all_gather"``,
+  ``"reduce_scatter"``), where measured; ``sync_wait`` prices the kinds not listed. Where ranks
+  share cores, a collective's wait grows with its sequential steps (a ring all-reduce has twice an
+  all-gather's), so the kinds differ.
 * ``step_overhead_s``: fixed host seconds per training step outside the graph's ops: the autograd
   engine starting ``backward()``, ``optimizer.step()`` and ``zero_grad()`` as Python calls
   (~0.1-0.2 ms on this project's VM). 0 where not measured (the GPU presets).
@@ -213,6 +217,16 @@ def _op_table(field: str, unit: str, value: Any) -> tuple[tuple[str, float, floa
     return tuple(sorted(table))
 
 
+def _name_table(field: str, value: Any, key: str, what: str) -> tuple[tuple[str, float], ...]:
+    """``{name: number >= 0}`` (or its tuple form) as sorted ``(name, number)`` pairs."""
+    items = list(value.items()) if isinstance(value, Mapping) else [tuple(p) for p in value]
+    if not all(len(p) == 2 and isinstance(p[0], str) for p in items):
+        raise ClusterSpecError(f"DeviceSpec.{field}: got {value!r}; must map {key} to {what}")
+    return tuple(
+        sorted((k, _check_float(f"DeviceSpec.{field}[{k!r}]", v, minimum=0.0, strict=False)) for k, v in items)
+    )
+
+
 def _lookup(table: tuple[tuple[str, float, float], ...], op: str) -> tuple[float, float] | None:
     for name, f, b in table:
         if name == op:
@@ -246,6 +260,7 @@ class DeviceSpec:
     inplace_bandwidth: float = 0.0
     matmul_dim_half: float = 0.0
     matmul_overhead_s: float = 0.0
+    sync_wait_kinds: tuple[tuple[str, float], ...] = ()
 
     def __post_init__(self) -> None:
         _check_name("DeviceSpec.name", self.name)
@@ -259,23 +274,18 @@ class DeviceSpec:
         ):
             value = _check_float(f"DeviceSpec.{name}", getattr(self, name), minimum=0.0, strict=False)
             object.__setattr__(self, name, value)
-        opt = self.optimizer_param_s
-        items = list(opt.items()) if isinstance(opt, Mapping) else [tuple(p) for p in opt]
-        if not all(len(p) == 2 and isinstance(p[0], str) for p in items):
-            raise ClusterSpecError(
-                f"DeviceSpec.optimizer_param_s: got {opt!r}; must map an optimizer name such as "
-                "'ADAM' to seconds per parameter tensor"
-            )
         object.__setattr__(
             self,
             "optimizer_param_s",
-            tuple(
-                sorted(
-                    (k, _check_float(f"DeviceSpec.optimizer_param_s[{k!r}]", v, minimum=0.0, strict=False))
-                    for k, v in items
-                )
-            ),
-        )
+            _name_table("optimizer_param_s", self.optimizer_param_s, "an optimizer name such as 'ADAM'",
+                        "seconds per parameter tensor"),
+        )  # fmt: skip
+        object.__setattr__(
+            self,
+            "sync_wait_kinds",
+            _name_table("sync_wait_kinds", self.sync_wait_kinds, "a collective such as 'all_reduce'",
+                        "its sync_wait in s^0.5"),
+        )  # fmt: skip
         object.__setattr__(self, "pointwise_s", _op_table("pointwise_s", "element", self.pointwise_s))
         object.__setattr__(self, "per_flop_s", _op_table("per_flop_s", "FLOP", self.per_flop_s))
         overlap = _check_float("DeviceSpec.comm_overlap", self.comm_overlap, minimum=0.0, strict=False)
@@ -330,6 +340,11 @@ class DeviceSpec:
         """B/s of an in-place elementwise update (``inplace_bandwidth``, else ``memory_bandwidth``)."""
         return self.inplace_bandwidth or self.memory_bandwidth
 
+    def sync_wait_for(self, kind: str) -> float:
+        """``sync_wait`` [s^0.5] of a synchronizing ``kind`` of collective (``"all_reduce"``,
+        ``"all_gather"``, ...): its own figure where measured, else ``sync_wait``."""
+        return dict(self.sync_wait_kinds).get(kind, self.sync_wait)
+
     def optimizer_param(self, optimizer: str) -> float:
         """Fixed seconds ``optimizer``'s step spends per parameter tensor (one launch if not measured)."""
         return dict(self.optimizer_param_s).get(optimizer, self.kernel_launch_s)
@@ -368,6 +383,7 @@ class DeviceSpec:
             "inplace_bandwidth": self.inplace_bandwidth,
             "matmul_dim_half": self.matmul_dim_half,
             "matmul_overhead_s": self.matmul_overhead_s,
+            "sync_wait_kinds": dict(self.sync_wait_kinds),
         }
 
 

@@ -58,8 +58,9 @@ compute ``devices_per_node / host_cores`` times slower when there are more ranks
 (``ClusterSpec.compute_slowdown``; each rank computes on one thread, as ``autopar.launch`` sets it).
 
 Sync wait (``measure_sync_wait``, ``cost_model/sync.py``), on every rank at once: how much more a
-collective adds to a loop of steps (wall time, with against without it) after more compute since
-the previous one, stored as ``DeviceSpec.sync_wait``.
+collective of each kind adds to a loop of steps (wall time, with against without it) after more
+compute since the previous one, stored as ``DeviceSpec.sync_wait_kinds`` (and the largest as
+``DeviceSpec.sync_wait``, for the kinds not measured).
 
 Overlap (``cost_model/overlap.py:measure_overlap``), on every rank at once: how much of an
 all-reduce issued asynchronously is hidden behind concurrent compute, stored as
@@ -79,7 +80,7 @@ import os
 import random
 import statistics
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -88,7 +89,7 @@ import torch.distributed as dist
 from autopar.cluster import ClusterSpec, LinkSpec, usable_cores
 from autopar.cost_model.calibrate_compute import Lockstep, lockstep, matmul_figures, measure_compute, sync
 from autopar.cost_model.overlap import measure_overlap
-from autopar.cost_model.sync import REFERENCE_GAP_S, SYNC_GAPS_S
+from autopar.cost_model.sync import REFERENCE_GAP_S, SYNC_GAPS_S, SYNC_KINDS
 
 __all__ = [
     "Sample",
@@ -116,6 +117,7 @@ QUICK_SIZES = (2**10, 2**16, 2**20)
 DEFAULT_REPEATS = 40
 QUICK_REPEATS = 5
 SYNC_LOOP_STEPS = 30  # iterations per timed loop of measure_sync_wait: ranks settle into a step's drift
+SYNC_BYTES = 2**16  # bytes of each collective measure_sync_wait times: an activation's, small
 COMPUTE_ROUNDS = 3  # rounds of compute figures, spread over a calibration (1 when quick)
 _MAX_BANDWIDTH = 1e15  # B/s: clamp for a fit whose bandwidth term vanishes
 _MIN_LATENCY = 1e-9  # s
@@ -261,29 +263,34 @@ def measure_collectives(
 def measure_sync_wait(
     group=None,
     repeats: int = 3,
-    nbytes: int = 4096,
+    nbytes: int = SYNC_BYTES,
     steps: int = SYNC_LOOP_STEPS,
-    collective: Callable[[], None] | None = None,
+    collectives: Mapping[str, Callable[[], None]] | None = None,
 ) -> dict:
-    """``DeviceSpec.sync_wait`` (``cost_model/sync.py``): what a synchronizing collective adds to
-    a loop of steps, against the compute between two of them.
+    """``DeviceSpec.sync_wait_kinds`` (``cost_model/sync.py``): what a synchronizing collective of
+    each kind adds to a loop of steps, against the compute between two of them.
 
     On every rank of ``group``, for each gap of ``SYNC_GAPS_S``: a loop of ``steps`` iterations of
     a fixed amount of compute (the same op count on every rank, so that ranks drift as a step's
-    do), and the same loop with an all-gather of ``nbytes`` (or ``collective``) after each
-    compute, alternated ``repeats`` times. Per gap, ``d`` is the loop without the collective, per
+    do), and the same loop with a collective after each compute: each kind of ``SYNC_KINDS`` on
+    ``nbytes`` (as ``codegen/collectives.py`` runs it: on gloo a reduce-scatter is an all-reduce,
+    and takes its figure; or the callables of ``collectives``, by name), alternated ``repeats``
+    times. Per gap, ``d`` is the loop without the collective, per
     iteration, at the pace the cost model prices compute: where ranks share cores, from the first
     rank's start to the last rank's end (they take turns on the cores: ``compute_slowdown``);
     where each has its own, the median rank's time (compute is calibrated as the median over
-    ranks, so a slower rank's drift is part of the wait). The collective's cost is the loop with
-    it, first start to last end, less ``d`` (medians over the repeats).
-    ``sync_wait`` is the slope of the least-squares line ``cost = a + c * sqrt(d)``.
+    ranks, so a slower rank's drift is part of the wait). A collective's cost is the loop with
+    it, first start to last end, less ``d`` (medians over the repeats). Its kind's ``sync_wait``
+    is the slope ``c`` of the line ``cost = a + c * sqrt(d)`` (``_sqrt_slope``: robust to one
+    stalled loop).
 
     Walls, not the collective's own time: where ranks share cores, the ranks that finish their
     compute first wait in the collective while the others compute on the cores they lent, which
     a collective's own time counts and a step does not pay; and the ranks that leave a
     collective first compute on cores that the others still need to finish it, which a step pays
-    and a collective's own time (after a barrier) does not see."""
+    and a collective's own time (after a barrier) does not see.
+
+    Returns ``{"points": {kind: [(d, cost), ...]}, "sync_wait": {kind: c}}``."""
     n = dist.get_world_size(group)
     backend = dist.get_backend(group)
     device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
@@ -294,12 +301,15 @@ def measure_sync_wait(
         for _ in range(iters):
             b = torch.tanh(b @ a * 0.01)
 
-    if collective is None:
-        x = torch.ones(max(1, nbytes // 4 // n), device=device)
-        parts = [torch.empty_like(x) for _ in range(n)]
-
-        def collective() -> None:
-            dist.all_gather(parts, x, group=group)
+    same_as = {}
+    if collectives is None:
+        numel = max(n, nbytes // 4 // n * n)
+        rank = dist.get_rank(group)
+        # gloo has no reduce-scatter: codegen runs an all-reduce (and a local slice), whose wait it is
+        same_as = {"reduce_scatter": "all_reduce"} if backend != "nccl" else {}
+        collectives = {
+            k: _collective_fn(k, numel, n, rank, device, group) for k in SYNC_KINDS if k not in same_as
+        }
 
     # the compute's pace as the cost model prices it: ranks that share cores, all of them together
     # (compute_slowdown); ranks with cores of their own, the median rank's (compute is calibrated
@@ -323,22 +333,33 @@ def measure_sync_wait(
         own = statistics.median(e - s for s, e in zip(starts, ends))
         return (max(ends) - min(starts)) / steps, own / steps
 
-    loop(2, collective)  # first calls: not timed
+    for coll in collectives.values():
+        loop(2, coll)  # first calls: not timed
     unit_s = loop(20, None)[pace] / 20  # s per op, every rank computing
-    points = []
+    points: dict[str, list[tuple[float, float]]] = {kind: [] for kind in collectives}
     for gap in SYNC_GAPS_S:
         k = max(1, round(gap / unit_s))
-        bare, synced = [], []
-        for _ in range(repeats):
+        bare: list[float] = []
+        synced: dict[str, list[float]] = {kind: [] for kind in collectives}
+        for _ in range(repeats):  # the kinds alternate with one loop without: a slow spell hits all
             bare.append(loop(k, None)[pace])
-            synced.append(loop(k, collective)[0])
+            for kind, coll in collectives.items():
+                synced[kind].append(loop(k, coll)[0])
         d = statistics.median(bare)
-        points.append((d, statistics.median(synced) - d))
-    xs = [math.sqrt(d) for d, _ in points]
-    if len(set(xs)) < 2:  # a device so slow that every gap rounds to one op: nothing to fit
-        return {"points": points, "sync_wait": 0.0}
-    slope = statistics.linear_regression(xs, [y for _, y in points]).slope
-    return {"points": points, "sync_wait": max(0.0, slope)}
+        for kind in collectives:
+            points[kind].append((d, statistics.median(synced[kind]) - d))
+    waits = {kind: _sqrt_slope(p) for kind, p in points.items()}
+    return {"points": points, "sync_wait": waits | {k: waits[v] for k, v in same_as.items()}}
+
+
+def _sqrt_slope(points: Sequence[tuple[float, float]]) -> float:
+    """``c`` of the line ``cost = a + c * sqrt(d)`` through ``(d, cost)``, at least 0: the median of
+    the slopes between every two points (Theil-Sen), which one stalled loop of six does not move
+    as it moves a least-squares line (0 where every gap rounded to one op: a device too slow to
+    have anything to fit)."""
+    xy = [(math.sqrt(d), y) for d, y in points]
+    slopes = [(y2 - y1) / (x2 - x1) for i, (x1, y1) in enumerate(xy) for x2, y2 in xy[i + 1 :] if x2 != x1]
+    return max(0.0, statistics.median(slopes)) if slopes else 0.0
 
 
 def _busy(seconds: float) -> None:
@@ -468,11 +489,11 @@ class Calibration:
                 + ", ".join(f"{k} {v * 1e6:.2f} us" for k, v in c["optimizer_param_s"].items())
             )
         w = c.get("sync_wait")
-        if w:
+        for kind, points in (w or {}).get("points", {}).items():
             lines.append(
-                "sync wait: a small all-gather adds, to a loop of "
-                + ", ".join(f"{d * 1e3:.2f} ms of compute, {t * 1e3:.2f} ms" for d, t in w["points"])
-                + f": sync_wait = {w['sync_wait']:.4f} s^0.5"
+                f"sync wait: {kind} adds, to a loop of "
+                + ", ".join(f"{d * 1e3:.2f} ms of compute, {t * 1e3:.2f} ms" for d, t in points)
+                + f": sync_wait = {w['sync_wait'][kind]:.4f} s^0.5"
             )
         o = c.get("overlap")
         if o:
@@ -611,6 +632,7 @@ def run_calibration(
     per_kind = {k: fit_link(samples, k) for k in KINDS if any(s.kind == k for s in samples)}
 
     cluster = base or ClusterSpec.preset("cpu", devices_per_node=world)
+    waits = results[0]["sync_wait"]["sync_wait"]
     peak = dict(cluster.device.peak_flops)
     peak["float32"] = compute["peak_flops"]
     device = dataclasses.replace(
@@ -627,7 +649,9 @@ def run_calibration(
         step_overhead_s=compute["step_overhead_s"],
         host_cores=results[0]["host_cores"],
         comm_overlap=results[0]["overlap"]["efficiency"],
-        sync_wait=results[0]["sync_wait"]["sync_wait"] if results[0]["sync_wait"] else 0.0,
+        # the kinds not measured (all-to-all, send/recv) wait as the slowest measured kind
+        sync_wait=max(waits.values(), default=0.0),
+        sync_wait_kinds=waits,
     )
     over = {"device": device, "intra_node": link}
     if cluster.nodes == 1:

@@ -27,14 +27,21 @@ steps of steady state: a 128 KiB all-reduce added 5.9 ms to a loop with 1.1 ms o
 collective, 8.5 ms with 4.4 ms and 10.2 ms with 8.5 ms; a collective's own time after a barrier
 stays at its calibrated ~6 ms).
 
-``c`` [s^0.5] is ``DeviceSpec.sync_wait``: ``autopar calibrate`` (``measure_sync_wait``) runs, on
-every rank, loops of a fixed amount of compute of about each gap of ``SYNC_GAPS_S``, with and
-without a small all-gather after each, and fits ``cost = a + c * sqrt(d)`` by least squares to
-what the all-gather adds to the loop's wall time (per iteration) against the loop's compute
-``d``. Loops, not the collective's own time: that also counts a rank's wait for ranks that
-compute on its lent core, which the compute's price holds already. On this project's 2-core VM
-``c`` was 0.01-0.02 with 2 ranks and 0.005-0.04 with 4, from calibration to calibration; 0 for
-the GPU presets, where it is not measured.
+``c_i`` [s^0.5] is ``DeviceSpec.sync_wait_for(kind)`` of the collective at point ``i`` (the largest
+where several kinds run there): ``autopar calibrate`` (``measure_sync_wait``) runs, on every rank,
+loops of a fixed amount of compute of about each gap of ``SYNC_GAPS_S``, with and without a
+collective of each kind of ``SYNC_KINDS`` after each (as ``codegen/collectives.py`` runs it), and
+fits the line ``cost = a + c * sqrt(d)`` (Theil-Sen: the median slope between two points, robust
+to a stalled loop) to what the collective adds to the loop's wall time (per iteration) against
+the loop's compute ``d``. Loops, not the collective's own time: that
+also counts a rank's wait for ranks that compute on its lent core, which the compute's price holds
+already. Per kind, because where ranks share cores the wait grows with a collective's sequential
+steps: on this project's 2-core VM with 4 ranks, an all-gather (a ring of 3 steps) gave
+``c`` = 0.006-0.059 (0.026 on average over twelve calibrations) and an all-reduce (6 steps)
+0.030-0.069 (0.049 over nine). With a small all-gather's ``c`` for every kind, mlp's
+tensor-parallel step on 4 ranks (one all-reduce after 10 ms of compute) came out 22-31% short in
+four accuracy runs; with the all-reduce's own, -8% to +13% in three. With 2 ranks, a core each,
+0.006-0.047 for either kind. 0 for the GPU presets, where it is not measured.
 
 The ILP prices collectives at their calibrated time; the wait depends on where the plan's
 collectives fall, so it is added to the chosen plan's predicted step (``autopar.api``).
@@ -49,6 +56,7 @@ from autopar.cost_model.compute import BACKWARD_FACTOR
 
 REFERENCE_GAP_S = 5e-4  # compute before each collective when calibrate times it
 SYNC_GAPS_S = (2.5e-4, 5e-4, 1e-3, 2e-3, 4e-3, 8e-3)  # the gaps calibrate fits the wait over
+SYNC_KINDS = ("all_reduce", "all_gather", "reduce_scatter")  # the collectives it fits a wait for
 FORWARD_SHARE = 1.0 / (1.0 + BACKWARD_FACTOR)  # as passes/grad_sync.py splits a node's compute
 
 
@@ -57,29 +65,29 @@ def wait_for_gap(gap_s: float, c: float) -> float:
     return c * max(0.0, math.sqrt(max(gap_s, 0.0)) - math.sqrt(REFERENCE_GAP_S))
 
 
-def sync_gaps(nodes: Sequence[tuple[float, bool, bool]]) -> list[float]:
-    """The compute gaps [s] before each synchronizing point of a step, from its nodes in graph
-    order as ``(compute_s, syncs_in_forward, syncs_in_backward)``; empty when nothing syncs."""
-    if not any(f or b for _, f, b in nodes):
+def sync_points(nodes: Sequence[tuple[float, float | None, float | None]]) -> list[tuple[float, float]]:
+    """``(d_i, c_i)`` of each synchronizing point of a step: the compute gap [s] before it and its
+    ``c`` [s^0.5], from the step's nodes in graph order as ``(compute_s, c_forward, c_backward)``
+    (``None``: the node does not synchronize in that direction); empty when nothing syncs."""
+    if all(f is None and b is None for _, f, b in nodes):
         return []
-    gaps: list[float] = []
+    points: list[tuple[float, float]] = []
     acc = 0.0
-    for t, fwd_sync, _ in nodes:  # forward: a node's collectives run before it
-        if fwd_sync:
-            gaps.append(acc)
+    for t, fwd_c, _ in nodes:  # forward: a node's collectives run before it
+        if fwd_c is not None:
+            points.append((acc, fwd_c))
             acc = 0.0
         acc += t * FORWARD_SHARE
-    for t, _, bwd_sync in reversed(nodes):  # backward: its input gradients' collectives after it
+    for t, _, bwd_c in reversed(nodes):  # backward: its input gradients' collectives after it
         acc += t * (1.0 - FORWARD_SHARE)
-        if bwd_sync:
-            gaps.append(acc)
+        if bwd_c is not None:
+            points.append((acc, bwd_c))
             acc = 0.0
-    gaps[0] += acc  # the step's tail runs before the next step's first collective
-    return gaps
+    first_gap, first_c = points[0]
+    points[0] = (first_gap + acc, first_c)  # the step's tail runs before the next step's first collective
+    return points
 
 
-def sync_wait_s(nodes: Sequence[tuple[float, bool, bool]], c: float) -> float:
+def sync_wait_s(nodes: Sequence[tuple[float, float | None, float | None]]) -> float:
     """Expected seconds a step waits at its synchronizing collectives (module docstring)."""
-    if c <= 0:
-        return 0.0
-    return sum(wait_for_gap(g, c) for g in sync_gaps(nodes))
+    return sum(wait_for_gap(gap, c) for gap, c in sync_points(nodes))

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 import autopar
 import autopar.examples
 from autopar.cluster import ClusterSpec
-from autopar.cost_model.sync import FORWARD_SHARE, REFERENCE_GAP_S, sync_gaps, sync_wait_s, wait_for_gap
+from autopar.cost_model.sync import FORWARD_SHARE, REFERENCE_GAP_S, sync_points, sync_wait_s, wait_for_gap
 
 nodes_st = st.lists(
     st.tuples(st.floats(0, 1e-2), st.booleans(), st.booleans()), min_size=1, max_size=30
@@ -38,14 +38,18 @@ def _gaps_on_the_cycle(nodes):
 
 @given(nodes_st)
 def test_gaps_partition_the_step_between_its_synchronizing_points(nodes):
-    gaps = sync_gaps(nodes)
+    points = sync_points([(t, 1.0 if f else None, 2.0 if b else None) for t, f, b in nodes])
     if not any(f or b for _, f, b in nodes):
-        assert gaps == []
+        assert points == []
         return
+    gaps = [g for g, _ in points]
     total = sum(c for c, _, _ in nodes)
     assert sum(gaps) == pytest.approx(total, abs=1e-12)
     expect = _gaps_on_the_cycle(nodes)
     assert sorted(gaps) == pytest.approx(expect, abs=1e-12)
+    # each point keeps its own collective's c: forward points first, then backward ones
+    n_fwd = sum(1 for _, f, _ in nodes if f)
+    assert [c for _, c in points] == [1.0] * n_fwd + [2.0] * (len(points) - n_fwd)
 
 
 @given(gap=st.floats(0, 1.0), c=st.floats(0, 0.2))
@@ -57,37 +61,60 @@ def test_wait_grows_as_the_square_root_of_the_compute_since_the_last_collective(
 
 
 def test_nothing_synchronizes_nothing_waits():
-    assert sync_wait_s([(1e-3, False, False)] * 5, 0.05) == 0.0
-    assert sync_wait_s([(1e-3, True, False)] * 5, 0.0) == 0.0
+    assert sync_wait_s([(1e-3, None, None)] * 5) == 0.0
+    assert sync_wait_s([(1e-3, 0.0, None)] * 5) == 0.0
+    # a point whose collective does not wait still ends the gap before the next one
+    assert sync_wait_s([(1e-2, 0.0, None), (1e-2, 0.05, None)]) == pytest.approx(
+        wait_for_gap(1e-2 * FORWARD_SHARE, 0.05)
+    )
+
+
+def _kind(name: str) -> str:
+    return name.split("@")[0].split("(")[0]  # "all_reduce(bwd)@0" -> "all_reduce"
 
 
 def test_a_plan_adds_the_wait_of_its_own_collectives():
     """The same plan on a device that drifts and on one that does not: the predicted steps differ
-    by the wait of the plan's synchronizing points, a tensor-parallel plan waits, one rank does not."""
+    by the wait of the plan's synchronizing points, each at its own collective's ``c`` (a kind
+    measured, or ``sync_wait``); a tensor-parallel plan waits, one rank does not."""
     model, inputs = autopar.examples.mlp(batch=64, hidden=512, ffn=2048)  # gaps of ms
     base = ClusterSpec.preset("cpu", devices_per_node=2)
-    drifting = base.with_overrides(device=dataclasses.replace(base.device, sync_wait=0.05))
+    kinds = {"all_reduce": 0.12}
+    drifting = base.with_overrides(
+        device=dataclasses.replace(base.device, sync_wait=0.05, sync_wait_kinds=kinds)
+    )
     roles = (autopar.AxisRole.TENSOR,)
     still = autopar.plan(model, base, inputs, axis_roles=roles)
     moving = autopar.plan(model, drifting, inputs, axis_roles=roles)
-    assert any(d.collectives for d in moving.decisions)
-    nodes = [
-        (
-            d.compute_s,
-            any("(bwd)" not in n for n in d.collectives if "overlapped" not in n),
-            any("(bwd)" in n for n in d.collectives),
-        )
-        for d in moving.decisions
-    ]
-    wait = sync_wait_s(nodes, 0.05)
+    assert any(_kind(n) == "all_reduce" for d in moving.decisions for n in d.collectives)
+
+    def c_of(names):
+        return max((kinds.get(_kind(n), 0.05) for n in names), default=None)
+
+    def points(decisions):
+        return [
+            (
+                d.compute_s,
+                c_of([n for n in d.collectives if "(bwd)" not in n and "overlapped" not in n]),
+                c_of([n for n in d.collectives if "(bwd)" in n]),
+            )
+            for d in decisions
+        ]
+
+    wait = sync_wait_s(points(moving.decisions))
     assert wait > 0
     assert moving.predicted.step_time_s - still.predicted.step_time_s == pytest.approx(wait)
+    # the all-reduces' own c: a wait apart from the one sync_wait alone prices
+    flat = dataclasses.replace(drifting.device, sync_wait_kinds={})
+    assert autopar.plan(model, base.with_overrides(device=flat), inputs, axis_roles=roles).predicted.step_time_s < (
+        moving.predicted.step_time_s
+    )
     # ranks that share cores wait as well (sync.py), over gaps of their slowed compute
     shared = drifting.with_overrides(device=dataclasses.replace(drifting.device, host_cores=1))
     plain = base.with_overrides(device=dataclasses.replace(base.device, host_cores=1))
     shared_plan = autopar.plan(model, shared, inputs, axis_roles=roles)
     plain_plan = autopar.plan(model, plain, inputs, axis_roles=roles)
-    shared_wait = sync_wait_s([(d.compute_s, *s[1:]) for d, s in zip(shared_plan.decisions, nodes)], 0.05)
+    shared_wait = sync_wait_s(points(shared_plan.decisions))
     assert shared_wait > wait  # the same points, twice the compute between them
     assert shared_plan.predicted.step_time_s - plain_plan.predicted.step_time_s == pytest.approx(shared_wait)
     one = autopar.plan(model, drifting.with_overrides(devices_per_node=1), inputs)
@@ -95,11 +122,11 @@ def test_a_plan_adds_the_wait_of_its_own_collectives():
     assert one.predicted.step_time_s == pytest.approx(alone.predicted.step_time_s)
 
 
-def test_calibration_measures_what_a_collective_adds_to_a_loop_of_steps():
-    """``measure_sync_wait`` on one gloo rank, with a stand-in collective that spins for
+def test_calibration_measures_what_each_kind_of_collective_adds_to_a_loop_of_steps():
+    """``measure_sync_wait`` on one gloo rank, with two stand-in collectives that spin for
     ``c * sqrt(seconds since it last returned)`` (except the first of each loop, which follows
-    whatever ran before the loop): what it adds to a loop of ``steps`` is known, and the fitted
-    ``sync_wait`` is ``c (steps - 1) / steps``."""
+    whatever ran before the loop), with different ``c``: what each adds to a loop of ``steps`` is
+    known, and each kind's fitted ``sync_wait`` is its ``c (steps - 1) / steps``."""
     import time
 
     import torch.distributed as dist
@@ -108,23 +135,30 @@ def test_calibration_measures_what_a_collective_adds_to_a_loop_of_steps():
     from autopar.cost_model.sync import SYNC_GAPS_S
     from autopar.launch import free_port
 
-    c, steps = 0.2, 20  # c large against this VM's noise (a loop's pace varies ~10% run to run)
-    last, calls = [0.0], [0]
+    # c large against this VM's noise (a loop's pace varies ~10% run to run)
+    cs, steps = {"slow": 0.24, "fast": 0.12}, 20
 
-    def stand_in() -> None:
-        now = time.perf_counter()
-        if calls[0] % steps:  # loops run `steps` calls each
-            end = now + c * math.sqrt(now - last[0])
-            while time.perf_counter() < end:
-                pass
-        calls[0] += 1
-        last[0] = time.perf_counter()
+    def stand_in(c: float):
+        last, calls = [0.0], [0]
+
+        def run() -> None:
+            now = time.perf_counter()
+            if calls[0] % steps:  # loops run `steps` calls each
+                end = now + c * math.sqrt(now - last[0])
+                while time.perf_counter() < end:
+                    pass
+            calls[0] += 1
+            last[0] = time.perf_counter()
+
+        return run
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
     try:
-        got = measure_sync_wait(repeats=3, steps=steps, collective=stand_in)
+        got = measure_sync_wait(repeats=3, steps=steps, collectives={k: stand_in(c) for k, c in cs.items()})
     finally:
         dist.destroy_process_group()
-    assert got["sync_wait"] == pytest.approx(c * (steps - 1) / steps, rel=0.3)  # this VM: +-20% seen
-    gaps = [d for d, _ in got["points"]]
-    assert len(gaps) == len(SYNC_GAPS_S) and gaps[-1] > 8 * gaps[0]  # 32x apart asked
+    for kind, c in cs.items():  # this VM: +-20% seen
+        assert got["sync_wait"][kind] == pytest.approx(c * (steps - 1) / steps, rel=0.3)
+        gaps = [d for d, _ in got["points"][kind]]
+        assert len(gaps) == len(SYNC_GAPS_S) and gaps[-1] > 8 * gaps[0]  # 32x apart asked
+    assert got["sync_wait"]["slow"] > 1.4 * got["sync_wait"]["fast"]  # 2x apart: told apart
