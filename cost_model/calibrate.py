@@ -514,14 +514,19 @@ class Calibration:
 
 def group_lockstep(group, device: torch.device) -> Lockstep:
     """The ranks of ``group`` (None: the world) in lockstep (``calibrate_compute.lockstep``): a
-    barrier, and the largest count through an all-reduce."""
+    barrier, the largest count through an all-reduce, and a rank's end of its samples as an
+    asynchronous all-reduce, complete once every rank has issued it."""
 
     def agree(n: int) -> int:
         t = torch.tensor([n], dtype=torch.int64, device=device)
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
         return int(t.item())
 
-    return Lockstep(barrier=lambda: dist.barrier(group=group), agree=agree)
+    def finished() -> Callable[[], bool]:
+        work = dist.all_reduce(torch.zeros(1, device=device), group=group, async_op=True)
+        return work.is_completed
+
+    return Lockstep(barrier=lambda: dist.barrier(group=group), agree=agree, finished=finished)
 
 
 def _compute_round(device: torch.device, cores: int, group, quick: bool) -> list[dict]:

@@ -1,10 +1,11 @@
 """Measure one device's compute figures for ``cost_model/compute.py`` (``autopar calibrate``).
 
 Run with the thread count the ranks use, on as many ranks at once as the host has cores
-(``cost_model/calibrate.py``), in lockstep (``lockstep``: the ranks meet before each timing and
-loop each op as many times), so the figures are one rank's own while the others run the same op,
-as the ranks of a step do (at their own pace, one rank's matmuls could run beside another's
-pointwise ops, or alone while it waits, and time faster than a step runs them):
+(``cost_model/calibrate.py``), in lockstep (``lockstep``: the ranks meet before each timing, loop
+each op as many times, and go on running it until every rank's timing is over), so the figures
+are one rank's own while the others run the same op, as the ranks of a step do (at their own
+pace, one rank's matmuls could run beside another's pointwise ops, or alone while it waits, and
+time faster than a step runs them):
 
 * per-op overhead ``launch`` [s], as a traced model pays it: ``_OpMix`` (an embedding, a
   pre-norm transformer block with causal attention and a GELU MLP, a vocabulary head and a
@@ -160,10 +161,14 @@ def sync(device: torch.device) -> None:
 @dataclass(frozen=True)
 class Lockstep:
     """Ranks that measure at once, kept on the same op: ``barrier()`` before each op's timed
-    samples, and ``agree(n)``, every rank's largest count of calls per sample."""
+    samples, ``agree(n)``, every rank's largest count of calls per sample, and ``finished()``,
+    called by a rank whose timed samples are over: it returns a poll that is True once every
+    rank's are (until then the rank goes on calling the op, so that no rank's samples run beside
+    a rank gone idle)."""
 
     barrier: Callable[[], None]
     agree: Callable[[int], int]
+    finished: Callable[[], Callable[[], bool]]
 
 
 _LOCKSTEP: contextvars.ContextVar[Lockstep | None] = contextvars.ContextVar("lockstep", default=None)
@@ -181,8 +186,14 @@ def lockstep(ranks: Lockstep) -> Iterator[None]:
 
 
 def median_time(fn: Callable[[], object], device: torch.device, repeats: int, inner: int = 1) -> float:
-    """Median seconds of one ``fn()`` over ``repeats`` samples of ``inner`` calls, after one call
-    (in ``lockstep``, the samples start together on every rank)."""
+    """Median seconds of one ``fn()`` over ``repeats`` samples of ``inner`` calls, after one call.
+
+    In ``lockstep``, the samples start together on every rank, and a rank whose samples are over
+    keeps calling ``fn`` (untimed) until every rank's are: each sample runs with every other rank
+    busy, as a step's ranks are from its start to its end. (Ranks that stopped at their last
+    sample would leave the slower ranks' last samples the host to themselves: on this project's
+    2-core VM, the steps of five models on 2 ranks, their collectives made no-ops, ran 6-18%
+    slower than a device calibrated so predicted, and 3-13% with every sample busy.)"""
     fn()
     sync(device)
     ranks = _LOCKSTEP.get()
@@ -195,6 +206,11 @@ def median_time(fn: Callable[[], object], device: torch.device, repeats: int, in
             fn()
         sync(device)
         ts.append((time.perf_counter() - t0) / inner)
+    if ranks is not None:
+        done = ranks.finished()
+        while not done():
+            fn()
+        sync(device)
     return statistics.median(ts)
 
 

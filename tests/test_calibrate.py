@@ -221,14 +221,18 @@ def test_the_graph_launch_counts_what_the_cost_model_charges():
 @pytest.mark.slow
 def test_lockstep_starts_the_timed_samples_together_with_one_count():
     """Rank 0 comes to the measurement 50 ms late and its op is 10x slower: in lockstep both ranks
-    loop the op the same number of times per sample (the larger of their own counts) and start
-    timing within a few ms of each other."""
+    loop the op the same number of times per sample (the larger of their own counts), start
+    timing within a few ms of each other, and the fast rank, its samples over, goes on calling
+    the op until the slow rank's samples are over too (its last call after the slow rank's end,
+    10x its own samples' time)."""
     from autopar.launch import run_on_ranks
 
-    (own0, agreed0, start0), (own1, agreed1, start1) = run_on_ranks(_lockstep_rank, 2)
+    (own0, agreed0, start0, end0, _), (own1, agreed1, start1, _, last1) = run_on_ranks(_lockstep_rank, 2)
     assert own0 < own1  # the slow rank alone would loop its op fewer times
     assert agreed0 == agreed1 > own0  # the slow rank loops as often as the fast one
     assert abs(start0 - start1) < 0.02  # 50 ms apart without lockstep
+    # the slow rank's samples last ~10x the fast one's: the fast rank was busy through them
+    assert last1 > end0 - 0.005
 
 
 def _lockstep_rank(rank, world):
@@ -253,5 +257,7 @@ def _lockstep_rank(rank, world):
         if rank == 0:
             time.sleep(0.05)
         calls.clear()
-        median_time(op, cpu, repeats=1, inner=1)
-    return own, agreed, calls[1]  # calls[0] is median_time's untimed first call
+        median_time(op, cpu, repeats=3, inner=agreed)
+        end = time.perf_counter()  # at or after this rank's last timed sample
+    # calls[0] is median_time's untimed first call; the last, an untimed call while others time
+    return own, agreed, calls[1], end - 1.5 * pause, calls[-1]
