@@ -274,8 +274,8 @@ def measure_sync_wait(
     a fixed amount of compute (the same op count on every rank, so that ranks drift as a step's
     do), and the same loop with a collective after each compute: each kind of ``SYNC_KINDS`` on
     ``nbytes`` (as ``codegen/collectives.py`` runs it: on gloo a reduce-scatter is an all-reduce,
-    and takes its figure; or the callables of ``collectives``, by name), alternated ``repeats``
-    times. Per gap, ``d`` is the loop without the collective, per
+    and takes its figure; or the callables of ``collectives``, by name); ``repeats`` rounds over
+    the gaps, in an order shuffled per round. Per gap, ``d`` is the loop without the collective, per
     iteration, at the pace the cost model prices compute: where ranks share cores, from the first
     rank's start to the last rank's end (they take turns on the cores: ``compute_slowdown``);
     where each has its own, the median rank's time (compute is calibrated as the median over
@@ -336,18 +336,24 @@ def measure_sync_wait(
     for coll in collectives.values():
         loop(2, coll)  # first calls: not timed
     unit_s = loop(20, None)[pace] / 20  # s per op, every rank computing
-    points: dict[str, list[tuple[float, float]]] = {kind: [] for kind in collectives}
-    for gap in SYNC_GAPS_S:
-        k = max(1, round(gap / unit_s))
-        bare: list[float] = []
-        synced: dict[str, list[float]] = {kind: [] for kind in collectives}
-        for _ in range(repeats):  # the kinds alternate with one loop without: a slow spell hits all
-            bare.append(loop(k, None)[pace])
+    ops = [max(1, round(gap / unit_s)) for gap in SYNC_GAPS_S]
+    bare: list[list[float]] = [[] for _ in ops]
+    synced: dict[str, list[list[float]]] = {kind: [[] for _ in ops] for kind in collectives}
+    # repeats outer, gaps inner in an order shuffled per repeat (the same on every rank): a host's
+    # pace drifts over the seconds this takes, and gaps timed in ascending order would turn that
+    # drift into a slope; each gap's loops alternate without and with each kind
+    for r in range(repeats):
+        order = list(range(len(ops)))
+        random.Random(r).shuffle(order)
+        for i in order:
+            bare[i].append(loop(ops[i], None)[pace])
             for kind, coll in collectives.items():
-                synced[kind].append(loop(k, coll)[0])
-        d = statistics.median(bare)
+                synced[kind][i].append(loop(ops[i], coll)[0])
+    points: dict[str, list[tuple[float, float]]] = {kind: [] for kind in collectives}
+    for i in range(len(ops)):
+        d = statistics.median(bare[i])
         for kind in collectives:
-            points[kind].append((d, statistics.median(synced[kind]) - d))
+            points[kind].append((d, statistics.median(synced[kind][i]) - d))
     waits = {kind: _sqrt_slope(p) for kind, p in points.items()}
     return {"points": points, "sync_wait": waits | {k: waits[v] for k, v in same_as.items()}}
 
