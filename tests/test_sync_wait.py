@@ -123,7 +123,7 @@ def test_a_plan_adds_the_wait_of_its_own_collectives():
 
 
 def test_calibration_measures_what_each_kind_of_collective_adds_to_a_loop_of_steps():
-    """``measure_sync_wait`` on one gloo rank, with two stand-in collectives that spin for
+    """``measure_sync_wait`` on one gloo rank, with two stand-in collectives that block for
     ``c * sqrt(seconds since it last returned)`` (except the first of each loop, which follows
     whatever ran before the loop), with different ``c``: what each adds to a loop of ``steps`` is
     known, and each kind's fitted ``sync_wait`` is its ``c (steps - 1) / steps``."""
@@ -144,9 +144,9 @@ def test_calibration_measures_what_each_kind_of_collective_adds_to_a_loop_of_ste
         def run() -> None:
             now = time.perf_counter()
             if calls[0] % steps:  # loops run `steps` calls each
-                end = now + c * math.sqrt(now - last[0])
-                while time.perf_counter() < end:
-                    pass
+                # blocks, as a collective waiting on its peers does (a spin here slowed the loop's
+                # compute after it on this VM, by up to 30%, and the fit with it)
+                time.sleep(c * math.sqrt(now - last[0]))
             calls[0] += 1
             last[0] = time.perf_counter()
 
@@ -154,11 +154,13 @@ def test_calibration_measures_what_each_kind_of_collective_adds_to_a_loop_of_ste
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
     try:
-        got = measure_sync_wait(repeats=3, steps=steps, collectives={k: stand_in(c) for k, c in cs.items()})
+        got = measure_sync_wait(repeats=5, steps=steps, collectives={k: stand_in(c) for k, c in cs.items()})
     finally:
         dist.destroy_process_group()
-    for kind, c in cs.items():  # this VM: +-20% seen
-        assert got["sync_wait"][kind] == pytest.approx(c * (steps - 1) / steps, rel=0.3)
+    for kind, c in cs.items():
+        # on this VM the fit came out -10% to +38% of the truth: a rank that blocked resumes its
+        # compute a little slower the longer it blocked (a step pays that too), never faster
+        assert 0.75 < got["sync_wait"][kind] / (c * (steps - 1) / steps) < 1.5
         gaps = [d for d, _ in got["points"][kind]]
         assert len(gaps) == len(SYNC_GAPS_S) and gaps[-1] > 8 * gaps[0]  # 32x apart asked
     assert got["sync_wait"]["slow"] > 1.4 * got["sync_wait"]["fast"]  # 2x apart: told apart
