@@ -9,11 +9,16 @@ absolute error of each and whether the predicted ranking of the 3 plans matches 
 (a plan that two roles find alike, e.g. auto = TP, is ranked once: the two runs of one plan differ
 only by noise).
 
+``--calibrate-each`` brackets each model's runs with calibrations, one before (which the plans
+are searched with) and one after (the next model's before), and predicts each plan's step as the
+mean of its prices under the two (``autopar.reprice``: the same decisions): the VM's pace drifts
+by 10-40% within minutes, and a calibration on one side of the runs only catches half of that.
+
 ``--profile`` plans with ``cost_model.profiler`` (ops timed on this CPU with one thread, as the
 gloo ranks run them, cached in ``--profile-cache``) instead of the analytical compute model.
 
-    .venv/bin/python benchmarks/bench_cost_accuracy.py [--cluster cluster.json] [--worlds 2 4]
-        [--profile [--profile-cache PATH]]
+    .venv/bin/python benchmarks/bench_cost_accuracy.py [--cluster cluster.json | --calibrate-each]
+        [--worlds 2 4] [--profile [--profile-cache PATH]]
 
 The DP plan is the search's plan with the data role (``AxisRole.DATA``: the batch split through
 every op, the weights whole, their gradients all-reduced in buckets).
@@ -104,8 +109,10 @@ def main() -> None:
     ap.add_argument(
         "--calibrate-each",
         action="store_true",
-        help="calibrate again right before each model's runs: on a shared VM the collectives' cost "
-        "drifts by up to 40%% within minutes, and this keeps calibration and measurement together",
+        help="calibrate again around each model's runs, before and after (the after of one model is "
+        "the before of the next), and predict with both: on a shared VM the compute and the "
+        "collectives drift by 10-40%% within minutes, and this keeps calibration and measurement "
+        "together",
     )
     ap.add_argument("--profile", action="store_true", help="plan with measured op times (OpProfiler)")
     ap.add_argument("--profile-cache", default=None, help="op timing cache (default: ~/.cache/autopar/)")
@@ -136,9 +143,10 @@ def main() -> None:
 
     tmp = Path(tempfile.mkdtemp(prefix="bench_cost_"))
     rows = []
+    bracket = args.calibrate_each and not args.cluster
     head = (
         f"{'model':<11} {'world':>5} {'plan':<5} {'mesh':<7} {'pred ms':>9} {'meas ms':>9} {'err':>7} "
-        f"{'pred MiB':>9} {'meas MiB':>9} {'err':>7}"
+        f"{'pred MiB':>9} {'meas MiB':>9} {'err':>7}" + ("   pred ms before / after" if bracket else "")
     )
     for world in args.worlds:
         cluster = cluster_for(world)
@@ -147,8 +155,6 @@ def main() -> None:
         print(head)
         for mname in args.models:
             spec = MODELS[mname]
-            if args.calibrate_each and not args.cluster and mname != args.models[0]:
-                cluster = cluster_for(world, fresh=True)
             plans, paths = {}, {}
             for pname, roles in PLANS.items():
                 model, inputs = load_model_spec(spec)
@@ -167,21 +173,33 @@ def main() -> None:
                 paths[pname] = str(tmp / f"{mname}_{world}_{pname}.json")
                 plans[pname].save(paths[pname])
             results = run_on_ranks(_rank_run, world, spec, cluster.to_dict(), paths, args.rounds)
+            # bracketed: the plans (searched with the calibration before the runs) priced again with
+            # one right after them, which the next model plans with; the prediction is the mean
+            after = cluster_for(world, fresh=True) if bracket else None
             case = {}
             same = _same_plans(plans)
             for pname, plan in plans.items():
                 meas_t = max(r[pname][0] for r in results)
                 meas_m = max(r[pname][1] for r in results)
                 p = plan.predicted
-                et, em = _rel(p.step_time_s, meas_t), _rel(p.peak_memory_bytes, meas_m)
-                case[pname] = (p.step_time_s, meas_t)
+                pred_t, extra = p.step_time_s, ""
+                if after is not None:
+                    model, inputs = load_model_spec(spec)
+                    t_after = autopar.reprice(
+                        model, after, inputs, plan, optimizer=autopar.Optimizer.SGD, profile=profiler or False
+                    ).predicted.step_time_s
+                    pred_t = (p.step_time_s + t_after) / 2
+                    extra = f"   {p.step_time_s * 1e3:>9.3f} / {t_after * 1e3:.3f}"
+                et, em = _rel(pred_t, meas_t), _rel(p.peak_memory_bytes, meas_m)
+                case[pname] = (pred_t, meas_t)
                 rows.append((mname, world, pname, et, em))
                 print(
                     f"{mname:<11} {world:>5} {pname:<5} {'x'.join(map(str, plan.mesh_shape)):<7} "
-                    f"{p.step_time_s * 1e3:>9.3f} {meas_t * 1e3:>9.3f} {et * 100:>6.0f}% "
-                    f"{p.peak_memory_bytes / 2**20:>9.2f} {meas_m / 2**20:>9.2f} {em * 100:>6.0f}%",
+                    f"{pred_t * 1e3:>9.3f} {meas_t * 1e3:>9.3f} {et * 100:>6.0f}% "
+                    f"{p.peak_memory_bytes / 2**20:>9.2f} {meas_m / 2**20:>9.2f} {em * 100:>6.0f}%{extra}",
                     flush=True,
                 )
+            cluster = after or cluster
             # a plan the search found twice (auto = TP) is one plan: ranked once, under both names
             case = {"=".join(names): case[names[0]] for names in same}
             rows.append(("rank", mname, world, case))
