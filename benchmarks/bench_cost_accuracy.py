@@ -14,11 +14,17 @@ are searched with) and one after (the next model's before), and predicts each pl
 mean of its prices under the two (``autopar.reprice``: the same decisions): the VM's pace drifts
 by 10-40% within minutes, and a calibration on one side of the runs only catches half of that.
 
+``--save DIR`` keeps the run (the plans, the calibrations that price them, the measurements);
+``--replay DIR`` measures nothing and prices the saved plans again with the saved calibrations and
+the code as it is now: two cost models compared on the same runs, free of the VM's noise between
+runs (which moves the median error by several points).
+
 ``--profile`` plans with ``cost_model.profiler`` (ops timed on this CPU with one thread, as the
 gloo ranks run them, cached in ``--profile-cache``) instead of the analytical compute model.
 
     .venv/bin/python benchmarks/bench_cost_accuracy.py [--cluster cluster.json | --calibrate-each]
-        [--worlds 2 4] [--profile [--profile-cache PATH]]
+        [--worlds 2 4] [--profile [--profile-cache PATH]] [--save DIR]
+    .venv/bin/python benchmarks/bench_cost_accuracy.py --replay DIR
 
 The DP plan is the search's plan with the data role (``AxisRole.DATA``: the batch split through
 every op, the weights whole, their gradients all-reduced in buckets).
@@ -28,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import json
 import statistics
 import tempfile
 import time
@@ -58,6 +65,11 @@ RANK_MARGIN = 0.10
 # tracked steps per plan; memory is the least of them (``least_peak_step_memory``: gloo's worker
 # thread may hold a collective's tensors past their last use; tests/test_memory_model.py does the same)
 MEMORY_STEPS = 3
+RUN_FILE = "run.json"  # what --save writes into its folder and --replay reads
+HEAD = (
+    f"{'model':<11} {'world':>5} {'plan':<5} {'mesh':<7} {'pred ms':>9} {'meas ms':>9} {'err':>7} "
+    f"{'pred MiB':>9} {'meas MiB':>9} {'err':>7}   pred ms per calibration"
+)
 PLANS = {
     "DP": (autopar.AxisRole.DATA,),
     "TP": (autopar.AxisRole.TENSOR,),
@@ -116,8 +128,32 @@ def main() -> None:
     )
     ap.add_argument("--profile", action="store_true", help="plan with measured op times (OpProfiler)")
     ap.add_argument("--profile-cache", default=None, help="op timing cache (default: ~/.cache/autopar/)")
+    ap.add_argument(
+        "--save", default=None, help="write the run (plans, calibrations, measurements) to this folder"
+    )
+    ap.add_argument(
+        "--replay",
+        default=None,
+        help="measure nothing: price the plans of a run saved with --save again, with its "
+        "calibrations and this code, against its measurements (to compare cost models on the same runs)",
+    )
     args = ap.parse_args()
+    if args.replay:
+        records = json.loads((Path(args.replay) / RUN_FILE).read_text())
+        _report(records, Path(args.replay), args.profile, args.profile_cache)
+        return
+    out = Path(args.save) if args.save else Path(tempfile.mkdtemp(prefix="bench_cost_"))
+    out.mkdir(parents=True, exist_ok=True)
+    records = _measure(args, out)
+    if args.save:
+        (out / RUN_FILE).write_text(json.dumps(records, indent=1))
+        print(f"saved the run to {out / RUN_FILE} (price it again: --replay {out})")
 
+
+def _measure(args, out: Path) -> list[dict]:
+    """Plan and run every model on every world size; print each model's rows as its runs end.
+    Returns one record per (world, model): its plans' files, the calibrations that price them,
+    the measurements."""
     calibrated: dict[int, autopar.ClusterSpec] = {}
 
     def cluster_for(world: int, fresh: bool = False) -> autopar.ClusterSpec:
@@ -141,25 +177,20 @@ def main() -> None:
         )
         return base.with_overrides(nodes=1, devices_per_node=world)
 
-    tmp = Path(tempfile.mkdtemp(prefix="bench_cost_"))
-    rows = []
     bracket = args.calibrate_each and not args.cluster
-    head = (
-        f"{'model':<11} {'world':>5} {'plan':<5} {'mesh':<7} {'pred ms':>9} {'meas ms':>9} {'err':>7} "
-        f"{'pred MiB':>9} {'meas MiB':>9} {'err':>7}" + ("   pred ms before / after" if bracket else "")
-    )
+    records: list[dict] = []
     for world in args.worlds:
         cluster = cluster_for(world)
         profiler = OpProfiler.for_cluster(cluster, cache_path=args.profile_cache) if args.profile else None
         print(f"compute: {'profiled, ' + profiler.cache.context if profiler else 'analytical (roofline)'}")
-        print(head)
+        print(HEAD)
         for mname in args.models:
             spec = MODELS[mname]
-            plans, paths = {}, {}
+            paths = {}
             for pname, roles in PLANS.items():
                 model, inputs = load_model_spec(spec)
                 try:
-                    plans[pname] = autopar.plan(
+                    plan = autopar.plan(
                         model,
                         cluster,
                         inputs,
@@ -170,51 +201,82 @@ def main() -> None:
                 except Exception as e:  # noqa: BLE001 - report and go on
                     print(f"{mname:<11} {world:>5} {pname:<5} plan failed: {type(e).__name__}: {e}")
                     continue
-                paths[pname] = str(tmp / f"{mname}_{world}_{pname}.json")
-                plans[pname].save(paths[pname])
-            results = run_on_ranks(_rank_run, world, spec, cluster.to_dict(), paths, args.rounds)
-            # bracketed: the plans (searched with the calibration before the runs) priced again with
-            # one right after them, which the next model plans with; the prediction is the mean
-            after = cluster_for(world, fresh=True) if bracket else None
-            case = {}
-            same = _same_plans(plans)
-            for pname, plan in plans.items():
-                meas_t = max(r[pname][0] for r in results)
-                meas_m = max(r[pname][1] for r in results)
-                p = plan.predicted
-                pred_t, extra = p.step_time_s, ""
-                if after is not None:
-                    model, inputs = load_model_spec(spec)
-                    t_after = autopar.reprice(
-                        model, after, inputs, plan, optimizer=autopar.Optimizer.SGD, profile=profiler or False
-                    ).predicted.step_time_s
-                    pred_t = (p.step_time_s + t_after) / 2
-                    extra = f"   {p.step_time_s * 1e3:>9.3f} / {t_after * 1e3:.3f}"
-                et, em = _rel(pred_t, meas_t), _rel(p.peak_memory_bytes, meas_m)
-                case[pname] = (pred_t, meas_t)
-                rows.append((mname, world, pname, et, em))
+                paths[pname] = f"{mname}_{world}_{pname}.json"  # in ``out``
+                plan.save(out / paths[pname])
+            files = {p: str(out / name) for p, name in paths.items()}
+            results = run_on_ranks(_rank_run, world, spec, cluster.to_dict(), files, args.rounds)
+            clusters = [cluster.to_dict()]
+            if bracket:  # the calibration right after the runs, which the next model plans with
+                cluster = cluster_for(world, fresh=True)
+                clusters.append(cluster.to_dict())
+            record = {
+                "model": mname,
+                "spec": spec,
+                "world": world,
+                "plans": paths,
+                "clusters": clusters,
+                "measured": {p: [max(r[p][i] for r in results) for i in (0, 1)] for p in paths},
+            }
+            records.append(record)
+            _report([record], out, args.profile, args.profile_cache, summary=False)
+    print()
+    _report(records, out, args.profile, args.profile_cache, rows_too=False)
+    return records
+
+
+def _report(
+    records: list[dict],
+    folder: Path,
+    profile: bool,
+    profile_cache,
+    summary: bool = True,
+    rows_too: bool = True,
+) -> None:
+    """Price each record's plans with each of its calibrations (``autopar.reprice``: the plan's
+    decisions, unchanged) and print predicted (the mean over the calibrations) against measured,
+    per plan; then the median errors and the rankings."""
+    rows, ranked = [], []
+    for rec in records:
+        clusters = [autopar.ClusterSpec.from_dict(c) for c in rec["clusters"]]
+        profiler = OpProfiler.for_cluster(clusters[0], cache_path=profile_cache) if profile else None
+        plans = {p: autopar.Plan.load(folder / name) for p, name in rec["plans"].items()}
+        case = {}
+        if rows_too and len(records) > 1 and (not rows or rows[-1][1] != rec["world"]):
+            print(HEAD)  # (a live run prints it once per world size itself)
+        for pname, plan in plans.items():
+            priced = []
+            for cl in clusters:
+                model, inputs = load_model_spec(rec["spec"])
+                priced.append(
+                    autopar.reprice(
+                        model, cl, inputs, plan, optimizer=autopar.Optimizer.SGD, profile=profiler or False
+                    )
+                )
+            pred_t = statistics.mean(p.predicted.step_time_s for p in priced)
+            pred_m = priced[0].predicted.peak_memory_bytes  # the same with every calibration
+            meas_t, meas_m = rec["measured"][pname]
+            et, em = _rel(pred_t, meas_t), _rel(pred_m, meas_m)
+            case[pname] = (pred_t, meas_t)
+            rows.append((rec["model"], rec["world"], pname, et, em))
+            if rows_too:
+                each = " / ".join(f"{p.predicted.step_time_s * 1e3:.3f}" for p in priced)
                 print(
-                    f"{mname:<11} {world:>5} {pname:<5} {'x'.join(map(str, plan.mesh_shape)):<7} "
+                    f"{rec['model']:<11} {rec['world']:>5} {pname:<5} {'x'.join(map(str, plan.mesh_shape)):<7} "
                     f"{pred_t * 1e3:>9.3f} {meas_t * 1e3:>9.3f} {et * 100:>6.0f}% "
-                    f"{p.peak_memory_bytes / 2**20:>9.2f} {meas_m / 2**20:>9.2f} {em * 100:>6.0f}%{extra}",
+                    f"{pred_m / 2**20:>9.2f} {meas_m / 2**20:>9.2f} {em * 100:>6.0f}%   {each}",
                     flush=True,
                 )
-            cluster = after or cluster
-            # a plan the search found twice (auto = TP) is one plan: ranked once, under both names
-            case = {"=".join(names): case[names[0]] for names in same}
-            rows.append(("rank", mname, world, case))
-
-    cases = [r for r in rows if r[0] != "rank"]
-    print()
+        # a plan the search found twice (auto = TP) is one plan: ranked once, under both names
+        ranked.append((rec["model"], rec["world"], {"=".join(n): case[n[0]] for n in _same_plans(plans)}))
+    if not summary:
+        return
     print(
-        f"median |error| step time:   {statistics.median(abs(r[3]) for r in cases) * 100:.0f}%  ({len(cases)} cases)"
+        f"median |error| step time:   {statistics.median(abs(r[3]) for r in rows) * 100:.0f}%  ({len(rows)} cases)"
     )
-    print(f"median |error| peak memory: {statistics.median(abs(r[4]) for r in cases) * 100:.0f}%")
+    print(f"median |error| peak memory: {statistics.median(abs(r[4]) for r in rows) * 100:.0f}%")
     print("ranking of the plans (fastest first), predicted vs measured:")
-    agree = 0
-    pairs = ordered = 0
-    ranks = [r for r in rows if r[0] == "rank"]
-    for _, mname, world, case in ranks:
+    agree = pairs = ordered = 0
+    for mname, world, case in ranked:
         pred = sorted(case, key=lambda k: case[k][0])
         meas = sorted(case, key=lambda k: case[k][1])
         ok = pred == meas
@@ -230,7 +292,7 @@ def main() -> None:
                 calls.append(f"{a}{'<' if pa < pb else '>'}{b} {'ok' if good else 'WRONG'}")
         print(f"  {mname:<11} world {world}: predicted {' < '.join(pred):<18} measured {' < '.join(meas):<18} "
               f"{'match' if ok else 'differs'}; pairs apart by >= {RANK_MARGIN:.0%}: {', '.join(calls) or 'none'}")  # fmt: skip
-    print(f"rankings that match exactly: {agree}/{len(ranks)}")
+    print(f"rankings that match exactly: {agree}/{len(ranked)}")
     print(f"plan pairs predicted >= {RANK_MARGIN:.0%} apart and measured in that order: {ordered}/{pairs}")
 
 
