@@ -13,7 +13,7 @@ import logging
 import math
 import os
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -23,11 +23,11 @@ import torch.distributed as dist
 from autopar.cluster import ClusterSpec, DeviceSpec
 from autopar.cost_model.comm import CommModel, axis_link
 from autopar.cost_model.profiler import OpProfiler, resolve_profiler
-from autopar.cost_model.sync import sync_wait_s
+from autopar.cost_model.sync import SyncNode, sync_wait_s
 from autopar.errors import DistributedSetupError, NoPlanFitsError, PlanFormatError
 from autopar.passes.analyze import NodeInfo, analyze
 from autopar.passes.coarsen import find_classes
-from autopar.passes.costs import CostTables, Optimizer, build_costs, resolve_source
+from autopar.passes.costs import CostTables, Optimizer, build_costs, lowering_collectives, resolve_source
 from autopar.passes.grad_sync import (
     Bucket,
     GradSyncCost,
@@ -355,7 +355,8 @@ def _with_getitems(tg: TracedGraph, choice: dict[str, Strategy]) -> dict[str, St
 def _make_plan(
     tg, infos, tables, sol, choice, cluster, mesh, optimizer, candidates, bound, gs, outputs
 ) -> Plan:
-    comm_in, colls = _node_collectives(tg, infos, choice, CommModel(cluster, mesh), gs.deferred, gs.buckets)
+    comm = CommModel(cluster, mesh)
+    comm_in, colls, out_colls = _node_collectives(tg, infos, choice, comm, gs.deferred, gs.buckets, outputs)
     decisions = []
     param_b = grad_b = 0.0
     compute = 0.0
@@ -364,7 +365,10 @@ def _make_plan(
             continue
         info = infos[n.name]
         s = choice[n.name]
-        cost = _node_compute(tables, sol, n.name)
+        # the collectives a lowering runs inside the op are in its table cost: communication here
+        inside = lowering_collectives(n, s, comm) if n.op == "call_function" else []
+        inside_s = sum(t for _, t in inside)
+        cost = _node_compute(tables, sol, n.name) - inside_s
         vol = volume_factor(s.out, mesh)
         if info.role is Role.PARAM:
             param_b += info.out_bytes / vol
@@ -380,15 +384,15 @@ def _make_plan(
                 output=spec_to_str(s.out),
                 inputs=tuple(spec_to_str(x) for x in s.ins),
                 compute_s=cost,
-                comm_s=comm_in.get(n.name, 0.0),
-                collectives=tuple(colls.get(n.name, ())),
+                comm_s=comm_in.get(n.name, 0.0) + inside_s,
+                collectives=tuple(colls.get(n.name, ())) + tuple(name for name, _ in inside),
             )
         )
     t_step = objective_s(tables, sol.choice)
     mem = _peak(tables, sol, gs)
     overhead = cluster.device.step_overhead_s * cluster.compute_slowdown  # the same for every plan
     compute += overhead
-    t_step += gs.adjustment_s + overhead + _sync_wait(decisions, cluster.device)
+    t_step += gs.adjustment_s + overhead + _sync_wait(decisions, cluster.device, out_colls, bool(gs.buckets))
     comm = t_step - compute
     opt_b = grad_b * optimizer.value
     act_b = mem - param_b - grad_b - opt_b - _buffers_inputs(infos, choice, mesh)
@@ -424,36 +428,59 @@ def _make_plan(
     )
 
 
-def _sync_wait(decisions: list[NodeDecision], device: DeviceSpec) -> float:
-    """Seconds the plan's step waits for the slowest rank at its collectives (cost_model/sync.py)."""
+def _sync_wait(
+    decisions: list[NodeDecision], device: DeviceSpec, output_collectives: Sequence[str], buckets: bool
+) -> float:
+    """Seconds the plan's step waits for the slowest rank at its collectives (cost_model/sync.py):
+    each node's, the outputs' when forward ends, the gradient buckets' when backward ends."""
 
-    def c(d: NodeDecision, backward: bool) -> float | None:
+    def c(names: Iterable[str]) -> float | None:
         # names as CommModel.reshard lists them: "all_gather@0", "all_reduce(bwd)@1", ...
-        kinds = [
-            name.split("@")[0].split("(")[0]
-            for name in d.collectives
-            if ("(bwd)" in name) == backward and "overlapped" not in name
-        ]
+        kinds = [name.split("@")[0].split("(")[0] for name in names]
         return max(device.sync_wait_for(k) for k in kinds) if kinds else None
 
-    return sync_wait_s([(d.compute_s, c(d, False), c(d, True)) for d in decisions])
+    def where(name: str) -> str:
+        if "overlapped" in name:  # a gradient bucket's member: the buckets' point
+            return ""
+        return "backward" if "(bwd)" in name else "inside" if "(in op)" in name else "inputs"
+
+    nodes = [
+        SyncNode(
+            d.compute_s,
+            *(c(n for n in d.collectives if where(n) == w) for w in ("inputs", "inside", "backward")),
+        )
+        for d in decisions
+    ]
+    outputs = c(n for n in output_collectives if "(bwd)" not in n)  # the caller's outputs need no gradient
+    return sync_wait_s(nodes, outputs, device.sync_wait_for("all_reduce") if buckets else None)
 
 
 def _node_collectives(
-    tg: TracedGraph, infos, choice: dict[str, Strategy], comm: CommModel, deferred, buckets: Sequence[Bucket]
+    tg: TracedGraph,
+    infos,
+    choice: dict[str, Strategy],
+    comm: CommModel,
+    deferred,
+    buckets: Sequence[Bucket],
+    outputs: Outputs,
 ):
     """Per node: seconds and names of the collectives that bring its inputs to the placements it
     takes (priced as in the cost tables' edges, but per graph edge, not per class of edges; a
     reshard several uses share is listed on the first); a parameter's ``deferred`` gradient
-    all-reduce is listed on the parameter, with its share of its bucket's seconds."""
+    all-reduce is listed on the parameter, with its share of its bucket's seconds. And the names
+    of the collectives that bring the graph's outputs to the caller (priced by the tables, listed
+    on no node)."""
     seconds: dict[str, float] = {}
     names: dict[str, list[str]] = {}
-    for u in plan_uses(tg, choice, deferred):
-        if not u.runs or u.user.op != "call_function":  # graph outputs: priced, not listed
+    out_names: list[str] = []
+    for u in plan_uses(tg, choice, deferred, outputs):
+        if not u.runs or u.user.op not in ("call_function", "output"):
             continue
         info = infos[u.inp.name]
         c, called = comm.reshard(choice[u.src].out, u.need, info.out_bytes, info.requires_grad, u.fops)
-        if called:
+        if u.user.op == "output":
+            out_names.extend(called)
+        elif called:
             n = u.user.name
             seconds[n] = seconds.get(n, 0.0) + c
             names.setdefault(n, []).extend(called)
@@ -462,7 +489,7 @@ def _node_collectives(
         for p in b.params:  # each member's share of its bucket, by bytes
             seconds[p] = t * infos[p].out_bytes / volume_factor(choice[p].out, comm.mesh_shape) / b.nbytes
             names[p] = [f"all_reduce(axis {a}, overlapped, bucket {k})" for a in b.axes]
-    return seconds, names
+    return seconds, names, out_names
 
 
 def _buffers_inputs(infos: dict[str, NodeInfo], choice, mesh) -> float:

@@ -6,17 +6,21 @@ collectives and, at the next one, every rank waits for the last to arrive. Model
 walk: after ``d`` seconds of compute since the previous collective, the expected wait is
 ``c * sqrt(d)``. The calibrated collective times (``cost_model/calibrate.py``) were measured
 after ``REFERENCE_GAP_S`` of compute, so they already hold ``c * sqrt(REFERENCE_GAP_S)``; a step
-pays, per synchronizing point ``i`` (a node whose inputs need collectives, in forward; a node
-whose input gradients need them, in backward)
+pays, per synchronizing point ``i`` (a node whose inputs need collectives, in forward; a lowering
+that runs one inside its op, as a split mean cross-entropy all-reduces its loss; the graph's
+outputs gathered for the caller when forward ends; a node whose input gradients need collectives,
+in backward; the gradient buckets' all-reduces waited for when backward ends: ``sync_points``)
 
     wait_i = c * max(0, sqrt(d_i) - sqrt(REFERENCE_GAP_S))                                 [s]
 
 with ``d_i`` [s] the compute since the previous synchronizing point. Steps run back to back, so
 the compute after the last one (the rest of the backward, the optimizer) joins the first gap of
 the next step. A node's compute is split into forward and backward as ``FORWARD_SHARE`` and the
-rest (``1 : BACKWARD_FACTOR``: a matmul's backward is two matmuls of its forward's size). Overlapped gradient
-all-reduces (``codegen/grad_sync.py``) are not synchronizing points here: their wait is what
-``cost_model/overlap.py`` prices. Plans without a synchronizing collective wait for nothing.
+rest (``1 : BACKWARD_FACTOR``: a matmul's backward is two matmuls of its forward's size). An
+overlapped gradient all-reduce (``codegen/grad_sync.py``) does not synchronize where it is issued,
+but backward ends waiting for every bucket, which is one point: what the all-reduces cost beyond
+the compute they hide behind is ``cost_model/overlap.py``'s, the ranks' drift until then is this.
+Plans without a synchronizing collective wait for nothing.
 
 Where CPU ranks share cores (``ClusterSpec.compute_slowdown > 1``) the same form holds for a
 different reason. The ranks that finish their compute first wait while the others compute on
@@ -51,6 +55,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from typing import NamedTuple
 
 from autopar.cost_model.compute import BACKWARD_FACTOR
 
@@ -65,29 +70,58 @@ def wait_for_gap(gap_s: float, c: float) -> float:
     return c * max(0.0, math.sqrt(max(gap_s, 0.0)) - math.sqrt(REFERENCE_GAP_S))
 
 
-def sync_points(nodes: Sequence[tuple[float, float | None, float | None]]) -> list[tuple[float, float]]:
+class SyncNode(NamedTuple):
+    """One graph node as the wait sees it: its compute [s] (forward + backward, split as
+    ``FORWARD_SHARE``) and the ``c`` [s^0.5] of the synchronizing collectives around it, ``None``
+    where none runs: ``inputs``, the reshards of its inputs, before its forward; ``inside``, those
+    its lowering runs after its own forward compute (a split mean cross-entropy's all-reduce of
+    the loss); ``backward``, its input gradients' reshards, after its backward."""
+
+    compute_s: float
+    inputs: float | None = None
+    inside: float | None = None
+    backward: float | None = None
+
+
+def sync_points(
+    nodes: Sequence[SyncNode], outputs: float | None = None, buckets: float | None = None
+) -> list[tuple[float, float]]:
     """``(d_i, c_i)`` of each synchronizing point of a step: the compute gap [s] before it and its
-    ``c`` [s^0.5], from the step's nodes in graph order as ``(compute_s, c_forward, c_backward)``
-    (``None``: the node does not synchronize in that direction); empty when nothing syncs."""
-    if all(f is None and b is None for _, f, b in nodes):
-        return []
+    ``c`` [s^0.5], from the step's nodes in graph order, and two points of the step itself (their
+    ``c``, ``None`` where they do not run): ``outputs``, the collectives that bring the graph's
+    outputs to the caller, when forward ends; ``buckets``, the wait for the gradient buckets'
+    all-reduces when backward ends (``codegen/grad_sync.py``: each completes once every rank has
+    issued it; what the all-reduces themselves cost beyond the compute they hide behind is
+    ``cost_model/overlap.py``'s). A parameter's optimizer step, priced as its placeholder's
+    compute, falls in the backward walk's last gap, before ``buckets`` instead of after it: the
+    gaps on the cycle are the same but for the optimizer's share moved between two of them.
+    Empty when nothing syncs."""
     points: list[tuple[float, float]] = []
     acc = 0.0
-    for t, fwd_c, _ in nodes:  # forward: a node's collectives run before it
-        if fwd_c is not None:
-            points.append((acc, fwd_c))
+
+    def point(c: float | None) -> None:
+        nonlocal acc
+        if c is not None:
+            points.append((acc, c))
             acc = 0.0
-        acc += t * FORWARD_SHARE
-    for t, _, bwd_c in reversed(nodes):  # backward: its input gradients' collectives after it
-        acc += t * (1.0 - FORWARD_SHARE)
-        if bwd_c is not None:
-            points.append((acc, bwd_c))
-            acc = 0.0
-    first_gap, first_c = points[0]
-    points[0] = (first_gap + acc, first_c)  # the step's tail runs before the next step's first collective
+
+    for n in nodes:  # forward
+        point(n.inputs)
+        acc += n.compute_s * FORWARD_SHARE
+        point(n.inside)
+    point(outputs)
+    for n in reversed(nodes):  # backward
+        acc += n.compute_s * (1.0 - FORWARD_SHARE)
+        point(n.backward)
+    point(buckets)
+    if points:  # the step's tail runs before the next step's first collective
+        first_gap, first_c = points[0]
+        points[0] = (first_gap + acc, first_c)
     return points
 
 
-def sync_wait_s(nodes: Sequence[tuple[float, float | None, float | None]]) -> float:
+def sync_wait_s(
+    nodes: Sequence[SyncNode], outputs: float | None = None, buckets: float | None = None
+) -> float:
     """Expected seconds a step waits at its synchronizing collectives (module docstring)."""
-    return sum(wait_for_gap(gap, c) for gap, c in sync_points(nodes))
+    return sum(wait_for_gap(gap, c) for gap, c in sync_points(nodes, outputs, buckets))

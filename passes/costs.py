@@ -262,7 +262,7 @@ def build_costs(
             if t is None:
                 t = analytical_node_time(info, ns.inputs, infos, device, k, s, mesh_shape)
             t *= slow
-            t += _lowering_comm(ns.node, s, comm)
+            t += sum(sec for _, sec in lowering_collectives(ns.node, s, comm))
             costs.append(n * t + acc)
             # internal saved tensors are cut like the op's work: by its largest split (e.g. a loss's
             # log-probabilities follow the logits, not the scalar output)
@@ -634,15 +634,17 @@ def _local_gemm_min_dim(
     return gemm_min_dim(op, shapes)
 
 
-def _lowering_comm(node: fx.Node, s: Strategy, comm: CommModel) -> float:
-    """Collectives that a lowering runs inside the op (see codegen/lower.py)."""
+def lowering_collectives(node: fx.Node, s: Strategy, comm: CommModel) -> list[tuple[str, float]]:
+    """``(name, seconds)`` of each collective that the lowering of ``node`` under ``s`` runs inside
+    the op, after its own forward compute (codegen/lower.py); named as ``CommModel.reshard`` names
+    its collectives, ``"all_reduce(in op)@1"``."""
     if node.target is aten.cross_entropy_loss.default and all(is_replicate(p) for p in s.out):
         # a mean over a split batch: one all-reduce of the local loss sum and token count (two
         # float32) on every split axis, exactly as codegen/lower.py emits it (a sum or 'none'
         # needs none)
-        return sum(
-            comm.time(Collective.ALL_REDUCE, 8, a)
+        return [
+            (f"all_reduce(in op)@{a}", comm.time(Collective.ALL_REDUCE, 8, a))
             for a, split in enumerate(s.split_axes())
             if split and comm.mesh_shape[a] > 1
-        )
-    return 0.0
+        ]
+    return []

@@ -357,7 +357,7 @@ def test_split_mean_cross_entropy_pays_its_all_reduces_on_every_split_axis():
     import torch
     from torch.distributed.tensor.placement_types import Shard
 
-    from autopar.passes.costs import _lowering_comm
+    from autopar.passes.costs import lowering_collectives
     from autopar.passes.validate import node_strategies, one_node_graph
 
     logits, target = torch.randn(8, 5), torch.randint(0, 5, (8,))
@@ -367,10 +367,10 @@ def test_split_mean_cross_entropy_pays_its_all_reduces_on_every_split_axis():
     assert per_axis > 0
     by_split = {}
     for s in node_strategies(node, (2, 2)):
-        by_split[tuple(isinstance(p, Shard) for p in s.ins[0])] = _lowering_comm(node, s, comm)
-    assert by_split[(False, False)] == 0.0
-    assert by_split[(True, False)] == approx(per_axis)
-    assert by_split[(False, True)] == approx(per_axis)  # axis 1 alone: the case that was free
+        by_split[tuple(isinstance(p, Shard) for p in s.ins[0])] = lowering_collectives(node, s, comm)
+    assert by_split[(False, False)] == []
+    assert by_split[(True, False)] == [("all_reduce(in op)@0", approx(per_axis))]
+    assert by_split[(False, True)] == [("all_reduce(in op)@1", approx(per_axis))]  # the case that was free
 
 
 def test_queued_all_reduce_uses_its_own_ranges_else_the_inline_price():

@@ -13,43 +13,63 @@ from hypothesis import strategies as st
 import autopar
 import autopar.examples
 from autopar.cluster import ClusterSpec
-from autopar.cost_model.sync import FORWARD_SHARE, REFERENCE_GAP_S, sync_points, sync_wait_s, wait_for_gap
+from autopar.cost_model.comm import Collective, CommModel
+from autopar.cost_model.sync import (
+    FORWARD_SHARE,
+    REFERENCE_GAP_S,
+    SyncNode,
+    sync_points,
+    sync_wait_s,
+    wait_for_gap,
+)
 
+# per node: compute, and whether it synchronizes before its forward, inside it, after its backward
 nodes_st = st.lists(
-    st.tuples(st.floats(0, 1e-2), st.booleans(), st.booleans()), min_size=1, max_size=30
+    st.tuples(st.floats(0, 1e-2), st.booleans(), st.booleans(), st.booleans()), min_size=1, max_size=30
 )  # fmt: skip
 
 
-def _gaps_on_the_cycle(nodes):
-    """Independently: lay one step's events on a time line (forward in order, a node's forward
-    collectives before it; backward in reverse, its backward collectives after it), then the
-    gaps are the distances between consecutive synchronizing points on the cycle."""
+def _gaps_on_the_cycle(nodes, outputs, buckets):
+    """Independently: lay one step's events on a time line (forward in order, a node's input
+    collectives before its forward, its lowering's after; the outputs' when forward ends;
+    backward in reverse, a node's gradient collectives after its backward; the buckets' when
+    backward ends), then the gaps are the distances between consecutive synchronizing points on
+    the cycle of back-to-back steps."""
     t, points = 0.0, []
-    for c, f, _ in nodes:
-        if f:
+    for c, before, inside, _ in nodes:
+        if before:
             points.append(t)
         t += c * FORWARD_SHARE
-    for c, _, b in reversed(nodes):
-        t += c * (1 - FORWARD_SHARE)
-        if b:
+        if inside:
             points.append(t)
+    if outputs:
+        points.append(t)
+    for c, _, _, after in reversed(nodes):
+        t += c * (1 - FORWARD_SHARE)
+        if after:
+            points.append(t)
+    if buckets:
+        points.append(t)
     return sorted([b - a for a, b in zip(points, points[1:])] + [points[0] + t - points[-1]])
 
 
-@given(nodes_st)
-def test_gaps_partition_the_step_between_its_synchronizing_points(nodes):
-    points = sync_points([(t, 1.0 if f else None, 2.0 if b else None) for t, f, b in nodes])
-    if not any(f or b for _, f, b in nodes):
+@given(nodes_st, st.booleans(), st.booleans())
+def test_gaps_partition_the_step_between_its_synchronizing_points(nodes, outputs, buckets):
+    # each kind of point its own c, to see each point keep its collective's
+    sync = [SyncNode(t, 1.0 if b else None, 2.0 if i else None, 3.0 if a else None) for t, b, i, a in nodes]
+    points = sync_points(sync, 4.0 if outputs else None, 5.0 if buckets else None)
+    if not (outputs or buckets or any(b or i or a for _, b, i, a in nodes)):
         assert points == []
         return
     gaps = [g for g, _ in points]
-    total = sum(c for c, _, _ in nodes)
+    total = sum(n[0] for n in nodes)
     assert sum(gaps) == pytest.approx(total, abs=1e-12)
-    expect = _gaps_on_the_cycle(nodes)
-    assert sorted(gaps) == pytest.approx(expect, abs=1e-12)
-    # each point keeps its own collective's c: forward points first, then backward ones
-    n_fwd = sum(1 for _, f, _ in nodes if f)
-    assert [c for _, c in points] == [1.0] * n_fwd + [2.0] * (len(points) - n_fwd)
+    assert sorted(gaps) == pytest.approx(_gaps_on_the_cycle(nodes, outputs, buckets), abs=1e-12)
+    # in step order: each node's forward points, the outputs', the backward's, the buckets'
+    forward = [c for _, b, i, _ in nodes for c, on in ((1.0, b), (2.0, i)) if on]
+    backward = [3.0 for *_, a in reversed(nodes) if a]
+    expect = forward + [4.0] * outputs + backward + [5.0] * buckets
+    assert [c for _, c in points] == expect
 
 
 @given(gap=st.floats(0, 1.0), c=st.floats(0, 0.2))
@@ -61,10 +81,10 @@ def test_wait_grows_as_the_square_root_of_the_compute_since_the_last_collective(
 
 
 def test_nothing_synchronizes_nothing_waits():
-    assert sync_wait_s([(1e-3, None, None)] * 5) == 0.0
-    assert sync_wait_s([(1e-3, 0.0, None)] * 5) == 0.0
+    assert sync_wait_s([SyncNode(1e-3)] * 5) == 0.0
+    assert sync_wait_s([SyncNode(1e-3, inputs=0.0)] * 5) == 0.0
     # a point whose collective does not wait still ends the gap before the next one
-    assert sync_wait_s([(1e-2, 0.0, None), (1e-2, 0.05, None)]) == pytest.approx(
+    assert sync_wait_s([SyncNode(1e-2, inputs=0.0), SyncNode(1e-2, inputs=0.05)]) == pytest.approx(
         wait_for_gap(1e-2 * FORWARD_SHARE, 0.05)
     )
 
@@ -92,11 +112,12 @@ def test_a_plan_adds_the_wait_of_its_own_collectives():
         return max((kinds.get(_kind(n), 0.05) for n in names), default=None)
 
     def points(decisions):
+        assert not any("(in op)" in n or "overlapped" in n for d in decisions for n in d.collectives)
         return [
-            (
+            SyncNode(
                 d.compute_s,
-                c_of([n for n in d.collectives if "(bwd)" not in n and "overlapped" not in n]),
-                c_of([n for n in d.collectives if "(bwd)" in n]),
+                inputs=c_of([n for n in d.collectives if "(bwd)" not in n]),
+                backward=c_of([n for n in d.collectives if "(bwd)" in n]),
             )
             for d in decisions
         ]
@@ -106,9 +127,9 @@ def test_a_plan_adds_the_wait_of_its_own_collectives():
     assert moving.predicted.step_time_s - still.predicted.step_time_s == pytest.approx(wait)
     # the all-reduces' own c: a wait apart from the one sync_wait alone prices
     flat = dataclasses.replace(drifting.device, sync_wait_kinds={})
-    assert autopar.plan(model, base.with_overrides(device=flat), inputs, axis_roles=roles).predicted.step_time_s < (
-        moving.predicted.step_time_s
-    )
+    assert autopar.plan(
+        model, base.with_overrides(device=flat), inputs, axis_roles=roles
+    ).predicted.step_time_s < (moving.predicted.step_time_s)
     # ranks that share cores wait as well (sync.py), over gaps of their slowed compute
     shared = drifting.with_overrides(device=dataclasses.replace(drifting.device, host_cores=1))
     plain = base.with_overrides(device=dataclasses.replace(base.device, host_cores=1))
@@ -120,6 +141,43 @@ def test_a_plan_adds_the_wait_of_its_own_collectives():
     one = autopar.plan(model, drifting.with_overrides(devices_per_node=1), inputs)
     alone = autopar.plan(model, base.with_overrides(devices_per_node=1), inputs)
     assert one.predicted.step_time_s == pytest.approx(alone.predicted.step_time_s)
+
+
+def test_a_data_parallel_step_waits_at_its_loss_and_its_gradient_buckets():
+    """Data parallelism lists no collective on any node, yet its step synchronizes twice: the loss
+    (a mean over the split batch, all-reduced) when forward ends, and the gradient buckets'
+    all-reduces when backward ends. Each waits after its share of the step's compute: the
+    forward's, and the backward's (with the optimizer's step)."""
+    model, inputs = autopar.examples.mlp(batch=64, hidden=512, ffn=2048)
+    base = ClusterSpec.preset("cpu", devices_per_node=2)
+    drifting = base.with_overrides(
+        device=dataclasses.replace(base.device, sync_wait_kinds={"all_reduce": 0.1})
+    )
+    roles = (autopar.AxisRole.DATA,)
+    still = autopar.plan(model, base, inputs, axis_roles=roles)
+    moving = autopar.plan(model, drifting, inputs, axis_roles=roles)
+    listed = [n for d in moving.decisions for n in d.collectives]
+    assert listed and all("overlapped" in n for n in listed)  # only the buckets' members
+    total = sum(d.compute_s for d in moving.decisions)
+    expect = wait_for_gap(total * FORWARD_SHARE, 0.1) + wait_for_gap(total * (1 - FORWARD_SHARE), 0.1)
+    assert expect > 0
+    assert moving.predicted.step_time_s - still.predicted.step_time_s == pytest.approx(expect)
+
+
+def test_a_split_cross_entropy_lists_its_all_reduce_as_communication():
+    """The all-reduce a split mean cross-entropy runs inside its lowering is listed on the node and
+    priced as its communication, not its compute; the step's total is the same either way."""
+    model, inputs = autopar.examples.gpt2_tiny()
+    cluster = ClusterSpec.preset("cpu", devices_per_node=2)
+    plan = autopar.plan(model, cluster, inputs, axis_roles=(autopar.AxisRole.DATA,))
+    (ce,) = [d for d in plan.decisions if d.op == "aten.cross_entropy_loss.default"]
+    assert ce.collectives == ("all_reduce(in op)@0",)
+    price = CommModel(cluster, plan.mesh_shape).time(Collective.ALL_REDUCE, 8, 0)
+    assert ce.comm_s == pytest.approx(price)
+    one = autopar.plan(model, cluster.with_overrides(devices_per_node=1), inputs)
+    (alone,) = [d for d in one.decisions if d.op == "aten.cross_entropy_loss.default"]
+    assert not alone.collectives and alone.comm_s == 0.0
+    assert ce.compute_s < alone.compute_s  # half the batch, and no collective in it
 
 
 def test_calibration_measures_what_each_kind_of_collective_adds_to_a_loop_of_steps():
