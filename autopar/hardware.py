@@ -223,7 +223,9 @@ def _name_table(field: str, value: Any, key: str, what: str) -> tuple[tuple[str,
     if not all(len(p) == 2 and isinstance(p[0], str) for p in items):
         raise ClusterSpecError(f"DeviceSpec.{field}: got {value!r}; must map {key} to {what}")
     return tuple(
-        sorted((k, _check_float(f"DeviceSpec.{field}[{k!r}]", v, minimum=0.0, strict=False)) for k, v in items)
+        sorted(
+            (k, _check_float(f"DeviceSpec.{field}[{k!r}]", v, minimum=0.0, strict=False)) for k, v in items
+        )
     )
 
 
