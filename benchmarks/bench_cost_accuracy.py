@@ -14,6 +14,12 @@ are searched with) and one after (the next model's before), and predicts each pl
 mean of its prices under the two (``autopar.reprice``: the same decisions): the VM's pace drifts
 by 10-40% within minutes, and a calibration on one side of the runs only catches half of that.
 
+Each model's rounds also time a pace reference, ``REF_COUNT`` forward GEMMs of ``REF_GEMM`` on every
+rank, which the calibrations price as ``_ref_predicted`` does: its error says how fast the VM ran
+during the model's runs against during its calibrations. The summary gives, besides the plain
+median, the median with each prediction scaled by its model's reference error: a diagnostic of
+how much of the error is the VM's drift, not a figure of the cost model's.
+
 ``--save DIR`` keeps the run (the plans, the calibrations that price them, the measurements);
 ``--replay DIR`` measures nothing and prices the saved plans again with the saved calibrations and
 the code as it is now: two cost models compared on the same runs, free of the VM's noise between
@@ -45,6 +51,7 @@ import torch.distributed as dist
 
 import autopar
 from autopar.cost_model.calibrate import run_calibration
+from autopar.cost_model.compute import forward_body
 from autopar.cost_model.measure import least_peak_step_memory, time_interleaved
 from autopar.cost_model.profiler import OpProfiler
 from autopar.demo import train_step
@@ -70,6 +77,10 @@ HEAD = (
     f"{'model':<11} {'world':>5} {'plan':<5} {'mesh':<7} {'pred ms':>9} {'meas ms':>9} {'err':>7} "
     f"{'pred MiB':>9} {'meas MiB':>9} {'err':>7}   pred ms per calibration"
 )
+# the pace reference (module docstring): forward GEMMs m x k x n, fp32, that a calibration prices well
+REF_GEMM = (256, 512, 512)
+REF_COUNT = 8
+REF = "_ref"  # its key among a record's measurements
 PLANS = {
     "DP": (autopar.AxisRole.DATA,),
     "TP": (autopar.AxisRole.TENSOR,),
@@ -92,13 +103,28 @@ def _rank_run(
         pmodel = autopar.autoparallelize(model, cluster, inputs, plan=path)
         opt = torch.optim.SGD(pmodel.parameters(), lr=0.01)
         runs[name] = (pmodel, lambda m=pmodel, o=opt, x=inputs: train_step(m, o, x))  # noqa: E731
-    times = time_interleaved(
-        {name: step for name, (_, step) in runs.items()}, rounds, WARMUP, STEPS_PER_ROUND
-    )
-    out = {}
+    m, k, n = REF_GEMM
+    a, b, c = torch.randn(m, k), torch.randn(k, n), torch.empty(m, n)
+
+    def reference() -> None:
+        for _ in range(REF_COUNT):
+            torch.mm(a, b, out=c)
+
+    steps = {name: step for name, (_, step) in runs.items()}
+    times = time_interleaved({**steps, REF: reference}, rounds, WARMUP, STEPS_PER_ROUND)
+    out = {REF: (times[REF], 0.0)}
     for name, (pmodel, step) in runs.items():
         out[name] = (times[name], least_peak_step_memory(pmodel, step, MEMORY_STEPS, dist.barrier))
     return out
+
+
+def _ref_predicted(cluster: autopar.ClusterSpec) -> float:
+    """Seconds the pace reference takes by the cost model's roofline, on ranks that share cores
+    as the cluster's do."""
+    m, k, n = REF_GEMM
+    dev = cluster.device
+    one = forward_body(2 * m * k * n, 4 * (m * k + k * n + m * n), torch.float32, dev, 1, min(m, k, n))
+    return REF_COUNT * (one + dev.kernel_launch_s) * cluster.compute_slowdown
 
 
 def _rel(pred: float, meas: float) -> float:
@@ -215,7 +241,7 @@ def _measure(args, out: Path) -> list[dict]:
                 "world": world,
                 "plans": paths,
                 "clusters": clusters,
-                "measured": {p: [max(r[p][i] for r in results) for i in (0, 1)] for p in paths},
+                "measured": {p: [max(r[p][i] for r in results) for i in (0, 1)] for p in [*paths, REF]},
             }
             records.append(record)
             _report([record], out, args.profile, args.profile_cache, summary=False)
@@ -235,9 +261,13 @@ def _report(
     """Price each record's plans with each of its calibrations (``autopar.reprice``: the plan's
     decisions, unchanged) and print predicted (the mean over the calibrations) against measured,
     per plan; then the median errors and the rankings."""
-    rows, ranked = [], []
+    rows, ranked, paced = [], [], []
     for rec in records:
         clusters = [autopar.ClusterSpec.from_dict(c) for c in rec["clusters"]]
+        pace = None  # the reference's predicted over measured (runs saved before it have none)
+        if REF in rec["measured"]:
+            ref_pred = statistics.mean(_ref_predicted(cl) for cl in clusters)
+            pace = ref_pred / rec["measured"][REF][0]
         profiler = OpProfiler.for_cluster(clusters[0], cache_path=profile_cache) if profile else None
         plans = {p: autopar.Plan.load(folder / name) for p, name in rec["plans"].items()}
         case = {}
@@ -258,6 +288,8 @@ def _report(
             et, em = _rel(pred_t, meas_t), _rel(pred_m, meas_m)
             case[pname] = (pred_t, meas_t)
             rows.append((rec["model"], rec["world"], pname, et, em))
+            if pace is not None:
+                paced.append(_rel(pred_t / pace, meas_t))
             if rows_too:
                 each = " / ".join(f"{p.predicted.step_time_s * 1e3:.3f}" for p in priced)
                 print(
@@ -266,6 +298,12 @@ def _report(
                     f"{pred_m / 2**20:>9.2f} {meas_m / 2**20:>9.2f} {em * 100:>6.0f}%   {each}",
                     flush=True,
                 )
+        if rows_too and pace is not None:
+            print(
+                f"{'':<11} {rec['world']:>5} {'ref':<5} {'':<7} {ref_pred * 1e3:>9.3f} "
+                f"{rec['measured'][REF][0] * 1e3:>9.3f} {(pace - 1) * 100:>6.0f}%   "
+                f"(pace reference: {REF_COUNT} GEMMs {'x'.join(map(str, REF_GEMM))})"
+            )
         # a plan the search found twice (auto = TP) is one plan: ranked once, under both names
         ranked.append((rec["model"], rec["world"], {"=".join(n): case[n[0]] for n in _same_plans(plans)}))
     if not summary:
@@ -273,6 +311,11 @@ def _report(
     print(
         f"median |error| step time:   {statistics.median(abs(r[3]) for r in rows) * 100:.0f}%  ({len(rows)} cases)"
     )
+    if len(paced) == len(rows):
+        print(
+            f"  with each prediction scaled by its model's pace reference (the VM's drift, a "
+            f"diagnostic): {statistics.median(abs(e) for e in paced) * 100:.0f}%"
+        )
     print(f"median |error| peak memory: {statistics.median(abs(r[4]) for r in rows) * 100:.0f}%")
     print("ranking of the plans (fastest first), predicted vs measured:")
     agree = pairs = ordered = 0
