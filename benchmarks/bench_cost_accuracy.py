@@ -2,11 +2,11 @@
 
 For 3 models x 3 plans (DP, TP, auto; and mixed, a 2-axis mesh with data parallelism on axis 0
 and tensor parallelism on axis 1, on world sizes that have one) x gloo world sizes 2 and 4: plan with a calibrated
-ClusterSpec (``calibrate`` once at the start, or ``--cluster FILE``), run the 3 plans of a model on local gloo
+ClusterSpec (``calibrate`` once at the start, or ``--cluster FILE``), run the plans of a model on local gloo
 processes (SGD steps) in interleaved rounds, measure the step time (median over rounds of the
 slowest rank's step) and the peak live tensor bytes (max over ranks, least of ``MEMORY_STEPS``
 steps), and print predicted vs measured with relative errors; then the median
-absolute error of each and whether the predicted ranking of the 3 plans matches the measured one
+absolute error of each and whether the predicted ranking of the plans matches the measured one
 (a plan that two roles find alike, e.g. auto = TP, is ranked once: the two runs of one plan differ
 only by noise).
 
@@ -211,6 +211,7 @@ def _measure(args, out: Path) -> list[dict]:
 
     bracket = args.calibrate_each and not args.cluster
     records: list[dict] = []
+    priced: list[dict] = []  # each record's prices (``_price``), for its rows and the summary
     for world in args.worlds:
         cluster = cluster_for(world)
         profiler = OpProfiler.for_cluster(cluster, cache_path=args.profile_cache) if args.profile else None
@@ -252,72 +253,91 @@ def _measure(args, out: Path) -> list[dict]:
                 "measured": {p: [max(r[p][i] for r in results) for i in (0, 1)] for p in [*paths, REF]},
             }
             records.append(record)
-            _report([record], out, args.profile, args.profile_cache, summary=False)
+            priced.append(_price(record, out, args.profile, args.profile_cache))
+            _print_rows(record, priced[-1])
     print()
-    _report(records, out, args.profile, args.profile_cache, rows_too=False)
+    _summary(records, priced)
     return records
 
 
-def _report(
-    records: list[dict],
-    folder: Path,
-    profile: bool,
-    profile_cache,
-    summary: bool = True,
-    rows_too: bool = True,
-) -> None:
-    """Price each record's plans with each of its calibrations (``autopar.reprice``: the plan's
-    decisions, unchanged) and print predicted (the mean over the calibrations) against measured,
-    per plan; then the median errors and the rankings."""
-    rows, ranked, paced = [], [], []
-    for rec in records:
-        clusters = [autopar.ClusterSpec.from_dict(c) for c in rec["clusters"]]
-        pace = None  # the reference's predicted over measured (runs saved before it have none)
-        if REF in rec["measured"]:
-            ref_pred = statistics.mean(_ref_predicted(cl) for cl in clusters)
-            pace = ref_pred / rec["measured"][REF][0]
-        profiler = OpProfiler.for_cluster(clusters[0], cache_path=profile_cache) if profile else None
-        plans = {p: autopar.Plan.load(folder / name) for p, name in rec["plans"].items()}
-        case = {}
-        if rows_too and len(records) > 1 and (not rows or rows[-1][1] != rec["world"]):
-            print(HEAD)  # (a live run prints it once per world size itself)
-        for pname, plan in plans.items():
-            priced = []
-            for cl in clusters:
-                model, inputs = load_model_spec(rec["spec"])
-                priced.append(
-                    autopar.reprice(
-                        model, cl, inputs, plan, optimizer=autopar.Optimizer.SGD, profile=profiler or False
-                    )
+def _report(records: list[dict], folder: Path, profile: bool, profile_cache) -> None:
+    """Every record's rows (``_price``, ``_print_rows``), then the summary (``_summary``)."""
+    priced = []
+    for i, rec in enumerate(records):
+        if i == 0 or records[i - 1]["world"] != rec["world"]:
+            print(HEAD)
+        priced.append(_price(rec, folder, profile, profile_cache))
+        _print_rows(rec, priced[-1])
+    _summary(records, priced)
+
+
+def _price(rec: dict, folder: Path, profile: bool, profile_cache) -> dict:
+    """Each of the record's plans priced with each of its calibrations (``autopar.reprice``: the
+    plan's decisions, unchanged): ``{"plans": {name: (plan, [step s per calibration], peak
+    bytes)}, "ref": [the pace reference's s per calibration]}`` (no ``ref`` in runs saved before it)."""
+    clusters = [autopar.ClusterSpec.from_dict(c) for c in rec["clusters"]]
+    profiler = OpProfiler.for_cluster(clusters[0], cache_path=profile_cache) if profile else None
+    out: dict = {"plans": {}}
+    for pname, name in rec["plans"].items():
+        plan = autopar.Plan.load(folder / name)
+        priced = []
+        for cl in clusters:
+            model, inputs = load_model_spec(rec["spec"])
+            priced.append(
+                autopar.reprice(
+                    model, cl, inputs, plan, optimizer=autopar.Optimizer.SGD, profile=profiler or False
                 )
-            pred_t = statistics.mean(p.predicted.step_time_s for p in priced)
-            pred_m = priced[0].predicted.peak_memory_bytes  # the same with every calibration
+            )
+        steps = [p.predicted.step_time_s for p in priced]
+        out["plans"][pname] = (
+            plan,
+            steps,
+            priced[0].predicted.peak_memory_bytes,
+        )  # memory: the same with each
+    if REF in rec["measured"]:
+        out["ref"] = [_ref_predicted(cl) for cl in clusters]
+    return out
+
+
+def _print_rows(rec: dict, priced: dict) -> None:
+    """Predicted (the mean over the calibrations) against measured, per plan, and the pace reference."""
+    for pname, (plan, steps, pred_m) in priced["plans"].items():
+        pred_t = statistics.mean(steps)
+        meas_t, meas_m = rec["measured"][pname]
+        each = " / ".join(f"{t * 1e3:.3f}" for t in steps)
+        print(
+            f"{rec['model']:<11} {rec['world']:>5} {pname:<5} {'x'.join(map(str, plan.mesh_shape)):<7} "
+            f"{pred_t * 1e3:>9.3f} {meas_t * 1e3:>9.3f} {_rel(pred_t, meas_t) * 100:>6.0f}% "
+            f"{pred_m / 2**20:>9.2f} {meas_m / 2**20:>9.2f} {_rel(pred_m, meas_m) * 100:>6.0f}%   {each}",
+            flush=True,
+        )
+    if "ref" in priced:
+        pred, meas = statistics.mean(priced["ref"]), rec["measured"][REF][0]
+        print(
+            f"{'':<11} {rec['world']:>5} {'ref':<5} {'':<7} {pred * 1e3:>9.3f} {meas * 1e3:>9.3f} "
+            f"{_rel(pred, meas) * 100:>6.0f}%   (pace reference: {REF_COUNT} GEMMs {'x'.join(map(str, REF_GEMM))})"
+        )
+
+
+def _summary(records: list[dict], priced: list[dict]) -> None:
+    """The median errors over every plan of every record, and the rankings."""
+    rows, ranked, paced = [], [], []
+    for rec, pr in zip(records, priced):
+        # the reference's predicted over measured (runs saved before it have none)
+        pace = statistics.mean(pr["ref"]) / rec["measured"][REF][0] if "ref" in pr else None
+        case = {}
+        for pname, (_, steps, pred_m) in pr["plans"].items():
+            pred_t = statistics.mean(steps)
             meas_t, meas_m = rec["measured"][pname]
-            et, em = _rel(pred_t, meas_t), _rel(pred_m, meas_m)
             case[pname] = (pred_t, meas_t)
-            rows.append((rec["model"], rec["world"], pname, et, em))
+            rows.append((_rel(pred_t, meas_t), _rel(pred_m, meas_m)))
             if pace is not None:
                 paced.append((rec["world"], pace, pred_t, meas_t))
-            if rows_too:
-                each = " / ".join(f"{p.predicted.step_time_s * 1e3:.3f}" for p in priced)
-                print(
-                    f"{rec['model']:<11} {rec['world']:>5} {pname:<5} {'x'.join(map(str, plan.mesh_shape)):<7} "
-                    f"{pred_t * 1e3:>9.3f} {meas_t * 1e3:>9.3f} {et * 100:>6.0f}% "
-                    f"{pred_m / 2**20:>9.2f} {meas_m / 2**20:>9.2f} {em * 100:>6.0f}%   {each}",
-                    flush=True,
-                )
-        if rows_too and pace is not None:
-            print(
-                f"{'':<11} {rec['world']:>5} {'ref':<5} {'':<7} {ref_pred * 1e3:>9.3f} "
-                f"{rec['measured'][REF][0] * 1e3:>9.3f} {(pace - 1) * 100:>6.0f}%   "
-                f"(pace reference: {REF_COUNT} GEMMs {'x'.join(map(str, REF_GEMM))})"
-            )
         # a plan the search found twice (auto = TP) is one plan: ranked once, under both names
+        plans = {p: plan for p, (plan, _, _) in pr["plans"].items()}
         ranked.append((rec["model"], rec["world"], {"=".join(n): case[n[0]] for n in _same_plans(plans)}))
-    if not summary:
-        return
     print(
-        f"median |error| step time:   {statistics.median(abs(r[3]) for r in rows) * 100:.0f}%  ({len(rows)} cases)"
+        f"median |error| step time:   {statistics.median(abs(r[0]) for r in rows) * 100:.0f}%  ({len(rows)} cases)"
     )
     if paced and len(paced) == len(rows):
         # the reference's own error, the same for every model of a world size: its median there
@@ -327,7 +347,7 @@ def _report(
             f"  each prediction scaled by its model's pace reference, relative to its world size's "
             f"median (the VM's drift; a diagnostic): {statistics.median(abs(e) for e in errs) * 100:.0f}%"
         )
-    print(f"median |error| peak memory: {statistics.median(abs(r[4]) for r in rows) * 100:.0f}%")
+    print(f"median |error| peak memory: {statistics.median(abs(r[1]) for r in rows) * 100:.0f}%")
     print("ranking of the plans (fastest first), predicted vs measured:")
     agree = pairs = ordered = 0
     for mname, world, case in ranked:
