@@ -153,9 +153,8 @@ def test_quick_calibration_on_two_processes_and_cli(tmp_path, capsys):
     assert 0 < dev.kernel_launch_s < 1e-2
     assert 0.0 <= dev.comm_overlap <= 1.0
     assert 0.0 <= dev.sync_wait < 1.0 and 0 < dev.step_overhead_s < 1e-2
-    waits = dict(
-        dev.sync_wait_kinds
-    )  # each kind a step synchronizes with; gloo's reduce-scatter is an all-reduce
+    # each kind a step synchronizes with; gloo's reduce-scatter is an all-reduce
+    waits = dict(dev.sync_wait_kinds)
     assert set(waits) == {"all_reduce", "all_gather", "reduce_scatter"}
     assert waits["reduce_scatter"] == waits["all_reduce"] and dev.sync_wait == max(waits.values())
     assert set(dict(dev.optimizer_param_s)) == {"SGD", "SGD_MOMENTUM", "ADAM"}
