@@ -29,3 +29,18 @@ def test_a_rank_that_dies_after_reporting_loses_nothing_and_a_failing_rank_is_na
     assert "rank 0 reported its result, then exited with code 3" in caplog.text
     with pytest.raises(RankFailed, match=r"(?s)rank 1 failed.*ValueError: rank 1 broke"):
         run_on_ranks(_rank_fails, 2)
+
+
+def _affinity(rank: int, world: int) -> list[int]:
+    return sorted(os.sched_getaffinity(0))
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not hasattr(os, "sched_getaffinity"), reason="CPU affinity is Linux-only")
+def test_each_rank_is_bound_to_one_core_round_robin():
+    """Rank r runs on core r mod cores of the launcher's affinity (consecutive ranks on different
+    cores); with ``pin_cores=False`` a rank may run anywhere the launcher may."""
+    cores = sorted(os.sched_getaffinity(0))
+    world = 4
+    assert run_on_ranks(_affinity, world) == [[cores[r % len(cores)]] for r in range(world)]
+    assert run_on_ranks(_affinity, 2, pin_cores=False) == [cores, cores]
