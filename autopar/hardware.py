@@ -389,8 +389,17 @@ class DeviceSpec:
         }
 
 
+# set by ``autopar.launch.pin_to_core``: how many cores the ranks of this host share, for a rank
+# whose own affinity is now the one core it is bound to
+HOST_CORES_ENV = "AUTOPAR_HOST_CORES"
+
+
 def usable_cores() -> int:
-    """Cores this process may run on (its CPU affinity), else the machine's count."""
+    """Cores the ranks of this host may run on: the launcher's CPU affinity where
+    ``autopar.launch.pin_to_core`` bound this rank to one of them, else this process's affinity,
+    else the machine's count."""
+    if os.environ.get(HOST_CORES_ENV, "").isdigit() and int(os.environ[HOST_CORES_ENV]) > 0:
+        return int(os.environ[HOST_CORES_ENV])
     try:
         return len(os.sched_getaffinity(0))
     except (AttributeError, OSError):

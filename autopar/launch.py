@@ -26,6 +26,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from autopar.hardware import HOST_CORES_ENV
+
 log = logging.getLogger(__name__)
 
 
@@ -61,7 +63,9 @@ def pin_to_core(local_rank: int) -> int | None:
     """Bind this process to one of the cores it may run on: core ``local_rank mod cores`` of its
     CPU affinity, so consecutive ranks (a mesh's last axis, the most tightly coupled groups) run
     on different cores, and with more ranks than cores the same ranks take turns on one core
-    every step. Returns the core, or None where the affinity cannot be set (not Linux).
+    every step. Returns the core, or None where the affinity cannot be set (not Linux). The cores
+    it chose from stay this process's ``usable_cores()`` (``ClusterSpec.local()``, the ``cpu``
+    preset and ``autopar calibrate`` record them as the host's).
 
     As CPU launchers bind ranks (Intel's ``ipexrun``, MPI's ``--bind-to core``): unbound, the
     kernel moves ranks between cores as they block in collectives and wake, so the ranks that
@@ -75,6 +79,7 @@ def pin_to_core(local_rank: int) -> int | None:
         cores = sorted(os.sched_getaffinity(0))
         core = cores[local_rank % len(cores)]
         os.sched_setaffinity(0, {core})
+        os.environ[HOST_CORES_ENV] = str(len(cores))  # what the host's ranks share: usable_cores
     except (AttributeError, OSError):
         return None
     return core

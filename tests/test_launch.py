@@ -31,16 +31,21 @@ def test_a_rank_that_dies_after_reporting_loses_nothing_and_a_failing_rank_is_na
         run_on_ranks(_rank_fails, 2)
 
 
-def _affinity(rank: int, world: int) -> list[int]:
-    return sorted(os.sched_getaffinity(0))
+def _affinity(rank: int, world: int) -> tuple[list[int], int]:
+    from autopar.cluster import usable_cores
+
+    return sorted(os.sched_getaffinity(0)), usable_cores()
 
 
 @pytest.mark.slow
 @pytest.mark.skipif(not hasattr(os, "sched_getaffinity"), reason="CPU affinity is Linux-only")
 def test_each_rank_is_bound_to_one_core_round_robin():
     """Rank r runs on core r mod cores of the launcher's affinity (consecutive ranks on different
-    cores); with ``pin_cores=False`` a rank may run anywhere the launcher may."""
+    cores), and still counts the launcher's cores as the host's (what calibrate records and
+    ``compute_slowdown`` divides by); with ``pin_cores=False`` a rank may run anywhere the
+    launcher may."""
     cores = sorted(os.sched_getaffinity(0))
     world = 4
-    assert run_on_ranks(_affinity, world) == [[cores[r % len(cores)]] for r in range(world)]
-    assert run_on_ranks(_affinity, 2, pin_cores=False) == [cores, cores]
+    n = len(cores)
+    assert run_on_ranks(_affinity, world) == [([cores[r % n]], n) for r in range(world)]
+    assert run_on_ranks(_affinity, 2, pin_cores=False) == [(cores, n), (cores, n)]
