@@ -68,8 +68,9 @@ def test_coverage_lists_ops_and_fallbacks(capsys):
     assert main(["coverage", spec, "--json"]) == 0
     rows = {r["op"]: r for r in json.loads(capsys.readouterr().out)}
     assert rows["aten.linear.default"]["has_rule"] and rows["aten.linear.default"]["count"] == 2 * 7 + 1
-    # the one op without a rule: the no-grad rotary block, a higher-order op (replicated)
-    assert [op for op, r in rows.items() if not r["has_rule"]] == ["wrap_with_set_grad_enabled"]
+    # every op has a rule but, where transformers runs the rotary embedding under no_grad, that
+    # block: a higher-order op (replicated)
+    assert {op for op, r in rows.items() if not r["has_rule"]} <= {"wrap_with_set_grad_enabled"}
     assert "<built-in function getitem>" not in rows
     assert main(["coverage", "autopar.examples:mlp(batch=4, hidden=8, ffn=16)"]) == 0
     table = capsys.readouterr().out

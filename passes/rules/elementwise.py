@@ -19,8 +19,8 @@ from autopar.placement import Shard
 
 UNARY_LINEAR = [
     aten.neg.default, aten.clone.default, aten.contiguous.default, aten.alias.default,
-    aten.detach.default, aten.to.dtype, aten.to.dtype_layout, aten._to_copy.default, aten.type_as.default,
-    aten.lift_fresh_copy.default,
+    aten.detach.default, aten.to.dtype, aten.to.dtype_layout, aten.to.device, aten._to_copy.default,
+    aten.type_as.default, aten.lift_fresh_copy.default,
 ]  # fmt: skip
 UNARY_NONLINEAR = [
     aten.rsqrt.default, aten.sqrt.default, aten.exp.default, aten.log.default, aten.tanh.default,
