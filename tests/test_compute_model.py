@@ -201,8 +201,11 @@ def _optimizer_prediction_errors() -> tuple[dict, dict[str, tuple[float, float]]
     torch.set_num_threads(1)
     cpu = torch.device("cpu")
     figures = measure_optimizer(cpu, repeats=5)
-    dev = dataclasses.replace(
-        CPU, memory_bandwidth=measure_memory_bandwidth(cpu, repeats=3), optimizer_param_s=figures
+    dev = dataclasses.replace(  # the figures ``autopar calibrate`` would give the device
+        CPU,
+        memory_bandwidth=measure_memory_bandwidth(cpu, repeats=3),
+        inplace_bandwidth=measure_inplace_bandwidth(cpu, repeats=3),
+        optimizer_param_s=figures,
     )
     model, _ = autopar.examples.gpt2_tiny(batch=1, seq=8, hidden=64, vocab=256)
     params = [p for p in model.parameters() if p.requires_grad]
