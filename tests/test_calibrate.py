@@ -262,3 +262,67 @@ def _lockstep_rank(rank, world):
         end = time.perf_counter()  # at or after this rank's last timed sample
     # calls[0] is median_time's untimed first call; the last, an untimed call while others time
     return own, agreed, calls[1], end - 1.5 * pause, calls[-1]
+
+
+@given(st.sampled_from([2, 3, 4, 6, 8, 12, 16]), st.data())
+@settings(max_examples=40, deadline=None)
+def test_group_layouts_are_the_groups_of_every_mesh_axis(world, data):
+    """For any mesh of ``world`` ranks laid out row-major (as codegen's ``init_device_mesh``), each
+    axis's groups are ``group_ranks`` of its size and stride, a layout of ``group_layouts`` unless
+    the axis spans the whole world in one group."""
+    import torch
+
+    from autopar.cost_model.calibrate import group_layouts, group_ranks
+    from autopar.passes.solver import mesh_candidates
+
+    meshes = [m for k in (1, 2, 3) for m in mesh_candidates(world, k, world)]
+    mesh = data.draw(st.sampled_from(meshes))
+    ranks = torch.arange(world).reshape(mesh)
+    layouts = group_layouts(world)
+    assert len(set(layouts)) == len(layouts) and (world, 1) not in layouts
+    for a, n in enumerate(mesh):
+        if n == 1:
+            continue
+        stride = math.prod(mesh[a + 1 :])
+        groups = sorted(ranks.movedim(a, -1).reshape(-1, n).tolist())
+        assert sorted(group_ranks(world, n, stride)) == groups
+        assert ((n, stride) in layouts) == ((n, stride) != (world, 1))
+
+
+def _group_samples_rank(rank: int, world: int):
+    from autopar.cost_model.calibrate import measure_group_collectives
+
+    return measure_group_collectives((2**10, 2**16), ("all_reduce", "all_gather"), repeats=3)
+
+
+@pytest.mark.slow
+def test_group_collectives_are_measured_per_layout_alike_on_every_rank():
+    """On 4 ranks: pairs of neighbours and pairs two apart, each collective and size, the same
+    (slowest group's) figures on every rank, and a link fitted to them prices each axis of a 2 x 2
+    mesh with its own layout's fit."""
+    from autopar.cost_model.comm import CommModel, group_ranges
+    from autopar.launch import run_on_ranks
+
+    res = run_on_ranks(_group_samples_rank, 4)
+    assert all(r == res[0] for r in res)
+    assert set(res[0]) == {(2, 1), (2, 2)}
+    for samples in res[0].values():
+        assert [(s.kind, s.nbytes, s.n) for s in samples] == [
+            (k, b, 2) for k in ("all_reduce", "all_gather") for b in (2**10, 2**16)
+        ]
+        assert all(0 < s.seconds < 1.0 for s in samples)
+    link = LinkSpec(
+        1e9,
+        1e-3,
+        ranges=tuple(
+            (group_ranges(kind, n, stride), up, bw, lat)
+            for (n, stride), mine in res[0].items()
+            for kind, up, bw, lat in fit_ranges(mine)
+        ),
+    )
+    cluster = ClusterSpec.preset("cpu", devices_per_node=4).with_overrides(intra_node=link, inter_node=link)
+    cm = CommModel(cluster, (2, 2))
+    for axis, layout in ((0, (2, 2)), (1, (2, 1))):
+        for s in res[0][layout]:
+            fitted = predict_time(s, link, group_ranges(s.kind, *layout))  # the layout's own fit
+            assert cm.time(Collective(s.kind), s.nbytes, axis) == pytest.approx(fitted, rel=1e-9)
