@@ -17,13 +17,6 @@ runs it:
   then waited for, timed per call: what an overlapped gradient all-reduce costs behind another
   (``codegen/grad_sync.py``, ``cost_model/overlap.py``); fitted like ``all_reduce``.
 
-The same again on the groups a mesh axis of the world can have (``group_layouts``: ``n`` ranks
-``stride`` apart, e.g. pairs of neighbours and pairs two apart among 4 ranks), every group of a
-layout at once as the axis runs them, each sample the slowest group's
-(``measure_group_collectives``); fitted per collective, size range and layout
-(``comm.group_ranges``): where ranks share cores, a small collective's time does not follow the
-ring's ``(n-1)`` latency terms from one group size to another.
-
 Each repeat runs every case after one barrier, in a shuffled order, each after 0.5 ms of compute,
 as a training step issues its collectives between ops (on gloo, a collective right after another
 often stalls ~2 ms, one right after a barrier does not; a step sits in between). A run's time is
@@ -95,7 +88,6 @@ import torch.distributed as dist
 
 from autopar.cluster import ClusterSpec, LinkSpec, usable_cores
 from autopar.cost_model.calibrate_compute import Lockstep, lockstep, matmul_figures, measure_compute, sync
-from autopar.cost_model.comm import group_ranges
 from autopar.cost_model.overlap import measure_overlap
 from autopar.cost_model.sync import REFERENCE_GAP_S, SYNC_GAPS_S, SYNC_KINDS
 
@@ -152,10 +144,9 @@ def ring_coefficients(kind: str, n: int) -> tuple[float, float]:
     raise ValueError(f"unknown collective kind {kind!r}; known: {KINDS + ('all_to_all', 'send_recv')}")
 
 
-def predict_time(sample: Sample, link: LinkSpec, ranges: str | None = None) -> float:
-    """``link``'s seconds for ``sample``, with the ranges named ``ranges`` (default: its kind's)."""
+def predict_time(sample: Sample, link: LinkSpec) -> float:
     f, g = ring_coefficients(sample.kind, sample.n)
-    bw, lat = link.at(sample.nbytes, ranges or sample.kind)
+    bw, lat = link.at(sample.nbytes, sample.kind)
     return f * sample.nbytes / bw + g * lat
 
 
@@ -267,48 +258,6 @@ def measure_collectives(
         Sample(kind=kind, nbytes=nbytes, n=n, seconds=trimmed_mean(per_run[i].tolist()))
         for i, (kind, nbytes) in enumerate(cases)
     ]
-
-
-def group_layouts(world: int) -> list[tuple[int, int]]:
-    """``(n, stride)`` of every group of two or more ranks, less than the whole world, that an
-    axis of a device mesh of ``world`` ranks can have: ``n`` ranks ``stride`` apart, in blocks of
-    ``n * stride`` consecutive ranks (row-major, as ``passes/solver.py`` and ``codegen`` lay
-    meshes out), ``n * stride`` dividing ``world``."""
-    return [
-        (n, s)
-        for n in range(2, world + 1)
-        for s in range(1, world // n + 1)
-        if world % (n * s) == 0 and (n, s) != (world, 1)
-    ]
-
-
-def group_ranks(world: int, n: int, stride: int) -> list[list[int]]:
-    """The ranks of each group of layout ``(n, stride)`` (``group_layouts``), in rank order."""
-    span = n * stride
-    return [[b + j + i * stride for i in range(n)] for b in range(0, world, span) for j in range(stride)]
-
-
-def measure_group_collectives(
-    sizes_bytes: Iterable[int] = DEFAULT_SIZES,
-    kinds: Iterable[str] = KINDS,
-    repeats: int = DEFAULT_REPEATS,
-) -> dict[tuple[int, int], list[Sample]]:
-    """``measure_collectives`` on the groups of each layout of ``group_layouts`` of the world,
-    every group of a layout at once (as a mesh axis runs them); each sample the slowest group's.
-    Call on every rank of the default group; every rank returns the same samples."""
-    world, rank = dist.get_world_size(), dist.get_rank()
-    out: dict[tuple[int, int], list[Sample]] = {}
-    for n, stride in group_layouts(world):
-        mine = None
-        for ranks in group_ranks(world, n, stride):  # every rank creates every group, in order
-            g = dist.new_group(ranks)
-            if rank in ranks:
-                mine = g
-        samples = measure_collectives(sizes_bytes, kinds, group=mine, repeats=repeats)
-        t = torch.tensor([x.seconds for x in samples], dtype=torch.float64)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)  # the slowest group: a step waits for it
-        out[(n, stride)] = [dataclasses.replace(x, seconds=v) for x, v in zip(samples, t.tolist())]
-    return out
 
 
 def measure_sync_wait(
@@ -509,9 +458,6 @@ class Calibration:
     errors: list[float]  # fit_errors(samples, link), per sample
     compute: dict
     per_kind: dict[str, LinkSpec] = field(default_factory=dict)  # each kind fitted alone
-    # layout (n, stride) -> its samples (measure_group_collectives), priced by the link's
-    # group_ranges entries
-    group_samples: dict[tuple[int, int], list[Sample]] = field(default_factory=dict)
 
     def table(self) -> str:
         """Human-readable summary: fitted numbers and the per-size fit error."""
@@ -569,14 +515,6 @@ class Calibration:
                 f"{s.kind:<15} {s.n:>2} {s.nbytes:>10d} {s.seconds * 1e6:>9.1f} us "
                 f"{predict_time(s, self.link) * 1e6:>9.1f} us {e * 100:>7.1f}%{used}"
             )
-        for (n, stride), mine in self.group_samples.items():
-            lines.append(f"groups of {n} ranks {stride} apart, every group at once (the slowest group):")
-            for s in mine:
-                t = predict_time(s, self.link, group_ranges(s.kind, n, stride))
-                lines.append(
-                    f"{s.kind:<15} {s.n:>2} {s.nbytes:>10d} {s.seconds * 1e6:>9.1f} us "
-                    f"{t * 1e6:>9.1f} us {(t - s.seconds) / s.seconds * 100:>7.1f}%"
-                )
         return "\n".join(lines)
 
 
@@ -628,7 +566,6 @@ def _measure_rank(sizes: Sequence[int], kinds: Sequence[str], repeats: int, quic
     # pace drifts over seconds, and one round of ~1.5 s catches whatever spell it falls in
     figures = _compute_round(device, cores, group, quick)
     samples = measure_collectives(sizes, kinds, repeats=repeats)
-    groups = measure_group_collectives(sizes, kinds, repeats=repeats)
     if rounds > 1:
         figures += _compute_round(device, cores, group, quick)
     overlap = measure_overlap(repeats=3 if quick else 7)  # every rank: an all-reduce under compute
@@ -638,7 +575,6 @@ def _measure_rank(sizes: Sequence[int], kinds: Sequence[str], repeats: int, quic
     compute = median_compute(figures)
     return {
         "samples": samples,
-        "group_samples": groups,
         "sync_wait": sync_wait,
         "compute": compute,
         "host_cores": 0 if backend == "nccl" else usable_cores(),
@@ -701,15 +637,8 @@ def run_calibration(
     compute = dict(results[0]["compute"])  # every rank holds the same median (_measure_rank)
     compute["overlap"] = results[0]["overlap"]
     compute["sync_wait"] = results[0]["sync_wait"]
-    groups: dict[tuple[int, int], list[Sample]] = results[0]["group_samples"]
     link = dataclasses.replace(
-        fit_link([s for s in samples if s.kind in LINK_KINDS]),
-        ranges=fit_ranges(samples)
-        + tuple(
-            (group_ranges(kind, n, stride), up, bw, lat)
-            for (n, stride), mine in groups.items()
-            for kind, up, bw, lat in fit_ranges(mine)
-        ),
+        fit_link([s for s in samples if s.kind in LINK_KINDS]), ranges=fit_ranges(samples)
     )
     per_kind = {k: fit_link(samples, k) for k in KINDS if any(s.kind == k for s in samples)}
 
@@ -748,7 +677,6 @@ def run_calibration(
         errors=fit_errors(samples, link),
         compute=compute,
         per_kind=per_kind,
-        group_samples=groups,
     )
 
 
