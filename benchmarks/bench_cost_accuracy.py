@@ -3,8 +3,9 @@
 For 3 models x 3 plans (DP, TP, auto; and mixed, a 2-axis mesh with data parallelism on axis 0
 and tensor parallelism on axis 1, on world sizes that have one) x gloo world sizes 2 and 4: plan with a calibrated
 ClusterSpec (``calibrate`` once at the start, or ``--cluster FILE``), run the plans of a model on local gloo
-processes (SGD steps) in interleaved rounds, measure the step time (median over rounds of the
-slowest rank's step) and the peak live tensor bytes (max over ranks, least of ``MEMORY_STEPS``
+processes (SGD steps) in interleaved rounds (in an order shuffled per round, each plan one
+untimed step before its timed ones: ``time_interleaved``), measure the step time (median over
+rounds of the slowest rank's step) and the peak live tensor bytes (max over ranks, least of ``MEMORY_STEPS``
 steps), and print predicted vs measured with relative errors; then the median
 absolute error of each and whether the predicted ranking of the plans matches the measured one
 (a plan that two roles find alike, e.g. auto = TP, is ranked once: the two runs of one plan differ

@@ -109,18 +109,35 @@ def time_steps(
 
 
 def time_interleaved(
-    steps: dict[str, Callable[[], None]], rounds: int, warmup: int = 2, steps_per_round: int = 1
+    steps: dict[str, Callable[[], None]],
+    rounds: int,
+    warmup: int = 2,
+    steps_per_round: int = 1,
+    settle: int = 1,
 ) -> dict[str, float]:
     """Seconds per step of each of ``steps`` (one per name), timed in interleaved rounds on every
     rank of the default process group (call on every rank): a slow spell of a shared machine hits
-    every entry alike instead of whichever ran during it. A round runs each entry's step
-    ``steps_per_round`` times back to back after a barrier; its time per step is the slowest
-    rank's; each entry's figure is the median over ``rounds`` after ``warmup`` untimed rounds."""
+    every entry alike instead of whichever ran during it. A round runs the entries in an order
+    shuffled per round (the same on every rank), each ``settle`` untimed steps and then, after a
+    barrier, ``steps_per_round`` timed steps back to back; its time per step is the slowest
+    rank's; each entry's figure is the median over ``rounds`` after ``warmup`` untimed rounds.
+
+    The untimed steps and the order are for what a training loop sees, one entry over and over:
+    the first step after another entry runs on the caches (and allocator state) that entry left,
+    and a fixed order would charge that to the same entry every round (on the 2-core VM, one plan
+    timed twice in a run, right after a data-parallel plan and after itself, came out 12% apart)."""
+    import random
+
     import torch.distributed as dist
 
     times: dict[str, list[float]] = {name: [] for name in steps}
+    order = list(steps)
     for r in range(warmup + rounds):
-        for name, step in steps.items():
+        random.Random(r).shuffle(order)
+        for name in order:
+            step = steps[name]
+            for _ in range(settle):
+                step()
             dist.barrier()
             t0 = time.perf_counter()
             for _ in range(steps_per_round):

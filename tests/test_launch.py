@@ -49,3 +49,35 @@ def test_each_rank_is_bound_to_one_core_round_robin():
     n = len(cores)
     assert run_on_ranks(_affinity, world) == [([cores[r % n]], n) for r in range(world)]
     assert run_on_ranks(_affinity, 2, pin_cores=False) == [(cores, n), (cores, n)]
+
+
+def _interleaved_rank(rank: int, world: int):
+    import time
+
+    from autopar.cost_model.measure import time_interleaved
+
+    calls: list[str] = []
+
+    def entry(name: str, seconds: float):
+        def step():
+            calls.append(name)
+            time.sleep(seconds)
+
+        return step
+
+    times = time_interleaved({"a": entry("a", 0.002), "b": entry("b", 0.006)}, 4, warmup=1, steps_per_round=2)
+    return times, calls
+
+
+@pytest.mark.slow
+def test_interleaved_rounds_shuffle_alike_on_every_rank_and_settle_before_timing():
+    """Every rank runs the entries in the same order, shuffled per round; each entry runs one
+    untimed step and its two timed ones together; the figures are each entry's own step time."""
+    (t0, calls0), (t1, calls1) = run_on_ranks(_interleaved_rank, 2)
+    assert calls0 == calls1
+    runs = [calls0[i : i + 3] for i in range(0, len(calls0), 3)]  # settle + 2 timed, per entry
+    assert len(runs) == 2 * 5 and all(len(set(r)) == 1 for r in runs)
+    firsts = [runs[2 * r][0][0] for r in range(5)]
+    assert set(firsts) == {"a", "b"}  # the order changes between rounds
+    for times in (t0, t1):
+        assert 0.002 <= times["a"] < 0.005 and 0.006 <= times["b"] < 0.010, times
