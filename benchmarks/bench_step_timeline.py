@@ -15,6 +15,10 @@ the ranks share the host). Per collective, in step order, the median over steps 
 * ``price``: the cost model's seconds for that collective and size on the plan's mesh
   (``CommModel.time``: the calibrated collectives, measured each after 0.5 ms of compute).
 
+and, as calibration averages them (``trimmed_mean``: a step pays each collective's expected time,
+its rare stalls included, which a median hides), the mean over steps of ``last->done`` and of
+``own max``, the slowest rank's own time in the call (from its arrival to its return).
+
 and per rank the step time and the seconds inside collectives. A bucket's all-reduce is issued
 during backward and waited for when backward ends: its ``spread`` is over the issues and its
 ``last->done`` from the last issue to the last wait's return.
@@ -38,7 +42,7 @@ import torch.distributed as dist
 from bench_cost_accuracy import MODELS, PLANS  # this folder: the accuracy benchmark's cases
 
 import autopar
-from autopar.cost_model.calibrate import run_calibration
+from autopar.cost_model.calibrate import run_calibration, trimmed_mean
 from autopar.cost_model.comm import Collective, CommModel
 from autopar.demo import train_step
 from autopar.launch import run_on_ranks
@@ -158,8 +162,10 @@ def main() -> None:
     if len(counts) != 1:
         print(f"the ranks called different numbers of collectives per step ({sorted(counts)}): no table")
         return
-    print(f"{'collective':<34} {'spread ms':>10} {'last->done ms':>14} {'price ms':>9}")
-    total_done = total_price = 0.0
+    print(
+        f"{'collective':<34} {'spread ms':>10} {'last->done ms':>14} {'mean':>7} {'own max mean':>13} {'price ms':>9}"
+    )
+    total_done = total_mean = total_own = total_price = 0.0
     for j in range(counts.pop()):
         name, kind, nbytes, n, _, _, issue = ranks[0][0][2][j]
         spread = statistics.median(
@@ -167,18 +173,27 @@ def main() -> None:
         )
         # an asynchronous all-reduce: from the last issue to the last wait's return
         start_j = issue if issue >= 0 else j
-        done = statistics.median(
+        dones = [
             max(rk[i][2][j][5] for rk in ranks) - max(rk[i][2][start_j][4] for rk in ranks)
             for i in range(steps)
-        )
+        ]
+        done, done_mean = statistics.median(dones), trimmed_mean(dones)
+        own = trimmed_mean([max(rk[i][2][j][5] - rk[i][2][start_j][4] for rk in ranks) for i in range(steps)])
         if name.endswith(" issue"):
             print(f"{name:<34} {spread * 1e3:>10.2f} {'':>14} {'':>9}")
             continue
         axis = sizes.index(n) if n in sizes else 0
         price = comm.time(Collective(kind), nbytes, axis)
         total_done, total_price = total_done + done, total_price + price
-        print(f"{name:<34} {spread * 1e3:>10.2f} {done * 1e3:>14.2f} {price * 1e3:>9.2f}")
-    print(f"{'all':<34} {'':>10} {total_done * 1e3:>14.2f} {total_price * 1e3:>9.2f}")
+        total_mean, total_own = total_mean + done_mean, total_own + own
+        print(
+            f"{name:<34} {spread * 1e3:>10.2f} {done * 1e3:>14.2f} {done_mean * 1e3:>7.2f} "
+            f"{own * 1e3:>13.2f} {price * 1e3:>9.2f}"
+        )
+    print(
+        f"{'all':<34} {'':>10} {total_done * 1e3:>14.2f} {total_mean * 1e3:>7.2f} "
+        f"{total_own * 1e3:>13.2f} {total_price * 1e3:>9.2f}"
+    )
 
 
 if __name__ == "__main__":

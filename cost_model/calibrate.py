@@ -17,12 +17,28 @@ runs it:
   then waited for, timed per call: what an overlapped gradient all-reduce costs behind another
   (``codegen/grad_sync.py``, ``cost_model/overlap.py``); fitted like ``all_reduce``.
 
-Each repeat runs every case after one barrier, in a shuffled order, each after 0.5 ms of compute,
-as a training step issues its collectives between ops (on gloo, a collective right after another
-often stalls ~2 ms, one right after a barrier does not; a step sits in between). A run's time is
-the maximum over ranks (the slowest rank decides when the collective is over), and a sample's
-time is the mean over ``repeats`` runs less the top and bottom 2.5% (``trimmed_mean``: a step
-pays the expected time of each collective, stalls included).
+The same again on the groups a mesh axis of the world can have (``group_layouts``: ``n`` ranks
+``stride`` apart, e.g. pairs of neighbours and pairs two apart among 4 ranks), every group of a
+layout at once as the axis runs them, each sample the slowest group's
+(``measure_group_collectives``); fitted per collective, size range and layout
+(``comm.group_ranges``): where ranks share cores, a small collective's time does not follow the
+ring's ``(n-1)`` latency terms from one group size to another.
+
+A collective's time is what it adds to the wall time of a loop of steps (``measure_added``):
+``BURST`` iterations of a fixed amount of compute (``REFERENCE_GAP_S`` of wall per iteration with
+every rank computing, the pace the cost model prices compute at) then the collective, against
+the same loop without it; a loop's wall from the first rank's start to the last rank's end
+(``perf_counter`` is one clock on a host; ranks on several hosts take the slowest rank's own
+loop time). Each repeat runs every loop after a barrier, in an order shuffled per repeat, and a
+sample is the mean over ``repeats`` loops less the top and bottom 2.5% (``trimmed_mean``: a step
+pays the expected time of each collective, stalls included). The wall, not the call's own time:
+where ranks share cores, a rank that arrives early waits while the others compute on the core it
+lent, which the compute's price holds already, and a rank that leaves first computes on a core
+the others still need to finish the collective, which the call's own time does not see. On this
+project's 2-core VM with 4 ranks bound to cores, a step's 8-byte all-reduce took 0.9 ms from
+the last rank's arrival to the last return and 4.4 ms as the slowest rank's own time; a 1 KiB
+all-reduce added 2.0 ms to such a loop, and a loop's added cost is what a step's wall is made of
+(``benchmarks/bench_step_timeline.py``).
 
 Fit (``fit_link``): the ring alpha-beta formulas of ``cost_model/comm.py``
 
@@ -78,6 +94,7 @@ import dataclasses
 import math
 import os
 import random
+import socket
 import statistics
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -88,6 +105,7 @@ import torch.distributed as dist
 
 from autopar.cluster import ClusterSpec, LinkSpec, usable_cores
 from autopar.cost_model.calibrate_compute import Lockstep, lockstep, matmul_figures, measure_compute, sync
+from autopar.cost_model.comm import group_ranges
 from autopar.cost_model.overlap import measure_overlap
 from autopar.cost_model.sync import REFERENCE_GAP_S, SYNC_GAPS_S, SYNC_KINDS
 
@@ -99,6 +117,7 @@ __all__ = [
     "QUICK_SIZES",
     "ring_coefficients",
     "measure_collectives",
+    "measure_added",
     "fit_link",
     "fit_ranges",
     "fit_errors",
@@ -111,6 +130,8 @@ __all__ = [
 
 KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_reduce_queued")
 QUEUE_DEPTH = 8  # all_reduce_queued: a burst of this many async all-reduces, priced per call
+BURST = 3  # iterations of (compute + collective) per timed loop of measure_collectives
+_MIN_ADDED_S = 1e-6  # s: floor of a collective's measured cost (a loop's noise can exceed a fast one's)
 LINK_KINDS = ("all_reduce", "all_gather")  # the samples calibrate() fits the link to
 DEFAULT_SIZES = (2**10, 2**13, 2**16, 2**18, 2**20, 2**22, 2**24)  # bytes: 1 KiB .. 16 MiB
 QUICK_SIZES = (2**10, 2**16, 2**20)
@@ -144,9 +165,10 @@ def ring_coefficients(kind: str, n: int) -> tuple[float, float]:
     raise ValueError(f"unknown collective kind {kind!r}; known: {KINDS + ('all_to_all', 'send_recv')}")
 
 
-def predict_time(sample: Sample, link: LinkSpec) -> float:
+def predict_time(sample: Sample, link: LinkSpec, ranges: str | None = None) -> float:
+    """``link``'s seconds for ``sample``, with the ranges named ``ranges`` (default: its kind's)."""
     f, g = ring_coefficients(sample.kind, sample.n)
-    bw, lat = link.at(sample.nbytes, sample.kind)
+    bw, lat = link.at(sample.nbytes, ranges or sample.kind)
     return f * sample.nbytes / bw + g * lat
 
 
@@ -205,12 +227,11 @@ def measure_collectives(
     warmup: int = 3,
     gap_s: float = REFERENCE_GAP_S,
 ) -> list[Sample]:
-    """Time each collective of ``kinds`` at each size (bytes of the full float32 tensor).
+    """Time each collective of ``kinds`` at each size (bytes of the full float32 tensor): what it
+    adds to the wall time of a loop of steps, each ``gap_s`` of compute then the collective
+    (``measure_added``; per call of a queued burst), at least ``_MIN_ADDED_S``.
 
-    Call on every rank of ``group`` (default: the world). Every rank returns the same samples:
-    each repeat runs every case after one barrier, in a shuffled order, each after ``gap_s`` of
-    compute (as a training step issues collectives between ops), a run's time is the max over
-    ranks, and a sample is the mean over ``repeats`` runs less the top and bottom 2.5%.
+    Call on every rank of ``group`` (default: the world). Every rank returns the same samples.
     """
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError("measure_collectives needs an initialized torch.distributed process group")
@@ -233,31 +254,158 @@ def measure_collectives(
             sync(device)
             cases.append((kind, numel * 4))
             runs.append(run)
-    # repeats outer, cases inner, in an order shuffled per repeat (the same on every rank): a burst
-    # of interference hits one run of many cases, and no case always follows the same one. One
-    # barrier per repeat, then the cases back to back, as a training step issues its collectives:
-    # on gloo a collective right after another often stalls (~2 ms on this VM) where one right
-    # after a barrier does not
-    times = [[0.0] * repeats for _ in cases]  # [case][repeat], this rank
-    for r in range(repeats):
-        order = list(range(len(runs)))
-        random.Random(r).shuffle(order)
-        dist.barrier(group=group)
-        for i in order:
-            _busy(gap_s)  # the compute a step runs between two collectives
-            t0 = time.perf_counter()
-            runs[i]()
-            sync(device)
-            times[i][r] = (time.perf_counter() - t0) / (
-                QUEUE_DEPTH if cases[i][0] == "all_reduce_queued" else 1
-            )
-    t = torch.tensor(times, dtype=torch.float64, device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
-    per_run = t.cpu()
+    added = measure_added(runs, group=group, repeats=repeats, gap_s=gap_s)
     return [
-        Sample(kind=kind, nbytes=nbytes, n=n, seconds=trimmed_mean(per_run[i].tolist()))
-        for i, (kind, nbytes) in enumerate(cases)
+        Sample(
+            kind=kind,
+            nbytes=nbytes,
+            n=n,
+            seconds=max(t, _MIN_ADDED_S) / (QUEUE_DEPTH if kind == "all_reduce_queued" else 1),
+        )
+        for t, (kind, nbytes) in zip(added, cases)
     ]
+
+
+def measure_added(
+    calls: Sequence[Callable[[], None]],
+    group=None,
+    repeats: int = DEFAULT_REPEATS,
+    gap_s: float = REFERENCE_GAP_S,
+) -> list[float]:
+    """Seconds each of ``calls`` adds to a loop of steps, per iteration: on every rank of
+    ``group``, ``repeats`` rounds, in an order shuffled per round (the same on every rank), each
+    entry after a barrier, of a loop of ``BURST`` x (``gap_s`` of compute + the call) for every
+    call and once without one; a loop's wall is from the first rank's start to the last rank's
+    end where the ranks share a host's clock (else the slowest rank's own); an entry's figure is
+    the mean of its walls less the top and bottom 2.5%, less the same of the loop without a call,
+    over ``BURST`` (it can be negative by the loops' noise). Every rank returns the same list."""
+    backend = dist.get_backend(group)
+    device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+    entries: list[Callable[[], None] | None] = [*calls, None]  # the last: the loop without a call
+    shared = _shared_clock(group)
+    work = _GapWork(device)
+
+    def loop(ops: int, call: Callable[[], None] | None) -> tuple[float, float]:
+        dist.barrier(group=group)
+        t0 = time.perf_counter()
+        for _ in range(BURST):
+            work(ops)
+            if call is not None:
+                call()
+        sync(device)
+        return t0, time.perf_counter()
+
+    ops = _ops_for_gap(loop, gap_s, shared, group, device)
+    # repeats outer, entries inner, in an order shuffled per repeat: a burst of interference hits
+    # one loop of many entries, and no entry always follows the same one
+    starts = [[0.0] * repeats for _ in entries]  # [entry][repeat], this rank's perf_counter
+    ends = [[0.0] * repeats for _ in entries]
+    for r in range(repeats):
+        order = list(range(len(entries)))
+        random.Random(r).shuffle(order)
+        for i in order:
+            starts[i][r], ends[i][r] = loop(ops, entries[i])
+    walls = _walls(starts, ends, shared, group, device)
+    bare = trimmed_mean(walls[-1]) / BURST
+    return [trimmed_mean(w) / BURST - bare for w in walls[:-1]]
+
+
+class _GapWork:
+    """A fixed amount of compute per call (``ops`` small matmuls and tanh), the same on every rank:
+    ranks drift and take turns on shared cores as a step's ops do, where a timed spin would not."""
+
+    def __init__(self, device: torch.device):
+        self.a = torch.ones(64, 64, device=device)
+
+    def __call__(self, ops: int) -> None:
+        b = self.a
+        for _ in range(ops):
+            b = torch.tanh(b @ self.a * 0.01)
+
+
+def _walls(starts, ends, shared: bool, group, device) -> list[list[float]]:
+    """Per loop, its wall time over the group: first start to last end on one clock, else the
+    slowest rank's own."""
+    t0 = torch.tensor(starts, dtype=torch.float64, device=device)
+    t1 = torch.tensor(ends, dtype=torch.float64, device=device)
+    if shared:
+        dist.all_reduce(t0, op=dist.ReduceOp.MIN, group=group)
+        dist.all_reduce(t1, op=dist.ReduceOp.MAX, group=group)
+        wall = t1 - t0
+    else:
+        wall = t1 - t0
+        dist.all_reduce(wall, op=dist.ReduceOp.MAX, group=group)
+    return wall.cpu().clamp_min(0.0).tolist()
+
+
+def _ops_for_gap(loop, gap_s: float, shared: bool, group, device) -> int:
+    """Ops of ``_GapWork`` whose loop without a collective takes ``gap_s`` of wall per iteration
+    with every rank of ``group`` computing (the compute's pace as the cost model prices it, ranks
+    that share cores taking turns): two rounds of scaling from a first guess, each the median of
+    three loops."""
+    ops = 8
+    for _ in range(2):
+        per_op = []
+        for _ in range(3):
+            t0, t1 = loop(ops, None)
+            per_op.append(_walls([[t0]], [[t1]], shared, group, device)[0][0] / BURST / ops)
+        ops = max(1, round(gap_s / statistics.median(per_op)))
+    return ops
+
+
+def group_layouts(world: int) -> list[tuple[int, int]]:
+    """``(n, stride)`` of every group of two or more ranks, less than the whole world, that an
+    axis of a device mesh of ``world`` ranks can have: ``n`` ranks ``stride`` apart, in blocks of
+    ``n * stride`` consecutive ranks (row-major, as ``passes/solver.py`` and ``codegen`` lay
+    meshes out), ``n * stride`` dividing ``world``."""
+    return [
+        (n, s)
+        for n in range(2, world + 1)
+        for s in range(1, world // n + 1)
+        if world % (n * s) == 0 and (n, s) != (world, 1)
+    ]
+
+
+def group_ranks(world: int, n: int, stride: int) -> list[list[int]]:
+    """The ranks of each group of layout ``(n, stride)`` (``group_layouts``), in rank order."""
+    span = n * stride
+    return [[b + j + i * stride for i in range(n)] for b in range(0, world, span) for j in range(stride)]
+
+
+def measure_group_collectives(
+    sizes_bytes: Iterable[int] = DEFAULT_SIZES,
+    kinds: Iterable[str] = KINDS,
+    repeats: int = DEFAULT_REPEATS,
+) -> dict[tuple[int, int], list[Sample]]:
+    """``measure_collectives`` on the groups of each layout of ``group_layouts`` of the world,
+    every group of a layout at once (as a mesh axis runs them); each sample the slowest group's.
+    Call on every rank of the default group; every rank returns the same samples."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    out: dict[tuple[int, int], list[Sample]] = {}
+    for n, stride in group_layouts(world):
+        mine = None
+        for ranks in group_ranks(world, n, stride):  # every rank creates every group, in order
+            g = dist.new_group(ranks)
+            if rank in ranks:
+                mine = g
+        samples = measure_collectives(sizes_bytes, kinds, group=mine, repeats=repeats)
+        t = torch.tensor([x.seconds for x in samples], dtype=torch.float64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)  # the slowest group: a step waits for it
+        out[(n, stride)] = [dataclasses.replace(x, seconds=v) for x, v in zip(samples, t.tolist())]
+    return out
+
+
+def _shared_clock(group=None) -> bool:
+    """Whether every rank of ``group`` reads one ``perf_counter`` (CLOCK_MONOTONIC): the ranks
+    share a host (by host name and boot id)."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+    except OSError:
+        return False  # no way to tell one host's clock from another's
+    names: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(names, (socket.gethostname(), boot), group=group)
+    return len(set(names)) == 1
 
 
 def measure_sync_wait(
@@ -368,16 +516,6 @@ def _sqrt_slope(points: Sequence[tuple[float, float]]) -> float:
     return max(0.0, statistics.median(slopes)) if slopes else 0.0
 
 
-def _busy(seconds: float) -> None:
-    """Keep this rank's core busy with small tensor ops for about ``seconds``."""
-    if seconds <= 0:
-        return
-    a = torch.ones(64, 64)
-    end = time.perf_counter() + seconds
-    while time.perf_counter() < end:
-        a = torch.tanh(a @ a * 0.01)
-
-
 def trimmed_mean(values: Sequence[float], trim: float = 0.025) -> float:
     """Mean without the lowest and highest ``trim`` fraction. A step pays every collective's
     expected time, stalls included: the mean, not the median, predicts a sum of many of them;
@@ -458,6 +596,9 @@ class Calibration:
     errors: list[float]  # fit_errors(samples, link), per sample
     compute: dict
     per_kind: dict[str, LinkSpec] = field(default_factory=dict)  # each kind fitted alone
+    # layout (n, stride) -> its samples (measure_group_collectives), priced by the link's
+    # group_ranges entries
+    group_samples: dict[tuple[int, int], list[Sample]] = field(default_factory=dict)
 
     def table(self) -> str:
         """Human-readable summary: fitted numbers and the per-size fit error."""
@@ -515,6 +656,14 @@ class Calibration:
                 f"{s.kind:<15} {s.n:>2} {s.nbytes:>10d} {s.seconds * 1e6:>9.1f} us "
                 f"{predict_time(s, self.link) * 1e6:>9.1f} us {e * 100:>7.1f}%{used}"
             )
+        for (n, stride), mine in self.group_samples.items():
+            lines.append(f"groups of {n} ranks {stride} apart, every group at once (the slowest group):")
+            for s in mine:
+                t = predict_time(s, self.link, group_ranges(s.kind, n, stride))
+                lines.append(
+                    f"{s.kind:<15} {s.n:>2} {s.nbytes:>10d} {s.seconds * 1e6:>9.1f} us "
+                    f"{t * 1e6:>9.1f} us {(t - s.seconds) / s.seconds * 100:>7.1f}%"
+                )
         return "\n".join(lines)
 
 
@@ -566,6 +715,7 @@ def _measure_rank(sizes: Sequence[int], kinds: Sequence[str], repeats: int, quic
     # pace drifts over seconds, and one round of ~1.5 s catches whatever spell it falls in
     figures = _compute_round(device, cores, group, quick)
     samples = measure_collectives(sizes, kinds, repeats=repeats)
+    groups = measure_group_collectives(sizes, kinds, repeats=repeats)
     if rounds > 1:
         figures += _compute_round(device, cores, group, quick)
     overlap = measure_overlap(repeats=3 if quick else 7)  # every rank: an all-reduce under compute
@@ -575,6 +725,7 @@ def _measure_rank(sizes: Sequence[int], kinds: Sequence[str], repeats: int, quic
     compute = median_compute(figures)
     return {
         "samples": samples,
+        "group_samples": groups,
         "sync_wait": sync_wait,
         "compute": compute,
         "host_cores": 0 if backend == "nccl" else usable_cores(),
@@ -637,8 +788,15 @@ def run_calibration(
     compute = dict(results[0]["compute"])  # every rank holds the same median (_measure_rank)
     compute["overlap"] = results[0]["overlap"]
     compute["sync_wait"] = results[0]["sync_wait"]
+    groups: dict[tuple[int, int], list[Sample]] = results[0]["group_samples"]
     link = dataclasses.replace(
-        fit_link([s for s in samples if s.kind in LINK_KINDS]), ranges=fit_ranges(samples)
+        fit_link([s for s in samples if s.kind in LINK_KINDS]),
+        ranges=fit_ranges(samples)
+        + tuple(
+            (group_ranges(kind, n, stride), up, bw, lat)
+            for (n, stride), mine in groups.items()
+            for kind, up, bw, lat in fit_ranges(mine)
+        ),
     )
     per_kind = {k: fit_link(samples, k) for k in KINDS if any(s.kind == k for s in samples)}
 
@@ -677,6 +835,7 @@ def run_calibration(
         errors=fit_errors(samples, link),
         compute=compute,
         per_kind=per_kind,
+        group_samples=groups,
     )
 
 

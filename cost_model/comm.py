@@ -18,6 +18,14 @@ collective and size range):
 * all-gather, reduce-scatter, all-to-all:  (n-1)/n * B / bw + (n-1) lat
 * send/recv:               B / bw + lat
 
+An axis whose groups lie inside a node takes the ``(bw, lat)`` its own group size and stride were
+measured at, where ``autopar calibrate`` measured them (``group_ranges``: every group of the
+axis at once, as the mesh runs them), and the full group's otherwise. The ring's ``(n-1)``
+latency terms do not carry from one group size to another where ranks share cores: on the 2-core
+development VM, with each of 4 gloo ranks bound to a core, a 1 KiB all-reduce added 1.9 ms to a
+loop of steps on all 4, 2.5 ms on pairs of neighbours and 0.6 ms on pairs that share a core
+(``autopar calibrate --world-size 4``), where the 4-rank fit predicts 0.6 ms for any pair.
+
 Two more algorithms, as NCCL picks between them (NCCL docs, "NCCL_ALGO"; Sanders, Speck,
 Traeff, "Two-tree algorithms for full bandwidth broadcast, reduction and scan", 2009):
 
@@ -75,6 +83,15 @@ class Collective(enum.Enum):
 QUEUED_ALL_REDUCE = "all_reduce_queued"
 
 
+def group_ranges(name: str, n: int, stride: int) -> str:
+    """The ``LinkSpec.ranges`` name of collective ``name`` (or ``QUEUED_ALL_REDUCE``) on groups of
+    ``n`` ranks ``stride`` apart inside a node, every such group at once, as a mesh axis of that
+    size and stride runs it: ``"all_reduce/2x1"``. ``autopar calibrate`` measures each group a
+    mesh axis of its world can have (``calibrate.group_layouts``), and ``CommModel`` prices an
+    axis with its group's figures where the link has them, else with the collective's own."""
+    return f"{name}/{n}x{stride}"
+
+
 def collective_time(
     kind: Collective, nbytes: float, n: int, link: LinkSpec, ranges: str | None = None
 ) -> float:
@@ -126,13 +143,25 @@ class CommModel:
         self.splits = [node_split(cluster, self.mesh_shape, a) for a in range(len(self.mesh_shape))]
         self._cache: dict[tuple, tuple[float, list[str]]] = {}
 
+    def ranges(self, name: str, axis: int) -> str:
+        """The ``LinkSpec.ranges`` name that prices collective ``name`` on ``axis``: its group's
+        (``group_ranges``) where the axis's groups lie inside a node and the link has figures for
+        them, else ``name``'s own."""
+        link, n = self.links[axis], self.mesh_shape[axis]
+        stride = math.prod(self.mesh_shape[axis + 1 :])
+        if stride * n <= self.cluster.devices_per_node:
+            key = group_ranges(name, n, stride)
+            if any(r[0] == key for r in link.ranges):
+                return key
+        return name
+
     def time(self, kind: Collective, nbytes: float, axis: int) -> float:
         """Seconds for one collective on ``axis``: the cheapest of ring, tree and hierarchical."""
         n, link = self.mesh_shape[axis], self.links[axis]
         # a tree only across nodes (inside a node NCCL rings); not ``link is inter_node``, which
         # also holds where a one-node calibration gave both links the same figures
         crosses = math.prod(self.mesh_shape[axis:]) > self.cluster.devices_per_node
-        best = _flat(kind, nbytes, n, link, tree=crosses)
+        best = _flat(kind, nbytes, n, link, tree=crosses, ranges=self.ranges(kind.value, axis))
         split = self.splits[axis]
         if split is not None and kind is not Collective.SEND_RECV:
             m, k = split
@@ -161,7 +190,11 @@ class CommModel:
         link = self.links[axis]
         if self.splits[axis] is None and any(r[0] == QUEUED_ALL_REDUCE for r in link.ranges):
             return collective_time(
-                Collective.ALL_REDUCE, nbytes, self.mesh_shape[axis], link, QUEUED_ALL_REDUCE
+                Collective.ALL_REDUCE,
+                nbytes,
+                self.mesh_shape[axis],
+                link,
+                self.ranges(QUEUED_ALL_REDUCE, axis),
             )
         return self.time(Collective.ALL_REDUCE, nbytes, axis)
 
@@ -227,9 +260,12 @@ class CommModel:
         return t, names
 
 
-def _flat(kind: Collective, nbytes: float, n: int, link: LinkSpec, tree: bool = False) -> float:
-    """One level: ring, or (across nodes) tree for all-reduce when that is cheaper."""
-    t = collective_time(kind, nbytes, n, link)
+def _flat(
+    kind: Collective, nbytes: float, n: int, link: LinkSpec, tree: bool = False, ranges: str | None = None
+) -> float:
+    """One level: ring, or (across nodes) tree for all-reduce when that is cheaper; ``ranges``: the
+    link's ranges to price the ring with (``collective_time``)."""
+    t = collective_time(kind, nbytes, n, link, ranges)
     if tree and kind is Collective.ALL_REDUCE:
         t = min(t, tree_all_reduce_time(nbytes, n, link))
     return t

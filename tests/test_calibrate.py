@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import random
+import time
 
 import pytest
 from hypothesis import given, settings
@@ -262,3 +263,100 @@ def _lockstep_rank(rank, world):
         end = time.perf_counter()  # at or after this rank's last timed sample
     # calls[0] is median_time's untimed first call; the last, an untimed call while others time
     return own, agreed, calls[1], end - 1.5 * pause, calls[-1]
+
+
+@given(st.sampled_from([2, 3, 4, 6, 8, 12, 16]), st.data())
+@settings(max_examples=40, deadline=None)
+def test_group_layouts_are_the_groups_of_every_mesh_axis(world, data):
+    """For any mesh of ``world`` ranks laid out row-major (as codegen's ``init_device_mesh``), each
+    axis's groups are ``group_ranks`` of its size and stride, a layout of ``group_layouts`` unless
+    the axis spans the whole world in one group."""
+    import torch
+
+    from autopar.cost_model.calibrate import group_layouts, group_ranks
+    from autopar.passes.solver import mesh_candidates
+
+    meshes = [m for k in (1, 2, 3) for m in mesh_candidates(world, k, world)]
+    mesh = data.draw(st.sampled_from(meshes))
+    ranks = torch.arange(world).reshape(mesh)
+    layouts = group_layouts(world)
+    assert len(set(layouts)) == len(layouts) and (world, 1) not in layouts
+    for a, n in enumerate(mesh):
+        if n == 1:
+            continue
+        stride = math.prod(mesh[a + 1 :])
+        groups = sorted(ranks.movedim(a, -1).reshape(-1, n).tolist())
+        assert sorted(group_ranks(world, n, stride)) == groups
+        assert ((n, stride) in layouts) == ((n, stride) != (world, 1))
+
+
+def _group_samples_rank(rank: int, world: int):
+    from autopar.cost_model.calibrate import measure_group_collectives
+
+    return measure_group_collectives((2**10, 2**16), ("all_reduce", "all_gather"), repeats=3)
+
+
+@pytest.mark.slow
+def test_group_collectives_are_measured_per_layout_alike_on_every_rank():
+    """On 4 ranks: pairs of neighbours and pairs two apart, each collective and size, the same
+    (slowest group's) figures on every rank, and a link fitted to them prices each axis of a 2 x 2
+    mesh with its own layout's fit."""
+    from autopar.cost_model.comm import CommModel, group_ranges
+    from autopar.launch import run_on_ranks
+
+    res = run_on_ranks(_group_samples_rank, 4)
+    assert all(r == res[0] for r in res)
+    assert set(res[0]) == {(2, 1), (2, 2)}
+    for samples in res[0].values():
+        assert [(s.kind, s.nbytes, s.n) for s in samples] == [
+            (k, b, 2) for k in ("all_reduce", "all_gather") for b in (2**10, 2**16)
+        ]
+        assert all(0 < s.seconds < 1.0 for s in samples)
+    link = LinkSpec(
+        1e9,
+        1e-3,
+        ranges=tuple(
+            (group_ranges(kind, n, stride), up, bw, lat)
+            for (n, stride), mine in res[0].items()
+            for kind, up, bw, lat in fit_ranges(mine)
+        ),
+    )
+    cluster = ClusterSpec.preset("cpu", devices_per_node=4).with_overrides(intra_node=link, inter_node=link)
+    cm = CommModel(cluster, (2, 2))
+    for axis, layout in ((0, (2, 2)), (1, (2, 1))):
+        for s in res[0][layout]:
+            fitted = predict_time(s, link, group_ranges(s.kind, *layout))  # the layout's own fit
+            assert cm.time(Collective(s.kind), s.nbytes, axis) == pytest.approx(fitted, rel=1e-9)
+
+
+def _added_rank(rank: int, world: int):
+    import torch.distributed as dist
+
+    from autopar.cost_model.calibrate import measure_added
+
+    def everyone_sleeps() -> None:
+        time.sleep(0.004)
+        dist.barrier()
+
+    def the_last_sleeps() -> None:
+        if rank == world - 1:
+            time.sleep(0.004)
+        dist.barrier()
+
+    return measure_added([everyone_sleeps, the_last_sleeps, dist.barrier], repeats=8)
+
+
+@pytest.mark.slow
+def test_a_call_costs_what_it_adds_to_the_wall_of_a_loop_of_steps():
+    """``measure_added`` (what calibrate prices collectives with) on 2 ranks: a 4 ms sleep before
+    a barrier adds at least the 4 ms per iteration to the loop's wall, whether every rank sleeps
+    or only one (the other waits for it), and at most about the sleep and the barrier's own
+    time (the barrier's may hide behind the sleep); every rank returns the same."""
+    from autopar.launch import run_on_ranks
+
+    res = run_on_ranks(_added_rank, 2)
+    assert res[0] == res[1]
+    everyone, the_last, barrier = res[0]
+    assert -0.001 < barrier < 0.003  # a barrier's own time, the loops' noise around it
+    for t in (everyone, the_last):
+        assert 0.0035 < t < barrier + 0.008, (everyone, the_last, barrier)

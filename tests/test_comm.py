@@ -386,6 +386,48 @@ def test_queued_all_reduce_uses_its_own_ranges_else_the_inline_price():
     assert cm.time(Collective.ALL_REDUCE, 2**16, 0) == pytest.approx(2**16 / 1e9 + 2 * 1e-3)
 
 
+def test_an_axis_takes_its_groups_figures_where_calibrated_else_the_collectives_own():
+    """A link with ``group_ranges`` entries prices the axes whose groups they name (size and
+    stride, inside a node) with them, the queued all-reduce too; the whole node's group, a layout
+    not measured and an axis across nodes keep the collective's own figures."""
+    from autopar.cost_model.comm import QUEUED_ALL_REDUCE, group_ranges
+
+    big = 2.0**30
+    link = LinkSpec(
+        1e9,
+        1e-3,
+        ranges=(
+            ("all_reduce", big, 1e9, 1e-3),
+            (group_ranges("all_reduce", 2, 1), big, 1e9, 5e-3),  # neighbours
+            (group_ranges("all_reduce", 2, 2), big, 1e9, 2e-3),  # two apart
+            (QUEUED_ALL_REDUCE, big, 1e9, 1e-4),
+            (group_ranges(QUEUED_ALL_REDUCE, 2, 1), big, 1e9, 3e-4),
+        ),
+    )
+    one_node = ClusterSpec.preset("cpu", devices_per_node=4).with_overrides(intra_node=link, inter_node=link)
+    b = 2**16
+
+    def ring(n, lat):  # all-reduce over n ranks
+        return 2 * (n - 1) / n * b / 1e9 + 2 * (n - 1) * lat
+
+    cm = CommModel(one_node, (2, 2))
+    assert cm.ranges("all_reduce", 0) == "all_reduce/2x2" and cm.ranges("all_reduce", 1) == "all_reduce/2x1"
+    assert cm.time(Collective.ALL_REDUCE, b, 0) == approx(ring(2, 2e-3))
+    assert cm.time(Collective.ALL_REDUCE, b, 1) == approx(ring(2, 5e-3))
+    assert cm.queued_all_reduce_time(b, 1) == approx(ring(2, 3e-4))
+    assert cm.queued_all_reduce_time(b, 0) == approx(ring(2, 1e-4))  # 2x2 queued: not measured
+    assert cm.time(Collective.ALL_GATHER, b, 1) == approx(b / 2 / 1e9 + 1e-3)  # no group entry: the link's
+    whole = CommModel(one_node, (4,))
+    assert whole.ranges("all_reduce", 0) == "all_reduce"
+    assert whole.time(Collective.ALL_REDUCE, b, 0) == approx(ring(4, 1e-3))
+    # two nodes of two: the outer axis of (2, 2) crosses nodes (the inter-node link, no group figures)
+    two_nodes = ClusterSpec.preset("cpu", nodes=2, devices_per_node=2).with_overrides(
+        intra_node=link, inter_node=link
+    )
+    cross = CommModel(two_nodes, (2, 2))
+    assert cross.ranges("all_reduce", 0) == "all_reduce" and cross.ranges("all_reduce", 1) == "all_reduce/2x1"
+
+
 def test_no_tree_inside_a_node_when_both_links_are_one_object():
     """A one-node calibration gives the intra- and inter-node links the same figures (one object):
     an axis inside the node still rings, as it was measured (a tree's 2 log2(n) latencies are not)."""
