@@ -33,6 +33,7 @@ during backward and waited for when backward ends: its ``spread`` is over the is
 from __future__ import annotations
 
 import argparse
+import math
 import statistics
 import tempfile
 import time
@@ -53,7 +54,7 @@ WARMUP = 3
 
 class _Recorder:
     """Wraps the collectives the generated module calls; ``events`` holds, per call, (name, kind,
-    bytes of the full tensor, group size, start, end, index of the issue a wait belongs to or -1),
+    bytes of the full tensor, (group size, stride), start, end, index of the issue a wait belongs to or -1),
     times in ``perf_counter`` seconds."""
 
     def __init__(self):
@@ -79,16 +80,18 @@ class _Recorder:
         def timed(first, *args, **kwargs):
             group = kwargs.get("group")
             n = dist.get_world_size(group)
+            ranks = dist.get_process_group_ranks(group) if group is not None else list(range(n))
+            layout = (n, ranks[1] - ranks[0] if n > 1 else 1)  # size and stride: the mesh axis
             nbytes = full_bytes(first, n)
             t0 = time.perf_counter()
             work = fn(first, *args, **kwargs)
             t1 = time.perf_counter()
             if not kwargs.get("async_op"):
-                rec.events.append((f"{kind}[{nbytes}]", kind, nbytes, n, t0, t1, -1))
+                rec.events.append((f"{kind}[{nbytes}]", kind, nbytes, layout, t0, t1, -1))
                 return work
-            rec.events.append((f"{kind}[{nbytes}] issue", kind, nbytes, n, t0, t1, -1))
+            rec.events.append((f"{kind}[{nbytes}] issue", kind, nbytes, layout, t0, t1, -1))
             issue = len(rec.events) - 1
-            return _TimedWork(work, rec, (f"{kind}[{nbytes}] wait", kind, nbytes, n), issue)
+            return _TimedWork(work, rec, (f"{kind}[{nbytes}] wait", kind, nbytes, layout), issue)
 
         setattr(owner, attr, timed)
 
@@ -167,7 +170,7 @@ def main() -> None:
     )
     total_done = total_mean = total_own = total_price = 0.0
     for j in range(counts.pop()):
-        name, kind, nbytes, n, _, _, issue = ranks[0][0][2][j]
+        name, kind, nbytes, layout, _, _, issue = ranks[0][0][2][j]
         spread = statistics.median(
             max(rk[i][2][j][4] for rk in ranks) - min(rk[i][2][j][4] for rk in ranks) for i in range(steps)
         )
@@ -182,7 +185,7 @@ def main() -> None:
         if name.endswith(" issue"):
             print(f"{name:<34} {spread * 1e3:>10.2f} {'':>14} {'':>9}")
             continue
-        axis = sizes.index(n) if n in sizes else 0
+        axis = next((a for a, m in enumerate(sizes) if (m, math.prod(sizes[a + 1 :])) == tuple(layout)), 0)
         price = comm.time(Collective(kind), nbytes, axis)
         total_done, total_price = total_done + done, total_price + price
         total_mean, total_own = total_mean + done_mean, total_own + own

@@ -131,6 +131,7 @@ __all__ = [
 KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_reduce_queued")
 QUEUE_DEPTH = 8  # all_reduce_queued: a burst of this many async all-reduces, priced per call
 BURST = 3  # iterations of (compute + collective) per timed loop of measure_collectives
+_SAME = object()  # measure_added's lockstep_group default: the group itself
 _MIN_ADDED_S = 1e-6  # s: floor of a collective's measured cost (a loop's noise can exceed a fast one's)
 LINK_KINDS = ("all_reduce", "all_gather")  # the samples calibrate() fits the link to
 DEFAULT_SIZES = (2**10, 2**13, 2**16, 2**18, 2**20, 2**22, 2**24)  # bytes: 1 KiB .. 16 MiB
@@ -226,12 +227,14 @@ def measure_collectives(
     repeats: int = DEFAULT_REPEATS,
     warmup: int = 3,
     gap_s: float = REFERENCE_GAP_S,
+    lockstep_group=_SAME,
 ) -> list[Sample]:
     """Time each collective of ``kinds`` at each size (bytes of the full float32 tensor): what it
     adds to the wall time of a loop of steps, each ``gap_s`` of compute then the collective
     (``measure_added``; per call of a queued burst), at least ``_MIN_ADDED_S``.
 
-    Call on every rank of ``group`` (default: the world). Every rank returns the same samples.
+    Call on every rank of ``group`` (default: the world) and of ``lockstep_group`` (default:
+    ``group``; ``measure_added``). Every rank returns the same samples.
     """
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError("measure_collectives needs an initialized torch.distributed process group")
@@ -254,7 +257,7 @@ def measure_collectives(
             sync(device)
             cases.append((kind, numel * 4))
             runs.append(run)
-    added = measure_added(runs, group=group, repeats=repeats, gap_s=gap_s)
+    added = measure_added(runs, group=group, repeats=repeats, gap_s=gap_s, lockstep_group=lockstep_group)
     return [
         Sample(
             kind=kind,
@@ -271,6 +274,7 @@ def measure_added(
     group=None,
     repeats: int = DEFAULT_REPEATS,
     gap_s: float = REFERENCE_GAP_S,
+    lockstep_group=_SAME,
 ) -> list[float]:
     """Seconds each of ``calls`` adds to a loop of steps, per iteration: on every rank of
     ``group``, ``repeats`` rounds, in an order shuffled per round (the same on every rank), each
@@ -278,15 +282,23 @@ def measure_added(
     call and once without one; a loop's wall is from the first rank's start to the last rank's
     end where the ranks share a host's clock (else the slowest rank's own); an entry's figure is
     the mean of its walls less the top and bottom 2.5%, less the same of the loop without a call,
-    over ``BURST`` (it can be negative by the loops' noise). Every rank returns the same list."""
+    over ``BURST`` (it can be negative by the loops' noise). Every rank returns the same list.
+
+    ``lockstep_group`` (default: ``group``; ``None``: the world) holds ``group``: the ranks that
+    start each loop together (its barrier) and whose walls count, as a mesh axis's groups run
+    their collectives at once in a step and the step lasts until the last of them ends. Each
+    group of a layout timed on its own barrier drifted from the others into other loops (on the
+    2-core VM, 4 ranks, pairs of neighbours came out 2.1-2.5 ms per 1 KiB all-reduce in four
+    calibrations, 1.3-1.4 ms in step with the other pair in two)."""
+    pace = group if lockstep_group is _SAME else lockstep_group  # its barriers and walls
     backend = dist.get_backend(group)
     device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
     entries: list[Callable[[], None] | None] = [*calls, None]  # the last: the loop without a call
-    shared = _shared_clock(group)
+    shared = _shared_clock(pace)
     work = _GapWork(device)
 
     def loop(ops: int, call: Callable[[], None] | None) -> tuple[float, float]:
-        dist.barrier(group=group)
+        dist.barrier(group=pace)
         t0 = time.perf_counter()
         for _ in range(BURST):
             work(ops)
@@ -295,7 +307,7 @@ def measure_added(
         sync(device)
         return t0, time.perf_counter()
 
-    ops = _ops_for_gap(loop, gap_s, shared, group, device)
+    ops = _ops_for_gap(loop, gap_s, shared, pace, device)
     # repeats outer, entries inner, in an order shuffled per repeat: a burst of interference hits
     # one loop of many entries, and no entry always follows the same one
     starts = [[0.0] * repeats for _ in entries]  # [entry][repeat], this rank's perf_counter
@@ -305,7 +317,7 @@ def measure_added(
         random.Random(r).shuffle(order)
         for i in order:
             starts[i][r], ends[i][r] = loop(ops, entries[i])
-    walls = _walls(starts, ends, shared, group, device)
+    walls = _walls(starts, ends, shared, pace, device)
     bare = trimmed_mean(walls[-1]) / BURST
     return [trimmed_mean(w) / BURST - bare for w in walls[:-1]]
 
@@ -378,8 +390,9 @@ def measure_group_collectives(
     repeats: int = DEFAULT_REPEATS,
 ) -> dict[tuple[int, int], list[Sample]]:
     """``measure_collectives`` on the groups of each layout of ``group_layouts`` of the world,
-    every group of a layout at once (as a mesh axis runs them); each sample the slowest group's.
-    Call on every rank of the default group; every rank returns the same samples."""
+    every group of a layout at once and in lockstep (as a mesh axis runs them), each loop's wall
+    over the world: the slowest group's. Call on every rank of the default group; every rank
+    returns the same samples."""
     world, rank = dist.get_world_size(), dist.get_rank()
     out: dict[tuple[int, int], list[Sample]] = {}
     for n, stride in group_layouts(world):
@@ -388,10 +401,10 @@ def measure_group_collectives(
             g = dist.new_group(ranks)
             if rank in ranks:
                 mine = g
-        samples = measure_collectives(sizes_bytes, kinds, group=mine, repeats=repeats)
-        t = torch.tensor([x.seconds for x in samples], dtype=torch.float64)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)  # the slowest group: a step waits for it
-        out[(n, stride)] = [dataclasses.replace(x, seconds=v) for x, v in zip(samples, t.tolist())]
+        # every group's loops in lockstep with the others', walls over the world
+        out[(n, stride)] = measure_collectives(
+            sizes_bytes, kinds, group=mine, repeats=repeats, lockstep_group=None
+        )
     return out
 
 

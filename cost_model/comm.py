@@ -22,9 +22,10 @@ An axis whose groups lie inside a node takes the ``(bw, lat)`` its own group siz
 measured at, where ``autopar calibrate`` measured them (``group_ranges``: every group of the
 axis at once, as the mesh runs them), and the full group's otherwise. The ring's ``(n-1)``
 latency terms do not carry from one group size to another where ranks share cores: on the 2-core
-development VM, with each of 4 gloo ranks bound to a core, a 1 KiB all-reduce added 1.9 ms to a
-loop of steps on all 4, 2.5 ms on pairs of neighbours and 0.6 ms on pairs that share a core
-(``autopar calibrate --world-size 4``), where the 4-rank fit predicts 0.6 ms for any pair.
+development VM, with each of 4 gloo ranks bound to a core, a 1 KiB all-reduce added 1.8 ms to a
+loop of steps on all 4, 1.3 ms on pairs of neighbours and on pairs that share a core, a 256 KiB
+one 2.5, 2.9 and 1.8 ms (``autopar calibrate --world-size 4``), where the 4-rank fit predicts
+0.6 and 1.1 ms for any pair.
 
 Two more algorithms, as NCCL picks between them (NCCL docs, "NCCL_ALGO"; Sanders, Speck,
 Traeff, "Two-tree algorithms for full bandwidth broadcast, reduction and scan", 2009):
