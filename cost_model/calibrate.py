@@ -329,10 +329,13 @@ class _GapWork:
     def __init__(self, device: torch.device):
         self.a = torch.ones(64, 64, device=device)
 
-    def __call__(self, ops: int) -> None:
+    def __call__(self, ops: int) -> torch.Tensor:
         b = self.a
         for _ in range(ops):
-            b = torch.tanh(b @ self.a * 0.01)
+            # + 1: the values settle near 0.92; without it they decay into denormals after ~200
+            # ops, and each op then took 15x longer on the development VM
+            b = torch.tanh(b @ self.a * 0.01 + 1.0)
+        return b
 
 
 def _walls(starts, ends, shared: bool, group, device) -> list[list[float]]:
@@ -455,12 +458,7 @@ def measure_sync_wait(
     n = dist.get_world_size(group)
     backend = dist.get_backend(group)
     device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
-    a = torch.ones(64, 64, device=device)
-
-    def work(iters: int) -> None:
-        b = a
-        for _ in range(iters):
-            b = torch.tanh(b @ a * 0.01)
+    work = _GapWork(device)  # the same op count on every rank
 
     same_as = {}
     if collectives is None:

@@ -360,3 +360,16 @@ def test_a_call_costs_what_it_adds_to_the_wall_of_a_loop_of_steps():
     assert -0.001 < barrier < 0.003  # a barrier's own time, the loops' noise around it
     for t in (everyone, the_last):
         assert 0.0035 < t < barrier + 0.008, (everyone, the_last, barrier)
+
+
+def test_the_calibration_compute_never_decays_into_denormals():
+    """The fixed compute that calibration loops run between collectives keeps normal floats however
+    many ops it runs: values that decay into denormals make each op ~15x slower on x86 (the
+    sync wait's longest gap once took 95 ms where 8 ms was asked), so time would stop growing in
+    proportion to the op count the loops are sized by."""
+    import torch
+
+    from autopar.cost_model.calibrate import _GapWork
+
+    out = _GapWork(torch.device("cpu"))(2000)
+    assert torch.isfinite(out).all() and out.abs().min() > torch.finfo(torch.float32).tiny
