@@ -13,7 +13,8 @@ the ranks share the host). Per collective, in step order, the median over steps 
 * ``last->done``: from the last rank's arrival to the last rank's return (what the collective
   itself takes once every rank is in it);
 * ``price``: the cost model's seconds for that collective and size on the plan's mesh
-  (``CommModel.time``: the calibrated collectives, measured each after 0.5 ms of compute).
+  (``CommModel.time``: the calibrated collectives, each what it adds to a loop of steps of
+  0.5 ms of compute, on its own axis's group layout).
 
 and, as calibration averages them (``trimmed_mean``: a step pays each collective's expected time,
 its rare stalls included, which a median hides), the mean over steps of ``last->done`` and of

@@ -240,8 +240,7 @@ def measure_collectives(
         raise RuntimeError("measure_collectives needs an initialized torch.distributed process group")
     n = dist.get_world_size(group)
     rank = dist.get_rank(group)
-    backend = dist.get_backend(group)
-    device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+    device = _group_device(group)
     warm = torch.ones(1024, device=device)
     for _ in range(5):  # first collectives on a fresh group set up connections: not timed
         dist.all_reduce(warm, group=group)
@@ -291,21 +290,13 @@ def measure_added(
     2-core VM, 4 ranks, pairs of neighbours came out 2.1-2.5 ms per 1 KiB all-reduce in four
     calibrations, 1.3-1.4 ms in step with the other pair in two)."""
     pace = group if lockstep_group is _SAME else lockstep_group  # its barriers and walls
-    backend = dist.get_backend(group)
-    device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+    device = _group_device(group)
     entries: list[Callable[[], None] | None] = [*calls, None]  # the last: the loop without a call
     shared = _shared_clock(pace)
     work = _GapWork(device)
 
     def loop(ops: int, call: Callable[[], None] | None) -> tuple[float, float]:
-        dist.barrier(group=pace)
-        t0 = time.perf_counter()
-        for _ in range(BURST):
-            work(ops)
-            if call is not None:
-                call()
-        sync(device)
-        return t0, time.perf_counter()
+        return work.loop(ops, call, BURST, pace)
 
     ops = _ops_for_gap(loop, gap_s, shared, pace, device)
     # repeats outer, entries inner, in an order shuffled per repeat: a burst of interference hits
@@ -327,6 +318,7 @@ class _GapWork:
     ranks drift and take turns on shared cores as a step's ops do, where a timed spin would not."""
 
     def __init__(self, device: torch.device):
+        self.device = device
         self.a = torch.ones(64, 64, device=device)
 
     def __call__(self, ops: int) -> torch.Tensor:
@@ -336,6 +328,27 @@ class _GapWork:
             # ops, and each op then took 15x longer on the development VM
             b = torch.tanh(b @ self.a * 0.01 + 1.0)
         return b
+
+    def loop(
+        self, ops: int, call: Callable[[], None] | None, iterations: int, group=None
+    ) -> tuple[float, float]:
+        """This rank's ``perf_counter`` at the start and the end of ``iterations`` x (``ops`` ops
+        [+ ``call``]), started on a barrier of ``group``."""
+        dist.barrier(group=group)
+        t0 = time.perf_counter()
+        for _ in range(iterations):
+            self(ops)
+            if call is not None:
+                call()
+        sync(self.device)
+        return t0, time.perf_counter()
+
+
+def _group_device(group=None) -> torch.device:
+    """The device a rank of ``group`` runs collectives on: its current GPU on NCCL, else the CPU."""
+    if dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
 
 
 def _walls(starts, ends, shared: bool, group, device) -> list[list[float]]:
@@ -457,7 +470,7 @@ def measure_sync_wait(
     Returns ``{"points": {kind: [(d, cost), ...]}, "sync_wait": {kind: c}}``."""
     n = dist.get_world_size(group)
     backend = dist.get_backend(group)
-    device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+    device = _group_device(group)
     work = _GapWork(device)  # the same op count on every rank
 
     same_as = {}
@@ -478,14 +491,7 @@ def measure_sync_wait(
     def loop(iters: int, coll: Callable[[], None] | None) -> tuple[float, float]:
         """Seconds per iteration of ``steps`` x (``iters`` ops [+ ``coll``]): from the first
         rank's start to the last rank's end, and the median rank's own."""
-        dist.barrier(group=group)
-        t0 = time.perf_counter()
-        for _ in range(steps):
-            work(iters)
-            if coll is not None:
-                coll()
-        sync(device)
-        mine = torch.tensor([t0, time.perf_counter()], dtype=torch.float64, device=device)
+        mine = torch.tensor(work.loop(iters, coll, steps, group), dtype=torch.float64, device=device)
         every = [torch.empty_like(mine) for _ in range(n)]
         dist.all_gather(every, mine, group=group)
         starts, ends = zip(*(e.tolist() for e in every))
@@ -717,7 +723,7 @@ def _cores(backend: str, world: int) -> int:
 
 def _measure_rank(sizes: Sequence[int], kinds: Sequence[str], repeats: int, quick: bool) -> dict:
     backend = dist.get_backend()
-    device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+    device = _group_device(None)
     world = dist.get_world_size()
     cores = _cores(backend, world)
     group = dist.new_group(list(range(cores))) if cores < world else None  # every rank creates it
