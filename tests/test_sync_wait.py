@@ -7,6 +7,7 @@ import dataclasses
 import math
 
 import pytest
+from fake_clock import FakeClock
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -180,45 +181,52 @@ def test_a_split_cross_entropy_lists_its_all_reduce_as_communication():
     assert ce.compute_s < alone.compute_s  # half the batch, and no collective in it
 
 
-def test_calibration_measures_what_each_kind_of_collective_adds_to_a_loop_of_steps():
-    """``measure_sync_wait`` on one gloo rank, with two stand-in collectives that block for
-    ``c * sqrt(seconds since it last returned)`` (except the first of each loop, which follows
-    whatever ran before the loop), with different ``c``: what each adds to a loop of ``steps`` is
-    known, and each kind's fitted ``sync_wait`` is its ``c (steps - 1) / steps``."""
-    import time
-
+def test_calibration_measures_what_each_kind_of_collective_adds_to_a_loop_of_steps(monkeypatch):
+    """``measure_sync_wait`` on one gloo rank, on a clock that moves only by the loops' compute
+    (1e-5 s per op) and by two stand-in collectives, each of which takes ``c * sqrt(seconds since
+    it last returned)`` (except the first of each loop, which follows whatever ran before the
+    loop), with different ``c``, and one call of one of them stalled by a second: the loops'
+    compute comes to each gap asked, each kind's points are what it adds to a loop of ``steps``
+    (``c sqrt(d) (steps - 1) / steps``), its fitted ``sync_wait`` is ``c (steps - 1) / steps``,
+    and the stalled loop does not move it. The same with real blocking waits is
+    benchmarks/bench_timing_checks.py's."""
     import torch.distributed as dist
 
-    from autopar.cost_model.calibrate import measure_sync_wait
+    from autopar.cost_model import calibrate as cal
     from autopar.cost_model.sync import SYNC_GAPS_S
     from autopar.launch import free_port
 
-    # c large against this VM's noise (a loop's pace varies ~10% run to run)
+    clock = FakeClock()
+    monkeypatch.setattr(cal, "time", clock.module())
+    monkeypatch.setattr(cal._GapWork, "__call__", lambda self, ops: clock.advance(ops * 1e-5))
     cs, steps = {"slow": 0.24, "fast": 0.12}, 20
 
-    def stand_in(c: float):
+    def stand_in(c: float, stall_at: int = 0):
         last, calls = [0.0], [0]
 
         def run() -> None:
-            now = time.perf_counter()
-            if calls[0] % steps:  # loops run `steps` calls each
-                # blocks, as a collective waiting on its peers does (a spin here slowed the loop's
-                # compute after it on this VM, by up to 30%, and the fit with it)
-                time.sleep(c * math.sqrt(now - last[0]))
             calls[0] += 1
-            last[0] = time.perf_counter()
+            if (calls[0] - 1) % steps:  # loops run `steps` calls each
+                clock.advance(c * math.sqrt(clock() - last[0]))
+            if calls[0] == stall_at:
+                clock.advance(1.0)
+            last[0] = clock()
 
         return run
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
     try:
-        got = measure_sync_wait(repeats=5, steps=steps, collectives={k: stand_in(c) for k, c in cs.items()})
+        got = cal.measure_sync_wait(
+            repeats=5,
+            steps=steps,
+            collectives={"slow": stand_in(cs["slow"], stall_at=5 * steps + 3), "fast": stand_in(cs["fast"])},
+        )
     finally:
         dist.destroy_process_group()
     for kind, c in cs.items():
-        # on this VM the fit came out -10% to +38% of the truth: a rank that blocked resumes its
-        # compute a little slower the longer it blocked (a step pays that too), never faster
-        assert 0.75 < got["sync_wait"][kind] / (c * (steps - 1) / steps) < 1.5
         gaps = [d for d, _ in got["points"][kind]]
-        assert len(gaps) == len(SYNC_GAPS_S) and gaps[-1] > 8 * gaps[0]  # 32x apart asked
-    assert got["sync_wait"]["slow"] > 1.4 * got["sync_wait"]["fast"]  # 2x apart: told apart
+        assert gaps == pytest.approx(SYNC_GAPS_S, rel=1e-9)
+        assert [cost for _, cost in got["points"][kind]] == pytest.approx(
+            [c * math.sqrt(d) * (steps - 1) / steps for d in SYNC_GAPS_S], rel=1e-6
+        )
+        assert got["sync_wait"][kind] == pytest.approx(c * (steps - 1) / steps, rel=1e-6)
