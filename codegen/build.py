@@ -1,4 +1,10 @@
-"""Build the rank-local ParallelModule from a plan: device mesh, local shards, lowered graph."""
+"""Build the rank-local ParallelModule from a plan: device mesh, local shards, lowered graph.
+
+The DeviceMesh made here is handed explicitly to what runs collectives: the ParallelModule (which
+binds it around each forward call, ``codegen/collectives.py``) and its GradSync (whose backward
+hooks reduce on its groups). No mesh is kept in a global, so modules built on different meshes
+coexist in one process.
+"""
 
 from __future__ import annotations
 
@@ -70,7 +76,7 @@ def build_parallel_module(
     )
     names = {p.name: p.target for p in tg.placeholders}
     buckets = grad_buckets(tg, choice, deferred, plan.mesh_shape)
-    grad_sync = GradSync([([attrs[mangle(names[n])] for n in b.params], b.axes) for b in buckets])
+    grad_sync = GradSync([([attrs[mangle(names[n])] for n in b.params], b.axes) for b in buckets], mesh)
     args, kwargs = inputs
     flat = pytree.tree_leaves((args, kwargs))
     return ParallelModule(

@@ -15,12 +15,29 @@ to_partial         keep on coordinate 0        identity
 f                  identity                    all-reduce (Megatron-LM's "f")
 =================  ==========================  ======================================
 
-The generated module names the mesh axis, not a process group; ``set_mesh`` binds axes to the
-groups of the live DeviceMesh. Gloo lacks some collectives on some versions; where it does,
-reduce-scatter runs as all-reduce + slice (priced the same way by the cost model's calibration).
+Which mesh. The generated code names a mesh axis, never a process group or a mesh
+(``all_gather(x, dim, axis)``), so one graph runs on whichever mesh its module was built with.
+``ParallelModule.forward`` runs the graph inside ``with bound_mesh(self.mesh):``, which sets a
+context variable for the duration of the call and restores the previous value afterwards (so
+binds nest, e.g. one parallel module called inside another's forward, and nothing stays bound
+after a call returns or raises). Each collective's forward reads the bound mesh once
+(``current_mesh``), runs on its groups and stores it in its autograd ``ctx``; its backward runs
+on ``ctx.mesh``. Backward therefore needs no binding and always uses the mesh its forward ran
+on, whatever other modules, on other meshes, ran forward in between (two parallel modules on
+different meshes in one process, forward of both and then one backward through both). A
+collective called with no mesh bound raises ``DistributedSetupError``. Code outside the
+generated graph that runs collectives (``codegen/grad_sync.py``'s hooks, ``gather_full``) takes
+the mesh as an argument and never reads the binding.
+
+Gloo lacks some collectives on some versions; where it does, reduce-scatter runs as all-reduce +
+slice (priced the same way by the cost model's calibration).
 """
 
 from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 
 import torch
 import torch.distributed as dist
@@ -29,173 +46,194 @@ from torch.distributed.device_mesh import DeviceMesh
 from autopar.errors import DistributedSetupError
 from autopar.placement import is_partial, is_shard
 
-_MESH: DeviceMesh | None = None
+# the mesh the generated code's collectives run on, set only inside ``bound_mesh``
+_BOUND: ContextVar[DeviceMesh | None] = ContextVar("autopar_bound_mesh", default=None)
 
 
-def set_mesh(mesh: DeviceMesh) -> None:
-    global _MESH
-    _MESH = mesh
+@contextmanager
+def bound_mesh(mesh: DeviceMesh) -> Iterator[DeviceMesh]:
+    """Run the generated code's collectives on ``mesh`` inside the ``with`` block; the binding
+    in force before (none, or an outer block's mesh) is restored when the block ends."""
+    token = _BOUND.set(mesh)
+    try:
+        yield mesh
+    finally:
+        _BOUND.reset(token)
 
 
-def _group(axis: int):
-    if _MESH is None:
-        raise DistributedSetupError("no device mesh is bound: build the module with autopar.autoparallelize")
-    return _MESH.get_group(axis)
+def current_mesh() -> DeviceMesh:
+    """The mesh bound by the innermost ``bound_mesh`` block; raises outside any."""
+    mesh = _BOUND.get()
+    if mesh is None:
+        raise DistributedSetupError(
+            "an autopar collective ran with no device mesh bound: call the module autopar.autoparallelize "
+            "returned (its forward binds the mesh), not its .local graph directly; to run such a graph by "
+            "hand, call it inside `with autopar.codegen.collectives.bound_mesh(mesh):`"
+        )
+    return mesh
 
 
-def _size(axis: int) -> int:
-    return _MESH.size(axis)  # type: ignore[union-attr]
-
-
-def _coord(axis: int) -> int:
-    return _MESH.get_local_rank(axis)  # type: ignore[union-attr]
+def axis_group(mesh: DeviceMesh, axis: int) -> dist.ProcessGroup:
+    """The process group of this rank along mesh axis ``axis``."""
+    return mesh.get_group(axis)
 
 
 # ``all_gather_single`` is ``all_gather_into_tensor``'s newer name (torch >= 2.13 warns on the old one)
 _gather_into = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
-def _gather(x: torch.Tensor, dim: int, axis: int) -> torch.Tensor:
+def _gather(x: torch.Tensor, dim: int, mesh: DeviceMesh, axis: int) -> torch.Tensor:
     x = x.contiguous()
-    n = _size(axis)
+    n = mesh.size(axis)
     if dim % x.dim() == 0:
         # the pieces are consecutive: gathered straight into the result. No list of parts, which
         # the backend's worker thread holds until it lets go of the work (on gloo, a race with the
         # caller: up to n L bytes more, for a while), and no copy into a concatenation
         out = x.new_empty((n * x.shape[0], *x.shape[1:]))
-        _gather_into(out, x, group=_group(axis))
+        _gather_into(out, x, group=axis_group(mesh, axis))
         return out
     parts = [torch.empty_like(x) for _ in range(n)]
-    dist.all_gather(parts, x, group=_group(axis))
+    dist.all_gather(parts, x, group=axis_group(mesh, axis))
     return torch.cat(parts, dim=dim)
 
 
-def _slice(x: torch.Tensor, dim: int, axis: int) -> torch.Tensor:
+def _slice(x: torch.Tensor, dim: int, mesh: DeviceMesh, axis: int) -> torch.Tensor:
     # a copy even where the piece is contiguous (dim 0): a view would keep all of x alive with it
-    return x.chunk(_size(axis), dim=dim)[_coord(axis)].clone(memory_format=torch.contiguous_format)
+    piece = x.chunk(mesh.size(axis), dim=dim)[mesh.get_local_rank(axis)]
+    return piece.clone(memory_format=torch.contiguous_format)
 
 
-def _all_reduce(x: torch.Tensor, axis: int) -> torch.Tensor:
+def reduce_sum(x: torch.Tensor, mesh: DeviceMesh, axis: int) -> torch.Tensor:
+    """A new tensor: the sum of ``x`` over the ranks of mesh axis ``axis`` (no autograd)."""
     x = x.contiguous().clone()
-    dist.all_reduce(x, group=_group(axis))
+    dist.all_reduce(x, group=axis_group(mesh, axis))
     return x
 
 
-def _reduce_scatter(x: torch.Tensor, dim: int, axis: int) -> torch.Tensor:
-    if dist.get_backend(_group(axis)) == "nccl":
+def _reduce_scatter(x: torch.Tensor, dim: int, mesh: DeviceMesh, axis: int) -> torch.Tensor:
+    group = axis_group(mesh, axis)
+    if dist.get_backend(group) == "nccl":
         x = x.movedim(dim, 0).contiguous()
-        out = torch.empty((x.shape[0] // _size(axis),) + x.shape[1:], dtype=x.dtype, device=x.device)
-        dist.reduce_scatter_tensor(out, x, group=_group(axis))
+        out = torch.empty((x.shape[0] // mesh.size(axis),) + x.shape[1:], dtype=x.dtype, device=x.device)
+        dist.reduce_scatter_tensor(out, x, group=group)
         return out.movedim(0, dim).contiguous()
-    return _slice(_all_reduce(x, axis), dim, axis)
+    return _slice(reduce_sum(x, mesh, axis), dim, mesh, axis)
 
 
+# Each forward takes the mesh (read from the binding by the public function below), keeps it in
+# ``ctx``, and its backward runs on ``ctx.mesh``: the mesh of the forward, never the binding.
 class _AllGather(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, dim, axis, fused_f):
-        ctx.dim, ctx.axis, ctx.fused_f = dim, axis, fused_f
-        return _gather(x, dim, axis)
+    def forward(ctx, x, dim, axis, fused_f, mesh):
+        ctx.dim, ctx.axis, ctx.fused_f, ctx.mesh = dim, axis, fused_f, mesh
+        return _gather(x, dim, mesh, axis)
 
     @staticmethod
     def backward(ctx, g):
         if ctx.fused_f:
-            return _reduce_scatter(g, ctx.dim, ctx.axis), None, None, None
-        return _slice(g, ctx.dim, ctx.axis), None, None, None
+            return _reduce_scatter(g, ctx.dim, ctx.mesh, ctx.axis), None, None, None, None
+        return _slice(g, ctx.dim, ctx.mesh, ctx.axis), None, None, None, None
 
 
 class _Chunk(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, dim, axis):
-        ctx.dim, ctx.axis = dim, axis
-        return _slice(x, dim, axis)
+    def forward(ctx, x, dim, axis, mesh):
+        ctx.dim, ctx.axis, ctx.mesh = dim, axis, mesh
+        return _slice(x, dim, mesh, axis)
 
     @staticmethod
     def backward(ctx, g):
-        return _gather(g, ctx.dim, ctx.axis), None, None
+        return _gather(g, ctx.dim, ctx.mesh, ctx.axis), None, None, None
 
 
 class _AllReduce(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, axis):
-        return _all_reduce(x, axis)
+    def forward(ctx, x, axis, mesh):
+        return reduce_sum(x, mesh, axis)
 
     @staticmethod
     def backward(ctx, g):
-        return g, None
+        return g, None, None
 
 
 class _ReduceScatter(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, dim, axis):
-        ctx.dim, ctx.axis = dim, axis
-        return _reduce_scatter(x, dim, axis)
+    def forward(ctx, x, dim, axis, mesh):
+        ctx.dim, ctx.axis, ctx.mesh = dim, axis, mesh
+        return _reduce_scatter(x, dim, mesh, axis)
 
     @staticmethod
     def backward(ctx, g):
-        return _gather(g, ctx.dim, ctx.axis), None, None
+        return _gather(g, ctx.dim, ctx.mesh, ctx.axis), None, None, None
 
 
 class _ToPartial(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, axis):
-        return x.clone() if _coord(axis) == 0 else torch.zeros_like(x)
+    def forward(ctx, x, axis, mesh):
+        return x.clone() if mesh.get_local_rank(axis) == 0 else torch.zeros_like(x)
 
     @staticmethod
     def backward(ctx, g):
-        return g, None
+        return g, None, None
 
 
 class _F(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, axis):
-        ctx.axis = axis
+    def forward(ctx, x, axis, mesh):
+        ctx.axis, ctx.mesh = axis, mesh
         return x.view_as(x)
 
     @staticmethod
     def backward(ctx, g):
-        return _all_reduce(g, ctx.axis), None
+        return reduce_sum(g, ctx.mesh, ctx.axis), None, None
 
 
 def coordinate(axis: int) -> int:
-    """This rank's coordinate on mesh axis ``axis`` (for local ops that depend on it)."""
-    return _coord(axis)
+    """This rank's coordinate on mesh axis ``axis`` of the bound mesh (for local ops that depend on it)."""
+    return current_mesh().get_local_rank(axis)
 
 
-# The names the generated code calls. Non-tensor inputs (e.g. integer masks) go through unchanged in backward.
+# The names the generated code calls (``codegen/lower.py`` emits them, ``passes/simulate.py``
+# matches them by identity and argument position). Non-tensor inputs (e.g. integer masks) go
+# through unchanged in backward.
 def all_gather(x: torch.Tensor, dim: int, axis: int, fused_f: bool = False) -> torch.Tensor:
-    return _AllGather.apply(x, dim, axis, fused_f)
+    return _AllGather.apply(x, dim, axis, fused_f, current_mesh())
 
 
 def chunk(x: torch.Tensor, dim: int, axis: int) -> torch.Tensor:
-    return _Chunk.apply(x, dim, axis)
+    return _Chunk.apply(x, dim, axis, current_mesh())
 
 
 def all_reduce(x: torch.Tensor, axis: int) -> torch.Tensor:
-    return _AllReduce.apply(x, axis)
+    return _AllReduce.apply(x, axis, current_mesh())
 
 
 def reduce_scatter(x: torch.Tensor, dim: int, axis: int) -> torch.Tensor:
-    return _ReduceScatter.apply(x, dim, axis)
+    return _ReduceScatter.apply(x, dim, axis, current_mesh())
 
 
 def to_partial(x: torch.Tensor, axis: int) -> torch.Tensor:
-    return _ToPartial.apply(x, axis)
+    return _ToPartial.apply(x, axis, current_mesh())
 
 
 def f(x: torch.Tensor, axis: int) -> torch.Tensor:
     """Identity forward; all-reduce of the gradient backward."""
-    return _F.apply(x, axis)
+    return _F.apply(x, axis, current_mesh())
 
 
 @torch.no_grad()
-def gather_full(x: torch.Tensor, spec, mesh_shape) -> torch.Tensor:
-    """Rebuild the full tensor from this rank's piece (no autograd): for checkpoints and comparison."""
-
+def gather_full(x: torch.Tensor, spec, mesh: DeviceMesh) -> torch.Tensor:
+    """Rebuild the full tensor from this rank's piece under ``spec`` on ``mesh`` (no autograd):
+    for checkpoints and comparison; collective on every rank of ``mesh``."""
+    if not isinstance(mesh, DeviceMesh):
+        raise TypeError(
+            f"gather_full takes the DeviceMesh the piece lives on (e.g. pmodel.mesh), got {mesh!r}"
+        )
     for a, p in enumerate(spec):
-        if mesh_shape[a] == 1:
+        if mesh.size(a) == 1:
             continue
         if is_shard(p):
-            x = _gather(x, p.dim, a)
+            x = _gather(x, p.dim, mesh, a)
         elif is_partial(p):
-            x = _all_reduce(x, a)
+            x = reduce_sum(x, mesh, a)
     return x

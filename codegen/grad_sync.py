@@ -29,6 +29,10 @@ buckets start in the same order on all of them.
 
 A bucket reduced over several mesh axes starts the first asynchronously and the others after
 it completes (one process group per axis).
+
+The mesh whose axes the buckets name is given at construction (``codegen/build.py`` passes the
+module's own): the hooks run in backward, where no mesh is bound, and never read a global, so
+modules on different meshes reduce their gradients on their own groups.
 """
 
 from __future__ import annotations
@@ -38,6 +42,7 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 from torch.autograd import Variable
+from torch.distributed.device_mesh import DeviceMesh
 
 from autopar.codegen import collectives as C
 
@@ -60,10 +65,13 @@ class _Bucket:
 
 
 class GradSync:
-    """``buckets``: lists of parameters, each reduced over its mesh ``axes``, in the order backward
-    completes them (``passes/grad_sync.py:grad_buckets``)."""
+    """``buckets``: lists of parameters, each reduced over its ``axes`` of ``mesh``, in the order
+    backward completes them (``passes/grad_sync.py:grad_buckets``)."""
 
-    def __init__(self, buckets: Sequence[tuple[Sequence[torch.nn.Parameter], tuple[int, ...]]]):
+    def __init__(
+        self, buckets: Sequence[tuple[Sequence[torch.nn.Parameter], tuple[int, ...]]], mesh: DeviceMesh
+    ):
+        self._mesh = mesh
         self._buckets = [_Bucket(ps, axes) for ps, axes in buckets]
         self._bucket_of = {id(p): b for b in self._buckets for p in b.params}
         self._marked: set[int] = set()
@@ -88,7 +96,7 @@ class GradSync:
         def hook(g: torch.Tensor) -> torch.Tensor:
             if not _accumulates(acc):
                 for a in axes:
-                    g = C._all_reduce(g, a)
+                    g = C.reduce_sum(g, self._mesh, a)
                 return g
             if p.grad is None:
                 self._marked.add(id(p))
@@ -128,7 +136,7 @@ class GradSync:
                     adds.append((p, piece))
                 else:
                     p.grad = piece  # the reduced values land in .grad; the old gradient is freed
-        work = dist.all_reduce(flat, group=C._group(b.axes[0]), async_op=True)
+        work = dist.all_reduce(flat, group=C.axis_group(self._mesh, b.axes[0]), async_op=True)
         self._pending.append((b, flat, work, adds))
 
     def finish(self) -> None:
@@ -141,6 +149,6 @@ class GradSync:
         for b, flat, work, adds in pending:
             work.wait()
             for a in b.axes[1:]:
-                dist.all_reduce(flat, group=C._group(a))
+                dist.all_reduce(flat, group=C.axis_group(self._mesh, a))
             for p, piece in adds:
                 p.grad.add_(piece)

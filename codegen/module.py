@@ -4,6 +4,13 @@ It holds this rank's parameter shards (``parameters()`` yields only those, so an
 works), takes the same arguments as the original model (the full global batch on every rank) and
 returns the same output structure with full tensors. ``full_state_dict()`` gathers the full,
 unsharded state under the original model's state-dict names.
+
+The module owns its DeviceMesh (``self.mesh``). ``forward`` runs the generated graph inside
+``collectives.bound_mesh(self.mesh)``: each collective the graph calls runs on this mesh and keeps
+it in its autograd context for backward (``codegen/collectives.py``), so several parallel modules
+on different meshes may run forward and backward in any interleaving in one process. Nothing
+stays bound after a call. ``full_output`` and ``full_state_dict`` pass ``self.mesh`` to
+``collectives.gather_full``.
 """
 
 from __future__ import annotations
@@ -84,8 +91,8 @@ class ParallelModule(torch.nn.Module):
                     "to the example inputs' shapes; re-plan for this shape"
                 )
         flat = [t.to(self._device) if isinstance(t, torch.Tensor) else t for t in flat]
-        C.set_mesh(self.mesh)
-        outs = self.local(*flat)
+        with C.bound_mesh(self.mesh):
+            outs = self.local(*flat)
         return pytree.tree_unflatten(list(outs), self._out_spec)
 
     @torch.no_grad()
@@ -95,16 +102,13 @@ class ParallelModule(torch.nn.Module):
         spec = self.output_specs[index]
         if spec is None:
             raise ValueError(f"output {index} is not a tensor")
-        C.set_mesh(self.mesh)
-        return C.gather_full(piece, spec, tuple(self.mesh.shape))
+        return C.gather_full(piece, spec, self.mesh)
 
     @torch.no_grad()
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Full (unsharded) tensors under the original model's state-dict names; collective on every rank."""
-        C.set_mesh(self.mesh)
-        shape = tuple(self.mesh.shape)
         full = {
-            fqn: C.gather_full(getattr(self.local, attr).detach(), spec, shape)
+            fqn: C.gather_full(getattr(self.local, attr).detach(), spec, self.mesh)
             for fqn, (attr, spec) in self._state_specs.items()
         }
         out = {}

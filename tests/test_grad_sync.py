@@ -38,12 +38,11 @@ def _reference_grads():
 
 
 def _full_grads(pmodel) -> dict[str, torch.Tensor]:
-    shape = tuple(pmodel.mesh.shape)
     out = {}
     for fqn, (attr, spec) in pmodel._state_specs.items():
         p = getattr(pmodel.local, attr)
         if isinstance(p, torch.nn.Parameter) and p.grad is not None:
-            out[fqn] = C.gather_full(p.grad, spec, shape).clone()
+            out[fqn] = C.gather_full(p.grad, spec, pmodel.mesh).clone()
     return out
 
 

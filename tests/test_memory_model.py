@@ -174,7 +174,7 @@ def _collective_buffers(rank: int, world: int) -> list[float]:
     from autopar.codegen.lower import emit_reshard
     from autopar.placement import local_shape
 
-    C.set_mesh(init_device_mesh("cpu", (world,)))
+    mesh = init_device_mesh("cpu", (world,))
     out = []
     for src, dst, rg, f in RESHARDS:
         s, d = spec_from_str(src), spec_from_str(dst)
@@ -190,7 +190,7 @@ def _collective_buffers(rank: int, world: int) -> list[float]:
             xin = torch.randn(local_shape((8, 6), s, (world,))).requires_grad_(rg)
             tracker = LiveTensorTracker()
             tracker.add_existing([xin])
-            with tracker:
+            with tracker, C.bound_mesh(mesh):  # backward runs on the mesh its forward kept
                 y = run(xin)
             peak = tracker.peak
             if rg:
