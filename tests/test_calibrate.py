@@ -439,7 +439,7 @@ def test_a_call_costs_what_it_adds_to_the_wall_of_a_loop_of_steps():
     iteration to the loop's wall whether every rank spends it, one rank the others wait for, or
     one rank after the others have left; a barrier alone adds nothing; one call stalled by a
     second in one of 40 loops is trimmed off; the loops' compute is sized to ``gap_s``; every
-    rank returns the same. The real timings, with sleeps, are benchmarks/bench_timing_checks.py's."""
+    rank returns the same. The real timings (real waits) are benchmarks/bench_timing_checks.py's."""
     from autopar.cost_model.sync import REFERENCE_GAP_S
     from autopar.launch import run_on_ranks
 

@@ -1,6 +1,6 @@
-"""The memory model against what runs: the meta-device probes against autograd on CPU tensors, the
-collectives' buffers against ``cost_model.memory``, and plans' predicted peaks against the live
-tensor bytes ``LiveTensorTracker`` measures in a training step (one device in this process, two
+"""The memory model against what runs: what analyze says each op keeps against autograd's saved
+tensors in a real forward on CPU, the collectives' buffers against ``cost_model.memory``, and
+plans' predicted peaks against the live tensor bytes ``LiveTensorTracker`` measures in a training step (one device in this process, two
 gloo ranks in the slow tests)."""
 
 from __future__ import annotations
@@ -17,70 +17,118 @@ from autopar.cost_model.memory import reshard_transient
 from autopar.demo import train_step
 from autopar.launch import free_port, run_on_ranks
 from autopar.model_spec import load_model_spec
-from autopar.passes.analyze import _NewStorage, _sid, analyze
+from autopar.passes.analyze import analyze
 from autopar.passes.trace import trace
 from autopar.placement import spec_from_str
 
-# -- the probes: what each op keeps and what its backward allocates ---------------------------------
+# -- what each op keeps for backward, against autograd in a real forward --------------------------
 
 
-def _real(node: fx.Node, infos) -> tuple:
-    """The probe's five figures, from the op run on CPU tensors of the traced shapes."""
-    ins: list[torch.Tensor] = []
+def _placeholder_value(node: fx.Node, infos, state: dict, target: str) -> torch.Tensor:
+    """A real CPU value for a placeholder: the model's own parameter or buffer, else an input of
+    the traced shape (random floats, index 0, masks that keep everything)."""
+    if target in state:
+        return state[target].detach().clone().requires_grad_(infos[node.name].requires_grad)
+    v = node.meta["val"]
+    if v.dtype.is_floating_point:
+        return torch.randn(v.shape, dtype=v.dtype)
+    return (
+        torch.ones(v.shape, dtype=v.dtype) if v.dtype == torch.bool else torch.zeros(v.shape, dtype=v.dtype)
+    )
 
-    def to_real(a):
-        if not (isinstance(a, fx.Node) and isinstance(a.meta.get("val"), torch.Tensor)):
-            return a
-        v = a.meta["val"]
-        if v.dtype.is_floating_point:
-            t = torch.randn(v.shape, dtype=v.dtype).requires_grad_(infos[a.name].requires_grad)
-        else:  # valid indices (0), and masks that keep everything
-            t = (
-                torch.ones(v.shape, dtype=v.dtype)
-                if v.dtype == torch.bool
-                else torch.zeros(v.shape, dtype=v.dtype)
-            )
-        ins.append(t)
+
+class _SavedPerNode(fx.Interpreter):
+    """Runs the traced graph forward on real tensors, with every tensor autograd saves for
+    backward (``saved_tensors_hooks``) recorded under the node that was running."""
+
+    def __init__(self, gm: fx.GraphModule):
+        super().__init__(gm)
+        self.saved: dict[str, list[torch.Tensor]] = {}
+        self.values: dict[str, object] = {}
+        self._current = ""
+
+    def run_node(self, n: fx.Node):
+        self._current = n.name
+        out = super().run_node(n)
+        self.values[n.name] = out
+        return out
+
+    def pack(self, t: torch.Tensor) -> torch.Tensor:
+        self.saved.setdefault(self._current, []).append(t)
         return t
 
-    args, kwargs = pytree.tree_map(to_real, (node.args, node.kwargs))
-    saved: list[torch.Tensor] = []
-    with torch.autograd.graph.saved_tensors_hooks(lambda t: (saved.append(t), t)[1], lambda t: t):
-        out = node.target(*args, **kwargs)
-    outs = [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
-    in_ids, out_ids = [_sid(t) for t in ins], {_sid(t) for t in outs}
-    saves, temps = [False] * len(ins), {}
-    for t in saved:
-        if _sid(t) in in_ids:
-            saves[in_ids.index(_sid(t))] = True
-        elif _sid(t) not in out_ids:
-            temps[_sid(t)] = t.untyped_storage().nbytes()
-    diff = [t for t in outs if t.requires_grad]
-    need = [i for i, t in enumerate(ins) if t.requires_grad]
-    new, temp = [False] * len(ins), 0
-    if diff and need:
-        grads = [torch.randn_like(t) for t in diff]
-        tracker = _NewStorage(ins + outs + saved + grads)
-        with tracker:
-            got = torch.autograd.grad(diff, [ins[i] for i in need], grads, allow_unused=True)
-        fresh = {_sid(g) for g in got if g is not None and _sid(g) in tracker.sizes}
-        new = [
-            i in need and got[need.index(i)] is not None and _sid(got[need.index(i)]) in fresh
-            for i in range(len(ins))
-        ]
-        temp = max(0, tracker.peak - sum(tracker.sizes[k] for k in fresh))
-    return tuple(saves), any(_sid(t) in out_ids for t in saved), sum(temps.values()), tuple(new), temp
+
+def _view(t: torch.Tensor) -> tuple:
+    return (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), tuple(t.stride()))
 
 
-@pytest.mark.parametrize("spec", ["gpt2_tiny()", "llama_tiny()", "t5_tiny()"])
-def test_the_meta_probe_agrees_with_autograd_on_cpu(spec):
-    """For every op that needs a gradient: the inputs it keeps, whether it keeps its output, the
-    bytes of other tensors it keeps, which input gradients are new tensors and what else its
-    backward holds. (CPU attention runs the flash kernel, which the probe describes by hand.)"""
+def _storage(t: torch.Tensor) -> int:
+    return t.untyped_storage().data_ptr()
+
+
+def _kept(node: fx.Node, run: _SavedPerNode) -> tuple[set[str], bool, int]:
+    """What autograd kept while ``node`` ran: its input nodes kept (the same view of the same
+    storage, else a view of an input's storage, as a decomposed op keeps a transposed weight),
+    whether it kept its output, and the bytes of the other storages it kept."""
+    from autopar.passes.rules import tensor_inputs
+
+    ins = [(a.name, run.values[a.name]) for a in tensor_inputs(node)]
+    outs = [t for t in pytree.tree_leaves(run.values[node.name]) if isinstance(t, torch.Tensor)]
+    inputs, output, temps = set(), False, {}
+    for t in run.saved.get(node.name, []):
+        same = [name for name, v in ins if _view(v) == _view(t)]
+        shared = [name for name, v in ins if _storage(v) == _storage(t)]
+        if same or shared:
+            inputs.add((same or shared)[0])
+        elif any(_storage(o) == _storage(t) for o in outs):
+            output = True
+        else:
+            temps[_storage(t)] = t.untyped_storage().nbytes()
+    return inputs, output, sum(temps.values())
+
+
+# T5's self-attention gets q/k/v as transposed views: autograd keeps a contiguous 16 KiB copy of
+# one of them (a temporary), where analyze says the op keeps that input itself
+T5_STRIDED_ATTENTION = (
+    "analyze: T5's scaled_dot_product_attention keeps a copy of a strided input, not the input"
+)
+
+
+@pytest.mark.parametrize(
+    "spec",
+    [
+        "gpt2_tiny()",
+        "llama_tiny()",
+        pytest.param("t5_tiny()", marks=pytest.mark.xfail(strict=True, reason=T5_STRIDED_ATTENTION)),
+    ],
+)
+def test_what_analyze_says_each_op_keeps_is_what_autograd_keeps_in_a_real_forward(spec):
+    """The traced graph run forward on CPU with the model's weights, autograd's saved tensors
+    recorded per node: for every op that needs a gradient, the inputs analyze says it keeps, whether
+    it keeps its output and the bytes of the other tensors it keeps are what autograd kept; and over
+    the whole forward, the bytes of every distinct storage autograd holds for backward are the
+    bytes of the distinct tensors analyze says are kept. (CPU attention runs the flash kernel.)"""
+    from autopar.passes.rules import tensor_inputs
+
     model, inputs = load_model_spec(f"autopar.examples:{spec}")
     tg = trace(model, inputs)
     infos = analyze(tg)
-    checked = 0
+    targets = {p.name: p.target for p in tg.placeholders}
+    run = _SavedPerNode(tg.graph_module)
+    args = [
+        _placeholder_value(n, infos, tg.state, targets.get(n.name, ""))
+        for n in tg.graph.nodes
+        if n.op == "placeholder"
+    ]
+    with torch.autograd.graph.saved_tensors_hooks(run.pack, lambda t: t):
+        run.run(*args)
+
+    def root(name: str) -> str:  # the node whose storage a view node's output is
+        while infos[name].view_of:
+            name = infos[name].view_of
+        return name
+
+    checked, predicted_kept, predicted_temps = 0, set(), 0
     for n in tg.graph.nodes:
         info = infos[n.name]
         if (
@@ -89,16 +137,20 @@ def test_the_meta_probe_agrees_with_autograd_on_cpu(spec):
             or not info.requires_grad
         ):
             continue
-        probe = (
-            info.saves_inputs,
+        ins = tensor_inputs(n)
+        said = (
+            {a.name for a, kept in zip(ins, info.saves_inputs) if kept},
             info.saves_output,
             info.saved_temp_bytes,
-            info.grad_new,
-            info.grad_temp_bytes,
         )
-        assert probe == _real(n, infos), (n.name, str(n.target))
+        assert said == _kept(n, run), (n.name, str(n.target))
+        predicted_kept |= {root(name) for name in said[0]} | ({root(n.name)} if info.saves_output else set())
+        predicted_temps += info.saved_temp_bytes
         checked += 1
     assert checked > 20
+    held = {_storage(t): t.untyped_storage().nbytes() for ts in run.saved.values() for t in ts}
+    predicted = sum(infos[name].out_bytes for name in predicted_kept) + predicted_temps
+    assert predicted == sum(held.values())
 
 
 # -- predicted peaks against a measured step, one device -------------------------------------------
