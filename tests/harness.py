@@ -3,8 +3,16 @@
 The parent plans every (model, mode) offline and saves the plans; ONE spawn per world size
 applies them all with ``autoparallelize(..., plan=path)``, runs two SGD steps with the model's
 own loss, and returns the outputs of both steps, ``full_state_dict()`` and (rank 0) the
-generated code. ``check_run`` compares them with the single-device model (fp32, rtol 1e-4,
-atol 1e-5) and checks that a forced plan is what it claims to be. A configuration that raises
+generated code and the mesh axes it runs collectives on (``collective_axes``). ``check_run``
+compares them with the single-device model (fp32, rtol 1e-4, atol 1e-5), checks that a forced
+plan is what it claims to be, and that every plan runs collectives on every mesh axis of more than
+one rank (a plan that replicates everything tests nothing about parallelism).
+
+A mode is ``(mesh shape, axis roles)``, roles None for the solver's own choice, optionally with a
+third entry saying how the solver is made to choose parallelism on a toy model, where on the cpu
+preset (gloo's ~1 ms per collective) replicating everything is rightly cheapest: ``SQUEEZED``
+(a memory limit of ``SQUEEZE`` times the unconstrained plan's predicted peak) or ``FREE_LINK``
+(``free_link_cpu``). A configuration that raises
 (planning or on a rank) is reported by that configuration's test, with the traceback.
 
 ``build`` is a module-level function ``build(name) -> (model, inputs)`` of the test module, so
@@ -13,6 +21,7 @@ that spawned ranks can unpickle it.
 
 from __future__ import annotations
 
+import inspect
 import traceback
 from collections.abc import Callable
 
@@ -25,6 +34,11 @@ from autopar.placement import R, spec_from_str
 LR = 0.1
 STEPS = 2
 D, T, S = autopar.AxisRole.DATA, autopar.AxisRole.TENSOR, autopar.AxisRole.SEQUENCE
+SQUEEZED, FREE_LINK = "squeezed", "free link"  # how an auto mode is planned (module docstring)
+SQUEEZE = 0.7
+# the functions of autopar.codegen.collectives the generated code calls with a mesh axis: each
+# communicates over it, forward or backward (chunk's backward gathers, f's all-reduces, ...)
+COLLECTIVE_FNS = ("all_gather", "chunk", "all_reduce", "reduce_scatter", "to_partial", "f")
 
 
 def free_link_cpu(world: int) -> autopar.ClusterSpec:
@@ -33,6 +47,27 @@ def free_link_cpu(world: int) -> autopar.ClusterSpec:
     per collective they rightly stay replicated. For tests of what data parallelism runs."""
     link = autopar.LinkSpec(bandwidth=1e12, latency=0.0)
     return autopar.ClusterSpec.preset("cpu", devices_per_node=world).with_overrides(intra_node=link)
+
+
+def collective_axes(pmodel) -> set[int]:
+    """The mesh axes a parallel module runs collectives on: the ``axis`` argument of every call of
+    ``autopar.codegen.collectives`` in its generated code (the graph ``pmodel.code`` prints), and
+    the axes of its gradient buckets' all-reduces (``pmodel.grad_sync``: data-parallel axes)."""
+    from autopar.codegen import collectives as C
+
+    fns = {getattr(C, name) for name in COLLECTIVE_FNS}
+    axes = set()
+    for node in pmodel.local.graph.nodes:
+        if node.op == "call_function" and node.target in fns:
+            axes.add(int(inspect.signature(node.target).bind(*node.args, **node.kwargs).arguments["axis"]))
+    for bucket in getattr(pmodel.grad_sync, "_buckets", ()):
+        axes.update(bucket.axes)
+    return axes
+
+
+def parallel_axes(mesh) -> set[int]:
+    """The axes of ``mesh`` with more than one rank: the ones a parallel plan must communicate on."""
+    return {a for a, n in enumerate(mesh) if n > 1}
 
 
 def train(model, inputs, steps: int = STEPS) -> list[tuple[str, torch.Tensor, torch.Tensor]]:
@@ -61,7 +96,8 @@ def _rank(rank: int, world: int, build: Callable, jobs):
         cluster = autopar.ClusterSpec.preset("cpu", devices_per_node=world)
         try:
             pmodel = autopar.autoparallelize(model, cluster, inputs, plan=plan_path)
-            results[key] = (train(pmodel, inputs), pmodel.full_state_dict(), pmodel.code if rank == 0 else "")
+            code = pmodel.code if rank == 0 else ""
+            results[key] = (train(pmodel, inputs), pmodel.full_state_dict(), code, collective_axes(pmodel))
         except Exception:  # noqa: BLE001 - reported by that configuration's test
             results[key] = traceback.format_exc()
     return results
@@ -74,13 +110,12 @@ def run_world(
 
     ``edit(mode, plan, model, inputs)`` may rewrite a plan before it is saved (any valid strategy
     must run correctly, chosen or not)."""
-    cluster = autopar.ClusterSpec.preset("cpu", devices_per_node=world)
     jobs, plans = [], {}
     for name in names:
         model, inputs = build(name)
-        for mode, (mesh, roles) in plans_for_world.items():
+        for mode, (mesh, roles, *how) in plans_for_world.items():
             try:
-                plan = autopar.plan(model, cluster, inputs, mesh_shape=mesh, axis_roles=roles)
+                plan = _plan(model, inputs, world, mesh, roles, how[0] if how else None)
                 if edit is not None:
                     plan = edit(mode, plan, model, inputs)
             except Exception:  # noqa: BLE001 - reported by that configuration's test
@@ -91,6 +126,20 @@ def run_world(
             plans[(name, mode)] = plan
             jobs.append(((name, mode), str(path)))
     return plans, run_on_ranks(_rank, world, build, jobs, timeout_s=900)
+
+
+def _plan(model, inputs, world: int, mesh, roles, how):
+    cluster = autopar.ClusterSpec.preset("cpu", devices_per_node=world)
+    if how == FREE_LINK:
+        cluster = free_link_cpu(world)
+    limit = None
+    if how == SQUEEZED:
+        free = autopar.plan(model, cluster, inputs, mesh_shape=mesh, axis_roles=roles)
+        limit = SQUEEZE * free.predicted.peak_memory_bytes / (1 - cluster.memory_reserve)
+    plan = autopar.plan(model, cluster, inputs, mesh_shape=mesh, axis_roles=roles, memory_limit_bytes=limit)
+    if limit is not None:
+        assert plan.predicted.peak_memory_bytes <= SQUEEZE * free.predicted.peak_memory_bytes * (1 + 1e-9)
+    return plan
 
 
 def check_forced(plan, roles) -> None:
@@ -119,7 +168,12 @@ def check_run(world_result, references, name: str, mode: str, plans_for_world: d
     for rank, results in enumerate(per_rank):
         res = results[(name, mode)]
         assert not isinstance(res, str), f"{name} {mode}: rank {rank} failed:\n{res}"
-        outs, state, _ = res
+        outs, state, _, axes = res
+        mesh = plans_for_world[mode][0]
+        assert axes >= parallel_axes(mesh), (
+            f"{name} {mode}: rank {rank} runs collectives on mesh axes {sorted(axes)} of {mesh}: "
+            "a case meant to test parallelism must communicate on every axis of more than one rank"
+        )
         for step, ((typ, loss, logits), (rtyp, rloss, rlogits)) in enumerate(zip(outs, ref_outs)):
             assert typ == rtyp, f"rank {rank}: the parallel module returns {typ}, the model {rtyp}"
             torch.testing.assert_close(loss, rloss, rtol=1e-4, atol=1e-5, msg=f"rank {rank} step {step} loss")
@@ -129,7 +183,7 @@ def check_run(world_result, references, name: str, mode: str, plans_for_world: d
         assert set(state) == set(ref_state)
         for k in ref_state:
             torch.testing.assert_close(state[k], ref_state[k], rtol=1e-4, atol=1e-5, msg=f"rank {rank} {k}")
-    mesh, roles = plans_for_world[mode]
+    mesh, roles = plans_for_world[mode][:2]
     assert tuple(plan.mesh_shape) == mesh
     check_forced(plan, roles)
 

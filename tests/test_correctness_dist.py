@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
-from harness import D, S, T, check_run, code_of, reference, run_world
+from harness import FREE_LINK, SQUEEZED, D, S, T, check_run, code_of, reference, run_world
 from torch.distributed.tensor.placement_types import Shard
 
 from autopar.codegen.lower import mangle
@@ -26,10 +26,16 @@ MODELS = {
     "llama": lambda: llama_tiny(batch=4, seq=16, hidden=32, vocab=128),
     "bert": lambda: bert_tiny(batch=4, seq=16, hidden=32, vocab=128),
 }
-# world size -> mode -> (mesh shape, axis roles); None lets the solver choose every placement
+# world size -> mode -> (mesh shape, axis roles[, how]); roles None lets the solver choose every
+# placement, in a setting where parallelism pays on a toy model (tests/harness.py)
 PLANS = {
-    2: {"dp": ((2,), (D,)), "tp": ((2,), (T,)), "sp": ((2,), (S,)), "auto": ((2,), None)},
-    4: {"dp": ((4,), (D,)), "tp": ((4,), (T,)), "dp_tp_2x2": ((2, 2), (D, T)), "auto_2x2": ((2, 2), None)},
+    2: {"dp": ((2,), (D,)), "tp": ((2,), (T,)), "sp": ((2,), (S,)), "auto": ((2,), None, SQUEEZED)},
+    4: {
+        "dp": ((4,), (D,)),
+        "tp": ((4,), (T,)),
+        "dp_tp_2x2": ((2, 2), (D, T)),
+        "auto_2x2": ((2, 2), None, FREE_LINK),
+    },
 }
 
 

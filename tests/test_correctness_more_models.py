@@ -16,7 +16,7 @@ import operator
 
 import pytest
 import torch
-from harness import D, T, check_run, reference, run_world
+from harness import FREE_LINK, SQUEEZED, D, T, check_run, reference, run_world
 
 from autopar.examples import palm_tiny, t5_tiny, vit_tiny
 from autopar.models.palm import PalmOutput
@@ -31,11 +31,12 @@ MODELS = {
     "t5": lambda: t5_tiny(batch=4, seq=16, hidden=32, heads=4, vocab=128),
     "vit": lambda: vit_tiny(batch=4, hidden=32, heads=4),
 }
-# world size -> mode -> (mesh shape, axis roles); None lets the solver choose every placement.
+# world size -> mode -> (mesh shape, axis roles[, how]); roles None lets the solver choose every
+# placement, in a setting where parallelism pays on a toy model (tests/harness.py).
 # The sizes above divide 4 wherever a 4-way plan shards them (batch 4, 4 heads, hidden 32, vocab 128).
 PLANS = {
-    2: {"dp": ((2,), (D,)), "tp": ((2,), (T,)), "auto": ((2,), None)},
-    4: {"dp": ((4,), (D,)), "tp": ((4,), (T,)), "auto_2x2": ((2, 2), None)},
+    2: {"dp": ((2,), (D,)), "tp": ((2,), (T,)), "auto": ((2,), None, SQUEEZED)},
+    4: {"dp": ((4,), (D,)), "tp": ((4,), (T,)), "auto_2x2": ((2, 2), None, FREE_LINK)},
 }
 
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from harness import D, T, check_run, reference, run_world
+from harness import FREE_LINK, SQUEEZED, D, T, check_run, reference, run_world
 
 import autopar
 
@@ -68,10 +68,11 @@ def build(name):
     return BUILDERS[name](), {"input_ids": ids, "labels": ids}
 
 
-# world size -> mode -> (mesh shape, axis roles); None: the solver chooses every placement
+# world size -> mode -> (mesh shape, axis roles[, how]); roles None: the solver chooses every
+# placement, in a setting where parallelism pays on a toy model (tests/harness.py)
 PLANS = {
-    2: {"dp": ((2,), (D,)), "tp": ((2,), (T,)), "auto": ((2,), None)},
-    4: {"auto_2x2": ((2, 2), None)},
+    2: {"dp": ((2,), (D,)), "tp": ((2,), (T,)), "auto": ((2,), None, SQUEEZED)},
+    4: {"auto_2x2": ((2, 2), None, FREE_LINK)},
 }
 # (name, world, mode) -> reason: configurations known to fail because of autopar (strict xfail)
 XFAIL: dict[tuple[str, int, str], str] = {}

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from harness import D
+from harness import D, collective_axes
 
 import autopar
 from autopar.examples import gpt2_tiny, llama_tiny, mlp, t5_tiny
@@ -85,7 +85,7 @@ def _mlp_rank(rank, world, path):
     loss, y = pm(x, target)
     loss.backward()
     grads = {n: p.grad.clone() for n, p in zip(pm._state_specs, pm.parameters())}
-    return loss.detach(), y.detach(), grads
+    return loss.detach(), y.detach(), grads, collective_axes(pm)
 
 
 @pytest.mark.slow
@@ -97,7 +97,8 @@ def test_a_data_parallel_mse_loss_matches_one_device(tmp_path):
     autopar.plan(model, _cpu(2), (x, target), mesh_shape=(2,), axis_roles=(D,)).save(path)
     ref_loss, ref_y = model(x, target)
     ref_loss.backward()
-    for loss, y, grads in run_on_ranks(_mlp_rank, 2, str(path)):
+    for loss, y, grads, axes in run_on_ranks(_mlp_rank, 2, str(path)):
+        assert axes == {0}  # the loss's and the gradient buckets' all-reduces
         torch.testing.assert_close(loss, ref_loss.detach())
         torch.testing.assert_close(y, ref_y.detach())
         for name, g in grads.items():
