@@ -46,7 +46,11 @@ def _build_parser() -> argparse.ArgumentParser:
         "device and links, with --world-size devices on one node",
     )
 
-    cv = sub.add_parser("coverage", help="list the model's ops and which have sharding rules")
+    cv = sub.add_parser(
+        "coverage",
+        help="list the model's ops, which have sharding rules, and which have FLOPs or saved tensors "
+        "that could not be derived",
+    )
     cv.add_argument("model", metavar="MODEL_SPEC")
     cv.add_argument("--json", action="store_true", help="print JSON instead of a table")
 
@@ -138,16 +142,15 @@ def _cmd_plan(args) -> int:
             model, inputs = load_model_spec(args.model)
     else:
         model, inputs = load_model_spec(args.model)
-    plan = autopar.plan(
-        model,
-        cluster,
-        inputs,
+    options = autopar.SearchOptions(
         mesh_shape=args.mesh,
-        memory_limit_bytes=args.memory_limit_gib * 2**30 if args.memory_limit_gib else None,
+        memory_limit_bytes=args.memory_limit_gib * 2**30 if args.memory_limit_gib is not None else None,
         time_limit_s=args.time_limit,
-        progress=lambda m: print(m, flush=True),
-        profile=profile,
         outputs=Outputs(args.outputs),
+    )
+    # the profiler (a measuring resource, not a search option) goes in beside the options
+    plan = autopar.plan(
+        model, cluster, inputs, options, progress=lambda m: print(m, flush=True), profile=profile
     )
     plan.save(args.out)
     print(plan.summary())

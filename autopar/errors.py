@@ -45,3 +45,8 @@ class ProfilerDeviceError(AutoparError, ValueError):
 
 class ProfileCacheError(AutoparError, ValueError):
     """The op profile cache file is unreadable or not autopar's: the message names the file to delete."""
+
+
+class UnpricedOpError(AutoparError):
+    """An op's FLOPs or saved tensors could not be derived in strict analysis: the message names the
+    op, the node, why, and the fix (a derivation in passes/analyze.py or an allow-list entry)."""

@@ -10,11 +10,25 @@ inputs, its output, internal tensors, each counted once) is read the same way, t
 new tensors it holds at once. An output that shares an input's storage in the traced values (a
 view, ``to`` to its own dtype, ``reshape`` or ``contiguous`` that need no copy) is marked
 ``view_of`` that input: it allocates nothing.
+
+No silent mispricing. A probe that cannot run (an op without a meta kernel, one that needs
+data-dependent values: the exceptions in ``_PROBE_ERRORS``; anything else is a bug and propagates)
+leaves the fallback figures (0 FLOPs: priced by bytes only; every input kept for backward, every
+input gradient new) and says why in ``NodeInfo.unpriced`` ("flops: <error>", "saved tensors:
+<error>"), with one WARNING per op kind and figure; ``autopar coverage`` lists such ops with the
+reason. Call targets that are neither aten op overloads nor the wrapper higher-order ops
+(``wrap_with_set_grad_enabled``, ``wrap_with_autocast``: probed with their submodule) are not
+probed: those in ``KNOWN_UNPROBED`` carry their reason there (``operator.getitem``), any other is
+unpriced. Strict mode
+(``analyze(tg, strict=True)`` or ``AUTOPAR_STRICT_ANALYZE=1``, on for the whole test suite) raises
+:class:`~autopar.errors.UnpricedOpError` instead, naming the op, the node and the fix.
 """
 
 from __future__ import annotations
 
 import logging
+import operator
+import os
 import weakref
 from dataclasses import dataclass
 
@@ -24,6 +38,7 @@ import torch.utils._pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode
 
+from autopar.errors import UnpricedOpError
 from autopar.passes.rules import ALIASING_OPS, tensor_inputs
 from autopar.passes.trace import Role, TracedGraph
 
@@ -48,6 +63,8 @@ class NodeInfo:
     view_of: str = ""  # the input whose storage the output is a view of ("" if it allocates)
     grad_new: tuple[bool, ...] = ()  # per tensor input: its gradient is a new tensor (else passed on)
     grad_temp_bytes: int = 0  # other tensors the backward holds at once, at most (CE's log-prob gradient)
+    # why a figure above is a fallback, not derived: "flops: <why>", "saved tensors: <why>" ("" none)
+    unpriced: tuple[str, ...] = ()
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -76,18 +93,71 @@ def tensor_nbytes(t: torch.Tensor) -> int:
     return _numel(t.shape) * t.element_size()
 
 
+STRICT_ENV = "AUTOPAR_STRICT_ANALYZE"
+
+# Call targets that are not probed, and why their fallback figures (0 FLOPs; every input kept for
+# backward, every input gradient new) are what they are rather than a guess. Add an op here only
+# with its reason; an op that merely fails to probe wants a derivation instead.
+KNOWN_UNPROBED: dict[object, str] = {
+    operator.getitem: "selects one value of its producer's tuple: no FLOPs, no bytes of its own; "
+    "what the backward keeps is its producer's",
+}
+
+# What a meta-device probe can legitimately raise: an op without a meta kernel
+# (NotImplementedError), one that refuses meta tensors or needs data-dependent values
+# (RuntimeError and its subclasses), or arguments it does not accept once rebuilt on meta
+# (TypeError, ValueError). Anything else is a bug in the probe and propagates.
+_PROBE_ERRORS = (NotImplementedError, RuntimeError, TypeError, ValueError)
+
 _FLOP_CACHE: dict = {}
+_WARNED: set[tuple[str, str]] = set()
 
 
-def _flops_of(node: fx.Node) -> float:
-    if not isinstance(node.target, torch._ops.OpOverload):
-        return 0.0
-    key = _signature(node)
-    if key in _FLOP_CACHE:
-        return _FLOP_CACHE[key]
+def strict_default() -> bool:
+    """Strict analysis (an underivable figure raises :class:`UnpricedOpError`) unless asked
+    otherwise: on when the environment variable ``AUTOPAR_STRICT_ANALYZE`` is set to 1 / true."""
+    return os.environ.get(STRICT_ENV, "").strip().lower() in ("1", "true", "yes", "on")
 
+
+def _why(e: BaseException) -> str:
+    first = (str(e).strip().splitlines() or [""])[0]
+    return f"{type(e).__name__}: {first[:200]}"
+
+
+# Higher-order ops that only run their submodule under a grad / autocast setting (a no-grad rotary
+# embedding block, an autocast region): probed like an aten op, their submodule resolved from the
+# graph module, so its FLOPs and what it saves are its body's (none under no_grad).
+_WRAPPER_HOPS = tuple(
+    h
+    for h in (
+        getattr(torch.ops.higher_order, "wrap_with_set_grad_enabled", None),
+        getattr(torch.ops.higher_order, "wrap_with_autocast", None),
+    )
+    if h is not None
+)
+
+
+def _probed(node: fx.Node) -> bool:
+    return isinstance(node.target, torch._ops.OpOverload) or node.target in _WRAPPER_HOPS
+
+
+def _not_probed(node: fx.Node) -> str:
+    return f"{node.target} is not an aten op overload: no probe"
+
+
+def _submodule(a: fx.Node):
+    """The attribute a ``get_attr`` node reads (a higher-order op's submodule)."""
+    obj = a.graph.owning_module
+    for part in str(a.target).split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def _meta_args(node: fx.Node):
     def to_meta(a):
         if isinstance(a, fx.Node):
+            if a.op == "get_attr":
+                return _submodule(a)
             v = a.meta.get("val")
             if isinstance(v, torch.Tensor):
                 return torch.empty(v.shape, dtype=v.dtype, device="meta")
@@ -96,20 +166,32 @@ def _flops_of(node: fx.Node) -> float:
             return torch.device("meta")
         return a
 
-    flops = 0.0
+    args, kwargs = pytree.tree_map(to_meta, (node.args, node.kwargs))
+    kwargs = dict(kwargs)  # a node's kwargs map is immutable
+    if "device" in kwargs:
+        kwargs["device"] = torch.device("meta")
+    return args, kwargs
+
+
+def _flops_of(node: fx.Node) -> tuple[float, str]:
+    """Forward FLOPs of ``node``'s op, and why they are not derived ("" when they are: then 0.0 is
+    a real zero). An op that cannot run on meta is priced by bytes only (0 FLOPs), with the reason."""
+    if not _probed(node):
+        return 0.0, "" if node.target in KNOWN_UNPROBED else _not_probed(node)
+    key = _signature(node)
+    if key in _FLOP_CACHE:
+        return _FLOP_CACHE[key]
+    result = (0.0, "")
     try:
-        args, kwargs = pytree.tree_map(to_meta, (node.args, node.kwargs))
-        kwargs = dict(kwargs)  # a node's kwargs map is immutable
-        if "device" in kwargs:
-            kwargs["device"] = torch.device("meta")
+        args, kwargs = _meta_args(node)
         counter = FlopCounterMode(display=False)
         with counter:
             node.target(*args, **kwargs)
-        flops = float(counter.get_total_flops())
-    except Exception as e:  # noqa: BLE001 - ops that cannot run on meta are priced by bytes only
-        log.debug("no FLOP count for %s: %s", node.target, e)
-    _FLOP_CACHE[key] = flops
-    return flops
+        result = (float(counter.get_total_flops()), "")
+    except _PROBE_ERRORS as e:
+        result = (0.0, _why(e))
+    _FLOP_CACHE[key] = result
+    return result
 
 
 _SAVED_CACHE: dict = {}
@@ -118,6 +200,9 @@ _SAVED_CACHE: dict = {}
 def _signature(node: fx.Node):
     def key_of(a):
         if isinstance(a, fx.Node):
+            if a.op == "get_attr":  # a higher-order op's body: by its code, not its name in a graph
+                sub = _submodule(a)
+                return ("G", sub.code if isinstance(sub, fx.GraphModule) else repr(sub))
             v = a.meta.get("val")
             return ("T", tuple(v.shape), str(v.dtype)) if isinstance(v, torch.Tensor) else ("N", a.name)
         return repr(a)
@@ -134,7 +219,7 @@ class _Probe:
     grad_temp_bytes: int = 0
 
 
-def _saved_for_backward(node: fx.Node, grads: tuple[bool, ...]) -> _Probe:
+def _saved_for_backward(node: fx.Node, grads: tuple[bool, ...]) -> tuple[_Probe, str]:
     """What autograd keeps for this op's backward and what its backward allocates, found by running
     it once on meta tensors (cached per op signature), each tensor input requiring a gradient as in
     the model (``grads``, per tensor input): ``x * c`` with a constant ``c`` keeps ``c`` only.
@@ -142,7 +227,7 @@ def _saved_for_backward(node: fx.Node, grads: tuple[bool, ...]) -> _Probe:
     under ``_NewStorage``: which input gradients are new tensors (``add`` passes its output's
     gradient on to both inputs) and the largest bytes of other new tensors held at once
     (``cross_entropy``: the gradient of its log-probabilities). An op that cannot run so keeps
-    every input and allocates every input gradient."""
+    every input and allocates every input gradient; the second value says why ("" when derived)."""
     key = (_signature(node), grads)
     if key in _SAVED_CACHE:
         return _SAVED_CACHE[key]
@@ -164,14 +249,16 @@ def _saved_for_backward(node: fx.Node, grads: tuple[bool, ...]) -> _Probe:
                 temp += _numel(v.shape) * q.element_size()
             else:
                 saves.append(True)
-        _SAVED_CACHE[key] = _Probe(tuple(saves), True, temp, tuple(a is not mask for a in tins))
+        _SAVED_CACHE[key] = (_Probe(tuple(saves), True, temp, tuple(a is not mask for a in tins)), "")
         return _SAVED_CACHE[key]
-    result = _Probe((True,) * len(tins), grad_new=(True,) * len(tins))
-    if isinstance(node.target, torch._ops.OpOverload):
+    fallback = _Probe((True,) * len(tins), grad_new=(True,) * len(tins))
+    if not _probed(node):
+        result = (fallback, "" if node.target in KNOWN_UNPROBED else _not_probed(node))
+    else:
         try:
-            result = _run_probe(node, grads)
-        except Exception as e:  # noqa: BLE001 - cannot run on meta: assume every input is kept
-            log.debug("no saved-tensor probe for %s: %s", node.target, e)
+            result = (_run_probe(node, grads), "")
+        except _PROBE_ERRORS as e:  # cannot run on meta: assume every input is kept
+            result = (fallback, _why(e))
     _SAVED_CACHE[key] = result
     return result
 
@@ -181,6 +268,8 @@ def _run_probe(node: fx.Node, grads: tuple[bool, ...]) -> _Probe:
 
     def to_meta(a):
         if isinstance(a, fx.Node):
+            if a.op == "get_attr":
+                return _submodule(a)
             v = a.meta.get("val")
             if isinstance(v, torch.Tensor):
                 rg = grads[len(ins)] if len(ins) < len(grads) else v.dtype.is_floating_point
@@ -290,7 +379,36 @@ def _view_of(node: fx.Node, tins: list[fx.Node]) -> str:
     return next((a.name for a in tins if _storage(a.meta.get("val")) == out), "")
 
 
-def analyze(tg: TracedGraph) -> dict[str, NodeInfo]:
+def _unpriced(node: fx.Node, flops_why: str, saved_why: str, strict: bool) -> tuple[str, ...]:
+    """The node's reasons ("flops: ...", "saved tensors: ..."); a WARNING once per op kind and
+    figure, or, in strict mode, :class:`UnpricedOpError`."""
+    reasons = tuple(
+        f"{what}: {why}" for what, why in (("flops", flops_why), ("saved tensors", saved_why)) if why
+    )
+    if reasons and strict:
+        raise UnpricedOpError(
+            f"cannot derive the {' and '.join(r.split(':')[0] for r in reasons)} of op {node.target} "
+            f"(node {node.name}): {'; '.join(reasons)}. Fix: derive it in autopar/passes/analyze.py "
+            "(a formula, or a probe that runs), or, if its figure is known to be zero / bytes-only, "
+            "add the op to KNOWN_UNPROBED there with the reason. Without "
+            f"{STRICT_ENV}=1 it is priced at the fallback (0 FLOPs; every input kept for backward) "
+            "and listed by `autopar coverage`."
+        )
+    for r in reasons:
+        what = r.split(":")[0]
+        if (str(node.target), what) not in _WARNED:
+            _WARNED.add((str(node.target), what))
+            fallback = "0 FLOPs (bytes only)" if what == "flops" else "every input kept for backward"
+            log.warning("%s: cannot derive its %s (%s): priced at %s", node.target, what, r, fallback)
+    return reasons
+
+
+def analyze(tg: TracedGraph, strict: bool | None = None) -> dict[str, NodeInfo]:
+    """Per-node :class:`NodeInfo`. ``strict`` (default: :func:`strict_default`, the
+    ``AUTOPAR_STRICT_ANALYZE`` environment variable) raises :class:`UnpricedOpError` for an op whose
+    FLOPs or saved tensors cannot be derived; otherwise such a node keeps the fallback figures and
+    says why in ``NodeInfo.unpriced``."""
+    strict = strict_default() if strict is None else strict
     roles = {p.name: p for p in tg.placeholders}
     infos: dict[str, NodeInfo] = {}
     for node in tg.graph.nodes:
@@ -310,7 +428,8 @@ def analyze(tg: TracedGraph) -> dict[str, NodeInfo]:
             )
             tins = tensor_inputs(node)
             grads = tuple(infos[a.name].requires_grad if a.name in infos else True for a in tins)
-            probe = _saved_for_backward(node, grads) if rg else _Probe(())
+            probe, saved_why = _saved_for_backward(node, grads) if rg else (_Probe(()), "")
+            flops, flops_why = _flops_of(node)
             view_of = _view_of(node, tins)
             infos[node.name] = NodeInfo(
                 node.name,
@@ -318,7 +437,7 @@ def analyze(tg: TracedGraph) -> dict[str, NodeInfo]:
                 str(node.target),
                 shapes,
                 dtype,
-                _flops_of(node),
+                flops,
                 0 if view_of else in_bytes + out_bytes,
                 rg,
                 probe.saves_inputs,
@@ -327,6 +446,7 @@ def analyze(tg: TracedGraph) -> dict[str, NodeInfo]:
                 view_of,
                 probe.grad_new,
                 probe.grad_temp_bytes,
+                _unpriced(node, flops_why, saved_why, strict),
             )
         elif node.op == "output":
             infos[node.name] = NodeInfo(node.name, Role.OUTPUT, "output", (), None, 0.0, 0, False)
