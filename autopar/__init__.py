@@ -16,15 +16,16 @@ from autopar.errors import (
     PlanMismatchError,
     TraceError,
 )
-from autopar.passes.costs import Optimizer
-from autopar.passes.strategies import AxisRole
+from autopar.options import AxisRole, Optimizer, SearchOptions, SearchOptionsError
 from autopar.placement import Outputs
-from autopar.plan import NodeDecision, Plan, Predicted
+from autopar.plan import NodeDecision, Plan, PlannedCollective, Predicted, Site
+from autopar.reshard import Collective, Phase
 
 __all__ = [
     "AutoparError",
     "AxisRole",
     "ClusterSpec",
+    "Collective",
     "ClusterSpecError",
     "DeviceSpec",
     "DistributedSetupError",
@@ -37,7 +38,12 @@ __all__ = [
     "Plan",
     "PlanFormatError",
     "PlanMismatchError",
+    "PlannedCollective",
+    "Phase",
     "Predicted",
+    "SearchOptions",
+    "SearchOptionsError",
+    "Site",
     "TraceError",
     "autoparallelize",
     "coverage",

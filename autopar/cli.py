@@ -142,16 +142,15 @@ def _cmd_plan(args) -> int:
             model, inputs = load_model_spec(args.model)
     else:
         model, inputs = load_model_spec(args.model)
-    plan = autopar.plan(
-        model,
-        cluster,
-        inputs,
+    options = autopar.SearchOptions(
         mesh_shape=args.mesh,
-        memory_limit_bytes=args.memory_limit_gib * 2**30 if args.memory_limit_gib else None,
+        memory_limit_bytes=args.memory_limit_gib * 2**30 if args.memory_limit_gib is not None else None,
         time_limit_s=args.time_limit,
-        progress=lambda m: print(m, flush=True),
-        profile=profile,
         outputs=Outputs(args.outputs),
+    )
+    # the profiler (a measuring resource, not a search option) goes in beside the options
+    plan = autopar.plan(
+        model, cluster, inputs, options, progress=lambda m: print(m, flush=True), profile=profile
     )
     plan.save(args.out)
     print(plan.summary())

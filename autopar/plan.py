@@ -1,9 +1,9 @@
 """The Plan: every decision the search took, with its predicted costs, as a frozen, versioned value.
 
-JSON layout (schema_version 1)::
+JSON layout (schema_version 2)::
 
     {
-      "schema_version": 1,
+      "schema_version": 2,
       "fingerprint": "<sha256 of the traced graph: ops, shapes, dtypes, parameter names>",
       "model": "GPT2LMHeadModel",
       "cluster": {... ClusterSpec.to_dict() ...},
@@ -11,7 +11,9 @@ JSON layout (schema_version 1)::
       "decisions": [
         {"name": "linear_3", "op": "aten.linear.default", "role": "activation", "target": "",
          "shape": [4, 16, 128], "output": "S(0),R", "inputs": ["S(0),R", "R,S(0)"],
-         "compute_s": 1.2e-06, "comm_s": 0.0, "collectives": ["all_reduce@1 4096B"]},
+         "compute_s": 1.2e-06, "comm_s": 0.0,
+         "collectives": [{"kind": "all_reduce", "axis": 1, "nbytes": 4096.0, "phase": "backward",
+                          "site": "inputs"}]},
         ...
       ],
       "predicted": {"step_time_s": ..., "peak_memory_bytes": ..., "compute_s": ..., "comm_s": ...,
@@ -22,19 +24,104 @@ JSON layout (schema_version 1)::
     }
 
 Placements are written as text (``R``, ``S(d)``, ``P``), one per mesh axis, comma separated.
+Collectives are typed records (``PlannedCollective``): the kind, the mesh axis, the bytes it is
+priced at, forward or backward, and where in the step it runs (``Site``). Plans of schema 1 (the
+same, with collectives written as text such as ``"all_reduce(bwd)@1"``) still load.
 """
 
 from __future__ import annotations
 
+import enum
 import json
 import os
+import re
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from autopar.errors import PlanFormatError, PlanMismatchError
 from autopar.placement import Outputs, Spec, spec_from_str
+from autopar.reshard import Collective, CollectiveCall, Phase
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
+READABLE_VERSIONS = (1, 2)
+
+
+class Site(enum.Enum):
+    """Where in a step a collective runs."""
+
+    INPUTS = "inputs"  # brings a node's inputs to the placements it takes (and their gradients back)
+    INSIDE = "inside"  # a lowering's own collective, after the op's local compute (a split loss)
+    OUTPUTS = "outputs"  # brings the graph's outputs to the caller
+    BUCKET = "bucket"  # a gradient bucket's all-reduce, overlapped with backward
+
+
+@dataclass(frozen=True)
+class PlannedCollective:
+    """One collective of a plan: a reshard step's (``autopar/reshard.py``), a lowering's own, or a
+    gradient bucket's (``bucket``: its index), priced at ``nbytes`` on mesh axis ``axis``."""
+
+    kind: Collective
+    axis: int
+    nbytes: float
+    phase: Phase
+    site: Site
+    bucket: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.axis < 0 or self.nbytes < 0:
+            raise PlanFormatError(f"collective {self}: axis and bytes must be >= 0")
+        if (self.bucket is not None) != (self.site is Site.BUCKET):
+            raise PlanFormatError(f"collective {self}: a bucket index goes with site 'bucket' only")
+
+    @classmethod
+    def of(cls, call: CollectiveCall, site: Site, bucket: int | None = None) -> PlannedCollective:
+        return cls(call.kind, call.axis, call.nbytes, call.phase, site, bucket)
+
+    def __str__(self) -> str:
+        where = f"bucket {self.bucket}" if self.bucket is not None else self.site.value
+        return f"{self.kind.value}@{self.axis} {self.phase.value} ({where}) {self.nbytes:.0f} B"
+
+    def to_dict(self) -> dict[str, Any]:
+        d = {
+            "kind": self.kind.value,
+            "axis": self.axis,
+            "nbytes": self.nbytes,
+            "phase": self.phase.value,
+            "site": self.site.value,
+        }
+        if self.bucket is not None:
+            d["bucket"] = self.bucket
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any] | str) -> PlannedCollective:
+        if isinstance(d, str):
+            return _legacy_collective(d)
+        return cls(
+            Collective(d["kind"]), int(d["axis"]), float(d["nbytes"]), Phase(d["phase"]), Site(d["site"]),
+            d.get("bucket"),
+        )  # fmt: skip
+
+
+_LEGACY_BUCKET = re.compile(r"^(\w+)\(axis (\d+), overlapped, bucket (\d+)\)$")
+_LEGACY = re.compile(r"^(\w+)(?:\(([^)]*)\))?@(\d+)")
+
+
+def _legacy_collective(text: str) -> PlannedCollective:
+    """A schema-1 collective (``"all_gather@0"``, ``"all_reduce(bwd)@1"``, ``"all_reduce(in op)@0"``,
+    ``"all_reduce(axis 0, overlapped, bucket 2)"``); those plans did not record bytes (0)."""
+    m = _LEGACY_BUCKET.match(text)
+    if m:
+        return PlannedCollective(Collective(m[1]), int(m[2]), 0.0, Phase.BACKWARD, Site.BUCKET, int(m[3]))
+    m = _LEGACY.match(text)
+    if not m:
+        raise PlanFormatError(
+            f"unreadable collective {text!r} in a schema-1 plan; re-plan with `autopar plan`"
+        )
+    note = m[2] or ""
+    phase = Phase.BACKWARD if "bwd" in note else Phase.FORWARD
+    site = Site.INSIDE if "in op" in note else Site.INPUTS
+    return PlannedCollective(Collective(m[1]), int(m[3]), 0.0, phase, site)
 
 
 @dataclass(frozen=True)
@@ -50,7 +137,7 @@ class NodeDecision:
     inputs: tuple[str, ...]  # required placement of each tensor input, in argument order
     compute_s: float = 0.0
     comm_s: float = 0.0  # resharding into this node's inputs (forward + backward)
-    collectives: tuple[str, ...] = ()
+    collectives: tuple[PlannedCollective, ...] = ()
 
     def __post_init__(self) -> None:
         spec_from_str(self.output)  # validates
@@ -128,10 +215,10 @@ class Plan:
     _by_name: dict = field(default=None, repr=False, compare=False, hash=False)  # type: ignore[assignment]
 
     def __post_init__(self) -> None:
-        if self.schema_version != SCHEMA_VERSION:
+        if self.schema_version not in READABLE_VERSIONS:
             raise PlanFormatError(
-                f"plan schema_version {self.schema_version} is not supported (this autopar reads {SCHEMA_VERSION}); "
-                "re-plan with `autopar plan`"
+                f"plan schema_version {self.schema_version} is not supported (this autopar reads "
+                f"{list(READABLE_VERSIONS)}); re-plan with `autopar plan`"
             )
         if self.outputs not in {o.value for o in Outputs}:
             raise PlanFormatError(
@@ -204,7 +291,7 @@ class Plan:
                     **asdict(d),
                     "shape": list(d.shape),
                     "inputs": list(d.inputs),
-                    "collectives": list(d.collectives),
+                    "collectives": [c.to_dict() for c in d.collectives],
                 }
                 for d in self.decisions
             ],
@@ -217,10 +304,10 @@ class Plan:
     def from_dict(cls, data: dict[str, Any]) -> Plan:
         try:
             version = data["schema_version"]
-            if version != SCHEMA_VERSION:
+            if version not in READABLE_VERSIONS:
                 raise PlanFormatError(
-                    f"plan schema_version {version} is not supported (this autopar reads {SCHEMA_VERSION}); "
-                    "re-plan with `autopar plan`"
+                    f"plan schema_version {version} is not supported (this autopar reads "
+                    f"{list(READABLE_VERSIONS)}); re-plan with `autopar plan`"
                 )
             decisions = tuple(
                 NodeDecision(
@@ -228,7 +315,9 @@ class Plan:
                         **d,
                         "shape": tuple(d["shape"]),
                         "inputs": tuple(d["inputs"]),
-                        "collectives": tuple(d.get("collectives", ())),
+                        "collectives": tuple(
+                            PlannedCollective.from_dict(c) for c in d.get("collectives", ())
+                        ),
                     }
                 )
                 for d in data["decisions"]
@@ -244,7 +333,7 @@ class Plan:
                 predicted=Predicted(**data["predicted"]),
                 solver=SolverInfo(**solver),
                 outputs=data.get("outputs", Outputs.FULL.value),  # plans from before the option
-                schema_version=version,
+                schema_version=SCHEMA_VERSION,  # read into this version's types
             )
         except (KeyError, TypeError, ValueError) as e:
             if isinstance(e, PlanFormatError):

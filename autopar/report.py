@@ -307,7 +307,7 @@ def render_report(plan: Plan, *, measured: dict | None = None, title: str | None
                 ("<br>".join(f"<code>{escape(i)}</code>" for i in d.inputs), False),
                 _n(fmt_time(d.compute_s)),
                 _n(fmt_time(d.comm_s)),
-                ("<br>".join(escape(x) for x in d.collectives), False),
+                ("<br>".join(escape(str(x)) for x in d.collectives), False),
             ]
             for d in plan.decisions
         ],

@@ -33,22 +33,25 @@ from autopar.passes.grad_sync import emitted_f_axes, reshard_key
 from autopar.passes.rules import _norm, map_args
 from autopar.passes.strategies import Strategy
 from autopar.passes.trace import Role, TracedGraph
-from autopar.placement import (
-    Outputs,
-    Spec,
-    is_partial,
-    is_replicate,
-    is_shard,
-    local_shape,
-    output_placement,
-    replicated,
-)
+from autopar.placement import Outputs, Spec, is_shard, local_shape, output_placement, replicated
+from autopar.reshard import StepKind, reshard_plan
 
 aten = torch.ops.aten
 
 
 def mangle(fqn: str) -> str:
     return "p__" + fqn.replace(".", "__")
+
+
+# the function of codegen/collectives.py each kind of reshard step calls, and its arguments
+_STEP_CALLS = {
+    StepKind.ALL_GATHER: lambda x, s: (C.all_gather, (x, s.dim, s.axis, s.fused_f)),
+    StepKind.CHUNK: lambda x, s: (C.chunk, (x, s.dim, s.axis)),
+    StepKind.ALL_REDUCE: lambda x, s: (C.all_reduce, (x, s.axis)),
+    StepKind.REDUCE_SCATTER: lambda x, s: (C.reduce_scatter, (x, s.dim, s.axis)),
+    StepKind.TO_PARTIAL: lambda x, s: (C.to_partial, (x, s.axis)),
+    StepKind.F: lambda x, s: (C.f, (x, s.axis)),
+}
 
 
 def emit_reshard(
@@ -60,48 +63,20 @@ def emit_reshard(
     fops=(),
     made: dict | None = None,
 ) -> fx.Node:
-    """Emit the collectives that move ``x`` from ``src`` to ``dst`` (see cost_model/comm.py).
-    ``made``: collectives emitted so far, by (function, arguments): a chain that starts as an
-    earlier one did takes its steps instead of running them again (the logits gathered over the
-    vocabulary for the loss, then over the batch for the caller). Every step is linear, so its
-    gradient is the sum of its consumers'."""
-    fops = set(fops)
-    call = g.call_function
-    if made is not None:
-
-        def call(fn, args):
+    """Emit the steps of the reshard plan that moves ``x`` from ``src`` to ``dst`` and applies the
+    "f" of axes ``fops`` (``autopar/reshard.py:reshard_plan``; the cost model prices the same
+    steps), one collective call per step. ``made``: collectives emitted so far, by (function,
+    arguments): a chain that starts as an earlier one did takes its steps instead of running them
+    again (the logits gathered over the vocabulary for the loss, then over the batch for the
+    caller). Every step is linear, so its gradient is the sum of its consumers'."""
+    for step in reshard_plan(tuple(src), tuple(dst), tuple(mesh_shape), 0.0, tuple(sorted(set(fops)))).steps:
+        fn, args = _STEP_CALLS[step.kind](x, step)
+        if made is None:
+            x = g.call_function(fn, args)
+        else:
             if (fn, args) not in made:
                 made[(fn, args)] = g.call_function(fn, args)
-            return made[(fn, args)]
-
-    order = sorted(range(len(src)), key=lambda a: not is_replicate(dst[a]))
-    for a in order:
-        s, d = src[a], dst[a]
-        if mesh_shape[a] == 1 or s == d:
-            continue
-        if is_shard(s) and is_replicate(d):
-            fused = a in fops
-            fops.discard(a)
-            x = call(C.all_gather, (x, s.dim, a, fused))
-        elif is_partial(s) and is_replicate(d):
-            x = call(C.all_reduce, (x, a))
-        elif is_replicate(s) and is_shard(d):
-            x = call(C.chunk, (x, d.dim, a))
-        elif is_partial(s) and is_shard(d):
-            x = call(C.reduce_scatter, (x, d.dim, a))
-        elif is_replicate(s) and is_partial(d):
-            x = call(C.to_partial, (x, a))
-        elif is_shard(s) and is_shard(d):
-            x = call(C.all_gather, (x, s.dim, a, False))
-            x = call(C.chunk, (x, d.dim, a))
-        elif is_shard(s) and is_partial(d):
-            x = call(C.all_gather, (x, s.dim, a, False))
-            x = call(C.to_partial, (x, a))
-        else:
-            raise AssertionError(f"no reshard from {s} to {d}")
-    for a in sorted(fops):
-        if mesh_shape[a] > 1:
-            x = call(C.f, (x, a))
+            x = made[(fn, args)]
     return x
 
 

@@ -20,12 +20,12 @@ collective and size range):
 
 An axis whose groups lie inside a node takes the ``(bw, lat)`` its own group size and stride were
 measured at, where ``autopar calibrate`` measured them (``group_ranges``: every group of the
-axis at once, as the mesh runs them), and the full group's otherwise. The ring's ``(n-1)``
-latency terms do not carry from one group size to another where ranks share cores: on the 2-core
-development VM, with each of 4 gloo ranks bound to a core, a 1 KiB all-reduce added 1.8 ms to a
-loop of steps on all 4, 1.3 ms on pairs of neighbours and on pairs that share a core, a 256 KiB
-one 2.5, 2.9 and 1.8 ms (``autopar calibrate --world-size 4``), where the 4-rank fit predicts
-0.6 and 1.1 ms for any pair.
+axis at once, as the mesh runs them), and the full group's otherwise. These per-layout figures
+(and the queued all-reduce's, ``QUEUED_ALL_REDUCE``) come only from a calibration, in practice of
+CPU (gloo) ranks that share a host's cores, where the ring's ``(n-1)`` latency terms do not carry
+from one group size to another (the ranks of a pair may or may not share a core); no preset
+carries them, so a GPU preset's axes are priced by the formulas above alone. What they were on
+the development machine: ``benchmarks/README.md``, "Readings of the development VM".
 
 Two more algorithms, as NCCL picks between them (NCCL docs, "NCCL_ALGO"; Sanders, Speck,
 Traeff, "Two-tree algorithms for full bandwidth broadcast, reduction and scan", 2009):
@@ -41,44 +41,19 @@ Traeff, "Two-tree algorithms for full bandwidth broadcast, reduction and scan", 
 
 ``CommModel.time`` prices each collective at the cheapest algorithm that applies.
 
-Resharding one tensor from ``src`` to ``dst`` placements is done axis by axis (see
-``codegen/collectives.py`` for the code that runs it). Forward and backward are both priced:
-gradients of Replicate/Partial values are full, gradients of Shard values are shards, so
-
-=============  ======================  ====================================================
-transition     forward                 backward (only when the value needs a gradient)
-=============  ======================  ====================================================
-S(d) -> R      all-gather              local slice (free), or reduce-scatter when fused
-                                       with a Megatron "f" (see below)
-R -> S(d)      local slice (free)      all-gather
-P -> R         all-reduce              nothing
-P -> S(d)      reduce-scatter          all-gather
-R -> P         local mask (free)       nothing
-S(d) -> S(e)   all-gather + slice      all-gather + slice
-=============  ======================  ====================================================
-
-The "f" operator (identity forward, all-reduce backward; Megatron-LM, Shoeybi et al. 2019) is
-inserted on a Replicate input of an op that is split over the axis: each rank then holds a
-partial gradient of that input.
+Resharding one tensor from ``src`` to ``dst`` placements runs the steps of its reshard plan
+(``autopar/reshard.py:reshard_plan``, the same steps codegen emits), forward and backward:
+``CommModel.reshard`` is the sum of their collectives at the prices above.
 """
 
 from __future__ import annotations
 
-import enum
 import math
 from collections.abc import Sequence
 
 from autopar.cluster import ClusterSpec, LinkSpec
-from autopar.placement import Spec, is_partial, is_replicate, is_shard
-
-
-class Collective(enum.Enum):
-    ALL_REDUCE = "all_reduce"
-    ALL_GATHER = "all_gather"
-    REDUCE_SCATTER = "reduce_scatter"
-    ALL_TO_ALL = "all_to_all"
-    SEND_RECV = "send_recv"
-
+from autopar.placement import Spec
+from autopar.reshard import Collective, CollectiveCall, reshard_plan
 
 # ``LinkSpec.ranges`` name of the all-reduce issued behind another one still in flight
 QUEUED_ALL_REDUCE = "all_reduce_queued"
@@ -89,7 +64,8 @@ def group_ranges(name: str, n: int, stride: int) -> str:
     ``n`` ranks ``stride`` apart inside a node, every such group at once, as a mesh axis of that
     size and stride runs it: ``"all_reduce/2x1"``. ``autopar calibrate`` measures each group a
     mesh axis of its world can have (``calibrate.group_layouts``), and ``CommModel`` prices an
-    axis with its group's figures where the link has them, else with the collective's own."""
+    axis with its group's figures where the link has them, else with the collective's own. Only a
+    calibrated link has them (of CPU ranks sharing a host's cores; no preset)."""
     return f"{name}/{n}x{stride}"
 
 
@@ -119,7 +95,9 @@ def tree_all_reduce_time(nbytes: float, n: int, link: LinkSpec) -> float:
 
 
 def node_split(cluster: ClusterSpec, mesh_shape: Sequence[int], axis: int) -> tuple[int, int] | None:
-    """(m, k) when the axis's groups span k whole nodes with m ranks in each; None otherwise."""
+    """(m, k) when the axis's groups span k whole nodes with m ranks in each (consecutive ranks,
+    ``stride * m = devices_per_node``: the hierarchical algorithm of the module docstring
+    applies); None otherwise."""
     stride = math.prod(mesh_shape[axis + 1 :])
     n, d = mesh_shape[axis], cluster.devices_per_node
     if stride >= d or stride * n <= d or d % stride or n % (d // stride):
@@ -129,6 +107,8 @@ def node_split(cluster: ClusterSpec, mesh_shape: Sequence[int], axis: int) -> tu
 
 
 def axis_link(cluster: ClusterSpec, mesh_shape: Sequence[int], axis: int) -> LinkSpec:
+    """The link an axis's collectives run on: ``intra_node`` where its groups (``stride * n``
+    consecutive ranks, row-major mesh) fit in a node, else ``inter_node``."""
     stride = math.prod(mesh_shape[axis + 1 :])
     span = stride * mesh_shape[axis]
     return cluster.intra_node if span <= cluster.devices_per_node else cluster.inter_node
@@ -142,7 +122,7 @@ class CommModel:
         self.mesh_shape = tuple(mesh_shape)
         self.links = [axis_link(cluster, self.mesh_shape, a) for a in range(len(self.mesh_shape))]
         self.splits = [node_split(cluster, self.mesh_shape, a) for a in range(len(self.mesh_shape))]
-        self._cache: dict[tuple, tuple[float, list[str]]] = {}
+        self._cache: dict[tuple, tuple[float, tuple[CollectiveCall, ...]]] = {}
 
     def ranges(self, name: str, axis: int) -> str:
         """The ``LinkSpec.ranges`` name that prices collective ``name`` on ``axis``: its group's
@@ -186,8 +166,8 @@ class CommModel:
     def queued_all_reduce_time(self, nbytes: float, axis: int) -> float:
         """Seconds of an all-reduce issued while the previous one is still in flight (the
         overlapped gradient all-reduces of ``codegen/grad_sync.py``): priced with the link's
-        ``all_reduce_queued`` ranges when ``autopar calibrate`` measured them, else as
-        :meth:`time` (no pipelining assumed)."""
+        ``all_reduce_queued`` ranges where ``autopar calibrate`` wrote them (a calibrated link, of
+        CPU ranks in practice; no preset has them), else as :meth:`time` (no pipelining assumed)."""
         link = self.links[axis]
         if self.splits[axis] is None and any(r[0] == QUEUED_ALL_REDUCE for r in link.ranges):
             return collective_time(
@@ -201,64 +181,20 @@ class CommModel:
 
     def reshard(
         self, src: Spec, dst: Spec, nbytes: float, requires_grad: bool, f_axes: Sequence[int] = ()
-    ) -> tuple[float, list[str]]:
+    ) -> tuple[float, tuple[CollectiveCall, ...]]:
         """Forward + backward seconds to move a tensor of ``nbytes`` (global) from src to dst, plus
-        the backward all-reduce of every Megatron "f" on ``f_axes``; and a list of the collectives."""
+        the backward all-reduce of every Megatron "f" on ``f_axes``; and the collectives that run
+        (``autopar/reshard.py:reshard_plan``, backward ones only when it needs a gradient)."""
         key = (tuple(src), tuple(dst), nbytes, requires_grad, tuple(f_axes))
         hit = self._cache.get(key)
         if hit is None:
-            hit = self._cache[key] = self._reshard(*key)
-        return hit[0], list(hit[1])
+            calls = reshard_plan(key[0], key[1], self.mesh_shape, nbytes, key[4]).collectives(requires_grad)
+            hit = self._cache[key] = (self.calls_time(calls), calls)
+        return hit
 
-    def _reshard(self, src, dst, nbytes, requires_grad, f_axes) -> tuple[float, list[str]]:
-        local = nbytes / _volume(src, self.mesh_shape)  # bytes one rank holds now
-        t, names = 0.0, []
-        f_axes = set(f_axes)
-        # gathers / reductions first (the tensor grows), then slices (it shrinks): the same order as codegen
-        order = sorted(range(len(src)), key=lambda a: not is_replicate(dst[a]))
-        for a in order:
-            s, d, n = src[a], dst[a], self.mesh_shape[a]
-            if n == 1 or s == d:
-                continue
-            if is_shard(s) and is_replicate(d):
-                full = local * n
-                t += self.time(Collective.ALL_GATHER, full, a)
-                names.append(f"all_gather@{a}")
-                if requires_grad and a in f_axes:  # fused: reduce-scatter replaces f's all-reduce + slice
-                    t += self.time(Collective.REDUCE_SCATTER, full, a)
-                    names.append(f"reduce_scatter(bwd)@{a}")
-                    f_axes.discard(a)
-                local = full
-            elif is_partial(s) and is_replicate(d):
-                t += self.time(Collective.ALL_REDUCE, local, a)
-                names.append(f"all_reduce@{a}")
-            elif is_replicate(s) and is_shard(d):
-                if requires_grad:
-                    t += self.time(Collective.ALL_GATHER, local, a)
-                    names.append(f"all_gather(bwd)@{a}")
-                local = local / n
-            elif is_partial(s) and is_shard(d):
-                t += self.time(Collective.REDUCE_SCATTER, local, a)
-                names.append(f"reduce_scatter@{a}")
-                if requires_grad:
-                    t += self.time(Collective.ALL_GATHER, local, a)
-                    names.append(f"all_gather(bwd)@{a}")
-                local = local / n
-            elif is_shard(s) and is_shard(d):
-                full = local * n
-                t += self.time(Collective.ALL_GATHER, full, a) * (2 if requires_grad else 1)
-                names.append(f"all_gather@{a}")
-            elif is_shard(s) and is_partial(d):
-                t += self.time(Collective.ALL_GATHER, local * n, a)
-                names.append(f"all_gather@{a}")
-                local = local * n
-            # R -> P: a local mask forward, identity backward: free
-        if requires_grad:
-            for a in sorted(f_axes):
-                if self.mesh_shape[a] > 1:
-                    t += self.time(Collective.ALL_REDUCE, local, a)
-                    names.append(f"all_reduce(bwd)@{a}")
-        return t, names
+    def calls_time(self, calls: Sequence[CollectiveCall]) -> float:
+        """Seconds of ``calls`` run one after the other."""
+        return sum(self.time(c.kind, c.nbytes, c.axis) for c in calls)
 
 
 def _flat(
@@ -270,11 +206,3 @@ def _flat(
     if tree and kind is Collective.ALL_REDUCE:
         t = min(t, tree_all_reduce_time(nbytes, n, link))
     return t
-
-
-def _volume(spec: Spec, mesh_shape: Sequence[int]) -> int:
-    v = 1
-    for p, n in zip(spec, mesh_shape):
-        if is_shard(p):
-            v *= n
-    return v

@@ -41,19 +41,18 @@
 from __future__ import annotations
 
 import dataclasses
-import enum
 import functools
 import math
 import operator
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 import torch.fx as fx
 
 from autopar.cluster import ClusterSpec, DeviceSpec
-from autopar.cost_model.comm import Collective, CommModel
+from autopar.cost_model.comm import CommModel
 from autopar.cost_model.compute import (
     accumulate_time,
     gemm_min_dim,
@@ -62,6 +61,7 @@ from autopar.cost_model.compute import (
     optimizer_step_time,
 )
 from autopar.cost_model.memory import reshard_transient
+from autopar.options import Optimizer
 from autopar.passes.analyze import NodeInfo, tensor_vals
 from autopar.passes.coarsen import Classes
 from autopar.passes.rules import tensor_inputs, writes_inputs
@@ -75,19 +75,21 @@ from autopar.placement import (
     output_placement,
     volume_factor,
 )
+from autopar.reshard import Collective, CollectiveCall, Phase
 
-if TYPE_CHECKING:
-    from autopar.cost_model.profiler import OpProfiler
+
+class NodeTimer(Protocol):
+    """What prices an op by measuring it (``autopar.tools.profiler.OpProfiler``): seconds of
+    ``node``'s forward and backward on its local shapes under ``s``, None where it has no figure."""
+
+    def node_time(self, node: fx.Node, s: Strategy, mesh_shape: Sequence[int], infos) -> float | None: ...
+
+    def flush(self) -> None: ...
+
+    def take_stats(self): ...
+
 
 aten = torch.ops.aten
-
-
-class Optimizer(enum.Enum):
-    """Optimizer state kept per parameter element, in copies of the parameter."""
-
-    SGD = 0
-    SGD_MOMENTUM = 1
-    ADAM = 2
 
 
 @dataclass
@@ -96,7 +98,6 @@ class Edge:
     dst: str  # consumer ("output" for the graph outputs)
     cost: list[list[float]]  # [s_src][s_dst] seconds
     mem: list[list[float]]  # [s_src][s_dst] bytes
-    colls: list[list[tuple[str, ...]]]  # collectives run, for the plan
     count: int = 1  # how many graph edges this one stands for (repeated blocks)
     # bytes that count once however many edges have them (maxima, not sums; per graph edge, not
     # scaled by ``count``): the largest transient of the reshard's collectives, and the storage of
@@ -140,7 +141,7 @@ class Edge:
             return None if t is None else [t[b] for b in pick]
 
         return dataclasses.replace(
-            self, src=src, cost=sel(self.cost), mem=sel(self.mem), colls=sel(self.colls),
+            self, src=src, cost=sel(self.cost), mem=sel(self.mem),
             peak=sel(self.peak), keep=sel(self.keep), have=sel(self.have), copy=sel(self.copy),
             bucketed=sel(self.bucketed),
             need=sel(self.need) if self.dst == "output" else self.need,
@@ -201,7 +202,7 @@ def build_costs(
     optimizer: Optimizer,
     axis_roles: tuple[AxisRole, ...] | None = None,
     classes: Classes | None = None,
-    profiler: OpProfiler | None = None,
+    profiler: NodeTimer | None = None,
     outputs: Outputs = Outputs.FULL,
 ) -> CostTables:
     """Cost tables over class representatives (every node its own class when ``classes`` is None):
@@ -317,10 +318,10 @@ def build_costs(
         src = classes.rep[resolve_source(inp).name]
         nbytes = infos[inp.name].out_bytes
         orig, owner = _owner(kept, ("output", k), infos, classes)
-        row_c, row_m, row_n, row_p, row_k, row_cp = [], [], [], [], [], []
+        row_c, row_m, row_p, row_k, row_cp = [], [], [], [], []
         for su in strats[src].strategies:
             r = output_placement(su.out, outputs)
-            c, names = comm.reshard(su.out, r, nbytes, False)
+            c, _ = comm.reshard(su.out, r, nbytes, False)
             row_c.append([c])
             # the caller holds the output through backward: a gathered copy, or the tensor itself
             copy, own = _kept_bytes(su.out, r, nbytes, True, orig, mesh_shape)
@@ -328,10 +329,9 @@ def build_costs(
             row_m.append([copy + (0.0 if owner else own)])
             row_k.append([own])
             row_p.append([reshard_transient(su.out, r, nbytes, mesh_shape, False, (), True)])
-            row_n.append([tuple(names)])
         tables.edges.append(
             Edge(
-                src, "output", row_c, row_m, row_n, 1, row_p, row_k if owner else None, owner,
+                src, "output", row_c, row_m, 1, row_p, row_k if owner else None, owner,
                 tensor=inp.name, have=[su.out for su in strats[src].strategies],
                 need=[(output_placement(su.out, outputs), ()) for su in strats[src].strategies], copy=row_cp,
             )
@@ -505,20 +505,19 @@ def use_price(
     the ILP adds ``t_AR(0)`` once per axis where any use does this (``bucket_fixed_s``). The shares
     of parameters that fill one bucket add up to its price: exact for data parallelism up to
     ``BUCKET_BYTES`` of gradients, one ``t_AR(0)`` short per further bucket. Chosen plans are priced
-    bucket by bucket as they run (``passes/grad_sync.py:price_grad_sync``). Returns the seconds,
-    the collectives' names and the axes priced as bucket shares."""
+    bucket by bucket as they run (``passes/grad_sync.py:price_grad_sync``). Returns the seconds
+    and the axes priced as bucket shares."""
     mesh = comm.mesh_shape
     pure = bucketed_axes(have, need, f, axes) if grad_total and rg else ()
-    t, names = comm.reshard(have, need, nbytes, rg, tuple(a for a in f if a not in pure))
+    t, _ = comm.reshard(have, need, nbytes, rg, tuple(a for a in f if a not in pure))
     if pure:
         vol = volume_factor(need, mesh)
         local = nbytes / vol
         full = min(BUCKET_BYTES, grad_total / vol)
         for a in pure:
             t += max(comm.time(Collective.ALL_REDUCE, full, a) - bucket_fixed_s(comm, a), 0.0) * local / full
-            names.append(f"all_reduce(bwd, bucketed)@{a}")
         t += flatten_s(local, comm.cluster)
-    return t, names, pure
+    return t, pure
 
 
 def data_parallel_pair(have, need, param: bool, data_axes: Sequence[int]) -> bool:
@@ -562,11 +561,11 @@ def _edge(
     rows = [have_ix.setdefault(su.out, len(have_ix)) for su in strats[src].strategies]
     need_ix: dict = {}
     cols = [need_ix.setdefault((sv.ins[i], f_axes(sv, i)), len(need_ix)) for sv in strats[dst].strategies]
-    row_c, row_m, row_n, row_p, row_k, row_cp, row_b = [], [], [], [], [], [], []
+    row_c, row_m, row_p, row_k, row_cp, row_b = [], [], [], [], [], []
     for have in have_ix:
-        rc, rm, rn, rp, rk, rcp, rb = [], [], [], [], [], [], []
+        rc, rm, rp, rk, rcp, rb = [], [], [], [], [], []
         for need, f in need_ix:
-            c, names, bucketed = use_price(comm, have, need, nbytes, rg, f, param, data_axes)
+            c, bucketed = use_price(comm, have, need, nbytes, rg, f, param, data_axes)
             rb.append(bucketed)
             pinned_moves = any(have[a] != need[a] for a in pinned)
             if pinned_moves or not data_parallel_pair(have, need, infos[src].role is Role.PARAM, checked):
@@ -577,13 +576,12 @@ def _edge(
             rcp.append(copy)
             rk.append(own)
             rp.append(reshard_transient(have, need, nbytes, comm.mesh_shape, rg, f, keeps))
-            rn.append(tuple(names))
         for row, r in (
-            (row_c, rc), (row_m, rm), (row_n, rn), (row_p, rp), (row_k, rk), (row_cp, rcp), (row_b, rb)
+            (row_c, rc), (row_m, rm), (row_p, rp), (row_k, rk), (row_cp, rcp), (row_b, rb)
         ):  # fmt: skip
             row.append([r[j] for j in cols])
     return Edge(
-        src, dst, [list(row_c[r]) for r in rows], [list(row_m[r]) for r in rows], [row_n[r] for r in rows], 1,
+        src, dst, [list(row_c[r]) for r in rows], [list(row_m[r]) for r in rows], 1,
         [row_p[r] for r in rows], [row_k[r] for r in rows] if owner else None, owner,
         tensor=inp.name, have=[su.out for su in strats[src].strategies],
         need=[(sv.ins[i], f_axes(sv, i)) for sv in strats[dst].strategies], copy=[row_cp[r] for r in rows],
@@ -634,16 +632,18 @@ def _local_gemm_min_dim(
     return gemm_min_dim(op, shapes)
 
 
-def lowering_collectives(node: fx.Node, s: Strategy, comm: CommModel) -> list[tuple[str, float]]:
-    """``(name, seconds)`` of each collective that the lowering of ``node`` under ``s`` runs inside
-    the op, after its own forward compute (codegen/lower.py); named as ``CommModel.reshard`` names
-    its collectives, ``"all_reduce(in op)@1"``."""
+def lowering_collectives(node: fx.Node, s: Strategy, comm: CommModel) -> list[tuple[CollectiveCall, float]]:
+    """Each collective that the lowering of ``node`` under ``s`` runs inside the op, after its own
+    forward compute (codegen/lower.py), with its seconds."""
     if node.target is aten.cross_entropy_loss.default and all(is_replicate(p) for p in s.out):
         # a mean over a split batch: one all-reduce of the local loss sum and token count (two
         # float32) on every split axis, exactly as codegen/lower.py emits it (a sum or 'none'
         # needs none)
         return [
-            (f"all_reduce(in op)@{a}", comm.time(Collective.ALL_REDUCE, 8, a))
+            (
+                CollectiveCall(Collective.ALL_REDUCE, a, 8, Phase.FORWARD),
+                comm.time(Collective.ALL_REDUCE, 8, a),
+            )
             for a, split in enumerate(s.split_axes())
             if split and comm.mesh_shape[a] > 1
         ]

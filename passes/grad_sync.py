@@ -35,7 +35,7 @@ from dataclasses import dataclass
 import torch
 import torch.fx as fx
 
-from autopar.cost_model.comm import Collective, CommModel
+from autopar.cost_model.comm import CommModel
 from autopar.cost_model.compute import BACKWARD_FACTOR
 from autopar.cost_model.overlap import hidden_seconds
 from autopar.passes.costs import (
@@ -51,6 +51,7 @@ from autopar.passes.rules import tensor_inputs, writes_inputs
 from autopar.passes.strategies import Strategy
 from autopar.passes.trace import Role, TracedGraph
 from autopar.placement import Outputs, Spec, output_placement, volume_factor
+from autopar.reshard import Collective
 
 
 def pure_f_axes(stored, s: Strategy, k: int, mesh_shape: Sequence[int]) -> tuple[int, ...]:
@@ -316,7 +317,7 @@ def price_grad_sync(
             have, rg = choice[u.src].out, info.requires_grad
             # what the tables charged (a parameter's pure "f" as a bucket share), and what runs inline
             param = grad_total if infos[u.src].role is Role.PARAM and rg else 0.0
-            priced, _, bucketed = use_price(
+            priced, bucketed = use_price(
                 comm, have, u.need, info.out_bytes, rg, f_axes(s, u.k), param, bucket_axes
             )
             run, _ = comm.reshard(have, u.need, info.out_bytes, rg, u.fops)

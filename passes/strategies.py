@@ -20,7 +20,6 @@ that axis alone, so that its strategy tables stay the size of a 2-axis mesh's).
 
 from __future__ import annotations
 
-import enum
 import functools
 import itertools
 import logging
@@ -32,6 +31,7 @@ import torch.fx as fx
 from torch.distributed.tensor.placement_types import Replicate, Shard
 
 from autopar.errors import NoPlanFitsError
+from autopar.options import AxisRole
 from autopar.passes.analyze import NodeInfo
 from autopar.passes.rules import RULES, VIEW_OPS, AxisOption, make_ctx, tensor_inputs, writes_inputs
 from autopar.passes.trace import Role, TracedGraph
@@ -39,13 +39,6 @@ from autopar.placement import Spec, is_partial, is_replicate, is_shard
 
 log = logging.getLogger(__name__)
 R = Replicate()
-
-
-class AxisRole(enum.Enum):
-    AUTO = "auto"
-    DATA = "data"
-    TENSOR = "tensor"
-    SEQUENCE = "sequence"
 
 
 @dataclass(frozen=True)

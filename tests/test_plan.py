@@ -15,7 +15,8 @@ from autopar.api import choice_from_plan
 from autopar.errors import PlanFormatError
 from autopar.passes.trace import trace
 from autopar.placement import Outputs, spec_from_str
-from autopar.plan import SCHEMA_VERSION, NodeDecision, Plan, Predicted, SolverInfo
+from autopar.plan import SCHEMA_VERSION, NodeDecision, Plan, PlannedCollective, Predicted, Site, SolverInfo
+from autopar.reshard import Collective, Phase
 
 # ------------------------------------------------------------------------------------------ fixtures
 
@@ -65,7 +66,7 @@ def test_real_plan_save_load_roundtrip(real_plan, tmp_path):
     assert loaded is not real_plan
     # the file is plain JSON with the documented top-level keys
     data = json.loads(path.read_text())
-    assert data["schema_version"] == SCHEMA_VERSION == 1
+    assert data["schema_version"] == SCHEMA_VERSION == 2
     assert set(data) == {
         "schema_version", "fingerprint", "model", "cluster", "mesh_shape", "decisions", "predicted", "outputs", "solver",
     }  # fmt: skip
@@ -132,6 +133,17 @@ _placement = st.sampled_from(["R", "P", "S(0)", "S(1)", "S(2)", "S(3)"])
 _time = st.floats(min_value=0.0, max_value=1e6, allow_nan=False, allow_infinity=False)
 _count = st.integers(min_value=0, max_value=2**40)
 _text = st.text(min_size=0, max_size=12)
+_collective = st.builds(
+    lambda kind, axis, nbytes, phase, site, bucket: PlannedCollective(
+        kind, axis, nbytes, phase, site, bucket if site is Site.BUCKET else None
+    ),
+    st.sampled_from(list(Collective)),
+    st.integers(0, 2),
+    _time,
+    st.sampled_from(list(Phase)),
+    st.sampled_from(list(Site)),
+    st.integers(0, 100),
+)
 
 
 @st.composite
@@ -151,7 +163,7 @@ def _plans(draw) -> Plan:
             inputs=tuple(draw(st.lists(spec, max_size=3))),
             compute_s=draw(_time),
             comm_s=draw(_time),
-            collectives=tuple(draw(st.lists(_text, max_size=3))),
+            collectives=tuple(draw(st.lists(_collective, max_size=3))),
         )
         for name in names
     )
@@ -370,3 +382,25 @@ def test_fingerprint_stable_and_shape_sensitive():
 def test_plan_fingerprint_is_trace_fingerprint(real_plan, mlp):
     model, inputs = mlp
     assert real_plan.fingerprint == trace(model, inputs).fingerprint()
+
+
+def test_a_schema_1_plan_loads_with_its_collectives_read_into_records(real_plan):
+    """Plans saved before collectives were typed wrote them as text; they still load."""
+    data = real_plan.to_dict()
+    data["schema_version"] = 1
+    data["decisions"][0]["collectives"] = [
+        "all_gather@0",
+        "all_reduce(bwd)@1",
+        "all_reduce(in op)@0",
+        "all_reduce(axis 0, overlapped, bucket 2)",
+    ]
+    first = Plan.from_dict(data).decisions[0]
+    assert first.collectives == (
+        PlannedCollective(Collective.ALL_GATHER, 0, 0.0, Phase.FORWARD, Site.INPUTS),
+        PlannedCollective(Collective.ALL_REDUCE, 1, 0.0, Phase.BACKWARD, Site.INPUTS),
+        PlannedCollective(Collective.ALL_REDUCE, 0, 0.0, Phase.FORWARD, Site.INSIDE),
+        PlannedCollective(Collective.ALL_REDUCE, 0, 0.0, Phase.BACKWARD, Site.BUCKET, 2),
+    )
+    data["decisions"][0]["collectives"] = ["gather everything"]
+    with pytest.raises(PlanFormatError, match="unreadable collective"):
+        Plan.from_dict(data)

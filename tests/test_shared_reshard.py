@@ -20,6 +20,8 @@ from autopar.examples import llama_tiny, palm_tiny
 from autopar.passes.analyze import analyze
 from autopar.passes.grad_sync import deferred_grad_axes
 from autopar.passes.strategies import AxisRole
+from autopar.plan import Site
+from autopar.reshard import Collective, Phase
 
 D, T = AxisRole.DATA, AxisRole.TENSOR
 COLLECTIVES = {
@@ -68,7 +70,7 @@ def test_each_reshard_runs_once_and_the_plan_lists_what_runs(name, world, mesh, 
         1
         for d in res.plan.decisions
         for c in d.collectives
-        if c.startswith("all_reduce(bwd)") and "overlapped" not in c
+        if c.kind is Collective.ALL_REDUCE and c.phase is Phase.BACKWARD and c.site is not Site.BUCKET
     )
     tg = res.traced
     grads = {name for name, info in analyze(tg).items() if info.requires_grad}
@@ -108,7 +110,7 @@ def test_sharing_lowers_the_predicted_step_by_what_the_duplicates_cost():
     """The plan's step is the cost tables' total (every use priced on its own) less the reshards
     that uses share: here, per layer, the all-reduces of the block input's gradient that q/k/v and
     gate/up would each run, and the all-reduce of the rotary tables' (no gradient: free)."""
-    from autopar.cost_model.comm import Collective, CommModel
+    from autopar.cost_model.comm import CommModel
     from autopar.passes.grad_sync import plan_uses, shared_reshards_s
 
     res = _search("llama", 2, (2,), (T,))

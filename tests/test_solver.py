@@ -17,6 +17,7 @@ from autopar.passes.costs import CostTables, Edge
 from autopar.passes.solver import evaluate, mesh_candidates, node_aligned, solve
 from autopar.passes.strategies import Strategy
 from autopar.placement import R
+from autopar.reshard import Collective, Phase
 
 # -- property: the ILP's optimum equals brute-force enumeration ------------------------------------
 
@@ -46,11 +47,10 @@ def problems(draw):
                     dst,
                     [[draw(cost) for _ in range(sizes[dst])] for _ in range(sizes[src])],
                     [[draw(mem) for _ in range(sizes[dst])] for _ in range(sizes[src])],
-                    [[() for _ in range(sizes[dst])] for _ in range(sizes[src])],
                 )
             )
     tables.edges.append(Edge(names[-1], "output", [[draw(cost)] for _ in range(sizes[names[-1]])],
-                             [[draw(mem)] for _ in range(sizes[names[-1]])], [[()] for _ in range(sizes[names[-1]])]))  # fmt: skip
+                             [[draw(mem)] for _ in range(sizes[names[-1]])]))  # fmt: skip
     if draw(st.booleans()):  # backward transients: the peak adds the largest of the chosen ones
         for v in draw(st.sets(st.sampled_from(names), min_size=1)):
             tables.node_peak[v] = [draw(mem) for _ in range(sizes[v])]
@@ -161,7 +161,7 @@ def _fixed_problem():
                         {v: [1.0, 2.0, 3.0] for v in names})  # fmt: skip
     for src, dst in (("a", "b"), ("b", "c"), ("a", "c")):
         cost = [[0.0 if i == j else 1.5 for j in range(3)] for i in range(3)]
-        tables.edges.append(Edge(src, dst, cost, [[0.0] * 3 for _ in range(3)], [[()] * 3 for _ in range(3)]))
+        tables.edges.append(Edge(src, dst, cost, [[0.0] * 3 for _ in range(3)]))
     return tables, 7.0
 
 
@@ -223,8 +223,10 @@ def test_mlp_that_does_not_fit_replicated_is_megatron_column_then_row():
     up, down = plan.decision("linear"), plan.decision("linear_1")
     assert up.output == "S(1)" and up.inputs[:2] == ("R", "S(0)")
     assert down.output == "P" and down.inputs[:2] == ("S(1)", "S(1)")
-    forward = [c for d in plan.decisions for c in d.collectives if "(bwd)" not in c]
-    assert forward == ["all_reduce@0"]  # one all-reduce for the whole block
+    forward = [
+        (c.kind.value, c.axis) for d in plan.decisions for c in d.collectives if c.phase is Phase.FORWARD
+    ]
+    assert forward == [("all_reduce", 0)]  # one all-reduce for the whole block
     assert plan.predicted.peak_memory_bytes <= limit
 
 
@@ -291,7 +293,10 @@ def test_transformer_that_does_not_fit_is_megatron_per_block():
         for w in ("self_attn.o_proj", "mlp.down_proj"):
             assert params[pre + w + ".weight"] == "S(1)", w  # row parallel
     reductions = [
-        c for d in plan.decisions for c in d.collectives if c.startswith(("all_reduce@", "reduce_scatter@"))
+        c
+        for d in plan.decisions
+        for c in d.collectives
+        if c.phase is Phase.FORWARD and c.kind in (Collective.ALL_REDUCE, Collective.REDUCE_SCATTER)
     ]
     # plus one for a vocabulary-parallel embedding (its output is Partial), an equal-cost alternative
     # to gathering a hidden-split embedding
@@ -314,7 +319,11 @@ def test_multi_query_attention_under_tensor_parallelism_gathers_the_single_kv_he
     for d in attn:
         assert d.shape[1] == 16 and d.inputs[0] == "S(1)", d  # query heads split
         assert d.inputs[1:3] == ("R", "R"), d  # the single K/V head replicated
-    assert any(c.startswith(("all_gather@", "all_reduce@")) for d in plan.decisions for c in d.collectives)
+    assert any(
+        c.phase is Phase.FORWARD and c.kind in (Collective.ALL_GATHER, Collective.ALL_REDUCE)
+        for d in plan.decisions
+        for c in d.collectives
+    )
 
 
 def test_default_search_covers_three_axis_meshes_with_a_data_parallel_outer_axis():
@@ -332,9 +341,9 @@ def test_default_search_covers_three_axis_meshes_with_a_data_parallel_outer_axis
 def test_pinned_data_axis_is_a_restriction_of_the_full_three_axis_search():
     """The 3-axis search with axis 0 pinned to the data-parallel solution keeps exactly those
     placements on axis 0 and is never better than the unrestricted search of the same mesh."""
-    from autopar.api import _data_parallel_axis
     from autopar.passes.analyze import analyze
     from autopar.passes.costs import Optimizer, build_costs
+    from autopar.passes.search import data_parallel_axis
     from autopar.passes.strategies import AxisRole, build_strategies
     from autopar.passes.trace import trace
 
@@ -343,7 +352,7 @@ def test_pinned_data_axis_is_a_restriction_of_the_full_three_axis_search():
     tg = trace(model, inputs)
     infos = analyze(tg)
     mesh = (2, 2, 2)
-    dp = _data_parallel_axis(tg, infos, cluster, 2, Optimizer.ADAM, None)
+    dp = data_parallel_axis(tg, infos, cluster, 2, Optimizer.ADAM, None)
     roles = (AxisRole.DATA, AxisRole.AUTO, AxisRole.AUTO)
     pinned = build_strategies(tg, infos, mesh, roles, fixed={0: dp})
     full = build_strategies(tg, infos, mesh)

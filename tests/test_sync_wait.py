@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 import autopar
 import autopar.examples
 from autopar.cluster import ClusterSpec
-from autopar.cost_model.comm import Collective, CommModel
+from autopar.cost_model.comm import CommModel
 from autopar.cost_model.sync import (
     FORWARD_SHARE,
     REFERENCE_GAP_S,
@@ -23,6 +23,8 @@ from autopar.cost_model.sync import (
     sync_wait_s,
     wait_for_gap,
 )
+from autopar.plan import PlannedCollective, Site
+from autopar.reshard import Collective, Phase
 
 # per node: compute, and whether it synchronizes before its forward, inside it, after its backward
 nodes_st = st.lists(
@@ -90,10 +92,6 @@ def test_nothing_synchronizes_nothing_waits():
     )
 
 
-def _kind(name: str) -> str:
-    return name.split("@")[0].split("(")[0]  # "all_reduce(bwd)@0" -> "all_reduce"
-
-
 def test_a_plan_adds_the_wait_of_its_own_collectives():
     """The same plan on a device that drifts and on one that does not: the predicted steps differ
     by the wait of the plan's synchronizing points, each at its own collective's ``c`` (a kind
@@ -107,18 +105,18 @@ def test_a_plan_adds_the_wait_of_its_own_collectives():
     roles = (autopar.AxisRole.TENSOR,)
     still = autopar.plan(model, base, inputs, axis_roles=roles)
     moving = autopar.plan(model, drifting, inputs, axis_roles=roles)
-    assert any(_kind(n) == "all_reduce" for d in moving.decisions for n in d.collectives)
+    assert any(c.kind is Collective.ALL_REDUCE for d in moving.decisions for c in d.collectives)
 
-    def c_of(names):
-        return max((kinds.get(_kind(n), 0.05) for n in names), default=None)
+    def c_of(calls):
+        return max((kinds.get(c.kind.value, 0.05) for c in calls), default=None)
 
     def points(decisions):
-        assert not any("(in op)" in n or "overlapped" in n for d in decisions for n in d.collectives)
+        assert all(c.site is Site.INPUTS for d in decisions for c in d.collectives)
         return [
             SyncNode(
                 d.compute_s,
-                inputs=c_of([n for n in d.collectives if "(bwd)" not in n]),
-                backward=c_of([n for n in d.collectives if "(bwd)" in n]),
+                inputs=c_of([c for c in d.collectives if c.phase is Phase.FORWARD]),
+                backward=c_of([c for c in d.collectives if c.phase is Phase.BACKWARD]),
             )
             for d in decisions
         ]
@@ -158,7 +156,7 @@ def test_a_data_parallel_step_waits_at_its_loss_and_its_gradient_buckets():
     still = autopar.plan(model, base, inputs, axis_roles=roles)
     moving = autopar.plan(model, drifting, inputs, axis_roles=roles)
     listed = [n for d in moving.decisions for n in d.collectives]
-    assert listed and all("overlapped" in n for n in listed)  # only the buckets' members
+    assert listed and all(c.site is Site.BUCKET for c in listed)  # only the buckets' members
     total = sum(d.compute_s for d in moving.decisions)
     expect = wait_for_gap(total * FORWARD_SHARE, 0.1) + wait_for_gap(total * (1 - FORWARD_SHARE), 0.1)
     assert expect > 0
@@ -172,7 +170,7 @@ def test_a_split_cross_entropy_lists_its_all_reduce_as_communication():
     cluster = ClusterSpec.preset("cpu", devices_per_node=2)
     plan = autopar.plan(model, cluster, inputs, axis_roles=(autopar.AxisRole.DATA,))
     (ce,) = [d for d in plan.decisions if d.op == "aten.cross_entropy_loss.default"]
-    assert ce.collectives == ("all_reduce(in op)@0",)
+    assert ce.collectives == (PlannedCollective(Collective.ALL_REDUCE, 0, 8, Phase.FORWARD, Site.INSIDE),)
     price = CommModel(cluster, plan.mesh_shape).time(Collective.ALL_REDUCE, 8, 0)
     assert ce.comm_s == pytest.approx(price)
     one = autopar.plan(model, cluster.with_overrides(devices_per_node=1), inputs)

@@ -1,0 +1,110 @@
+"""What a search is asked to do: one frozen value, passed through every stage.
+
+``SearchOptions`` holds every choice a user (or a test) may force; ``autopar.plan``,
+``autopar.autoparallelize`` and the CLI build one from their keyword arguments, and the search
+(``passes/search.py``) reads it, never a copied list of keywords. The enums a user names there
+(``AxisRole``, ``Optimizer``) live here too, below the passes that read them.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, fields
+
+from autopar.errors import AutoparError
+from autopar.placement import Outputs
+
+
+class SearchOptionsError(AutoparError, ValueError):
+    """A search option out of range; the message says which and what is allowed."""
+
+
+class AxisRole(enum.Enum):
+    """What a mesh axis is used for (``passes/strategies.py`` says what each restricts)."""
+
+    AUTO = "auto"
+    DATA = "data"
+    TENSOR = "tensor"
+    SEQUENCE = "sequence"
+
+
+class Optimizer(enum.Enum):
+    """Optimizer state kept per parameter element, in copies of the parameter."""
+
+    SGD = 0
+    SGD_MOMENTUM = 1
+    ADAM = 2
+
+
+@dataclass(frozen=True)
+class SearchOptions:
+    """Every decision a search may be told to take, "auto" (None) by default.
+
+    * ``mesh_shape``: the device mesh; None searches every mesh of up to 3 axes.
+    * ``memory_limit_bytes``: the memory per device (default: the cluster device's); the plan's
+      predicted peak stays under it less ``ClusterSpec.memory_reserve``.
+    * ``time_limit_s``: the ILP solver's time limit per mesh.
+    * ``axis_roles``: one ``AxisRole`` per mesh axis; None lets the solver choose every placement.
+    * ``optimizer``: the optimizer whose state the memory model counts.
+    * ``outputs``: ``Outputs.FULL`` (every output whole on every rank) or ``Outputs.LOCAL``.
+    * ``coarsen``: repeated blocks share their ILP variables (``passes/coarsen.py``).
+    * ``profile``: price ops by running them on this machine (``autopar.tools.profiler``) instead
+      of the roofline.
+    """
+
+    mesh_shape: tuple[int, ...] | None = None
+    memory_limit_bytes: float | None = None
+    time_limit_s: float | None = None
+    axis_roles: tuple[AxisRole, ...] | None = None
+    optimizer: Optimizer = Optimizer.ADAM
+    outputs: Outputs = Outputs.FULL
+    coarsen: bool = True
+    profile: bool = False
+
+    def __post_init__(self) -> None:
+        if self.mesh_shape is not None:
+            shape = tuple(self.mesh_shape)
+            if not shape or any(int(n) != n or n < 1 for n in shape):
+                raise SearchOptionsError(f"mesh_shape must be positive integers, got {self.mesh_shape!r}")
+            object.__setattr__(self, "mesh_shape", tuple(int(n) for n in shape))
+        if self.axis_roles is not None:
+            roles = tuple(self.axis_roles)
+            if not roles or not all(isinstance(r, AxisRole) for r in roles):
+                raise SearchOptionsError(
+                    f"axis_roles must be a non-empty sequence of autopar.AxisRole, got {self.axis_roles!r}"
+                )
+            if self.mesh_shape is not None and len(roles) != len(self.mesh_shape):
+                raise SearchOptionsError(
+                    f"axis_roles has {len(roles)} entries but mesh_shape {self.mesh_shape} has "
+                    f"{len(self.mesh_shape)} axes: give one role per mesh axis"
+                )
+            object.__setattr__(self, "axis_roles", roles)
+        for name in ("memory_limit_bytes", "time_limit_s"):
+            v = getattr(self, name)
+            if v is not None and (not isinstance(v, (int, float)) or math.isnan(v) or v <= 0):
+                raise SearchOptionsError(
+                    f"{name} must be a positive number of {name.split('_')[-1]}, got {v!r}"
+                )
+        if not isinstance(self.optimizer, Optimizer):
+            raise SearchOptionsError(f"optimizer must be an autopar.Optimizer, got {self.optimizer!r}")
+        if not isinstance(self.outputs, Outputs):
+            raise SearchOptionsError(f"outputs must be an autopar.Outputs, got {self.outputs!r}")
+
+    @classmethod
+    def names(cls) -> tuple[str, ...]:
+        return tuple(f.name for f in fields(cls))
+
+    @classmethod
+    def of(cls, options: SearchOptions | None = None, **overrides) -> SearchOptions:
+        """``options`` (default: all "auto") with the keyword arguments given replacing its fields;
+        an unknown keyword is an error that lists the known ones."""
+        unknown = sorted(set(overrides) - set(cls.names()))
+        if unknown:
+            raise TypeError(f"unknown search option(s) {unknown}; the options are {list(cls.names())}")
+        base = options or cls()
+        values = {f: getattr(base, f) for f in cls.names()}
+        for k, v in overrides.items():
+            values[k] = tuple(v) if k in ("mesh_shape", "axis_roles") and isinstance(v, Sequence) else v
+        return cls(**values)

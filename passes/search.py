@@ -1,0 +1,506 @@
+"""The search: one function of named stages, each a function of the previous stage's output.
+
+    trace -> analyze -> coarsen -> for each mesh candidate: strategies -> cost -> solve
+          -> select -> price
+
+* ``trace``: the model as an aten-level FX graph (``passes/trace.py``);
+* ``analyze``: shapes, FLOPs, bytes, roles per node (``passes/analyze.py``);
+* ``coarsen``: repeated-block twins share their ILP variables (``passes/coarsen.py``);
+* ``candidates``: the meshes (and axis roles) to try (``mesh_runs``); for each,
+  ``strategies`` (``passes/strategies.py``), ``cost`` (the cost tables, ``passes/costs.py``) and
+  ``solve`` (``solve_mesh``: memory lower bound, time lower bound against the best so far, the ILP
+  of ``passes/solver.py``, then the chosen solution's gradient buckets and full peak, solving again
+  once with less room when the buckets' flattening passes the limit);
+* ``select``: the candidate with the smallest predicted step;
+* ``price``: the chosen solution priced as it runs (``passes/price.py:price_plan``).
+
+Every stage can be dumped (``dump_dir``, or the ``AUTOPAR_DUMP_DIR`` environment variable):
+``1_trace.py``, ``2_analyze.tsv``, ``2_coarsen.tsv``, per mesh ``3_strategies_<mesh>.tsv`` and
+``3_costs_<mesh>.tsv``, ``4_solve_<mesh>.json``, ``5_select.json``, ``6_plan.json``. The options
+the search obeys are one frozen ``autopar.options.SearchOptions``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from autopar.cluster import ClusterSpec
+from autopar.cost_model.comm import axis_link
+from autopar.errors import NoPlanFitsError
+from autopar.options import AxisRole, Optimizer, SearchOptions
+from autopar.passes.analyze import NodeInfo, analyze
+from autopar.passes.coarsen import Classes, find_classes
+from autopar.passes.costs import CostTables, NodeTimer, build_costs
+from autopar.passes.grad_sync import GradSyncCost
+from autopar.passes.memory_row import lower_bound_bytes
+from autopar.passes.price import expanded_choice, grad_sync_cost, plan_peak, price_plan
+from autopar.passes.solver import (
+    EXACT_FOLD_MAX_PAIRS,
+    Solution,
+    edge_pairs,
+    fold_followers,
+    lower_bound,
+    mesh_candidates,
+    solve,
+)
+from autopar.passes.strategies import NodeStrategies, Strategy, build_strategies, variable_nodes
+from autopar.passes.trace import TracedGraph, trace
+from autopar.placement import spec_to_str
+from autopar.plan import Plan
+
+log = logging.getLogger("autopar")
+
+# meshes of up to this many axes are searched when no mesh shape or axis roles are given
+MAX_MESH_AXES = 3
+# in that search, a mesh of this many axes or more has its outer axis (the slowest links, across
+# nodes when the mesh spans nodes) data parallel: every node's placement on it is fixed to the
+# data-parallel solution of that axis alone, so the strategy tables are those of the other axes.
+# Free, the tables of a 3-axis mesh grow as (options per axis)^6 per edge. A mesh_shape passed
+# explicitly is searched without this restriction.
+DATA_OUTER_MIN_AXES = 3
+
+
+@dataclass
+class SearchResult:
+    plan: Plan
+    traced: TracedGraph
+    choice: dict[str, Strategy]
+
+
+@dataclass(frozen=True)
+class MeshRun:
+    """One candidate of the outer search: a mesh and its axis roles (None: free). ``data_outer``:
+    its outer axis is pinned to the data-parallel solution of that axis alone
+    (``DATA_OUTER_MIN_AXES``); ``data_first``: the search's own second try of a mesh with axis 0
+    data parallel (skipped, not an error, where the model has no data-parallel placement)."""
+
+    mesh: tuple[int, ...]
+    roles: tuple[AxisRole, ...] | None
+    data_outer: bool = False
+    data_first: bool = False
+
+    @property
+    def label(self) -> str:
+        return f"{self.mesh} (axis 0 data parallel)" if self.data_outer or self.data_first else f"{self.mesh}"
+
+    @property
+    def tag(self) -> str:
+        """The candidate in dump file names: ``2x4``, ``2x4_data``."""
+        return "x".join(map(str, self.mesh)) + ("_data" if self.data_first else "")
+
+
+@dataclass
+class Solved:
+    """A candidate the ILP solved: its predicted step (the tables' objective plus the gradient
+    buckets' adjustment) and what pricing it needs."""
+
+    t_step: float
+    run: MeshRun
+    sol: Solution
+    tables: CostTables
+    bound: float
+    gs: GradSyncCost
+    choice: dict[str, Strategy]
+
+
+class _Stages:
+    """Progress lines and dumps of one search."""
+
+    def __init__(self, progress: Callable[[str], None] | None, dump_dir):
+        self.progress_fn = progress
+        dump_dir = dump_dir or os.environ.get("AUTOPAR_DUMP_DIR")
+        self.dump = Path(dump_dir) if dump_dir else None
+        if self.dump:
+            self.dump.mkdir(parents=True, exist_ok=True)
+        self.t0 = time.perf_counter()
+
+    def say(self, msg: str) -> None:
+        log.info(msg)
+        if self.progress_fn is not None:
+            self.progress_fn(msg)
+
+    def write(self, name: str, text: str) -> None:
+        if self.dump:
+            (self.dump / name).write_text(text)
+
+
+def search(
+    model: torch.nn.Module,
+    cluster: ClusterSpec,
+    example_inputs,
+    options: SearchOptions | None = None,
+    *,
+    profiler: NodeTimer | None = None,
+    progress: Callable[[str], None] | None = None,
+    dump_dir: str | os.PathLike | None = None,
+) -> SearchResult:
+    """Search the plan for ``model`` on ``cluster`` under ``options`` (module docstring).
+    ``profiler``: prices ops by running them (``autopar.tools.profiler``), else the roofline."""
+    options = options or SearchOptions()
+    st = _Stages(progress, dump_dir)
+    tg = trace_stage(model, example_inputs, st)
+    infos = analyze_stage(tg, st)
+    classes = coarsen_stage(tg, infos, options, st)
+    limit = cluster.memory_limit(options.memory_limit_bytes)
+    candidates: list[dict] = []
+    best: Solved | None = None
+    best_objective = math.inf
+    min_needed = math.inf
+    refused_at_full_peak = False
+    mirrors: dict[tuple, tuple] = {}
+    data_axis: dict[int, dict[str, Strategy]] = {}  # data-parallel solution of one axis, by size
+    for run in mesh_runs(cluster, options):
+        key = _mirror_key(cluster, run)
+        if key in mirrors:
+            candidates.append(
+                {"mesh_shape": list(run.mesh), "status": f"same as {mirrors[key]}", "objective": None}
+            )
+            st.say(f"solve: mesh {run.label}: the same problem as mesh {mirrors[key]} (axes permuted)")
+            continue
+        mirrors[key] = run.mesh
+        fixed = None
+        if run.data_outer:
+            size = run.mesh[0]
+            if size not in data_axis:
+                data_axis[size] = data_parallel_axis(
+                    tg, infos, cluster, size, options.optimizer, classes, profiler
+                )
+            fixed = {0: data_axis[size]}
+        strats = strategies_stage(tg, infos, run, classes, fixed, candidates, st)
+        if strats is None:
+            continue
+        tables = cost_stage(tg, infos, strats, cluster, run, options, classes, profiler, st)
+        outcome = solve_mesh(tg, infos, tables, cluster, run, options, limit, best_objective, st)
+        min_needed = min(min_needed, outcome.mem_needed)
+        refused_at_full_peak |= outcome.refused_at_full_peak
+        candidates.append(outcome.entry)
+        if outcome.solved is not None:
+            best_objective = min(best_objective, outcome.solved.sol.objective)
+            if best is None or outcome.solved.t_step < best.t_step - 1e-12:
+                best = outcome.solved
+    best = select_stage(best, candidates, cluster, limit, min_needed, refused_at_full_peak, st)
+    plan = price_stage(tg, infos, best, cluster, options, candidates, st)
+    return SearchResult(plan, tg, best.choice)
+
+
+# -- stages ----------------------------------------------------------------------------------------
+
+
+def trace_stage(model: torch.nn.Module, example_inputs, st: _Stages) -> TracedGraph:
+    tg = trace(model, example_inputs, stack_traces=st.dump is not None)
+    st.say(f"trace: {len(tg.graph.nodes)} nodes with {tg.tracer} ({time.perf_counter() - st.t0:.1f} s)")
+    st.write("1_trace.py", tg.graph_module.code)
+    return tg
+
+
+def analyze_stage(tg: TracedGraph, st: _Stages) -> dict[str, NodeInfo]:
+    infos = analyze(tg)
+    if st.dump:
+        st.write("2_analyze.tsv", infos_tsv(infos))
+    return infos
+
+
+def coarsen_stage(tg: TracedGraph, infos: dict[str, NodeInfo], options: SearchOptions, st: _Stages):
+    classes = find_classes(tg, infos, variable_nodes(tg)) if options.coarsen else None
+    if classes is not None:
+        st.say(f"coarsen: {len(classes.rep)} nodes in {len(classes.members)} classes")
+        if st.dump:
+            st.write("2_coarsen.tsv", classes_tsv(classes))
+    return classes
+
+
+def mesh_runs(cluster: ClusterSpec, options: SearchOptions) -> Iterator[MeshRun]:
+    """The outer search's candidates, in the order they are tried: the given mesh, or every mesh of
+    up to ``MAX_MESH_AXES`` axes (as many as the roles when roles are given); without roles, each
+    mesh of fewer than ``DATA_OUTER_MIN_AXES`` axes twice, free and with axis 0 data parallel (the
+    ILP prices a weight's gradient all-reduce as a bucket share only on a data axis, so the free
+    search overprices data parallelism; see passes/costs.py:bucketed_axes), and larger ones with
+    their outer axis pinned data parallel."""
+    axis_roles = options.axis_roles
+    if options.mesh_shape is not None:
+        meshes = [options.mesh_shape]
+        if math.prod(meshes[0]) != cluster.world_size:
+            raise NoPlanFitsError(
+                f"mesh_shape {meshes[0]} has {math.prod(meshes[0])} devices but the cluster has {cluster.world_size}"
+            )
+    else:
+        max_axes = len(axis_roles) if axis_roles else MAX_MESH_AXES
+        meshes = [
+            m
+            for m in mesh_candidates(cluster.world_size, max_axes, cluster.devices_per_node)
+            if not axis_roles or len(m) == len(axis_roles)
+        ]
+    for mesh in meshes:
+        if axis_roles:
+            yield MeshRun(mesh, tuple(axis_roles))
+            continue
+        data = (AxisRole.DATA,) + (AxisRole.AUTO,) * (len(mesh) - 1)
+        if options.mesh_shape is None and len(mesh) >= DATA_OUTER_MIN_AXES:
+            yield MeshRun(mesh, data, data_outer=True)
+            continue
+        yield MeshRun(mesh, None)
+        if len(mesh) < DATA_OUTER_MIN_AXES:
+            yield MeshRun(mesh, data, data_first=True)
+
+
+def _mirror_key(cluster: ClusterSpec, run: MeshRun) -> tuple:
+    """A mesh whose axes are another's, permuted, each on the same kind of link (and role), is the
+    same problem."""
+    links = [axis_link(cluster, run.mesh, a) for a in range(len(run.mesh))]
+    return tuple(
+        sorted(
+            (n, link.bandwidth, link.latency, run.roles[a].value if run.roles else "")
+            for a, (n, link) in enumerate(zip(run.mesh, links))
+        )
+    )
+
+
+def strategies_stage(
+    tg: TracedGraph,
+    infos: dict[str, NodeInfo],
+    run: MeshRun,
+    classes: Classes | None,
+    fixed: dict | None,
+    candidates: list[dict],
+    st: _Stages,
+) -> dict[str, NodeStrategies] | None:
+    """Every node's strategies on the candidate's mesh; None (the candidate skipped) where a
+    candidate the search added itself (axis 0 data parallel) has no data-parallel placement."""
+    only = set(classes.members) if classes else None
+    try:
+        strats = build_strategies(tg, infos, run.mesh, run.roles, only=only, fixed=fixed)
+    except NoPlanFitsError as e:
+        if not run.data_first:
+            raise
+        candidates.append(
+            {
+                "mesh_shape": list(run.mesh),
+                "axis_roles": [r.value for r in run.roles],
+                "status": "no data-parallel placement",
+                "objective": None,
+            }
+        )
+        st.say(f"solve: mesh {run.label}: skipped ({e})")
+        return None
+    if st.dump:
+        st.write(f"3_strategies_{run.tag}.tsv", strategies_tsv(strats))
+    return strats
+
+
+def cost_stage(
+    tg: TracedGraph,
+    infos: dict[str, NodeInfo],
+    strats: dict[str, NodeStrategies],
+    cluster: ClusterSpec,
+    run: MeshRun,
+    options: SearchOptions,
+    classes: Classes | None,
+    profiler: NodeTimer | None,
+    st: _Stages,
+) -> CostTables:
+    tables = build_costs(
+        tg, infos, strats, cluster, run.mesh, options.optimizer, run.roles, classes, profiler, options.outputs
+    )
+    if profiler is not None:
+        st.say(f"profile: mesh {run.mesh}: {profiler.take_stats().line()}")
+    if st.dump:
+        st.write(f"3_costs_{run.tag}.tsv", costs_tsv(tables))
+    return tables
+
+
+@dataclass
+class MeshOutcome:
+    """What solving one candidate gave: its entry in the plan's candidate list, the memory it needs
+    at least, and the solution when one fits."""
+
+    entry: dict
+    mem_needed: float
+    solved: Solved | None = None
+    refused_at_full_peak: bool = False
+
+
+def solve_mesh(
+    tg: TracedGraph,
+    infos: dict[str, NodeInfo],
+    tables: CostTables,
+    cluster: ClusterSpec,
+    run: MeshRun,
+    options: SearchOptions,
+    limit: float,
+    best_objective: float,
+    st: _Stages,
+) -> MeshOutcome:
+    """Solve one candidate: skip it when its memory lower bound passes the limit or its time lower
+    bound is no better than the best objective so far; else the ILP, then the chosen solution's
+    gradient buckets and full peak (solving again, once, with as much less room as that peak passes
+    the limit: the buckets' flattening and the optimizer step's temporaries are not in the ILP's rows)."""
+    mesh, label = run.mesh, run.label
+    mem_needed = lower_bound_bytes(tables)
+    exact = fold_followers(tables, exact=True)  # keeps the optimum: the bound is valid on it
+    bound = lower_bound(tables, exact)
+    entry = {"mesh_shape": list(mesh), "lower_bound": bound}
+    if run.roles:
+        entry["axis_roles"] = [r.value for r in run.roles]
+    if mem_needed > limit:
+        st.say(f"solve: mesh {label}: needs >= {mem_needed / 2**30:.2f} GiB per device: skipped")
+        return MeshOutcome({**entry, "status": "infeasible", "objective": None}, mem_needed)
+    # pruning compares the tables' totals (the bound is one of those); the overlap adjustment
+    # below re-ranks the meshes that get solved
+    if bound >= best_objective:
+        st.say(f"solve: mesh {label}: lower bound {bound * 1e3:.3f} ms >= best: pruned")
+        return MeshOutcome({**entry, "status": "pruned", "objective": None}, mem_needed)
+    # the ILP's tables: only meshes that get solved pay for this fold
+    folded = exact if edge_pairs(tables) <= EXACT_FOLD_MAX_PAIRS else fold_followers(tables, exact=False)
+    sol = solve(tables, limit, options.time_limit_s, folded=folded)
+    if sol is None:
+        st.say(f"solve: mesh {label}: no plan fits {limit / 2**30:.2f} GiB per device")
+        return MeshOutcome({**entry, "status": "infeasible", "objective": None}, mem_needed)
+    # the full price of the choice (solve evaluates it), with the gradient all-reduces as they run:
+    # once per parameter, partly behind backward compute (passes/grad_sync.py)
+    choice = expanded_choice(tg, tables, sol)
+    gs = grad_sync_cost(tg, infos, tables, sol, choice, cluster, mesh, options.outputs)
+    over = plan_peak(tables, sol, gs) - limit
+    if over > 0:
+        sol = solve(tables, limit - over, options.time_limit_s, folded=folded)
+        if sol is not None:
+            choice = expanded_choice(tg, tables, sol)
+            gs = grad_sync_cost(tg, infos, tables, sol, choice, cluster, mesh, options.outputs)
+        if sol is None or plan_peak(tables, sol, gs) > limit:
+            st.say(
+                f"solve: mesh {label}: no plan fits {limit / 2**30:.2f} GiB per device "
+                "with its gradient buckets' flattening and its optimizer step's temporaries"
+            )
+            return MeshOutcome({**entry, "status": "infeasible", "objective": None}, mem_needed, None, True)
+    t_step = sol.objective + gs.adjustment_s
+    st.say(
+        f"solve: mesh {label}: {sol.status}, predicted step {t_step * 1e3:.3f} ms "
+        f"({sol.num_variables} variables, {sol.solve_time_s:.2f} s)"
+    )
+    st.write(
+        f"4_solve_{run.tag}.json",
+        json.dumps({"status": sol.status, "objective": t_step, "choice": sol.choice}, indent=0),
+    )
+    return MeshOutcome(
+        {**entry, "status": sol.status, "objective": t_step},
+        mem_needed,
+        Solved(t_step, run, sol, tables, bound, gs, choice),
+    )
+
+
+def select_stage(
+    best: Solved | None,
+    candidates: list[dict],
+    cluster: ClusterSpec,
+    limit: float,
+    min_needed: float,
+    refused_at_full_peak: bool,
+    st: _Stages,
+) -> Solved:
+    """The candidate with the smallest predicted step (the search loop keeps it), or the error
+    that says why none fits."""
+    st.write("5_select.json", json.dumps(candidates, indent=1, default=str))
+    if best is None:
+        raise NoPlanFitsError(
+            f"no plan fits: needs at least {min_needed / 2**30:.2f} GiB per device, the limit is "
+            f"{limit / 2**30:.2f} GiB ({cluster.device.name}, {cluster.world_size} devices, "
+            f"{cluster.memory_reserve:.0%} of memory held in reserve"
+            f"{'; a plan that fit did not with its gradient buckets flattened and its optimizer step' if refused_at_full_peak else ''}"
+            "); try more devices, "
+            "a smaller batch or sequence, another mesh_shape or a larger memory_limit_bytes"
+        )
+    return best
+
+
+def price_stage(
+    tg: TracedGraph,
+    infos: dict[str, NodeInfo],
+    best: Solved,
+    cluster: ClusterSpec,
+    options: SearchOptions,
+    candidates: list[dict],
+    st: _Stages,
+) -> Plan:
+    plan = price_plan(
+        tg, infos, best.tables, best.sol, best.choice, cluster, best.run.mesh, options.optimizer,
+        candidates, best.bound, best.gs, options.outputs,
+    )  # fmt: skip
+    if st.dump:
+        plan.save(st.dump / "6_plan.json")
+    st.say(f"plan: mesh {best.run.mesh}, {time.perf_counter() - st.t0:.1f} s in all")
+    return plan
+
+
+def data_parallel_axis(
+    tg: TracedGraph,
+    infos: dict[str, NodeInfo],
+    cluster: ClusterSpec,
+    size: int,
+    optimizer: Optimizer,
+    classes: Classes | None,
+    profiler: NodeTimer | None = None,
+) -> dict[str, Strategy]:
+    """Every node's placement on one data-parallel axis of ``size`` devices: the plan the solver
+    picks on the mesh ``(size,)`` with parameters replicated and inputs split on dim 0."""
+    mesh = (size,)
+    roles = (AxisRole.DATA,)
+    strats = build_strategies(tg, infos, mesh, roles, only=set(classes.members) if classes else None)
+    tables = build_costs(tg, infos, strats, cluster, mesh, optimizer, roles, classes, profiler)
+    sol = solve(tables, math.inf)
+    if sol is None:  # no memory limit: cannot happen unless the roles forbid every strategy somewhere
+        raise NoPlanFitsError(
+            f"no data-parallel placement over {size} devices; pass mesh_shape=... explicitly"
+        )
+    return {v: tables.strategies[v][i] for v, i in sol.choice.items()}
+
+
+# -- dumps -----------------------------------------------------------------------------------------
+
+
+def infos_tsv(infos: dict[str, NodeInfo]) -> str:
+    rows = ["name\trole\ttarget\tshape\tdtype\tflops\tbytes\trequires_grad"]
+    for i in infos.values():
+        rows.append(
+            f"{i.name}\t{i.role.value}\t{i.target}\t{i.shape}\t{i.dtype}\t{i.flops:.0f}\t{i.bytes}\t{i.requires_grad}"
+        )
+    return "\n".join(rows) + "\n"
+
+
+def classes_tsv(classes: Classes) -> str:
+    rows = ["representative\tcount\tmembers"]
+    for rep, members in classes.members.items():
+        rows.append(f"{rep}\t{len(members)}\t{','.join(members)}")
+    return "\n".join(rows) + "\n"
+
+
+def strategies_tsv(strats: dict[str, NodeStrategies]) -> str:
+    rows = ["node\tindex\toutput\tinputs"]
+    for name, ns in strats.items():
+        for k, s in enumerate(ns.strategies):
+            rows.append(f"{name}\t{k}\t{spec_to_str(s.out)}\t{' '.join(spec_to_str(x) for x in s.ins)}")
+    return "\n".join(rows) + "\n"
+
+
+def costs_tsv(tables: CostTables) -> str:
+    """Per variable node and strategy: seconds and bytes; per edge: its (source, destination)
+    matrix of seconds, one row per source strategy."""
+    rows = ["kind\tname\tstrategy\toutput\tseconds\tbytes"]
+    for v, ss in tables.strategies.items():
+        for k, s in enumerate(ss):
+            rows.append(
+                f"node\t{v}\t{k}\t{spec_to_str(s.out)}\t{tables.node_cost[v][k]!r}\t{tables.node_mem[v][k]!r}"
+            )
+    for e in tables.edges:
+        for a, row in enumerate(e.cost):
+            rows.append(
+                f"edge\t{e.src}->{e.dst}\t{a}\t\t{' '.join(repr(c) for c in row)}\t{' '.join(repr(m) for m in e.mem[a])}"
+            )
+    return "\n".join(rows) + "\n"

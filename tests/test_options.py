@@ -1,0 +1,53 @@
+"""SearchOptions: one frozen value for every choice a search may be told; bad values are refused
+where they are given, with the fix in the message."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import autopar
+from autopar.examples import mlp
+from autopar.options import AxisRole, SearchOptions, SearchOptionsError
+
+
+@pytest.mark.parametrize("limit", [0, -5, math.nan])
+def test_a_limit_that_is_not_a_positive_number_is_refused(limit):
+    with pytest.raises(SearchOptionsError, match="memory_limit_bytes must be a positive number"):
+        SearchOptions(memory_limit_bytes=limit)
+    with pytest.raises(SearchOptionsError, match="time_limit_s must be a positive number"):
+        SearchOptions(time_limit_s=limit)
+
+
+def test_roles_must_match_the_mesh():
+    with pytest.raises(SearchOptionsError, match="one role per mesh axis"):
+        SearchOptions(mesh_shape=(2, 2), axis_roles=(AxisRole.DATA,))
+    with pytest.raises(SearchOptionsError, match="mesh_shape must be positive integers"):
+        SearchOptions(mesh_shape=(2, 0))
+
+
+def test_keywords_override_an_options_value_and_unknown_ones_are_named():
+    base = SearchOptions(mesh_shape=(4,))
+    both = SearchOptions.of(base, axis_roles=[AxisRole.TENSOR])
+    assert both == SearchOptions(mesh_shape=(4,), axis_roles=(AxisRole.TENSOR,))
+    assert base.axis_roles is None  # frozen: the original is unchanged
+    with pytest.raises(TypeError, match="unknown search option.*mesh_shap"):
+        SearchOptions.of(base, mesh_shap=(2,))
+
+
+def test_plan_takes_an_options_value_or_the_same_keywords():
+    """The same search whether its options come as a value or as keyword arguments."""
+    torch.manual_seed(0)
+    model, inputs = mlp(batch=8, hidden=32, ffn=64)
+    cluster = autopar.ClusterSpec.preset("h100-sxm", devices_per_node=2)
+    by_value = autopar.plan(
+        model, cluster, inputs, SearchOptions(mesh_shape=(2,), axis_roles=(AxisRole.TENSOR,))
+    )
+    by_keyword = autopar.plan(model, cluster, inputs, mesh_shape=(2,), axis_roles=(AxisRole.TENSOR,))
+    assert by_value.decisions == by_keyword.decisions
+    assert by_value.predicted == by_keyword.predicted
+    assert any(d.output != "R" for d in by_value.decisions if d.role == "param")  # tensor parallel
+    with pytest.raises(SearchOptionsError):
+        autopar.plan(model, cluster, inputs, memory_limit_bytes=-5)
