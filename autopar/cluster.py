@@ -4,8 +4,9 @@ Units everywhere: seconds (s), bytes (B), FLOP/s, bytes/s (B/s). All classes are
 dataclasses validated on construction; an invalid value raises
 :class:`autopar.errors.ClusterSpecError` naming the field, the bad value and what is allowed.
 
-Links and devices (:class:`LinkSpec`, :class:`DeviceSpec`, their fields and units):
-``autopar/hardware.py``; presets and the sources of their numbers: ``autopar/presets.py``.
+Links, devices and the contention of CPU ranks sharing a host (:class:`LinkSpec`,
+:class:`DeviceSpec`, :class:`HostContention`, their fields and units): ``autopar/hardware.py``;
+presets and the sources of their numbers: ``autopar/presets.py``.
 
 :class:`ClusterSpec` -- the whole cluster:
 
@@ -45,16 +46,26 @@ import yaml
 
 from autopar.errors import ClusterSpecError
 from autopar.hardware import (
+    _CONTENTION_KEYS,
     DEFAULT_KERNEL_LAUNCH_S,
     DeviceSpec,
+    HostContention,
     LinkSpec,
     _check_int,
     _check_name,
     usable_cores,
 )
-from autopar.presets import _DEVICES, _NODES, PRESET_NAMES, _gpu_device, _gpu_preset_for
+from autopar.presets import _DEVICES, _NODES, PRESET_NAMES, _cpu_device, _gpu_device, _gpu_preset_for
 
-__all__ = ["LinkSpec", "DeviceSpec", "ClusterSpec", "PRESET_NAMES", "DEFAULT_KERNEL_LAUNCH_S", "usable_cores"]
+__all__ = [
+    "LinkSpec",
+    "DeviceSpec",
+    "HostContention",
+    "ClusterSpec",
+    "PRESET_NAMES",
+    "DEFAULT_KERNEL_LAUNCH_S",
+    "usable_cores",
+]
 
 _SPEC_SUFFIXES = (".json", ".yaml", ".yml")
 
@@ -75,19 +86,27 @@ _CLUSTER_OPTIONAL = ("memory_reserve",)
 DEFAULT_MEMORY_RESERVE = 0.1
 _DEVICE_OPTIONAL = (
     "kernel_launch_s",
-    "host_cores",
     "comm_overlap",
     "pointwise_s",
     "per_flop_s",
     "step_overhead_s",
     "optimizer_param_s",
-    "sync_wait",
     "inplace_bandwidth",
     "matmul_dim_half",
     "matmul_overhead_s",
-    "sync_wait_kinds",
+    "contention",
 )
-_DEVICE_KEYS = ("name", "peak_flops", "memory_bytes", "memory_bandwidth", *_DEVICE_OPTIONAL)
+# ``HostContention``'s fields as flat device keys: how spec files written before ``contention``
+# existed give them; still read (into ``contention``), never written
+_LEGACY_CONTENTION_KEYS = _CONTENTION_KEYS
+_DEVICE_KEYS = (
+    "name",
+    "peak_flops",
+    "memory_bytes",
+    "memory_bandwidth",
+    *_DEVICE_OPTIONAL,
+    *_LEGACY_CONTENTION_KEYS,
+)
 _LINK_KEYS = ("bandwidth", "latency", "ranges")
 
 
@@ -143,8 +162,32 @@ def _coerce_table(t: Any) -> Any:
     return {k: [_coerce_number(x) for x in v] if isinstance(v, (list, tuple)) else v for k, v in t.items()}
 
 
+def _contention_from_dict(where: str, d: Mapping[str, Any]) -> HostContention | None:
+    """``device["contention"]``, with the flat keys of older spec files
+    (``_LEGACY_CONTENTION_KEYS``) merged in over it; None where it is missing, or given only by
+    flat keys that price nothing (``host_cores: 0, sync_wait: 0``, as older files give every GPU)."""
+    c = d.get("contention")
+    if c is None and not any(k in d for k in _LEGACY_CONTENTION_KEYS):
+        return None
+    if c is not None and not isinstance(c, Mapping):
+        raise ClusterSpecError(
+            f"{where}.contention: got {c!r}; must be a mapping with keys {list(_CONTENTION_KEYS)} or null"
+        )
+    merged = {**(c or {}), **{k: d[k] for k in _LEGACY_CONTENTION_KEYS if k in d}}
+    _check_keys(f"{where}.contention", merged, _CONTENTION_KEYS, _CONTENTION_KEYS)
+    kw = {
+        k: {n: _coerce_number(v) for n, v in x.items()} if isinstance(x, Mapping) else _coerce_number(x)
+        for k, x in merged.items()
+    }
+    try:
+        contention = HostContention(**kw)
+    except ClusterSpecError as e:
+        raise ClusterSpecError(f"{where}.contention: {e}") from None
+    return None if c is None and contention.neutral else contention
+
+
 def _device_from_dict(where: str, d: Any) -> DeviceSpec:
-    _check_keys(where, d, _DEVICE_KEYS, _DEVICE_OPTIONAL)
+    _check_keys(where, d, _DEVICE_KEYS, (*_DEVICE_OPTIONAL, *_LEGACY_CONTENTION_KEYS))
     pf = d["peak_flops"]
     if isinstance(pf, Mapping):
         pf = {k: _coerce_number(v) for k, v in pf.items()}
@@ -155,10 +198,12 @@ def _device_from_dict(where: str, d: Any) -> DeviceSpec:
         "memory_bandwidth": _coerce_number(d["memory_bandwidth"]),
     }
     for key in _DEVICE_OPTIONAL:
-        if key in d:
+        if key == "contention":
+            kw[key] = _contention_from_dict(where, d)
+        elif key in d:
             if key in ("pointwise_s", "per_flop_s"):
                 kw[key] = _coerce_table(d[key])
-            elif key in ("optimizer_param_s", "sync_wait_kinds") and isinstance(d[key], Mapping):
+            elif key == "optimizer_param_s" and isinstance(d[key], Mapping):
                 kw[key] = {k: _coerce_number(v) for k, v in d[key].items()}
             else:
                 kw[key] = _coerce_number(d[key])
@@ -236,10 +281,12 @@ class ClusterSpec:
 
     @property
     def compute_slowdown(self) -> float:
-        """How much slower each rank computes than the device's figures say: CPU ranks of one node
-        share ``device.host_cores`` cores (1 when they do not share, or have a core each)."""
-        cores = self.device.host_cores
-        return max(1.0, self.devices_per_node / cores) if cores else 1.0
+        """How much slower each rank computes than the device's figures say: the
+        ``devices_per_node`` CPU ranks of one node share ``device.contention.host_cores`` cores,
+        ``max(1, devices_per_node / host_cores)`` (:meth:`HostContention.slowdown`); 1 without a
+        contention model (accelerators) or where each rank has a core."""
+        c = self.device.contention
+        return c.slowdown(self.devices_per_node) if c is not None else 1.0
 
     def with_overrides(self, **kw: Any) -> ClusterSpec:
         """A copy with some fields replaced (validated again)."""
@@ -258,9 +305,7 @@ class ClusterSpec:
         if key not in _DEVICES:
             raise ClusterSpecError(f"preset: unknown preset {name!r}; known presets are {list(PRESET_NAMES)}")
         intra, inter, host_mem, host_link, default_dpn = _NODES[key]
-        device = _DEVICES[key]
-        if key == "cpu":  # processes on this host: they share its cores
-            device = dataclasses.replace(device, host_cores=usable_cores())
+        device = _cpu_device() if key == "cpu" else _DEVICES[key]  # cpu: this host's cores
         return cls(
             name=key,
             nodes=nodes,
@@ -289,7 +334,9 @@ class ClusterSpec:
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> ClusterSpec:
-        """Inverse of ``to_dict``; unknown or missing keys raise ClusterSpecError naming them."""
+        """Inverse of ``to_dict``; unknown or missing keys raise ClusterSpecError naming them.
+        Files written before ``DeviceSpec.contention`` (flat ``host_cores``, ``sync_wait`` and
+        ``sync_wait_kinds`` device keys) load too, those keys into ``contention``."""
         _check_keys("cluster", d, _CLUSTER_KEYS, _CLUSTER_OPTIONAL)
         device = _device_from_dict("cluster.device", d["device"])
         links = {f: _link_from_dict(f"cluster.{f}", d[f]) for f in ("intra_node", "inter_node", "host_link")}
@@ -409,7 +456,7 @@ class ClusterSpec:
         backend = str(dist.get_backend()).lower()
         if backend == "gloo" or not torch.cuda.is_available():
             preset = "cpu"
-            device = dataclasses.replace(_DEVICES["cpu"], host_cores=usable_cores())
+            device = _cpu_device()
         else:
             props = torch.cuda.get_device_properties(0)
             gpu_name = torch.cuda.get_device_name(0)

@@ -11,6 +11,11 @@ Fields
 * ``bandwidth``: achievable bandwidth in B/s (> 0). For GPU interconnects this is the *bus bandwidth*
   an NCCL all-reduce reaches (as reported by nccl-tests), not the marketing total.
 * ``latency``: fixed per-message cost in s (>= 0).
+* ``ranges``: collective- and size-specific ``(bandwidth, latency)`` pairs fitted by ``autopar
+  calibrate`` (:class:`LinkSpec`); no preset carries any. Besides one entry per collective, a
+  calibration of CPU (gloo) ranks writes two kinds that only ranks sharing a host's cores need:
+  per group layout of a mesh axis (``"all_reduce/2x1"``, ``cost_model.comm.group_ranges``) and
+  the all-reduce queued behind another (``"all_reduce_queued"``, ``comm.QUEUED_ALL_REDUCE``).
 
 :class:`DeviceSpec` -- one accelerator (or one CPU process for the ``cpu`` preset):
 
@@ -19,48 +24,57 @@ Fields
   ``"float16"``, ``"float8_e4m3fn"``...). Accepts a dict, stored as a sorted tuple of pairs.
   A dtype that is not listed is priced at the ``"float32"`` peak (see :meth:`DeviceSpec.peak_flops_for`).
 * ``memory_bytes``: device memory in B (HBM for GPUs; RAM budget per process for CPU).
-* ``memory_bandwidth``: device memory bandwidth in B/s (prices memory-bound kernels).
+* ``memory_bandwidth``: device memory bandwidth in B/s (prices memory-bound kernels), as a step
+  sees it: each op writing a fresh tensor (``cost_model/calibrate_compute.py``).
 * ``inplace_bandwidth``: in B/s, what an elementwise op that updates a tensor in place streams
-  (an optimizer's ``add_``, ``mul_``, ``addcdiv_``: nothing freshly allocated to write into; on
-  this project's CPU VM 1.5-2x ``memory_bandwidth``, which is measured writing fresh tensors as
-  a step's activations are). 0 (the GPU presets): ``memory_bandwidth``.
+  (an optimizer's ``add_``, ``mul_``, ``addcdiv_``: nothing freshly allocated to write into, so on
+  CPUs it runs faster than ``memory_bandwidth``; fitted by ``autopar calibrate``). 0 (the GPU
+  presets): ``memory_bandwidth``.
 * ``kernel_launch_s``: fixed overhead per kernel / op launch in s.
 * ``matmul_dim_half``: in elements, the smallest GEMM size ``d`` (of ``m``, ``k``, ``n``) at which
   a matmul reaches half its large-GEMM efficiency: a GEMM runs ``d / (d + matmul_dim_half)`` as
   fast (``cost_model/compute.py``). ``autopar calibrate`` fits it; 0 (the GPU presets): no loss.
 * ``matmul_overhead_s``: fixed seconds per GEMM (a forward matmul, or each of its backward's)
-  beyond ``kernel_launch_s``: what a small GEMM costs whatever its FLOPs (on this project's CPU VM
-  ~40 us: a 128^3 linear, forward and backward, took 0.30 ms where its FLOPs at the large-GEMM rate
-  take 0.15). ``autopar calibrate`` fits it; 0 (the GPU presets): none.
-* ``host_cores``: for CPU "devices", the cores of the host that all ranks of a node share (each
-  rank computes on one thread, as ``autopar.launch`` sets it); ``0`` for accelerators, which do
-  not share. The peak figures are one rank's when it has a core to itself; with more ranks than
-  cores, compute is priced ``devices_per_node / host_cores`` times slower
-  (:attr:`ClusterSpec.compute_slowdown`).
+  beyond ``kernel_launch_s``: what a small GEMM costs whatever its FLOPs (packing its operands,
+  the autograd of a matmul). ``autopar calibrate`` fits it; 0 (the GPU presets): none.
 * ``comm_overlap``: in [0, 1], the fraction of the ideal overlap of a gradient all-reduce with
   concurrent backward compute that the device realizes (``cost_model/overlap.py``); 0 prices
   overlapped collectives as if they ran inline. ``autopar calibrate`` measures it.
+* ``step_overhead_s``: fixed host seconds per training step outside the graph's ops: the autograd
+  engine starting ``backward()``, ``optimizer.step()`` and ``zero_grad()`` as Python calls.
+  ``autopar calibrate`` measures it; 0 where not measured (the GPU presets).
+* ``optimizer_param_s``: per optimizer (``"SGD"``, ``"SGD_MOMENTUM"``, ``"ADAM"``, the names of
+  ``passes.costs.Optimizer``), the fixed seconds its ``step()`` spends per parameter tensor
+  beyond the bytes it moves: PyTorch's default per-tensor implementation on CPU launches a
+  few ops per tensor (Adam ~8, SGD one; ``autopar calibrate`` times them). Where an optimizer
+  is not listed, one ``kernel_launch_s`` per tensor.
+* ``contention``: a :class:`HostContention` where the "devices" are processes that share one
+  host's cores (the ``cpu`` preset, ``ClusterSpec.local()`` on gloo, ``autopar calibrate`` on
+  gloo); ``None`` for accelerators (every GPU preset), which share nothing and pay none of its
+  terms.
+
+:class:`HostContention` -- what ranks that share a host's cores cost beyond one rank's figures:
+
+* ``host_cores``: the cores of the host that all ranks of a node share (each rank computes on one
+  thread, as ``autopar.launch`` sets it; ``usable_cores()``). The device's peak figures are one
+  rank's when it has a core to itself; with more ranks than cores, compute is priced
+  ``devices_per_node / host_cores`` times slower (:attr:`ClusterSpec.compute_slowdown`;
+  processor sharing). 0: not counted, no slowdown.
 * ``sync_wait``: in s^0.5, how fast ranks drift apart between two synchronizing collectives: the
   expected wait for the slowest rank after ``d`` seconds of compute is ``sync_wait * sqrt(d)``
-  (``cost_model/sync.py``). ``autopar calibrate`` measures it; 0 for the GPU presets.
+  (a random walk; ``cost_model/sync.py``). Fitted by ``autopar calibrate`` (``measure_sync_wait``).
   ``sync_wait_kinds``: the same per kind of collective (``"all_reduce"``, ``"all_gather"``,
   ``"reduce_scatter"``), where measured; ``sync_wait`` prices the kinds not listed. Where ranks
   share cores, a collective's wait grows with its sequential steps (a ring all-reduce has twice an
   all-gather's), so the kinds differ.
-* ``step_overhead_s``: fixed host seconds per training step outside the graph's ops: the autograd
-  engine starting ``backward()``, ``optimizer.step()`` and ``zero_grad()`` as Python calls
-  (~0.1-0.2 ms on this project's VM). 0 where not measured (the GPU presets).
-* ``optimizer_param_s``: per optimizer (``"SGD"``, ``"SGD_MOMENTUM"``, ``"ADAM"``, the names of
-  ``passes.costs.Optimizer``), the fixed seconds its ``step()`` spends per parameter tensor
-  beyond the bytes it moves: PyTorch's default per-tensor implementation on CPU launches a
-  few ops per tensor (Adam ~8: ~20 us per tensor on that VM, SGD one). Where an optimizer is not
-  listed, one ``kernel_launch_s`` per tensor.
 
-Where preset figures come from: ``autopar/presets.py``.
+Figures these fields took on the development machine: ``benchmarks/README.md`` ("Readings of the
+development VM"). Where preset figures come from: ``autopar/presets.py``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 from collections.abc import Mapping
@@ -71,7 +85,7 @@ import torch
 
 from autopar.errors import ClusterSpecError
 
-__all__ = ["LinkSpec", "DeviceSpec", "DEFAULT_KERNEL_LAUNCH_S", "usable_cores"]
+__all__ = ["LinkSpec", "DeviceSpec", "HostContention", "DEFAULT_KERNEL_LAUNCH_S", "usable_cores"]
 
 GiB = 2**30
 TiB = 2**40
@@ -150,8 +164,10 @@ class LinkSpec:
     that collective on a tensor of ``B <= up_to_bytes`` bytes (the first such entry) is priced with
     the entry's figures, larger ones with its last entry's. ``autopar calibrate`` fits one per
     collective and size range, since transports change regime with message size and implement
-    collectives differently (gloo's small all-reduce costs 5x its all-gather on a 2-core VM).
-    A collective without entries uses ``bandwidth`` and ``latency``."""
+    collectives differently (gloo's small all-reduce costs several times its all-gather). Only a
+    calibrated link has ranges (no preset does); a calibration of CPU ranks also writes the
+    per-group-layout and queued all-reduce entries of ``cost_model/comm.py`` (``group_ranges``,
+    ``QUEUED_ALL_REDUCE``). A collective without entries uses ``bandwidth`` and ``latency``."""
 
     bandwidth: float
     latency: float
@@ -218,15 +234,12 @@ def _op_table(field: str, unit: str, value: Any) -> tuple[tuple[str, float, floa
 
 
 def _name_table(field: str, value: Any, key: str, what: str) -> tuple[tuple[str, float], ...]:
-    """``{name: number >= 0}`` (or its tuple form) as sorted ``(name, number)`` pairs."""
+    """``{name: number >= 0}`` (or its tuple form) as sorted ``(name, number)`` pairs; ``field``
+    names it in errors (``"DeviceSpec.optimizer_param_s"``)."""
     items = list(value.items()) if isinstance(value, Mapping) else [tuple(p) for p in value]
     if not all(len(p) == 2 and isinstance(p[0], str) for p in items):
-        raise ClusterSpecError(f"DeviceSpec.{field}: got {value!r}; must map {key} to {what}")
-    return tuple(
-        sorted(
-            (k, _check_float(f"DeviceSpec.{field}[{k!r}]", v, minimum=0.0, strict=False)) for k, v in items
-        )
-    )
+        raise ClusterSpecError(f"{field}: got {value!r}; must map {key} to {what}")
+    return tuple(sorted((k, _check_float(f"{field}[{k!r}]", v, minimum=0.0, strict=False)) for k, v in items))
 
 
 def _lookup(table: tuple[tuple[str, float, float], ...], op: str) -> tuple[float, float] | None:
@@ -234,6 +247,71 @@ def _lookup(table: tuple[tuple[str, float, float], ...], op: str) -> tuple[float
         if name == op:
             return f, b
     return None
+
+
+@dataclass(frozen=True)
+class HostContention:
+    """Processes that share one host's cores as ranks (the ``cpu`` device kind, gloo): what they
+    cost beyond one rank's device figures (module docstring). Carried by ``DeviceSpec.contention``
+    of CPU devices only; every field's neutral value prices nothing.
+
+    * compute: ``slowdown(ranks) = max(1, ranks / host_cores)`` (1 where ``host_cores`` is 0);
+    * the wait for the slowest rank at a synchronizing collective of ``kind`` after ``d`` seconds
+      of compute: ``sync_wait_for(kind) * sqrt(d)`` [s] (``cost_model/sync.py``)."""
+
+    host_cores: int = 0
+    sync_wait: float = 0.0
+    sync_wait_kinds: tuple[tuple[str, float], ...] = ()
+
+    def __post_init__(self) -> None:
+        object.__setattr__(
+            self, "host_cores", _check_int("HostContention.host_cores", self.host_cores, minimum=0)
+        )
+        object.__setattr__(
+            self,
+            "sync_wait",
+            _check_float("HostContention.sync_wait", self.sync_wait, minimum=0.0, strict=False),
+        )
+        object.__setattr__(
+            self,
+            "sync_wait_kinds",
+            _name_table("HostContention.sync_wait_kinds", self.sync_wait_kinds,
+                        "a collective such as 'all_reduce'", "its sync_wait in s^0.5"),
+        )  # fmt: skip
+
+    def slowdown(self, ranks: int) -> float:
+        """How much slower each of ``ranks`` ranks of one host computes than one rank alone."""
+        return max(1.0, ranks / self.host_cores) if self.host_cores else 1.0
+
+    def sync_wait_for(self, kind: str) -> float:
+        """``sync_wait`` [s^0.5] of a synchronizing ``kind`` of collective: its own figure where
+        measured, else ``sync_wait``."""
+        return dict(self.sync_wait_kinds).get(kind, self.sync_wait)
+
+    @property
+    def neutral(self) -> bool:
+        """True when it prices nothing (no cores counted, no wait)."""
+        return not self.host_cores and not self.sync_wait and not any(v for _, v in self.sync_wait_kinds)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "host_cores": self.host_cores,
+            "sync_wait": self.sync_wait,
+            "sync_wait_kinds": dict(self.sync_wait_kinds),
+        }
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> HostContention:
+        """Inverse of ``to_dict``; missing keys take their neutral value, unknown ones raise."""
+        unknown = sorted(str(k) for k in d if k not in _CONTENTION_KEYS)
+        if unknown:
+            raise ClusterSpecError(
+                f"HostContention: unknown key(s) {unknown}; allowed keys are {list(_CONTENTION_KEYS)}"
+            )
+        return cls(**{k: d[k] for k in _CONTENTION_KEYS if k in d})
+
+
+_CONTENTION_KEYS = tuple(f.name for f in dataclasses.fields(HostContention))
 
 
 @dataclass(frozen=True)
@@ -252,24 +330,21 @@ class DeviceSpec:
     memory_bytes: int
     memory_bandwidth: float
     kernel_launch_s: float = DEFAULT_KERNEL_LAUNCH_S
-    host_cores: int = 0
     comm_overlap: float = 0.0
     pointwise_s: tuple[tuple[str, float, float], ...] = ()
     per_flop_s: tuple[tuple[str, float, float], ...] = ()
     step_overhead_s: float = 0.0
     optimizer_param_s: tuple[tuple[str, float], ...] = ()
-    sync_wait: float = 0.0
     inplace_bandwidth: float = 0.0
     matmul_dim_half: float = 0.0
     matmul_overhead_s: float = 0.0
-    sync_wait_kinds: tuple[tuple[str, float], ...] = ()
+    contention: HostContention | None = None
 
     def __post_init__(self) -> None:
         _check_name("DeviceSpec.name", self.name)
         for name in (
             "kernel_launch_s",
             "step_overhead_s",
-            "sync_wait",
             "inplace_bandwidth",
             "matmul_dim_half",
             "matmul_overhead_s",
@@ -279,14 +354,8 @@ class DeviceSpec:
         object.__setattr__(
             self,
             "optimizer_param_s",
-            _name_table("optimizer_param_s", self.optimizer_param_s, "an optimizer name such as 'ADAM'",
-                        "seconds per parameter tensor"),
-        )  # fmt: skip
-        object.__setattr__(
-            self,
-            "sync_wait_kinds",
-            _name_table("sync_wait_kinds", self.sync_wait_kinds, "a collective such as 'all_reduce'",
-                        "its sync_wait in s^0.5"),
+            _name_table("DeviceSpec.optimizer_param_s", self.optimizer_param_s,
+                        "an optimizer name such as 'ADAM'", "seconds per parameter tensor"),
         )  # fmt: skip
         object.__setattr__(self, "pointwise_s", _op_table("pointwise_s", "element", self.pointwise_s))
         object.__setattr__(self, "per_flop_s", _op_table("per_flop_s", "FLOP", self.per_flop_s))
@@ -294,9 +363,13 @@ class DeviceSpec:
         if overlap > 1.0:
             raise ClusterSpecError(f"DeviceSpec.comm_overlap: got {overlap!r}; must be in [0, 1]")
         object.__setattr__(self, "comm_overlap", overlap)
-        object.__setattr__(
-            self, "host_cores", _check_int("DeviceSpec.host_cores", self.host_cores, minimum=0)
-        )
+        if isinstance(self.contention, Mapping):
+            object.__setattr__(self, "contention", HostContention.from_dict(self.contention))
+        if self.contention is not None and not isinstance(self.contention, HostContention):
+            raise ClusterSpecError(
+                f"DeviceSpec.contention: got {self.contention!r} ({type(self.contention).__name__}); "
+                f"must be a HostContention (ranks sharing a host's cores: the cpu device kind) or None"
+            )
         pf = self.peak_flops
         if isinstance(pf, Mapping):
             items = list(pf.items())
@@ -344,8 +417,15 @@ class DeviceSpec:
 
     def sync_wait_for(self, kind: str) -> float:
         """``sync_wait`` [s^0.5] of a synchronizing ``kind`` of collective (``"all_reduce"``,
-        ``"all_gather"``, ...): its own figure where measured, else ``sync_wait``."""
-        return dict(self.sync_wait_kinds).get(kind, self.sync_wait)
+        ``"all_gather"``, ...) from ``contention`` (:meth:`HostContention.sync_wait_for`); 0
+        without a contention model (the GPU presets)."""
+        return self.contention.sync_wait_for(kind) if self.contention is not None else 0.0
+
+    def with_contention(self, **fields: Any) -> DeviceSpec:
+        """A copy whose ``contention`` has ``fields`` replaced (a neutral :class:`HostContention`
+        where there is none yet), e.g. ``device.with_contention(host_cores=2)``."""
+        base = self.contention if self.contention is not None else HostContention()
+        return dataclasses.replace(self, contention=dataclasses.replace(base, **fields))
 
     def optimizer_param(self, optimizer: str) -> float:
         """Fixed seconds ``optimizer``'s step spends per parameter tensor (one launch if not measured)."""
@@ -375,18 +455,15 @@ class DeviceSpec:
             "memory_bytes": self.memory_bytes,
             "memory_bandwidth": self.memory_bandwidth,
             "kernel_launch_s": self.kernel_launch_s,
-            "host_cores": self.host_cores,
             "comm_overlap": self.comm_overlap,
             "pointwise_s": {name: [f, b] for name, f, b in self.pointwise_s},
             "per_flop_s": {name: [f, b] for name, f, b in self.per_flop_s},
             "step_overhead_s": self.step_overhead_s,
             "optimizer_param_s": dict(self.optimizer_param_s),
-            "sync_wait": self.sync_wait,
             "inplace_bandwidth": self.inplace_bandwidth,
             "matmul_dim_half": self.matmul_dim_half,
             "matmul_overhead_s": self.matmul_overhead_s,
-            "sync_wait_kinds": dict(self.sync_wait_kinds),
-        }
+        } | ({"contention": self.contention.to_dict()} if self.contention is not None else {})
 
 
 # set by ``autopar.launch.pin_to_core``: how many cores the ranks of this host share, for a rank

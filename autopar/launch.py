@@ -47,8 +47,9 @@ def keep_freed_memory() -> bool:
     """Ask glibc's malloc to keep the memory this process frees for its next allocations: no heap
     trim, and blocks up to 32 MiB from the heap rather than from their own mmap. PyTorch's CPU
     allocator has no cache, so otherwise every step's activations are returned to the OS and
-    page-faulted back in (about 1000 faults, 2.2 ms of system time in a 28 ms gpt2_tiny step on
-    the development VM), an amount that drifts with glibc's dynamic thresholds. The caching
+    page-faulted back in (a share of each step's system time: ``benchmarks/README.md``,
+    "Readings of the development VM"), an amount that drifts with glibc's dynamic thresholds
+    (``mallopt(3)``: ``M_TRIM_THRESHOLD``, ``M_MMAP_THRESHOLD``). The caching
     allocators of GPU backends do the same for device memory. Returns False without glibc."""
     try:
         libc = ctypes.CDLL("libc.so.6")
@@ -70,11 +71,8 @@ def pin_to_core(local_rank: int) -> int | None:
     As CPU launchers bind ranks (Intel's ``ipexrun``, MPI's ``--bind-to core``): unbound, the
     kernel moves ranks between cores as they block in collectives and wake, so the ranks that
     share a core change within a step, and each move starts on cold caches. Bound before the
-    process group starts, so that gloo's threads run on the rank's core too. On the development
-    VM (2 cores; ms per SGD step, bound / unbound): gpt2_tiny on 4 ranks 32.9 / 40.5 data
-    parallel, 65.1 / 100.4 tensor parallel, 54.6 / 71.3 on a 2 x 2 mesh; llama_tiny on 4 ranks
-    30.1 / 35.2, 71.6 / 111.9, 46.1 / 58.0; gpt2_tiny on 2 ranks 21.6 / 24.4 data parallel,
-    50.1 / 51.3 tensor parallel (``benchmarks/bench_pinning.py``)."""
+    process group starts, so that gloo's threads run on the rank's core too. Step times bound
+    and unbound: ``benchmarks/bench_pinning.py`` (its runs: ``benchmarks/README.md``)."""
     try:
         cores = sorted(os.sched_getaffinity(0))
         core = cores[local_rank % len(cores)]

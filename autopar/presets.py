@@ -29,17 +29,30 @@ Sources (numbers are repeated with their source next to each value below)
   gets up to 25.5% lower total time only after reshaping kernel occupancy and stream priorities,
   i.e. stock overlap is partial. GPU presets take 0.5, between those bounds; ``autopar
   calibrate`` measures a cluster's own (``cost_model/overlap.py``).
-* ``cpu`` preset: modest numbers for one CPU training process (one core); ``host_cores`` is the
-  number of cores this process may run on (``os.sched_getaffinity``); its loopback gloo
-  link is what ``autopar calibrate`` measured on a small VM (collectives cost about a millisecond);
-  10 GbE = 1.25 GB/s between hosts. Run ``autopar calibrate`` for your own machine.
+* ``cpu`` preset: modest numbers for one CPU training process (one core); its ranks share the
+  host's cores, which only this device kind models (``DeviceSpec.contention``, a
+  ``HostContention`` with ``host_cores`` the cores this process may run on,
+  ``usable_cores()``: ``os.sched_getaffinity``, and no sync wait until calibrated). Its loopback
+  gloo link is of the order ``autopar calibrate`` fits for a few ranks on one host (collectives
+  cost about a millisecond); 10 GbE = 1.25 GB/s between hosts. Its figures are round defaults,
+  not one machine's: run ``autopar calibrate`` for your own (what it gave on the development
+  machine: ``benchmarks/README.md``, "Readings of the development VM"). No GPU preset carries a
+  contention model or calibrated link ranges.
 """
 
 from __future__ import annotations
 
 import dataclasses
 
-from autopar.hardware import DEFAULT_KERNEL_LAUNCH_S, DeviceSpec, GiB, LinkSpec, TiB
+from autopar.hardware import (
+    DEFAULT_KERNEL_LAUNCH_S,
+    DeviceSpec,
+    GiB,
+    HostContention,
+    LinkSpec,
+    TiB,
+    usable_cores,
+)
 
 __all__ = ["PRESET_NAMES"]
 
@@ -119,10 +132,12 @@ _DEVICES: dict[str, DeviceSpec] = {
         peak_flops={"float32": 50e9},  # conservative: one process on one core, ~50 GFLOP/s fp32
         memory_bytes=8 * GiB,  # RAM budget per process
         memory_bandwidth=20e9,  # conservative share of a DDR4/DDR5 socket's bandwidth
-        kernel_launch_s=10e-6,  # eager CPU op of a traced model, forward or backward: calibrate measures 11-16 us on the 2-core VM
-        # gloo's threads compete with the ranks for cores: `autopar calibrate` measured 0.0-0.4 on
-        # the 2-core VM (4 and 2 processes); 0 prices overlapped all-reduces as inline
+        kernel_launch_s=10e-6,  # an eager CPU op (dispatch + autograd node), forward or backward
+        # gloo's threads compete with the ranks for cores, so little of an all-reduce hides behind
+        # compute; 0 prices overlapped all-reduces as inline (`autopar calibrate` measures it)
         comm_overlap=0.0,
+        # ranks share the host's cores; host_cores is filled in per host (_cpu_device)
+        contention=HostContention(),
     ),
 }
 
@@ -133,8 +148,8 @@ _NODES: dict[str, tuple[LinkSpec, LinkSpec, int, LinkSpec, int]] = {
     "h100-sxm": (_H100_NVLINK, _NDR_IB, 2 * TiB, _PCIE5, 8),  # [DGX] DGX H100: 2 TB RAM
     "h200": (_H100_NVLINK, _NDR_IB, 2 * TiB, _PCIE5, 8),  # [DGX] DGX H200: 2 TB RAM
     "cpu": (
-        # gloo over loopback TCP, 4 processes on a 2-core x86 VM: `autopar calibrate --world-size 4`
-        # fitted 0.47-1.07 GB/s and 0.6-1.1 ms per collective over three runs (benchmarks/README.md)
+        # gloo over loopback TCP: about a GB/s and a millisecond per collective, the order
+        # `autopar calibrate` fits for a few ranks on one host (runs: benchmarks/README.md)
         LinkSpec(bandwidth=1e9, latency=1e-3),
         LinkSpec(bandwidth=1.25e9, latency=50e-6),  # 10 GbE = 1.25e9 B/s, TCP latency ~50 us
         32 * GiB,  # 4 processes x 8 GiB
@@ -144,6 +159,12 @@ _NODES: dict[str, tuple[LinkSpec, LinkSpec, int, LinkSpec, int]] = {
 }
 
 PRESET_NAMES: tuple[str, ...] = tuple(_DEVICES)
+
+
+def _cpu_device() -> DeviceSpec:
+    """The ``cpu`` preset's device for ranks on this host: they share its ``usable_cores()``."""
+    base = _DEVICES["cpu"]
+    return base.with_contention(host_cores=usable_cores())
 
 
 def _gpu_preset_for(gpu_name: str, total_memory: int) -> str:

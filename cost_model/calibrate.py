@@ -22,7 +22,8 @@ The same again on the groups a mesh axis of the world can have (``group_layouts`
 layout at once as the axis runs them, each sample the slowest group's
 (``measure_group_collectives``); fitted per collective, size range and layout
 (``comm.group_ranges``): where ranks share cores, a small collective's time does not follow the
-ring's ``(n-1)`` latency terms from one group size to another.
+ring's ``(n-1)`` latency terms from one group size to another. These per-layout entries and
+``all_reduce_queued`` serve CPU (gloo) ranks sharing a host's cores; no preset carries them.
 
 A collective's time is what it adds to the wall time of a loop of steps (``measure_added``):
 ``BURST`` iterations of a fixed amount of compute (``REFERENCE_GAP_S`` of wall per iteration with
@@ -34,11 +35,10 @@ sample is the mean over ``repeats`` loops less the top and bottom 2.5% (``trimme
 pays the expected time of each collective, stalls included). The wall, not the call's own time:
 where ranks share cores, a rank that arrives early waits while the others compute on the core it
 lent, which the compute's price holds already, and a rank that leaves first computes on a core
-the others still need to finish the collective, which the call's own time does not see. On this
-project's 2-core VM with 4 ranks bound to cores, a step's 8-byte all-reduce took 0.9 ms from
-the last rank's arrival to the last return and 4.4 ms as the slowest rank's own time; a 1 KiB
-all-reduce added 2.0 ms to such a loop, and a loop's added cost is what a step's wall is made of
-(``benchmarks/bench_step_timeline.py``).
+the others still need to finish the collective, which the call's own time does not see; a
+loop's added cost is what a step's wall is made of (``benchmarks/bench_step_timeline.py``; how
+far the call's own time and the added cost lay apart on the development machine:
+``benchmarks/README.md``, "Readings of the development VM").
 
 Fit (``fit_link``): the ring alpha-beta formulas of ``cost_model/comm.py``
 
@@ -66,17 +66,18 @@ FLOP/s, per-element times of transcendental pointwise ops), on as many ranks at 
 has cores while the others wait, in lockstep (each op timed while the other ranks run it too, as
 in a step), ``COMPUTE_ROUNDS`` times spread over the calibration (before the collectives, after
 them, after the sync wait), and each figure the median over those rounds and ranks (one round's
-matmul rate varied by 20% from run to run on this project's VM): the ranks of a step share the host's
-memory bandwidth and caches (on this project's VM a rank streams memory at 19-24 GB/s while
-another does, 25-36 alone). On CPUs the ranks of a node share its cores: ``calibrate``
-records the cores this process may use as ``DeviceSpec.host_cores`` and the cost model prices
+matmul rate varies from run to run on a shared host): the ranks of a step share the host's
+memory bandwidth and caches, so a rank streams memory slower while another does than alone.
+On CPUs the ranks of a node share its cores: ``calibrate`` records the cores this process may
+use as ``HostContention.host_cores`` (``DeviceSpec.contention``) and the cost model prices
 compute ``devices_per_node / host_cores`` times slower when there are more ranks than cores
 (``ClusterSpec.compute_slowdown``; each rank computes on one thread, as ``autopar.launch`` sets it).
 
-Sync wait (``measure_sync_wait``, ``cost_model/sync.py``), on every rank at once: how much more a
+Sync wait (``measure_sync_wait``, ``cost_model/sync.py``), on every rank at once, on CPU ranks
+(not on NCCL: accelerators share no cores and get no ``contention``): how much more a
 collective of each kind adds to a loop of steps (wall time, with against without it) after more
-compute since the previous one, stored as ``DeviceSpec.sync_wait_kinds`` (and the largest as
-``DeviceSpec.sync_wait``, for the kinds not measured).
+compute since the previous one, stored as ``HostContention.sync_wait_kinds`` (and the largest
+as ``HostContention.sync_wait``, for the kinds not measured).
 
 Overlap (``cost_model/overlap.py:measure_overlap``), on every rank at once: how much of an
 all-reduce issued asynchronously is hidden behind concurrent compute, stored as
@@ -84,8 +85,11 @@ all-reduce issued asynchronously is hidden behind concurrent compute, stored as
 
 ``calibrate`` returns ``base`` with ``intra_node`` (and, on one node, ``inter_node``) replaced by
 the fitted link and the device's ``peak_flops['float32']``, ``memory_bandwidth``,
-``inplace_bandwidth``, ``matmul_dim_half``, ``matmul_overhead_s``, ``kernel_launch_s``, ``pointwise_s`` and ``per_flop_s`` replaced by the
-measured values; ``out_path`` saves it as JSON.
+``inplace_bandwidth``, ``matmul_dim_half``, ``matmul_overhead_s``, ``kernel_launch_s``,
+``pointwise_s``, ``per_flop_s``, ``optimizer_param_s``, ``step_overhead_s`` and ``comm_overlap``
+replaced by the measured values, and its ``contention`` by a ``HostContention`` of the measured
+cores and sync waits on CPU ranks (None on NCCL); ``out_path`` saves it as JSON.
+Figures a calibration gave on the development machine: ``benchmarks/README.md``.
 """
 
 from __future__ import annotations
@@ -103,7 +107,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from autopar.cluster import ClusterSpec, LinkSpec, usable_cores
+from autopar.cluster import ClusterSpec, HostContention, LinkSpec, usable_cores
 from autopar.cost_model.calibrate_compute import Lockstep, lockstep, matmul_figures, measure_compute, sync
 from autopar.cost_model.comm import group_ranges
 from autopar.cost_model.overlap import measure_overlap
@@ -286,9 +290,8 @@ def measure_added(
     ``lockstep_group`` (default: ``group``; ``None``: the world) holds ``group``: the ranks that
     start each loop together (its barrier) and whose walls count, as a mesh axis's groups run
     their collectives at once in a step and the step lasts until the last of them ends. Each
-    group of a layout timed on its own barrier drifted from the others into other loops (on the
-    2-core VM, 4 ranks, pairs of neighbours came out 2.1-2.5 ms per 1 KiB all-reduce in four
-    calibrations, 1.3-1.4 ms in step with the other pair in two)."""
+    group of a layout timed on its own barrier drifts from the others into other loops, and its
+    figure with it (``benchmarks/README.md``, "Readings of the development VM")."""
     pace = group if lockstep_group is _SAME else lockstep_group  # its barriers and walls
     device = _group_device(group)
     entries: list[Callable[[], None] | None] = [*calls, None]  # the last: the loop without a call
@@ -325,7 +328,7 @@ class _GapWork:
         b = self.a
         for _ in range(ops):
             # + 1: the values settle near 0.92; without it they decay into denormals after ~200
-            # ops, and each op then took 15x longer on the development VM
+            # ops, whose arithmetic runs many times slower on CPUs
             b = torch.tanh(b @ self.a * 0.01 + 1.0)
         return b
 
@@ -444,7 +447,7 @@ def measure_sync_wait(
     steps: int = SYNC_LOOP_STEPS,
     collectives: Mapping[str, Callable[[], None]] | None = None,
 ) -> dict:
-    """``DeviceSpec.sync_wait_kinds`` (``cost_model/sync.py``): what a synchronizing collective of
+    """``HostContention.sync_wait_kinds`` (``cost_model/sync.py``): what a synchronizing collective of
     each kind adds to a loop of steps, against the compute between two of them.
 
     On every rank of ``group``, for each gap of ``SYNC_GAPS_S``: a loop of ``steps`` iterations of
@@ -547,9 +550,9 @@ def trimmed_mean(values: Sequence[float], trim: float = 0.025) -> float:
 def fit_ranges(samples: Sequence[Sample]) -> tuple[tuple[str, float, float, float], ...]:
     """One (bandwidth, latency) per collective and size range: ``fit_link`` on each collective's
     samples at two neighbouring sizes, applying up to the larger size (``LinkSpec.ranges``).
-    Transports change regime with message size and implement each collective their own way (on
-    this 2-core VM, gloo's back-to-back all-reduce of 1 KiB takes ~3.7 ms, its all-gather ~0.8 ms),
-    which one line per link cannot follow."""
+    Transports change regime with message size and implement each collective their own way
+    (gloo's small all-reduce costs several times its all-gather), which one line per link cannot
+    follow."""
     ranges = []
     for kind in dict.fromkeys(s.kind for s in samples):
         mine = [s for s in samples if s.kind == kind]
@@ -705,7 +708,8 @@ def _compute_round(device: torch.device, cores: int, group, quick: bool) -> list
     """One ``measure_compute`` on each of the first ``cores`` ranks at once, in lockstep over
     ``group`` (those ranks; they share the host's memory and caches, as the ranks of a step do),
     the others waiting: ranks beyond the cores are priced by ClusterSpec.compute_slowdown
-    (host_cores, recorded for CPUs). Every rank gets every measuring rank's figures."""
+    (``HostContention.host_cores``, recorded for CPUs). Every rank gets every measuring rank's
+    figures."""
     mine = None
     if dist.get_rank() < cores:
         with lockstep(group_lockstep(group, device)):
@@ -736,7 +740,9 @@ def _measure_rank(sizes: Sequence[int], kinds: Sequence[str], repeats: int, quic
     if rounds > 1:
         figures += _compute_round(device, cores, group, quick)
     overlap = measure_overlap(repeats=3 if quick else 7)  # every rank: an all-reduce under compute
-    sync_wait = measure_sync_wait(repeats=1 if quick else 3, steps=10 if quick else SYNC_LOOP_STEPS)
+    sync_wait = None  # a term of ranks that share a host's cores (HostContention): CPU ranks only
+    if backend != "nccl":
+        sync_wait = measure_sync_wait(repeats=1 if quick else 3, steps=10 if quick else SYNC_LOOP_STEPS)
     for _ in range(rounds - 2):
         figures += _compute_round(device, cores, group, quick)
     compute = median_compute(figures)
@@ -745,7 +751,7 @@ def _measure_rank(sizes: Sequence[int], kinds: Sequence[str], repeats: int, quic
         "group_samples": groups,
         "sync_wait": sync_wait,
         "compute": compute,
-        "host_cores": 0 if backend == "nccl" else usable_cores(),
+        "host_cores": None if backend == "nccl" else usable_cores(),
         "overlap": overlap,
     }
 
@@ -818,7 +824,15 @@ def run_calibration(
     per_kind = {k: fit_link(samples, k) for k in KINDS if any(s.kind == k for s in samples)}
 
     cluster = base or ClusterSpec.preset("cpu", devices_per_node=world)
-    waits = results[0]["sync_wait"]["sync_wait"]
+    contention = None  # accelerators: nothing shared
+    if results[0]["host_cores"] is not None:  # CPU ranks: they share the host's cores
+        waits = results[0]["sync_wait"]["sync_wait"]
+        contention = HostContention(
+            host_cores=results[0]["host_cores"],
+            # the kinds not measured (all-to-all, send/recv) wait as the slowest measured kind
+            sync_wait=max(waits.values(), default=0.0),
+            sync_wait_kinds=waits,
+        )
     peak = dict(cluster.device.peak_flops)
     peak["float32"] = compute["peak_flops"]
     device = dataclasses.replace(
@@ -833,11 +847,8 @@ def run_calibration(
         per_flop_s=compute["per_flop_s"],
         optimizer_param_s=compute["optimizer_param_s"],
         step_overhead_s=compute["step_overhead_s"],
-        host_cores=results[0]["host_cores"],
         comm_overlap=results[0]["overlap"]["efficiency"],
-        # the kinds not measured (all-to-all, send/recv) wait as the slowest measured kind
-        sync_wait=max(waits.values(), default=0.0),
-        sync_wait_kinds=waits,
+        contention=contention,
     )
     over = {"device": device, "intra_node": link}
     if cluster.nodes == 1:

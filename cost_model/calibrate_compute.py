@@ -14,8 +14,8 @@ time faster than a step runs them):
   cost model charges each op node ``launch`` forward and, where it needs a gradient, once more
   backward, and one per further use whose gradient backward sums (``passes/costs.py``; a
   ``getitem`` is free), so ``launch = (t_step - step_overhead) / launches``. Views, reshapes,
-  multi-output ops and the autograd engine's per-node work make this 2-3x the figure of a chain of one op repeated (``launch_chain``, below; on this project's VM
-  8-16 us per launch inside gpt2_tiny and llama_tiny steps against a chain's 3-6);
+  multi-output ops and the autograd engine's per-node work make this a few times the figure of
+  a chain of one op repeated (``launch_chain``, below);
 * ``launch_chain`` [s]: a chain of 60 tiny ops (mul, add, tanh on 8 elements) called through
   their aten overloads (``torch.ops.aten.mul.Tensor``: the generated module's calls) forward and
   backward, ``t_chain / (60 * 2)``: the fixed part taken off the per-element and per-FLOP tables
@@ -24,29 +24,25 @@ time faster than a step runs them):
   of ``n`` bytes are live (more than a core's cache holds); each op multiplies two of them made a
   few and many ops before into a fresh tensor, which joins them while the oldest is freed
   (activations made, kept, and released). ``mem_bw = 3 n / (t - t_1)`` per op, with ``t_1`` an
-  ``add`` on one element (dispatch, no autograd), the median over ``n`` in ``STEP_SIZES`` (on this
-  project's VM 19-24 GB/s with both cores doing it, where ``torch.add(a, b, out=c)`` on one
-  reused 64 MiB buffer reaches 33; inside a gpt2_tiny step a 1 MiB elementwise op ran at
-  15-25 GB/s);
+  ``add`` on one element (dispatch, no autograd), the median over ``n`` in ``STEP_SIZES``
+  (slower than ``torch.add(a, b, out=c)`` on one reused buffer, and close to what an
+  elementwise op inside a traced step streams);
 * FLOP/s: ``torch.nn.functional.linear`` of fp32 operands, an ``(m, k)`` input and an ``(n, k)``
   weight, forward and backward (gradients of input and weight) as a training step runs it,
   ``F = 3 * 2 m k n`` FLOPs (a forward and two backward matmuls, each writing a fresh output),
   over ``MATMUL_SHAPES``: squares, and the tall, thin GEMMs of a transformer's projections (many
-  tokens against a narrow hidden size), which run 5-15% below squares of the same FLOPs on this
-  project's VM (512 x 128 x 4096: 82 GFLOP/s against 97 for 512^3), and skinny ones (16-64 rows,
-  a data-parallel rank's few tokens), which run slower still. The fit (``fit_matmul``)
-  ``t = F / (rate * d / (d + D)) + c``, ``d`` the shape's smallest size, gives the effective rate
-  ``rate`` [FLOP/s] of a large GEMM and ``matmul_dim_half = D`` [elements] (on this project's VM
-  a linear of 32 rows ran at 49 GFLOP/s where 512^3 ran at 63, both ranks at once), and the
-  intercept ``c`` gives each GEMM's fixed cost ``matmul_overhead_s`` (``matmul_overhead``; three
-  small shapes pin it: on that VM ``c`` was ~0.15 ms, and a 256 x 128 x 64 linear ran at 39
-  GFLOP/s). The roofline
+  tokens against a narrow hidden size), which run below squares of the same FLOPs, and skinny
+  ones (16-64 rows, a data-parallel rank's few tokens), which run slower still. The fit
+  (``fit_matmul``) ``t = F / (rate * d / (d + D)) + c``, ``d`` the shape's smallest size, gives
+  the effective rate ``rate`` [FLOP/s] of a large GEMM and ``matmul_dim_half = D`` [elements],
+  and the intercept ``c`` gives each GEMM's fixed cost ``matmul_overhead_s``
+  (``matmul_overhead``; three small shapes pin it). The roofline
   prices a large GEMM at ``F / (peak * EFF_MAX)``, so the peak stored is ``rate / EFF_MAX``: the
   cost model then predicts the measured rates;
 * in-place bandwidth ``inplace_bw`` [B/s], as an optimizer's step streams it: ``STEP_LIVE``
   tensors of ``n`` bytes, each op adding one into another in place (``a.add_(b)``, SGD's update),
   cycling through them so that none is in a core's cache; ``inplace_bw = 3 n / (t - t_1)``, the
-  median over ``STEP_SIZES`` (on this project's VM 1.5-2x ``mem_bw``: nothing fresh to write into);
+  median over ``STEP_SIZES`` (above ``mem_bw`` on CPUs: nothing fresh to write into);
 * pointwise table ``pointwise_s`` [s per element of the op's largest tensor]: each op of
   ``POINTWISE_OPS`` on ``POINTWISE_NUMEL`` float32 elements (rows of 256 for the ops that reduce
   a last dim: softmax, layer_norm, cross-entropy over 256 classes), forward
@@ -66,6 +62,9 @@ time faster than a step runs them):
   8-element parameter (``(w * x).sum()``, ``backward()``, SGD ``step()``, ``zero_grad()``) less
   what the cost model already charges for it (2 ops x 2 launches, one SGD tensor): the autograd
   engine's start and the optimizer's Python around its per-tensor work.
+
+What these figures came to on the development machine: ``benchmarks/README.md`` ("Readings of
+the development VM" and the accuracy sessions).
 """
 
 from __future__ import annotations
@@ -191,9 +190,8 @@ def median_time(fn: Callable[[], object], device: torch.device, repeats: int, in
     In ``lockstep``, the samples start together on every rank, and a rank whose samples are over
     keeps calling ``fn`` (untimed) until every rank's are: each sample runs with every other rank
     busy, as a step's ranks are from its start to its end. (Ranks that stopped at their last
-    sample would leave the slower ranks' last samples the host to themselves: on this project's
-    2-core VM, the steps of five models on 2 ranks, their collectives made no-ops, ran 6-18%
-    slower than a device calibrated so predicted, and 3-13% with every sample busy.)"""
+    sample would leave the slower ranks' last samples the host to themselves, and the figures
+    would come out faster than a step runs: ``benchmarks/README.md``.)"""
     fn()
     sync(device)
     ranks = _LOCKSTEP.get()

@@ -13,9 +13,8 @@ product of the mesh axes on which an input or the output is Shard; Partial input
 * ``peak(dtype)``: dense peak FLOP/s of the device for the op's dtype (ClusterSpec presets,
   datasheet figures, or ``autopar calibrate``).
 * ``bw``: ``DeviceSpec.memory_bandwidth`` [B/s]; calibrated as a step sees it (each op writing a
-  fresh tensor, its inputs produced a while before: ``cost_model/calibrate_compute.py``). On this
-  project's CPU VM an elementwise op in a training step ran at 14-25 GB/s, not at the 90 GB/s of
-  the same op repeated on one cache-resident buffer.
+  fresh tensor, its inputs produced a while before: ``cost_model/calibrate_compute.py``), which on
+  a CPU is several times slower than the same op repeated on one cache-resident buffer.
 * ``eff(F)``: achievable fraction of peak; large GEMMs reach ~70-80% of dense peak on A100/H100
   (e.g. NVIDIA's Megatron-LM reports 163-173 TFLOP/s of 312 on A100, ~55%, for whole models;
   cuBLAS GEMMs at large sizes reach 70-80%), small ones far less. Modeled as
@@ -23,19 +22,17 @@ product of the mesh axes on which an input or the output is Shard; Partial input
   that would take ``T_HALF`` seconds at peak reaches half of EFF_MAX, so tiny ops cost about
   ``T_HALF / EFF_MAX``) and for skinny GEMMs: ``d`` is the smallest of the local GEMM's ``m``,
   ``k``, ``n`` (``gemm_min_dim``; the forward and both backward GEMMs of a matmul share these
-  three sizes), ``D`` is ``device.matmul_dim_half`` (0: no such loss). On this project's VM a
-  linear of 32 rows ran at 49 GFLOP/s where 512^3 ran at 63 (``autopar calibrate`` fits ``D``).
+  three sizes), ``D`` is ``device.matmul_dim_half`` (0: no such loss; fitted by ``autopar
+  calibrate``, ``calibrate_compute.matmul_figures``).
 * ``o``: for a matmul, ``device.matmul_overhead_s``: a GEMM's fixed seconds beyond ``launch``
-  (packing its operands, the autograd of a matmul), which small GEMMs feel: on this project's VM a
-  128^3 linear, forward and backward, took 0.30 ms where its FLOPs at the large-GEMM rate take
-  0.15, and a 256 x 128 x 128 one 0.45 ms against 0.30 (``autopar calibrate`` fits ``o``). 0 for
-  other ops.
+  (packing its operands, the autograd of a matmul), which small GEMMs feel (fitted by ``autopar
+  calibrate`` with ``D``). 0 for other ops.
 * ``p_fwd(op)``, ``p_bwd(op)``: seconds per unit ``U`` of the op's forward and backward where the
   device measured them (``autopar calibrate``): per element of the op's largest tensor
   (``U = E``, ``DeviceSpec.pointwise_s``) for ops bound by their arithmetic, which no FLOP count
-  sees (``tanh`` 2.5 ns/element on one core of this project's VM against 0.13 ns for an ``add``);
+  sees (a CPU's ``tanh`` costs an order of magnitude more per element than an ``add``);
   per forward FLOP (``U = F``, ``DeviceSpec.per_flop_s``) for ops that run far from the matmul
-  rate (``scaled_dot_product_attention`` on that CPU: ~40%). 0 where not measured.
+  rate (``scaled_dot_product_attention`` on a CPU). 0 where not measured.
 * ``g``: how many of the op's inputs get a *new* gradient tensor (``NodeInfo.grad_new``, from the
   op's real backward): a matmul's backward is two matmuls of the forward's size (grad input, grad
   weight: ``g = 2``), an elementwise op's writes one gradient per input it computes one for, an
@@ -61,13 +58,13 @@ with ``a`` the passes over ``P`` bytes of the kernels that update a tensor in pl
 * SGD with momentum: ``buf.mul_(m).add_(grad)``, ``param.add_(buf)``: a = 2 + 3 + 3 = 8;
 * Adam: ``exp_avg.lerp_(grad)`` 3, ``exp_avg_sq.mul_(b2)`` 2 ``.addcmul_(grad, grad)`` 3,
   ``denom = (exp_avg_sq.sqrt() / c2).add_(eps)`` 2 + 2 fresh and 2 in place,
-  ``param.addcdiv_(exp_avg, denom)`` 4: a = 14, f = 4, where a fused kernel would move 7 (on
-  this project's VM, two 16 MiB tensors: 17.8 ms measured; 7 passes at ``bw`` predicted 11.0,
-  these 17.8; tests/test_compute_model.py).
+  ``param.addcdiv_(exp_avg, denom)`` 4: a = 14, f = 4, where a fused kernel would move 7 (the
+  kernels' own count, from ``torch/optim/adam.py``'s ``_single_tensor_adam``; checked against
+  a timed Adam step in ``benchmarks/README.md``).
   Its two temporaries of ``P`` bytes are live at once (``optimizer_step_bytes``).
 
 and a step pays ``device.step_overhead_s`` once (``backward()``'s engine start, ``step()`` and
-``zero_grad()`` as Python calls; added to the plan's step time by ``autopar.api``).
+``zero_grad()`` as Python calls; added to the plan's step time by ``passes/price.py``).
 """
 
 from __future__ import annotations

@@ -8,8 +8,10 @@ them in issue order. Backward ends when both streams are done.
 Each all-reduce has two prices: ``t_iso``, issued on an idle stream (what an inline collective
 costs, ``CommModel.time``), and ``t_q``, issued while the previous one is still in flight
 (``CommModel.queued_all_reduce_time``): transports pipeline back-to-back collectives (gloo runs
-two at once on its worker threads; on a 2-core VM 12 queued all-reduces of 16 KiB cost 0.35 ms
-each against 0.93 ms one at a time). With step ``i`` taking ``c_i`` seconds:
+two at once on its worker threads). ``t_q`` comes from a calibration (the link's
+``all_reduce_queued`` ranges, which ``autopar calibrate`` fits; in practice for CPU ranks, whose
+gloo queue it measures), else ``t_q = t_iso``: no preset has it. With step ``i`` taking ``c_i``
+seconds:
 
     ready_i  = c_1 + ... + c_i                               (compute stream, no waiting)
     an all-reduce issued after step i, with the stream free at time ``free``:

@@ -253,7 +253,7 @@ class OpProfiler:
         """A profiler on the local device that stands for ``cluster.device`` (ProfilerDeviceError if
         none). On CPU it measures with one intra-op thread unless ``num_threads`` is given: CPU ranks
         run so (torchrun and ``autopar.launch`` set one thread per process), and on a loaded machine
-        a multi-threaded op waits for descheduled threads (milliseconds per op on a 2-core VM)."""
+        a multi-threaded op waits for descheduled threads (up to a scheduler time slice per op)."""
         device = profile_device_for(cluster.device)
         if device.type == "cpu" and kw.get("num_threads") is None:
             kw["num_threads"] = 1

@@ -27,13 +27,14 @@ Where CPU ranks share cores (``ClusterSpec.compute_slowdown > 1``) the same form
 different reason. The ranks that finish their compute first wait while the others compute on
 the cores they lent, which costs no time beyond the compute's own (priced shared); but the ranks
 that leave a collective first compute on cores that the others still need to finish it, and the
-longer they compute, the longer those wait (measured on this project's VM, 4 ranks on 2 cores,
-steps of steady state: a 128 KiB all-reduce added 5.9 ms to a loop with 1.1 ms of compute per
-collective, 8.5 ms with 4.4 ms and 10.2 ms with 8.5 ms; a collective's own time after a barrier
-stays at its calibrated ~6 ms).
+longer they compute, the longer those wait, while a collective's own time after a barrier does
+not grow (the development machine's loops: ``benchmarks/README.md``, "Readings of the
+development VM").
 
 ``c_i`` [s^0.5] is ``DeviceSpec.sync_wait_for(kind)`` of the collective at point ``i`` (the largest
-where several kinds run there): ``autopar calibrate`` (``measure_sync_wait``) runs, on every rank,
+where several kinds run there), the device's ``HostContention`` figure: a term of CPU ranks that
+share a host's cores only, 0 for a device without a contention model (every GPU preset), which
+then waits for nothing here. ``autopar calibrate`` (``measure_sync_wait``) runs, on every rank,
 loops of a fixed amount of compute of about each gap of ``SYNC_GAPS_S``, with and without a
 collective of each kind of ``SYNC_KINDS`` after each (as ``codegen/collectives.py`` runs it), and
 fits the line ``cost = a + c * sqrt(d)`` (Theil-Sen: the median slope between two points, robust
@@ -41,15 +42,12 @@ to a stalled loop) to what the collective adds to the loop's wall time (per iter
 the loop's compute ``d``. Loops, not the collective's own time: that
 also counts a rank's wait for ranks that compute on its lent core, which the compute's price holds
 already. Per kind, because where ranks share cores the wait grows with a collective's sequential
-steps: on this project's 2-core VM with 4 ranks, an all-gather (a ring of 3 steps) gave
-``c`` = 0.006-0.059 (0.026 on average over twelve calibrations) and an all-reduce (6 steps)
-0.030-0.069 (0.049 over nine). With a small all-gather's ``c`` for every kind, mlp's
-tensor-parallel step on 4 ranks (one all-reduce after 10 ms of compute) came out 22-31% short in
-four accuracy runs; with the all-reduce's own, -8% to +13% in three. With 2 ranks, a core each,
-0.006-0.047 for either kind. 0 for the GPU presets, where it is not measured.
+steps: a ring all-gather on ``n`` ranks runs ``n - 1`` of them, a ring all-reduce ``2 (n - 1)``
+(the figures per kind, and the accuracy runs that chose a ``c`` per kind over one for all:
+``benchmarks/README.md``).
 
 The ILP prices collectives at their calibrated time; the wait depends on where the plan's
-collectives fall, so it is added to the chosen plan's predicted step (``autopar.api``).
+collectives fall, so it is added to the chosen plan's predicted step (``passes/price.py``).
 """
 
 from __future__ import annotations

@@ -13,7 +13,7 @@ import yaml
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from autopar.cluster import PRESET_NAMES, ClusterSpec, DeviceSpec, LinkSpec, _gpu_device
+from autopar.cluster import PRESET_NAMES, ClusterSpec, DeviceSpec, HostContention, LinkSpec, _gpu_device
 from autopar.errors import ClusterSpecError
 
 GiB = 2**30
@@ -403,14 +403,14 @@ def test_cpu_ranks_sharing_cores_compute_slower_in_proportion():
     from autopar.examples import mlp
 
     base = ClusterSpec.preset("cpu", devices_per_node=4)
-    shared = base.with_overrides(device=dataclasses.replace(base.device, host_cores=2))
-    own = base.with_overrides(device=dataclasses.replace(base.device, host_cores=4))
-    dedicated = base.with_overrides(device=dataclasses.replace(base.device, host_cores=0))
+    shared = base.with_overrides(device=base.device.with_contention(host_cores=2))
+    own = base.with_overrides(device=base.device.with_contention(host_cores=4))
+    dedicated = base.with_overrides(device=base.device.with_contention(host_cores=0))
     assert (shared.compute_slowdown, own.compute_slowdown, dedicated.compute_slowdown) == (2.0, 1.0, 1.0)
     assert ClusterSpec.from_dict(shared.to_dict()) == shared
     model, inputs = mlp(batch=16, hidden=32, ffn=64)
     compute = {
-        c.device.host_cores: autopar.plan(
+        c.device.contention.host_cores: autopar.plan(
             model, c, inputs, axis_roles=(autopar.AxisRole.DATA,)
         ).predicted.compute_s
         for c in (shared, own, dedicated)
@@ -447,3 +447,122 @@ def test_memory_reserve_is_a_validated_fraction_applied_to_any_limit():
     for bad in (-0.1, 1.0, "0.1x", True):
         with pytest.raises(ClusterSpecError, match="memory_reserve"):
             spec.with_overrides(memory_reserve=bad)
+
+
+# ---------------------------------------------------------------- CPU contention (HostContention)
+
+
+@pytest.mark.parametrize("name", [n for n in PRESET_NAMES if n != "cpu"])
+def test_gpu_presets_carry_no_contention_terms(name):
+    """Accelerators share no cores: no contention model, no slowdown, no sync wait, and no
+    calibrated link ranges (per group layout, queued all-reduce) on any link."""
+    c = ClusterSpec.preset(name, nodes=2)
+    assert c.device.contention is None
+    assert c.compute_slowdown == 1.0
+    assert all(c.device.sync_wait_for(k) == 0.0 for k in ("all_reduce", "all_gather", "reduce_scatter"))
+    assert "contention" not in c.to_dict()["device"]
+    assert not any(link.ranges for link in (c.intra_node, c.inter_node, c.host_link))
+
+
+def test_cpu_preset_carries_contention_of_this_hosts_cores():
+    from autopar.hardware import usable_cores
+
+    c = ClusterSpec.preset("cpu", devices_per_node=4)
+    assert isinstance(c.device.contention, HostContention)
+    assert c.device.contention.host_cores == usable_cores()
+    assert c.compute_slowdown == max(1.0, 4 / usable_cores())
+    assert c.device.sync_wait_for("all_reduce") == 0.0  # not calibrated
+    assert c.to_dict()["device"]["contention"]["host_cores"] == usable_cores()
+
+
+def test_contention_prices_slowdown_and_sync_wait_per_kind():
+    h = HostContention(host_cores=2, sync_wait=0.03, sync_wait_kinds={"all_reduce": 0.05})
+    assert h.slowdown(4) == 2.0 and h.slowdown(1) == 1.0 and HostContention().slowdown(8) == 1.0
+    assert h.sync_wait_for("all_reduce") == 0.05 and h.sync_wait_for("all_gather") == 0.03
+    dev = ClusterSpec.preset("cpu").device.with_contention(sync_wait=0.02)
+    assert dev.sync_wait_for("all_gather") == 0.02
+    assert hash(h) == hash(
+        HostContention(host_cores=2, sync_wait=0.03, sync_wait_kinds=(("all_reduce", 0.05),))
+    )
+
+
+@pytest.mark.parametrize(
+    "kw, field",
+    [
+        ({"host_cores": -1}, "host_cores"),
+        ({"host_cores": 1.5}, "host_cores"),
+        ({"sync_wait": -0.1}, "sync_wait"),
+        ({"sync_wait": float("nan")}, "sync_wait"),
+        ({"sync_wait_kinds": {"all_reduce": -1.0}}, "sync_wait_kinds"),
+        ({"sync_wait_kinds": [("all_reduce",)]}, "sync_wait_kinds"),
+    ],
+)
+def test_contention_fields_are_validated(kw, field):
+    with pytest.raises(ClusterSpecError, match=f"HostContention.{field}"):
+        HostContention(**kw)
+
+
+def test_device_contention_must_be_a_host_contention():
+    base = ClusterSpec.preset("h100-sxm").device
+    with pytest.raises(ClusterSpecError, match="DeviceSpec.contention"):
+        dataclasses.replace(base, contention=4)
+    # a mapping is read as HostContention's fields
+    dev = dataclasses.replace(base, contention={"host_cores": 2})
+    assert dev.contention == HostContention(host_cores=2)
+    with pytest.raises(ClusterSpecError, match="unknown key"):
+        dataclasses.replace(base, contention={"cores": 2})
+
+
+def _today_device_dict(spec: ClusterSpec, **flat) -> dict:
+    """``spec.to_dict()`` as spec files were written before ``DeviceSpec.contention``: the
+    contention terms as flat device keys."""
+    d = spec.to_dict()
+    dev = d["device"]
+    c = dev.pop("contention", None) or {"host_cores": 0, "sync_wait": 0.0, "sync_wait_kinds": {}}
+    dev.update(c | flat)
+    return d
+
+
+def test_old_format_spec_dicts_load_into_contention(tmp_path):
+    cpu = ClusterSpec.preset("cpu", devices_per_node=4)
+    old = _today_device_dict(
+        cpu, host_cores=2, sync_wait=0.049, sync_wait_kinds={"all_reduce": 0.049, "all_gather": 0.026}
+    )
+    assert {"host_cores", "sync_wait", "sync_wait_kinds"} <= set(old["device"])
+    loaded = ClusterSpec.from_dict(old)
+    assert loaded.device.contention == HostContention(
+        host_cores=2, sync_wait=0.049, sync_wait_kinds={"all_reduce": 0.049, "all_gather": 0.026}
+    )
+    assert loaded.compute_slowdown == 2.0 and loaded.device.sync_wait_for("all_gather") == 0.026
+    # written back in the new structure, which loads to the same spec
+    assert "host_cores" not in loaded.to_dict()["device"]
+    assert ClusterSpec.from_dict(loaded.to_dict()) == loaded
+    # YAML files of the old format, numbers as text
+    old["device"]["sync_wait"] = "0.049"
+    path = tmp_path / "old.yaml"
+    path.write_text(yaml.safe_dump(old))
+    assert ClusterSpec.from_file(path) == loaded
+    # a GPU spec file of the old format (host_cores 0, no wait) loads without a contention model
+    h100 = ClusterSpec.preset("h100-sxm")
+    old_gpu = _today_device_dict(h100)
+    assert old_gpu["device"]["host_cores"] == 0
+    assert ClusterSpec.from_dict(old_gpu) == h100
+    # old-style flat overrides of a preset file
+    path = tmp_path / "over.json"
+    path.write_text(json.dumps({"preset": "cpu", "devices_per_node": 4, "device": {"host_cores": 1}}))
+    assert ClusterSpec.from_file(path).compute_slowdown == 4.0
+
+
+def test_contention_errors_name_the_field():
+    d = ClusterSpec.preset("cpu").to_dict()
+    d["device"]["contention"]["host_cores"] = -2
+    with pytest.raises(ClusterSpecError, match=r"cluster\.device\.contention.*host_cores"):
+        ClusterSpec.from_dict(d)
+    d = ClusterSpec.preset("cpu").to_dict()
+    d["device"]["contention"]["cores"] = 2
+    with pytest.raises(ClusterSpecError, match="unknown key"):
+        ClusterSpec.from_dict(d)
+    d = ClusterSpec.preset("cpu").to_dict()
+    d["device"]["contention"] = 3
+    with pytest.raises(ClusterSpecError, match="contention"):
+        ClusterSpec.from_dict(d)
