@@ -206,7 +206,7 @@ def _measure(args, out: Path) -> list[dict]:
         print(
             f"spec: link {base.intra_node.bandwidth / 1e9:.3f} GB/s + {base.intra_node.latency * 1e6:.1f} us, "
             f"peak fp32 {dev.peak_flops_for('float32') / 1e9:.1f} GFLOP/s, mem {dev.memory_bandwidth / 1e9:.1f} GB/s, "
-            f"launch {dev.kernel_launch_s * 1e6:.2f} us, host cores {dev.host_cores}\n"
+            f"launch {dev.kernel_launch_s * 1e6:.2f} us, host cores {dev.contention.host_cores if dev.contention else 0}\n"
         )
         return base.with_overrides(nodes=1, devices_per_node=world)
 

@@ -124,8 +124,8 @@ def time_interleaved(
 
     The untimed steps and the order are for what a training loop sees, one entry over and over:
     the first step after another entry runs on the caches (and allocator state) that entry left,
-    and a fixed order would charge that to the same entry every round (on the 2-core VM, one plan
-    timed twice in a run, right after a data-parallel plan and after itself, came out 12% apart)."""
+    and a fixed order would charge that to the same entry every round (how much that moved one
+    plan's figure on the development VM: benchmarks/README.md, tenth session, "Interleaved rounds")."""
     import random
 
     import torch.distributed as dist

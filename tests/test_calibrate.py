@@ -153,11 +153,11 @@ def test_quick_calibration_on_two_processes_and_cli(tmp_path, capsys):
     assert all(0 < v < math.inf for v in (dev.peak_flops_for("float32"), dev.memory_bandwidth))
     assert 0 < dev.kernel_launch_s < math.inf
     assert 0.0 <= dev.comm_overlap <= 1.0
-    assert 0.0 <= dev.sync_wait < math.inf and 0 < dev.step_overhead_s < math.inf
+    assert 0.0 <= dev.contention.sync_wait < math.inf and 0 < dev.step_overhead_s < math.inf
     # each kind a step synchronizes with; gloo's reduce-scatter is an all-reduce
-    waits = dict(dev.sync_wait_kinds)
+    waits = dict(dev.contention.sync_wait_kinds)
     assert set(waits) == {"all_reduce", "all_gather", "reduce_scatter"}
-    assert waits["reduce_scatter"] == waits["all_reduce"] and dev.sync_wait == max(waits.values())
+    assert waits["reduce_scatter"] == waits["all_reduce"] and dev.contention.sync_wait == max(waits.values())
     assert set(dict(dev.optimizer_param_s)) == {"SGD", "SGD_MOMENTUM", "ADAM"}
     assert ClusterSpec.from_file(path) == spec
 

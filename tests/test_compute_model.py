@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import weakref
 
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode
 
 import autopar.examples
@@ -20,12 +22,8 @@ from autopar.cost_model.calibrate_compute import (
     OPTIMIZERS,
     fit_matmul,
     matmul_overhead,
-    measure_inplace_bandwidth,
-    measure_memory_bandwidth,
-    measure_optimizer,
-    median_time,
 )
-from autopar.cost_model.compute import EFF_MAX, forward_body, node_time, optimizer_step_time
+from autopar.cost_model.compute import EFF_MAX, forward_body, node_time
 from autopar.cost_model.profiler import OpProfiler, TensorSpec
 from autopar.errors import ClusterSpecError
 from autopar.launch import keep_freed_memory
@@ -195,80 +193,56 @@ def test_step_and_optimizer_overheads_round_trip_and_bad_entries_say_the_fix(tmp
     assert set(OPTIMIZERS) == {o.name for o in Optimizer}
 
 
-def _optimizer_prediction_errors() -> tuple[dict, dict[str, tuple[float, float]]]:
-    """Calibrate the per-tensor figures on tiny tensors, then (predicted, measured) seconds of the
-    step of a real model's parameters (28 tensors of 16 to 16,512 elements), per optimizer."""
-    torch.set_num_threads(1)
-    cpu = torch.device("cpu")
-    figures = measure_optimizer(cpu, repeats=5)
-    dev = dataclasses.replace(  # the figures ``autopar calibrate`` would give the device
-        CPU,
-        memory_bandwidth=measure_memory_bandwidth(cpu, repeats=3),
-        inplace_bandwidth=measure_inplace_bandwidth(cpu, repeats=3),
-        optimizer_param_s=figures,
-    )
-    model, _ = autopar.examples.gpt2_tiny(batch=1, seq=8, hidden=64, vocab=256)
-    params = [p for p in model.parameters() if p.requires_grad]
-    return figures, _optimizer_steps(params, dev, (Optimizer.SGD, Optimizer.ADAM), repeats=7, inner=10)
+class _PassCounter(TorchDispatchMode):
+    """Bytes the kernels of an optimizer step move over one parameter-sized tensor, in passes of
+    its size: in-place kernels (their output is an input) and kernels that write a fresh tensor,
+    each reading every distinct tensor argument once and writing its output once; and the most
+    fresh parameter-sized tensors alive at once."""
+
+    def __init__(self, numel: int):
+        super().__init__()
+        self.numel, self.inplace, self.fresh, self.live, self.most = numel, 0, 0, set(), 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        tensors = {
+            id(a): a for a in torch.utils._pytree.tree_leaves((args, kwargs)) if isinstance(a, torch.Tensor)
+        }
+        big = [t for t in tensors.values() if t.numel() == self.numel]
+        if not big:  # the step counter and other scalars: not parameter traffic
+            return out
+        outs = [o for o in torch.utils._pytree.tree_leaves(out) if isinstance(o, torch.Tensor)]
+        in_place = any(id(o) in tensors for o in outs) or func._schema.name.endswith("_")
+        passes = len(big) + sum(1 for o in outs if o.numel() == self.numel)
+        if in_place:
+            self.inplace += passes
+        else:
+            self.fresh += passes
+            for o in outs:
+                if o.numel() == self.numel:
+                    self.live.add(weakref.ref(o))
+            self.live = {r for r in self.live if r() is not None}
+            self.most = max(self.most, len(self.live))
+        return out
 
 
-def _optimizer_steps(params, dev, kinds, repeats: int, inner: int) -> dict[str, tuple[float, float]]:
-    """(predicted on ``dev``, measured) seconds of each optimizer's step over ``params`` (given
-    gradients; ``median_time``'s untimed first step makes the states)."""
-    for p in params:
-        p.grad = torch.full_like(p, 1e-3)
-    out = {}
-    for opt_kind in kinds:
-        opt = OPTIMIZERS[opt_kind.name](params)
-        measured = median_time(opt.step, torch.device("cpu"), repeats=repeats, inner=inner)
-        predicted = sum(
-            optimizer_step_time(p.numel() * 4, opt_kind.value, dev, opt_kind.name) for p in params
-        )
-        out[opt_kind.name] = (predicted, measured)
-    return out
+@pytest.mark.parametrize("kind", list(Optimizer))
+def test_the_optimizer_traffic_is_the_bytes_pytorchs_step_kernels_move(kind):
+    """``OPTIMIZER_TRAFFIC`` (in-place passes, fresh passes, fresh temporaries at once) against the
+    kernels PyTorch's own step runs on the parameter (its defaults on CPU; the second step, once
+    the states exist), counted at the dispatcher: bytes, not time."""
+    from autopar.cost_model.calibrate_compute import OPTIMIZERS
+    from autopar.cost_model.compute import OPTIMIZER_TRAFFIC
 
-
-def test_measured_optimizer_figures_predict_a_real_optimizer_step():
-    # step()'s own Python (~40 us) is priced per step (step_overhead_s), not here; the bytes are
-    # priced at a step's bandwidth, and these tensors sit in the cache: over. A burst of load on a
-    # shared VM during the 5 calibration repeats can double a figure: up to 3 tries
-    for _ in range(3):
-        figures, res = _optimizer_prediction_errors()
-        if all(0.6 * m <= p <= 1.6 * m for p, m in res.values()):
-            break
-    assert all(0.6 * m <= p <= 1.6 * m for p, m in res.values()), res
-    assert figures["ADAM"] > figures["SGD"]  # Adam runs several ops per tensor, SGD one
-
-
-def _large_optimizer_errors() -> dict[str, tuple[float, float]]:
-    """(predicted, measured) seconds of each optimizer's step over two 16 MiB parameters, with
-    this process's bandwidths (fresh and in place) and per-tensor figures calibrated."""
-    torch.set_num_threads(1)
-    cpu = torch.device("cpu")
-    dev = dataclasses.replace(
-        CPU,
-        memory_bandwidth=measure_memory_bandwidth(cpu, repeats=3),
-        inplace_bandwidth=measure_inplace_bandwidth(cpu, repeats=3),
-        optimizer_param_s=measure_optimizer(cpu, repeats=5),
-    )
-    params = [torch.zeros(2**22, requires_grad=True) for _ in range(2)]
-    return _optimizer_steps(params, dev, Optimizer, repeats=5, inner=2)
-
-
-def test_an_optimizer_step_streams_the_bytes_of_pytorchs_kernels():
-    """Where the bytes decide (two 16 MiB parameters), each optimizer's step is priced from the
-    kernels PyTorch runs: SGD one in-place update, momentum three, Adam eight of which two write
-    fresh temporaries (``OPTIMIZER_TRAFFIC``; the 7 passes of a fused Adam predicted 38% short
-    on the development VM, momentum's 5 passes at the fresh-tensor bandwidth 29% over)."""
-    assert keep_freed_memory()  # as the ranks run: freed temporaries are not faulted back in
-    # a burst of load on a shared VM can skew one calibration: up to 3 tries. The bounds are this
-    # project's VM's spread between days: within 0.75-1.3x on 2026-11-24; on 2026-11-25 (a new VM)
-    # SGD 1.15-1.42x and Adam 0.72-0.79x in every try of three runs
-    for _ in range(3):
-        res = _large_optimizer_errors()
-        if all(0.65 * m <= p <= 1.5 * m for p, m in res.values()):
-            break
-    assert all(0.65 * m <= p <= 1.5 * m for p, m in res.values()), res
+    name = kind.name
+    p = torch.nn.Parameter(torch.randn(4096))
+    p.grad = torch.randn(4096)
+    opt = OPTIMIZERS[name]([p])
+    opt.step()  # makes the states (momentum buffer, moments)
+    counter = _PassCounter(p.numel())
+    with counter, torch.no_grad():
+        opt.step()
+    assert (counter.inplace, counter.fresh, counter.most) == OPTIMIZER_TRAFFIC[name]
 
 
 def _faults_of_steps(keep: bool) -> int:

@@ -36,7 +36,7 @@ def test_three_axis_plan_runs_on_eight_ranks(tmp_path):
     base = ClusterSpec.preset(
         "cpu", devices_per_node=8
     )  # the CI machine's cores, fixed: the same plan anywhere
-    cluster = base.with_overrides(device=dataclasses.replace(base.device, host_cores=2))
+    cluster = base.with_overrides(device=base.device.with_contention(host_cores=2))
     model, inputs = load_model_spec(spec)
     searched = plan(model, cluster, inputs, optimizer=Optimizer.SGD)
     three = [c for c in searched.solver.candidates if len(c["mesh_shape"]) == 3]

@@ -4,7 +4,6 @@ and planning with profile=True."""
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import threading
 
@@ -236,7 +235,7 @@ def test_build_costs_prices_measured_ops_by_their_measurement_times_core_sharing
     prof = OpProfiler(cache_path=tmp_path / "c.json", **FAST)
     base = autopar.ClusterSpec.preset("cpu", devices_per_node=2)
     # two ranks on one core: each computes half as fast as the one rank the profiler measured
-    shared = base.with_overrides(device=dataclasses.replace(base.device, host_cores=1))
+    shared = base.with_overrides(device=base.device.with_contention(host_cores=1))
     assert shared.compute_slowdown == 2.0
     costs = build_costs(tg, infos, strats, shared, (2,), Optimizer.SGD, profiler=prof)
     matmul = _node(tg, aten.matmul.default)

@@ -3,7 +3,6 @@ cycle of back-to-back steps, the wait grows as the square root of a gap, plans a
 
 from __future__ import annotations
 
-import dataclasses
 import math
 
 import pytest
@@ -99,9 +98,7 @@ def test_a_plan_adds_the_wait_of_its_own_collectives():
     model, inputs = autopar.examples.mlp(batch=64, hidden=512, ffn=2048)  # gaps of ms
     base = ClusterSpec.preset("cpu", devices_per_node=2)
     kinds = {"all_reduce": 0.12}
-    drifting = base.with_overrides(
-        device=dataclasses.replace(base.device, sync_wait=0.05, sync_wait_kinds=kinds)
-    )
+    drifting = base.with_overrides(device=base.device.with_contention(sync_wait=0.05, sync_wait_kinds=kinds))
     roles = (autopar.AxisRole.TENSOR,)
     still = autopar.plan(model, base, inputs, axis_roles=roles)
     moving = autopar.plan(model, drifting, inputs, axis_roles=roles)
@@ -125,13 +122,13 @@ def test_a_plan_adds_the_wait_of_its_own_collectives():
     assert wait > 0
     assert moving.predicted.step_time_s - still.predicted.step_time_s == pytest.approx(wait)
     # the all-reduces' own c: a wait apart from the one sync_wait alone prices
-    flat = dataclasses.replace(drifting.device, sync_wait_kinds={})
+    flat = drifting.device.with_contention(sync_wait_kinds={})
     assert autopar.plan(
         model, base.with_overrides(device=flat), inputs, axis_roles=roles
     ).predicted.step_time_s < (moving.predicted.step_time_s)
     # ranks that share cores wait as well (sync.py), over gaps of their slowed compute
-    shared = drifting.with_overrides(device=dataclasses.replace(drifting.device, host_cores=1))
-    plain = base.with_overrides(device=dataclasses.replace(base.device, host_cores=1))
+    shared = drifting.with_overrides(device=drifting.device.with_contention(host_cores=1))
+    plain = base.with_overrides(device=base.device.with_contention(host_cores=1))
     shared_plan = autopar.plan(model, shared, inputs, axis_roles=roles)
     plain_plan = autopar.plan(model, plain, inputs, axis_roles=roles)
     shared_wait = sync_wait_s(points(shared_plan.decisions))
@@ -149,9 +146,7 @@ def test_a_data_parallel_step_waits_at_its_loss_and_its_gradient_buckets():
     forward's, and the backward's (with the optimizer's step)."""
     model, inputs = autopar.examples.mlp(batch=64, hidden=512, ffn=2048)
     base = ClusterSpec.preset("cpu", devices_per_node=2)
-    drifting = base.with_overrides(
-        device=dataclasses.replace(base.device, sync_wait_kinds={"all_reduce": 0.1})
-    )
+    drifting = base.with_overrides(device=base.device.with_contention(sync_wait_kinds={"all_reduce": 0.1}))
     roles = (autopar.AxisRole.DATA,)
     still = autopar.plan(model, base, inputs, axis_roles=roles)
     moving = autopar.plan(model, drifting, inputs, axis_roles=roles)
