@@ -15,7 +15,6 @@ import torch
 import torch.distributed as dist
 
 from autopar.cluster import ClusterSpec
-from autopar.cost_model.profiler import OpProfiler, resolve_profiler
 from autopar.errors import DistributedSetupError, PlanFormatError
 from autopar.options import Optimizer, SearchOptions
 from autopar.passes.analyze import analyze
@@ -28,6 +27,7 @@ from autopar.passes.strategies import Strategy, build_strategies
 from autopar.passes.trace import TracedGraph, normalize_inputs, trace
 from autopar.placement import Outputs, spec_from_str
 from autopar.plan import Plan
+from autopar.tools.profiler import OpProfiler, resolve_profiler
 
 
 def search(
@@ -44,7 +44,7 @@ def search(
     naming fields of ``SearchOptions``: ``mesh_shape=``, ``axis_roles=``, ``memory_limit_bytes=``,
     ``time_limit_s=``, ``optimizer=``, ``outputs=``, ``coarsen=``, ``profile=``). ``profile``:
     True (or an ``OpProfiler``) prices ops by running them on this machine's device (cached, see
-    ``cost_model.profiler``) instead of the analytical roofline; the cluster's device must be this
+    ``autopar.tools.profiler``) instead of the analytical roofline; the cluster's device must be this
     machine's kind, else ProfilerDeviceError."""
     profile = overrides.get("profile", options.profile if options else False)
     if isinstance(profile, OpProfiler):

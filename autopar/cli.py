@@ -108,7 +108,7 @@ def _build_parser() -> argparse.ArgumentParser:
 
 
 def _cmd_calibrate(args) -> int:
-    from autopar.cost_model.calibrate import run_calibration
+    from autopar.tools.calibrate import run_calibration
 
     cal = run_calibration(args.world_size, out_path=args.out, quick=args.quick)
     print(cal.table())
@@ -126,7 +126,7 @@ def _cmd_plan(args) -> int:
     cluster = autopar.ClusterSpec.parse(args.cluster)
     profile = False
     if args.profile:
-        from autopar.cost_model.profiler import OpProfiler
+        from autopar.tools.profiler import OpProfiler
 
         profile = OpProfiler.for_cluster(
             cluster,

@@ -15,10 +15,10 @@ import torch
 import torch.distributed as dist
 
 import autopar
-from autopar.cost_model.measure import least_peak_step_memory, time_steps
 from autopar.launch import run_on_ranks
 from autopar.model_spec import load_model_spec
 from autopar.report import write_report
+from autopar.tools.measure import least_peak_step_memory, time_steps
 
 # big enough that splitting it pays for gloo's ~1 ms per collective on the cpu preset: on a
 # smaller GPT-2 every rank computing the whole step, with no collective at all, is the best plan

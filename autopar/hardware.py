@@ -25,7 +25,7 @@ Fields
   A dtype that is not listed is priced at the ``"float32"`` peak (see :meth:`DeviceSpec.peak_flops_for`).
 * ``memory_bytes``: device memory in B (HBM for GPUs; RAM budget per process for CPU).
 * ``memory_bandwidth``: device memory bandwidth in B/s (prices memory-bound kernels), as a step
-  sees it: each op writing a fresh tensor (``cost_model/calibrate_compute.py``).
+  sees it: each op writing a fresh tensor (``autopar/tools/calibrate_compute.py``).
 * ``inplace_bandwidth``: in B/s, what an elementwise op that updates a tensor in place streams
   (an optimizer's ``add_``, ``mul_``, ``addcdiv_``: nothing freshly allocated to write into, so on
   CPUs it runs faster than ``memory_bandwidth``; fitted by ``autopar calibrate``). 0 (the GPU

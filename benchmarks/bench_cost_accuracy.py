@@ -30,7 +30,7 @@ model's.
 the code as it is now: two cost models compared on the same runs, free of the VM's noise between
 runs (which moves the median error by several points).
 
-``--profile`` plans with ``cost_model.profiler`` (ops timed on this CPU with one thread, as the
+``--profile`` plans with ``autopar.tools.profiler`` (ops timed on this CPU with one thread, as the
 gloo ranks run them, cached in ``--profile-cache``) instead of the analytical compute model.
 
     .venv/bin/python benchmarks/bench_cost_accuracy.py [--cluster cluster.json | --calibrate-each]
@@ -55,14 +55,14 @@ import torch
 import torch.distributed as dist
 
 import autopar
-from autopar.cost_model.calibrate import run_calibration
 from autopar.cost_model.compute import forward_body
-from autopar.cost_model.measure import least_peak_step_memory, time_interleaved
-from autopar.cost_model.profiler import OpProfiler
 from autopar.demo import train_step
 from autopar.launch import run_on_ranks
 from autopar.model_spec import load_model_spec
 from autopar.passes.solver import mesh_candidates
+from autopar.tools.calibrate import run_calibration
+from autopar.tools.measure import least_peak_step_memory, time_interleaved
+from autopar.tools.profiler import OpProfiler
 
 MODELS = {
     "mlp": "autopar.examples:mlp(batch=64, hidden=512, ffn=2048)",

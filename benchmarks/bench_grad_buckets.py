@@ -17,12 +17,12 @@ import argparse
 import torch
 
 import autopar
-from autopar.cost_model.calibrate import run_calibration
-from autopar.cost_model.measure import time_interleaved
 from autopar.demo import train_step
 from autopar.launch import run_on_ranks
 from autopar.model_spec import load_model_spec
 from autopar.passes import grad_sync
+from autopar.tools.calibrate import run_calibration
+from autopar.tools.measure import time_interleaved
 
 MODELS = {
     "gpt2_tiny": "autopar.examples:gpt2_tiny(batch=8, seq=64, hidden=128, vocab=512)",

@@ -2,7 +2,7 @@
 
 In one process with one thread (as a gloo rank runs; glibc keeps freed memory, as
 ``autopar.launch`` asks it to), calibrate the fresh-tensor and in-place bandwidths and the
-per-tensor figures (``cost_model/calibrate_compute.py``), then time ``step()`` of SGD, SGD with
+per-tensor figures (``autopar/tools/calibrate_compute.py``), then time ``step()`` of SGD, SGD with
 momentum and Adam (PyTorch's defaults) over parameters of each size and print the measured time
 against ``cost_model.compute.optimizer_step_time``, and against what a fused step would move
 (read the parameter, gradient and states, write them back: ``2 + 2 c + 1`` passes at the
@@ -18,16 +18,16 @@ import dataclasses
 import torch
 
 from autopar.cluster import ClusterSpec
-from autopar.cost_model.calibrate_compute import (
+from autopar.cost_model.compute import optimizer_step_time
+from autopar.launch import keep_freed_memory
+from autopar.passes.costs import Optimizer
+from autopar.tools.calibrate_compute import (
     OPTIMIZERS,
     measure_inplace_bandwidth,
     measure_memory_bandwidth,
     measure_optimizer,
     median_time,
 )
-from autopar.cost_model.compute import optimizer_step_time
-from autopar.launch import keep_freed_memory
-from autopar.passes.costs import Optimizer
 
 # (elements per parameter, parameters): from a step of per-tensor overheads to one of bytes
 CASES = ((2**14, 24), (2**18, 8), (2**20, 4), (2**22, 2))

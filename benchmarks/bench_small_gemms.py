@@ -19,10 +19,10 @@ import statistics
 import torch
 
 import autopar
-from autopar.cost_model.calibrate import group_lockstep
-from autopar.cost_model.calibrate_compute import lockstep, matmul_figures, matmul_sample, measure_launch
 from autopar.cost_model.compute import node_time
 from autopar.launch import run_on_ranks
+from autopar.tools.calibrate import group_lockstep
+from autopar.tools.calibrate_compute import lockstep, matmul_figures, matmul_sample, measure_launch
 
 SHAPES = (
     (128, 64, 128), (256, 128, 64), (128, 128, 128), (256, 128, 128), (256, 64, 256), (256, 256, 128),

@@ -44,11 +44,12 @@ import torch.distributed as dist
 from bench_cost_accuracy import MODELS, PLANS  # this folder: the accuracy benchmark's cases
 
 import autopar
-from autopar.cost_model.calibrate import run_calibration, trimmed_mean
 from autopar.cost_model.comm import Collective, CommModel
 from autopar.demo import train_step
 from autopar.launch import run_on_ranks
 from autopar.model_spec import load_model_spec
+from autopar.tools.calibrate import run_calibration
+from autopar.tools.calibrate_compute import trimmed_mean
 
 WARMUP = 3
 

@@ -48,7 +48,7 @@ def check_profiler() -> tuple[bool, str]:
     import tempfile
     from pathlib import Path
 
-    from autopar.cost_model.profiler import OpProfiler, TensorSpec
+    from autopar.tools.profiler import OpProfiler, TensorSpec
 
     f32 = torch.float32
     with tempfile.TemporaryDirectory() as d:
@@ -79,8 +79,8 @@ def check_profiler() -> tuple[bool, str]:
 
 
 def _lockstep_rank(rank, world):
-    from autopar.cost_model.calibrate import group_lockstep
-    from autopar.cost_model.calibrate_compute import _inner_for, lockstep, median_time
+    from autopar.tools.calibrate import group_lockstep
+    from autopar.tools.calibrate_compute import _inner_for, lockstep, median_time
 
     cpu = torch.device("cpu")
     pause = 1e-3 if rank == 0 else 1e-4
@@ -115,7 +115,7 @@ def check_lockstep() -> tuple[bool, str]:
 def _added_rank(rank: int, world: int):
     import torch.distributed as dist
 
-    from autopar.cost_model.calibrate import measure_added
+    from autopar.tools.calibrate import measure_added
 
     def everyone_sleeps() -> None:
         time.sleep(0.004)
@@ -145,8 +145,8 @@ def check_added() -> tuple[bool, str]:
 def check_sync_wait() -> tuple[bool, str]:
     import torch.distributed as dist
 
-    from autopar.cost_model.calibrate import measure_sync_wait
     from autopar.launch import free_port
+    from autopar.tools.calibrate import measure_sync_wait
 
     cs, steps = {"slow": 0.24, "fast": 0.12}, 20
 
@@ -176,7 +176,7 @@ def check_sync_wait() -> tuple[bool, str]:
 
 
 def _interleaved_rank(rank: int, world: int):
-    from autopar.cost_model.measure import time_interleaved
+    from autopar.tools.measure import time_interleaved
 
     def entry(seconds: float):
         return lambda: time.sleep(seconds)
@@ -193,7 +193,7 @@ def check_interleaved() -> tuple[bool, str]:
 
 
 def _overlap_rank(rank, world):
-    from autopar.cost_model.overlap import measure_overlap
+    from autopar.tools.overlap import measure_overlap
 
     return measure_overlap(nbytes=2**22, repeats=10)
 

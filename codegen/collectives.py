@@ -193,7 +193,7 @@ def coordinate(axis: int) -> int:
     return current_mesh().get_local_rank(axis)
 
 
-# The names the generated code calls (``codegen/lower.py`` emits them, ``passes/simulate.py``
+# The names the generated code calls (``codegen/lower.py`` emits them, ``autopar/tools/simulate.py``
 # matches them by identity and argument position). Non-tensor inputs (e.g. integer masks) go
 # through unchanged in backward.
 def all_gather(x: torch.Tensor, dim: int, axis: int, fused_f: bool = False) -> torch.Tensor:

@@ -89,6 +89,11 @@ class GradSync:
                 p.register_post_accumulate_grad_hook(self._post_hook)
 
     @property
+    def axes(self) -> set[int]:
+        """The mesh axes the buckets' all-reduces run on."""
+        return {a for b in self._buckets for a in b.axes}
+
+    @property
     def num_buckets(self) -> int:
         return len(self._buckets)
 

@@ -30,7 +30,7 @@ import torch.utils._pytree as pytree
 from autopar.codegen import collectives as C
 from autopar.codegen import local_ops as L
 from autopar.passes.grad_sync import emitted_f_axes, reshard_key
-from autopar.passes.rules import _norm, map_args
+from autopar.passes.rules import map_args, norm_dim
 from autopar.passes.strategies import Strategy
 from autopar.passes.trace import Role, TracedGraph
 from autopar.placement import Outputs, Spec, is_shard, local_shape, output_placement, replicated
@@ -144,7 +144,7 @@ def _lower_mean(g, node, args, kwargs, s, mesh_shape):
     out = g.call_function(node.target, args, kwargs)
     nd = len(node.args[0].meta["val"].shape)
     dims = args[1] if node.target is aten.mean.dim and len(args) > 1 and args[1] else list(range(nd))
-    reduced = {_norm(d, nd) for d in dims}
+    reduced = {norm_dim(d, nd) for d in dims}
     k = 1
     for a, p in enumerate(s.ins[0]):
         if is_shard(p) and p.dim in reduced:

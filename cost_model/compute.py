@@ -13,7 +13,7 @@ product of the mesh axes on which an input or the output is Shard; Partial input
 * ``peak(dtype)``: dense peak FLOP/s of the device for the op's dtype (ClusterSpec presets,
   datasheet figures, or ``autopar calibrate``).
 * ``bw``: ``DeviceSpec.memory_bandwidth`` [B/s]; calibrated as a step sees it (each op writing a
-  fresh tensor, its inputs produced a while before: ``cost_model/calibrate_compute.py``), which on
+  fresh tensor, its inputs produced a while before: ``autopar/tools/calibrate_compute.py``), which on
   a CPU is several times slower than the same op repeated on one cache-resident buffer.
 * ``eff(F)``: achievable fraction of peak; large GEMMs reach ~70-80% of dense peak on A100/H100
   (e.g. NVIDIA's Megatron-LM reports 163-173 TFLOP/s of 312 on A100, ~55%, for whole models;

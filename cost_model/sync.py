@@ -4,7 +4,7 @@ Ranks run the same work, but not in the same time: each op's time varies a littl
 other ranks sharing the host, caches), so ranks drift apart between two synchronizing
 collectives and, at the next one, every rank waits for the last to arrive. Modeled as a random
 walk: after ``d`` seconds of compute since the previous collective, the expected wait is
-``c * sqrt(d)``. The calibrated collective times (``cost_model/calibrate.py``) were measured as
+``c * sqrt(d)``. The calibrated collective times (``autopar/tools/calibrate.py``) were measured as
 what each adds to a loop of steps of ``REFERENCE_GAP_S`` of compute, so they already hold
 ``c * sqrt(REFERENCE_GAP_S)``; a step
 pays, per synchronizing point ``i`` (a node whose inputs need collectives, in forward; a lowering

@@ -1,7 +1,7 @@
 """Cost tables: for every node strategy its seconds and bytes, for every edge a resharding matrix.
 
 * node cost ``c[v, s]`` (s): compute of ``v`` under strategy ``s`` (``cost_model.compute``, or the
-  time ``cost_model.profiler`` measured for its local shapes on one uncontended rank when a
+  time ``autopar.tools.profiler`` measured for its local shapes on one uncontended rank when a
   profiler is given; either times ``ClusterSpec.compute_slowdown`` when CPU ranks share too few
   cores) plus the sum backward makes of its output's gradients when several ops use it
   (``cost_model.compute.accumulate_time``; for a parameter, with its optimizer step) plus
@@ -224,7 +224,7 @@ def build_costs(
         if base in classes.rep:
             rep = classes.rep[base]
             tables.keep_positions[rep] = (*tables.keep_positions.get(rep, ()), order[base])
-    uses = _grad_uses(tg, infos)
+    uses = grad_uses(tg, infos)
     for name, ns in strats.items():
         info = infos[name]
         n = classes.count(name)
@@ -339,7 +339,7 @@ def build_costs(
     return tables
 
 
-def _grad_uses(tg: TracedGraph, infos: dict[str, NodeInfo]) -> dict[str, int]:
+def grad_uses(tg: TracedGraph, infos: dict[str, NodeInfo]) -> dict[str, int]:
     """Node -> how many op inputs send its output a gradient: backward sums that many."""
     uses: dict[str, int] = {}
     for node in tg.graph.nodes:

@@ -60,8 +60,8 @@ def collective_axes(pmodel) -> set[int]:
     for node in pmodel.local.graph.nodes:
         if node.op == "call_function" and node.target in fns:
             axes.add(int(inspect.signature(node.target).bind(*node.args, **node.kwargs).arguments["axis"]))
-    for bucket in getattr(pmodel.grad_sync, "_buckets", ()):
-        axes.update(bucket.axes)
+    if pmodel.grad_sync is not None:
+        axes.update(pmodel.grad_sync.axes)
     return axes
 
 

@@ -13,7 +13,8 @@ from hypothesis import strategies as st
 
 from autopar.cli import main
 from autopar.cluster import ClusterSpec, LinkSpec
-from autopar.cost_model.calibrate import (
+from autopar.cost_model.comm import Collective, collective_time
+from autopar.tools.calibrate import (
     Sample,
     calibrate,
     fit_errors,
@@ -23,7 +24,6 @@ from autopar.cost_model.calibrate import (
     ring_coefficients,
     trimmed_mean,
 )
-from autopar.cost_model.comm import Collective, collective_time
 
 SIZES = [4 * 4**k for k in range(15)]  # 4 B .. 1 GiB
 
@@ -189,7 +189,7 @@ def test_overlap_efficiency_follows_from_the_three_times_alike_on_every_rank():
 
 
 def _overlap_rank(rank, world):
-    from autopar.cost_model.overlap import measure_overlap
+    from autopar.tools.overlap import measure_overlap
 
     # 4 MiB: a few ms each way, so that a stalled run (one 3-4 ms scheduler tick) is not most of it;
     # the 10% trim drops one stalled run each side
@@ -205,7 +205,7 @@ def test_the_graph_launch_counts_what_the_cost_model_charges():
     import torch
 
     import autopar
-    from autopar.cost_model.calibrate_compute import _OpMix, measure_graph_launch
+    from autopar.tools.calibrate_compute import _OpMix, measure_graph_launch
 
     launch, launches = measure_graph_launch(torch.device("cpu"), repeats=1, step_overhead=0.0)
     assert launch > 0 and launches > 30
@@ -230,7 +230,7 @@ def test_lockstep_times_the_agreed_count_and_keeps_calling_until_every_rank_is_d
     poll says every rank is done; the figure is the time per call."""
     import torch
 
-    from autopar.cost_model import calibrate_compute as cc
+    from autopar.tools import calibrate_compute as cc
 
     clock = FakeClock()
     monkeypatch.setattr(cc, "time", clock.module())
@@ -290,8 +290,8 @@ def _lockstep_rank(rank, world):
     import torch
     import torch.distributed as dist
 
-    from autopar.cost_model import calibrate_compute as cc
-    from autopar.cost_model.calibrate import group_lockstep
+    from autopar.tools import calibrate_compute as cc
+    from autopar.tools.calibrate import group_lockstep
 
     clock = FakeClock()
     cc.time = clock.module()  # this spawned process's own: nothing else reads it
@@ -327,8 +327,8 @@ def test_group_layouts_are_the_groups_of_every_mesh_axis(world, data):
     the axis spans the whole world in one group."""
     import torch
 
-    from autopar.cost_model.calibrate import group_layouts, group_ranks
     from autopar.passes.solver import mesh_candidates
+    from autopar.tools.calibrate import group_layouts, group_ranks
 
     meshes = [m for k in (1, 2, 3) for m in mesh_candidates(world, k, world)]
     mesh = data.draw(st.sampled_from(meshes))
@@ -345,7 +345,7 @@ def test_group_layouts_are_the_groups_of_every_mesh_axis(world, data):
 
 
 def _group_samples_rank(rank: int, world: int):
-    from autopar.cost_model.calibrate import measure_group_collectives
+    from autopar.tools.calibrate import measure_group_collectives
 
     return measure_group_collectives((2**10, 2**16), ("all_reduce", "all_gather"), repeats=3)
 
@@ -387,7 +387,7 @@ def _added_rank(rank: int, world: int):
     import torch
     import torch.distributed as dist
 
-    from autopar.cost_model import calibrate as cal
+    from autopar.tools import calibrate as cal
 
     clock = FakeClock()
     # this spawned process's own: its clock, its loops' compute (each op 1e-5 s of it) and a
@@ -456,7 +456,7 @@ def test_the_calibration_compute_never_decays_into_denormals():
     proportion to the op count the loops are sized by."""
     import torch
 
-    from autopar.cost_model.calibrate import _GapWork
+    from autopar.tools.calibrate import _GapWork
 
     out = _GapWork(torch.device("cpu"))(2000)
     assert torch.isfinite(out).all() and out.abs().min() > torch.finfo(torch.float32).tiny

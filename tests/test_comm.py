@@ -364,7 +364,7 @@ def test_split_mean_cross_entropy_pays_its_all_reduces_on_every_split_axis():
     from torch.distributed.tensor.placement_types import Shard
 
     from autopar.passes.costs import lowering_collectives
-    from autopar.passes.validate import node_strategies, one_node_graph
+    from autopar.tools.validate import node_strategies, one_node_graph
 
     logits, target = torch.randn(8, 5), torch.randint(0, 5, (8,))
     node, _ = one_node_graph(torch.ops.aten.cross_entropy_loss.default, (logits, target), None)

@@ -16,15 +16,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 import autopar.examples
 from autopar.cluster import ClusterSpec
-from autopar.cost_model.calibrate import median_compute
-from autopar.cost_model.calibrate_compute import (
-    MATMUL_SHAPES,
-    OPTIMIZERS,
-    fit_matmul,
-    matmul_overhead,
-)
 from autopar.cost_model.compute import EFF_MAX, forward_body, node_time
-from autopar.cost_model.profiler import OpProfiler, TensorSpec
 from autopar.errors import ClusterSpecError
 from autopar.launch import keep_freed_memory
 from autopar.passes.analyze import analyze
@@ -32,6 +24,14 @@ from autopar.passes.costs import Optimizer
 from autopar.passes.rules import VIEW_OPS
 from autopar.passes.strategies import build_strategies
 from autopar.passes.trace import trace
+from autopar.tools.calibrate import median_compute
+from autopar.tools.calibrate_compute import (
+    MATMUL_SHAPES,
+    OPTIMIZERS,
+    fit_matmul,
+    matmul_overhead,
+)
+from autopar.tools.profiler import OpProfiler, TensorSpec
 
 aten = torch.ops.aten
 MATMULS = {aten.mm.default, aten.addmm.default, aten.bmm.default, aten.linear.default, aten.matmul.default}
@@ -231,8 +231,8 @@ def test_the_optimizer_traffic_is_the_bytes_pytorchs_step_kernels_move(kind):
     """``OPTIMIZER_TRAFFIC`` (in-place passes, fresh passes, fresh temporaries at once) against the
     kernels PyTorch's own step runs on the parameter (its defaults on CPU; the second step, once
     the states exist), counted at the dispatcher: bytes, not time."""
-    from autopar.cost_model.calibrate_compute import OPTIMIZERS
     from autopar.cost_model.compute import OPTIMIZER_TRAFFIC
+    from autopar.tools.calibrate_compute import OPTIMIZERS
 
     name = kind.name
     p = torch.nn.Parameter(torch.randn(4096))
@@ -314,12 +314,12 @@ def test_backward_sums_the_gradients_of_a_tensor_with_several_uses_as_autograd_d
     """The node cost of y carries one addition per use beyond the first: as many as the real
     backward runs on y-sized gradients."""
     from autopar.cost_model.compute import accumulate_time
-    from autopar.passes.costs import _grad_uses
+    from autopar.passes.costs import grad_uses
 
     model, x = _Sliced(), torch.randn(16, 64)
     tg = trace(model, (x,))
     infos = analyze(tg)
-    uses = _grad_uses(tg, infos)
+    uses = grad_uses(tg, infos)
     relu = next(n.name for n in tg.graph.nodes if n.target is aten.relu.default)
     ops = _backward_ops(model, x)
     adds = [f for f, shapes in ops if f in (aten.add.Tensor, aten.add_.Tensor) and shapes[0] == (16, 64)]

@@ -18,6 +18,7 @@ from autopar.passes.analyze import analyze
 from autopar.passes.strategies import build_strategies
 from autopar.passes.trace import trace
 from autopar.placement import R, spec_to_str
+from autopar.reshard import Collective, Phase
 
 pytestmark = pytest.mark.slow
 
@@ -95,7 +96,8 @@ def test_tensor_parallel_plans_communicate_activations(world2):
         plan = plans[(name, "tp")]
         colls = [c for d in plan.decisions for c in d.collectives]
         # activations are reduced: all-reduce (Megatron TP) or reduce-scatter (Megatron sequence parallelism)
-        assert any(c.startswith(("all_reduce@", "reduce_scatter@")) for c in colls), (
+        reductions = (Collective.ALL_REDUCE, Collective.REDUCE_SCATTER)
+        assert any(c.kind in reductions and c.phase is Phase.FORWARD for c in colls), (
             f"{name}: no forward reduction of activations in the TP plan"
         )
         code = code_of(world2, name, "tp")

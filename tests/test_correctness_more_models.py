@@ -22,7 +22,7 @@ from autopar.examples import palm_tiny, t5_tiny, vit_tiny
 from autopar.models.palm import PalmOutput
 from autopar.passes.rules import RULES
 from autopar.passes.trace import trace
-from autopar.passes.validate import check_node, node_strategies, one_node_graph
+from autopar.tools.validate import check_node, node_strategies, one_node_graph
 
 pytestmark = pytest.mark.slow
 

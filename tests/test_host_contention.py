@@ -9,8 +9,8 @@ import pytest
 
 import autopar.launch
 from autopar.cluster import ClusterSpec, HostContention
-from autopar.cost_model import calibrate as cal
-from autopar.cost_model.calibrate import Sample
+from autopar.tools import calibrate as cal
+from autopar.tools.calibrate import Sample
 
 
 def _results(host_cores: int | None, waits: dict[str, float] | None, points: dict) -> list[dict]:

@@ -54,7 +54,7 @@ def test_each_rank_is_bound_to_one_core_round_robin():
 def _interleaved_rank(rank: int, world: int):
     from fake_clock import FakeClock
 
-    from autopar.cost_model import measure
+    from autopar.tools import measure
 
     clock = FakeClock()
     measure.time = clock.module()  # this spawned process's own

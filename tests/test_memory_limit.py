@@ -11,10 +11,10 @@ import torch
 import torch.distributed as dist
 
 import autopar
-from autopar.cost_model.measure import peak_step_memory
 from autopar.demo import train_step
 from autopar.launch import run_on_ranks
 from autopar.model_spec import load_model_spec
+from autopar.tools.measure import peak_step_memory
 
 SPEC = "autopar.examples:gpt2_tiny(batch=8, seq=64, hidden=128, vocab=512)"
 

@@ -12,7 +12,6 @@ import torch.fx as fx
 import torch.utils._pytree as pytree
 
 import autopar
-from autopar.cost_model.measure import LiveTensorTracker, least_peak_step_memory, peak_step_memory
 from autopar.cost_model.memory import reshard_transient
 from autopar.demo import train_step
 from autopar.launch import free_port, run_on_ranks
@@ -20,6 +19,7 @@ from autopar.model_spec import load_model_spec
 from autopar.passes.analyze import analyze
 from autopar.passes.trace import trace
 from autopar.placement import spec_from_str
+from autopar.tools.measure import LiveTensorTracker, least_peak_step_memory, peak_step_memory
 
 # -- what each op keeps for backward, against autograd in a real forward --------------------------
 

@@ -51,3 +51,22 @@ def test_plan_takes_an_options_value_or_the_same_keywords():
     assert any(d.output != "R" for d in by_value.decisions if d.role == "param")  # tensor parallel
     with pytest.raises(SearchOptionsError):
         autopar.plan(model, cluster, inputs, memory_limit_bytes=-5)
+
+
+def test_every_stage_of_the_search_is_dumped(tmp_path):
+    """``dump_dir``: each stage's output, the strategy and cost tables of every mesh solved too; the
+    dumped plan is the plan returned."""
+    model, inputs = mlp(batch=8, hidden=32, ffn=64)
+    cluster = autopar.ClusterSpec.preset("h100-sxm", devices_per_node=2)
+    plan = autopar.plan(model, cluster, inputs, mesh_shape=(2,), dump_dir=tmp_path)
+    names = {p.name for p in tmp_path.iterdir()}
+    for stage in ("1_trace.py", "2_analyze.tsv", "2_coarsen.tsv", "5_select.json", "6_plan.json"):
+        assert stage in names, stage
+    # mesh (2,) free and with axis 0 data parallel: both candidates' tables
+    for stage in ("3_strategies_2.tsv", "3_costs_2.tsv", "3_strategies_2_data.tsv", "3_costs_2_data.tsv"):
+        assert stage in names, stage
+    assert any(n.startswith("4_solve_2") for n in names)
+    assert autopar.Plan.load(tmp_path / "6_plan.json") == plan
+    costs = (tmp_path / "3_costs_2.tsv").read_text().splitlines()
+    assert costs[0].split("\t")[:3] == ["kind", "name", "strategy"]
+    assert any(row.startswith("node\t") for row in costs) and any(row.startswith("edge\t") for row in costs)

@@ -1,4 +1,4 @@
-"""Tests for cost_model.profiler / profile_cache: figures against what its (injected) clock
+"""Tests for autopar.tools.profiler / profile_cache: figures against what its (injected) clock
 measured, the on-disk cache (reuse, keys, concurrent writers), fallbacks to the analytical model,
 and planning with profile=True."""
 
@@ -16,14 +16,14 @@ import autopar
 import autopar.examples
 from autopar.cli import main
 from autopar.cost_model.compute import accumulate_time
-from autopar.cost_model.profile_cache import OpTiming, ProfileCache
-from autopar.cost_model.profiler import OpProfiler, TensorSpec, _layout, op_key, profile_device_for
 from autopar.errors import ProfileCacheError, ProfilerDeviceError
 from autopar.passes.analyze import analyze
-from autopar.passes.costs import Optimizer, _grad_uses, analytical_node_time, build_costs
+from autopar.passes.costs import Optimizer, analytical_node_time, build_costs, grad_uses
 from autopar.passes.strategies import Strategy, build_strategies
 from autopar.passes.trace import trace
 from autopar.placement import volume_factor
+from autopar.tools.profile_cache import OpTiming, ProfileCache
+from autopar.tools.profiler import OpProfiler, TensorSpec, _layout, op_key, profile_device_for
 
 aten = torch.ops.aten
 R = Replicate()
@@ -84,7 +84,7 @@ def test_the_figures_are_the_median_per_call_times_its_timer_measured(tmp_path, 
     the backward the step's less the forward, and the stall is out (median of samples, not
     their mean). The real timings, against a direct timing of the same matmul, are
     benchmarks/bench_timing_checks.py's."""
-    import autopar.cost_model.profiler as profiler
+    import autopar.tools.profiler as profiler
 
     clock = FakeClock()
     monkeypatch.setattr(profiler, "time", clock.module())
@@ -279,7 +279,7 @@ def test_plan_with_profile_prices_measured_ops_by_their_measurement(tmp_path):
     assert any(m.startswith("profile: mesh (2,)") and " 0 failed" in m for m in lines)
     assert profiled.predicted.compute_s != analytical.predicted.compute_s
     infos = analyze(result.traced)
-    uses = _grad_uses(result.traced, infos)
+    uses = grad_uses(result.traced, infos)
     nodes = {n.name: n for n in result.traced.graph.nodes}
     by_name = {d.name: d for d in analytical.decisions}
     seen = {"measured": 0, "analytical": 0}

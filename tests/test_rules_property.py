@@ -2,7 +2,7 @@
 
 For random shapes (including sizes that do not divide the mesh) and small meshes of 1 to 3 axes,
 each case builds a one-node FX graph, enumerates ALL strategies ``strategies.expand`` produces and
-checks each with ``passes.validate.check_strategy`` (all ranks simulated in one process, forward
+checks each with ``autopar.tools.validate.check_strategy`` (all ranks simulated in one process, forward
 and backward, through the real lowering). Strategies that would shard a dim unevenly must not be
 produced at all. Rules this suite once caught wrong have their own regression tests.
 """
@@ -18,7 +18,7 @@ from torch.distributed.tensor.placement_types import Partial, Replicate, Shard
 
 from autopar.passes import rules
 from autopar.passes.rules import AxisOption
-from autopar.passes.validate import check_node, node_strategies, one_node_graph, strategy_str
+from autopar.tools.validate import check_node, node_strategies, one_node_graph, strategy_str
 
 aten = torch.ops.aten
 
@@ -458,7 +458,7 @@ def _wrong_softmax_rule(ctx):
 
 def test_validator_catches_wrong_rule(monkeypatch):
     from autopar.passes.trace import trace
-    from autopar.passes.validate import validate_graph
+    from autopar.tools.validate import validate_graph
 
     for op in (aten.softmax.int, aten._softmax.default):
         monkeypatch.setitem(rules.RULES, op, _wrong_softmax_rule)

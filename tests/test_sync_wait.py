@@ -185,9 +185,9 @@ def test_calibration_measures_what_each_kind_of_collective_adds_to_a_loop_of_ste
     benchmarks/bench_timing_checks.py's."""
     import torch.distributed as dist
 
-    from autopar.cost_model import calibrate as cal
     from autopar.cost_model.sync import SYNC_GAPS_S
     from autopar.launch import free_port
+    from autopar.tools import calibrate as cal
 
     clock = FakeClock()
     monkeypatch.setattr(cal, "time", clock.module())

@@ -8,7 +8,7 @@ pytest.importorskip("transformers")
 
 from autopar import examples  # noqa: E402
 from autopar.passes.trace import trace  # noqa: E402
-from autopar.passes.validate import main, validate_graph  # noqa: E402
+from autopar.tools.validate import main, validate_graph  # noqa: E402
 
 MODELS = {
     "gpt2": lambda: examples.gpt2_tiny(batch=4, seq=8, hidden=32, vocab=64),

@@ -5,7 +5,7 @@ it supports on one mesh axis of size n: the placement of its output and the plac
 input must have. All-Replicate is always added by the expander, so rules list only the sharded
 options. An op without a rule is replicated (and priced as such), never guessed.
 
-Semantics (checked by ``passes/validate.py`` and its property tests against the dense op): running
+Semantics (checked by ``autopar/tools/validate.py`` and its property tests against the dense op): running
 the op on local pieces, with inputs in ``ins``, yields the local piece of the output in ``out``:
 
 * ``Shard(d)``: each rank holds the d-th dim cut into n equal contiguous blocks;
@@ -127,7 +127,8 @@ def make_ctx(node: fx.Node) -> OpCtx:
     return OpCtx(node, args, kwargs, [tuple(t.meta["val"].shape) for t in tensor_inputs(node)], out_shape)
 
 
-def _norm(d: int, ndim: int) -> int:
+def norm_dim(d: int, ndim: int) -> int:
+    """Tensor dim ``d`` (negative counts from the end) as an index into ``ndim`` dims."""
     return d % ndim if ndim else 0
 
 
@@ -156,7 +157,7 @@ def broadcast_option(ctx: OpCtx, out_dim: int) -> AxisOption:
 
 def shard_every_dim(ctx: OpCtx, skip: Sequence[int] = ()) -> list[AxisOption]:
     nd = len(ctx.out_shape)
-    skip = {_norm(d, nd) for d in skip}
+    skip = {norm_dim(d, nd) for d in skip}
     return [broadcast_option(ctx, d) for d in range(nd) if d not in skip and ctx.out_shape[d] > 1]
 
 

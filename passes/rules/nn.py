@@ -10,9 +10,9 @@ from autopar.passes.rules import (
     OpCtx,
     P,
     R,
-    _norm,
     _partial_ok,
     aten,
+    norm_dim,
     register,
     shard_every_dim,
 )
@@ -105,7 +105,7 @@ def reduction_rule(ctx: OpCtx) -> list[AxisOption]:
     nd = len(shape)
     dims = ctx.arg(1, "dim") if ctx.node.target in (aten.sum.dim_IntList, aten.mean.dim) else None
     keepdim = ctx.arg(2, "keepdim", False) if dims is not None else False
-    reduced = set(range(nd)) if not dims else {_norm(d, nd) for d in dims}
+    reduced = set(range(nd)) if not dims else {norm_dim(d, nd) for d in dims}
     opts = []
     for d in range(nd):
         if shape[d] <= 1:

@@ -12,9 +12,9 @@ from autopar.passes.rules import (
     OpCtx,
     P,
     R,
-    _norm,
     _partial_ok,
     aten,
+    norm_dim,
     register,
     shard_every_dim,
 )
@@ -57,7 +57,7 @@ def view_rule(ctx: OpCtx) -> list[AxisOption]:
 @register(aten.unsqueeze.default)
 def unsqueeze_rule(ctx: OpCtx) -> list[AxisOption]:
     src = ctx.in_shapes[0]
-    u = _norm(ctx.arg(1, "dim"), len(src) + 1)
+    u = norm_dim(ctx.arg(1, "dim"), len(src) + 1)
     opts = [AxisOption(Shard(d + (d >= u)), (Shard(d),)) for d in range(len(src)) if src[d] > 1]
     return opts + ([AxisOption(P, (P,))] if _partial_ok(ctx) else [])
 
@@ -72,7 +72,7 @@ def squeeze_rule(ctx: OpCtx) -> list[AxisOption]:
 @register(aten.transpose.int)
 def transpose_rule(ctx: OpCtx) -> list[AxisOption]:
     nd = len(ctx.in_shapes[0])
-    a, b = _norm(ctx.arg(1, "dim0"), nd), _norm(ctx.arg(2, "dim1"), nd)
+    a, b = norm_dim(ctx.arg(1, "dim0"), nd), norm_dim(ctx.arg(2, "dim1"), nd)
     perm = list(range(nd))
     perm[a], perm[b] = perm[b], perm[a]
     return _permute_options(ctx, perm)
@@ -81,7 +81,7 @@ def transpose_rule(ctx: OpCtx) -> list[AxisOption]:
 @register(aten.permute.default)
 def permute_rule(ctx: OpCtx) -> list[AxisOption]:
     nd = len(ctx.in_shapes[0])
-    return _permute_options(ctx, [_norm(d, nd) for d in ctx.arg(1, "dims")])
+    return _permute_options(ctx, [norm_dim(d, nd) for d in ctx.arg(1, "dims")])
 
 
 @register(aten.t.default)
@@ -114,7 +114,7 @@ def slice_rule(ctx: OpCtx) -> list[AxisOption]:
     src = ctx.in_shapes[0]
     nd = len(src)
     splits = (aten.split.Tensor, aten.split_with_sizes.default, aten.chunk.default)
-    dim = _norm(ctx.arg(2 if ctx.node.target in splits else 1, "dim", 0), nd)
+    dim = norm_dim(ctx.arg(2 if ctx.node.target in splits else 1, "dim", 0), nd)
     removes = ctx.node.target is aten.select.int
     opts = []
     for d in range(nd):
@@ -128,7 +128,7 @@ def slice_rule(ctx: OpCtx) -> list[AxisOption]:
 def gather_rule(ctx: OpCtx) -> list[AxisOption]:
     src, index = ctx.in_shapes
     nd = len(src)
-    dim = _norm(ctx.arg(1, "dim"), nd)
+    dim = norm_dim(ctx.arg(1, "dim"), nd)
     return [
         AxisOption(Shard(d), (Shard(d), Shard(d)))
         for d in range(nd)
@@ -143,7 +143,7 @@ def arg_reduction_rule(ctx: OpCtx) -> list[AxisOption]:
     dim = ctx.arg(1, "dim")
     if dim is None:
         return []  # over all elements: replicated
-    dim = _norm(dim, nd)
+    dim = norm_dim(dim, nd)
     keepdim = ctx.arg(2, "keepdim", False)
     return [
         AxisOption(Shard(d if keepdim or d < dim else d - 1), (Shard(d),))
@@ -161,7 +161,7 @@ def scan_rule(ctx: OpCtx) -> list[AxisOption]:
 def diff_rule(ctx: OpCtx) -> list[AxisOption]:
     # diff(x, n, dim, prepend, append): prepend/append follow x on every other dim
     nd = len(ctx.in_shapes[0])
-    dim = _norm(ctx.arg(2, "dim", -1), nd)
+    dim = norm_dim(ctx.arg(2, "dim", -1), nd)
     return [
         AxisOption(Shard(d), (Shard(d),) * ctx.n_in)
         for d in range(nd)
@@ -214,7 +214,7 @@ def new_factory_rule(ctx: OpCtx) -> list[AxisOption]:
 @register(aten.cat.default)
 def cat_rule(ctx: OpCtx) -> list[AxisOption]:
     nd = len(ctx.out_shape)
-    dim = _norm(ctx.arg(1, "dim", 0), nd)
+    dim = norm_dim(ctx.arg(1, "dim", 0), nd)
     if any(len(s) != nd for s in ctx.in_shapes):  # legacy empty-tensor cat: keep replicated
         return []
     opts = [

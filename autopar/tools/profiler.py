@@ -62,11 +62,11 @@ import torch.fx as fx
 import torch.utils._pytree as pytree
 
 from autopar.cluster import ClusterSpec, DeviceSpec
-from autopar.cost_model.profile_cache import OpTiming, ProfileCache, context, cpu_name, default_cache_path
 from autopar.errors import ProfilerDeviceError
 from autopar.passes.rules import tensor_inputs
 from autopar.passes.rules.elementwise import UNARY_LINEAR, UNARY_NONLINEAR
 from autopar.placement import local_shapes
+from autopar.tools.profile_cache import OpTiming, ProfileCache, context, cpu_name, default_cache_path
 
 log = logging.getLogger(__name__)
 aten = torch.ops.aten

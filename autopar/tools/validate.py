@@ -17,7 +17,7 @@ Forward check (one node, one strategy, a mesh of shape ``mesh_shape``)
        is emitted by its lowering (``codegen.lower.LOWERINGS``) or as the plain aten call.
     3. The local graph runs for all ranks in lock step. Calls to ``autopar.codegen.collectives``
        are simulated over the ranks of their mesh-axis group by ``_GroupCollective``
-       (``passes/simulate.py``, which holds the whole rank simulator), an autograd function with
+       (``autopar/tools/simulate.py``, which holds the whole rank simulator), an autograd function with
        exactly the forward and backward of the real collective.
     4. The global output is reassembled from the output spec, axis by axis from the last:
        ``Shard(d)`` concatenates the pieces along ``d`` in coordinate order, ``Partial`` sums them,
@@ -43,8 +43,8 @@ Graph check (debugging tool)
     ``max_per_node``) of every call_function node that has a rule, and lists the ops that fall
     back to replication (no rule). From the command line::
 
-        python -m autopar.passes.validate autopar.examples:gpt2_tiny --mesh 2x2
-        python -m autopar.passes.validate "autopar.examples:llama_tiny(batch=4, seq=8)" --mesh 2 --all
+        python -m autopar.tools.validate autopar.examples:gpt2_tiny --mesh 2x2
+        python -m autopar.tools.validate "autopar.examples:llama_tiny(batch=4, seq=8)" --mesh 2 --all
 
 Random ops (dropout with p > 0, ops tagged ``nondeterministic_seeded``) are skipped.
 """
@@ -64,7 +64,10 @@ import torch.fx as fx
 import torch.utils._pytree as pytree
 
 from autopar.passes.rules import RULES, make_ctx, map_args, tensor_inputs
-from autopar.passes.simulate import (
+from autopar.passes.strategies import Strategy, expand
+from autopar.passes.trace import Role, TracedGraph, normalize_inputs
+from autopar.placement import spec_to_str
+from autopar.tools.simulate import (
     _assemble,
     _constant_of,
     _coords,
@@ -75,9 +78,6 @@ from autopar.passes.simulate import (
     _run_lockstep,
     _tolerance,
 )
-from autopar.passes.strategies import Strategy, expand
-from autopar.passes.trace import Role, TracedGraph, normalize_inputs
-from autopar.placement import spec_to_str
 
 aten = torch.ops.aten
 
@@ -349,7 +349,9 @@ def check_op(target, args: tuple, kwargs: dict | None, mesh_shape: Sequence[int]
 # --------------------------------------------------------------------------------------------------
 
 
-def _placeholder_values(tg: TracedGraph, example_values, seed: int) -> list[torch.Tensor]:
+def placeholder_values(tg: TracedGraph, example_values, seed: int) -> list[torch.Tensor]:
+    """A value for every placeholder of ``tg``: the example inputs where given, else random
+    values (seeded) of each parameter's or buffer's shape and dtype."""
     phs = [n for n in tg.graph.nodes if n.op == "placeholder"]
     info = {p.name: p for p in tg.placeholders}
     by_name: dict[str, torch.Tensor] = {}
@@ -388,7 +390,7 @@ def global_values(tg: TracedGraph, example_values=None, seed: int = 0) -> dict[s
     """Every node's global value (by node name), from one run of the graph with ``fx.Interpreter``."""
     interp = fx.Interpreter(tg.graph_module, garbage_collect_values=False)
     with torch.no_grad():
-        interp.run(*_placeholder_values(tg, example_values, seed))
+        interp.run(*placeholder_values(tg, example_values, seed))
     return {n.name: v for n, v in interp.env.items()}
 
 
@@ -457,12 +459,12 @@ def _parse_mesh(text: str) -> tuple[int, ...]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m autopar.passes.validate MODEL_SPEC --mesh 2x2``: exit 1 if a rule is wrong."""
+    """``python -m autopar.tools.validate MODEL_SPEC --mesh 2x2``: exit 1 if a rule is wrong."""
     from autopar.model_spec import load_model_spec
     from autopar.passes.trace import trace
 
     ap = argparse.ArgumentParser(
-        prog="python -m autopar.passes.validate",
+        prog="python -m autopar.tools.validate",
         description="Check every sharding rule used by a model against the dense ops, simulating all ranks.",
     )
     ap.add_argument("model_spec", help="e.g. autopar.examples:gpt2_tiny or path/to/file.py:make_model")

@@ -1,7 +1,7 @@
 """Measure one device's compute figures for ``cost_model/compute.py`` (``autopar calibrate``).
 
 Run with the thread count the ranks use, on as many ranks at once as the host has cores
-(``cost_model/calibrate.py``), in lockstep (``lockstep``: the ranks meet before each timing, loop
+(``autopar/tools/calibrate.py``), in lockstep (``lockstep``: the ranks meet before each timing, loop
 each op as many times, and go on running it until every rank's timing is over), so the figures
 are one rank's own while the others run the same op, as the ranks of a step do (at their own
 pace, one rank's matmuls could run beside another's pointwise ops, or alone while it waits, and
@@ -74,7 +74,7 @@ import contextlib
 import contextvars
 import statistics
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -150,6 +150,17 @@ PER_FLOP_OPS: dict[str, tuple[Callable, Callable]] = {
         lambda q, k, v, mask: aten.scaled_dot_product_attention.default(q, k, v, mask),
     ),
 }
+
+
+def trimmed_mean(values: Sequence[float], trim: float = 0.025) -> float:
+    """Mean without the lowest and highest ``trim`` fraction. A step pays every collective's
+    expected time, stalls included: the mean, not the median, predicts a sum of many of them;
+    the trim drops only rare outliers (a preempted process), not the stalls that come in one
+    call of a few."""
+    v = sorted(values)
+    k = int(len(v) * trim)
+    v = v[k : len(v) - k] or v
+    return sum(v) / len(v)
 
 
 def sync(device: torch.device) -> None:
@@ -269,9 +280,9 @@ def measure_graph_launch(device: torch.device, repeats: int, step_overhead: floa
     import operator
 
     from autopar.passes.analyze import analyze  # passes import the cost model: not at module level
-    from autopar.passes.costs import _grad_uses
+    from autopar.passes.costs import grad_uses
     from autopar.passes.trace import Role, trace
-    from autopar.passes.validate import _placeholder_values
+    from autopar.tools.validate import placeholder_values
 
     torch.manual_seed(0)
     model = _OpMix().to(device)
@@ -285,8 +296,8 @@ def measure_graph_launch(device: torch.device, repeats: int, step_overhead: floa
         if n.op == "call_function" and n.target is not operator.getitem
     )
     # and backward's sums of gradients from several uses (``accumulate_time``)
-    launches += sum(max(u - 1, 0) for u in _grad_uses(tg, infos).values())
-    args = _placeholder_values(tg, (ids, labels), seed=0)  # in the graph's placeholder order
+    launches += sum(max(u - 1, 0) for u in grad_uses(tg, infos).values())
+    args = placeholder_values(tg, (ids, labels), seed=0)  # in the graph's placeholder order
     role = {p.name: p.role for p in tg.placeholders}
     params = [
         a.requires_grad_()

@@ -61,7 +61,7 @@ transports change regime with message size and implement each collective their o
 Gloo's reduce-scatter is an all-reduce + slice, i.e. about twice what the reduce-scatter formula
 says: its samples are left out of the one-line link but have their own ranges.
 
-Compute (``cost_model/calibrate_compute.py``: per-op overhead, memory bandwidth,
+Compute (``autopar/tools/calibrate_compute.py``: per-op overhead, memory bandwidth,
 FLOP/s, per-element times of transcendental pointwise ops), on as many ranks at once as the host
 has cores while the others wait, in lockstep (each op timed while the other ranks run it too, as
 in a step), ``COMPUTE_ROUNDS`` times spread over the calibration (before the collectives, after
@@ -79,7 +79,7 @@ collective of each kind adds to a loop of steps (wall time, with against without
 compute since the previous one, stored as ``HostContention.sync_wait_kinds`` (and the largest
 as ``HostContention.sync_wait``, for the kinds not measured).
 
-Overlap (``cost_model/overlap.py:measure_overlap``), on every rank at once: how much of an
+Overlap (``autopar/tools/overlap.py:measure_overlap``), on every rank at once: how much of an
 all-reduce issued asynchronously is hidden behind concurrent compute, stored as
 ``DeviceSpec.comm_overlap``.
 
@@ -108,10 +108,17 @@ import torch
 import torch.distributed as dist
 
 from autopar.cluster import ClusterSpec, HostContention, LinkSpec, usable_cores
-from autopar.cost_model.calibrate_compute import Lockstep, lockstep, matmul_figures, measure_compute, sync
 from autopar.cost_model.comm import group_ranges
-from autopar.cost_model.overlap import measure_overlap
 from autopar.cost_model.sync import REFERENCE_GAP_S, SYNC_GAPS_S, SYNC_KINDS
+from autopar.tools.calibrate_compute import (
+    Lockstep,
+    lockstep,
+    matmul_figures,
+    measure_compute,
+    sync,
+    trimmed_mean,
+)
+from autopar.tools.overlap import measure_overlap
 
 __all__ = [
     "Sample",
@@ -534,17 +541,6 @@ def _sqrt_slope(points: Sequence[tuple[float, float]]) -> float:
     xy = [(math.sqrt(d), y) for d, y in points]
     slopes = [(y2 - y1) / (x2 - x1) for i, (x1, y1) in enumerate(xy) for x2, y2 in xy[i + 1 :] if x2 != x1]
     return max(0.0, statistics.median(slopes)) if slopes else 0.0
-
-
-def trimmed_mean(values: Sequence[float], trim: float = 0.025) -> float:
-    """Mean without the lowest and highest ``trim`` fraction. A step pays every collective's
-    expected time, stalls included: the mean, not the median, predicts a sum of many of them;
-    the trim drops only rare outliers (a preempted process), not the stalls that come in one
-    call of a few."""
-    v = sorted(values)
-    k = int(len(v) * trim)
-    v = v[k : len(v) - k] or v
-    return sum(v) / len(v)
 
 
 def fit_ranges(samples: Sequence[Sample]) -> tuple[tuple[str, float, float, float], ...]:

@@ -9,7 +9,7 @@ One JSON file (default ``$XDG_CACHE_HOME/autopar/op_profile.json``, else
 * ``CONTEXT`` = ``"<device type>:<device name>|torch <version>|threads <n>"``, e.g.
   ``"cpu:Intel(R) Xeon(R) ...|torch 2.13.0+cpu|threads 1"`` (``context``): a figure is reused only
   on the same device model, torch build and intra-op thread count;
-* ``OP_KEY``: the op and its arguments as ``cost_model.profiler`` writes them (tensors as
+* ``OP_KEY``: the op and its arguments as ``autopar.tools.profiler`` writes them (tensors as
   ``dtype[local shape]`` with layout, value range and gradient marks);
 * ``forward_s`` / ``backward_s``: seconds; ``error``: non-empty when the op raised on synthesized
   inputs (the planner keeps the analytical figure and does not run it again).

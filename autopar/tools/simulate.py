@@ -1,6 +1,6 @@
 """Simulate every rank of a mesh in one process: local pieces, lock-step runs, collectives.
 
-Used by ``passes/validate.py`` to check sharding rules on real values:
+Used by ``autopar/tools/validate.py`` to check sharding rules on real values:
 
 * a global value becomes each rank's local piece from its placement, axis by axis
   (:func:`_distribute`): ``Shard(d)`` keeps ``torch.chunk(x, n, d)[c]`` (c: the rank's coordinate
