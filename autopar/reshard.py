@@ -63,6 +63,8 @@ import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from torch.distributed.tensor.placement_types import Placement, Replicate
+
 from autopar.placement import Spec, is_partial, is_replicate, is_shard, volume_factor
 
 
@@ -167,8 +169,14 @@ def _gathered(dim: int, full: float) -> float:
 
 
 def reshard_order(src: Spec, dst: Spec) -> list[int]:
-    """The mesh axes in the order a reshard visits them: Replicate targets first, in mesh order."""
+    """The mesh axes in the order a reshard prefers to visit them: Replicate targets first (the
+    tensor grows), in mesh order."""
     return sorted(range(len(src)), key=lambda a: not is_replicate(dst[a]))
+
+
+def _slices_held_dim(cur: Sequence[Placement], d: Placement, axis: int) -> bool:
+    """Would moving ``axis`` to ``d`` slice a tensor dim another axis holds sharded now?"""
+    return is_shard(d) and any(b != axis and is_shard(p) and p.dim == d.dim for b, p in enumerate(cur))
 
 
 @functools.lru_cache(maxsize=1 << 16)
@@ -184,14 +192,26 @@ def reshard_plan(
     local = nbytes / volume_factor(src, mesh_shape)  # bytes one rank holds now
     steps: list[ReshardStep] = []
     pending_f = set(f_axes)
-    for a in reshard_order(src, dst):
-        s, d, n = src[a], dst[a], mesh_shape[a]
-        if n == 1 or s == d:
-            continue
+    # the placement the steps so far leave (an axis of one rank holds the whole tensor either way)
+    cur = [d if n == 1 else s for s, d, n in zip(src, dst, mesh_shape)]
+    pending = [a for a in reshard_order(src, dst) if mesh_shape[a] > 1 and src[a] != dst[a]]
+    while pending:
+        # the first axis in order whose step does not slice a dim another axis still holds
+        # sharded (that would cut the other axis's piece, not the tensor: wrong rows, or a dim of
+        # one row cut in two); where every pending step would, the first shard is gathered first
+        a = next((a for a in pending if not _slices_held_dim(cur, dst[a], a)), None)
+        if a is None:
+            a = next(b for b in pending if is_shard(cur[b]))
+            d = Replicate()
+        else:
+            d = dst[a]
+            pending.remove(a)
+        s, n = cur[a], mesh_shape[a]
+        cur[a] = d
         if is_shard(s):
             full = local * n
-            fused = is_replicate(d) and a in pending_f
-            if is_replicate(d):
+            fused = d == dst[a] and is_replicate(d) and a in pending_f
+            if fused:
                 pending_f.discard(a)
             back = CollectiveCall(RS, a, full, bwd) if fused else None
             live_bwd = 2 * full + local if fused else full + local
