@@ -157,7 +157,9 @@ def search(
     min_needed = math.inf
     refused_at_full_peak = False
     mirrors: dict[tuple, tuple] = {}
-    data_axis: dict[int, dict[str, Strategy]] = {}  # data-parallel solution of one axis, by size
+    # data-parallel solution of one axis, by size (or why there is none)
+    data_axis: dict[int, dict[str, Strategy] | NoPlanFitsError] = {}
+    unplaceable: list[str] = []  # candidates whose roles no placement of some tensor satisfies, and why
     for run in mesh_runs(cluster, options):
         key = _mirror_key(cluster, run)
         if key in mirrors:
@@ -171,11 +173,17 @@ def search(
         if run.data_outer:
             size = run.mesh[0]
             if size not in data_axis:
-                data_axis[size] = data_parallel_axis(
-                    tg, infos, cluster, size, options.optimizer, classes, profiler
-                )
+                try:
+                    data_axis[size] = data_parallel_axis(
+                        tg, infos, cluster, size, options.optimizer, classes, profiler
+                    )
+                except NoPlanFitsError as e:  # e.g. a batch of one: no data parallelism at all
+                    data_axis[size] = e
+            if isinstance(data_axis[size], NoPlanFitsError):
+                _skip(run, data_axis[size], candidates, unplaceable, st)
+                continue
             fixed = {0: data_axis[size]}
-        strats = strategies_stage(tg, infos, run, classes, fixed, candidates, st)
+        strats = strategies_stage(tg, infos, run, classes, fixed, candidates, unplaceable, st)
         if strats is None:
             continue
         tables = cost_stage(tg, infos, strats, cluster, run, options, classes, profiler, st)
@@ -187,7 +195,7 @@ def search(
             best_objective = min(best_objective, outcome.solved.sol.objective)
             if best is None or outcome.solved.t_step < best.t_step - 1e-12:
                 best = outcome.solved
-    best = select_stage(best, candidates, cluster, limit, min_needed, refused_at_full_peak, st)
+    best = select_stage(best, candidates, cluster, limit, min_needed, refused_at_full_peak, unplaceable, st)
     plan = price_stage(tg, infos, best, cluster, options, candidates, st)
     return SearchResult(plan, tg, best.choice)
 
@@ -271,29 +279,31 @@ def strategies_stage(
     classes: Classes | None,
     fixed: dict | None,
     candidates: list[dict],
+    unplaceable: list[str],
     st: _Stages,
 ) -> dict[str, NodeStrategies] | None:
-    """Every node's strategies on the candidate's mesh; None (the candidate skipped) where a
-    candidate the search added itself (axis 0 data parallel) has no data-parallel placement."""
+    """Every node's strategies on the candidate's mesh; None (the candidate skipped, the reason
+    kept for the error should no candidate fit) where its axis roles leave some tensor no
+    placement (a batch of one on a data-parallel axis, a dim that does not divide)."""
     only = set(classes.members) if classes else None
     try:
         strats = build_strategies(tg, infos, run.mesh, run.roles, only=only, fixed=fixed)
     except NoPlanFitsError as e:
-        if not run.data_first:
-            raise
-        candidates.append(
-            {
-                "mesh_shape": list(run.mesh),
-                "axis_roles": [r.value for r in run.roles],
-                "status": "no data-parallel placement",
-                "objective": None,
-            }
-        )
-        st.say(f"solve: mesh {run.label}: skipped ({e})")
+        _skip(run, e, candidates, unplaceable, st)
         return None
     if st.dump:
         st.write(f"3_strategies_{run.tag}.tsv", strategies_tsv(strats))
     return strats
+
+
+def _skip(run: MeshRun, e: NoPlanFitsError, candidates: list[dict], unplaceable: list[str], st: _Stages):
+    """Record a candidate whose roles no placement satisfies: a skipped candidate, never fatal."""
+    entry = {"mesh_shape": list(run.mesh), "status": "no placement for its axis roles", "objective": None}
+    if run.roles:
+        entry["axis_roles"] = [r.value for r in run.roles]
+    candidates.append(entry)
+    unplaceable.append(f"mesh {run.label}: {e}")
+    st.say(f"solve: mesh {run.label}: skipped ({e})")
 
 
 def cost_stage(
@@ -403,11 +413,15 @@ def select_stage(
     limit: float,
     min_needed: float,
     refused_at_full_peak: bool,
+    unplaceable: list[str],
     st: _Stages,
 ) -> Solved:
     """The candidate with the smallest predicted step (the search loop keeps it), or the error
-    that says why none fits."""
+    that says why none fits: the memory the best candidate needs, or, where no candidate could
+    place the model under its axis roles, why not."""
     st.write("5_select.json", json.dumps(candidates, indent=1, default=str))
+    if best is None and min_needed == math.inf and unplaceable:
+        raise NoPlanFitsError("no plan: no candidate mesh can place the model; " + "; ".join(unplaceable))
     if best is None:
         raise NoPlanFitsError(
             f"no plan fits: needs at least {min_needed / 2**30:.2f} GiB per device, the limit is "

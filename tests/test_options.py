@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import autopar
+import autopar.examples
 from autopar.examples import mlp
 from autopar.options import AxisRole, SearchOptions, SearchOptionsError
 
@@ -70,3 +71,20 @@ def test_every_stage_of_the_search_is_dumped(tmp_path):
     costs = (tmp_path / "3_costs_2.tsv").read_text().splitlines()
     assert costs[0].split("\t")[:3] == ["kind", "name", "strategy"]
     assert any(row.startswith("node\t") for row in costs) and any(row.startswith("edge\t") for row in costs)
+
+
+def test_a_batch_of_one_plans_and_a_role_nothing_satisfies_is_named():
+    """A candidate whose axis roles leave a tensor no placement (a batch of one on a data-parallel
+    axis) is skipped, never fatal; when every candidate is, the error names the tensor and roles."""
+    model, inputs = autopar.examples.llama_tiny(batch=1, seq=16, hidden=32, vocab=64)
+    cluster = autopar.ClusterSpec.preset("h100-sxm", devices_per_node=8)
+    plan = autopar.plan(model, cluster, inputs)
+    skipped = [c for c in plan.solver.candidates if c["status"] == "no placement for its axis roles"]
+    assert skipped and all(c["axis_roles"][0] == "data" for c in skipped)
+    # the 3-axis mesh, whose outer axis the search pins data parallel, once aborted the search
+    assert [2, 2, 2] in [c["mesh_shape"] for c in skipped]
+    assert plan.world_size == 8
+    with pytest.raises(
+        autopar.NoPlanFitsError, match=r"no candidate mesh.*input_ids of shape \(1, 16\).*\['data'\]"
+    ):
+        autopar.plan(model, cluster, inputs, axis_roles=(AxisRole.DATA,))
