@@ -168,12 +168,6 @@ def _gathered(dim: int, full: float) -> float:
     return full if dim == 0 else 2 * full
 
 
-def reshard_order(src: Spec, dst: Spec) -> list[int]:
-    """The mesh axes in the order a reshard prefers to visit them: Replicate targets first (the
-    tensor grows), in mesh order."""
-    return sorted(range(len(src)), key=lambda a: not is_replicate(dst[a]))
-
-
 def _slices_held_dim(cur: Sequence[Placement], d: Placement, axis: int) -> bool:
     """Would moving ``axis`` to ``d`` slice a tensor dim another axis holds sharded now?"""
     return is_shard(d) and any(b != axis and is_shard(p) and p.dim == d.dim for b, p in enumerate(cur))
@@ -194,7 +188,12 @@ def reshard_plan(
     pending_f = set(f_axes)
     # the placement the steps so far leave (an axis of one rank holds the whole tensor either way)
     cur = [d if n == 1 else s for s, d, n in zip(src, dst, mesh_shape)]
-    pending = [a for a in reshard_order(src, dst) if mesh_shape[a] > 1 and src[a] != dst[a]]
+    # the axes to move, in the order preferred: Replicate targets first (the tensor grows), then
+    # the others, each group in mesh order
+    pending = sorted(
+        (a for a in range(len(src)) if mesh_shape[a] > 1 and src[a] != dst[a]),
+        key=lambda a: not is_replicate(dst[a]),
+    )
     while pending:
         # the first axis in order whose step does not slice a dim another axis still holds
         # sharded (that would cut the other axis's piece, not the tensor: wrong rows, or a dim of
@@ -260,11 +259,3 @@ def reshard_plan(
                             2 * local)
             )  # fmt: skip
     return ReshardPlan(tuple(steps))
-
-
-def collectives_per_axis(calls: Sequence[CollectiveCall]) -> dict[int, int]:
-    """How many collectives run on each mesh axis."""
-    out: dict[int, int] = {}
-    for c in calls:
-        out[c.axis] = out.get(c.axis, 0) + 1
-    return out

@@ -80,8 +80,9 @@ class SearchResult:
 class MeshRun:
     """One candidate of the outer search: a mesh and its axis roles (None: free). ``data_outer``:
     its outer axis is pinned to the data-parallel solution of that axis alone
-    (``DATA_OUTER_MIN_AXES``); ``data_first``: the search's own second try of a mesh with axis 0
-    data parallel (skipped, not an error, where the model has no data-parallel placement)."""
+    (``DATA_OUTER_MIN_AXES``); ``data_first``: the search's own second try of a mesh of fewer axes
+    with axis 0 data parallel. Either is skipped, like any candidate whose roles leave a tensor no
+    placement (``_skip``)."""
 
     mesh: tuple[int, ...]
     roles: tuple[AxisRole, ...] | None
