@@ -20,6 +20,7 @@ from autopar.options import AxisRole, Optimizer, SearchOptions, SearchOptionsErr
 from autopar.placement import Outputs
 from autopar.plan import NodeDecision, Plan, PlannedCollective, Predicted, Site
 from autopar.reshard import Collective, Phase
+from autopar.trades import Offload, Precision, Recompute, Trades, TradesError, ZeroStage
 
 __all__ = [
     "AutoparError",
@@ -34,6 +35,12 @@ __all__ = [
     "NodeDecision",
     "OpCoverage",
     "Optimizer",
+    "Offload",
+    "Precision",
+    "Recompute",
+    "Trades",
+    "TradesError",
+    "ZeroStage",
     "Outputs",
     "Plan",
     "PlanFormatError",

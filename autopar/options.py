@@ -15,6 +15,7 @@ from dataclasses import dataclass, fields
 
 from autopar.errors import AutoparError
 from autopar.placement import Outputs
+from autopar.trades import Offload, Precision, Recompute, Trades, TradesError, ZeroStage
 
 
 class SearchOptionsError(AutoparError, ValueError):
@@ -52,6 +53,11 @@ class SearchOptions:
     * ``coarsen``: repeated blocks share their ILP variables (``passes/coarsen.py``).
     * ``profile``: price ops by running them on this machine (``autopar.tools.profiler``) instead
       of the roofline.
+    * the memory-for-time trades (``autopar/trades.py``), each None ("auto": the search chooses,
+      ``passes/trades.py``) or forced: ``recompute`` (``Recompute``), ``micro_batches`` (int),
+      ``precision`` (``Precision``; auto: the parameters' dtype for fp32 models, bf16 mixed
+      precision for half-precision ones), ``zero_stage`` (0-3 or ``ZeroStage``), ``offload``
+      (``Offload``).
     """
 
     mesh_shape: tuple[int, ...] | None = None
@@ -62,8 +68,32 @@ class SearchOptions:
     outputs: Outputs = Outputs.FULL
     coarsen: bool = True
     profile: bool = False
+    recompute: Recompute | None = None
+    micro_batches: int | None = None
+    precision: Precision | None = None
+    zero_stage: ZeroStage | None = None
+    offload: Offload | None = None
 
     def __post_init__(self) -> None:
+        for name, kind in (
+            ("recompute", Recompute),
+            ("precision", Precision),
+            ("zero_stage", ZeroStage),
+            ("offload", Offload),
+        ):
+            v = getattr(self, name)
+            if v is not None and not isinstance(v, kind):
+                try:
+                    object.__setattr__(self, name, kind(v))
+                except ValueError:
+                    raise SearchOptionsError(
+                        f"{name} must be None (auto) or one of {[m.value for m in kind]}, got {v!r}"
+                    ) from None
+        if self.micro_batches is not None:
+            try:
+                Trades(micro_batches=self.micro_batches)
+            except TradesError as e:
+                raise SearchOptionsError(str(e)) from None
         if self.mesh_shape is not None:
             shape = tuple(self.mesh_shape)
             if not shape or any(int(n) != n or n < 1 for n in shape):

@@ -1,9 +1,9 @@
 """The Plan: every decision the search took, with its predicted costs, as a frozen, versioned value.
 
-JSON layout (schema_version 2)::
+JSON layout (schema_version 3; 2 is the same without "trades" and "trade_costs")::
 
     {
-      "schema_version": 2,
+      "schema_version": 3,
       "fingerprint": "<sha256 of the traced graph: ops, shapes, dtypes, parameter names>",
       "model": "GPT2LMHeadModel",
       "cluster": {... ClusterSpec.to_dict() ...},
@@ -19,6 +19,9 @@ JSON layout (schema_version 2)::
       "predicted": {"step_time_s": ..., "peak_memory_bytes": ..., "compute_s": ..., "comm_s": ...,
                     "param_bytes": ..., "grad_bytes": ..., "optimizer_bytes": ..., "activation_bytes": ...},
       "outputs": "full",   (or "local": each rank returns its piece; absent in older plans: "full")
+      "trades": {"recompute": "none", "micro_batches": 1, "precision": "param", "zero_stage": 0,
+                 "offload": "none", "data_axes": []},   (autopar/trades.py; absent: none taken)
+      "trade_costs": {"zero": {"seconds": ..., "bytes_saved": ...}, ...},
       "solver": {"name": "PULP_CBC_CMD", "status": "Optimal", "objective": ..., "solve_time_s": ...,
                  "num_variables": ..., "num_constraints": ..., "candidates": [...mesh shapes tried...]}
     }
@@ -41,9 +44,10 @@ from typing import Any
 from autopar.errors import PlanFormatError, PlanMismatchError
 from autopar.placement import Outputs, Spec, spec_from_str
 from autopar.reshard import Collective, CollectiveCall, Phase
+from autopar.trades import Trades
 
-SCHEMA_VERSION = 2
-READABLE_VERSIONS = (1, 2)
+SCHEMA_VERSION = 3
+READABLE_VERSIONS = (1, 2, 3)
 
 
 class Site(enum.Enum):
@@ -211,6 +215,10 @@ class Plan:
     solver: SolverInfo
     # how the module returns the outputs: "full" (gathered) or "local" (autopar.placement.Outputs)
     outputs: str = "full"
+    # the memory-for-time trades (autopar/trades.py) and, per trade, what it costs and saves:
+    # {"recompute": {"seconds": ..., "bytes_saved": ...}, ...} (absent in older plans: none taken)
+    trades: Trades = field(default_factory=Trades)
+    trade_costs: dict = field(default_factory=dict)
     schema_version: int = SCHEMA_VERSION
     _by_name: dict = field(default=None, repr=False, compare=False, hash=False)  # type: ignore[assignment]
 
@@ -267,6 +275,11 @@ class Plan:
             f"  predicted peak memory per device {p.peak_memory_bytes / 2**20:.2f} MiB (params "
             f"{p.param_bytes / 2**20:.2f}, grads {p.grad_bytes / 2**20:.2f}, optimizer {p.optimizer_bytes / 2**20:.2f}, "
             f"activations {p.activation_bytes / 2**20:.2f})",
+            f"  trades: {self.trades.describe()}"
+            + "".join(
+                f"; {k} {v.get('seconds', 0.0) * 1e3:+.3f} ms, {v.get('bytes_saved', 0.0) / 2**30:.3f} GiB saved"
+                for k, v in self.trade_costs.items()
+            ),
             f"  solver {self.solver.name}: {self.solver.status}, {self.solver.solve_time_s:.2f} s; lower bound "
             f"{self.solver.lower_bound_s * 1e3:.3f} ms; optimality gap {self.solver.gap:.1%}",
             "  parameter placements:",
@@ -297,6 +310,8 @@ class Plan:
             ],
             "predicted": asdict(self.predicted),
             "outputs": self.outputs,
+            "trades": self.trades.to_dict(),
+            "trade_costs": self.trade_costs,
             "solver": {**asdict(self.solver), "candidates": list(self.solver.candidates)},
         }
 
@@ -333,6 +348,8 @@ class Plan:
                 predicted=Predicted(**data["predicted"]),
                 solver=SolverInfo(**solver),
                 outputs=data.get("outputs", Outputs.FULL.value),  # plans from before the option
+                trades=Trades.from_dict(data.get("trades")),  # plans from before trades: none
+                trade_costs=dict(data.get("trade_costs", {})),
                 schema_version=SCHEMA_VERSION,  # read into this version's types
             )
         except (KeyError, TypeError, ValueError) as e:

@@ -22,6 +22,7 @@ the search obeys are one frozen ``autopar.options.SearchOptions``.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import math
@@ -38,6 +39,7 @@ from autopar.cost_model.comm import axis_link
 from autopar.errors import NoPlanFitsError
 from autopar.options import AxisRole, Optimizer, SearchOptions
 from autopar.passes.analyze import NodeInfo, analyze
+from autopar.passes.blocks import Block, find_blocks
 from autopar.passes.coarsen import Classes, find_classes
 from autopar.passes.costs import CostTables, NodeTimer, build_costs
 from autopar.passes.grad_sync import GradSyncCost
@@ -53,9 +55,21 @@ from autopar.passes.solver import (
     solve,
 )
 from autopar.passes.strategies import NodeStrategies, Strategy, build_strategies, variable_nodes
-from autopar.passes.trace import TracedGraph, trace
-from autopar.placement import spec_to_str
+from autopar.passes.trace import Role, TracedGraph, trace
+from autopar.passes.trades import (
+    TradeTerms,
+    apply_trades,
+    auto_precision,
+    batch_size,
+    half_infos,
+    ladder,
+    micro_batch_ok,
+    state_bytes,
+    trade_terms,
+)
+from autopar.placement import spec_to_str, volume_factor
 from autopar.plan import Plan
+from autopar.trades import Trades
 
 log = logging.getLogger("autopar")
 
@@ -111,6 +125,8 @@ class Solved:
     bound: float
     gs: GradSyncCost
     choice: dict[str, Strategy]
+    trades: Trades = Trades()
+    terms: TradeTerms | None = None
 
 
 class _Stages:
@@ -151,6 +167,10 @@ def search(
     tg = trace_stage(model, example_inputs, st)
     infos = analyze_stage(tg, st)
     classes = coarsen_stage(tg, infos, options, st)
+    blocks = find_blocks(tg)
+    precision = options.precision or auto_precision(infos)
+    cinfos = half_infos(infos, precision)  # what the cost model prices: activations as computed
+    batch = batch_size(tg, infos)
     limit = cluster.memory_limit(options.memory_limit_bytes)
     candidates: list[dict] = []
     best: Solved | None = None
@@ -187,17 +207,28 @@ def search(
         strats = strategies_stage(tg, infos, run, classes, fixed, candidates, unplaceable, st)
         if strats is None:
             continue
-        tables = cost_stage(tg, infos, strats, cluster, run, options, classes, profiler, st)
-        outcome = solve_mesh(tg, infos, tables, cluster, run, options, limit, best_objective, st)
-        min_needed = min(min_needed, outcome.mem_needed)
-        refused_at_full_peak |= outcome.refused_at_full_peak
-        candidates.append(outcome.entry)
-        if outcome.solved is not None:
-            best_objective = min(best_objective, outcome.solved.sol.objective)
-            if best is None or outcome.solved.t_step < best.t_step - 1e-12:
-                best = outcome.solved
-    best = select_stage(best, candidates, cluster, limit, min_needed, refused_at_full_peak, unplaceable, st)
-    plan = price_stage(tg, infos, best, cluster, options, candidates, st)
+        tables = cost_stage(tg, cinfos, strats, cluster, run, options, classes, profiler, st)
+        data_axes = tuple(a for a, r in enumerate(run.roles or ()) if r is AxisRole.DATA and run.mesh[a] > 1)
+        for trades in ladder(options, data_axes, precision, batch, bool(blocks)):
+            traded = apply_trades(tables, tg, cinfos, trades, cluster, options.optimizer, blocks)
+            ctx = TradeContext(trades, tables, blocks, cinfos)
+            outcome = solve_mesh(tg, cinfos, traded, cluster, run, options, limit, best_objective, st, ctx)
+            min_needed = min(min_needed, outcome.mem_needed)
+            refused_at_full_peak |= outcome.refused_at_full_peak
+            candidates.append(outcome.entry)
+            if outcome.solved is not None:
+                best_objective = min(
+                    best_objective, outcome.solved.sol.objective + outcome.solved.terms.total_s
+                )
+                if best is None or outcome.solved.t_step < best.t_step - 1e-12:
+                    best = outcome.solved
+                break  # the cheapest rung that fits (passes/trades.py)
+            if outcome.entry.get("status") == "pruned":
+                break  # no later rung is faster than the best plan so far
+    best = select_stage(
+        best, candidates, cluster, limit, min_needed, refused_at_full_peak, unplaceable, st, options
+    )
+    plan = price_stage(tg, cinfos, best, cluster, options, candidates, st)
     return SearchResult(plan, tg, best.choice)
 
 
@@ -328,6 +359,17 @@ def cost_stage(
     return tables
 
 
+@dataclass(frozen=True)
+class TradeContext:
+    """What ``solve_mesh`` needs to price a rung of the trades ladder on a solution: the rung, the
+    tables without trades, the blocks and the infos the tables were built from."""
+
+    trades: Trades
+    base: CostTables
+    blocks: list[Block]
+    infos: dict[str, NodeInfo]
+
+
 @dataclass
 class MeshOutcome:
     """What solving one candidate gave: its entry in the plan's candidate list, the memory it needs
@@ -349,16 +391,20 @@ def solve_mesh(
     limit: float,
     best_objective: float,
     st: _Stages,
+    ctx: TradeContext | None = None,
 ) -> MeshOutcome:
     """Solve one candidate: skip it when its memory lower bound passes the limit or its time lower
     bound is no better than the best objective so far; else the ILP, then the chosen solution's
     gradient buckets and full peak (solving again, once, with as much less room as that peak passes
     the limit: the buckets' flattening and the optimizer step's temporaries are not in the ILP's rows)."""
     mesh, label = run.mesh, run.label
+    trades = ctx.trades if ctx else Trades()
+    if not trades.is_default:
+        label = f"{label} [{trades.describe()}]"
     mem_needed = lower_bound_bytes(tables)
     exact = fold_followers(tables, exact=True)  # keeps the optimum: the bound is valid on it
     bound = lower_bound(tables, exact)
-    entry = {"mesh_shape": list(mesh), "lower_bound": bound}
+    entry = {"mesh_shape": list(mesh), "lower_bound": bound, "trades": trades.to_dict()}
     if run.roles:
         entry["axis_roles"] = [r.value for r in run.roles]
     if mem_needed > limit:
@@ -379,19 +425,33 @@ def solve_mesh(
     # once per parameter, partly behind backward compute (passes/grad_sync.py)
     choice = expanded_choice(tg, tables, sol)
     gs = grad_sync_cost(tg, infos, tables, sol, choice, cluster, mesh, options.outputs)
-    over = plan_peak(tables, sol, gs) - limit
+    terms = _terms(ctx, tables, sol, cluster, options)
+    over = plan_peak(tables, sol, gs) + terms.transient - limit
     if over > 0:
         sol = solve(tables, limit - over, options.time_limit_s, folded=folded)
         if sol is not None:
             choice = expanded_choice(tg, tables, sol)
             gs = grad_sync_cost(tg, infos, tables, sol, choice, cluster, mesh, options.outputs)
-        if sol is None or plan_peak(tables, sol, gs) > limit:
+            terms = _terms(ctx, tables, sol, cluster, options)
+        if sol is None or plan_peak(tables, sol, gs) + terms.transient > limit:
             st.say(
                 f"solve: mesh {label}: no plan fits {limit / 2**30:.2f} GiB per device "
                 "with its gradient buckets' flattening and its optimizer step's temporaries"
             )
             return MeshOutcome({**entry, "status": "infeasible", "objective": None}, mem_needed, None, True)
-    t_step = sol.objective + gs.adjustment_s
+    if not micro_batch_ok(tg, infos, sol.choice, tables, trades.micro_batches):
+        st.say(f"solve: mesh {label}: the batch does not split into its micro-batches as the plan splits it")
+        return MeshOutcome({**entry, "status": "infeasible", "objective": None}, mem_needed)
+    host_limit = cluster.host_memory_bytes / max(cluster.devices_per_node, 1)
+    if terms.host_bytes > host_limit:
+        st.say(
+            f"solve: mesh {label}: offloaded state needs {_size(terms.host_bytes)} of host memory per device"
+        )
+        return MeshOutcome({**entry, "status": "infeasible", "objective": None}, mem_needed)
+    if ctx is not None and (ctx.trades.recompute.value != "none" or ctx.trades.micro_batches > 1):
+        saved = _activation_saving(ctx.base, tables, sol.choice, infos) - terms.transient
+        terms.bytes_saved["activations"] = saved
+    t_step = sol.objective + gs.adjustment_s + terms.total_s
     st.say(
         f"solve: mesh {label}: {sol.status}, predicted step {t_step * 1e3:.3f} ms "
         f"({sol.num_variables} variables, {sol.solve_time_s:.2f} s)"
@@ -403,8 +463,42 @@ def solve_mesh(
     return MeshOutcome(
         {**entry, "status": sol.status, "objective": t_step},
         mem_needed,
-        Solved(t_step, run, sol, tables, bound, gs, choice),
+        Solved(t_step, run, sol, tables, bound, gs, choice, trades, terms),
     )
+
+
+def _terms(
+    ctx: TradeContext | None, tables: CostTables, sol: Solution, cluster: ClusterSpec, options
+) -> TradeTerms:
+    if ctx is None:
+        return TradeTerms()
+    return trade_terms(
+        ctx.base, tables, sol.choice, ctx.infos, ctx.trades, cluster, options.optimizer, ctx.blocks
+    )
+
+
+def _activation_saving(base: CostTables, tables: CostTables, choice: dict[str, int], infos) -> float:
+    """Bytes the activations' terms lost from ``base`` to ``tables`` under ``choice`` (each
+    counted where the tables charge it, summed: an upper bound on what the peak loses)."""
+    saved = sum(
+        base.node_mem[v][i] - tables.node_mem[v][i]
+        for v, i in choice.items()
+        if infos[v].role not in (Role.PARAM, Role.BUFFER)
+    )
+    for e0, e1 in zip(base.edges, tables.edges):
+        a = choice.get(e0.src)
+        b = 0 if e0.dst == "output" else choice.get(e0.dst)
+        if a is not None and b is not None:
+            saved += e0.mem[a][b] - e1.mem[a][b]
+    return saved
+
+
+def _size(nbytes: float) -> str:
+    """Bytes in a unit that shows the figure: 1.50 GiB, 12.3 MiB, 800 KiB, 12 B."""
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(nbytes) >= scale:
+            return f"{nbytes / scale:.2f} {unit}"
+    return f"{nbytes:.0f} B"
 
 
 def select_stage(
@@ -416,6 +510,7 @@ def select_stage(
     refused_at_full_peak: bool,
     unplaceable: list[str],
     st: _Stages,
+    options: SearchOptions | None = None,
 ) -> Solved:
     """The candidate with the smallest predicted step (the search loop keeps it), or the error
     that says why none fits: the memory the best candidate needs, or, where no candidate could
@@ -424,15 +519,50 @@ def select_stage(
     if best is None and min_needed == math.inf and unplaceable:
         raise NoPlanFitsError("no plan: no candidate mesh can place the model; " + "; ".join(unplaceable))
     if best is None:
-        raise NoPlanFitsError(
-            f"no plan fits: needs at least {min_needed / 2**30:.2f} GiB per device, the limit is "
-            f"{limit / 2**30:.2f} GiB ({cluster.device.name}, {cluster.world_size} devices, "
-            f"{cluster.memory_reserve:.0%} of memory held in reserve"
-            f"{'; a plan that fit did not with its gradient buckets flattened and its optimizer step' if refused_at_full_peak else ''}"
-            "); try more devices, "
-            "a smaller batch or sequence, another mesh_shape or a larger memory_limit_bytes"
-        )
+        raise NoPlanFitsError(no_fit_message(cluster, limit, min_needed, refused_at_full_peak, options))
     return best
+
+
+def no_fit_message(
+    cluster: ClusterSpec,
+    limit: float,
+    min_needed: float,
+    refused_at_full_peak: bool,
+    options: SearchOptions | None,
+) -> str:
+    """Why no plan fits, with the figure that shows it and what would bring a plan under the limit:
+    the least memory any candidate's bound proves it needs when that passes the limit, else that the
+    plans the solver could build all pass it (a bound under the limit is no figure to quote); then
+    the trades the options forbid, more devices, a smaller batch."""
+    options = options or SearchOptions()
+    where = (
+        f"({cluster.device.name}, {cluster.world_size} devices, {cluster.memory_reserve:.0%} of "
+        "memory held in reserve)"
+    )
+    if min_needed > limit and math.isfinite(min_needed):
+        head = (
+            f"no plan fits: every candidate needs at least {_size(min_needed)} per device, the limit "
+            f"is {_size(limit)} {where}"
+        )
+    else:
+        head = f"no plan fits in {_size(limit)} per device {where}: every plan the solver found passes it"
+    if refused_at_full_peak:
+        head += "; a plan that fit did not with its gradient buckets flattened and its optimizer step"
+    tries = []
+    if options.zero_stage is not None and options.zero_stage < 3:
+        tries.append("zero_stage=3 (or None: auto)")
+    if options.axis_roles is None or not any(r.value == "data" for r in options.axis_roles):
+        tries.append("axis_roles with AxisRole.DATA (ZeRO shards over data-parallel axes)")
+    if options.recompute is not None and options.recompute.value != "full":
+        tries.append("recompute=Recompute.FULL (or None)")
+    if options.micro_batches is not None:
+        tries.append("more micro_batches (or None)")
+    if options.offload is not None and options.offload.value == "none":
+        tries.append("offload=Offload.OPTIMIZER (or None)")
+    if options.precision is not None and options.precision.value == "param":
+        tries.append("precision=Precision.BF16")
+    tries += ["more devices", "a smaller batch or sequence", "a larger memory_limit_bytes"]
+    return f"{head}; try " + ", ".join(tries)
 
 
 def price_stage(
@@ -448,10 +578,45 @@ def price_stage(
         tg, infos, best.tables, best.sol, best.choice, cluster, best.run.mesh, options.optimizer,
         candidates, best.bound, best.gs, options.outputs,
     )  # fmt: skip
+    plan = with_trades(plan, tg, infos, best, options)
     if st.dump:
         plan.save(st.dump / "6_plan.json")
     st.say(f"plan: mesh {best.run.mesh}, {time.perf_counter() - st.t0:.1f} s in all")
     return plan
+
+
+def with_trades(plan: Plan, tg: TracedGraph, infos: dict[str, NodeInfo], best: Solved, options) -> Plan:
+    """The plan with its trades, what each costs and saves, and its predicted step, peak and state
+    bytes as the trades make them (``passes/trades.py``)."""
+    trades, terms = best.trades, best.terms or TradeTerms()
+    p = plan.predicted
+    mesh = best.run.mesh
+    param = grad = opt = 0.0
+    for n in tg.placeholders:
+        info = infos[n.name]
+        if info.role is not Role.PARAM or n.name not in best.choice or not info.dtype:
+            continue
+        s = best.choice[n.name]
+        elems = info.out_bytes / torch.empty((), dtype=info.dtype).element_size() / volume_factor(s.out, mesh)
+        d = math.prod(mesh[a] for a in trades.data_axes if s.out[a].is_replicate())
+        sb = state_bytes(elems, info.dtype, d, trades, options.optimizer, info.requires_grad)
+        param, grad, opt = param + sb.param, grad + sb.grad, opt + sb.optimizer
+    act = p.activation_bytes + (p.param_bytes + p.grad_bytes + p.optimizer_bytes) - (param + grad + opt)
+    predicted = dataclasses.replace(
+        p,
+        step_time_s=p.step_time_s + terms.total_s,
+        comm_s=p.comm_s
+        + terms.seconds.get("zero", 0.0)
+        + terms.seconds.get("offload", 0.0)
+        + terms.seconds.get("micro_batches", 0.0),
+        compute_s=p.compute_s,
+        peak_memory_bytes=int(p.peak_memory_bytes + terms.transient),
+        param_bytes=int(param),
+        grad_bytes=int(grad),
+        optimizer_bytes=int(opt),
+        activation_bytes=int(max(act, 0.0)),
+    )
+    return dataclasses.replace(plan, predicted=predicted, trades=trades, trade_costs=terms.costs())
 
 
 def data_parallel_axis(

@@ -40,6 +40,8 @@ LAYERS = {
     "autopar.presets": 0,
     "autopar.cluster": 0,
     "autopar.model_spec": 0,
+    "autopar.trades": 0,
+    "autopar.passes.trades": 2,
     "autopar.passes": 1,
     "autopar.cost_model": 1,
     "autopar.passes.solver": 2,

@@ -6,6 +6,8 @@ from __future__ import annotations
 import itertools
 import math
 
+import re
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -261,7 +263,13 @@ def test_no_plan_fits_says_what_is_needed():
             model, autopar.ClusterSpec.preset("cpu", devices_per_node=2), inputs, memory_limit_bytes=1000
         )
     msg = str(e.value)
-    assert "needs at least" in msg and "per device" in msg and "GiB" in msg
+    # in a unit that shows the figure (never "0.00 GiB"), above the limit, and what to try
+    m = re.search(r"needs at least ([\d.]+) (B|KiB|MiB) per device, the limit is ([\d.]+) (B|KiB)", msg)
+    assert m, msg
+    scale = {"B": 1, "KiB": 2**10, "MiB": 2**20}
+    assert float(m[1]) * scale[m[2]] > float(m[3]) * scale[m[4]]
+    assert "0.00 GiB" not in msg and "zero_stage" not in msg and "micro_batches" not in msg
+    assert "try" in msg and "more devices" in msg
 
 
 def _llama_block_model(layers=2, hidden=2048, ffn=8192, heads=16, vocab=32000):

@@ -1,0 +1,504 @@
+r"""Pricing the memory-for-time trades (``autopar/trades.py``) and the ladder the search climbs.
+
+Where they are decided: an **outer search around the ILP**, per mesh candidate. Each trade is one
+choice for the whole step (not per op), there are few combinations, and each changes the
+coefficients of the cost tables, not their structure: so every rung of the ladder below is the
+same ILP on transformed tables (``apply_trades``), solved by ``passes/search.py:solve_mesh``, and
+what a trade costs that the tables cannot see until the placements are chosen (gathers exposed
+behind compute, one block recomputed at a time) is priced on the solution (``trade_terms``). An
+ILP with the trades as variables would need products of trade and placement variables in every
+memory row; the ladder keeps rows linear and the solve as fast as before.
+
+**The ladder** (``ladder``): rungs in order of the time they add, the first whose plan fits is
+taken (a forced trade fixes its dimension):
+
+    ZeRO 0 -> 1 -> 2 -> 3  (on data axes)  ->  + selective recompute  ->  + full recompute
+      ->  + micro-batches 2, 4, 8, ...  ->  + optimizer offload
+
+ZeRO 1-2 cost (almost) nothing and save much; recomputation adds one forward of what it frees;
+micro-batches add a collective's latency per micro-batch and the ZeRO-3 gathers again; offload
+adds the host link's traffic. A rung whose memory lower bound (``memory_row.lower_bound_bytes``)
+passes the limit is skipped without a solve.
+
+**Prices** (per device; ``L`` the bytes of a parameter's local piece in its dtype, ``e`` its
+elements, ``d`` the product of the data axes' sizes it is replicated over, ``q`` the optimizer's
+state copies, ``b`` the master/optimizer bytes per element: 4 under mixed precision, else the
+parameter's):
+
+* parameter memory: ``e b / (d if ZeRO-3)`` (+ ``2e`` under mixed precision below ZeRO-3: the half
+  copy autocast makes and backward keeps); gradients ``e b / (d if ZeRO >= 2)``; optimizer state
+  ``q e b / (d if ZeRO >= 1)``, 0 on the device when offloaded (counted against
+  ``ClusterSpec.host_memory_bytes`` instead). The optimizer step runs on ``1/d`` of the elements
+  from ZeRO-1 (``compute.optimizer_step_time``).
+* ZeRO-1 all-gathers the updated parameters after the step; ZeRO-2 gathers them before forward
+  and reduce-scatters gradients (the all-reduce's two halves: ``+ag - (ar - rs)``); ZeRO-3 gathers
+  each block's parameters in forward and again in backward, the next block's gather prefetched
+  behind this block's compute: exposed ``g_1 + sum_i max(0, g_{i+1} - c_i)`` (``c`` a block's
+  forward, resp. backward, compute), and two blocks' gathered parameters live at once (a
+  transient). Parameters outside blocks are gathered exposed.
+* recomputation: FULL keeps of each block only its output (the next block's input); SELECTIVE
+  keeps the outputs of its matmuls and attention (Megatron's selective recomputation: what is
+  recomputed is cheap elementwise work); the bytes freed leave the tables; backward rematerializes
+  one block at a time (a transient: the block's kept bytes as NONE counts them); the time added is
+  the forward of every recomputed op (FULL: and half of the block's reshard time, the forward
+  collectives run again).
+* micro-batches ``k``: activations, inputs and their transients are ``1/k``; compute and activation
+  collectives keep their total (less efficient small GEMMs are not priced); each activation
+  collective pays its latency ``k`` times; ZeRO-3 gathers run per micro-batch; gradients are
+  reduced once.
+* mixed precision: an fp32 model's activations are analyzed in the half type (bytes halved,
+  matmuls at the half type's peak: ``half_infos``); masters, gradients and optimizer state fp32.
+* offload: the gradients go to host and the updated parameters come back over
+  ``ClusterSpec.host_link`` (``(L_grad + L_param) / bw``), and the optimizer step runs on the host
+  at the host link's bandwidth (a lower bound on a CPU Adam's memory traffic; exposed).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from autopar.cluster import ClusterSpec
+from autopar.cost_model.comm import CommModel
+from autopar.cost_model.compute import node_time, optimizer_step_time
+from autopar.options import Optimizer, SearchOptions
+from autopar.passes.analyze import NodeInfo
+from autopar.passes.blocks import Block
+from autopar.passes.costs import CostTables
+from autopar.passes.trace import Role, TracedGraph
+from autopar.placement import is_replicate, is_shard, volume_factor
+from autopar.reshard import Collective
+from autopar.trades import Offload, Precision, Recompute, Trades, ZeroStage
+
+# ops whose outputs selective recomputation keeps (Megatron: recompute the cheap work between them)
+MATMULS = frozenset(
+    f"aten.{op}"
+    for op in (
+        "mm.default", "addmm.default", "bmm.default", "baddbmm.default", "linear.default",
+        "matmul.default", "_scaled_dot_product_efficient_attention.default",
+        "_scaled_dot_product_flash_attention.default", "_scaled_dot_product_flash_attention_for_cpu.default",
+        "scaled_dot_product_attention.default", "_scaled_dot_product_cudnn_attention.default",
+    )
+)  # fmt: skip
+MAX_MICRO_BATCHES = 64
+
+
+def _item(dtype: torch.dtype | None) -> int:
+    return torch.empty((), dtype=dtype).element_size() if dtype is not None else 0
+
+
+def half_dtype(precision: Precision) -> torch.dtype:
+    return torch.float16 if precision is Precision.FP16 else torch.bfloat16
+
+
+def auto_precision(infos: dict[str, NodeInfo]) -> Precision:
+    """The parameters' dtype for fp32 models (numerics as the user wrote them); bf16 mixed
+    precision (fp32 masters and optimizer state) for half-precision ones, as they are trained."""
+    dtypes = {i.dtype for i in infos.values() if i.role is Role.PARAM and i.requires_grad}
+    return Precision.BF16 if dtypes and dtypes <= {torch.bfloat16, torch.float16} else Precision.PARAM
+
+
+def half_infos(infos: dict[str, NodeInfo], precision: Precision) -> dict[str, NodeInfo]:
+    """Under mixed precision, an fp32 model's floating activations as the half type computes them
+    (bytes halved, ``dtype`` the half type: matmuls at its peak). Parameters keep their dtype here
+    (``apply_trades`` prices masters and copies)."""
+    if not precision.mixed:
+        return infos
+    half = half_dtype(precision)
+    out = {}
+    for k, i in infos.items():
+        if i.role is Role.PARAM or i.dtype != torch.float32:
+            out[k] = i
+            continue
+        out[k] = dataclasses.replace(
+            i, dtype=half, bytes=i.bytes // 2, saved_temp_bytes=i.saved_temp_bytes // 2,
+            grad_temp_bytes=i.grad_temp_bytes // 2,
+        )  # fmt: skip
+    return out
+
+
+@dataclass
+class TradeTerms:
+    """What a solution's trades cost besides its tables: seconds per trade (added to the step),
+    a transient (bytes, added to the peak), the bytes each trade saved on the device, and the
+    bytes kept in host memory. ``in_tables``: seconds a trade costs that the tables already hold
+    (recomputation's forwards), for the report only."""
+
+    seconds: dict[str, float] = field(default_factory=dict)
+    in_tables: dict[str, float] = field(default_factory=dict)
+    transient: float = 0.0
+    bytes_saved: dict[str, float] = field(default_factory=dict)
+    host_bytes: float = 0.0
+
+    @property
+    def total_s(self) -> float:
+        return sum(self.seconds.values())
+
+    def costs(self) -> dict[str, dict[str, float]]:
+        keys = sorted(set(self.seconds) | set(self.in_tables) | set(self.bytes_saved))
+        return {
+            k: {
+                "seconds": self.seconds.get(k, 0.0) + self.in_tables.get(k, 0.0),
+                "bytes_saved": self.bytes_saved.get(k, 0.0),
+            }
+            for k in keys
+        }
+
+
+@dataclass(frozen=True)
+class StateBytes:
+    """Per device: parameters, gradients, optimizer state (device and host) of a parameter piece."""
+
+    param: float
+    grad: float
+    optimizer: float
+    host: float
+
+
+def state_bytes(
+    elems: float, dtype: torch.dtype | None, d: int, trades: Trades, optimizer: Optimizer, trainable: bool
+) -> StateBytes:
+    """The bytes of one parameter piece of ``elems`` elements replicated over data axes of ``d``
+    devices (module docstring)."""
+    item = _item(dtype)
+    master = 4 if trades.precision.mixed else item
+    z = trades.zero_stage
+    if not trainable:
+        return StateBytes(elems * item, 0.0, 0.0, 0.0)
+    p = elems * master / (d if z >= ZeroStage.PARAMETERS else 1)
+    if trades.precision.mixed and z < ZeroStage.PARAMETERS:
+        p += elems * 2  # the half copy autocast makes, kept for backward
+    g = elems * master / (d if z >= ZeroStage.GRADIENTS else 1)
+    o = optimizer.value * elems * master / (d if z >= ZeroStage.OPTIMIZER else 1)
+    if trades.offload is Offload.OPTIMIZER:
+        return StateBytes(
+            p, g, 0.0, o + (elems * master / (d if z else 1) if trades.precision.mixed else 0.0)
+        )
+    return StateBytes(p, g, o, 0.0)
+
+
+def data_size(spec, mesh: Sequence[int], data_axes: Sequence[int]) -> int:
+    """How many devices of the data axes hold the same piece under ``spec`` (ZeRO shards over them)."""
+    return math.prod(mesh[a] for a in data_axes if is_replicate(spec[a]))
+
+
+def _in_block(tables: CostTables, blocks: Sequence[Block]) -> dict[str, Block]:
+    where = {n: b for b in blocks for n in b.nodes}
+    return {v: where[v] for v in tables.strategies if v in where}
+
+
+def apply_trades(
+    tables: CostTables,
+    tg: TracedGraph,
+    infos: dict[str, NodeInfo],
+    trades: Trades,
+    cluster: ClusterSpec,
+    optimizer: Optimizer,
+    blocks: Sequence[Block],
+) -> CostTables:
+    """The tables as the step runs under ``trades`` (module docstring). ``infos``: as the tables
+    were built (``half_infos`` under mixed precision)."""
+    if trades == Trades(precision=Precision.PARAM) and not trades.data_axes:
+        return tables
+    mesh = tables.mesh_shape
+    k = trades.micro_batches
+    slow = cluster.compute_slowdown
+    node_cost = {v: list(c) for v, c in tables.node_cost.items()}
+    node_mem = {v: list(m) for v, m in tables.node_mem.items()}
+    node_peak = {v: list(p) for v, p in tables.node_peak.items()}
+    grad_mem = {v: list(g) for v, g in tables.grad_mem.items()}
+    step_peak = {v: list(p) for v, p in tables.step_peak.items()}
+    classes = tables.classes
+    in_block = _in_block(tables, blocks) if trades.recompute is not Recompute.NONE else {}
+    outs = {n for b in blocks for n in b.outputs}
+
+    for v, ss in tables.strategies.items():
+        info = infos[v]
+        n = classes.count(v) if classes else 1
+        if info.role is Role.PARAM:
+            trainable = info.requires_grad
+            for i, s in enumerate(ss):
+                vol = volume_factor(s.out, mesh)
+                elems = info.out_bytes / _item(info.dtype) / vol if info.dtype else 0.0
+                d = data_size(s.out, mesh, trades.data_axes)
+                sb = state_bytes(elems, info.dtype, d, trades, optimizer, trainable)
+                node_mem[v][i] = n * (sb.param + sb.optimizer)
+                if v in grad_mem:
+                    grad_mem[v][i] = n * sb.grad
+                if trainable:
+                    master = 4 if trades.precision.mixed else _item(info.dtype)
+                    shard = elems * master / (d if trades.zero_stage else 1)
+                    old = optimizer_step_time(
+                        info.out_bytes / vol, optimizer.value, cluster.device, optimizer.name
+                    )
+                    new = (
+                        0.0
+                        if trades.offload is Offload.OPTIMIZER  # on the host: trade_terms
+                        else optimizer_step_time(shard, optimizer.value, cluster.device, optimizer.name)
+                    )
+                    node_cost[v][i] += n * (new - old) * slow
+                    if v in step_peak:
+                        step_peak[v][i] *= (
+                            0.0
+                            if trades.offload is Offload.OPTIMIZER
+                            else shard / max(info.out_bytes / vol, 1)
+                        )
+            continue
+        if info.role is Role.BUFFER:
+            continue
+        batch = True  # inputs and activations: per micro-batch
+        blk = in_block.get(v)
+        for i, s in enumerate(ss):
+            m = node_mem[v][i]
+            if blk is not None and info.role is not Role.INPUT:
+                vol = volume_factor(s.out, mesh)
+                keep_out = v in outs
+                if trades.recompute is Recompute.FULL:
+                    m = n * info.out_bytes / vol if keep_out else 0.0
+                    node_cost[v][i] += n * _forward_s(info, tables, v, i, cluster) * slow
+                else:  # selective: the matmuls' outputs (and attention's statistics) stay
+                    if info.target in MATMULS or keep_out:
+                        work = max([vol] + [volume_factor(x, mesh) for x in s.ins])
+                        m = n * (
+                            info.out_bytes / vol
+                            + (info.saved_temp_bytes / work if info.target in MATMULS else 0)
+                        )
+                    else:
+                        m = 0.0
+                        node_cost[v][i] += n * _forward_s(info, tables, v, i, cluster) * slow
+            if batch:
+                m /= k
+                if v in node_peak:
+                    node_peak[v][i] /= k
+            node_mem[v][i] = m
+
+    params = {v for v in tables.strategies if infos[v].role in (Role.PARAM, Role.BUFFER)}
+    edges = []
+    for e in tables.edges:
+        e2 = e
+        src_param = e.src in params
+        inside = e.dst in in_block
+        if inside and (src_param or e.src in in_block):
+            zero = [[0.0] * len(row) for row in e.mem]
+            add = 0.5 if trades.recompute is Recompute.FULL else 0.0
+            e2 = dataclasses.replace(
+                e2, mem=zero, copy=None if e.copy is None else zero,
+                keep=None if e.keep is None else zero,
+                cost=[[c * (1 + add) if math.isfinite(c) else c for c in row] for row in e.cost],
+            )  # fmt: skip
+        if k > 1 and not src_param:
+            e2 = dataclasses.replace(
+                e2, mem=[[m / k for m in row] for row in e2.mem],
+                copy=None if e2.copy is None else [[m / k for m in row] for row in e2.copy],
+                keep=None if e2.keep is None else [[m / k for m in row] for row in e2.keep],
+                peak=None if e2.peak is None else [[m / k for m in row] for row in e2.peak],
+            )  # fmt: skip
+        edges.append(e2)
+    return dataclasses.replace(
+        tables, node_cost=node_cost, node_mem=node_mem, node_peak=node_peak, grad_mem=grad_mem,
+        step_peak=step_peak, edges=edges, node_keep={}, peak_at={}, mem_at={},
+    )  # fmt: skip
+
+
+def _forward_s(info: NodeInfo, tables: CostTables, v: str, i: int, cluster: ClusterSpec) -> float:
+    """Seconds of one forward of node ``v`` under strategy ``i`` (a recomputation)."""
+    s = tables.strategies[v][i]
+    k = s.work_divisor(tables.mesh_shape)
+    return node_time(info.flops, info.bytes, info.dtype, cluster.device, k, False, op=info.target)
+
+
+def trade_terms(
+    base: CostTables,
+    tables: CostTables,
+    choice: dict[str, int],
+    infos: dict[str, NodeInfo],
+    trades: Trades,
+    cluster: ClusterSpec,
+    optimizer: Optimizer,
+    blocks: Sequence[Block],
+) -> TradeTerms:
+    """What ``trades`` cost on the solution ``choice`` beyond ``tables`` (module docstring):
+    ``base`` are the tables without trades (for what they saved)."""
+    terms = TradeTerms()
+    mesh = tables.mesh_shape
+    comm = CommModel(cluster, mesh)
+    classes = tables.classes
+    members = classes.members if classes else {v: [v] for v in tables.strategies}
+    k = trades.micro_batches
+    pos_block = {n: b.index for b in blocks for n in b.nodes}
+
+    # per block (by index): forward compute seconds, and the bytes NONE would keep
+    block_c = [0.0] * len(blocks)
+    block_kept = [0.0] * len(blocks)
+    for v, i in choice.items():
+        ms = members[v]
+        bs = [pos_block[m] for m in ms if m in pos_block]
+        if not bs:
+            continue
+        for b in bs:
+            block_c[b] += base.node_cost[v][i] / len(ms)
+            block_kept[b] += base.node_mem[v][i] / len(ms)
+
+    # ZeRO: gathers and their exposure, host traffic under offload
+    z = trades.zero_stage
+    gather = {b.index: 0.0 for b in blocks}  # half-type (or param-type) bytes of a block's params
+    gather_out = 0.0
+    grad_total = 0.0
+    step_elems_host = 0.0
+    axis_parts = [a for a in trades.data_axes if mesh[a] > 1]
+    for v, i in choice.items():
+        info = infos[v]
+        if info.role is not Role.PARAM or not info.requires_grad:
+            continue
+        s = tables.strategies[v][i]
+        vol = volume_factor(s.out, mesh)
+        elems = info.out_bytes / _item(info.dtype) / vol
+        cbytes = elems * (2 if trades.precision.mixed else _item(info.dtype))
+        gbytes = elems * (4 if trades.precision.mixed else _item(info.dtype))
+        for m in members[v]:
+            grad_total += gbytes
+            b = next((blk.index for blk in blocks if m in blk.params), None)
+            if b is None:
+                gather_out += cbytes
+            else:
+                gather[b] += cbytes
+            step_elems_host += elems * (4 if trades.precision.mixed else _item(info.dtype))
+    d = math.prod(mesh[a] for a in axis_parts) if axis_parts else 1
+
+    def ag(nbytes: float) -> float:
+        return sum(comm.time(Collective.ALL_GATHER, nbytes, a) for a in axis_parts)
+
+    def rs(nbytes: float) -> float:
+        return sum(comm.time(Collective.REDUCE_SCATTER, nbytes, a) for a in axis_parts)
+
+    def ar(nbytes: float) -> float:
+        return sum(comm.time(Collective.ALL_REDUCE, nbytes, a) for a in axis_parts)
+
+    if z and axis_parts:
+        total_gather = gather_out + sum(gather.values())
+        if z == ZeroStage.OPTIMIZER:
+            terms.seconds["zero"] = ag(total_gather)
+        elif z == ZeroStage.GRADIENTS:
+            terms.seconds["zero"] = ag(total_gather) - (ar(grad_total) - rs(grad_total))
+        else:
+            g = [ag(gather[b.index]) for b in blocks]
+            fwd = g[0] + sum(max(0.0, g[j + 1] - block_c[j] / 3) for j in range(len(g) - 1)) if g else 0.0
+            bwd = (
+                g[-1] + sum(max(0.0, g[j] - 2 * block_c[j + 1] / 3) for j in range(len(g) - 1)) if g else 0.0
+            )
+            terms.seconds["zero"] = k * (2 * ag(gather_out) + fwd + bwd) - (ar(grad_total) - rs(grad_total))
+            two = sorted(gather.values())[-2:]
+            terms.transient += sum(two) + gather_out
+        saved = 0.0
+        for v, i in choice.items():
+            info = infos[v]
+            if info.role is Role.PARAM:
+                saved += (base.node_mem[v][i] + base.grad_mem.get(v, [0.0] * (i + 1))[i]) - (
+                    tables.node_mem[v][i] + tables.grad_mem.get(v, [0.0] * (i + 1))[i]
+                )
+        terms.bytes_saved["zero"] = saved
+    if trades.offload is Offload.OPTIMIZER:
+        shard = step_elems_host / (d if z else 1)  # bytes of the master pieces this device steps
+        link = cluster.host_link
+        traffic = 2 * shard  # gradients down, parameters up
+        host_step = optimizer_step_time(shard, optimizer.value, cluster.device, optimizer.name)
+        host_step *= cluster.device.memory_bandwidth / max(link.bandwidth, 1.0)  # host memory is slower
+        terms.seconds["offload"] = traffic / link.bandwidth + link.latency + host_step
+        terms.host_bytes = shard * (optimizer.value + (1 if trades.precision.mixed else 0))
+        terms.bytes_saved["offload"] = shard * optimizer.value
+        if "zero" in terms.bytes_saved:  # the tables dropped the offloaded state too
+            terms.bytes_saved["zero"] -= shard * optimizer.value
+    if trades.recompute is not Recompute.NONE and blocks:
+        # backward rematerializes one block at a time: its bytes as NONE keeps them (1/k of them)
+        terms.transient += max(block_kept) / k
+        inside = _in_block(tables, blocks)
+        terms.in_tables["recompute"] = sum(
+            tables.node_cost[v][i] - base.node_cost[v][i] for v, i in choice.items() if v in inside
+        )
+    if k > 1:
+        n_calls = sum(
+            1
+            for e in tables.edges
+            if e.src in choice and e.dst in choice and e.cost[choice[e.src]][choice[e.dst]] > 0
+        )
+        lat = max((lk.latency for lk in comm.links), default=0.0)
+        terms.seconds["micro_batches"] = (k - 1) * n_calls * lat
+    return terms
+
+
+def batch_size(tg: TracedGraph, infos: dict[str, NodeInfo]) -> int | None:
+    """The global batch: dim 0 of the inputs (None when inputs disagree or have no dims)."""
+    dims = {infos[p.name].shape[0] for p in tg.placeholders if p.role is Role.INPUT and infos[p.name].shape}
+    return dims.pop() if len(dims) == 1 else None
+
+
+def micro_batch_ok(
+    tg: TracedGraph, infos: dict[str, NodeInfo], choice: dict, tables: CostTables, k: int
+) -> bool:
+    """Every input still splits as the plan splits it when its batch is ``k`` times smaller."""
+    if k == 1:
+        return True
+    b = batch_size(tg, infos)
+    if b is None or b % k:
+        return False
+    for p in tg.placeholders:
+        if p.role is not Role.INPUT or p.name not in choice:
+            continue
+        s = tables.strategies[p.name][choice[p.name]]
+        parts = math.prod(n for q, n in zip(s.out, tables.mesh_shape) if is_shard(q) and q.dim == 0)
+        if (b // k) % parts:
+            return False
+    return True
+
+
+def ladder(
+    options: SearchOptions,
+    data_axes: tuple[int, ...],
+    precision: Precision,
+    batch: int | None,
+    has_blocks: bool,
+) -> Iterator[Trades]:
+    """The rungs the search tries, cheapest first (module docstring); forced options fix theirs."""
+    zs = (
+        [options.zero_stage]
+        if options.zero_stage is not None
+        else (list(ZeroStage) if data_axes else [ZeroStage.NONE])
+    )
+    if options.zero_stage and not data_axes:
+        return
+    rs = [options.recompute] if options.recompute is not None else (
+        [Recompute.NONE, Recompute.SELECTIVE, Recompute.FULL] if has_blocks else [Recompute.NONE]
+    )  # fmt: skip
+    if options.micro_batches is not None:
+        ks = [options.micro_batches]
+    else:
+        ks = [1] + [k for k in (2, 4, 8, 16, 32, MAX_MICRO_BATCHES) if batch and batch % k == 0]
+    os_ = [options.offload] if options.offload is not None else [Offload.NONE, Offload.OPTIMIZER]
+    axes = data_axes if any(z for z in zs) else ()
+    seen = set()
+
+    def rung(z, r, k, o):
+        t = Trades(r, k, precision, z, o, axes if z else ())
+        if t not in seen:
+            seen.add(t)
+            return t
+        return None
+
+    # climb one dimension at a time, keeping what the earlier climbs reached
+    z_top, r_top, k_top = zs[-1], rs[-1], ks[-1]
+    for z in zs:
+        if (t := rung(z, rs[0], ks[0], os_[0])) is not None:
+            yield t
+    for r in rs[1:]:
+        if (t := rung(z_top, r, ks[0], os_[0])) is not None:
+            yield t
+    for k in ks[1:]:
+        if (t := rung(z_top, r_top, k, os_[0])) is not None:
+            yield t
+    for o in os_[1:]:
+        if (t := rung(z_top, r_top, k_top, o)) is not None:
+            yield t
