@@ -81,6 +81,10 @@ MAX_MESH_AXES = 3
 # Free, the tables of a 3-axis mesh grow as (options per axis)^6 per edge. A mesh_shape passed
 # explicitly is searched without this restriction.
 DATA_OUTER_MIN_AXES = 3
+# per candidate mesh, how many trades rungs that fit are solved before the next mesh (the ladder
+# puts the cheapest first; a later one can still win where the first fits only with a worse
+# placement)
+RUNGS_SOLVED = 2
 
 
 @dataclass
@@ -209,8 +213,13 @@ def search(
             continue
         tables = cost_stage(tg, cinfos, strats, cluster, run, options, classes, profiler, st)
         data_axes = tuple(a for a, r in enumerate(run.roles or ()) if r is AxisRole.DATA and run.mesh[a] > 1)
+        fitted = 0
         for trades in ladder(options, data_axes, precision, batch, bool(blocks)):
             traded = apply_trades(tables, tg, cinfos, trades, cluster, options.optimizer, blocks)
+            needed = lower_bound_bytes(traded)
+            if needed > limit:  # cheap: no solve, no entry
+                min_needed = min(min_needed, needed)
+                continue
             ctx = TradeContext(trades, tables, blocks, cinfos)
             outcome = solve_mesh(tg, cinfos, traded, cluster, run, options, limit, best_objective, st, ctx)
             min_needed = min(min_needed, outcome.mem_needed)
@@ -222,9 +231,9 @@ def search(
                 )
                 if best is None or outcome.solved.t_step < best.t_step - 1e-12:
                     best = outcome.solved
-                break  # the cheapest rung that fits (passes/trades.py)
-            if outcome.entry.get("status") == "pruned":
-                break  # no later rung is faster than the best plan so far
+                fitted += 1
+                if fitted >= RUNGS_SOLVED:
+                    break  # later rungs tend to add time (passes/trades.py:ladder)
     best = select_stage(
         best, candidates, cluster, limit, min_needed, refused_at_full_peak, unplaceable, st, options
     )
@@ -450,7 +459,7 @@ def solve_mesh(
         return MeshOutcome({**entry, "status": "infeasible", "objective": None}, mem_needed)
     if ctx is not None and (ctx.trades.recompute.value != "none" or ctx.trades.micro_batches > 1):
         saved = _activation_saving(ctx.base, tables, sol.choice, infos) - terms.transient
-        terms.bytes_saved["activations"] = saved
+        terms.bytes_saved["recompute" if ctx.trades.recompute.value != "none" else "micro_batches"] = saved
     t_step = sol.objective + gs.adjustment_s + terms.total_s
     st.say(
         f"solve: mesh {label}: {sol.status}, predicted step {t_step * 1e3:.3f} ms "

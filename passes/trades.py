@@ -57,7 +57,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -416,7 +416,12 @@ def trade_terms(
         # backward rematerializes one block at a time: its bytes as NONE keeps them (1/k of them)
         terms.transient += max(block_kept) / k
         inside = _in_block(tables, blocks)
-        terms.in_tables["recompute"] = sum(
+        edges = sum(
+            e1.cost[choice[e0.src]][choice[e0.dst]] - e0.cost[choice[e0.src]][choice[e0.dst]]
+            for e0, e1 in zip(base.edges, tables.edges)
+            if e0.dst in inside and e0.src in choice
+        )
+        terms.in_tables["recompute"] = edges + sum(
             tables.node_cost[v][i] - base.node_cost[v][i] for v, i in choice.items() if v in inside
         )
     if k > 1:
@@ -455,50 +460,50 @@ def micro_batch_ok(
     return True
 
 
+# how much time each trade tends to add, for the order rungs are tried in (the solve prices them)
+_RANK_ZERO = {
+    ZeroStage.NONE: 0.0,
+    ZeroStage.OPTIMIZER: 0.05,
+    ZeroStage.GRADIENTS: 0.1,
+    ZeroStage.PARAMETERS: 1.0,
+}
+_RANK_RECOMPUTE = {Recompute.NONE: 0.0, Recompute.SELECTIVE: 1.0, Recompute.FULL: 2.5}
+_RANK_OFFLOAD = {Offload.NONE: 0.0, Offload.OPTIMIZER: 3.0}
+
+
 def ladder(
     options: SearchOptions,
     data_axes: tuple[int, ...],
     precision: Precision,
     batch: int | None,
     has_blocks: bool,
-) -> Iterator[Trades]:
-    """The rungs the search tries, cheapest first (module docstring); forced options fix theirs."""
+) -> list[Trades]:
+    """The rungs the search tries, in the order of the time they tend to add (module docstring):
+    every combination the options allow (a forced trade fixes its dimension), ZeRO only over
+    data axes, recomputation only where the model has repeated blocks, micro-batches only where
+    they divide the batch."""
+    if options.zero_stage and not data_axes:
+        return []
     zs = (
         [options.zero_stage]
         if options.zero_stage is not None
         else (list(ZeroStage) if data_axes else [ZeroStage.NONE])
     )
-    if options.zero_stage and not data_axes:
-        return
     rs = [options.recompute] if options.recompute is not None else (
-        [Recompute.NONE, Recompute.SELECTIVE, Recompute.FULL] if has_blocks else [Recompute.NONE]
+        list(Recompute) if has_blocks else [Recompute.NONE]
     )  # fmt: skip
     if options.micro_batches is not None:
         ks = [options.micro_batches]
     else:
         ks = [1] + [k for k in (2, 4, 8, 16, 32, MAX_MICRO_BATCHES) if batch and batch % k == 0]
-    os_ = [options.offload] if options.offload is not None else [Offload.NONE, Offload.OPTIMIZER]
-    axes = data_axes if any(z for z in zs) else ()
-    seen = set()
-
-    def rung(z, r, k, o):
-        t = Trades(r, k, precision, z, o, axes if z else ())
-        if t not in seen:
-            seen.add(t)
-            return t
-        return None
-
-    # climb one dimension at a time, keeping what the earlier climbs reached
-    z_top, r_top, k_top = zs[-1], rs[-1], ks[-1]
-    for z in zs:
-        if (t := rung(z, rs[0], ks[0], os_[0])) is not None:
-            yield t
-    for r in rs[1:]:
-        if (t := rung(z_top, r, ks[0], os_[0])) is not None:
-            yield t
-    for k in ks[1:]:
-        if (t := rung(z_top, r_top, k, os_[0])) is not None:
-            yield t
-    for o in os_[1:]:
-        if (t := rung(z_top, r_top, k_top, o)) is not None:
-            yield t
+    os_ = [options.offload] if options.offload is not None else list(Offload)
+    rungs = [
+        Trades(r, k, precision, z, o, data_axes if z else ()) for z in zs for r in rs for k in ks for o in os_
+    ]
+    return sorted(
+        rungs,
+        key=lambda t: (
+            _RANK_ZERO[t.zero_stage] + _RANK_RECOMPUTE[t.recompute] + 0.7 * math.log2(t.micro_batches)
+            + _RANK_OFFLOAD[t.offload]
+        ),
+    )  # fmt: skip

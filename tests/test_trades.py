@@ -1,0 +1,192 @@
+"""The memory-for-time trades as the search prices and chooses them (``passes/trades.py``).
+
+Compared against: the formulas of the ZeRO paper (Rajbhandari et al. 2020: 2 + 2 + 12 bytes per
+parameter under mixed precision with Adam, each stage dividing its part by the data-parallel
+degree), the plan the same search makes without the trade (what a trade saves and costs), and
+the memory limit (a plan the search returns fits it).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import autopar
+from autopar import AxisRole, Offload, Precision, Recompute, Trades, ZeroStage
+from autopar.examples import gpt2_tiny, llama, llama_tiny
+from autopar.options import Optimizer, SearchOptions
+from autopar.passes.trades import auto_precision, ladder, state_bytes
+from autopar.plan import Plan
+
+CPU2 = autopar.ClusterSpec.preset("cpu", devices_per_node=2)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    elems=st.integers(1, 10**9),
+    d=st.sampled_from([1, 2, 4, 8, 64]),
+    stage=st.sampled_from(list(ZeroStage)),
+    mixed=st.booleans(),
+)
+def test_state_bytes_follow_the_zero_paper(elems, d, stage, mixed):
+    """Adam, mixed precision: fp32 master 4 B + fp32 moments 8 B (the paper's 12 B "optimizer
+    states" with the master), fp32 gradients 4 B, the half copy 2 B; each ZeRO stage divides its
+    part by ``d``. Without mixed precision, all in the parameters' dtype (fp32 here)."""
+    trades = Trades(
+        zero_stage=stage,
+        data_axes=(0,) if stage else (),
+        precision=Precision.BF16 if mixed else Precision.PARAM,
+    )
+    sb = state_bytes(elems, torch.float32, d, trades, Optimizer.ADAM, True)
+    div = {s: (d if stage >= s else 1) for s in ZeroStage}
+    if mixed:
+        half = 2 * elems if stage < ZeroStage.PARAMETERS else 0
+        assert sb.param == pytest.approx(4 * elems / div[ZeroStage.PARAMETERS] + half)
+    else:
+        assert sb.param == pytest.approx(4 * elems / div[ZeroStage.PARAMETERS])
+    assert sb.grad == pytest.approx(4 * elems / div[ZeroStage.GRADIENTS])
+    assert sb.optimizer == pytest.approx(8 * elems / div[ZeroStage.OPTIMIZER])
+    off = state_bytes(
+        elems, torch.float32, d, dataclasses.replace(trades, offload=Offload.OPTIMIZER), Optimizer.ADAM, True
+    )
+    assert off.optimizer == 0 and off.host >= sb.optimizer and off.param == sb.param
+
+
+def test_ladder_respects_forced_trades_and_the_batch():
+    opts = SearchOptions()
+    rungs = ladder(opts, (0,), Precision.PARAM, 8, True)
+    assert rungs[0] == Trades()  # nothing traded first
+    assert {t.micro_batches for t in rungs} == {1, 2, 4, 8}  # divisors of the batch only
+    assert all(t.data_axes == ((0,) if t.zero_stage else ()) for t in rungs)
+    assert len(set(rungs)) == len(rungs) == 4 * 3 * 4 * 2
+    # no data axis: no ZeRO; no blocks: no recomputation
+    assert {t.zero_stage for t in ladder(opts, (), Precision.PARAM, 8, False)} == {ZeroStage.NONE}
+    assert {t.recompute for t in ladder(opts, (), Precision.PARAM, 8, False)} == {Recompute.NONE}
+    forced = SearchOptions(
+        zero_stage=ZeroStage.GRADIENTS, recompute=Recompute.FULL, micro_batches=2, offload=Offload.NONE
+    )
+    assert ladder(forced, (0,), Precision.BF16, 8, True) == [
+        Trades(Recompute.FULL, 2, Precision.BF16, ZeroStage.GRADIENTS, Offload.NONE, (0,))
+    ]
+    assert ladder(SearchOptions(zero_stage=ZeroStage.OPTIMIZER), (), Precision.PARAM, 8, True) == []
+
+
+def test_options_refuse_bad_trades():
+    with pytest.raises(autopar.SearchOptionsError):
+        SearchOptions(micro_batches=0)
+    with pytest.raises(autopar.SearchOptionsError):
+        SearchOptions(recompute="sometimes")
+    assert SearchOptions(zero_stage=3).zero_stage is ZeroStage.PARAMETERS
+    with pytest.raises(autopar.TradesError, match="data-parallel"):
+        Trades(zero_stage=ZeroStage.OPTIMIZER)
+
+
+@pytest.fixture(scope="module")
+def llama_plans():
+    """One small Llama, planned on a data-parallel mesh of 2 with each trade forced."""
+    model, inputs = llama_tiny(batch=8, seq=64, hidden=64)
+    base = dict(mesh_shape=(2,), axis_roles=(AxisRole.DATA,))
+    forced = {
+        "none": dict(recompute=Recompute.NONE, micro_batches=1, zero_stage=0, offload=Offload.NONE),
+        "selective": dict(recompute=Recompute.SELECTIVE, micro_batches=1, zero_stage=0, offload=Offload.NONE),
+        "full": dict(recompute=Recompute.FULL, micro_batches=1, zero_stage=0, offload=Offload.NONE),
+        "micro4": dict(recompute=Recompute.NONE, micro_batches=4, zero_stage=0, offload=Offload.NONE),
+        "zero1": dict(recompute=Recompute.NONE, micro_batches=1, zero_stage=1, offload=Offload.NONE),
+        "zero2": dict(recompute=Recompute.NONE, micro_batches=1, zero_stage=2, offload=Offload.NONE),
+        "zero3": dict(recompute=Recompute.NONE, micro_batches=1, zero_stage=3, offload=Offload.NONE),
+        "offload": dict(recompute=Recompute.NONE, micro_batches=1, zero_stage=2, offload=Offload.OPTIMIZER),
+    }
+    return {k: autopar.plan(model, CPU2, inputs, **base, **kw) for k, kw in forced.items()}
+
+
+def test_forced_trades_are_what_the_plan_says(llama_plans):
+    p = llama_plans
+    assert p["none"].trades == Trades()
+    assert p["full"].trades.recompute is Recompute.FULL and p["micro4"].trades.micro_batches == 4
+    assert p["zero3"].trades == Trades(zero_stage=ZeroStage.PARAMETERS, data_axes=(0,))
+    assert p["offload"].trades.offload is Offload.OPTIMIZER
+    # the same placements: a trade changes what is kept and where, not how ops are sharded
+    assert p["full"].parameter_placements == p["none"].parameter_placements
+
+
+def test_recompute_and_micro_batches_trade_time_for_activations(llama_plans):
+    p = {k: v.predicted for k, v in llama_plans.items()}
+    assert p["full"].activation_bytes < p["selective"].activation_bytes < p["none"].activation_bytes
+    assert p["full"].step_time_s > p["selective"].step_time_s > p["none"].step_time_s
+    # what the plan says each trade cost is its difference in step time
+    rec = llama_plans["full"].trade_costs["recompute"]
+    assert rec["seconds"] == pytest.approx(p["full"].step_time_s - p["none"].step_time_s, rel=1e-6)
+    assert rec["bytes_saved"] > 0
+    # four micro-batches keep a quarter of the batch's activations (the caller's outputs and the
+    # inputs included), nearly: the step's other bytes stay
+    assert p["micro4"].activation_bytes < 0.45 * p["none"].activation_bytes
+    assert p["micro4"].param_bytes == p["none"].param_bytes
+
+
+def test_zero_stages_shard_what_they_say(llama_plans):
+    p = {k: v.predicted for k, v in llama_plans.items()}
+    none = p["none"]
+    assert p["zero1"].optimizer_bytes == pytest.approx(none.optimizer_bytes / 2, rel=1e-6)
+    assert p["zero1"].grad_bytes == none.grad_bytes and p["zero1"].param_bytes == none.param_bytes
+    assert p["zero2"].grad_bytes == pytest.approx(none.grad_bytes / 2, rel=1e-6)
+    assert p["zero3"].param_bytes == pytest.approx(none.param_bytes / 2, rel=1e-6)
+    assert p["offload"].optimizer_bytes == 0
+    assert none.peak_memory_bytes > p["zero1"].peak_memory_bytes >= p["zero2"].peak_memory_bytes
+    # ZeRO-3's gathered blocks are a transient on top of what it shards: on this toy model (the
+    # embedding and head outside the blocks are most of it) it does not pay, and the plan says so
+    assert p["zero3"].peak_memory_bytes > none.peak_memory_bytes - none.param_bytes / 2 - none.optimizer_bytes
+    # ZeRO-3 gathers parameters twice a step: it costs time on gloo's link
+    assert p["zero3"].step_time_s > p["zero2"].step_time_s
+    assert llama_plans["zero3"].trade_costs["zero"]["seconds"] > 0
+
+
+def test_plan_with_trades_round_trips(llama_plans, tmp_path):
+    plan = llama_plans["offload"]
+    plan.save(tmp_path / "p.json")
+    back = Plan.load(tmp_path / "p.json")
+    assert back.trades == plan.trades and back.trade_costs == plan.trade_costs
+    assert "optimizer offloaded" in plan.summary()
+
+
+def test_search_trades_memory_when_short():
+    """With room, no trade; squeezed to 60% of that plan's peak, a plan that fits, with trades."""
+    model, inputs = gpt2_tiny(batch=8, seq=64)
+    free = autopar.plan(model, CPU2, inputs)
+    assert free.trades.is_default
+    limit = 0.6 * free.predicted.peak_memory_bytes / (1 - CPU2.memory_reserve)
+    squeezed = autopar.plan(model, CPU2, inputs, memory_limit_bytes=limit)
+    assert not squeezed.trades.is_default
+    assert squeezed.predicted.peak_memory_bytes <= CPU2.memory_limit(limit)
+    assert squeezed.predicted.step_time_s >= free.predicted.step_time_s
+
+
+def test_half_precision_models_train_with_fp32_masters():
+    """A bf16 model (on the meta device) is planned with bf16 mixed precision by default: the
+    optimizer keeps fp32 moments (8 B per parameter), the masters are fp32 (4 B + the 2 B copy)."""
+    with torch.device("meta"):
+        model, inputs = llama(layers=2, hidden=256, ffn=512, heads=4, kv_heads=2, vocab=1024, batch=2, seq=64)
+    cluster = autopar.ClusterSpec.preset("h100-sxm", devices_per_node=1)
+    plan = autopar.plan(model, cluster, inputs)
+    n = sum(p.numel() for p in model.parameters())
+    assert auto_precision_of(model) is Precision.BF16
+    assert plan.trades.precision is Precision.BF16
+    assert plan.predicted.optimizer_bytes == pytest.approx(8 * n, rel=1e-6)
+    assert plan.predicted.param_bytes == pytest.approx(6 * n, rel=1e-6)
+    assert plan.predicted.grad_bytes == pytest.approx(4 * n, rel=1e-6)
+    kept = autopar.plan(model, cluster, inputs, precision=Precision.PARAM)
+    assert kept.predicted.optimizer_bytes == pytest.approx(4 * n, rel=1e-6)
+
+
+def auto_precision_of(model) -> Precision:
+    from autopar.passes.analyze import NodeInfo
+    from autopar.passes.trace import Role
+
+    infos = {
+        str(i): NodeInfo(str(i), Role.PARAM, str(i), (tuple(p.shape),), p.dtype, 0.0, 0, True)
+        for i, p in enumerate(model.parameters())
+    }
+    return auto_precision(infos)
