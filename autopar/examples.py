@@ -65,6 +65,22 @@ def llama(
     return tf.LlamaForCausalLM(cfg).to(getattr(torch, dtype)), {"input_ids": ids, "labels": ids}
 
 
+def gpt(
+    layers: int = 96, hidden: int = 12288, heads: int = 96, vocab: int = 51200, batch: int = 8,
+    seq: int = 2048, dtype: str = "bfloat16",
+):  # fmt: skip
+    """A GPT-3-style decoder of any shape (defaults: GPT 175B as Megatron-LM trains it: 4h MLP,
+    learned positions, vocabulary padded to 51200); build it under ``--meta`` for large shapes."""
+    tf = _transformers()
+    torch.manual_seed(0)
+    cfg = tf.GPT2Config(
+        n_layer=layers, n_embd=hidden, n_head=heads, vocab_size=vocab, n_positions=max(seq, 64),
+        bos_token_id=0, eos_token_id=0, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False,
+    )  # fmt: skip
+    ids = _tokens(batch, seq, vocab)
+    return tf.GPT2LMHeadModel(cfg).to(getattr(torch, dtype)), {"input_ids": ids, "labels": ids}
+
+
 def bert_tiny(batch: int = 8, seq: int = 32, layers: int = 2, hidden: int = 64, vocab: int = 256):
     tf = _transformers()
     torch.manual_seed(0)

@@ -175,6 +175,14 @@ def candidates_svg(plan: Plan) -> str:
     """Vertical bars: predicted step time per candidate mesh shape; the chosen mesh highlighted."""
     cands = list(plan.solver.candidates)
     chosen = tuple(int(n) for n in plan.mesh_shape)
+    trades = plan.trades.to_dict()
+    # one candidate is the plan: its mesh and trades (older plans: no trades recorded), the fastest
+    # of those (a mesh solved twice, free and with axis 0 data parallel, has two entries)
+    matches = [
+        i for i, c in enumerate(cands)
+        if _mesh_key(c.get("mesh_shape")) == chosen and c.get("trades", trades) == trades and _finite(c.get("objective"))
+    ]  # fmt: skip
+    chosen_i = min(matches, key=lambda i: cands[i]["objective"], default=None)
     col_w, plot_h, top_pad, bottom = 90, 160, 40, 56  # the legend sits above the tallest bar's label
     width = max(col_w * len(cands) + 20, 300)
     body = _legend(10, 14, [("chosen", CHOSEN_COLOUR), ("other", OTHER_COLOUR)])
@@ -186,7 +194,7 @@ def candidates_svg(plan: Plan) -> str:
         key = _mesh_key(c.get("mesh_shape"))
         label = _shape(key) if key is not None else str(c.get("mesh_shape"))
         obj, status = c.get("objective"), str(c.get("status", ""))
-        is_chosen = key == chosen
+        is_chosen = i == chosen_i
         if _finite(obj) and biggest > 0:
             h = max(plot_h * obj / biggest, 1.0)
             colour = CHOSEN_COLOUR if is_chosen else OTHER_COLOUR
@@ -201,10 +209,55 @@ def candidates_svg(plan: Plan) -> str:
         body.append(_text(x + col_w / 2, base + 16, label + (" ★" if is_chosen else ""), "middle"))
         body.append(_text(x + col_w / 2, base + 32, _short(status, 14), "middle", 10))
         roles = c.get("axis_roles") or ()
-        if roles:  # e.g. a 3-axis mesh searched with its outer axis data parallel
-            body.append(_text(x + col_w / 2, base + 46, "/".join(r[0].upper() for r in roles), "middle", 10))
+        tag = "/".join(r[0].upper() for r in roles)  # e.g. a 3-axis mesh with its outer axis data parallel
+        tag += (" " if tag else "") + _trades_tag(c.get("trades"))
+        if tag.strip():
+            body.append(_text(x + col_w / 2, base + 46, _short(tag, 16), "middle", 10))
     body.append(f'<line x1="5" y1="{base}" x2="{width - 5}" y2="{base}" stroke="#888"/>')
     return _svg(width, base + bottom, body, "predicted step time per candidate mesh shape")
+
+
+def _trades_tag(t: dict | None) -> str:
+    """A rung of the trades ladder in a few letters: Z3 R(s|f) k4 off."""
+    if not t:
+        return ""
+    out = []
+    if t.get("zero_stage"):
+        out.append(f"Z{t['zero_stage']}")
+    if t.get("recompute", "none") != "none":
+        out.append("R" + t["recompute"][0])
+    if t.get("micro_batches", 1) > 1:
+        out.append(f"k{t['micro_batches']}")
+    if t.get("offload", "none") != "none":
+        out.append("off")
+    return " ".join(out)
+
+
+def trades_table(plan: Plan) -> str:
+    """The plan's memory-for-time trades: each setting, what it costs in step time and what it
+    saves per device."""
+    t = plan.trades
+    mesh = plan.mesh_shape
+    costs = plan.trade_costs
+    axes = ", ".join(f"axis {a} ({mesh[a]} devices)" for a in t.data_axes) or "—"
+    rows = [
+        ("recomputation", f"{t.recompute.value} (per repeated block)", "recompute"),
+        ("micro-batches", f"{t.micro_batches} per step, gradients reduced once", "micro_batches"),
+        ("precision", {"param": "the parameters' dtype", "bf16": "bf16 compute, fp32 masters and optimizer state",
+                       "fp16": "fp16 compute, fp32 masters and optimizer state"}[t.precision.value], "precision"),
+        ("ZeRO", f"stage {int(t.zero_stage)} over {axes}", "zero"),
+        ("offload", {"none": "nothing", "optimizer": "optimizer state and masters in host memory"}[t.offload.value],
+         "offload"),
+    ]  # fmt: skip
+    out = []
+    for label, setting, key in rows:
+        c = costs.get(key, {})
+        out.append([
+            _t(label), _t(setting),
+            _n(fmt_ms(c["seconds"]) if "seconds" in c else "—"),
+            _n(fmt_mib(c["bytes_saved"]) if "bytes_saved" in c else "—"),
+        ])  # fmt: skip
+    return _table(["trade", "setting", "step time added", "saved per device"], out)
 
 
 # -- tables ------------------------------------------------------------------------------------------------
@@ -320,6 +373,8 @@ def render_report(plan: Plan, *, measured: dict | None = None, title: str | None
         head,
         "<h2>Summary</h2>",
         _summary_table(plan, measured),
+        "<h2>Memory-for-time trades</h2>",
+        trades_table(plan),
         "<h2>Predicted memory per device</h2>",
         memory_svg(plan),
         f"<h2>Top {min(TOP_NODES, len(plan.decisions))} nodes by predicted time</h2>",
@@ -330,7 +385,8 @@ def render_report(plan: Plan, *, measured: dict | None = None, title: str | None
             "<h2>Candidate mesh shapes</h2>",
             candidates_svg(plan),
             "<p>Letters under a mesh: each axis's role in its search (D data parallel, A any placement, "
-            "T tensor, S sequence).</p>",
+            "T tensor, S sequence) and the trades of that rung (Z<i>n</i> ZeRO stage <i>n</i>, Rs / Rf "
+            "selective / full recomputation, k<i>n</i> micro-batches, off optimizer offload).</p>",
         ]
     parts += [
         "<h2>Parameter placements</h2>",

@@ -190,3 +190,14 @@ def auto_precision_of(model) -> Precision:
         for i, p in enumerate(model.parameters())
     }
     return auto_precision(infos)
+
+
+def test_report_shows_the_trades_and_one_chosen_candidate(llama_plans):
+    from autopar.report import render_report
+
+    html = render_report(llama_plans["zero3"])
+    assert "Memory-for-time trades" in html and "stage 3 over axis 0 (2 devices)" in html
+    assert html.count("★") == 1  # a mesh solved on several rungs is chosen once
+    model, inputs = llama_tiny(batch=8, seq=64, hidden=64)
+    auto = autopar.plan(model, CPU2, inputs)
+    assert render_report(auto).count("★") == 1
