@@ -79,6 +79,33 @@ def _build_parser() -> argparse.ArgumentParser:
         "(local: no gathered logits)",
     )
     pl.add_argument(
+        "--recompute",
+        choices=["auto", "none", "selective", "full"],
+        default="auto",
+        help="activation recomputation per repeated block (default: auto, the search chooses)",
+    )
+    pl.add_argument(
+        "--micro-batches", default="auto", metavar="K|auto", help="micro-batches per step (default: auto)"
+    )
+    pl.add_argument(
+        "--zero-stage",
+        choices=["auto", "0", "1", "2", "3"],
+        default="auto",
+        help="ZeRO stage over the data-parallel axes (default: auto)",
+    )
+    pl.add_argument(
+        "--offload",
+        choices=["auto", "none", "optimizer"],
+        default="auto",
+        help="keep the optimizer state in host memory (default: auto)",
+    )
+    pl.add_argument(
+        "--precision",
+        choices=["auto", "param", "bf16", "fp16"],
+        default="auto",
+        help="param: the parameters' dtype; bf16/fp16: mixed precision with fp32 masters (default: auto)",
+    )
+    pl.add_argument(
         "--profile",
         action="store_true",
         help="price ops by running them on this machine (cached) instead of the analytical model; "
@@ -142,7 +169,22 @@ def _cmd_plan(args) -> int:
             model, inputs = load_model_spec(args.model)
     else:
         model, inputs = load_model_spec(args.model)
+
+    def auto(text, kind=str):
+        return None if text == "auto" else kind(text)
+
+    try:
+        micro = auto(args.micro_batches, int)
+    except ValueError:
+        print(f"autopar: error: --micro-batches must be a positive integer or auto, got {args.micro_batches!r}",
+              file=sys.stderr)  # fmt: skip
+        return 2
     options = autopar.SearchOptions(
+        recompute=auto(args.recompute),
+        micro_batches=micro,
+        zero_stage=auto(args.zero_stage, int),
+        offload=auto(args.offload),
+        precision=auto(args.precision),
         mesh_shape=args.mesh,
         memory_limit_bytes=args.memory_limit_gib * 2**30 if args.memory_limit_gib is not None else None,
         time_limit_s=args.time_limit,

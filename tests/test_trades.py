@@ -201,3 +201,15 @@ def test_report_shows_the_trades_and_one_chosen_candidate(llama_plans):
     model, inputs = llama_tiny(batch=8, seq=64, hidden=64)
     auto = autopar.plan(model, CPU2, inputs)
     assert render_report(auto).count("★") == 1
+
+
+def test_cli_forces_trades(tmp_path, capsys):
+    from autopar.cli import main
+
+    out = tmp_path / "p.json"
+    argv = ["plan", "autopar.examples:gpt2_tiny", "--cluster", "cpu:1x2", "--out", str(out)]
+    assert main(argv + ["--recompute", "full", "--zero-stage", "2", "--micro-batches", "2"]) == 0
+    t = Plan.load(out).trades
+    assert (t.recompute, t.zero_stage, t.micro_batches) == (Recompute.FULL, ZeroStage.GRADIENTS, 2)
+    assert main(argv + ["--micro-batches", "two"]) == 2
+    assert "--micro-batches must be a positive integer" in capsys.readouterr().err
