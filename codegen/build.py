@@ -14,15 +14,18 @@ import torch.fx as fx
 import torch.utils._pytree as pytree
 from torch.distributed.device_mesh import init_device_mesh
 
+from autopar.codegen.blocks import apply_recompute, split_blocks
 from autopar.codegen.grad_sync import GradSync
 from autopar.codegen.lower import lower, mangle
 from autopar.codegen.module import ParallelModule, local_piece
 from autopar.errors import DistributedSetupError
+from autopar.passes.blocks import find_blocks
 from autopar.passes.costs import resolve_source
 from autopar.passes.grad_sync import deferred_grad_axes, grad_buckets
 from autopar.passes.strategies import Strategy
 from autopar.passes.trace import Role, TracedGraph
 from autopar.placement import Outputs, output_placement
+from autopar.trades import Recompute, Trades, ZeroStage
 
 
 def _device() -> torch.device:
@@ -67,6 +70,10 @@ def build_parallel_module(
     deferred = deferred_grad_axes(tg, choice, plan.mesh_shape)
     outputs = Outputs(plan.outputs)
     gm = lower(tg, choice, plan.mesh_shape, device, attrs, deferred, outputs)
+    trades = getattr(plan, "trades", Trades())
+    if trades.recompute is not Recompute.NONE or trades.zero_stage == ZeroStage.PARAMETERS:
+        # one submodule per repeated block, owning its parameters (codegen/blocks.py)
+        gm = apply_recompute(split_blocks(gm, find_blocks(tg), tg.graph), trades.recompute, mesh)
     out_node = next(n for n in tg.graph.nodes if n.op == "output")
     output_specs = tuple(
         output_placement(choice[resolve_source(leaf).name].out, outputs)
