@@ -89,6 +89,15 @@ class SearchOptions:
                     raise SearchOptionsError(
                         f"{name} must be None (auto) or one of {[m.value for m in kind]}, got {v!r}"
                     ) from None
+        if (
+            self.offload is Offload.OPTIMIZER
+            and self.zero_stage is not None
+            and self.zero_stage < ZeroStage.GRADIENTS
+        ):
+            raise SearchOptionsError(
+                f"offload=optimizer needs zero_stage >= 2 (FSDP2 offloads its sharded state), got zero_stage="
+                f"{int(self.zero_stage)}; pass zero_stage=2 or 3, or leave it None (auto)"
+            )
         if self.micro_batches is not None:
             try:
                 Trades(micro_batches=self.micro_batches)

@@ -94,6 +94,11 @@ class Trades:
         ):
             raise TradesError(f"micro_batches must be a positive integer, got {self.micro_batches!r}")
         object.__setattr__(self, "data_axes", tuple(int(a) for a in self.data_axes))
+        if self.offload is not Offload.NONE and self.zero_stage < ZeroStage.GRADIENTS:
+            raise TradesError(
+                f"offload={self.offload.value} needs zero_stage >= 2: the offloaded state is FSDP2's "
+                "sharded parameters (codegen/zero.py); force zero_stage=2 or 3 with it, or leave either auto"
+            )
         if self.zero_stage and not self.data_axes:
             raise TradesError(
                 f"zero_stage {int(self.zero_stage)} needs a data-parallel mesh axis to shard over; "

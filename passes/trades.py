@@ -498,7 +498,12 @@ def ladder(
         ks = [1] + [k for k in (2, 4, 8, 16, 32, MAX_MICRO_BATCHES) if batch and batch % k == 0]
     os_ = [options.offload] if options.offload is not None else list(Offload)
     rungs = [
-        Trades(r, k, precision, z, o, data_axes if z else ()) for z in zs for r in rs for k in ks for o in os_
+        Trades(r, k, precision, z, o, data_axes if z else ())
+        for z in zs
+        for r in rs
+        for k in ks
+        for o in os_
+        if o is Offload.NONE or z >= ZeroStage.GRADIENTS  # offload is FSDP2's: ZeRO-2 or 3
     ]
     return sorted(
         rungs,
