@@ -8,8 +8,8 @@ two hooks:
 * a tensor hook, which sees the gradient ``g`` autograd is about to accumulate:
 
   - ``.grad`` is None (the usual step): lets ``g`` through and marks the parameter;
-  - ``.grad`` already holds a value (zeroed rather than set to None, or gradient accumulation
-    over micro-batches): hands a copy of ``g`` to the bucket and lets zeros through, so the
+  - ``.grad`` already holds a value (zeroed rather than set to None, or gradients accumulated
+    over backwards that each reduce): hands a copy of ``g`` to the bucket and lets zeros through, so the
     reduced copy is added to ``.grad`` when it arrives: an accumulated gradient is never
     reduced twice;
   - this backward will not accumulate into ``.grad`` (``torch.autograd.grad``): all-reduces ``g``
@@ -30,6 +30,27 @@ buckets start in the same order on all of them.
 A bucket reduced over several mesh axes starts the first asynchronously and the others after
 it completes (one process group per axis).
 
+Gradient accumulation with one reduction (``ParallelModule.step`` over micro-batches, or a user's
+loop). ``set_requires_gradient_sync(False)`` (or ``with grad_sync.accumulating():``, as
+``DistributedDataParallel.no_sync``; the name is FSDP2's) turns the reductions off: the next
+backwards accumulate their local, unreduced gradients with no communication, and the first
+backward run with the sync back on reduces the accumulated sums, once:
+
+* a parameter whose ``.grad`` was None when accumulation began accumulates into ``.grad`` itself
+  (``_unreduced``); in the synced backward it is handled as a first gradient is: marked, and its
+  ``.grad``, now the sum over every backward, handed to its bucket;
+* a parameter whose ``.grad`` already held reduced values (zeroed, or kept from an earlier step)
+  keeps them there and accumulates its local sum beside it (``_local``); the synced backward hands
+  that sum plus its last gradient to the bucket as a copy to add, so no value is reduced twice;
+* when the synced backward ends (``finish``), accumulated parameters it did not reach are handed
+  in as well. ``finish`` may also be called after backward (``step`` does): it reduces what a
+  backward that reached no bucketed parameter left, and otherwise does nothing.
+
+Only these bucketed reductions wait for the last backward. The all-reduces the generated graph
+runs inline (the "f" of tensor-parallel parameter uses) still run in each backward: reduction is
+linear, so reducing each micro-batch's gradient and summing equals reducing the sum.
+``reductions`` counts the bucket all-reduces started, so a test can see them run once per step.
+
 The mesh whose axes the buckets name is given at construction (``codegen/build.py`` passes the
 module's own): the hooks run in backward, where no mesh is bound, and never read a global, so
 modules on different meshes reduce their gradients on their own groups.
@@ -37,7 +58,8 @@ modules on different meshes reduce their gradients on their own groups.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 
 import torch
 import torch.distributed as dist
@@ -75,6 +97,11 @@ class GradSync:
         self._buckets = [_Bucket(ps, axes) for ps, axes in buckets]
         self._bucket_of = {id(p): b for b in self._buckets for p in b.params}
         self._marked: set[int] = set()
+        self._param = {id(p): p for b in self._buckets for p in b.params}
+        self._sync = True  # False: backward accumulates locally, no reduction (module docstring)
+        self._unreduced: set[int] = set()  # .grad holds only local, unreduced sums
+        self._local: dict[int, torch.Tensor] = {}  # unreduced sums kept beside a reduced .grad
+        self.reductions = 0  # bucket all-reduces started so far
         # started reductions: (bucket, the tensor reduced, its work, [(param, slice) to add])
         self._pending: list[tuple[_Bucket, torch.Tensor, object, list]] = []
         self._queued = False
@@ -97,14 +124,46 @@ class GradSync:
     def num_buckets(self) -> int:
         return len(self._buckets)
 
+    @property
+    def requires_gradient_sync(self) -> bool:
+        return self._sync
+
+    def set_requires_gradient_sync(self, requires: bool) -> None:
+        """False: the following backwards accumulate gradients locally with no communication;
+        True (the default): backward reduces, including what was accumulated (module docstring)."""
+        self._sync = bool(requires)
+
+    @contextmanager
+    def accumulating(self) -> Iterator[GradSync]:
+        """Backwards inside the block accumulate unreduced gradients with no communication; the
+        first backward after it reduces the accumulated sums once. Restores the previous setting."""
+        previous = self._sync
+        self._sync = False
+        try:
+            yield self
+        finally:
+            self._sync = previous
+
     def _pre_hook(self, p: torch.nn.Parameter, acc, axes: tuple[int, ...]):
         def hook(g: torch.Tensor) -> torch.Tensor:
             if not _accumulates(acc):
                 for a in axes:
                     g = C.reduce_sum(g, self._mesh, a)
                 return g
-            if p.grad is None:
-                self._marked.add(id(p))
+            pid = id(p)
+            if not self._sync:  # accumulate locally, reduce nothing
+                if p.grad is None or pid in self._unreduced:
+                    self._unreduced.add(pid)
+                    return g
+                local = self._local.get(pid)
+                self._local[pid] = g.detach().clone() if local is None else local.add_(g)
+                return torch.zeros_like(g)
+            if pid in self._local:  # the local sum beside a reduced .grad, and this gradient
+                self._hand_in(p, self._local.pop(pid).add_(g), add=True)
+                return torch.zeros_like(g)
+            if p.grad is None or pid in self._unreduced:
+                self._unreduced.discard(pid)
+                self._marked.add(pid)
                 return g
             self._hand_in(p, g.detach().clone(), add=True)
             return torch.zeros_like(g)
@@ -142,11 +201,21 @@ class GradSync:
                 else:
                     p.grad = piece  # the reduced values land in .grad; the old gradient is freed
         work = dist.all_reduce(flat, group=C.axis_group(self._mesh, b.axes[0]), async_op=True)
+        self.reductions += 1
         self._pending.append((b, flat, work, adds))
 
     def finish(self) -> None:
         """Start the incomplete buckets and wait for every reduction started in this backward
-        (runs when backward ends)."""
+        (runs when backward ends). With the sync on, accumulated gradients this backward did not
+        reach join their buckets first; called again after backward, it reduces what is left."""
+        if self._sync:
+            for pid in self._unreduced:
+                p = self._param[pid]
+                if p.grad is not None:
+                    self._bucket_of[pid].ready[pid] = (p.grad, False)
+            for pid, local in self._local.items():
+                self._bucket_of[pid].ready[pid] = (local, True)
+            self._unreduced, self._local = set(), {}
         for b in self._buckets:
             if b.ready:
                 self._start(b)
@@ -156,4 +225,7 @@ class GradSync:
             for a in b.axes[1:]:
                 dist.all_reduce(flat, group=C.axis_group(self._mesh, a))
             for p, piece in adds:
-                p.grad.add_(piece)
+                if p.grad is None:  # set to None after it accumulated
+                    p.grad = piece
+                else:
+                    p.grad.add_(piece)
