@@ -123,6 +123,8 @@ def autoparallelize(
 
     Every rank must pass the same model (same weights) and, at run time, the same full global
     batch: the module slices its own part. Gradients and optimizer steps are ordinary PyTorch.
+    With ``plan.trades.micro_batches = k > 1`` the module is generated for one micro-batch (``1/k``
+    of the example batch): train with ``pmodel.step(**global_batch)`` (``codegen/module.py``).
     """
     from autopar.codegen.build import build_parallel_module
 
@@ -148,8 +150,31 @@ def autoparallelize(
         tg = trace(model, example_inputs)
         plan.check_matches(tg.fingerprint(), world)
         the_plan = plan
-    choice = choice_from_plan(tg, the_plan)
-    return build_parallel_module(model, tg, the_plan, choice, normalize_inputs(example_inputs))
+    tg, inputs, choice = _module_graph(model, tg, the_plan, example_inputs)
+    return build_parallel_module(model, tg, the_plan, choice, inputs)
+
+
+def _module_graph(model, tg: TracedGraph, plan: Plan, example_inputs):
+    """The graph the module is generated from, its example inputs and its per-node strategies:
+    the global batch's (``tg``, whose fingerprint the plan matched) or, with
+    ``plan.trades.micro_batches = k > 1``, one micro-batch's: the model traced again on the first
+    ``B / k`` rows of every input, the same nodes as ``tg`` (``codegen/micro_batches.py``)."""
+    from autopar.codegen.micro_batches import MicroBatchError, check_same_graph, micro_batch_inputs
+
+    inputs = normalize_inputs(example_inputs)
+    k = plan.trades.micro_batches
+    if k == 1:
+        return tg, inputs, choice_from_plan(tg, plan)
+    micro = micro_batch_inputs(example_inputs, plan)
+    mtg = trace(model, micro)
+    check_same_graph(tg, mtg, k)
+    try:
+        return mtg, normalize_inputs(micro), choice_from_plan(mtg, plan)
+    except PlanFormatError as e:
+        raise MicroBatchError(
+            f"the plan's placements do not fit micro-batches of 1/{k} of the batch: {e}. Use a larger batch "
+            "or fewer micro-batches"
+        ) from e
 
 
 def choice_from_plan(tg: TracedGraph, plan: Plan) -> dict[str, Strategy]:

@@ -11,11 +11,28 @@ it in its autograd context for backward (``codegen/collectives.py``), so several
 on different meshes may run forward and backward in any interleaving in one process. Nothing
 stays bound after a call. ``full_output`` and ``full_state_dict`` pass ``self.mesh`` to
 ``collectives.gather_full``.
+
+Training loop. ``step(**batch)`` runs one step's forward and backward on the global batch and
+returns its loss; the optimizer steps as usual::
+
+    for batch in data:
+        loss = pmodel.step(**batch)          # or pmodel.step(*args, loss_fn=criterion)
+        opt.step()
+        opt.zero_grad()
+
+With ``plan.trades.micro_batches = k > 1`` (gradient accumulation, ``codegen/micro_batches.py``)
+the module is generated for one micro-batch: ``forward`` takes ``1/k`` of the global batch (a
+call with the global batch raises, saying to call ``step``), and ``step`` splits the global batch
+into ``k`` micro-batches on dim 0, runs forward and backward on each in turn (one micro-batch's
+activations live at a time), and reduces the accumulated gradients across ranks once, in the last
+backward (``_set_grad_sync``, ``codegen/grad_sync.py``). With ``k == 1``, ``step`` is one forward
+and one backward, the same as ``model(**batch).loss.backward()``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 import torch.fx as fx
@@ -23,6 +40,7 @@ import torch.utils._pytree as pytree
 from torch.distributed.device_mesh import DeviceMesh
 
 from autopar.codegen import collectives as C
+from autopar.codegen.micro_batches import batch_size, split_batch
 from autopar.placement import Spec, is_shard
 
 
@@ -84,7 +102,14 @@ class ParallelModule(torch.nn.Module):
                 f"the parallel module was planned for inputs structured as {self._in_spec}, got {spec}; "
                 "call it with the same positional/keyword arguments as the example inputs"
             )
+        k = self.micro_batches
         for i, (t, shape) in enumerate(zip(flat, self._input_shapes)):
+            if k > 1 and tuple(t.shape) == (shape[0] * k, *shape[1:]):
+                raise ValueError(
+                    f"input {i} has the global batch's shape {tuple(t.shape)}, but this module runs the plan's "
+                    f"{k} micro-batches: forward takes one micro-batch, {shape}. Call pmodel.step(...) with the "
+                    "global batch to train (it runs every micro-batch and the backward)"
+                )
             if tuple(t.shape) != shape:
                 raise ValueError(
                     f"input {i} has shape {tuple(t.shape)} but the plan was made for {shape}: plans are specialized "
@@ -94,6 +119,62 @@ class ParallelModule(torch.nn.Module):
         with C.bound_mesh(self.mesh):
             outs = self.local(*flat)
         return pytree.tree_unflatten(list(outs), self._out_spec)
+
+    @property
+    def micro_batches(self) -> int:
+        """How many micro-batches ``step`` splits the global batch into (``plan.trades``)."""
+        trades = getattr(self.plan, "trades", None)
+        return trades.micro_batches if trades is not None else 1
+
+    def step(self, *args, loss_fn: Callable[[Any], torch.Tensor] | None = None, **kwargs) -> torch.Tensor:
+        """Forward and backward of one training step on the GLOBAL batch (the arguments ``forward``
+        takes, with the full batch); returns the step's loss, detached. The optimizer step is the
+        caller's.
+
+        The batch runs as ``k = micro_batches`` micro-batches: every tensor argument split on dim 0
+        into ``k`` equal parts, forward and backward on each in turn, the gradients accumulated in
+        ``.grad`` and reduced across ranks once, in the last backward. The loss of a micro-batch is
+        ``loss_fn(out)`` when given, else ``out.loss`` (Hugging Face style outputs), else ``out``
+        when it is a scalar tensor; each is divided by ``k`` before its backward, so the
+        accumulated gradient is that of the mean of the micro-batches' losses, and the loss
+        returned is that mean. This equals the gradient and loss of the global batch exactly when
+        every micro-batch's loss is a mean over equally many elements (e.g. a token-mean
+        cross-entropy with no ignored labels); a loss that is a sum, or a mean over a number of
+        elements that varies between micro-batches, gets a differently weighted gradient. With
+        ``k == 1``: one forward and one backward of the unscaled loss."""
+        k = self.micro_batches
+        if k > 1:
+            batch, micro = batch_size((args, kwargs), 1), self._input_shapes[0][0]
+            if batch != micro * k:
+                raise ValueError(
+                    f"step takes the global batch, {micro * k} rows ({k} micro-batches of {micro}, the plan's), "
+                    f"got {batch}; plans are specialized to the example inputs' shapes: re-plan for this batch"
+                )
+            parts = split_batch((args, kwargs), k)
+        else:
+            parts = [(args, kwargs)]
+        losses = []
+        try:
+            for i, (a, kw) in enumerate(parts):
+                self._set_grad_sync(i == k - 1)
+                loss = _loss_of(self(*a, **kw), loss_fn)
+                (loss / k if k > 1 else loss).backward()
+                losses.append(loss.detach())
+                del loss  # this micro-batch's graph is freed before the next forward
+        finally:
+            self._set_grad_sync(True)
+        if self.grad_sync is not None:
+            self.grad_sync.finish()  # what a last backward that reached no bucketed parameter left
+        return torch.stack(losses).mean() if k > 1 else losses[0]
+
+    def _set_grad_sync(self, enabled: bool) -> None:
+        """Whether the next backward reduces gradients across ranks (True) or only accumulates them
+        locally (False): ``step`` turns it off for every micro-batch but the last. The one hook
+        point of gradient accumulation: today it toggles the bucketed data-parallel all-reduces
+        (``GradSync.set_requires_gradient_sync``); a module wrapped by FSDP2 (ZeRO) calls its
+        ``set_requires_gradient_sync(enabled)`` here too."""
+        if self.grad_sync is not None:
+            self.grad_sync.set_requires_gradient_sync(enabled)
 
     @torch.no_grad()
     def full_output(self, piece: torch.Tensor, index: int) -> torch.Tensor:
@@ -115,3 +196,18 @@ class ParallelModule(torch.nn.Module):
         for name, fqn in self._aliases.items():
             out[name] = full[fqn] if fqn in full else self._extra_state[name]
         return out
+
+
+def _loss_of(out, loss_fn: Callable[[Any], torch.Tensor] | None) -> torch.Tensor:
+    """The loss ``step`` runs backward from (``step``'s docstring)."""
+    if loss_fn is not None:
+        return loss_fn(out)
+    loss = getattr(out, "loss", None)
+    if isinstance(loss, torch.Tensor):
+        return loss
+    if isinstance(out, torch.Tensor) and out.dim() == 0:
+        return out
+    raise TypeError(
+        f"step needs a scalar loss: the model returns {type(out).__name__} with no .loss and is not a scalar "
+        "tensor; pass loss_fn=, a function of the output that returns the micro-batch's mean loss"
+    )
