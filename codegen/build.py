@@ -18,6 +18,7 @@ from autopar.codegen.blocks import apply_recompute, split_blocks
 from autopar.codegen.grad_sync import GradSync
 from autopar.codegen.lower import lower, mangle
 from autopar.codegen.module import ParallelModule, local_piece
+from autopar.codegen.zero import apply_trades
 from autopar.errors import DistributedSetupError
 from autopar.passes.blocks import find_blocks
 from autopar.passes.costs import resolve_source
@@ -82,7 +83,10 @@ def build_parallel_module(
         for leaf in pytree.tree_leaves(out_node.args[0])
     )
     names = {p.name: p.target for p in tg.placeholders}
-    buckets = grad_buckets(tg, choice, deferred, plan.mesh_shape)
+    # the plan's trades (ZeRO, mixed precision, offload: codegen/zero.py); the gradients FSDP2
+    # reduces are not bucketed again
+    zero = apply_trades(getattr(plan, "trades", None), gm, mesh, tg, deferred)
+    buckets = grad_buckets(tg, choice, zero.bucketed(deferred), plan.mesh_shape)
     grad_sync = GradSync([([attrs[mangle(names[n])] for n in b.params], b.axes) for b in buckets], mesh)
     args, kwargs = inputs
     flat = pytree.tree_leaves((args, kwargs))
@@ -100,4 +104,5 @@ def build_parallel_module(
         plan=plan,
         grad_sync=grad_sync,
         output_specs=output_specs,
+        zero=zero,
     )

@@ -1,8 +1,9 @@
 """ParallelModule: the rank-local module ``autoparallelize`` returns.
 
 It holds this rank's parameter shards (``parameters()`` yields only those, so any torch optimizer
-works), takes the same arguments as the original model (the full global batch on every rank) and
-returns the same output structure with full tensors. ``full_state_dict()`` gathers the full,
+works; build it with ``optimizer(cls, **kwargs)``, which gives every ZeRO stage the optimizer it
+needs, ``codegen/zero.py``), takes the same arguments as the original model (the full global
+batch on every rank) and returns the same output structure with full tensors. ``full_state_dict()`` gathers the full,
 unsharded state under the original model's state-dict names.
 
 The module owns its DeviceMesh (``self.mesh``). ``forward`` runs the generated graph inside
@@ -38,9 +39,11 @@ import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
 
 from autopar.codegen import collectives as C
 from autopar.codegen.micro_batches import batch_size, split_batch
+from autopar.codegen.zero import AppliedTrades
 from autopar.placement import Spec, is_shard
 
 
@@ -69,6 +72,7 @@ class ParallelModule(torch.nn.Module):
         plan,
         grad_sync=None,
         output_specs: Sequence[Spec | None] = (),
+        zero: AppliedTrades | None = None,
     ):
         super().__init__()
         self.local = local
@@ -83,6 +87,8 @@ class ParallelModule(torch.nn.Module):
         self._extra_state = extra_state  # state the graph never reads: kept as it was
         self._device = device
         self.grad_sync = grad_sync  # codegen/grad_sync.GradSync: the overlapped gradient all-reduces
+        # codegen/zero.py: ZeRO (FSDP2 groups, ZeRO-1's data group), autocast, offload, as applied
+        self.zero = zero if zero is not None else AppliedTrades()
         # the placement of each output leaf (flattened, as pytree orders them; None: not a tensor):
         # all Replicate unless the plan returns outputs as local pieces (autopar.placement.Outputs)
         self.output_specs = tuple(output_specs)
@@ -116,7 +122,7 @@ class ParallelModule(torch.nn.Module):
                     "to the example inputs' shapes; re-plan for this shape"
                 )
         flat = [t.to(self._device) if isinstance(t, torch.Tensor) else t for t in flat]
-        with C.bound_mesh(self.mesh):
+        with C.bound_mesh(self.mesh), self.zero.autocast(self._device.type):
             outs = self.local(*flat)
         return pytree.tree_unflatten(list(outs), self._out_spec)
 
@@ -175,6 +181,16 @@ class ParallelModule(torch.nn.Module):
         ``set_requires_gradient_sync(enabled)`` here too."""
         if self.grad_sync is not None:
             self.grad_sync.set_requires_gradient_sync(enabled)
+        self.zero.set_requires_gradient_sync(enabled)  # FSDP2's reduce-scatters (ZeRO-2/3)
+
+    def optimizer(self, optimizer_class: type[torch.optim.Optimizer], **kwargs) -> torch.optim.Optimizer:
+        """THE way to build the optimizer: ``optimizer_class(self.parameters(), **kwargs)`` as the
+        plan's ZeRO stage needs it (``codegen/zero.py``): a ``ZeroRedundancyOptimizer`` over the
+        data-parallel group for ZeRO-1 (each rank keeps and steps the state of its share), the
+        plain optimizer over the FSDP2-sharded ``DTensor`` parameters for ZeRO-2/3 (on the host
+        under offload), the plain optimizer otherwise. E.g. ``pmodel.optimizer(torch.optim.AdamW,
+        lr=3e-4)``."""
+        return self.zero.optimizer(self.parameters(), optimizer_class, **kwargs)
 
     @torch.no_grad()
     def full_output(self, piece: torch.Tensor, index: int) -> torch.Tensor:
@@ -189,13 +205,19 @@ class ParallelModule(torch.nn.Module):
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Full (unsharded) tensors under the original model's state-dict names; collective on every rank."""
         full = {
-            fqn: C.gather_full(getattr(self.local, attr).detach(), spec, self.mesh)
+            fqn: C.gather_full(_whole_on_data_axes(getattr(self.local, attr)).detach(), spec, self.mesh)
             for fqn, (attr, spec) in self._state_specs.items()
         }
         out = {}
         for name, fqn in self._aliases.items():
             out[name] = full[fqn] if fqn in full else self._extra_state[name]
         return out
+
+
+def _whole_on_data_axes(t: torch.Tensor) -> torch.Tensor:
+    """A parameter FSDP2 shards over the data axes (ZeRO-2/3: a ``DTensor``) gathered back to the
+    plan's local piece (collective over the data group); any other tensor as it is."""
+    return t.full_tensor() if isinstance(t, DTensor) else t
 
 
 def _loss_of(out, loss_fn: Callable[[Any], torch.Tensor] | None) -> torch.Tensor:

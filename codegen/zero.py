@@ -1,0 +1,234 @@
+"""The plan's trades run by the real engines: ZeRO 1-3, mixed precision and optimizer offload.
+
+``codegen/build.py`` calls ``apply_trades`` once, on the lowered rank-local graph, before the
+gradient buckets are made; the ``AppliedTrades`` it returns travels with the ``ParallelModule``.
+
+Which engine does what, and why
+-------------------------------
+
+* **ZeRO-2 and ZeRO-3: FSDP2** (``torch.distributed.fsdp.fully_shard``) over the plan's data axes
+  (``Trades.data_axes`` of more than one rank: the module's own group of that axis, as a 1-D
+  ``DeviceMesh``). FSDP2 already does what ZeRO-2/3 need and nothing here should
+  rewrite: it shards each parameter on dim 0 as a ``DTensor`` on the data submesh, all-gathers
+  before forward (a module pre-hook, so the generated graph's ``get_attr`` reads plain, gathered
+  tensors), reduce-scatters gradients after backward, and overlaps both with compute.
+  ZeRO-3 is ``reshard_after_forward=True`` (parameters freed after forward, gathered again for
+  backward) per repeated block: each ``block_<i>`` child of the graph module
+  (``codegen/blocks.py:split_blocks``, where it ran) is its own group, the rest of the graph
+  (embeddings, head, loss) the root's; ZeRO-2 is ``reshard_after_forward=False`` (parameters
+  stay gathered from forward through backward, FSDP2's ZeRO-2). Between steps FSDP2 keeps only
+  the shards in both stages.
+* **ZeRO-1: ``torch.distributed.optim.ZeroRedundancyOptimizer``** over the data axes' group:
+  each rank keeps the optimizer state of about ``1/d`` of the parameters, steps those and
+  broadcasts them; gradients are all-reduced whole as without ZeRO (``codegen/grad_sync.py``).
+  It shards what ZeRO-1 shards and nothing more; FSDP2 cannot leave gradients whole.
+* **Mixed precision: ``torch.autocast``** around the generated graph (``ParallelModule.forward``;
+  the traced aten graph carries no dtype asserts, ``passes/trace.py``): the parameters are fp32
+  masters (a half-precision model's weights are upcast here), so gradients and optimizer state
+  are fp32 too; with FSDP2 also ``MixedPrecisionPolicy(param_dtype=half, reduce_dtype=fp32)``:
+  the gathered parameters are half, the gradient reduce-scatter fp32.
+* **Offload: FSDP2's ``CPUOffloadPolicy``** (pinned host memory where CUDA is there): sharded
+  parameters (the fp32 masters), their gradients and so the optimizer state live in host memory,
+  and the optimizer's step runs there. Offload needs FSDP2's sharded parameters, so it needs
+  ``zero_stage >= 2``: ``Trades`` refuses offload with ``zero_stage`` 0 or 1 (``TradesError``,
+  ``autopar/trades.py``), so no plan asks for it: a ZeRO-1 optimizer over host copies would be a
+  hand-written engine for the one case no library covers; ``zero_stage=2`` also shards the
+  gradients, at the same communication volume.
+
+Gradients: which engine reduces which
+-------------------------------------
+
+The generated graph's gradients are partial *sums* per rank (the loss is the global mean,
+computed inside the graph), so FSDP2 reduces with SUM (``set_gradient_divide_factor(1.0)``, and
+SUM on the wire: ``set_force_sum_reduction_for_comms``). FSDP2 shards exactly the parameters whose
+accumulated gradient is partial on the data axes and complete on every other axis: those whose
+"f" ``passes/grad_sync.py:deferred_grad_axes`` defers on exactly the data axes (codegen emitted
+no "f" for them, and ``bucketed`` drops them from the gradient buckets, so their gradient is
+reduced once, by FSDP2). Every other parameter is passed to FSDP2 as ignored and stays whole and
+plain: its gradient is reduced as without ZeRO (inline "f", or a bucket of ``GradSync``), and
+summing it again over the data axes would count it ``d`` times (GPT-2's position table, read by
+positions every rank computes alike, is one: its gradient is already whole on every rank).
+Parameters that need no gradient are sharded.
+
+State and accumulation
+----------------------
+
+``ParallelModule.full_state_dict`` gathers FSDP2's shards over the data axes (``full_tensor``)
+before the plan's own pieces; under mixed precision it returns the fp32 masters.
+``ParallelModule._set_grad_sync`` (gradient accumulation over micro-batches) turns FSDP2's
+reductions off and on with the buckets' (``set_requires_gradient_sync``): the accumulated
+unsharded gradients are reduce-scattered once, in the last micro-batch's backward.
+
+The user's loop
+---------------
+
+::
+
+    pmodel = autopar.autoparallelize(model, cluster, inputs, plan=plan)
+    opt = pmodel.optimizer(torch.optim.AdamW, lr=3e-4)   # the optimizer every stage needs
+    for batch in data:
+        loss = pmodel(**batch).loss          # forward under autocast where the plan says so
+        loss.backward()                      # reduce-scatters (ZeRO-2/3) or all-reduces
+        opt.step()                           # on the shards, on the host when offloaded
+        opt.zero_grad()
+
+``ParallelModule.optimizer`` is the way to build the optimizer: ZeRO-1 needs the
+``ZeroRedundancyOptimizer`` over the data group, and under FSDP2 ``parameters()`` yields sharded
+``DTensor``s (and the ignored plain parameters, kept in a param group of their own so that the
+foreach kernels never mix the two). Under FP16 the user adds a loss scaler
+(``torch.amp.GradScaler``) as in any fp16 loop.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import re
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+import torch.fx as fx
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
+
+from autopar.codegen.lower import mangle
+from autopar.passes.trace import Role, TracedGraph
+from autopar.trades import Offload, Precision, Trades, TradesError, ZeroStage
+
+_BLOCK = re.compile(r"block_\d+")
+HALF = {Precision.BF16: torch.bfloat16, Precision.FP16: torch.float16}
+
+
+@dataclass
+class AppliedTrades:
+    """What ``apply_trades`` set up, as the ``ParallelModule`` needs it at run time."""
+
+    trades: Trades = field(default_factory=Trades)
+    data_axes: tuple[int, ...] = ()  # the data axes of more than one rank that ZeRO shards over
+    data_group: dist.ProcessGroup | None = None  # their flattened group (ZeRO-1's optimizer)
+    data_mesh: DeviceMesh | None = None  # the same as a 1-D mesh (FSDP2)
+    fsdp_modules: list = field(default_factory=list)  # FSDP2 groups: blocks first, the root last
+    sharded: frozenset[str] = frozenset()  # parameter placeholders FSDP2 shards and reduces
+
+    @property
+    def half(self) -> torch.dtype | None:
+        """The autocast dtype under mixed precision, else None."""
+        return HALF.get(self.trades.precision)
+
+    def bucketed(self, deferred: dict[str, tuple[int, ...]]) -> dict[str, tuple[int, ...]]:
+        """The deferred gradient reductions left to ``GradSync``: all but FSDP2's."""
+        return {p: axes for p, axes in deferred.items() if p not in self.sharded}
+
+    def autocast(self, device_type: str):
+        """The context the generated graph runs in: autocast to the half type, or nothing."""
+        if self.half is None:
+            return contextlib.nullcontext()
+        return torch.autocast(device_type, dtype=self.half)
+
+    def set_requires_gradient_sync(self, enabled: bool) -> None:
+        """FSDP2's reduce-scatters on (True) or off (gradient accumulation); a no-op without FSDP2."""
+        for m in self.fsdp_modules:
+            m.set_requires_gradient_sync(enabled, recurse=False)
+
+    def optimizer(self, params: Iterable[torch.nn.Parameter], optimizer_class, **kwargs):
+        """``optimizer_class`` over ``params`` as this stage needs it (module docstring)."""
+        params = list(params)
+        if self.trades.zero_stage is ZeroStage.OPTIMIZER and self.data_group is not None:
+            from torch.distributed.optim import ZeroRedundancyOptimizer
+
+            return ZeroRedundancyOptimizer(
+                params, optimizer_class=optimizer_class, process_group=self.data_group, **kwargs
+            )
+        shards = [p for p in params if isinstance(p, DTensor)]
+        plain = [p for p in params if not isinstance(p, DTensor)]
+        if shards and plain:  # foreach kernels take DTensors or plain tensors, not both
+            return optimizer_class([{"params": shards}, {"params": plain}], **kwargs)
+        return optimizer_class(params, **kwargs)
+
+
+def data_group(mesh: DeviceMesh, axes: tuple[int, ...]) -> tuple[dist.ProcessGroup, DeviceMesh]:
+    """The process group (and 1-D mesh) of this rank's data-parallel peers on ``axes``: the mesh's
+    own group of the one axis. Several data axes of more than one rank raise ``TradesError``: the
+    rules split the batch (dim 0) on one mesh axis, so no plan has them."""
+    if len(axes) != 1:
+        raise TradesError(
+            f"ZeRO over several data axes {list(axes)} is not supported: the batch splits on one mesh axis; "
+            "give one axis AxisRole.DATA"
+        )
+    group = mesh.get_group(axes[0])
+    return group, DeviceMesh.from_group(group, mesh.device_type, mesh_dim_names=("data",))
+
+
+def sharded_params(
+    tg: TracedGraph, deferred: dict[str, tuple[int, ...]], data_axes: tuple[int, ...]
+) -> frozenset[str]:
+    """Parameter placeholders FSDP2 shards and reduces: those whose gradient is partial on exactly
+    the data axes (module docstring), and those that need no gradient."""
+    out = set()
+    for p in tg.placeholders:
+        if p.role is not Role.PARAM:
+            continue
+        val = tg.state[p.target]
+        needs_grad = val.requires_grad and val.dtype.is_floating_point
+        if not needs_grad or set(deferred.get(p.name, ())) == set(data_axes):
+            out.add(p.name)
+    return frozenset(out)
+
+
+def apply_trades(
+    trades: Trades | None,
+    gm: fx.GraphModule,
+    mesh: DeviceMesh,
+    tg: TracedGraph,
+    deferred: dict[str, tuple[int, ...]],
+) -> AppliedTrades:
+    """Apply ``trades`` to the rank-local graph module ``gm`` (in place) on ``mesh``: upcast the
+    parameters to fp32 masters under mixed precision, make the data group, and shard with FSDP2
+    for ZeRO-2/3 (and offload). Collective where a data group is made. ``trades`` None: none
+    taken."""
+    trades = trades if trades is not None else Trades()
+    applied = AppliedTrades(trades)
+    if trades.precision.mixed:
+        for p in gm.parameters():  # fp32 masters: the gradients and optimizer state follow
+            if p.dtype.is_floating_point and p.dtype != torch.float32:
+                p.data = p.data.float()
+    axes = tuple(a for a in trades.data_axes if mesh.size(a) > 1)
+    if not trades.zero_stage or not axes:
+        return applied
+    applied.data_axes = axes
+    applied.data_group, applied.data_mesh = data_group(mesh, axes)
+    if trades.zero_stage < ZeroStage.GRADIENTS:
+        return applied
+    _fully_shard(applied, gm, tg, deferred)
+    return applied
+
+
+def _fully_shard(applied: AppliedTrades, gm: fx.GraphModule, tg: TracedGraph, deferred) -> None:
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+
+    trades = applied.trades
+    applied.sharded = sharded_params(tg, deferred, applied.data_axes)
+    keep = {
+        mangle(p.target) for p in tg.placeholders if p.role is Role.PARAM and p.name not in applied.sharded
+    }
+    named = dict(gm.named_parameters(remove_duplicate=False))
+    ignored = {p for name, p in named.items() if name.rpartition(".")[2] in keep}
+    half = applied.half
+    kwargs = dict(
+        mesh=applied.data_mesh,
+        reshard_after_forward=trades.zero_stage is ZeroStage.PARAMETERS,
+        mp_policy=MixedPrecisionPolicy(param_dtype=half, reduce_dtype=torch.float32)
+        if half is not None
+        else MixedPrecisionPolicy(),
+        offload_policy=CPUOffloadPolicy(pin_memory=torch.cuda.is_available())
+        if trades.offload is Offload.OPTIMIZER
+        else OffloadPolicy(),
+        ignored_params=ignored,
+    )
+    blocks = [m for name, m in gm.named_children() if _BLOCK.fullmatch(name)]
+    for m in [*blocks, gm]:
+        fully_shard(m, **kwargs)
+        m.set_gradient_divide_factor(1.0)  # the graph's gradients are partial sums: reduce by SUM
+        m.set_force_sum_reduction_for_comms(True)
+        applied.fsdp_modules.append(m)
