@@ -29,7 +29,7 @@ import math
 import os
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -214,13 +214,23 @@ def search(
         tables = cost_stage(tg, cinfos, strats, cluster, run, options, classes, profiler, st)
         data_axes = tuple(a for a, r in enumerate(run.roles or ()) if r is AxisRole.DATA and run.mesh[a] > 1)
         fitted = 0
+        bounds: dict = {}
+        # what a micro-batch must still split over: the data axes; with none, any axis may split the
+        # batch: the search's own micro-batches keep it divisible by every device (the solution is
+        # checked either way, ``micro_batch_ok``)
+        if data_axes:
+            parts = math.prod(run.mesh[a] for a in data_axes)
+        else:
+            parts = math.prod(run.mesh) if options.micro_batches is None else 1
         for trades in ladder(options, data_axes, precision, batch, bool(blocks)):
+            if trades.micro_batches > 1 and (batch is None or (batch // trades.micro_batches) % parts):
+                continue
             traded = apply_trades(tables, tg, cinfos, trades, cluster, options.optimizer, blocks)
             needed = lower_bound_bytes(traded)
             if needed > limit:  # cheap: no solve, no entry
                 min_needed = min(min_needed, needed)
                 continue
-            ctx = TradeContext(trades, tables, blocks, cinfos)
+            ctx = TradeContext(trades, tables, blocks, cinfos, bounds)
             outcome = solve_mesh(tg, cinfos, traded, cluster, run, options, limit, best_objective, st, ctx)
             min_needed = min(min_needed, outcome.mem_needed)
             refused_at_full_peak |= outcome.refused_at_full_peak
@@ -377,6 +387,14 @@ class TradeContext:
     base: CostTables
     blocks: list[Block]
     infos: dict[str, NodeInfo]
+    # the candidate's time lower bounds by the trades that change table times (micro-batches
+    # change only bytes there): rungs that differ in micro-batches share one fold and bound
+    bounds: dict = field(default_factory=dict)
+
+    @property
+    def bound_key(self) -> tuple:
+        t = self.trades
+        return (t.zero_stage, t.recompute, t.offload, t.precision)
 
 
 @dataclass
@@ -411,8 +429,14 @@ def solve_mesh(
     if not trades.is_default:
         label = f"{label} [{trades.describe()}]"
     mem_needed = lower_bound_bytes(tables)
-    exact = fold_followers(tables, exact=True)  # keeps the optimum: the bound is valid on it
-    bound = lower_bound(tables, exact)
+    exact = None
+    if ctx is not None and ctx.bound_key in ctx.bounds:
+        bound = ctx.bounds[ctx.bound_key]
+    else:
+        exact = fold_followers(tables, exact=True)  # keeps the optimum: the bound is valid on it
+        bound = lower_bound(tables, exact)
+        if ctx is not None:
+            ctx.bounds[ctx.bound_key] = bound
     entry = {"mesh_shape": list(mesh), "lower_bound": bound, "trades": trades.to_dict()}
     if run.roles:
         entry["axis_roles"] = [r.value for r in run.roles]
@@ -425,7 +449,8 @@ def solve_mesh(
         st.say(f"solve: mesh {label}: lower bound {bound * 1e3:.3f} ms >= best: pruned")
         return MeshOutcome({**entry, "status": "pruned", "objective": None}, mem_needed)
     # the ILP's tables: only meshes that get solved pay for this fold
-    folded = exact if edge_pairs(tables) <= EXACT_FOLD_MAX_PAIRS else fold_followers(tables, exact=False)
+    small = edge_pairs(tables) <= EXACT_FOLD_MAX_PAIRS
+    folded = exact if small and exact is not None else fold_followers(tables, exact=small)
     sol = solve(tables, limit, options.time_limit_s, folded=folded)
     if sol is None:
         st.say(f"solve: mesh {label}: no plan fits {limit / 2**30:.2f} GiB per device")

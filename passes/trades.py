@@ -42,7 +42,8 @@ parameter's):
   one block at a time (a transient: the block's kept bytes as NONE counts them); the time added is
   the forward of every recomputed op (FULL: and half of the block's reshard time, the forward
   collectives run again).
-* micro-batches ``k``: activations, inputs and their transients are ``1/k``; compute and activation
+* micro-batches ``k``: activations, inputs and their transients are ``1/k``; gradients live through
+  the whole step (they accumulate from the first micro-batch's backward); compute and activation
   collectives keep their total (less efficient small GEMMs are not priced); each activation
   collective pays its latency ``k`` times; ZeRO-3 gathers run per micro-batch; gradients are
   reduced once.
@@ -229,6 +230,9 @@ def apply_trades(
                 node_mem[v][i] = n * (sb.param + sb.optimizer)
                 if v in grad_mem:
                     grad_mem[v][i] = n * sb.grad
+                    if k > 1:  # accumulated over micro-batches: live from the first one's backward on
+                        node_mem[v][i] += grad_mem[v][i]
+                        grad_mem[v][i] = 0.0
                 if trainable:
                     master = 4 if trades.precision.mixed else _item(info.dtype)
                     shard = elems * master / (d if trades.zero_stage else 1)
@@ -341,7 +345,17 @@ def trade_terms(
             continue
         for b in bs:
             block_c[b] += base.node_cost[v][i] / len(ms)
-            block_kept[b] += base.node_mem[v][i] / len(ms)
+            # what recomputation rematerializes: what the block keeps without it, less with it
+            block_kept[b] += (base.node_mem[v][i] - tables.node_mem[v][i] * k) / len(ms)
+    for e0, e1 in zip(base.edges, tables.edges):  # what the block's ops keep of their inputs
+        if e0.dst == "output" or e0.src not in choice or e0.dst not in choice:
+            continue
+        ms = members[e0.dst]
+        a, b_ = choice[e0.src], choice[e0.dst]
+        for b in [pos_block[m] for m in ms if m in pos_block]:
+            block_kept[b] += (
+                e0.mem[a][b_] - e1.mem[a][b_] * (1 if e0.src in _params(infos, choice) else k)
+            ) / len(ms)
 
     # ZeRO: gathers and their exposure, host traffic under offload
     z = trades.zero_stage
@@ -413,8 +427,8 @@ def trade_terms(
         if "zero" in terms.bytes_saved:  # the tables dropped the offloaded state too
             terms.bytes_saved["zero"] -= shard * optimizer.value
     if trades.recompute is not Recompute.NONE and blocks:
-        # backward rematerializes one block at a time: its bytes as NONE keeps them (1/k of them)
-        terms.transient += max(block_kept) / k
+        # backward rematerializes one block at a time: what NONE keeps of it that this does not
+        terms.transient += max(0.0, max(block_kept)) / k
         inside = _in_block(tables, blocks)
         edges = sum(
             e1.cost[choice[e0.src]][choice[e0.dst]] - e0.cost[choice[e0.src]][choice[e0.dst]]
@@ -433,6 +447,10 @@ def trade_terms(
         lat = max((lk.latency for lk in comm.links), default=0.0)
         terms.seconds["micro_batches"] = (k - 1) * n_calls * lat
     return terms
+
+
+def _params(infos: dict[str, NodeInfo], choice: dict[str, int]) -> set[str]:
+    return {v for v in choice if infos[v].role in (Role.PARAM, Role.BUFFER)}
 
 
 def batch_size(tg: TracedGraph, infos: dict[str, NodeInfo]) -> int | None:

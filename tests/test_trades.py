@@ -157,10 +157,11 @@ def test_plan_with_trades_round_trips(llama_plans, tmp_path):
 def test_search_trades_memory_when_short():
     """With room, no trade; squeezed to 60% of that plan's peak, a plan that fits, with trades."""
     model, inputs = gpt2_tiny(batch=8, seq=64)
-    free = autopar.plan(model, CPU2, inputs)
+    data = dict(mesh_shape=(2,), axis_roles=(AxisRole.DATA,))  # no placement can save memory here
+    free = autopar.plan(model, CPU2, inputs, **data)
     assert free.trades.is_default
     limit = 0.6 * free.predicted.peak_memory_bytes / (1 - CPU2.memory_reserve)
-    squeezed = autopar.plan(model, CPU2, inputs, memory_limit_bytes=limit)
+    squeezed = autopar.plan(model, CPU2, inputs, memory_limit_bytes=limit, **data)
     assert not squeezed.trades.is_default
     assert squeezed.predicted.peak_memory_bytes <= CPU2.memory_limit(limit)
     assert squeezed.predicted.step_time_s >= free.predicted.step_time_s
