@@ -81,10 +81,13 @@ MAX_MESH_AXES = 3
 # Free, the tables of a 3-axis mesh grow as (options per axis)^6 per edge. A mesh_shape passed
 # explicitly is searched without this restriction.
 DATA_OUTER_MIN_AXES = 3
-# per candidate mesh, how many trades rungs that fit are solved before the next mesh (the ladder
-# puts the cheapest first; a later one can still win where the first fits only with a worse
-# placement)
-RUNGS_SOLVED = 2
+# per candidate mesh, how many trades rungs that fit are solved before the next mesh: the ladder
+# puts the cheapest first (a later one can win where the first fits only with a worse placement,
+# rarely: each solve of a large mesh costs seconds)
+RUNGS_SOLVED = 1
+# after this many rungs of one candidate had no plan, only rungs with more room every way than one
+# of them are solved (each empty rung of a large mesh is a solve of seconds)
+MAX_EMPTY_RUNGS = 4
 
 
 @dataclass
@@ -215,6 +218,7 @@ def search(
         data_axes = tuple(a for a, r in enumerate(run.roles or ()) if r is AxisRole.DATA and run.mesh[a] > 1)
         fitted = 0
         bounds: dict = {}
+        short: list[Trades] = []  # rungs of this candidate the ILP found no plan on
         # what a micro-batch must still split over: the data axes; with none, any axis may split the
         # batch: the search's own micro-batches keep it divisible by every device (the solution is
         # checked either way, ``micro_batch_ok``)
@@ -230,11 +234,17 @@ def search(
             if needed > limit:  # cheap: no solve, no entry
                 min_needed = min(min_needed, needed)
                 continue
+            if any(relieves_no_more(trades, t) for t in short):
+                continue  # a rung with at least this much room each way had no plan
+            if len(short) >= MAX_EMPTY_RUNGS and not any(relieves_more(trades, t) for t in short):
+                continue
             ctx = TradeContext(trades, tables, blocks, cinfos, bounds)
             outcome = solve_mesh(tg, cinfos, traded, cluster, run, options, limit, best_objective, st, ctx)
             min_needed = min(min_needed, outcome.mem_needed)
             refused_at_full_peak |= outcome.refused_at_full_peak
             candidates.append(outcome.entry)
+            if outcome.solved is None and outcome.entry.get("status") == "infeasible":
+                short.append(trades)
             if outcome.solved is not None:
                 best_objective = min(
                     best_objective, outcome.solved.sol.objective + outcome.solved.terms.total_s
@@ -509,6 +519,25 @@ def _terms(
     return trade_terms(
         ctx.base, tables, sol.choice, ctx.infos, ctx.trades, cluster, options.optimizer, ctx.blocks
     )
+
+
+def relieves_no_more(a: Trades, b: Trades) -> bool:
+    """Rung ``a`` frees no more memory than ``b`` in any trade (so where ``b`` has no plan, nor
+    has ``a``: each trade's bytes only fall as it climbs, ZeRO-3's gathered blocks aside)."""
+    return (
+        a.zero_stage <= b.zero_stage
+        and _RECOMPUTE_ORDER[a.recompute.value] <= _RECOMPUTE_ORDER[b.recompute.value]
+        and a.micro_batches <= b.micro_batches
+        and (a.offload.value == "none" or b.offload.value != "none")
+    )
+
+
+def relieves_more(a: Trades, b: Trades) -> bool:
+    """Rung ``a`` frees at least as much as ``b`` in every trade and more in one."""
+    return relieves_no_more(b, a) and a != b
+
+
+_RECOMPUTE_ORDER = {"none": 0, "selective": 1, "full": 2}
 
 
 def _activation_saving(base: CostTables, tables: CostTables, choice: dict[str, int], infos) -> float:

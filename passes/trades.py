@@ -40,8 +40,8 @@ parameter's):
   keeps the outputs of its matmuls and attention (Megatron's selective recomputation: what is
   recomputed is cheap elementwise work); the bytes freed leave the tables; backward rematerializes
   one block at a time (a transient: the block's kept bytes as NONE counts them); the time added is
-  the forward of every recomputed op (FULL: and half of the block's reshard time, the forward
-  collectives run again).
+  the forward of every recomputed op and half of the block's reshard time (its forward collectives
+  run again: selective recomputation saves only the matmuls' and attention's outputs).
 * micro-batches ``k``: activations, inputs and their transients are ``1/k``; gradients live through
   the whole step (they accumulate from the first micro-batch's backward); compute and activation
   collectives keep their total (less efficient small GEMMs are not priced); each activation
@@ -288,7 +288,7 @@ def apply_trades(
         inside = e.dst in in_block
         if inside and (src_param or e.src in in_block):
             zero = [[0.0] * len(row) for row in e.mem]
-            add = 0.5 if trades.recompute is Recompute.FULL else 0.0
+            add = 0.5  # the forward collectives run again (selective saves matmuls' outputs only)
             e2 = dataclasses.replace(
                 e2, mem=zero, copy=None if e.copy is None else zero,
                 keep=None if e.keep is None else zero,
@@ -407,12 +407,20 @@ def trade_terms(
             terms.seconds["zero"] = k * (2 * ag(gather_out) + fwd + bwd) - (ar(grad_total) - rs(grad_total))
             two = sorted(gather.values())[-2:]
             terms.transient += sum(two) + gather_out
+        # what the stage shards, against the same trades without ZeRO (precision's masters aside)
+        unsharded = dataclasses.replace(trades, zero_stage=ZeroStage.NONE, data_axes=(), offload=Offload.NONE)
+        sharded = dataclasses.replace(trades, offload=Offload.NONE)
         saved = 0.0
         for v, i in choice.items():
             info = infos[v]
-            if info.role is Role.PARAM:
-                saved += (base.node_mem[v][i] + base.grad_mem.get(v, [0.0] * (i + 1))[i]) - (
-                    tables.node_mem[v][i] + tables.grad_mem.get(v, [0.0] * (i + 1))[i]
+            if info.role is Role.PARAM and info.dtype is not None:
+                s = tables.strategies[v][i]
+                elems = info.out_bytes / _item(info.dtype) / volume_factor(s.out, mesh)
+                dd = data_size(s.out, mesh, trades.data_axes)
+                sb0 = state_bytes(elems, info.dtype, dd, unsharded, optimizer, info.requires_grad)
+                sb1 = state_bytes(elems, info.dtype, dd, sharded, optimizer, info.requires_grad)
+                saved += len(members[v]) * (
+                    sb0.param + sb0.grad + sb0.optimizer - sb1.param - sb1.grad - sb1.optimizer
                 )
         terms.bytes_saved["zero"] = saved
     if trades.offload is Offload.OPTIMIZER:
@@ -424,8 +432,6 @@ def trade_terms(
         terms.seconds["offload"] = traffic / link.bandwidth + link.latency + host_step
         terms.host_bytes = shard * (optimizer.value + (1 if trades.precision.mixed else 0))
         terms.bytes_saved["offload"] = shard * optimizer.value
-        if "zero" in terms.bytes_saved:  # the tables dropped the offloaded state too
-            terms.bytes_saved["zero"] -= shard * optimizer.value
     if trades.recompute is not Recompute.NONE and blocks:
         # backward rematerializes one block at a time: what NONE keeps of it that this does not
         terms.transient += max(0.0, max(block_kept)) / k
