@@ -26,7 +26,14 @@ DEMO_MODEL = "autopar.examples:gpt2_tiny(batch=16, seq=64, hidden=128)"
 
 
 def train_step(model, opt, inputs):
-    """One SGD step with the model's own loss (``.loss`` or the first output); returns the loss."""
+    """One SGD step with the model's own loss (``.loss`` or the first output); returns the loss.
+    A parallel module whose plan runs micro-batches takes the global batch through ``step``
+    (forward and backward of each micro-batch, ``codegen/module.py``)."""
+    if getattr(model, "micro_batches", 1) > 1:
+        loss = model.step(**inputs) if isinstance(inputs, dict) else model.step(*inputs)
+        opt.step()
+        opt.zero_grad()
+        return loss.detach()
     out = model(**inputs) if isinstance(inputs, dict) else model(*inputs)
     loss = out.loss if hasattr(out, "loss") else out[0]
     loss.backward()
@@ -42,7 +49,7 @@ def _rank_main(
     model, inputs = load_model_spec(model_spec)
     cluster = autopar.ClusterSpec.from_dict(cluster_dict)
     pmodel = autopar.autoparallelize(model, cluster, inputs, plan=plan_path)
-    opt = torch.optim.SGD(pmodel.parameters(), lr=0.05)
+    opt = pmodel.optimizer(torch.optim.SGD, lr=0.05)  # the optimizer the plan's ZeRO stage needs
     losses = [float(train_step(pmodel, opt, inputs)) for _ in range(steps)]
     step_s = time_steps(lambda: train_step(pmodel, opt, inputs), warmup=1, repeat=5, barrier=dist.barrier)
     peak = least_peak_step_memory(pmodel, lambda: train_step(pmodel, opt, inputs), barrier=dist.barrier)

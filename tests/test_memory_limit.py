@@ -25,7 +25,7 @@ def _rank(rank: int, world: int, cluster_dict: dict, plan_path: str) -> int:
     pmodel = autopar.autoparallelize(
         model, autopar.ClusterSpec.from_dict(cluster_dict), inputs, plan=plan_path
     )
-    opt = torch.optim.SGD(pmodel.parameters(), lr=0.01)
+    opt = pmodel.optimizer(torch.optim.SGD, lr=0.01)
     train_step(pmodel, opt, inputs)  # gradients exist from here on, as in training
     peak = peak_step_memory(pmodel, lambda: train_step(pmodel, opt, inputs))
     dist.barrier()
@@ -70,7 +70,7 @@ def test_a_plan_for_a_device_too_small_for_the_unconstrained_plan_runs_within_it
     cluster = base.with_overrides(device=dataclasses.replace(base.device, memory_bytes=device_bytes))
     plan = autopar.plan(model, cluster, inputs, optimizer=autopar.Optimizer.SGD, axis_roles=AUTO)
     assert plan.predicted.peak_memory_bytes <= cluster.memory_limit() < free.predicted.peak_memory_bytes
-    assert plan.decisions != free.decisions
+    assert plan.decisions != free.decisions or plan.trades != free.trades  # placements or trades
     explicit = autopar.plan(
         model, base, inputs, optimizer=autopar.Optimizer.SGD, axis_roles=AUTO, memory_limit_bytes=device_bytes
     )
