@@ -18,13 +18,15 @@ from autopar.cluster import ClusterSpec
 from autopar.errors import DistributedSetupError, PlanFormatError
 from autopar.options import Optimizer, SearchOptions
 from autopar.passes.analyze import analyze
+from autopar.passes.blocks import find_blocks
 from autopar.passes.costs import build_costs
 from autopar.passes.price import expanded_choice, grad_sync_cost, price_plan
-from autopar.passes.search import SearchResult
+from autopar.passes.search import MeshRun, SearchResult, Solved, with_trades
 from autopar.passes.search import search as _search
 from autopar.passes.solver import Solution, objective_s
 from autopar.passes.strategies import Strategy, build_strategies
 from autopar.passes.trace import TracedGraph, normalize_inputs, trace
+from autopar.passes.trades import apply_trades, half_infos, trade_terms
 from autopar.placement import Outputs, spec_from_str
 from autopar.plan import Plan
 from autopar.tools.profiler import OpProfiler, resolve_profiler
@@ -87,8 +89,9 @@ def reprice(
     """The plan's decisions, unchanged, priced on ``cluster``: no search. For a plan searched for
     one cluster (or one calibration) and run on another, or a plan chosen by other means, whose
     predicted step and memory are wanted where it runs. ``optimizer``: the one the run uses (a plan
-    does not record it); ``profile``: as for ``search``. The result's solver status is
-    "Repriced"; its objective, the cost tables' total on ``cluster``."""
+    does not record it); ``profile``: as for ``search``. The plan's trades (``autopar/trades.py``)
+    are priced as the search prices them. The result's solver status is "Repriced"; its objective,
+    the cost tables' total on ``cluster``."""
     if isinstance(plan, (str, os.PathLike)):
         plan = Plan.load(plan)
     tg = trace(model, example_inputs)
@@ -98,16 +101,24 @@ def reprice(
     outputs = Outputs(plan.outputs)
     strats = build_strategies(tg, infos, mesh)
     profiler = resolve_profiler(profile, cluster, None)
-    tables = build_costs(tg, infos, strats, cluster, mesh, optimizer, profiler=profiler, outputs=outputs)
+    trades = plan.trades
+    cinfos = half_infos(infos, trades.precision)  # as the search priced it (passes/trades.py)
+    base = build_costs(tg, cinfos, strats, cluster, mesh, optimizer, profiler=profiler, outputs=outputs)
+    blocks = find_blocks(tg)
+    tables = apply_trades(base, tg, cinfos, trades, cluster, optimizer, blocks)
     wanted = choice_from_plan(tg, plan)
     picks = {v: ss.index(wanted[v]) for v, ss in tables.strategies.items()}
     t = objective_s(tables, picks)
     sol = Solution(picks, t, "Repriced", 0.0, plan.solver.name, 0, 0)
     choice = expanded_choice(tg, tables, sol)
-    gs = grad_sync_cost(tg, infos, tables, sol, choice, cluster, mesh, outputs)
-    return price_plan(
-        tg, infos, tables, sol, choice, cluster, mesh, optimizer, plan.solver.candidates, 0.0, gs, outputs
+    gs = grad_sync_cost(tg, cinfos, tables, sol, choice, cluster, mesh, outputs)
+    terms = trade_terms(base, tables, picks, cinfos, trades, cluster, optimizer, blocks)
+    priced = price_plan(
+        tg, cinfos, tables, sol, choice, cluster, mesh, optimizer, plan.solver.candidates, 0.0, gs, outputs
     )
+    run = MeshRun(mesh, None)
+    solved = Solved(priced.predicted.step_time_s, run, sol, tables, 0.0, gs, choice, trades, terms)
+    return with_trades(priced, tg, cinfos, solved, SearchOptions(optimizer=optimizer))
 
 
 def autoparallelize(

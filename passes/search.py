@@ -492,9 +492,6 @@ def solve_mesh(
             f"solve: mesh {label}: offloaded state needs {_size(terms.host_bytes)} of host memory per device"
         )
         return MeshOutcome({**entry, "status": "infeasible", "objective": None}, mem_needed)
-    if ctx is not None and (ctx.trades.recompute.value != "none" or ctx.trades.micro_batches > 1):
-        saved = _activation_saving(ctx.base, tables, sol.choice, infos) - terms.transient
-        terms.bytes_saved["recompute" if ctx.trades.recompute.value != "none" else "micro_batches"] = saved
     t_step = sol.objective + gs.adjustment_s + terms.total_s
     st.say(
         f"solve: mesh {label}: {sol.status}, predicted step {t_step * 1e3:.3f} ms "
@@ -538,22 +535,6 @@ def relieves_more(a: Trades, b: Trades) -> bool:
 
 
 _RECOMPUTE_ORDER = {"none": 0, "selective": 1, "full": 2}
-
-
-def _activation_saving(base: CostTables, tables: CostTables, choice: dict[str, int], infos) -> float:
-    """Bytes the activations' terms lost from ``base`` to ``tables`` under ``choice`` (each
-    counted where the tables charge it, summed: an upper bound on what the peak loses)."""
-    saved = sum(
-        base.node_mem[v][i] - tables.node_mem[v][i]
-        for v, i in choice.items()
-        if infos[v].role not in (Role.PARAM, Role.BUFFER)
-    )
-    for e0, e1 in zip(base.edges, tables.edges):
-        a = choice.get(e0.src)
-        b = 0 if e0.dst == "output" else choice.get(e0.dst)
-        if a is not None and b is not None:
-            saved += e0.mem[a][b] - e1.mem[a][b]
-    return saved
 
 
 def _size(nbytes: float) -> str:

@@ -288,7 +288,9 @@ def apply_trades(
         inside = e.dst in in_block
         if inside and (src_param or e.src in in_block):
             zero = [[0.0] * len(row) for row in e.mem]
-            add = 0.5  # the forward collectives run again (selective saves matmuls' outputs only)
+            # an activation's forward collectives run again (selective saves matmuls' outputs only);
+            # a parameter's edge prices its gradient's reduction, which recomputation does not repeat
+            add = 0.0 if src_param else 0.5
             e2 = dataclasses.replace(
                 e2, mem=zero, copy=None if e.copy is None else zero,
                 keep=None if e.keep is None else zero,
@@ -434,7 +436,8 @@ def trade_terms(
         terms.bytes_saved["offload"] = shard * optimizer.value
     if trades.recompute is not Recompute.NONE and blocks:
         # backward rematerializes one block at a time: what NONE keeps of it that this does not
-        terms.transient += max(0.0, max(block_kept)) / k
+        remat = max(0.0, max(block_kept)) / k
+        terms.transient += remat
         inside = _in_block(tables, blocks)
         edges = sum(
             e1.cost[choice[e0.src]][choice[e0.dst]] - e0.cost[choice[e0.src]][choice[e0.dst]]
@@ -444,15 +447,38 @@ def trade_terms(
         terms.in_tables["recompute"] = edges + sum(
             tables.node_cost[v][i] - base.node_cost[v][i] for v, i in choice.items() if v in inside
         )
+    if trades.recompute is not Recompute.NONE or k > 1:
+        saved = activation_saving(base, tables, choice, infos)
+        if trades.recompute is not Recompute.NONE and blocks:
+            saved -= remat
+        terms.bytes_saved["recompute" if trades.recompute is not Recompute.NONE else "micro_batches"] = saved
     if k > 1:
-        n_calls = sum(
-            1
+        n_calls = sum(  # graph edges that reshard (an entry stands for ``count`` of them)
+            e.count
             for e in tables.edges
             if e.src in choice and e.dst in choice and e.cost[choice[e.src]][choice[e.dst]] > 0
         )
         lat = max((lk.latency for lk in comm.links), default=0.0)
         terms.seconds["micro_batches"] = (k - 1) * n_calls * lat
     return terms
+
+
+def activation_saving(
+    base: CostTables, tables: CostTables, choice: dict[str, int], infos: dict[str, NodeInfo]
+) -> float:
+    """Bytes the activations' terms lost from ``base`` to ``tables`` under ``choice`` (each
+    counted where the tables charge it, summed: an upper bound on what the peak loses)."""
+    saved = sum(
+        base.node_mem[v][i] - tables.node_mem[v][i]
+        for v, i in choice.items()
+        if infos[v].role not in (Role.PARAM, Role.BUFFER)
+    )
+    for e0, e1 in zip(base.edges, tables.edges):
+        a = choice.get(e0.src)
+        b = 0 if e0.dst == "output" else choice.get(e0.dst)
+        if a is not None and b is not None:
+            saved += e0.mem[a][b] - e1.mem[a][b]
+    return saved
 
 
 def _params(infos: dict[str, NodeInfo], choice: dict[str, int]) -> set[str]:

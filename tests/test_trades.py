@@ -216,3 +216,17 @@ def test_cli_forces_trades(tmp_path, capsys):
     assert (t.recompute, t.zero_stage, t.micro_batches) == (Recompute.FULL, ZeroStage.GRADIENTS, 2)
     assert main(argv + ["--micro-batches", "two"]) == 2
     assert "--micro-batches must be a positive integer" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("name", ["full", "micro4", "zero3", "offload"])
+def test_repricing_a_plan_with_trades_gives_its_own_prediction(llama_plans, name):
+    """``autopar.reprice`` prices the plan's trades as the search did: the same step; the same peak
+    but for what recomputation keeps of a block's outputs, which the search reads off the class
+    representative for every twin (the last block's output is one tensor of 64 KiB more here)."""
+    model, inputs = llama_tiny(batch=8, seq=64, hidden=64)
+    plan = llama_plans[name]
+    again = autopar.reprice(model, CPU2, inputs, plan)
+    assert again.trades == plan.trades
+    assert again.predicted.step_time_s == pytest.approx(plan.predicted.step_time_s, rel=1e-6)
+    assert again.predicted.peak_memory_bytes == pytest.approx(plan.predicted.peak_memory_bytes, rel=0.02)
+    assert again.trade_costs.keys() == plan.trade_costs.keys()
