@@ -31,7 +31,10 @@ parameter's):
   ``ClusterSpec.host_memory_bytes`` instead). The optimizer step runs on ``1/d`` of the elements
   from ZeRO-1 (``compute.optimizer_step_time``).
 * ZeRO-1 all-gathers the updated parameters after the step; ZeRO-2 gathers them before forward
-  and reduce-scatters gradients (the all-reduce's two halves: ``+ag - (ar - rs)``); ZeRO-3 gathers
+  (one FSDP2 group: exposed) and reduce-scatters gradients; the gradient reduction is priced as
+  the all-reduce buckets it replaces (``passes/grad_sync.py``, partly hidden behind backward): a
+  reduce-scatter moves half the bytes, but how much of the all-reduce is already hidden is the
+  buckets' business, so no credit is taken (an upper bound); ZeRO-3 gathers
   each block's parameters in forward and again in backward, the next block's gather prefetched
   behind this block's compute: exposed ``g_1 + sum_i max(0, g_{i+1} - c_i)`` (``c`` a block's
   forward, resp. backward, compute), and two blocks' gathered parameters live at once (a
@@ -363,7 +366,6 @@ def trade_terms(
     z = trades.zero_stage
     gather = {b.index: 0.0 for b in blocks}  # half-type (or param-type) bytes of a block's params
     gather_out = 0.0
-    grad_total = 0.0
     step_elems_host = 0.0
     axis_parts = [a for a in trades.data_axes if mesh[a] > 1]
     for v, i in choice.items():
@@ -374,9 +376,7 @@ def trade_terms(
         vol = volume_factor(s.out, mesh)
         elems = info.out_bytes / _item(info.dtype) / vol
         cbytes = elems * (2 if trades.precision.mixed else _item(info.dtype))
-        gbytes = elems * (4 if trades.precision.mixed else _item(info.dtype))
         for m in members[v]:
-            grad_total += gbytes
             b = next((blk.index for blk in blocks if m in blk.params), None)
             if b is None:
                 gather_out += cbytes
@@ -388,25 +388,19 @@ def trade_terms(
     def ag(nbytes: float) -> float:
         return sum(comm.time(Collective.ALL_GATHER, nbytes, a) for a in axis_parts)
 
-    def rs(nbytes: float) -> float:
-        return sum(comm.time(Collective.REDUCE_SCATTER, nbytes, a) for a in axis_parts)
-
-    def ar(nbytes: float) -> float:
-        return sum(comm.time(Collective.ALL_REDUCE, nbytes, a) for a in axis_parts)
-
     if z and axis_parts:
         total_gather = gather_out + sum(gather.values())
         if z == ZeroStage.OPTIMIZER:
             terms.seconds["zero"] = ag(total_gather)
         elif z == ZeroStage.GRADIENTS:
-            terms.seconds["zero"] = ag(total_gather) - (ar(grad_total) - rs(grad_total))
+            terms.seconds["zero"] = ag(total_gather)  # one group: gathered before forward, exposed
         else:
             g = [ag(gather[b.index]) for b in blocks]
             fwd = g[0] + sum(max(0.0, g[j + 1] - block_c[j] / 3) for j in range(len(g) - 1)) if g else 0.0
             bwd = (
                 g[-1] + sum(max(0.0, g[j] - 2 * block_c[j + 1] / 3) for j in range(len(g) - 1)) if g else 0.0
             )
-            terms.seconds["zero"] = k * (2 * ag(gather_out) + fwd + bwd) - (ar(grad_total) - rs(grad_total))
+            terms.seconds["zero"] = k * (2 * ag(gather_out) + fwd + bwd)
             two = sorted(gather.values())[-2:]
             terms.transient += sum(two) + gather_out
         # what the stage shards, against the same trades without ZeRO (precision's masters aside)
