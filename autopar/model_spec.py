@@ -6,6 +6,7 @@ from __future__ import annotations
 import ast
 import importlib
 import importlib.util
+import inspect
 import re
 import sys
 from pathlib import Path
@@ -50,7 +51,16 @@ def load_model_spec(spec: str):
     fn = getattr(module, fn_name, None)
     if not callable(fn):
         raise ModelSpecError(f"{mod_name} has no callable {fn_name!r}")
-    result = fn(**kwargs)
+    try:
+        bound = inspect.signature(fn).bind(**kwargs)
+    except TypeError as e:  # a misspelt keyword: say which ones the function takes
+        params = ", ".join(str(p) for p in inspect.signature(fn).parameters.values())
+        raise ModelSpecError(
+            f"{mod_name}:{fn_name} does not take {sorted(kwargs)}: {e}; it takes ({params})"
+        ) from None
+    except ValueError:  # no signature to read (a builtin): let the call say
+        bound = None
+    result = fn(*bound.args, **bound.kwargs) if bound is not None else fn(**kwargs)
     if not (isinstance(result, tuple) and len(result) == 2):
         raise ModelSpecError(f"{spec} must return (model, example_inputs), got {type(result).__name__}")
     return result

@@ -48,6 +48,8 @@ def test_plan_from_a_file_model_spec_with_fixed_mesh(tmp_path):
         (["plan", "no_such_module_xyz:build", "--cluster", "cpu"], "no_such_module_xyz"),
         (["plan", "autopar.examples", "--cluster", "cpu"], "MODEL_SPEC"),
         (["plan", "autopar.examples:mlp", "--cluster", "cpu:1x2", "--mesh", "3"], "devices"),
+        # a misspelt keyword of the example: the keywords it takes, not a traceback
+        (["plan", "autopar.examples:gpt2_tiny(hiden=32)", "--cluster", "cpu:1x2"], "hidden: 'int' = 64"),
     ],
 )
 def test_errors_exit_2_with_a_message(argv, needle, capsys, tmp_path):
