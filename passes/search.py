@@ -219,6 +219,7 @@ def search(
         fitted = 0
         bounds: dict = {}
         short: list[Trades] = []  # rungs of this candidate the ILP found no plan on
+        over: list[Trades] = []  # rungs whose memory lower bound passes the limit
         # what a micro-batch must still split over: the data axes; with none, any axis may split the
         # batch: the search's own micro-batches keep it divisible by every device (the solution is
         # checked either way, ``micro_batch_ok``)
@@ -229,13 +230,14 @@ def search(
         for trades in ladder(options, data_axes, precision, batch, bool(blocks)):
             if trades.micro_batches > 1 and (batch is None or (batch // trades.micro_batches) % parts):
                 continue
+            if any(relieves_no_more(trades, t) for t in short + over):
+                continue  # a rung with at least this much room each way had no plan
             traded = apply_trades(tables, tg, cinfos, trades, cluster, options.optimizer, blocks)
             needed = lower_bound_bytes(traded)
             if needed > limit:  # cheap: no solve, no entry
                 min_needed = min(min_needed, needed)
+                over.append(trades)
                 continue
-            if any(relieves_no_more(trades, t) for t in short):
-                continue  # a rung with at least this much room each way had no plan
             if len(short) >= MAX_EMPTY_RUNGS and not any(relieves_more(trades, t) for t in short):
                 continue
             ctx = TradeContext(trades, tables, blocks, cinfos, bounds)
