@@ -285,9 +285,20 @@ def add_memory_rows(prob, x: dict, quad: list, limit: float, shared: Folds, tabl
     # what each segment (p_{j-1}, p_j] is charged: (variable, bytes) pairs
     segments: list[list[tuple]] = [[] for _ in range(len(cuts) + 1)]
 
+    hits: dict[tuple[float, ...], list[tuple[int, int]]] = {}  # positions -> (segment, how many)
+
     def charge(ps: tuple[float, ...], var, amount: float) -> None:
-        for p in ps:
-            segments[bisect.bisect_left(cuts, p)].append((var, amount * g))
+        # a class's members share their positions across its strategies and edges: the segments
+        # they fall in are found once per positions tuple (80-layer models: 80 positions each)
+        where = hits.get(ps)
+        if where is None:
+            count: dict[int, int] = {}
+            for p in ps:
+                j = bisect.bisect_left(cuts, p)
+                count[j] = count.get(j, 0) + 1
+            where = hits[ps] = list(count.items())
+        for j, n in where:
+            segments[j].append((var, amount * g * n))
 
     for v, d in shared.mem.items():
         for ps, ms in d.items():
