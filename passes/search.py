@@ -1,7 +1,7 @@
 """The search: one function of named stages, each a function of the previous stage's output.
 
-    trace -> analyze -> coarsen -> for each mesh candidate: strategies -> cost -> solve
-          -> select -> price
+    trace -> analyze -> coarsen -> for each mesh candidate: strategies -> cost
+          -> for each rung of the trades ladder: solve -> select -> price
 
 * ``trace``: the model as an aten-level FX graph (``passes/trace.py``);
 * ``analyze``: shapes, FLOPs, bytes, roles per node (``passes/analyze.py``);
@@ -11,6 +11,10 @@
   ``solve`` (``solve_mesh``: memory lower bound, time lower bound against the best so far, the ILP
   of ``passes/solver.py``, then the chosen solution's gradient buckets and full peak, solving again
   once with less room when the buckets' flattening passes the limit);
+* ``trades``: per candidate, the memory-for-time trades ladder (``passes/trades.py``: ZeRO stage,
+  recomputation, micro-batches, offload, at the plan's precision), each rung the same ILP on
+  transformed tables, skipped without a solve where its memory lower bound passes the limit or a
+  rung with at least as much room each way had no plan, the first that fits taken;
 * ``select``: the candidate with the smallest predicted step;
 * ``price``: the chosen solution priced as it runs (``passes/price.py:price_plan``).
 
