@@ -74,8 +74,7 @@ class NodeInfo:
     def out_bytes(self) -> int:
         if self.dtype is None:
             return 0
-        item = torch.empty((), dtype=self.dtype).element_size()
-        return sum(_numel(s) for s in self.shapes) * item
+        return sum(_numel(s) for s in self.shapes) * self.dtype.itemsize
 
 
 def _numel(shape) -> int:

@@ -92,7 +92,7 @@ MAX_MICRO_BATCHES = 64
 
 
 def _item(dtype: torch.dtype | None) -> int:
-    return torch.empty((), dtype=dtype).element_size() if dtype is not None else 0
+    return dtype.itemsize if dtype is not None else 0
 
 
 def half_dtype(precision: Precision) -> torch.dtype:
@@ -352,6 +352,7 @@ def trade_terms(
             block_c[b] += base.node_cost[v][i] / len(ms)
             # what recomputation rematerializes: what the block keeps without it, less with it
             block_kept[b] += (base.node_mem[v][i] - tables.node_mem[v][i] * k) / len(ms)
+    params = _params(infos, choice)
     for e0, e1 in zip(base.edges, tables.edges):  # what the block's ops keep of their inputs
         if e0.dst == "output" or e0.src not in choice or e0.dst not in choice:
             continue
@@ -359,7 +360,7 @@ def trade_terms(
         a, b_ = choice[e0.src], choice[e0.dst]
         for b in [pos_block[m] for m in ms if m in pos_block]:
             block_kept[b] += (
-                e0.mem[a][b_] - e1.mem[a][b_] * (1 if e0.src in _params(infos, choice) else k)
+                e0.mem[a][b_] - e1.mem[a][b_] * (1 if e0.src in params else k)
             ) / len(ms)
 
     # ZeRO: gathers and their exposure, host traffic under offload

@@ -89,8 +89,18 @@ def writes_inputs(node: fx.Node) -> bool:
 
 
 def tensor_inputs(node: fx.Node) -> list[fx.Node]:
-    """Tensor-valued input nodes in flattened (args, kwargs) order: the order ``ins`` refers to."""
-    return [a for a in pytree.tree_leaves((node.args, node.kwargs)) if _is_tensor_node(a)]
+    """Tensor-valued input nodes in flattened (args, kwargs) order: the order ``ins`` refers to.
+    Cached on the node while its ``args`` and ``kwargs`` are the same objects (fx replaces them,
+    never mutates them, when a node is rewired): the search asks for every node's once per mesh."""
+    hit = node.meta.get(_TENSOR_INPUTS)
+    if hit is not None and hit[0] is node.args and hit[1] is node.kwargs:
+        return list(hit[2])
+    found = [a for a in pytree.tree_leaves((node.args, node.kwargs)) if _is_tensor_node(a)]
+    node.meta[_TENSOR_INPUTS] = (node.args, node.kwargs, tuple(found))
+    return found
+
+
+_TENSOR_INPUTS = "autopar_tensor_inputs"
 
 
 def map_args(
