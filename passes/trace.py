@@ -112,6 +112,9 @@ def trace(model: torch.nn.Module, example_inputs, stack_traces: bool = False) ->
     ``stack_traces``: keep each node's source line in ``node.meta["stack_trace"]`` (for dumps);
     collecting them costs about a quarter of the tracing time."""
     args, kwargs = normalize_inputs(example_inputs)
+    # a private switch of recent torch (2.11 has none: there, stack traces are always collected)
+    if not hasattr(torch.fx.config, "do_not_emit_stack_traces"):
+        return _trace(model, args, kwargs)
     previous = torch.fx.config.do_not_emit_stack_traces
     torch.fx.config.do_not_emit_stack_traces = not stack_traces
     try:

@@ -62,3 +62,17 @@ def test_meta_device_model_plans_without_memory():
     assert n_params > 5e8
     assert plan.predicted.param_bytes >= n_params * 4 / 8  # at most 8-way sharded fp32 weights
     assert plan.predicted.step_time_s > 0
+
+
+def test_tracing_works_on_a_torch_without_the_stack_trace_switch(monkeypatch):
+    """torch 2.11 has no ``torch.fx.config.do_not_emit_stack_traces`` (issue 24): tracing must not
+    need it."""
+    import torch.fx.config
+
+    from autopar.examples import mlp
+    from autopar.passes.trace import trace
+
+    monkeypatch.delattr(torch.fx.config, "do_not_emit_stack_traces", raising=True)
+    model, inputs = mlp(batch=4, hidden=8, ffn=16)
+    tg = trace(model, inputs)
+    assert any(n.op == "call_function" for n in tg.graph.nodes)
