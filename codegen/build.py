@@ -72,8 +72,10 @@ def build_parallel_module(
     outputs = Outputs(plan.outputs)
     gm = lower(tg, choice, plan.mesh_shape, device, attrs, deferred, outputs)
     trades = getattr(plan, "trades", Trades())
-    if trades.recompute is not Recompute.NONE or trades.zero_stage == ZeroStage.PARAMETERS:
-        # one submodule per repeated block, owning its parameters (codegen/blocks.py)
+    if trades.recompute is not Recompute.NONE or trades.zero_stage >= ZeroStage.GRADIENTS:
+        # one submodule per repeated block, owning its parameters (codegen/blocks.py): recomputed
+        # one at a time; under ZeRO 2 and 3 one FSDP2 group each, so that a block's gradients are
+        # reduce-scattered as its backward ends (one group would hold every full gradient)
         gm = apply_recompute(split_blocks(gm, find_blocks(tg), tg.graph), trades.recompute, mesh)
     out_node = next(n for n in tg.graph.nodes if n.op == "output")
     output_specs = tuple(

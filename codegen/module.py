@@ -176,12 +176,11 @@ class ParallelModule(torch.nn.Module):
     def _set_grad_sync(self, enabled: bool) -> None:
         """Whether the next backward reduces gradients across ranks (True) or only accumulates them
         locally (False): ``step`` turns it off for every micro-batch but the last. The one hook
-        point of gradient accumulation: today it toggles the bucketed data-parallel all-reduces
-        (``GradSync.set_requires_gradient_sync``); a module wrapped by FSDP2 (ZeRO) calls its
-        ``set_requires_gradient_sync(enabled)`` here too."""
+        point of gradient accumulation: it toggles the bucketed data-parallel all-reduces
+        (``GradSync.set_requires_gradient_sync``); FSDP2's reduce-scatters (ZeRO 2 and 3) stay on,
+        so that gradients accumulate sharded (``codegen/zero.py``)."""
         if self.grad_sync is not None:
             self.grad_sync.set_requires_gradient_sync(enabled)
-        self.zero.set_requires_gradient_sync(enabled)  # FSDP2's reduce-scatters (ZeRO-2/3)
 
     def optimizer(self, optimizer_class: type[torch.optim.Optimizer], **kwargs) -> torch.optim.Optimizer:
         """THE way to build the optimizer: ``optimizer_class(self.parameters(), **kwargs)`` as the

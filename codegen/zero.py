@@ -55,9 +55,12 @@ State and accumulation
 
 ``ParallelModule.full_state_dict`` gathers FSDP2's shards over the data axes (``full_tensor``)
 before the plan's own pieces; under mixed precision it returns the fp32 masters.
-``ParallelModule._set_grad_sync`` (gradient accumulation over micro-batches) turns FSDP2's
-reductions off and on with the buckets' (``set_requires_gradient_sync``): the accumulated
-unsharded gradients are reduce-scattered once, in the last micro-batch's backward.
+Gradient accumulation over micro-batches (``ParallelModule.step``) leaves FSDP2's reduce-scatters
+on: turned off, FSDP2 would accumulate *unsharded* gradients, every group's whole gradient live
+through the micro-batches, which is what ZeRO 2 and 3 exist to avoid; on, each micro-batch's
+gradient is reduce-scattered into the sharded one (a reduce-scatter per micro-batch, priced so
+by ``passes/trades.py``). Only the GradSync buckets (parameters FSDP2 does not shard) wait for
+the last micro-batch.
 
 The user's loop
 ---------------
@@ -125,11 +128,6 @@ class AppliedTrades:
         if self.half is None:
             return contextlib.nullcontext()
         return torch.autocast(device_type, dtype=self.half)
-
-    def set_requires_gradient_sync(self, enabled: bool) -> None:
-        """FSDP2's reduce-scatters on (True) or off (gradient accumulation); a no-op without FSDP2."""
-        for m in self.fsdp_modules:
-            m.set_requires_gradient_sync(enabled, recurse=False)
 
     def optimizer(self, params: Iterable[torch.nn.Parameter], optimizer_class, **kwargs):
         """``optimizer_class`` over ``params`` as this stage needs it (module docstring)."""

@@ -31,14 +31,17 @@ parameter's):
   ``ClusterSpec.host_memory_bytes`` instead). The optimizer step runs on ``1/d`` of the elements
   from ZeRO-1 (``compute.optimizer_step_time``).
 * ZeRO-1 all-gathers the updated parameters after the step; ZeRO-2 gathers them before forward
-  (one FSDP2 group: exposed) and reduce-scatters gradients; the gradient reduction is priced as
+  (one FSDP2 group per block, prefetched as ZeRO-3's forward gathers are) and reduce-scatters
+  gradients; the gradient reduction is priced as
   the all-reduce buckets it replaces (``passes/grad_sync.py``, partly hidden behind backward): a
   reduce-scatter moves half the bytes, but how much of the all-reduce is already hidden is the
   buckets' business, so no credit is taken (an upper bound); ZeRO-3 gathers
   each block's parameters in forward and again in backward, the next block's gather prefetched
   behind this block's compute: exposed ``g_1 + sum_i max(0, g_{i+1} - c_i)`` (``c`` a block's
   forward, resp. backward, compute), and two blocks' gathered parameters live at once (a
-  transient). Parameters outside blocks are gathered exposed.
+  transient). Parameters outside blocks are gathered exposed. Under ZeRO 2 and 3 a block's whole
+  gradient (and the root group's) lives until its reduce-scatter (a transient), and with
+  micro-batches every micro-batch reduce-scatters (gradients accumulate sharded).
 * recomputation: FULL keeps of each block only its output (the next block's input); SELECTIVE
   keeps the outputs of its matmuls and attention (Megatron's selective recomputation: what is
   recomputed is cheap elementwise work); the bytes freed leave the tables; backward rematerializes
@@ -174,6 +177,8 @@ def state_bytes(
     if not trainable:
         return StateBytes(elems * item, 0.0, 0.0, 0.0)
     p = elems * master / (d if z >= ZeroStage.PARAMETERS else 1)
+    if z == ZeroStage.GRADIENTS:  # FSDP2 keeps the shard beside the gathered parameter
+        p += elems * master / d
     if trades.precision.mixed and z < ZeroStage.PARAMETERS:
         p += elems * 2  # the half copy autocast makes, kept for backward
     g = elems * master / (d if z >= ZeroStage.GRADIENTS else 1)
@@ -359,14 +364,14 @@ def trade_terms(
         ms = members[e0.dst]
         a, b_ = choice[e0.src], choice[e0.dst]
         for b in [pos_block[m] for m in ms if m in pos_block]:
-            block_kept[b] += (
-                e0.mem[a][b_] - e1.mem[a][b_] * (1 if e0.src in params else k)
-            ) / len(ms)
+            block_kept[b] += (e0.mem[a][b_] - e1.mem[a][b_] * (1 if e0.src in params else k)) / len(ms)
 
     # ZeRO: gathers and their exposure, host traffic under offload
     z = trades.zero_stage
     gather = {b.index: 0.0 for b in blocks}  # half-type (or param-type) bytes of a block's params
     gather_out = 0.0
+    grads_full = {b.index: 0.0 for b in blocks}  # a block's whole gradient before its reduce-scatter
+    grads_out = 0.0
     step_elems_host = 0.0
     axis_parts = [a for a in trades.data_axes if mesh[a] > 1]
     for v, i in choice.items():
@@ -377,33 +382,43 @@ def trade_terms(
         vol = volume_factor(s.out, mesh)
         elems = info.out_bytes / _item(info.dtype) / vol
         cbytes = elems * (2 if trades.precision.mixed else _item(info.dtype))
+        gbytes = elems * (4 if trades.precision.mixed else _item(info.dtype))
         for m in members[v]:
             b = next((blk.index for blk in blocks if m in blk.params), None)
             if b is None:
                 gather_out += cbytes
+                grads_out += gbytes
             else:
                 gather[b] += cbytes
+                grads_full[b] += gbytes
             step_elems_host += elems * (4 if trades.precision.mixed else _item(info.dtype))
     d = math.prod(mesh[a] for a in axis_parts) if axis_parts else 1
 
     def ag(nbytes: float) -> float:
         return sum(comm.time(Collective.ALL_GATHER, nbytes, a) for a in axis_parts)
 
+    def rs(nbytes: float) -> float:
+        return sum(comm.time(Collective.REDUCE_SCATTER, nbytes, a) for a in axis_parts)
+
     if z and axis_parts:
         total_gather = gather_out + sum(gather.values())
         if z == ZeroStage.OPTIMIZER:
             terms.seconds["zero"] = ag(total_gather)
-        elif z == ZeroStage.GRADIENTS:
-            terms.seconds["zero"] = ag(total_gather)  # one group: gathered before forward, exposed
-        else:
+        else:  # FSDP2, one group per block and the root's
             g = [ag(gather[b.index]) for b in blocks]
             fwd = g[0] + sum(max(0.0, g[j + 1] - block_c[j] / 3) for j in range(len(g) - 1)) if g else 0.0
             bwd = (
                 g[-1] + sum(max(0.0, g[j] - 2 * block_c[j + 1] / 3) for j in range(len(g) - 1)) if g else 0.0
             )
-            terms.seconds["zero"] = k * (2 * ag(gather_out) + fwd + bwd)
-            two = sorted(gather.values())[-2:]
-            terms.transient += sum(two) + gather_out
+            if z == ZeroStage.GRADIENTS:  # gathered in forward, kept through backward
+                terms.seconds["zero"] = k * (ag(gather_out) + fwd)
+            else:  # and gathered again in backward: two blocks' gathered parameters live at once
+                terms.seconds["zero"] = k * (2 * ag(gather_out) + fwd + bwd)
+                terms.transient += sum(sorted(gather.values())[-2:]) + gather_out
+            # each micro-batch's gradient is reduce-scattered into the shard (codegen/zero.py); a
+            # block's whole gradient, and the root's, live until their reduce-scatter
+            terms.seconds["zero"] += (k - 1) * rs(grads_out + sum(grads_full.values()))
+            terms.transient += max(grads_full.values(), default=0.0) + grads_out
         # what the stage shards, against the same trades without ZeRO (precision's masters aside)
         unsharded = dataclasses.replace(trades, zero_stage=ZeroStage.NONE, data_axes=(), offload=Offload.NONE)
         sharded = dataclasses.replace(trades, offload=Offload.NONE)

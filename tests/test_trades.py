@@ -43,11 +43,13 @@ def test_state_bytes_follow_the_zero_paper(elems, d, stage, mixed):
     )
     sb = state_bytes(elems, torch.float32, d, trades, Optimizer.ADAM, True)
     div = {s: (d if stage >= s else 1) for s in ZeroStage}
+    # ZeRO-2 (FSDP2, parameters kept gathered through the step) holds the shard beside the whole
+    shard = 4 * elems / d if stage == ZeroStage.GRADIENTS else 0
     if mixed:
         half = 2 * elems if stage < ZeroStage.PARAMETERS else 0
-        assert sb.param == pytest.approx(4 * elems / div[ZeroStage.PARAMETERS] + half)
+        assert sb.param == pytest.approx(4 * elems / div[ZeroStage.PARAMETERS] + half + shard)
     else:
-        assert sb.param == pytest.approx(4 * elems / div[ZeroStage.PARAMETERS])
+        assert sb.param == pytest.approx(4 * elems / div[ZeroStage.PARAMETERS] + shard)
     assert sb.grad == pytest.approx(4 * elems / div[ZeroStage.GRADIENTS])
     assert sb.optimizer == pytest.approx(8 * elems / div[ZeroStage.OPTIMIZER])
     if stage >= ZeroStage.GRADIENTS:
@@ -135,9 +137,10 @@ def test_zero_stages_shard_what_they_say(llama_plans):
     assert p["zero1"].optimizer_bytes == pytest.approx(none.optimizer_bytes / 2, rel=1e-6)
     assert p["zero1"].grad_bytes == none.grad_bytes and p["zero1"].param_bytes == none.param_bytes
     assert p["zero2"].grad_bytes == pytest.approx(none.grad_bytes / 2, rel=1e-6)
+    assert p["zero2"].param_bytes == pytest.approx(none.param_bytes * 1.5, rel=1e-6)  # whole + shard
     assert p["zero3"].param_bytes == pytest.approx(none.param_bytes / 2, rel=1e-6)
     assert p["offload"].optimizer_bytes == 0
-    assert none.peak_memory_bytes > p["zero1"].peak_memory_bytes >= p["zero2"].peak_memory_bytes
+    assert none.peak_memory_bytes > p["zero1"].peak_memory_bytes
     # ZeRO-3's gathered blocks are a transient on top of what it shards: on this toy model (the
     # embedding and head outside the blocks are most of it) it does not pay, and the plan says so
     assert p["zero3"].peak_memory_bytes > none.peak_memory_bytes - none.param_bytes / 2 - none.optimizer_bytes

@@ -15,6 +15,7 @@ import weakref
 from collections.abc import Callable, Iterable
 
 import torch
+from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
@@ -34,6 +35,8 @@ class LiveTensorTracker(TorchDispatchMode):
             del self._refs[key]
 
     def _track(self, t: torch.Tensor) -> None:
+        if isinstance(t, DTensor):  # FSDP2's sharded parameters: the local shard holds the bytes
+            t = t._local_tensor
         if t.device.type == "meta":
             return
         st = t.untyped_storage()
