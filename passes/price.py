@@ -143,7 +143,7 @@ def price_plan(
     t_step += gs.adjustment_s + overhead + _sync_wait(decisions, cluster.device, out_colls, bool(gs.buckets))
     comm = t_step - compute
     opt_b = grad_b * optimizer.value
-    act_b = mem - param_b - grad_b - opt_b - _buffers_inputs(infos, choice, mesh)
+    act_b = mem - param_b - grad_b - opt_b - buffers_inputs_bytes(infos, choice, mesh)
     predicted = Predicted(
         step_time_s=t_step,
         peak_memory_bytes=int(mem),
@@ -248,7 +248,8 @@ def _node_collectives(
     return seconds, calls, out_calls
 
 
-def _buffers_inputs(infos: dict[str, NodeInfo], choice, mesh) -> float:
+def buffers_inputs_bytes(infos: dict[str, NodeInfo], choice, mesh) -> float:
+    """Bytes per device of the buffers and inputs under ``choice``."""
     return sum(
         infos[v].out_bytes / volume_factor(s.out, mesh)
         for v, s in choice.items()

@@ -48,7 +48,7 @@ from autopar.passes.coarsen import Classes, find_classes
 from autopar.passes.costs import CostTables, NodeTimer, build_costs
 from autopar.passes.grad_sync import GradSyncCost
 from autopar.passes.memory_row import lower_bound_bytes
-from autopar.passes.price import expanded_choice, grad_sync_cost, plan_peak, price_plan
+from autopar.passes.price import buffers_inputs_bytes, expanded_choice, grad_sync_cost, plan_peak, price_plan
 from autopar.passes.solver import (
     EXACT_FOLD_MAX_PAIRS,
     Solution,
@@ -651,7 +651,8 @@ def with_trades(plan: Plan, tg: TracedGraph, infos: dict[str, NodeInfo], best: S
         d = math.prod(mesh[a] for a in trades.data_axes if s.out[a].is_replicate())
         sb = state_bytes(elems, info.dtype, d, trades, options.optimizer, info.requires_grad)
         param, grad, opt = param + sb.param, grad + sb.grad, opt + sb.optimizer
-    act = p.activation_bytes + (p.param_bytes + p.grad_bytes + p.optimizer_bytes) - (param + grad + opt)
+    # the tables' peak (the trades' transients aside) less the state and the buffers and inputs
+    act = p.peak_memory_bytes - (param + grad + opt) - buffers_inputs_bytes(infos, best.choice, mesh)
     predicted = dataclasses.replace(
         p,
         step_time_s=p.step_time_s + terms.total_s,

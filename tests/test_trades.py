@@ -233,3 +233,16 @@ def test_repricing_a_plan_with_trades_gives_its_own_prediction(llama_plans, name
     assert again.predicted.step_time_s == pytest.approx(plan.predicted.step_time_s, rel=1e-6)
     assert again.predicted.peak_memory_bytes == pytest.approx(plan.predicted.peak_memory_bytes, rel=0.02)
     assert again.trade_costs.keys() == plan.trade_costs.keys()
+
+
+def test_the_memory_breakdown_adds_up_when_zero_shards_most_of_it():
+    """An mlp whose weights outweigh its activations, ZeRO-3 over 8 ranks: the parts of the peak
+    (the state as sharded, the rest) add up to at most the peak (the unsharded state is most of
+    what the plan would hold without ZeRO, and more than its peak with it)."""
+    from autopar.examples import mlp
+
+    model, inputs = mlp(batch=8, hidden=256, ffn=1024)
+    cpu8 = autopar.ClusterSpec.preset("cpu", devices_per_node=8)
+    plan = autopar.plan(model, cpu8, inputs, mesh_shape=(8,), axis_roles=(AxisRole.DATA,), zero_stage=3)
+    p = plan.predicted
+    assert p.param_bytes + p.grad_bytes + p.optimizer_bytes + p.activation_bytes <= p.peak_memory_bytes
