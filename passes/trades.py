@@ -25,10 +25,13 @@ elements, ``d`` the product of the data axes' sizes it is replicated over, ``q``
 state copies, ``b`` the master/optimizer bytes per element: 4 under mixed precision, else the
 parameter's):
 
-* parameter memory: ``e b / (d if ZeRO-3)`` (+ ``2e`` under mixed precision below ZeRO-3: the half
-  copy autocast makes and backward keeps); gradients ``e b / (d if ZeRO >= 2)``; optimizer state
-  ``q e b / (d if ZeRO >= 1)``, 0 on the device when offloaded (counted against
-  ``ClusterSpec.host_memory_bytes`` instead). The optimizer step runs on ``1/d`` of the elements
+* parameter memory: ``e b`` (+ ``2e`` under mixed precision: the half copy autocast makes and
+  backward keeps) below ZeRO-2; from ZeRO-2 (FSDP2) a shard ``e b / d`` and, under ZeRO-2 only,
+  the gathered parameter kept through the step (``2e`` under mixed precision, FSDP2 gathering in
+  the half type); gradients ``e b / (d if ZeRO >= 2)``; optimizer state ``q e b / (d if ZeRO >= 1)``.
+  Offloaded (FSDP2's ``CPUOffloadPolicy``), the shards, gradients and optimizer state are in host
+  memory (counted against ``ClusterSpec.host_memory_bytes``): the device keeps ZeRO-2's gathered
+  parameters only. The optimizer step runs on ``1/d`` of the elements
   from ZeRO-1 (``compute.optimizer_step_time``).
 * ZeRO-1 all-gathers the updated parameters after the step; ZeRO-2 gathers them before forward
   (one FSDP2 group per block, prefetched as ZeRO-3's forward gathers are) and reduce-scatters
@@ -176,17 +179,19 @@ def state_bytes(
     z = trades.zero_stage
     if not trainable:
         return StateBytes(elems * item, 0.0, 0.0, 0.0)
-    p = elems * master / (d if z >= ZeroStage.PARAMETERS else 1)
-    if z == ZeroStage.GRADIENTS:  # FSDP2 keeps the shard beside the gathered parameter
-        p += elems * master / d
-    if trades.precision.mixed and z < ZeroStage.PARAMETERS:
+    if z >= ZeroStage.GRADIENTS:  # FSDP2: a shard per rank, gathered (in the half type) for use
+        # ZeRO-2 keeps the gathered parameter through the step; ZeRO-3's gathers are transients
+        gathered = elems * (2 if trades.precision.mixed else item) if z == ZeroStage.GRADIENTS else 0.0
+        shard, g = elems * master / d, elems * master / d
+        o = optimizer.value * elems * master / d
+        if trades.offload is Offload.OPTIMIZER:  # CPUOffloadPolicy: shards, gradients, state on host
+            return StateBytes(gathered, 0.0, 0.0, shard + g + o)
+        return StateBytes(gathered + shard, g, o, 0.0)
+    p = elems * master
+    if trades.precision.mixed:
         p += elems * 2  # the half copy autocast makes, kept for backward
-    g = elems * master / (d if z >= ZeroStage.GRADIENTS else 1)
+    g = elems * master
     o = optimizer.value * elems * master / (d if z >= ZeroStage.OPTIMIZER else 1)
-    if trades.offload is Offload.OPTIMIZER:
-        return StateBytes(
-            p, g, 0.0, o + (elems * master / (d if z else 1) if trades.precision.mixed else 0.0)
-        )
     return StateBytes(p, g, o, 0.0)
 
 
@@ -442,8 +447,8 @@ def trade_terms(
         host_step = optimizer_step_time(shard, optimizer.value, cluster.device, optimizer.name)
         host_step *= cluster.device.memory_bandwidth / max(link.bandwidth, 1.0)  # host memory is slower
         terms.seconds["offload"] = traffic / link.bandwidth + link.latency + host_step
-        terms.host_bytes = shard * (optimizer.value + (1 if trades.precision.mixed else 0))
-        terms.bytes_saved["offload"] = shard * optimizer.value
+        terms.host_bytes = shard * (optimizer.value + 2)  # the master shards, gradients and state
+        terms.bytes_saved["offload"] = terms.host_bytes
     if trades.recompute is not Recompute.NONE and blocks:
         # backward rematerializes one block at a time: what NONE keeps of it that this does not
         remat = max(0.0, max(block_kept)) / k

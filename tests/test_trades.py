@@ -35,27 +35,29 @@ CPU2 = autopar.ClusterSpec.preset("cpu", devices_per_node=2)
 def test_state_bytes_follow_the_zero_paper(elems, d, stage, mixed):
     """Adam, mixed precision: fp32 master 4 B + fp32 moments 8 B (the paper's 12 B "optimizer
     states" with the master), fp32 gradients 4 B, the half copy 2 B; each ZeRO stage divides its
-    part by ``d``. Without mixed precision, all in the parameters' dtype (fp32 here)."""
+    part by ``d``. Without mixed precision, all in the parameters' dtype (fp32 here). From ZeRO-2
+    (FSDP2) ZeRO-2 also keeps the gathered parameter (in the half type), and offload moves the
+    shards, gradients and state to the host."""
     trades = Trades(
         zero_stage=stage,
         data_axes=(0,) if stage else (),
         precision=Precision.BF16 if mixed else Precision.PARAM,
     )
     sb = state_bytes(elems, torch.float32, d, trades, Optimizer.ADAM, True)
-    div = {s: (d if stage >= s else 1) for s in ZeroStage}
-    # ZeRO-2 (FSDP2, parameters kept gathered through the step) holds the shard beside the whole
-    shard = 4 * elems / d if stage == ZeroStage.GRADIENTS else 0
-    if mixed:
-        half = 2 * elems if stage < ZeroStage.PARAMETERS else 0
-        assert sb.param == pytest.approx(4 * elems / div[ZeroStage.PARAMETERS] + half + shard)
-    else:
-        assert sb.param == pytest.approx(4 * elems / div[ZeroStage.PARAMETERS] + shard)
-    assert sb.grad == pytest.approx(4 * elems / div[ZeroStage.GRADIENTS])
-    assert sb.optimizer == pytest.approx(8 * elems / div[ZeroStage.OPTIMIZER])
-    if stage >= ZeroStage.GRADIENTS:
+    if stage >= ZeroStage.GRADIENTS:  # FSDP2: shards, and ZeRO-2's parameter gathered (half type)
+        gathered = (2 if mixed else 4) * elems if stage == ZeroStage.GRADIENTS else 0
+        assert sb.param == pytest.approx(4 * elems / d + gathered)
+        assert sb.grad == pytest.approx(4 * elems / d)
+        assert sb.optimizer == pytest.approx(8 * elems / d)
         off = dataclasses.replace(trades, offload=Offload.OPTIMIZER)
         off = state_bytes(elems, torch.float32, d, off, Optimizer.ADAM, True)
-        assert off.optimizer == 0 and off.host >= sb.optimizer and off.param == sb.param
+        # offloaded: the shards, gradients and state in host memory, only the gathered on the device
+        assert (off.param, off.grad, off.optimizer) == (pytest.approx(gathered), 0, 0)
+        assert off.host == pytest.approx(16 * elems / d)
+    else:
+        assert sb.param == pytest.approx(4 * elems + (2 * elems if mixed else 0))
+        assert sb.grad == pytest.approx(4 * elems)
+        assert sb.optimizer == pytest.approx(8 * elems / (d if stage else 1))
 
 
 def test_ladder_respects_forced_trades_and_the_batch():
