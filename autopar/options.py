@@ -15,7 +15,7 @@ from dataclasses import dataclass, fields
 
 from autopar.errors import AutoparError
 from autopar.placement import Outputs
-from autopar.trades import Offload, Precision, Recompute, Trades, TradesError, ZeroStage
+from autopar.trades import ENUM_FIELDS, Offload, Precision, Recompute, Trades, TradesError, ZeroStage, coerce
 
 
 class SearchOptionsError(AutoparError, ValueError):
@@ -75,20 +75,9 @@ class SearchOptions:
     offload: Offload | None = None
 
     def __post_init__(self) -> None:
-        for name, kind in (
-            ("recompute", Recompute),
-            ("precision", Precision),
-            ("zero_stage", ZeroStage),
-            ("offload", Offload),
-        ):
-            v = getattr(self, name)
-            if v is not None and not isinstance(v, kind):
-                try:
-                    object.__setattr__(self, name, kind(v))
-                except ValueError:
-                    raise SearchOptionsError(
-                        f"{name} must be None (auto) or one of {[m.value for m in kind]}, got {v!r}"
-                    ) from None
+        for name in ENUM_FIELDS:  # None is "auto"
+            if (v := getattr(self, name)) is not None:
+                object.__setattr__(self, name, coerce(name, v, SearchOptionsError))
         if (
             self.offload is Offload.OPTIMIZER
             and self.zero_stage is not None

@@ -61,6 +61,27 @@ class ZeroStage(enum.IntEnum):
     PARAMETERS = 3
 
 
+# the trades that are closed sets, by field name (``Trades`` and ``SearchOptions`` both hold them)
+ENUM_FIELDS: dict[str, type[enum.Enum]] = {
+    "recompute": Recompute,
+    "precision": Precision,
+    "zero_stage": ZeroStage,
+    "offload": Offload,
+}
+
+
+def coerce(name: str, value, error: type[Exception] = TradesError):
+    """``value`` as the enum of trade ``name`` (its member, or a member's value: ``"full"``, ``3``);
+    ``error`` naming the allowed values otherwise."""
+    kind = ENUM_FIELDS[name]
+    if isinstance(value, kind):
+        return value
+    try:
+        return kind(value)
+    except ValueError:
+        raise error(f"{name} must be one of {[m.value for m in kind]}, got {value!r}") from None
+
+
 @dataclass(frozen=True)
 class Trades:
     """The trades of one plan (module docstring). ``data_axes``: the mesh axes ZeRO shards over
@@ -74,19 +95,8 @@ class Trades:
     data_axes: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
-        for name, kind in (
-            ("recompute", Recompute),
-            ("precision", Precision),
-            ("zero_stage", ZeroStage),
-            ("offload", Offload),
-        ):
-            v = getattr(self, name)
-            if not isinstance(v, kind):
-                try:
-                    object.__setattr__(self, name, kind(v))
-                except ValueError:
-                    allowed = [m.value for m in kind]
-                    raise TradesError(f"{name} must be one of {allowed}, got {v!r}") from None
+        for name in ENUM_FIELDS:
+            object.__setattr__(self, name, coerce(name, getattr(self, name)))
         if (
             isinstance(self.micro_batches, bool)
             or not isinstance(self.micro_batches, int)
