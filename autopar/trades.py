@@ -117,7 +117,7 @@ class Trades:
 
     @property
     def is_default(self) -> bool:
-        return self == Trades(data_axes=self.data_axes) or self == Trades()
+        return self == Trades(data_axes=self.data_axes)
 
     def describe(self) -> str:
         """One line for summaries and progress: only what differs from the default."""

@@ -127,33 +127,29 @@ def main() -> None:
     for name in args.case or list(CASES):
         case = CASES[name]
         model, inputs = build(case)
-        preset, _, size = case.cluster.partition(":")
-        nodes, per = (int(x) for x in size.split("x"))
-        cluster = autopar.ClusterSpec.preset(preset, nodes=nodes, devices_per_node=per)
+        cluster = autopar.ClusterSpec.parse(case.cluster)
         flops = model_flops(model, case)
-        plan, dt, mfu = plan_row(model, inputs, cluster, flops)
-        if plan is None:
-            print(f"{name}: autopar: no plan ({dt:.1f} s): {mfu}", flush=True)
-        else:
-            p = plan.predicted
-            print(
-                f"{name}: autopar: {describe(plan)}; step {p.step_time_s * 1e3:.0f} ms, peak "
-                f"{p.peak_memory_bytes / 2**30:.1f} GiB, MFU {mfu}, planned in {dt:.1f} s",
-                flush=True,
-            )
+        report(f"{name}: autopar", *plan_row(model, inputs, cluster, flops), planned=True)
         if case.forced is None:
             print(f"{name}: published: {case.published}: not expressible yet", flush=True)
             continue
-        fplan, fdt, fmfu = plan_row(model, inputs, cluster, flops, **case.forced)
-        if fplan is None:
-            print(f"{name}: published ({case.published}) forced: no plan ({fdt:.1f} s): {fmfu}", flush=True)
-        else:
-            p = fplan.predicted
-            print(
-                f"{name}: published ({case.published}) forced: {describe(fplan)}; step "
-                f"{p.step_time_s * 1e3:.0f} ms, peak {p.peak_memory_bytes / 2**30:.1f} GiB, MFU {fmfu}",
-                flush=True,
-            )
+        report(
+            f"{name}: published ({case.published}) forced",
+            *plan_row(model, inputs, cluster, flops, **case.forced),
+        )
+
+
+def report(label: str, plan, dt: float, mfu: str, planned: bool = False) -> None:
+    """One row: what the plan chose and its predictions (``mfu``: the error where there is none)."""
+    if plan is None:
+        print(f"{label}: no plan ({dt:.1f} s): {mfu}", flush=True)
+        return
+    p = plan.predicted
+    print(
+        f"{label}: {describe(plan)}; step {p.step_time_s * 1e3:.0f} ms, peak "
+        f"{p.peak_memory_bytes / 2**30:.1f} GiB, MFU {mfu}" + (f", planned in {dt:.1f} s" if planned else ""),
+        flush=True,
+    )
 
 
 if __name__ == "__main__":

@@ -68,10 +68,10 @@ from autopar.passes.trades import (
     half_infos,
     ladder,
     micro_batch_ok,
-    state_bytes,
+    param_state,
     trade_terms,
 )
-from autopar.placement import spec_to_str, volume_factor
+from autopar.placement import spec_to_str
 from autopar.plan import Plan
 from autopar.trades import Trades
 
@@ -646,10 +646,7 @@ def with_trades(plan: Plan, tg: TracedGraph, infos: dict[str, NodeInfo], best: S
         info = infos[n.name]
         if info.role is not Role.PARAM or n.name not in best.choice or not info.dtype:
             continue
-        s = best.choice[n.name]
-        elems = info.out_bytes / torch.empty((), dtype=info.dtype).element_size() / volume_factor(s.out, mesh)
-        d = math.prod(mesh[a] for a in trades.data_axes if s.out[a].is_replicate())
-        sb = state_bytes(elems, info.dtype, d, trades, options.optimizer, info.requires_grad)
+        sb = param_state(info, best.choice[n.name].out, mesh, trades, options.optimizer)
         param, grad, opt = param + sb.param, grad + sb.grad, opt + sb.optimizer
     # the tables' peak (the trades' transients aside) less the state and the buffers and inputs
     act = p.peak_memory_bytes - (param + grad + opt) - buffers_inputs_bytes(infos, best.choice, mesh)

@@ -195,6 +195,20 @@ def state_bytes(
     return StateBytes(p, g, o, 0.0)
 
 
+def piece_elems(info: NodeInfo, spec, mesh: Sequence[int]) -> float:
+    """Elements of the piece of ``info``'s tensor one device holds under ``spec``."""
+    return info.out_bytes / _item(info.dtype) / volume_factor(spec, mesh) if info.dtype else 0.0
+
+
+def param_state(
+    info: NodeInfo, spec, mesh: Sequence[int], trades: Trades, optimizer: Optimizer
+) -> StateBytes:
+    """``state_bytes`` of parameter ``info``'s piece under ``spec``, ZeRO over the trades' data
+    axes it is replicated on."""
+    d = data_size(spec, mesh, trades.data_axes)
+    return state_bytes(piece_elems(info, spec, mesh), info.dtype, d, trades, optimizer, info.requires_grad)
+
+
 def data_size(spec, mesh: Sequence[int], data_axes: Sequence[int]) -> int:
     """How many devices of the data axes hold the same piece under ``spec`` (ZeRO shards over them)."""
     return math.prod(mesh[a] for a in data_axes if is_replicate(spec[a]))
@@ -237,9 +251,9 @@ def apply_trades(
             trainable = info.requires_grad
             for i, s in enumerate(ss):
                 vol = volume_factor(s.out, mesh)
-                elems = info.out_bytes / _item(info.dtype) / vol if info.dtype else 0.0
+                elems = piece_elems(info, s.out, mesh)
                 d = data_size(s.out, mesh, trades.data_axes)
-                sb = state_bytes(elems, info.dtype, d, trades, optimizer, trainable)
+                sb = param_state(info, s.out, mesh, trades, optimizer)
                 node_mem[v][i] = n * (sb.param + sb.optimizer)
                 if v in grad_mem:
                     grad_mem[v][i] = n * sb.grad
@@ -383,9 +397,7 @@ def trade_terms(
         info = infos[v]
         if info.role is not Role.PARAM or not info.requires_grad:
             continue
-        s = tables.strategies[v][i]
-        vol = volume_factor(s.out, mesh)
-        elems = info.out_bytes / _item(info.dtype) / vol
+        elems = piece_elems(info, tables.strategies[v][i].out, mesh)
         cbytes = elems * (2 if trades.precision.mixed else _item(info.dtype))
         gbytes = elems * (4 if trades.precision.mixed else _item(info.dtype))
         for m in members[v]:
@@ -431,11 +443,9 @@ def trade_terms(
         for v, i in choice.items():
             info = infos[v]
             if info.role is Role.PARAM and info.dtype is not None:
-                s = tables.strategies[v][i]
-                elems = info.out_bytes / _item(info.dtype) / volume_factor(s.out, mesh)
-                dd = data_size(s.out, mesh, trades.data_axes)
-                sb0 = state_bytes(elems, info.dtype, dd, unsharded, optimizer, info.requires_grad)
-                sb1 = state_bytes(elems, info.dtype, dd, sharded, optimizer, info.requires_grad)
+                spec = tables.strategies[v][i].out
+                sb0 = param_state(info, spec, mesh, unsharded, optimizer)
+                sb1 = param_state(info, spec, mesh, sharded, optimizer)
                 saved += len(members[v]) * (
                     sb0.param + sb0.grad + sb0.optimizer - sb1.param - sb1.grad - sb1.optimizer
                 )
