@@ -20,7 +20,7 @@ from autopar.options import AxisRole, Optimizer, SearchOptions, SearchOptionsErr
 from autopar.placement import Outputs
 from autopar.plan import NodeDecision, Plan, PlannedCollective, Predicted, Site
 from autopar.reshard import Collective, Phase
-from autopar.trades import Offload, Precision, Recompute, Trades, TradesError, ZeroStage
+from autopar.trades import Offload, Pipeline, Precision, Recompute, Schedule, Trades, TradesError, ZeroStage
 
 __all__ = [
     "AutoparError",
@@ -39,6 +39,8 @@ __all__ = [
     "Precision",
     "Recompute",
     "Trades",
+    "Pipeline",
+    "Schedule",
     "TradesError",
     "ZeroStage",
     "Outputs",

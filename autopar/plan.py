@@ -1,9 +1,10 @@
 """The Plan: every decision the search took, with its predicted costs, as a frozen, versioned value.
 
-JSON layout (schema_version 3; 2 is the same without "trades" and "trade_costs")::
+JSON layout (schema_version 4; 3 is the same without "pipeline", 2 also without "trades" and
+"trade_costs")::
 
     {
-      "schema_version": 3,
+      "schema_version": 4,
       "fingerprint": "<sha256 of the traced graph: ops, shapes, dtypes, parameter names>",
       "model": "GPT2LMHeadModel",
       "cluster": {... ClusterSpec.to_dict() ...},
@@ -22,6 +23,10 @@ JSON layout (schema_version 3; 2 is the same without "trades" and "trade_costs")
       "trades": {"recompute": "none", "micro_batches": 1, "precision": "param", "zero_stage": 0,
                  "offload": "none", "data_axes": []},   (autopar/trades.py; absent: none taken)
       "trade_costs": {"zero": {"seconds": ..., "bytes_saved": ...}, ...},
+      "pipeline": {"stages": 4, "schedule": "1f1b", "virtual_stages": 1, "cuts": [3, 6, 9]},
+                 (autopar/trades.py:Pipeline; absent: no pipeline; mesh_shape is one stage's)
+      "stage_costs": [{"chunk": 0, "blocks": [0, 3], "forward_s": ..., "backward_s": ...,
+                       "peak_memory_bytes": ...}, ...],   (what the search priced per chunk)
       "solver": {"name": "PULP_CBC_CMD", "status": "Optimal", "objective": ..., "solve_time_s": ...,
                  "num_variables": ..., "num_constraints": ..., "candidates": [...mesh shapes tried...]}
     }
@@ -44,10 +49,10 @@ from typing import Any
 from autopar.errors import PlanFormatError, PlanMismatchError
 from autopar.placement import Outputs, Spec, spec_from_str
 from autopar.reshard import Collective, CollectiveCall, Phase
-from autopar.trades import Trades
+from autopar.trades import Pipeline, Trades
 
-SCHEMA_VERSION = 3
-READABLE_VERSIONS = (1, 2, 3)
+SCHEMA_VERSION = 4
+READABLE_VERSIONS = (1, 2, 3, 4)
 
 
 class Site(enum.Enum):
@@ -219,6 +224,10 @@ class Plan:
     # {"recompute": {"seconds": ..., "bytes_saved": ...}, ...} (absent in older plans: none taken)
     trades: Trades = field(default_factory=Trades)
     trade_costs: dict = field(default_factory=dict)
+    # pipeline stages (autopar/trades.py:Pipeline; stages == 1: none), and per chunk what the
+    # search priced: its blocks, forward and backward seconds per micro-batch, peak bytes
+    pipeline: Pipeline = field(default_factory=Pipeline)
+    stage_costs: tuple = ()
     schema_version: int = SCHEMA_VERSION
     _by_name: dict = field(default=None, repr=False, compare=False, hash=False)  # type: ignore[assignment]
 
@@ -245,7 +254,8 @@ class Plan:
     # -- reading ---------------------------------------------------------------------------------
     @property
     def world_size(self) -> int:
-        n = 1
+        """Devices the plan runs on: its pipeline's stages times one stage's mesh."""
+        n = self.pipeline.stages
         for s in self.mesh_shape:
             n *= s
         return n
@@ -280,6 +290,7 @@ class Plan:
                 f"; {k} {v.get('seconds', 0.0) * 1e3:+.3f} ms, {v.get('bytes_saved', 0.0) / 2**30:.3f} GiB saved"
                 for k, v in self.trade_costs.items()
             ),
+            *self._pipeline_lines(),
             f"  solver {self.solver.name}: {self.solver.status}, {self.solver.solve_time_s:.2f} s; lower bound "
             f"{self.solver.lower_bound_s * 1e3:.3f} ms; optimality gap {self.solver.gap:.1%}",
             "  parameter placements:",
@@ -290,6 +301,19 @@ class Plan:
         if len(params) > max_rows:
             lines.append(f"    ... {len(params) - max_rows} more")
         return "\n".join(lines)
+
+    def _pipeline_lines(self) -> list[str]:
+        if not self.pipeline.enabled:
+            return []
+        lines = [f"  pipeline: {self.pipeline.describe()}, mesh {tuple(self.mesh_shape)} per stage"]
+        for c in self.stage_costs:
+            blocks = c.get("blocks", [0, 0])
+            lines.append(
+                f"    chunk {c.get('chunk')}: blocks {blocks[0]}..{blocks[1] - 1}, forward "
+                f"{c.get('forward_s', 0.0) * 1e3:.3f} ms + backward {c.get('backward_s', 0.0) * 1e3:.3f} ms "
+                f"per micro-batch, peak {c.get('peak_memory_bytes', 0.0) / 2**30:.2f} GiB"
+            )
+        return lines
 
     # -- (de)serialization -------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
@@ -312,6 +336,8 @@ class Plan:
             "outputs": self.outputs,
             "trades": self.trades.to_dict(),
             "trade_costs": self.trade_costs,
+            "pipeline": self.pipeline.to_dict(),
+            "stage_costs": [dict(c) for c in self.stage_costs],
             "solver": {**asdict(self.solver), "candidates": list(self.solver.candidates)},
         }
 
@@ -350,6 +376,8 @@ class Plan:
                 outputs=data.get("outputs", Outputs.FULL.value),  # plans from before the option
                 trades=Trades.from_dict(data.get("trades")),  # plans from before trades: none
                 trade_costs=dict(data.get("trade_costs", {})),
+                pipeline=Pipeline.from_dict(data.get("pipeline")),  # before pipelines: none
+                stage_costs=tuple(dict(c) for c in data.get("stage_costs", ())),
                 schema_version=SCHEMA_VERSION,  # read into this version's types
             )
         except (KeyError, TypeError, ValueError) as e:

@@ -156,3 +156,130 @@ class Trades:
             Offload(d.get("offload", "none")),
             tuple(d.get("data_axes", ())),
         )
+
+
+# -- pipeline stages ------------------------------------------------------------------------------
+
+
+class Schedule(enum.Enum):
+    """The pipeline schedules torch.distributed.pipelining runs (``codegen/pipeline.py``)."""
+
+    GPIPE = "gpipe"  # every micro-batch's forward, then every backward (ScheduleGPipe)
+    ONE_F_ONE_B = "1f1b"  # warm-up forwards, then one forward one backward (Schedule1F1B)
+    INTERLEAVED_1F1B = "interleaved_1f1b"  # 1F1B over v chunks per rank (ScheduleInterleaved1F1B)
+    ZERO_BUBBLE = (
+        "zero_bubble"  # backward split in input and weight gradients (ScheduleInterleavedZeroBubble)
+    )
+
+    @property
+    def multi_chunk(self) -> bool:
+        """Runs several chunks (virtual stages) per rank."""
+        return self in (Schedule.INTERLEAVED_1F1B, Schedule.ZERO_BUBBLE)
+
+
+@dataclass(frozen=True)
+class Pipeline:
+    """A plan's pipeline: the step cut into ``stages * virtual_stages`` chunks at repeated-block
+    boundaries, chunk ``c`` run by pipeline rank ``c % stages`` (torch's looped placement), the
+    schedule ordering each rank's forwards and backwards of ``Trades.micro_batches`` micro-batches.
+
+    ``cuts``: the first block (``passes/blocks.py`` index) of each chunk after the first, rising;
+    what precedes the first block (embeddings) runs in chunk 0, what follows the last (head, loss)
+    in the last chunk. ``stages == 1``: no pipeline. The plan's ``mesh_shape`` is one stage's mesh;
+    the devices are ``stages`` such meshes, pipeline rank ``p`` holding global ranks
+    ``p * M .. p * M + M - 1`` (``M`` the stage mesh's size): the pipeline is the outermost axis."""
+
+    stages: int = 1
+    schedule: Schedule = Schedule.ONE_F_ONE_B
+    virtual_stages: int = 1
+    cuts: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "schedule", coerce_schedule(self.schedule))
+        for name in ("stages", "virtual_stages"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise TradesError(f"pipeline {name} must be a positive integer, got {v!r}")
+        object.__setattr__(self, "cuts", tuple(int(c) for c in self.cuts))
+        if self.stages > 1:
+            if self.schedule.multi_chunk and self.virtual_stages < 2:
+                raise TradesError(
+                    f"schedule {self.schedule.value} runs several chunks per rank: virtual_stages must be >= 2, "
+                    f"got {self.virtual_stages}; or use schedule 1f1b / gpipe"
+                )
+            if not self.schedule.multi_chunk and self.virtual_stages != 1:
+                raise TradesError(
+                    f"schedule {self.schedule.value} runs one chunk per rank: virtual_stages must be 1, got "
+                    f"{self.virtual_stages}; use schedule interleaved_1f1b for {self.virtual_stages} chunks per rank"
+                )
+            if len(self.cuts) != self.chunks - 1:
+                raise TradesError(
+                    f"a pipeline of {self.chunks} chunks needs {self.chunks - 1} cuts, got {list(self.cuts)}"
+                )
+            if any(b <= a for a, b in zip(self.cuts, self.cuts[1:])) or (self.cuts and self.cuts[0] < 1):
+                raise TradesError(f"pipeline cuts must rise from 1, got {list(self.cuts)}")
+
+    @property
+    def enabled(self) -> bool:
+        return self.stages > 1
+
+    @property
+    def chunks(self) -> int:
+        return self.stages * self.virtual_stages
+
+    def chunk_of_block(self, index: int) -> int:
+        """The chunk block ``index`` runs in."""
+        return sum(1 for c in self.cuts if c <= index)
+
+    def rank_of_chunk(self, chunk: int) -> int:
+        return chunk % self.stages
+
+    def describe(self) -> str:
+        if not self.enabled:
+            return "no pipeline"
+        v = f", {self.virtual_stages} chunks per rank" if self.virtual_stages > 1 else ""
+        return f"{self.stages} stages, {self.schedule.value}{v}"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "stages": self.stages,
+            "schedule": self.schedule.value,
+            "virtual_stages": self.virtual_stages,
+            "cuts": list(self.cuts),
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any] | None) -> Pipeline:
+        if not d:
+            return cls()
+        return cls(
+            int(d.get("stages", 1)),
+            Schedule(d.get("schedule", "1f1b")),
+            int(d.get("virtual_stages", 1)),
+            tuple(d.get("cuts", ())),
+        )
+
+    @staticmethod
+    def even_cuts(blocks: int, chunks: int) -> tuple[int, ...]:
+        """Cuts giving ``chunks`` chunks of as equal a number of ``blocks`` as can be (the first
+        chunks one block more)."""
+        if chunks > blocks:
+            raise TradesError(
+                f"{chunks} pipeline chunks need at least as many repeated blocks, the model has {blocks}; "
+                "use fewer pipeline_stages (or virtual stages)"
+            )
+        q, r = divmod(blocks, chunks)
+        cuts, at = [], 0
+        for c in range(chunks - 1):
+            at += q + (1 if c < r else 0)
+            cuts.append(at)
+        return tuple(cuts)
+
+
+def coerce_schedule(value, error: type[Exception] = TradesError) -> Schedule:
+    if isinstance(value, Schedule):
+        return value
+    try:
+        return Schedule(value)
+    except ValueError:
+        raise error(f"schedule must be one of {[s.value for s in Schedule]}, got {value!r}") from None

@@ -39,7 +39,12 @@ def build_parallel_module(
     model, tg: TracedGraph, plan, choice: dict[str, Strategy], inputs
 ) -> ParallelModule:
     device = _device()
-    mesh = init_device_mesh(device.type, tuple(plan.mesh_shape))
+    pipe = getattr(plan, "pipeline", None)
+    full_mesh = None
+    if pipe is not None and pipe.enabled:
+        full_mesh, mesh = pipeline_meshes(device, pipe.stages, tuple(plan.mesh_shape))
+    else:
+        mesh = init_device_mesh(device.type, tuple(plan.mesh_shape))
     model_state = model.state_dict(keep_vars=True)
     # tied weights appear once in the graph under one name: map every state-dict name to that one
     traced_by_id = {id(t): name for name, t in model_state.items() if name in tg.state}
@@ -72,6 +77,9 @@ def build_parallel_module(
     outputs = Outputs(plan.outputs)
     gm = lower(tg, choice, plan.mesh_shape, device, attrs, deferred, outputs)
     trades = getattr(plan, "trades", Trades())
+    if full_mesh is not None:
+        return _pipelined(model, tg, plan, choice, inputs, gm, mesh, full_mesh, attrs, state_specs, aliases,
+                          extra, device, deferred, outputs)  # fmt: skip
     if trades.recompute is not Recompute.NONE or trades.zero_stage >= ZeroStage.GRADIENTS:
         # one submodule per repeated block, owning its parameters (codegen/blocks.py): recomputed
         # one at a time; under ZeRO 2 and 3 one FSDP2 group each, so that a block's gradients are
@@ -94,6 +102,98 @@ def build_parallel_module(
     flat = pytree.tree_leaves((args, kwargs))
     return ParallelModule(
         local=gm,
+        mesh=mesh,
+        in_spec=tg.in_spec,
+        kwarg_order=list(kwargs),
+        input_shapes=[tuple(t.shape) for t in flat],
+        out_spec=tg.out_spec,
+        state_specs=state_specs,
+        aliases=aliases,
+        extra_state=extra,
+        device=device,
+        plan=plan,
+        grad_sync=grad_sync,
+        output_specs=output_specs,
+        zero=zero,
+    )
+
+
+def pipeline_meshes(device: torch.device, stages: int, stage_mesh: tuple[int, ...]):
+    """(the whole mesh: ``pp`` outermost, then the stage mesh's axes; this rank's stage mesh)."""
+    names = ("pp", *(f"axis{a}" for a in range(len(stage_mesh))))
+    full = init_device_mesh(device.type, (stages, *stage_mesh), mesh_dim_names=names)
+    return full, full[names[1:] if len(names) > 2 else names[1]]
+
+
+def _pipelined(model, tg, plan, choice, inputs, gm, mesh, full_mesh, attrs, state_specs, aliases, extra,
+               device, deferred, outputs):  # fmt: skip
+    """The ``PipelinedModule`` of a pipelined plan (``codegen/pipeline.py``): this rank's chunks of
+    the lowered graph ``gm``, the tied parameters' groups, the stage mesh's gradient buckets."""
+    from autopar.codegen.pipeline import PipelinedModule, chunk_of_nodes, split_chunks
+
+    pipe = plan.pipeline
+    trades = plan.trades
+    if trades.recompute is not Recompute.NONE or trades.zero_stage >= ZeroStage.GRADIENTS:
+        raise DistributedSetupError(
+            f"pipelined plans run without recomputation and with ZeRO 0 or 1 for now; this plan has "
+            f"{trades.describe()}: re-plan with recompute='none' and zero_stage<=1, or without pipeline stages"
+        )
+    blocks = find_blocks(tg)
+    if len(blocks) < pipe.chunks:
+        raise DistributedSetupError(
+            f"the plan's pipeline has {pipe.chunks} chunks but the model has {len(blocks)} repeated blocks"
+        )
+    p = full_mesh.get_local_rank("pp")
+    mine = {c for c in range(pipe.chunks) if pipe.rank_of_chunk(c) == p}
+    chunk, _ = chunk_of_nodes(gm, tg.graph, blocks, pipe)
+    # parameters read by chunks on several pipeline ranks: one group per stage-mesh position
+    readers: dict[str, set[int]] = {}
+    for n in gm.graph.nodes:
+        if n.op == "get_attr" and isinstance(getattr(gm, n.target, None), torch.nn.Parameter):
+            readers.setdefault(n.target, set()).update(
+                pipe.rank_of_chunk(chunk[u]) for u in n.users if u in chunk
+            )
+    m = mesh.size()
+    here = dist.get_rank() % m
+    tied, groups = [], {}
+    for target in sorted(t for t, r in readers.items() if len(r) > 1):
+        ranks = tuple(sorted(readers[target]))
+        if ranks not in groups:
+            for j in range(m):  # every rank creates every group, in the same order
+                g = dist.new_group([r * m + j for r in ranks])
+                if j == here:
+                    groups[ranks] = g
+        if p in ranks:
+            tied.append((target, groups[ranks]))
+    chunks = split_chunks(gm, tg.graph, blocks, pipe, mine)
+    read = {n.target for n in gm.graph.nodes if n.op == "get_attr" and n.users}
+    zero = apply_trades(trades, gm, mesh, tg, deferred)
+    held = {id(v) for c in chunks for v in c.params.values()}
+    names = {p.name: p.target for p in tg.placeholders}
+    buckets = grad_buckets(tg, choice, zero.bucketed(deferred), plan.mesh_shape)
+    grad_sync = GradSync(
+        [
+            (ps, b.axes)
+            for b in buckets
+            if (ps := [attrs[mangle(names[n])] for n in b.params if id(attrs[mangle(names[n])]) in held])
+        ],
+        mesh,
+    )
+    out_node = next(n for n in tg.graph.nodes if n.op == "output")
+    output_specs = tuple(
+        output_placement(choice[resolve_source(leaf).name].out, outputs)
+        if isinstance(leaf, fx.Node) and isinstance(leaf.meta.get("val"), torch.Tensor)
+        else None
+        for leaf in pytree.tree_leaves(out_node.args[0])
+    )
+    args, kwargs = inputs
+    flat = pytree.tree_leaves((args, kwargs))
+    return PipelinedModule(
+        chunks=chunks,
+        full_mesh=full_mesh,
+        tied=tied,
+        spare={a: t for a, t in attrs.items() if not isinstance(t, torch.nn.Parameter) or a not in read},
+        input_names=[n.name for n in gm.graph.nodes if n.op == "placeholder"],
         mesh=mesh,
         in_spec=tg.in_spec,
         kwarg_order=list(kwargs),

@@ -1,0 +1,381 @@
+"""Pipeline stages of the rank-local graph, run by ``torch.distributed.pipelining``.
+
+A pipelined plan (``plan.pipeline``, ``autopar/trades.py:Pipeline``) cuts the step into chunks at
+repeated-block boundaries. The devices are ``stages`` copies of the plan's stage mesh, the pipeline
+the outermost axis (``"pp"``): every rank lowers the whole graph for its stage mesh (``lower``,
+as without a pipeline), then keeps only the chunks its pipeline rank runs (``c % stages == p``).
+
+**The split** (``split_chunks``). ``codegen/blocks.py:origins`` maps each lowered node to the
+traced node it was emitted for; a traced node in a block runs in that block's chunk, one before
+the first block (embeddings) in chunk 0, one after the last (head, loss, the outputs' gathers) in
+the last. Values a node derives from the model's inputs and buffers alone (position ids, masks,
+rotary tables: *input-derived*, no parameter upstream) are not sent between stages: every chunk
+that reads one computes it again from the inputs, which every stage receives as keyword arguments
+(``PipelineStage`` passes the ``step`` call's keyword arguments, split into micro-batches, to every
+stage). Every other value a later chunk reads crosses each boundary in between: chunk ``c`` takes
+the values crossing into it as positional arguments (in graph order) and returns those crossing
+out of it, passing through the ones it does not use; the last chunk returns the graph's outputs.
+
+**Parameters** live in the chunks that read them. One read by chunks on different pipeline ranks
+(tied input and output embeddings) is a copy on each: their gradients are summed across those
+ranks after backward (``_tied``, a group per stage-mesh position), so the copies take the same
+optimizer steps and stay equal, as Megatron-LM keeps its tied embeddings.
+
+**Run.** Each chunk is a ``PipelineStage`` (stage index ``c`` of ``stages * virtual_stages``, the
+``pp`` group), its forward binding the stage mesh (``collectives.bound_mesh``) and the plan's
+autocast. ``step(**batch)`` calls the plan's schedule (``ScheduleGPipe``, ``Schedule1F1B``,
+``ScheduleInterleaved1F1B``) with the global batch as keyword arguments: the schedule splits it
+into the plan's micro-batches, runs forwards and backwards in its order and sends activations and
+their gradients between stages. The loss of a micro-batch is the model's (``out.loss``) or
+``loss_fn(out)``; gradients are those of the mean over micro-batches (divided by ``k`` here, not by
+the schedule: a parameter two chunks of one rank share must be divided once). Data-parallel
+gradient all-reduces (``GradSync``) accumulate locally over the micro-batches and run once, after
+the schedule. ``step`` returns the mean loss on every rank (broadcast from the last stage).
+
+Hand-written here (no library does it for an FX graph that is already rank-local): the cut of the
+graph into chunk modules. ``torch.distributed.pipelining.pipeline`` splits a model by tracing it
+again with ``torch.export`` at ``pipe_split`` markers; the graph here is the lowered one, with
+this project's collectives in it, and the cut points are the plan's.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.fx as fx
+import torch.utils._pytree as pytree
+from torch.distributed.device_mesh import DeviceMesh
+
+from autopar.codegen import collectives as C
+from autopar.codegen.blocks import _COMPUTE, _set_attr, origins
+from autopar.codegen.module import ParallelModule, _loss_of, _whole_on_data_axes
+from autopar.errors import AutoparError
+from autopar.passes.blocks import Block
+from autopar.trades import Pipeline, Schedule
+
+
+class PipelineSplitError(AutoparError, RuntimeError):
+    """The lowered graph cannot be cut into the plan's chunks."""
+
+
+@dataclass
+class Chunk:
+    """One chunk of the split: its module (positional arguments: the values crossing into it;
+    keyword arguments: the model's inputs by placeholder name), and which parameters it holds."""
+
+    index: int
+    module: fx.GraphModule
+    params: dict[str, torch.nn.Parameter]  # get_attr target -> the parameter object
+
+
+def chunk_of_nodes(
+    gm: fx.GraphModule, traced: fx.Graph, blocks: Sequence[Block], pipeline: Pipeline
+) -> tuple[dict[fx.Node, int], set[fx.Node]]:
+    """(each lowered computing node that is not input-derived -> its chunk, the input-derived
+    nodes), module docstring."""
+    last = pipeline.chunks - 1
+    own = origins(gm, traced)
+    block_of = {name: b.index for b in blocks for name in b.nodes}
+    tpos = {n.name: i for i, n in enumerate(traced.nodes)}
+    first_block = min((tpos[n] for n in blocks[0].nodes), default=0) if blocks else 0
+    derived: set[fx.Node] = set()
+    for n in gm.graph.nodes:
+        if n.op == "placeholder":
+            derived.add(n)
+        elif n.op == "get_attr":
+            if not isinstance(operator.attrgetter(n.target)(gm), torch.nn.Parameter):
+                derived.add(n)
+        elif n.op in _COMPUTE and all(x in derived for x in n.all_input_nodes):
+            derived.add(n)
+    chunk: dict[fx.Node, int] = {}
+    for n in gm.graph.nodes:
+        if n.op not in _COMPUTE or n in derived:
+            continue
+        origin = own.get(n)
+        if origin is None:
+            chunk[n] = last
+        elif origin in block_of:
+            chunk[n] = pipeline.chunk_of_block(block_of[origin])
+        else:
+            chunk[n] = 0 if tpos.get(origin, 0) < first_block else last
+    return chunk, derived
+
+
+def split_chunks(
+    gm: fx.GraphModule, traced: fx.Graph, blocks: Sequence[Block], pipeline: Pipeline, keep: set[int]
+) -> list[Chunk]:
+    """The chunks in ``keep`` of the lowered ``gm`` (module docstring), in index order."""
+    chunk, derived = chunk_of_nodes(gm, traced, blocks, pipeline)
+    n_chunks = pipeline.chunks
+    out_node = next(n for n in gm.graph.nodes if n.op == "output")
+    inputs = [n for n in gm.graph.nodes if n.op == "placeholder"]
+
+    def where(n: fx.Node) -> int | None:
+        return n_chunks - 1 if n is out_node else chunk.get(n)
+
+    # the chunks that read each value (input-derived values and parameters are not sent)
+    last_reader: dict[fx.Node, int] = {}
+    for n in gm.graph.nodes:
+        c = where(n)
+        if c is None:
+            continue
+        for x in n.all_input_nodes:
+            if x in chunk:
+                if chunk[x] > c:
+                    raise PipelineSplitError(
+                        f"{n.name} (chunk {c}) reads {x.name} of the later chunk {chunk[x]}: the graph's order "
+                        "does not follow its blocks; re-plan without pipeline stages"
+                    )
+                last_reader[x] = max(last_reader.get(x, c), c)
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    # crossing[c]: the values sent from chunk c to chunk c + 1, in graph order
+    crossing = [
+        sorted((x for x, r in last_reader.items() if chunk[x] <= c < r), key=order.__getitem__)
+        for c in range(n_chunks - 1)
+    ]
+    out = []
+    for c in sorted(keep):
+        g = fx.Graph()
+        env: dict[fx.Node, fx.Node] = {}
+        received = crossing[c - 1] if c > 0 else []
+        for x in received:
+            env[x] = g.placeholder(x.name)
+            env[x].meta = dict(x.meta)
+        for p in inputs:
+            env[p] = g.placeholder(p.name)
+            env[p].meta = dict(p.meta)
+        mine = [n for n in gm.graph.nodes if chunk.get(n) == c]
+        # the input-derived nodes this chunk reads, with what they read in turn
+        need: set[fx.Node] = set()
+        stack = [x for n in mine for x in n.all_input_nodes] + (
+            list(out_node.all_input_nodes) if c == n_chunks - 1 else []
+        )
+        while stack:
+            x = stack.pop()
+            if x in derived and x not in need and x.op != "placeholder":
+                need.add(x)
+                stack.extend(x.all_input_nodes)
+        params: dict[str, torch.nn.Parameter] = {}
+        holder = torch.nn.Module()
+        for n in gm.graph.nodes:
+            if n.op == "get_attr" and (n in need or any(chunk.get(u) == c for u in n.users)):
+                value = operator.attrgetter(n.target)(gm)
+                _set_attr(holder, n.target, value)
+                if isinstance(value, torch.nn.Parameter):
+                    params[n.target] = value
+                env[n] = g.node_copy(n, env.__getitem__)
+            elif n in need or chunk.get(n) == c:
+                env[n] = g.node_copy(n, env.__getitem__)
+        if c == n_chunks - 1:
+            g.output(fx.map_arg(out_node.args[0], env.__getitem__))
+        else:
+            g.output(tuple(env[x] for x in crossing[c]))
+        g.eliminate_dead_code()
+        g.lint()
+        out.append(Chunk(c, fx.GraphModule(holder, g, class_name=f"Chunk{c}"), params))
+    return out
+
+
+class _ChunkRunner(torch.nn.Module):
+    """A chunk as ``PipelineStage`` calls it: the stage mesh bound, under the plan's autocast."""
+
+    def __init__(self, chunk: Chunk, mesh: DeviceMesh, autocast: Callable[[], Any]):
+        super().__init__()
+        self.chunk = chunk.module
+        self._mesh = mesh
+        self._autocast = autocast
+
+    def forward(self, *received, **inputs):
+        with C.bound_mesh(self._mesh), self._autocast():
+            out = self.chunk(*received, **inputs)
+        return out
+
+
+SCHEDULES = {
+    Schedule.GPIPE: "ScheduleGPipe",
+    Schedule.ONE_F_ONE_B: "Schedule1F1B",
+    Schedule.INTERLEAVED_1F1B: "ScheduleInterleaved1F1B",
+    Schedule.ZERO_BUBBLE: "ScheduleInterleavedZeroBubble",
+}
+
+
+def schedule_class(schedule: Schedule):
+    """torch's class for ``schedule``; PipelineScheduleError where the installed torch has none."""
+    import torch.distributed.pipelining as pp
+
+    cls = getattr(pp, SCHEDULES[schedule], None)
+    if cls is None:
+        raise PipelineSplitError(
+            f"schedule {schedule.value} needs torch.distributed.pipelining.{SCHEDULES[schedule]}, which torch "
+            f"{torch.__version__} does not have; re-plan with schedule='1f1b'"
+        )
+    return cls
+
+
+class PipelinedModule(ParallelModule):
+    """The rank-local module of a pipelined plan: this rank's chunks (``chunks``), run by the
+    plan's schedule in ``step`` (module docstring). ``forward`` alone cannot run a pipeline: it
+    raises, saying to call ``step``."""
+
+    def __init__(
+        self, *, chunks: list[Chunk], full_mesh: DeviceMesh, tied: list, input_names, spare: dict, **kwargs
+    ):
+        runners = torch.nn.ModuleList(
+            _ChunkRunner(c, kwargs["mesh"], lambda: self.zero.autocast(self._device.type)) for c in chunks
+        )
+        super().__init__(local=runners, **kwargs)
+        self.chunks = runners
+        self.full_mesh = full_mesh
+        self._chunks = chunks
+        self._chunk_params = [c.params for c in chunks]
+        self._tied = tied  # [(attribute target, group)]: parameters copied on several pipeline ranks
+        self._input_names = list(input_names)
+        # state no chunk reads on a rank it is not stored on (buffers, unused parameters): each
+        # rank's own copy, for ``full_state_dict``
+        self._spare = spare
+        pipe: Pipeline = self.plan.pipeline
+        self.pipe_rank = full_mesh.get_local_rank("pp")
+        self.pp_group = full_mesh.get_group("pp")
+        from torch.distributed.pipelining import PipelineStage
+
+        self.stages = [
+            PipelineStage(runner, c.index, pipe.chunks, self._device, group=self.pp_group)
+            for runner, c in zip(self.chunks, chunks)
+        ]
+        cls = schedule_class(pipe.schedule)
+        k = self.micro_batches
+        self._losses_fn = None
+        stage_arg = self.stages if pipe.schedule.multi_chunk else self.stages[0]
+        self.schedule = cls(stage_arg, n_microbatches=k, loss_fn=self._loss, scale_grads=False)
+
+    @property
+    def code(self) -> str:
+        """The generated code of this rank's chunks."""
+        return "\n".join(f"# chunk {c.index}\n{r.chunk.code}" for c, r in zip(self._chunks, self.chunks))
+
+    def parameters(self, recurse: bool = True):
+        seen = set()
+        for params in self._chunk_params:
+            for p in params.values():
+                if id(p) not in seen:
+                    seen.add(id(p))
+                    yield p
+
+    def named_parameters(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True):
+        seen = set()
+        for params in self._chunk_params:
+            for name, p in params.items():
+                if id(p) not in seen:
+                    seen.add(id(p))
+                    yield prefix + name, p
+
+    def _loss(self, out, target):
+        outs = out if isinstance(out, (tuple, list)) else (out,)
+        return _loss_of(pytree.tree_unflatten(list(outs), self._out_spec), self._step_loss_fn)
+
+    def forward(self, *args, **kwargs):
+        raise TypeError(
+            "a pipelined module runs its stages only under its schedule: call pmodel.step(...) with the global "
+            "batch (it returns the loss); forward alone has nothing to return on most ranks"
+        )
+
+    def step(self, *args, loss_fn: Callable[[Any], torch.Tensor] | None = None, **kwargs) -> torch.Tensor:
+        """Forward and backward of one step on the GLOBAL batch through the pipeline (module
+        docstring); returns the mean loss over the micro-batches on every rank."""
+        kwargs = {k: kwargs[k] for k in self._kwarg_order if k in kwargs} | {
+            k: v for k, v in kwargs.items() if k not in self._kwarg_order
+        }
+        flat, spec = pytree.tree_flatten((args, kwargs))
+        if spec != self._in_spec:
+            raise TypeError(
+                f"the parallel module was planned for inputs structured as {self._in_spec}, got {spec}; "
+                "call step with the same positional/keyword arguments as the example inputs"
+            )
+        k = self.micro_batches
+        for i, (t, shape) in enumerate(zip(flat, self._input_shapes)):
+            want = (shape[0] * k, *shape[1:])
+            if tuple(t.shape) != want:
+                raise ValueError(
+                    f"input {i} has shape {tuple(t.shape)}; step takes the global batch, {want} ({k} micro-batches "
+                    f"of {shape}): plans are specialized to the example inputs' shapes, re-plan for this shape"
+                )
+        named = {
+            name: (t.to(self._device) if isinstance(t, torch.Tensor) else t)
+            for name, t in zip(self._input_names, flat)
+        }
+        self._step_loss_fn = loss_fn
+        losses: list[torch.Tensor] = []
+        if self.grad_sync is not None:
+            self.grad_sync.set_requires_gradient_sync(False)
+        try:
+            self.schedule.step(target=torch.zeros(k), losses=losses, return_outputs=False, **named)
+        finally:
+            self._step_loss_fn = None
+            if self.grad_sync is not None:
+                self.grad_sync.set_requires_gradient_sync(True)
+        with torch.no_grad():
+            for p in self.parameters():
+                if p.grad is not None and k > 1:
+                    p.grad.div_(k)
+        if self.grad_sync is not None:
+            self.grad_sync.finish()  # the data-parallel reductions, once for the whole step
+        for target, group in self._tied:
+            p = self._param_by_target(target)
+            if p is not None and p.grad is not None:
+                dist.all_reduce(p.grad, group=group)
+        last = self.plan.pipeline.rank_of_chunk(self.plan.pipeline.chunks - 1)
+        loss = (
+            torch.stack([x.detach().float() for x in losses]).mean()
+            if losses
+            else torch.zeros((), device=self._device)
+        )
+        dist.broadcast(loss, group=self.pp_group, group_src=last)
+        return loss
+
+    def _param_by_target(self, target: str) -> torch.nn.Parameter | None:
+        for params in self._chunk_params:
+            if target in params:
+                return params[target]
+        return None
+
+    @torch.no_grad()
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """Full tensors under the original model's state-dict names on every rank; collective
+        over every rank: each tensor is gathered on the stage mesh of the lowest pipeline rank that
+        holds it and broadcast over the pipeline."""
+        held = {}
+        for c in self.chunks:
+            for name, t in c.chunk.state_dict(keep_vars=True).items():
+                held.setdefault(name, t)
+        owners = torch.zeros(len(self._state_specs), dtype=torch.int64)
+        for i, (_fqn, (attr, _spec)) in enumerate(self._state_specs.items()):
+            owners[i] = self.pipe_rank if attr in held else self.plan.pipeline.stages
+        dist.all_reduce(owners, op=dist.ReduceOp.MIN, group=self.pp_group)
+        full = {}
+        for i, (fqn, (attr, spec)) in enumerate(self._state_specs.items()):
+            owner = int(owners[i])
+            if owner == self.plan.pipeline.stages:  # held by no chunk: every rank has its copy
+                full[fqn] = C.gather_full(self._spare[attr].detach(), spec, self.mesh)
+                continue
+            mine = owner == self.pipe_rank
+            t = C.gather_full(_whole_on_data_axes(held[attr]).detach(), spec, self.mesh) if mine else None
+            full[fqn] = _broadcast_tensor(t, owner, self.pp_group, self._device)
+        out = {}
+        for name, fqn in self._aliases.items():
+            out[name] = full[fqn] if fqn in full else self._extra_state[name]
+        return out
+
+
+def _broadcast_tensor(t: torch.Tensor | None, src: int, group, device) -> torch.Tensor:
+    """``t`` from pipeline rank ``src`` to every rank of ``group`` (shape and dtype sent first)."""
+    obj = [(tuple(t.shape), t.dtype) if t is not None else None]
+    dist.broadcast_object_list(obj, group=group, group_src=src)
+    shape, dtype = obj[0]
+    buf = t.contiguous() if t is not None else torch.empty(shape, dtype=dtype, device=device)
+    dist.broadcast(buf, group=group, group_src=src)
+    return buf
