@@ -11,10 +11,12 @@ from __future__ import annotations
 import math
 import os
 import pathlib
+from collections.abc import Sequence
 from html import escape
 from numbers import Real
 from typing import Any
 
+from autopar.cost_model.pipeline import Timeline
 from autopar.plan import Plan
 
 COMPUTE_COLOUR = "#4c78a8"
@@ -406,3 +408,93 @@ def write_report(
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(render_report(plan, measured=measured, title=title), encoding="utf-8")
     return out
+
+
+# -- pipeline schedule timeline --------------------------------------------------------------------------
+# colour families, one shade per chunk a rank runs (its virtual stage): forward blue, backward (or
+# its input-gradient half) orange, weight gradient green
+TIMELINE_COLOURS = {
+    "F": ("#4c78a8", "#7aa6d6", "#2f5b8a", "#a9c8ea"),
+    "B": ("#f58518", "#ffad5c", "#c4620a", "#ffcf9e"),
+    "I": ("#f58518", "#ffad5c", "#c4620a", "#ffcf9e"),
+    "W": ("#54a24b", "#8ccf7e", "#3b7a34", "#bde5b3"),
+}
+_KIND_NAMES = {"F": "forward", "B": "backward", "I": "backward (input grad)", "W": "weight grad"}
+
+
+def _tick_step(span: float, most: int = 8) -> float:
+    """A 1-2-5 step giving at most ``most`` intervals over ``span`` seconds."""
+    raw = span / most
+    mag = 10 ** math.floor(math.log10(raw))
+    return next(m * mag for m in (1, 2, 5, 10) if m * mag >= raw)
+
+
+def timeline_svg(
+    timeline: Timeline, *, title: str = "pipeline schedule", chunk_labels: Sequence[str] | None = None
+) -> str:
+    """Gantt chart of a simulated pipeline step (``autopar.cost_model.pipeline.simulate``): one row
+    per pipeline rank, time on x, one rectangle per forward / backward / weight-gradient action
+    (labelled with its micro-batch when wide enough; the tooltip names chunk, micro-batch and
+    times), each row's peak in-flight micro-batches at its end, and the makespan and bubble fraction
+    in the caption. ``chunk_labels[c]`` replaces "chunk c" in the tooltips."""
+    ranks = max(len(timeline.busy), 1 + max((e.rank for e in timeline.events), default=-1))
+    label_w, plot_w, right_w, row_h = 60, 760, 110, 22
+    top = 44  # title and legend above the rows
+    width = label_w + plot_w + right_w
+    axis_y = top + row_h * max(ranks, 1) + 4
+    height = axis_y + 50
+    span = timeline.makespan if timeline.makespan > 0 else 1.0
+    scale = plot_w / span
+    kinds = [k for k in ("F", "B", "I", "W") if any(e.action.kind == k for e in timeline.events)]
+    shortest = min((e.end - e.start for e in timeline.events if e.end > e.start), default=1e-3)
+    digits = min(6, max(2, 1 - math.floor(math.log10(shortest * 1e3))))  # tooltips tell events apart
+    body = [_text(label_w, 14, title, size=13)]
+    body += _legend(label_w, 34, [(_KIND_NAMES[k], TIMELINE_COLOURS[k][0]) for k in kinds])
+    for r in range(ranks):
+        y = top + r * row_h
+        body.append(_text(label_w - 6, y + 15, f"rank {r}", "end"))
+        body.append(
+            f'<line x1="{label_w}" y1="{y + row_h:.1f}" x2="{label_w + plot_w}" y2="{y + row_h:.1f}" stroke="#eee"/>'
+        )
+        if r < len(timeline.peak_in_flight):
+            note = f"{timeline.peak_in_flight[r]} in flight"
+            if r < len(timeline.peak_bytes) and timeline.peak_bytes[r] > 0:
+                note += f", {fmt_mib(timeline.peak_bytes[r])}"
+            body.append(_text(label_w + plot_w + 6, y + 15, note, size=10))
+    for e in timeline.events:
+        a = e.action
+        shades = TIMELINE_COLOURS.get(a.kind, ("#999999",))
+        colour = shades[(a.chunk // max(ranks, 1)) % len(shades)]
+        x, w = label_w + e.start * scale, (e.end - e.start) * scale
+        y = top + e.rank * row_h
+        name = (
+            chunk_labels[a.chunk]
+            if chunk_labels is not None and a.chunk < len(chunk_labels)
+            else f"chunk {a.chunk}"
+        )
+        tip = (
+            f"{a.kind} {name}, micro-batch {a.micro}, {e.start * 1e3:.{digits}f}-{e.end * 1e3:.{digits}f} ms"
+        )
+        body.append(_rect(x, y + 2, w, row_h - 4, colour, tip))
+        if w >= 7 * len(str(a.micro)) + 4:
+            body.append(
+                _text(x + w / 2, y + 15, str(a.micro), "middle", 10).replace(
+                    "<text ", '<text fill="#fff" ', 1
+                )
+            )
+    body.append(f'<line x1="{label_w}" y1="{axis_y}" x2="{label_w + plot_w}" y2="{axis_y}" stroke="#888"/>')
+    if timeline.makespan > 0:
+        step = _tick_step(span)
+        n = int(span / step + 1e-9)
+        for i in range(n + 1):
+            x = label_w + i * step * scale
+            body.append(f'<line x1="{x:.1f}" y1="{axis_y}" x2="{x:.1f}" y2="{axis_y + 4}" stroke="#888"/>')
+            body.append(_text(x, axis_y + 16, fmt_time(i * step), "middle", 10))
+        caption = (
+            f"makespan {fmt_time(timeline.makespan)}, bubble {timeline.bubble_fraction * 100:.1f}% "
+            f"of the ranks' time idle"
+        )
+    else:
+        caption = "no events"
+    body.append(_text(label_w, axis_y + 38, caption))
+    return _svg(width, height, body, f"{title}: {caption}")
