@@ -15,7 +15,18 @@ from dataclasses import dataclass, fields
 
 from autopar.errors import AutoparError
 from autopar.placement import Outputs
-from autopar.trades import ENUM_FIELDS, Offload, Precision, Recompute, Trades, TradesError, ZeroStage, coerce
+from autopar.trades import (
+    ENUM_FIELDS,
+    Offload,
+    Precision,
+    Recompute,
+    Schedule,
+    Trades,
+    TradesError,
+    ZeroStage,
+    coerce,
+    coerce_schedule,
+)
 
 
 class SearchOptionsError(AutoparError, ValueError):
@@ -58,6 +69,10 @@ class SearchOptions:
       ``precision`` (``Precision``; auto: the parameters' dtype for fp32 models, bf16 mixed
       precision for half-precision ones), ``zero_stage`` (0-3 or ``ZeroStage``), ``offload``
       (``Offload``).
+    * pipeline stages (``autopar/trades.py:Pipeline``, ``passes/pipeline.py``), each None (auto) or
+      forced: ``pipeline_stages`` (1: no pipeline; ``mesh_shape`` is then one stage's mesh, of
+      ``world / pipeline_stages`` devices), ``schedule`` (``Schedule``), ``virtual_stages``
+      (chunks per pipeline rank, for the interleaved schedules).
     """
 
     mesh_shape: tuple[int, ...] | None = None
@@ -73,8 +88,17 @@ class SearchOptions:
     precision: Precision | None = None
     zero_stage: ZeroStage | None = None
     offload: Offload | None = None
+    pipeline_stages: int | None = None
+    schedule: Schedule | None = None
+    virtual_stages: int | None = None
 
     def __post_init__(self) -> None:
+        for name in ("pipeline_stages", "virtual_stages"):
+            v = getattr(self, name)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+                raise SearchOptionsError(f"{name} must be a positive integer (or None: auto), got {v!r}")
+        if self.schedule is not None:
+            object.__setattr__(self, "schedule", coerce_schedule(self.schedule, SearchOptionsError))
         for name in ENUM_FIELDS:  # None is "auto"
             if (v := getattr(self, name)) is not None:
                 object.__setattr__(self, name, coerce(name, v, SearchOptionsError))

@@ -50,25 +50,16 @@ rank) and zero bubble never lengthens interleaved's; with unbalanced ranks inter
 
 from __future__ import annotations
 
-import enum
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from autopar.errors import AutoparError
+from autopar.trades import Schedule
 
 
 class ScheduleError(AutoparError, ValueError):
     """A pipeline schedule cannot run as asked (bad stage, chunk or micro-batch counts, an order
     missing or repeating an action, or deadlocking): the message says what to change."""
-
-
-class Schedule(enum.Enum):
-    """The pipeline schedules torch.distributed.pipelining runs."""
-
-    GPIPE = "gpipe"  # ScheduleGPipe
-    ONE_F_ONE_B = "1f1b"  # Schedule1F1B
-    INTERLEAVED_1F1B = "interleaved_1f1b"  # ScheduleInterleaved1F1B
-    ZERO_BUBBLE = "zero_bubble"  # ScheduleInterleavedZeroBubble: backward split in I and W
 
 
 KINDS = ("F", "B", "I", "W")

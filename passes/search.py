@@ -48,6 +48,16 @@ from autopar.passes.coarsen import Classes, find_classes
 from autopar.passes.costs import CostTables, NodeTimer, build_costs
 from autopar.passes.grad_sync import GradSyncCost
 from autopar.passes.memory_row import lower_bound_bytes
+from autopar.passes.pipeline import (
+    PipelinePrice,
+    Regions,
+    in_flight,
+    micro_batch_counts,
+    price_pipeline,
+    stage_cluster,
+    stage_counts,
+    stage_tables,
+)
 from autopar.passes.price import buffers_inputs_bytes, expanded_choice, grad_sync_cost, plan_peak, price_plan
 from autopar.passes.solver import (
     EXACT_FOLD_MAX_PAIRS,
@@ -71,9 +81,9 @@ from autopar.passes.trades import (
     param_state,
     trade_terms,
 )
-from autopar.placement import spec_to_str
+from autopar.placement import is_shard, spec_to_str
 from autopar.plan import Plan
-from autopar.trades import Trades
+from autopar.trades import Offload, Schedule, Trades, ZeroStage
 
 log = logging.getLogger("autopar")
 
@@ -113,15 +123,21 @@ class MeshRun:
     roles: tuple[AxisRole, ...] | None
     data_outer: bool = False
     data_first: bool = False
+    stages: int = 1  # pipeline stages: ``mesh`` is then one stage's mesh (passes/pipeline.py)
 
     @property
     def label(self) -> str:
-        return f"{self.mesh} (axis 0 data parallel)" if self.data_outer or self.data_first else f"{self.mesh}"
+        text = f"{self.mesh} (axis 0 data parallel)" if self.data_outer or self.data_first else f"{self.mesh}"
+        return f"{text} x {self.stages} pipeline stages" if self.stages > 1 else text
 
     @property
     def tag(self) -> str:
-        """The candidate in dump file names: ``2x4``, ``2x4_data``."""
-        return "x".join(map(str, self.mesh)) + ("_data" if self.data_first else "")
+        """The candidate in dump file names: ``2x4``, ``2x4_data``, ``2x4_pp8``."""
+        return (
+            "x".join(map(str, self.mesh))
+            + ("_data" if self.data_first else "")
+            + (f"_pp{self.stages}" if self.stages > 1 else "")
+        )
 
 
 @dataclass
@@ -138,6 +154,8 @@ class Solved:
     choice: dict[str, Strategy]
     trades: Trades = Trades()
     terms: TradeTerms | None = None
+    pipe: PipelinePrice | None = None  # pipeline stages: their price (t_step is its step)
+    cluster: ClusterSpec | None = None  # what the tables were priced on (one stage's devices)
 
 
 class _Stages:
@@ -192,7 +210,8 @@ def search(
     # data-parallel solution of one axis, by size (or why there is none)
     data_axis: dict[int, dict[str, Strategy] | NoPlanFitsError] = {}
     unplaceable: list[str] = []  # candidates whose roles no placement of some tensor satisfies, and why
-    for run in mesh_runs(cluster, options):
+    spmd = options.pipeline_stages is None or options.pipeline_stages == 1
+    for run in mesh_runs(cluster, options) if spmd else ():
         key = _mirror_key(cluster, run)
         if key in mirrors:
             candidates.append(
@@ -260,6 +279,16 @@ def search(
                 fitted += 1
                 if fitted >= RUNGS_SOLVED:
                     break  # later rungs tend to add time (passes/trades.py:ladder)
+    for stages in stage_counts(cluster.world_size, len(blocks), options):
+        got = pipeline_candidates(
+            tg, infos, cinfos, classes, blocks, cluster, options, stages, precision, batch, limit,
+            profiler, st, candidates, unplaceable, data_axis, best_objective,
+        )  # fmt: skip
+        min_needed = min(min_needed, got.mem_needed)
+        if got.solved is not None:
+            best_objective = min(best_objective, got.solved.t_step)
+            if best is None or got.solved.t_step < best.t_step - 1e-12:
+                best = got.solved
     best = select_stage(
         best, candidates, cluster, limit, min_needed, refused_at_full_peak, unplaceable, st, options
     )
@@ -435,6 +464,7 @@ def solve_mesh(
     best_objective: float,
     st: _Stages,
     ctx: TradeContext | None = None,
+    check_micro_batches: bool = True,
 ) -> MeshOutcome:
     """Solve one candidate: skip it when its memory lower bound passes the limit or its time lower
     bound is no better than the best objective so far; else the ILP, then the chosen solution's
@@ -489,7 +519,7 @@ def solve_mesh(
                 "with its gradient buckets' flattening and its optimizer step's temporaries"
             )
             return MeshOutcome({**entry, "status": "infeasible", "objective": None}, mem_needed, None, True)
-    if not micro_batch_ok(tg, infos, sol.choice, tables, trades.micro_batches):
+    if check_micro_batches and not micro_batch_ok(tg, infos, sol.choice, tables, trades.micro_batches):
         st.say(f"solve: mesh {label}: the batch does not split into its micro-batches as the plan splits it")
         return MeshOutcome({**entry, "status": "infeasible", "objective": None}, mem_needed)
     host_limit = cluster.host_memory_bytes / max(cluster.devices_per_node, 1)
@@ -522,6 +552,199 @@ def _terms(
     return trade_terms(
         ctx.base, tables, sol.choice, ctx.infos, ctx.trades, cluster, options.optimizer, ctx.blocks
     )
+
+
+def stage_mesh_runs(sub: ClusterSpec, options: SearchOptions, stages: int) -> list[MeshRun]:
+    """The stage meshes tried for ``stages`` pipeline stages: the given one, else per tensor
+    degree ``t`` (a divisor of the stage's devices, at most a node's) the mesh ``(M / t, t)``,
+    axis 0 data parallel and axis 1 tensor parallel (``(M,)`` tensor parallel where ``t = M``,
+    data parallel where ``t = 1``), the largest ``t`` first: the layouts Megatron-LM pipelines
+    (tensor parallel inside a node, data parallel outside, the pipeline outermost), the ILP
+    placing every op on them. A tensor axis keeps the inputs whole, so the micro-batches split only
+    over the data axis."""
+    m = sub.world_size
+    if options.mesh_shape is not None:
+        if math.prod(options.mesh_shape) != m:
+            raise NoPlanFitsError(
+                f"mesh_shape {options.mesh_shape} has {math.prod(options.mesh_shape)} devices, but "
+                f"{stages} pipeline stages of the cluster's {m * stages} devices have {m} each; give a mesh of {m}"
+            )
+        return [MeshRun(options.mesh_shape, options.axis_roles, stages=stages)]
+    runs = []
+    for t in sorted((t for t in range(1, m + 1) if m % t == 0 and t <= sub.devices_per_node), reverse=True):
+        if t == m:
+            run = MeshRun((m,), (AxisRole.TENSOR,), stages=stages)
+        elif t == 1:
+            run = MeshRun((m,), (AxisRole.DATA,), stages=stages)
+        else:
+            run = MeshRun((m // t, t), (AxisRole.DATA, AxisRole.TENSOR), data_outer=True, stages=stages)
+        if options.axis_roles is None or tuple(options.axis_roles) == run.roles:
+            runs.append(run)
+    return runs
+
+
+def pipeline_candidates(
+    tg: TracedGraph,
+    infos: dict[str, NodeInfo],
+    cinfos: dict[str, NodeInfo],
+    classes: Classes | None,
+    blocks: list[Block],
+    cluster: ClusterSpec,
+    options: SearchOptions,
+    stages: int,
+    precision,
+    batch: int | None,
+    limit: float,
+    profiler: NodeTimer | None,
+    st: _Stages,
+    candidates: list[dict],
+    unplaceable: list[str],
+    data_axis: dict,
+    best_objective: float,
+) -> MeshOutcome:
+    """The best plan with ``stages`` pipeline stages (``passes/pipeline.py``): per stage mesh
+    (``stage_mesh_runs``), the ladder of trades at the pipeline's micro-batches (ZeRO 0-1: FSDP2's
+    groups do not run under torch's schedules here), each rung one ILP on the rows of the stage
+    that holds the most, then the cut, schedule and chunks per rank priced on the solution. The
+    entries join ``candidates``; the outcome carries the fastest that fits."""
+    sub = stage_cluster(cluster, stages)
+    found = MeshOutcome({}, math.inf)
+    if sub is None:
+        st.say(f"pipeline: {stages} stages would split a node's devices unevenly: skipped")
+        return found
+    if options.zero_stage is not None and options.zero_stage >= ZeroStage.GRADIENTS:
+        st.say(
+            f"pipeline: {stages} stages: ZeRO-{int(options.zero_stage)} does not run with pipeline stages: skipped"
+        )
+        return found
+    regions = Regions.of(tg, blocks)
+    schedule = options.schedule or Schedule.ONE_F_ONE_B
+    for run in stage_mesh_runs(sub, options, stages):
+        fixed = None
+        if run.data_outer:
+            size = run.mesh[0]
+            if size not in data_axis:
+                try:
+                    data_axis[size] = data_parallel_axis(
+                        tg, infos, sub, size, options.optimizer, classes, profiler
+                    )
+                except NoPlanFitsError as e:
+                    data_axis[size] = e
+            if isinstance(data_axis[size], NoPlanFitsError):
+                _skip(run, data_axis[size], candidates, unplaceable, st)
+                continue
+            fixed = {0: data_axis[size]}
+        strats = strategies_stage(tg, infos, run, classes, fixed, candidates, unplaceable, st)
+        if strats is None:
+            continue
+        tables = cost_stage(tg, cinfos, strats, sub, run, options, classes, profiler, st)
+        data_axes = tuple(a for a, r in enumerate(run.roles or ()) if r is AxisRole.DATA and run.mesh[a] > 1)
+        # what a micro-batch must split over: the data axes (a solution that splits the batch on
+        # another axis too gets fewer micro-batches, below)
+        parts = math.prod(run.mesh[a] for a in data_axes) if data_axes else 1
+        ks = micro_batch_counts(batch, parts, stages, options)
+        k = ks[0]
+        zero = options.zero_stage if options.zero_stage is not None else None
+        popts = dataclasses.replace(options, micro_batches=k, offload=Offload.NONE, zero_stage=zero)
+        rungs = [t for t in ladder(popts, data_axes, precision, batch, bool(blocks)) if t.zero_stage <= 1]
+        bounds: dict = {}
+        over: list[Trades] = []
+        for trades in rungs:
+            if batch is not None and (batch % k or (batch // k) % parts):
+                continue
+            if any(relieves_no_more(trades, t) for t in over):
+                continue
+            traded = apply_trades(tables, tg, cinfos, trades, sub, options.optimizer, blocks)
+            ptables = stage_tables(traded, cinfos, regions, stages, in_flight(schedule, stages, k))
+            needed = lower_bound_bytes(ptables)
+            if needed > limit:
+                found.mem_needed = min(found.mem_needed, needed)
+                over.append(trades)
+                continue
+            ctx = TradeContext(trades, tables, blocks, cinfos, bounds)
+            # pruned against the best step: a pipeline of S stages runs at best 1/S of the model's time
+            outcome = solve_mesh(
+                tg, cinfos, ptables, sub, run, options, limit, best_objective * stages, st, ctx,
+                check_micro_batches=False,
+            )  # fmt: skip
+            found.mem_needed = min(found.mem_needed, outcome.mem_needed)
+            if outcome.solved is None:
+                candidates.append({**outcome.entry, "pipeline_stages": stages})
+                if outcome.entry.get("status") == "pruned":
+                    break  # every later rung adds time
+                continue
+            solved = outcome.solved
+            if not micro_batch_ok(tg, cinfos, solved.sol.choice, ptables, k):
+                # the solution splits the batch over more devices than the micro-batches allow: the
+                # most micro-batches it does allow (more memory than the rows priced: checked below)
+                split = solution_batch_parts(tg, cinfos, solved.sol.choice, ptables)
+                trades = dataclasses.replace(
+                    trades, micro_batches=micro_batch_counts(batch, split, stages, options)[0]
+                )
+                traded = apply_trades(tables, tg, cinfos, trades, sub, options.optimizer, blocks)
+            price = price_pipeline(
+                tg, cinfos, tables, traded, solved.sol.choice, solved.choice, blocks, trades, stages, cluster,
+                options, limit, solved.gs.adjustment_s + solved.terms.total_s, solved.terms.transient,
+            )  # fmt: skip
+            entry = {**outcome.entry, "pipeline_stages": stages}
+            if price is None:
+                st.say(
+                    f"solve: mesh {run.label} [{trades.describe()}]: no pipeline of it fits: every stage cut passes the limit"
+                )
+                candidates.append({**entry, "status": "infeasible", "objective": None})
+                over.append(trades)
+                continue
+            entry.update(objective=price.step_s, pipeline=price.pipeline.to_dict())
+            candidates.append(entry)
+            st.say(
+                f"pipeline: mesh {run.label} [{trades.describe()}]: {price.pipeline.describe()}, {k} micro-batches, "
+                f"predicted step {price.step_s * 1e3:.3f} ms"
+            )
+            got = dataclasses.replace(solved, t_step=price.step_s, pipe=price, cluster=sub)
+            if found.solved is None or got.t_step < found.solved.t_step:
+                found.solved = got
+                best_objective = min(best_objective, got.t_step)
+            break  # the first rung that fits (passes/trades.py:ladder)
+    return found
+
+
+def solution_batch_parts(
+    tg: TracedGraph, infos: dict[str, NodeInfo], choice: dict, tables: CostTables
+) -> int:
+    """The devices a solution splits the batch (the inputs' dim 0) over."""
+    parts = 1
+    for p in tg.placeholders:
+        if p.role is Role.INPUT and p.name in choice:
+            s = tables.strategies[p.name][choice[p.name]]
+            parts = max(
+                parts, math.prod(n for q, n in zip(s.out, tables.mesh_shape) if is_shard(q) and q.dim == 0)
+            )
+    return parts
+
+
+def with_pipeline(plan: Plan, price: PipelinePrice, cluster: ClusterSpec) -> Plan:
+    """The plan with its pipeline: the decision, per chunk its price, and the predicted step and
+    memory of the fullest pipeline rank; ``cluster`` the whole one (the tables priced one stage's)."""
+    p = plan.predicted
+    param, grad, opt = price.worst_state
+    predicted = dataclasses.replace(
+        p,
+        step_time_s=price.step_s,
+        compute_s=price.compute_s,
+        comm_s=max(price.step_s - price.compute_s - price.bubble_s, 0.0),
+        peak_memory_bytes=int(max(price.peak)),
+        param_bytes=int(param),
+        grad_bytes=int(grad),
+        optimizer_bytes=int(opt),
+        activation_bytes=int(price.worst_activations),
+    )
+    trades = dataclasses.replace(plan.trades, micro_batches=price.micro_batches)
+    s = price.pipeline.stages  # the trades were priced on the whole model: each stage runs 1/S of it
+    costs = {k: {**v, "seconds": v.get("seconds", 0.0) / s} for k, v in plan.trade_costs.items()}
+    return dataclasses.replace(
+        plan, cluster=cluster.to_dict(), predicted=predicted, trades=trades, pipeline=price.pipeline,
+        stage_costs=price.stage_costs, trade_costs=costs,
+    )  # fmt: skip
 
 
 def relieves_no_more(a: Trades, b: Trades) -> bool:
@@ -625,10 +848,12 @@ def price_stage(
     st: _Stages,
 ) -> Plan:
     plan = price_plan(
-        tg, infos, best.tables, best.sol, best.choice, cluster, best.run.mesh, options.optimizer,
+        tg, infos, best.tables, best.sol, best.choice, best.cluster or cluster, best.run.mesh, options.optimizer,
         candidates, best.bound, best.gs, options.outputs,
     )  # fmt: skip
     plan = with_trades(plan, tg, infos, best, options)
+    if best.pipe is not None:
+        plan = with_pipeline(plan, best.pipe, cluster)
     if st.dump:
         plan.save(st.dump / "6_plan.json")
     st.say(f"plan: mesh {best.run.mesh}, {time.perf_counter() - st.t0:.1f} s in all")

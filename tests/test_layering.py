@@ -42,6 +42,7 @@ LAYERS = {
     "autopar.model_spec": 0,
     "autopar.trades": 0,
     "autopar.passes.trades": 2,
+    "autopar.passes.pipeline": 2,
     "autopar.passes": 1,
     "autopar.cost_model": 1,
     "autopar.passes.solver": 2,

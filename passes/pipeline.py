@@ -1,0 +1,455 @@
+r"""Pricing pipeline stages: the rows the ILP sees for one stage, then the stages, schedule and
+micro-batches chosen on its solution.
+
+**Where they are decided.** Like the memory-for-time trades (``passes/trades.py``), in the outer
+search (``passes/search.py``): per stage count ``S`` (a divisor of the world, at most the model's
+repeated blocks), the devices are ``S`` copies of a stage mesh of ``W / S`` devices (the pipeline
+the outermost axis, across nodes where a stage fills nodes), and the ILP places every op on the
+stage mesh once: repeated blocks share their variables (``passes/coarsen.py``), so a deep model
+costs one solve per candidate whatever its depth, and every stage runs the same placements of its
+blocks (Megatron-LM's and torchtitan's layouts do too). Alpa's stage DP lets stages differ; here
+they are identical blocks, and the cut is priced exactly on the solution instead.
+
+**The ILP's memory rows** (``stage_tables``) are those of the stage that holds the most: of each
+repeated block's parameter state the share of ``ceil(L / S)`` of the ``L`` blocks, every parameter
+outside the blocks (the embedding of the first stage and the head of the last counted together: an
+upper bound), the blocks' activations of one micro-batch (``Trades.micro_batches`` = ``k``, already
+``1/k`` in the traded tables) times the first stage's micro-batches in flight over ``S`` (1F1B's
+first stage keeps ``min(S, k)`` micro-batches of its ``L / S`` blocks: the whole model's activations
+of one micro-batch), the embeddings' activations times ``min(S, k)``, the head's once.
+
+**On the solution** (``price_pipeline``), per block and per region outside the blocks (what comes
+before the first block, what follows the last): its seconds (node and edge costs at the chosen
+placements, the class totals shared equally among the members), its activation bytes per
+micro-batch, its parameters' state (``trades.param_state``), the bytes crossing into it (the
+block's inputs that need gradients, as the plan places them). Then, for every schedule the options
+allow (GPipe, 1F1B, interleaved 1F1B with ``v`` chunks per rank) and micro-batch count:
+
+* the cut: blocks into ``S v`` contiguous chunks minimizing the slowest chunk (the embeddings in
+  the first, the head in the last; bisection over the bottleneck with a greedy fill);
+* the step: ``cost_model/pipeline.py:simulate`` of the schedule's order, with per micro-batch a
+  chunk's forward one third of its seconds (of its seconds before recomputation) and the backward
+  the rest, the activations sent over the pipeline axis's link (``SEND_RECV``) both ways; plus what
+  runs once per step: the optimizer's step and the gradient reductions of the rank's parameters
+  (the parameter nodes' seconds), and the trades' terms divided among the stages;
+* memory per pipeline rank: the state of the parameters its chunks read, the peak of the
+  activations its chunks keep in flight (the simulation's), the largest transient.
+
+The fastest that fits is taken. Forward one third, backward two thirds is the matmul ratio
+(``cost_model`` prices an op's forward and backward together). Every action of the schedule
+pays ``PIPELINE_ACTION_S`` of host time; every micro-batch pays each op's
+fixed seconds (``kernel_launch_s``, a GEMM's ``matmul_overhead_s``): a chunk's seconds per
+micro-batch are its fixed part plus ``1/k`` of the rest; the rest is priced at the global batch's
+efficiency (a roofline's GEMM of fewer rows is no less efficient).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
+
+from autopar.cluster import ClusterSpec
+from autopar.cost_model.comm import CommModel
+from autopar.cost_model.pipeline import ScheduleError, Timeline, simulate_schedule
+from autopar.options import Optimizer, SearchOptions
+from autopar.passes.analyze import NodeInfo
+from autopar.passes.blocks import Block
+from autopar.passes.costs import CostTables
+from autopar.passes.strategies import Strategy
+from autopar.passes.trace import Role, TracedGraph
+from autopar.passes.trades import MATMULS, param_state
+from autopar.placement import volume_factor
+from autopar.reshard import Collective
+from autopar.trades import Pipeline, Schedule, Trades
+
+# the most micro-batches a pipelined step is split into (Megatron runs GPT 1T with 512)
+MAX_PIPELINE_MICRO_BATCHES = 512
+# virtual stages (chunks per rank) tried for the interleaved schedule
+VIRTUAL_STAGES = (2, 4)
+# host seconds torch's schedule spends per action (a chunk's forward or backward of one micro-batch):
+# posting and waiting on its sends and receives, the stage's bookkeeping, one autograd call
+PIPELINE_ACTION_S = 1e-4
+PRO, EPI = "pro", "epi"  # the regions before the first block and after the last
+
+
+def stage_counts(world: int, n_blocks: int, options: SearchOptions) -> list[int]:
+    """The pipeline stage counts the search tries beside 1 (none): the forced one; none where the
+    options give a mesh or axis roles (they describe the whole world's mesh); else every divisor of
+    the world from 2 to the number of repeated blocks."""
+    if options.pipeline_stages is not None:
+        return [options.pipeline_stages] if options.pipeline_stages > 1 else []
+    if options.mesh_shape is not None or options.axis_roles is not None:
+        return []  # a mesh (or its roles) given for the whole world: pipeline_stages= forces stages
+    return [s for s in range(2, min(world, n_blocks) + 1) if world % s == 0]
+
+
+def stage_cluster(cluster: ClusterSpec, stages: int) -> ClusterSpec | None:
+    """The cluster one stage's mesh sees: ``W / S`` devices, whole nodes when it spans several
+    (None where a stage would split a node's devices unevenly)."""
+    m = cluster.world_size // stages
+    dpn = cluster.devices_per_node
+    if m >= dpn:
+        if m % dpn:
+            return None
+        return cluster.with_overrides(nodes=m // dpn)
+    if dpn % m:
+        return None
+    return cluster.with_overrides(nodes=1, devices_per_node=m)
+
+
+def micro_batch_counts(batch: int | None, parts: int, stages: int, options: SearchOptions) -> list[int]:
+    """Micro-batch counts for a pipeline: the forced one, else the divisors ``k`` of the batch
+    whose micro-batches still split over ``parts`` devices, at least ``stages`` where the batch
+    allows (fewer leave ranks idle), largest first."""
+    if options.micro_batches is not None:
+        return [options.micro_batches]
+    if not batch:
+        return [1]
+    ks = [
+        k
+        for k in range(1, min(batch, MAX_PIPELINE_MICRO_BATCHES) + 1)
+        if batch % k == 0 and (batch // k) % parts == 0
+    ]
+    big = [k for k in ks if k >= stages]
+    return sorted(big or ks, reverse=True)
+
+
+def schedules(options: SearchOptions, stages: int, n_blocks: int, k: int) -> list[tuple[Schedule, int]]:
+    """(schedule, chunks per rank) pairs to price: the options' or every one torch runs here."""
+    forced = options.schedule
+    out = []
+    for s in (Schedule.ONE_F_ONE_B, Schedule.GPIPE, Schedule.INTERLEAVED_1F1B):
+        if forced is not None and s is not forced:
+            continue
+        if s.multi_chunk:
+            vs = [options.virtual_stages] if options.virtual_stages else list(VIRTUAL_STAGES)
+            out += [(s, v) for v in vs if v > 1 and stages * v <= n_blocks and k % stages == 0]
+        elif options.virtual_stages in (None, 1):
+            out.append((s, 1))
+    return out
+
+
+def in_flight(schedule: Schedule, stages: int, k: int) -> float:
+    """The first stage's micro-batches in flight under ``schedule`` (an interleaved rank keeps up
+    to about ``2 S`` chunks of half the size: priced as 1F1B's in the ILP's rows, exactly after)."""
+    return float(k) if schedule is Schedule.GPIPE else float(min(stages, k))
+
+
+# -- the ILP's rows ---------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Regions:
+    """Where each traced node runs: a block's index, ``PRO`` or ``EPI``; parameters: every region
+    that reads them."""
+
+    node: dict[str, int | str]
+    param: dict[str, tuple[int | str, ...]]
+    blocks: int
+
+    @classmethod
+    def of(cls, tg: TracedGraph, blocks: Sequence[Block]) -> Regions:
+        block_of = {n: b.index for b in blocks for n in b.nodes}
+        first = min((i for i, n in enumerate(tg.graph.nodes) if n.name in block_of), default=0)
+        node: dict[str, int | str] = {}
+        for i, n in enumerate(tg.graph.nodes):
+            node[n.name] = block_of.get(n.name, PRO if i < first else EPI)
+        param: dict[str, tuple] = {}
+        nodes = {n.name: n for n in tg.graph.nodes}
+        for p in tg.placeholders:
+            if p.role is Role.INPUT:
+                continue
+            where = []
+            for u in nodes[p.name].users:
+                r = node.get(u.name, EPI)
+                if r not in where:
+                    where.append(r)
+            param[p.name] = tuple(where) or (PRO,)
+        return cls(node, param, len(blocks))
+
+
+def stage_tables(tables: CostTables, infos: dict[str, NodeInfo], regions: Regions, stages: int,
+                 flight: float) -> CostTables:  # fmt: skip
+    """The traded ``tables`` with the memory of the stage that holds the most (module docstring)."""
+    share = math.ceil(regions.blocks / stages) / max(regions.blocks, 1)
+    members = tables.classes.members if tables.classes else {v: [v] for v in tables.strategies}
+
+    def factor(v: str) -> float:
+        """The mean factor of ``v``'s members (the class total is spread evenly)."""
+        info = infos[v]
+        fs = []
+        for m in members[v]:
+            if info.role is Role.PARAM or info.role is Role.BUFFER:
+                where = regions.param.get(m, (PRO,))
+                fs.append(share if all(isinstance(r, int) for r in where) else 1.0)
+            else:
+                r = regions.node.get(m, EPI)
+                fs.append(flight * share if isinstance(r, int) else flight if r == PRO else 1.0)
+        return sum(fs) / len(fs)
+
+    f = {v: factor(v) for v in tables.strategies}
+    node_mem = {v: [m * f[v] for m in ms] for v, ms in tables.node_mem.items()}
+    grad_mem = {v: [g * f[v] for g in gs] for v, gs in tables.grad_mem.items()}
+    edges = []
+    for e in tables.edges:
+        k = f.get(e.dst, 1.0)
+        if k == 1.0:
+            edges.append(e)
+            continue
+        edges.append(
+            replace(
+                e, mem=[[m * k for m in row] for row in e.mem],
+                copy=None if e.copy is None else [[m * k for m in row] for row in e.copy],
+                keep=None if e.keep is None else [[m * k for m in row] for row in e.keep],
+            )
+        )  # fmt: skip
+    return replace(
+        tables, node_mem=node_mem, grad_mem=grad_mem, edges=edges, node_keep={}, peak_at={}, mem_at={}
+    )
+
+
+# -- pricing the solution -----------------------------------------------------------------------------
+
+
+@dataclass
+class PipelinePrice:
+    """A pipeline priced on a solution: the decision, its step, per pipeline rank its peak bytes
+    and state bytes, per chunk what the plan records (``Plan.stage_costs``), the timeline."""
+
+    pipeline: Pipeline
+    micro_batches: int
+    step_s: float
+    compute_s: float  # the busiest rank's compute
+    bubble_s: float
+    peak: tuple[float, ...]
+    state: tuple[float, ...]
+    stage_costs: tuple[dict, ...]
+    timeline: Timeline
+    worst_state: tuple[float, float, float] = (0.0, 0.0, 0.0)  # the fullest rank's param, grad, optimizer
+    worst_activations: float = 0.0  # and its activations in flight at their peak
+    tried: list = field(default_factory=list)
+
+
+@dataclass
+class _Region:
+    fwd: float = 0.0  # seconds of the global batch's forward (before recomputation), times 3
+    total: float = 0.0  # seconds of forward and backward (recomputation included)
+    once: float = 0.0  # seconds once per step (the parameters' optimizer steps, reductions)
+    act: float = 0.0  # activation bytes of one micro-batch (the traded tables')
+    param: float = 0.0  # parameter state bytes: parameters, gradients, optimizer state
+    grad: float = 0.0
+    opt: float = 0.0
+    recv: float = 0.0  # bytes of the global batch crossing into it (needing gradients)
+    fixed_f: float = 0.0  # seconds its ops cost whatever their size (launches, GEMM overheads):
+    fixed: float = 0.0  # paid by every micro-batch, forward and forward + backward
+
+
+def _regions_costs(
+    tg: TracedGraph, infos: dict[str, NodeInfo], base: CostTables, tables: CostTables, picks: dict[str, int],
+    choice: dict[str, Strategy], regions: Regions, blocks: Sequence[Block], trades: Trades, optimizer: Optimizer,
+    cluster: ClusterSpec,
+) -> dict[int | str, _Region]:  # fmt: skip
+    mesh = tables.mesh_shape
+    device, slow = cluster.device, cluster.compute_slowdown
+    members = tables.classes.members if tables.classes else {v: [v] for v in tables.strategies}
+    out: dict[int | str, _Region] = {r: _Region() for r in [PRO, EPI, *range(regions.blocks)]}
+    for v, i in picks.items():
+        info = infos[v]
+        ms = members[v]
+        if info.role is Role.PARAM or info.role is Role.BUFFER:
+            for m in ms:
+                where = regions.param.get(m, (PRO,))
+                for r in where:
+                    out[r].once += tables.node_cost[v][i] / len(ms) / len(where)
+                if info.role is Role.PARAM and info.dtype and m in choice:
+                    sb = param_state(infos[m], choice[m].out, mesh, trades, optimizer)
+                    for r in where:  # a parameter several regions read: a copy where each runs
+                        out[r].param += sb.param
+                        out[r].grad += sb.grad
+                        out[r].opt += sb.optimizer
+            continue
+        launch = device.kernel_launch_s + (device.matmul_overhead_s if info.target in MATMULS else 0.0)
+        for m in ms:
+            r = out[regions.node.get(m, EPI)]
+            r.fixed_f += launch * slow
+            r.fixed += launch * (3 if info.target in MATMULS else 2 if info.requires_grad else 1) * slow
+            r.fwd += base.node_cost[v][i] / len(ms)
+            r.total += tables.node_cost[v][i] / len(ms)
+            r.act += tables.node_mem[v][i] / len(ms)
+    params = {v for v in picks if infos[v].role in (Role.PARAM, Role.BUFFER)}
+    for e0, e in zip(base.edges, tables.edges):
+        if e.src not in picks:
+            continue
+        a = picks[e.src]
+        if e.dst == "output" or e.dst not in picks:
+            ms, b = members.get(e.src, [e.src]), None
+        else:
+            ms, b = members[e.dst], picks[e.dst]
+        cost = e.cost[a][b] if b is not None else min(e.cost[a])
+        cost0 = e0.cost[a][b] if b is not None else min(e0.cost[a])
+        mem = e.mem[a][b] if b is not None else 0.0
+        if not math.isfinite(cost):
+            continue
+        for m in ms:
+            r = out[regions.node.get(m, EPI) if b is not None else EPI]
+            if e.src in params:
+                r.once += cost / len(ms)
+            else:
+                r.fwd += cost0 / len(ms)
+                r.total += cost / len(ms)
+                r.act += mem / len(ms)
+    for blk in blocks:
+        for x in blk.inputs:
+            info = infos.get(x)
+            if info is None or not info.requires_grad or x not in choice or not info.dtype:
+                continue
+            out[blk.index].recv += info.out_bytes / volume_factor(choice[x].out, mesh)
+    return out
+
+
+def cut(costs: Sequence[float], pro: float, epi: float, chunks: int) -> tuple[int, ...]:
+    """Cuts of blocks of ``costs`` seconds into ``chunks`` contiguous non-empty chunks (the first
+    also runs ``pro``, the last ``epi``) that minimize the slowest chunk: bisection over the
+    bottleneck, each tried by filling chunks greedily."""
+    n = len(costs)
+
+    def fill(limit: float) -> tuple[int, ...] | None:
+        cuts, load, c = [], pro, 0
+        for i, t in enumerate(costs):
+            left = n - i  # blocks from i on
+            must_cut = left == chunks - 1 - c  # one block for each chunk still to come
+            if (load + t > limit or must_cut) and i > (cuts[-1] if cuts else 0) - (0 if cuts else 1):
+                if c == chunks - 1:
+                    return None
+                if i == (cuts[-1] if cuts else 0):
+                    return None  # an empty chunk
+                cuts.append(i)
+                c += 1
+                load = 0.0
+            load += t
+            if load > limit and not must_cut:
+                return None
+        if c != chunks - 1 or load + epi > limit:
+            return None
+        return tuple(cuts)
+
+    lo = max(max(costs, default=0.0), (sum(costs) + pro + epi) / chunks)
+    hi = sum(costs) + pro + epi
+    best = Pipeline.even_cuts(n, chunks)
+    if fill(hi * (1 + 1e-9)) is None:
+        return best
+    for _ in range(50):
+        mid = (lo + hi) / 2
+        got = fill(mid)
+        if got is None:
+            lo = mid
+        else:
+            hi, best = mid, got
+        if hi - lo <= 1e-6 * hi:
+            break
+    got = fill(hi * (1 + 1e-9))
+    return got if got is not None else best
+
+
+def price_pipeline(
+    tg: TracedGraph,
+    infos: dict[str, NodeInfo],
+    base: CostTables,
+    tables: CostTables,
+    picks: dict[str, int],
+    choice: dict[str, Strategy],
+    blocks: Sequence[Block],
+    trades: Trades,
+    stages: int,
+    cluster: ClusterSpec,
+    options: SearchOptions,
+    limit: float,
+    extra_s: float,
+    transient: float,
+) -> PipelinePrice | None:
+    """The fastest pipeline of ``stages`` stages on the solution ``picks`` that fits ``limit``
+    per device (module docstring), or None. ``tables``: the traded tables (``trades``, at its
+    micro-batches); ``extra_s``: seconds the whole-model step adds beyond the tables (gradient
+    buckets' adjustment, trade terms), divided among the stages; ``transient``: bytes added to
+    every rank's peak."""
+    regions = Regions.of(tg, blocks)
+    costs = _regions_costs(
+        tg, infos, base, tables, picks, choice, regions, blocks, trades, options.optimizer, cluster
+    )  # fmt: skip
+    k = trades.micro_batches
+    mesh = tables.mesh_shape
+    comm = CommModel(cluster, (stages, *mesh))
+    peaks = [max(p[picks[v]] for p in [tables.node_peak[v]]) for v in tables.node_peak if v in picks]
+    top = max(peaks, default=0.0) + transient
+    n = regions.blocks
+    best: PipelinePrice | None = None
+    tried = []
+    for schedule, v in schedules(options, stages, n, k):
+        chunks = stages * v
+        if chunks > n:
+            continue
+        block_t = [costs[b].total for b in range(n)]
+        cuts = cut(block_t, costs[PRO].total, costs[EPI].total, chunks)
+        bounds = [0, *cuts, n]
+        spans = [list(range(bounds[c], bounds[c + 1])) for c in range(chunks)]
+        regs = [
+            [*spans[c], *([PRO] if c == 0 else []), *([EPI] if c == chunks - 1 else [])]
+            for c in range(chunks)
+        ]
+        # per micro-batch: the size-proportional part 1/k, the fixed part whole
+        fixed_f = [sum(costs[r].fixed_f for r in rs) for rs in regs]
+        fixed = [sum(costs[r].fixed for r in rs) for rs in regs]
+        fwd = [max(sum(costs[r].fwd for r in rs) / 3 - ff, 0.0) / k + ff for rs, ff in zip(regs, fixed_f)]
+        bwd = [
+            max(sum(costs[r].total for r in rs) - fx, 0.0) / k + fx - f for rs, fx, f in zip(regs, fixed, fwd)
+        ]
+        fwd = [f + PIPELINE_ACTION_S for f in fwd]
+        bwd = [b + PIPELINE_ACTION_S for b in bwd]
+        act = [sum(costs[r].act for r in rs) for rs in regs]
+        p2p = [comm.time(Collective.SEND_RECV, costs[bounds[c + 1]].recv / k, 0) for c in range(chunks - 1)]
+        try:
+            timeline = simulate_schedule(schedule, stages, v, k, fwd, bwd, p2p, act)
+        except ScheduleError as e:  # torch's schedule does not run these counts (e.g. 1F1B with k < S)
+            tried.append((f"{stages} stages, {schedule.value}", None, None, str(e)))
+            continue
+        once = [0.0] * stages
+        parts = [[0.0, 0.0, 0.0] for _ in range(stages)]  # per rank: parameters, gradients, optimizer
+        for c, rs in enumerate(regs):
+            rank = c % stages
+            once[rank] += sum(costs[r].once for r in rs)
+            for r in rs:
+                parts[rank][0] += costs[r].param
+                parts[rank][1] += costs[r].grad
+                parts[rank][2] += costs[r].opt
+        state = [sum(x) for x in parts]
+        step = timeline.makespan + max(once) + extra_s / stages
+        peak = tuple(state[r] + timeline.peak_bytes[r] + top for r in range(stages))
+        compute = max(timeline.busy)
+        pipe = Pipeline(stages, schedule, v, cuts)
+        fits = max(peak) <= limit
+        tried.append((pipe.describe(), step, max(peak), fits))
+        if not fits or (best is not None and step >= best.step_s):
+            continue
+        stage_costs = tuple(
+            {
+                "chunk": c,
+                "rank": c % stages,
+                "blocks": [bounds[c], bounds[c + 1]],
+                "forward_s": fwd[c],
+                "backward_s": bwd[c],
+                "send_s": p2p[c] if c < chunks - 1 else 0.0,
+                "activation_bytes": act[c],
+                "state_bytes": sum(costs[r].param + costs[r].grad + costs[r].opt for r in regs[c]),
+                "peak_memory_bytes": peak[c % stages],
+            }
+            for c in range(chunks)
+        )
+        worst = max(range(stages), key=peak.__getitem__)
+        best = PipelinePrice(
+            pipe, k, step, compute, timeline.makespan - compute, peak, tuple(state), stage_costs, timeline,
+            tuple(parts[worst]), timeline.peak_bytes[worst],
+        )  # fmt: skip
+    if best is not None:
+        best.tried = tried
+    return best
