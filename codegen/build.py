@@ -133,10 +133,10 @@ def _pipelined(model, tg, plan, choice, inputs, gm, mesh, full_mesh, attrs, stat
 
     pipe = plan.pipeline
     trades = plan.trades
-    if trades.recompute is not Recompute.NONE or trades.zero_stage >= ZeroStage.GRADIENTS:
+    if trades.zero_stage >= ZeroStage.GRADIENTS:
         raise DistributedSetupError(
-            f"pipelined plans run without recomputation and with ZeRO 0 or 1 for now; this plan has "
-            f"{trades.describe()}: re-plan with recompute='none' and zero_stage<=1, or without pipeline stages"
+            f"pipelined plans run with ZeRO 0 or 1 (FSDP2's groups do not run under the schedules here); this "
+            f"plan has {trades.describe()}: re-plan with zero_stage<=1, or without pipeline stages"
         )
     blocks = find_blocks(tg)
     if len(blocks) < pipe.chunks:
@@ -166,6 +166,10 @@ def _pipelined(model, tg, plan, choice, inputs, gm, mesh, full_mesh, attrs, stat
         if p in ranks:
             tied.append((target, groups[ranks]))
     chunks = split_chunks(gm, tg.graph, blocks, pipe, mine)
+    if trades.recompute is not Recompute.NONE:  # each chunk's blocks checkpointed (codegen/blocks.py)
+        for c in chunks:
+            own = [b for b in blocks if pipe.chunk_of_block(b.index) == c.index]
+            c.module = apply_recompute(split_blocks(c.module, own, tg.graph), trades.recompute, mesh)
     read = {n.target for n in gm.graph.nodes if n.op == "get_attr" and n.users}
     zero = apply_trades(trades, gm, mesh, tg, deferred)
     held = {id(v) for c in chunks for v in c.params.values()}

@@ -71,6 +71,7 @@ class Chunk:
     index: int
     module: fx.GraphModule
     params: dict[str, torch.nn.Parameter]  # get_attr target -> the parameter object
+    state: dict[str, torch.Tensor]  # get_attr target -> every tensor it reads (buffers too)
 
 
 def chunk_of_nodes(
@@ -161,11 +162,13 @@ def split_chunks(
                 need.add(x)
                 stack.extend(x.all_input_nodes)
         params: dict[str, torch.nn.Parameter] = {}
+        state: dict[str, torch.Tensor] = {}
         holder = torch.nn.Module()
         for n in gm.graph.nodes:
             if n.op == "get_attr" and (n in need or any(chunk.get(u) == c for u in n.users)):
                 value = operator.attrgetter(n.target)(gm)
                 _set_attr(holder, n.target, value)
+                state[n.target] = value
                 if isinstance(value, torch.nn.Parameter):
                     params[n.target] = value
                 env[n] = g.node_copy(n, env.__getitem__)
@@ -177,7 +180,7 @@ def split_chunks(
             g.output(tuple(env[x] for x in crossing[c]))
         g.eliminate_dead_code()
         g.lint()
-        out.append(Chunk(c, fx.GraphModule(holder, g, class_name=f"Chunk{c}"), params))
+        out.append(Chunk(c, fx.GraphModule(holder, g, class_name=f"Chunk{c}"), params, state))
     return out
 
 
@@ -349,8 +352,8 @@ class PipelinedModule(ParallelModule):
         over every rank: each tensor is gathered on the stage mesh of the lowest pipeline rank that
         holds it and broadcast over the pipeline."""
         held = {}
-        for c in self.chunks:
-            for name, t in c.chunk.state_dict(keep_vars=True).items():
+        for c in self._chunks:
+            for name, t in c.state.items():
                 held.setdefault(name, t)
         owners = torch.zeros(len(self._state_specs), dtype=torch.int64)
         for i, (_fqn, (attr, _spec)) in enumerate(self._state_specs.items()):
