@@ -8,6 +8,7 @@ one ``SearchOptions``, resolves the op profiler, and builds the rank-local modul
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Callable
 
@@ -15,13 +16,14 @@ import torch
 import torch.distributed as dist
 
 from autopar.cluster import ClusterSpec
-from autopar.errors import DistributedSetupError, PlanFormatError
+from autopar.errors import DistributedSetupError, PlanFormatError, PlanMismatchError
 from autopar.options import Optimizer, SearchOptions
 from autopar.passes.analyze import analyze
 from autopar.passes.blocks import find_blocks
 from autopar.passes.costs import build_costs
+from autopar.passes.pipeline import price_pipeline, stage_cluster
 from autopar.passes.price import expanded_choice, grad_sync_cost, price_plan
-from autopar.passes.search import MeshRun, SearchResult, Solved, with_trades
+from autopar.passes.search import MeshRun, SearchResult, Solved, with_pipeline, with_trades
 from autopar.passes.search import search as _search
 from autopar.passes.solver import Solution, objective_s
 from autopar.passes.strategies import Strategy, build_strategies
@@ -90,7 +92,8 @@ def reprice(
     one cluster (or one calibration) and run on another, or a plan chosen by other means, whose
     predicted step and memory are wanted where it runs. ``optimizer``: the one the run uses (a plan
     does not record it); ``profile``: as for ``search``. The plan's trades (``autopar/trades.py``)
-    are priced as the search prices them. The result's solver status is "Repriced"; its objective,
+    are priced as the search prices them, and so is its pipeline (``passes/pipeline.py``: its
+    schedule and cuts as the plan has them). The result's solver status is "Repriced"; its objective,
     the cost tables' total on ``cluster``."""
     if isinstance(plan, (str, os.PathLike)):
         plan = Plan.load(plan)
@@ -100,6 +103,13 @@ def reprice(
     mesh = tuple(plan.mesh_shape)
     outputs = Outputs(plan.outputs)
     strats = build_strategies(tg, infos, mesh)
+    whole = cluster
+    if plan.pipeline.enabled:  # the tables price one stage's mesh (passes/pipeline.py)
+        cluster = stage_cluster(cluster, plan.pipeline.stages)
+        if cluster is None:
+            raise PlanMismatchError(
+                f"{plan.pipeline.stages} pipeline stages split the nodes of {whole.name} unevenly; re-plan for it"
+            )
     profiler = resolve_profiler(profile, cluster, None)
     trades = plan.trades
     cinfos = half_infos(infos, trades.precision)  # as the search priced it (passes/trades.py)
@@ -118,7 +128,15 @@ def reprice(
     )
     run = MeshRun(mesh, None)
     solved = Solved(priced.predicted.step_time_s, run, sol, tables, 0.0, gs, choice, trades, terms)
-    return with_trades(priced, tg, cinfos, solved, SearchOptions(optimizer=optimizer))
+    repriced = with_trades(priced, tg, cinfos, solved, SearchOptions(optimizer=optimizer))
+    if not plan.pipeline.enabled:
+        return repriced
+    pipe = price_pipeline(
+        tg, cinfos, base, tables, picks, choice, blocks, trades, plan.pipeline.stages, whole,
+        SearchOptions(optimizer=optimizer), math.inf, gs.adjustment_s + terms.total_s, terms.transient,
+        fixed=plan.pipeline,
+    )  # fmt: skip
+    return with_pipeline(repriced, pipe, whole)
 
 
 def autoparallelize(

@@ -367,12 +367,14 @@ def price_pipeline(
     limit: float,
     extra_s: float,
     transient: float,
+    fixed: Pipeline | None = None,
 ) -> PipelinePrice | None:
     """The fastest pipeline of ``stages`` stages on the solution ``picks`` that fits ``limit``
     per device (module docstring), or None. ``tables``: the traded tables (``trades``, at its
     micro-batches); ``extra_s``: seconds the whole-model step adds beyond the tables (gradient
     buckets' adjustment, trade terms), divided among the stages; ``transient``: bytes added to
-    every rank's peak."""
+    every rank's peak. ``fixed``: price this pipeline (its schedule, chunks and cuts) as it is,
+    whatever its memory (``autopar.reprice``)."""
     regions = Regions.of(tg, blocks)
     costs = _regions_costs(
         tg, infos, base, tables, picks, choice, regions, blocks, trades, options.optimizer, cluster
@@ -385,12 +387,15 @@ def price_pipeline(
     n = regions.blocks
     best: PipelinePrice | None = None
     tried = []
-    for schedule, v in schedules(options, stages, n, k):
+    pairs = (
+        [(fixed.schedule, fixed.virtual_stages)] if fixed is not None else schedules(options, stages, n, k)
+    )
+    for schedule, v in pairs:
         chunks = stages * v
         if chunks > n:
             continue
         block_t = [costs[b].total for b in range(n)]
-        cuts = cut(block_t, costs[PRO].total, costs[EPI].total, chunks)
+        cuts = fixed.cuts if fixed is not None else cut(block_t, costs[PRO].total, costs[EPI].total, chunks)
         bounds = [0, *cuts, n]
         spans = [list(range(bounds[c], bounds[c + 1])) for c in range(chunks)]
         regs = [
@@ -399,10 +404,10 @@ def price_pipeline(
         ]
         # per micro-batch: the size-proportional part 1/k, the fixed part whole
         fixed_f = [sum(costs[r].fixed_f for r in rs) for rs in regs]
-        fixed = [sum(costs[r].fixed for r in rs) for rs in regs]
+        fixed_s = [sum(costs[r].fixed for r in rs) for rs in regs]
         fwd = [max(sum(costs[r].fwd for r in rs) / 3 - ff, 0.0) / k + ff for rs, ff in zip(regs, fixed_f)]
         bwd = [
-            max(sum(costs[r].total for r in rs) - fx, 0.0) / k + fx - f for rs, fx, f in zip(regs, fixed, fwd)
+            max(sum(costs[r].total for r in rs) - fx, 0.0) / k + fx - f for rs, fx, f in zip(regs, fixed_s, fwd)
         ]
         fwd = [f + PIPELINE_ACTION_S for f in fwd]
         bwd = [b + PIPELINE_ACTION_S for b in bwd]
@@ -427,7 +432,7 @@ def price_pipeline(
         peak = tuple(state[r] + timeline.peak_bytes[r] + top for r in range(stages))
         compute = max(timeline.busy)
         pipe = Pipeline(stages, schedule, v, cuts)
-        fits = max(peak) <= limit
+        fits = max(peak) <= limit or fixed is not None  # a given pipeline is priced as it is
         tried.append((pipe.describe(), step, max(peak), fits))
         if not fits or (best is not None and step >= best.step_s):
             continue

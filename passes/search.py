@@ -682,9 +682,15 @@ def pipeline_candidates(
                     trades, micro_batches=micro_batch_counts(batch, split, stages, options)[0]
                 )
                 traded = apply_trades(tables, tg, cinfos, trades, sub, options.optimizer, blocks)
+            # priced on the step's own tables, not the fullest stage's rows (as autopar.reprice does)
+            gs = grad_sync_cost(tg, cinfos, traded, solved.sol, solved.choice, sub, run.mesh, options.outputs)
+            terms = trade_terms(
+                tables, traded, solved.sol.choice, cinfos, trades, sub, options.optimizer, blocks
+            )  # fmt: skip
+            solved = dataclasses.replace(solved, gs=gs, terms=terms, trades=trades)
             price = price_pipeline(
                 tg, cinfos, tables, traded, solved.sol.choice, solved.choice, blocks, trades, stages, cluster,
-                options, limit, solved.gs.adjustment_s + solved.terms.total_s, solved.terms.transient,
+                options, limit, gs.adjustment_s + terms.total_s, terms.transient,
             )  # fmt: skip
             entry = {**outcome.entry, "pipeline_stages": stages}
             if price is None:
