@@ -23,13 +23,13 @@ before the first block, what follows the last): its seconds (node and edge costs
 placements, the class totals shared equally among the members), its activation bytes per
 micro-batch, its parameters' state (``trades.param_state``), the bytes crossing into it (the
 block's inputs that need gradients, as the plan places them). Then, for every schedule the options
-allow (GPipe, 1F1B, interleaved 1F1B with ``v`` chunks per rank) and micro-batch count:
+allow (GPipe, 1F1B, interleaved 1F1B and zero bubble with ``v`` chunks per rank):
 
 * the cut: blocks into ``S v`` contiguous chunks minimizing the slowest chunk (the embeddings in
   the first, the head in the last; bisection over the bottleneck with a greedy fill);
 * the step: ``cost_model/pipeline.py:simulate`` of the schedule's order, with per micro-batch a
   chunk's forward one third of its seconds (of its seconds before recomputation) and the backward
-  the rest, the activations sent over the pipeline axis's link (``SEND_RECV``) both ways; plus what
+  the rest (zero bubble: half of it the input gradients, half the weights'), the activations sent over the pipeline axis's link (``SEND_RECV``) both ways; plus what
   runs once per step: the optimizer's step and the gradient reductions of the rank's parameters
   (the parameter nodes' seconds), and the trades' terms divided among the stages;
 * memory per pipeline rank: the state of the parameters its chunks read, the peak of the
@@ -119,7 +119,7 @@ def schedules(options: SearchOptions, stages: int, n_blocks: int, k: int) -> lis
     """(schedule, chunks per rank) pairs to price: the options' or every one torch runs here."""
     forced = options.schedule
     out = []
-    for s in (Schedule.ONE_F_ONE_B, Schedule.GPIPE, Schedule.INTERLEAVED_1F1B):
+    for s in (Schedule.ONE_F_ONE_B, Schedule.GPIPE, Schedule.INTERLEAVED_1F1B, Schedule.ZERO_BUBBLE):
         if forced is not None and s is not forced:
             continue
         if s.multi_chunk:

@@ -10,7 +10,7 @@ Each rank holds only its chunks' parameters: the ranks of one stage mesh positio
 every parameter, and no rank holds all of them (tied embeddings aside, which two stages copy).
 
 The matrix covers each layout (PP4; PP2 x DP2 with ZeRO-1; PP2 x TP2), each schedule (GPipe,
-1F1B, interleaved 1F1B), each model (GPT-2 with tied embeddings, Llama, the PaLM-style model, and
+1F1B, interleaved 1F1B, and torch's interleaved zero bubble), each model (GPT-2 with tied embeddings, Llama, the PaLM-style model, and
 ``Stack``, a plain torch model no other test names, returning a bare scalar loss), and selective
 recomputation inside the stages.
 """
@@ -84,6 +84,7 @@ CONFIGS = {
         "gpt2", 2, Schedule.INTERLEAVED_1F1B, 2, TP2, {"virtual_stages": 2, "recompute": "selective"},
     ),
     "stack pp4 gpipe": ("stack", 4, Schedule.GPIPE, 4, ONE, {}),
+    "llama pp2xdp2 zero bubble": ("llama", 2, Schedule.ZERO_BUBBLE, 2, DP2, {"virtual_stages": 2}),
 }  # fmt: skip
 
 
