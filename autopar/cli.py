@@ -2,6 +2,8 @@
 
     autopar demo [--out DIR] [--model MODEL_SPEC] [--world-size N] [--cluster SPEC_FILE]
     autopar plan MODEL_SPEC --cluster PRESET[:NODESxDEVICES] | SPEC_FILE --out plan.json [--report r.html]
+                 [--mesh AxB] [--recompute ..] [--micro-batches K] [--zero-stage ..] [--offload ..]
+                 [--precision ..] [--pipeline-stages N] [--schedule ..] [--virtual-stages N]
                  [--profile [--profile-cache PATH] [--profile-threads N]]
     autopar calibrate [--world-size N] [--out cluster.json] [--quick]
     autopar coverage MODEL_SPEC [--json]
@@ -19,6 +21,7 @@ import sys
 from autopar.demo import DEMO_MODEL
 from autopar.errors import AutoparError
 from autopar.placement import Outputs
+from autopar.trades import Schedule
 
 
 def _mesh(text: str) -> tuple[int, ...]:
@@ -106,6 +109,26 @@ def _build_parser() -> argparse.ArgumentParser:
         help="param: the parameters' dtype; bf16/fp16: mixed precision with fp32 masters (default: auto)",
     )
     pl.add_argument(
+        "--pipeline-stages",
+        default="auto",
+        metavar="N|auto",
+        help="pipeline stages: the devices as N copies of one stage's mesh, --mesh then that stage's "
+        "(default: auto; 1: no pipeline)",
+    )
+    pl.add_argument(
+        "--schedule",
+        choices=["auto", *(s.value for s in Schedule)],
+        default="auto",
+        help="pipeline schedule (default: auto)",
+    )
+    pl.add_argument(
+        "--virtual-stages",
+        default="auto",
+        metavar="N|auto",
+        help="chunks per pipeline rank: 1 for gpipe and 1f1b, 2 or more for interleaved_1f1b and "
+        "zero_bubble (default: auto)",
+    )
+    pl.add_argument(
         "--profile",
         action="store_true",
         help="price ops by running them on this machine (cached) instead of the analytical model; "
@@ -173,15 +196,21 @@ def _cmd_plan(args) -> int:
     def auto(text, kind=str):
         return None if text == "auto" else kind(text)
 
-    try:
-        micro = auto(args.micro_batches, int)
-    except ValueError:
-        print(f"autopar: error: --micro-batches must be a positive integer or auto, got {args.micro_batches!r}",
-              file=sys.stderr)  # fmt: skip
-        return 2
+    counts = {}
+    for flag in ("micro_batches", "pipeline_stages", "virtual_stages"):
+        text = getattr(args, flag)
+        try:
+            counts[flag] = auto(text, int)
+        except ValueError:
+            print(f"autopar: error: --{flag.replace('_', '-')} must be a positive integer or auto, got {text!r}",
+                  file=sys.stderr)  # fmt: skip
+            return 2
     options = autopar.SearchOptions(
         recompute=auto(args.recompute),
-        micro_batches=micro,
+        micro_batches=counts["micro_batches"],
+        pipeline_stages=counts["pipeline_stages"],
+        schedule=auto(args.schedule),
+        virtual_stages=counts["virtual_stages"],
         zero_stage=auto(args.zero_stage, int),
         offload=auto(args.offload),
         precision=auto(args.precision),

@@ -303,16 +303,46 @@ class Plan:
         return "\n".join(lines)
 
     def _pipeline_lines(self) -> list[str]:
+        """The pipeline, one line per run of chunks priced alike (same block count, forward and
+        backward as printed: a deep model's middle chunks are one line), then each rank's peak."""
         if not self.pipeline.enabled:
             return []
         lines = [f"  pipeline: {self.pipeline.describe()}, mesh {tuple(self.mesh_shape)} per stage"]
-        for c in self.stage_costs:
-            blocks = c.get("blocks", [0, 0])
-            lines.append(
-                f"    chunk {c.get('chunk')}: blocks {blocks[0]}..{blocks[1] - 1}, forward "
-                f"{c.get('forward_s', 0.0) * 1e3:.3f} ms + backward {c.get('backward_s', 0.0) * 1e3:.3f} ms "
-                f"per micro-batch, peak {c.get('peak_memory_bytes', 0.0) / 2**30:.2f} GiB"
+        costs = self.stage_costs  # in chunk order
+        runs: list[list] = []  # [first chunk, last chunk, first block, last block, count, text]
+        for c in costs:
+            first, end = (list(c.get("blocks") or ()) + [0, 0])[:2]
+            text = (
+                f"forward {c.get('forward_s', 0.0) * 1e3:.3f} ms + backward {c.get('backward_s', 0.0) * 1e3:.3f} ms "
+                "per micro-batch"
             )
+            if runs and runs[-1][5] == text and runs[-1][4] == end - first and runs[-1][3] == first:
+                runs[-1][1], runs[-1][3] = c.get("chunk"), end
+            else:
+                runs.append([c.get("chunk"), c.get("chunk"), first, end, end - first, text])
+        for a, b, first, end, n, text in runs:
+            if a == b:
+                lines.append(f"    chunk {a}: blocks {first}..{end - 1}, {text}")
+            else:
+                lines.append(
+                    f"    chunks {a}-{b}: {n} block{'s' if n != 1 else ''} each (blocks {first}..{end - 1}), {text}"
+                )
+        peaks: dict[int, float] = {}
+        for c in costs:
+            rank = c.get("rank", self.pipeline.rank_of_chunk(int(c.get("chunk", 0))))
+            peaks.setdefault(int(rank), float(c.get("peak_memory_bytes", 0.0)))
+        if peaks:
+            unit, div = ("GiB", 2**30) if max(peaks.values()) >= 2**30 else ("MiB", 2**20)
+            if len(peaks) <= 8:
+                each = ", ".join(f"{v / div:.2f}" for _, v in sorted(peaks.items()))
+                lines.append(f"    peak memory per pipeline rank: {each} {unit}")
+            else:
+                top = max(peaks, key=peaks.__getitem__)
+                low = min(peaks, key=peaks.__getitem__)
+                lines.append(
+                    f"    peak memory per pipeline rank: {peaks[low] / div:.2f} (rank {low}) to "
+                    f"{peaks[top] / div:.2f} {unit} (rank {top})"
+                )
         return lines
 
     # -- (de)serialization -------------------------------------------------------------------------

@@ -1,7 +1,8 @@
 """A self-contained HTML report of a :class:`~autopar.plan.Plan`.
 
 One file, no external scripts, styles or fonts: tables plus hand-made inline SVG charts (memory breakdown,
-the most expensive nodes, and predicted step time per candidate mesh shape). Pass ``measured`` (e.g.
+the most expensive nodes, and predicted step time per candidate mesh shape; for a pipelined plan its
+chunks and its schedule's timeline, re-simulated from the plan). Pass ``measured`` (e.g.
 ``{"step_time_s": 0.012, "peak_memory_bytes": 3 << 30, "world_size": 8}``) to show measured values next to
 the predictions with their relative error.
 """
@@ -16,7 +17,7 @@ from html import escape
 from numbers import Real
 from typing import Any
 
-from autopar.cost_model.pipeline import Timeline
+from autopar.cost_model.pipeline import ScheduleError, Timeline, simulate_schedule
 from autopar.plan import Plan
 
 COMPUTE_COLOUR = "#4c78a8"
@@ -30,6 +31,9 @@ MEMORY_PARTS = (  # (label, Predicted attribute, colour)
     ("activations", "activation_bytes", "#e45756"),
 )
 TOP_NODES = 20
+# the most schedule actions the pipeline timeline draws (each 150-250 bytes of SVG: 4096 keep the
+# picture under 1 MB); past it, the actions of the first micro-batches only
+TIMELINE_MAX_EVENTS = 4096
 
 _CSS = """
 body{font-family:system-ui,sans-serif;margin:2em;color:#222;max-width:1200px}
@@ -178,11 +182,13 @@ def candidates_svg(plan: Plan) -> str:
     cands = list(plan.solver.candidates)
     chosen = tuple(int(n) for n in plan.mesh_shape)
     trades = plan.trades.to_dict()
-    # one candidate is the plan: its mesh and trades (older plans: no trades recorded), the fastest
-    # of those (a mesh solved twice, free and with axis 0 data parallel, has two entries)
+    pipe = plan.pipeline.to_dict()
+    # one candidate is the plan: its mesh, trades and pipeline (older plans: none recorded), the
+    # fastest of those (a mesh solved twice, free and with axis 0 data parallel, has two entries)
     matches = [
         i for i, c in enumerate(cands)
-        if _mesh_key(c.get("mesh_shape")) == chosen and c.get("trades", trades) == trades and _finite(c.get("objective"))
+        if _mesh_key(c.get("mesh_shape")) == chosen and c.get("trades", trades) == trades
+        and c.get("pipeline", pipe) == pipe and _finite(c.get("objective"))
     ]  # fmt: skip
     chosen_i = min(matches, key=lambda i: cands[i]["objective"], default=None)
     col_w, plot_h, top_pad, bottom = 90, 160, 40, 56  # the legend sits above the tallest bar's label
@@ -212,18 +218,20 @@ def candidates_svg(plan: Plan) -> str:
         body.append(_text(x + col_w / 2, base + 32, _short(status, 14), "middle", 10))
         roles = c.get("axis_roles") or ()
         tag = "/".join(r[0].upper() for r in roles)  # e.g. a 3-axis mesh with its outer axis data parallel
-        tag += (" " if tag else "") + _trades_tag(c.get("trades"))
+        tag += (" " if tag else "") + _trades_tag(c.get("trades"), c.get("pipeline"))
         if tag.strip():
             body.append(_text(x + col_w / 2, base + 46, _short(tag, 16), "middle", 10))
     body.append(f'<line x1="5" y1="{base}" x2="{width - 5}" y2="{base}" stroke="#888"/>')
     return _svg(width, base + bottom, body, "predicted step time per candidate mesh shape")
 
 
-def _trades_tag(t: dict | None) -> str:
-    """A rung of the trades ladder in a few letters: Z3 R(s|f) k4 off."""
-    if not t:
-        return ""
+def _trades_tag(t: dict | None, pipeline: dict | None = None) -> str:
+    """A rung of the trades ladder in a few letters: P8 Z3 R(s|f) k4 off (P: pipeline stages)."""
     out = []
+    if pipeline and int(pipeline.get("stages", 1)) > 1:
+        out.append(f"P{int(pipeline['stages'])}")
+    if not t:
+        return " ".join(out)
     if t.get("zero_stage"):
         out.append(f"Z{t['zero_stage']}")
     if t.get("recompute", "none") != "none":
@@ -377,17 +385,21 @@ def render_report(plan: Plan, *, measured: dict | None = None, title: str | None
         _summary_table(plan, measured),
         "<h2>Memory-for-time trades</h2>",
         trades_table(plan),
+        *(pipeline_section(plan) if plan.pipeline.enabled else ()),
         "<h2>Predicted memory per device</h2>",
         memory_svg(plan),
         f"<h2>Top {min(TOP_NODES, len(plan.decisions))} nodes by predicted time</h2>",
         nodes_svg(plan),
     ]
     if s.candidates:
+        piped = any(int((c.get("pipeline") or {}).get("stages", 1)) > 1 for c in s.candidates)
         parts += [
             "<h2>Candidate mesh shapes</h2>",
             candidates_svg(plan),
             "<p>Letters under a mesh: each axis's role in its search (D data parallel, A any placement, "
-            "T tensor, S sequence) and the trades of that rung (Z<i>n</i> ZeRO stage <i>n</i>, Rs / Rf "
+            "T tensor, S sequence) and the trades of that rung ("
+            + ("P<i>n</i> <i>n</i> pipeline stages of that mesh, " if piped else "")
+            + "Z<i>n</i> ZeRO stage <i>n</i>, Rs / Rf "
             "selective / full recomputation, k<i>n</i> micro-batches, off optimizer offload).</p>",
         ]
     parts += [
@@ -430,13 +442,18 @@ def _tick_step(span: float, most: int = 8) -> float:
 
 
 def timeline_svg(
-    timeline: Timeline, *, title: str = "pipeline schedule", chunk_labels: Sequence[str] | None = None
+    timeline: Timeline,
+    *,
+    title: str = "pipeline schedule",
+    chunk_labels: Sequence[str] | None = None,
+    caption: str | None = None,
 ) -> str:
     """Gantt chart of a simulated pipeline step (``autopar.cost_model.pipeline.simulate``): one row
     per pipeline rank, time on x, one rectangle per forward / backward / weight-gradient action
     (labelled with its micro-batch when wide enough; the tooltip names chunk, micro-batch and
     times), each row's peak in-flight micro-batches at its end, and the makespan and bubble fraction
-    in the caption. ``chunk_labels[c]`` replaces "chunk c" in the tooltips."""
+    in the caption. ``chunk_labels[c]`` replaces "chunk c" in the tooltips; ``caption`` replaces
+    the caption (e.g. for a part of a step, whose own makespan and idle share mean nothing)."""
     ranks = max(len(timeline.busy), 1 + max((e.rank for e in timeline.events), default=-1))
     label_w, plot_w, right_w, row_h = 60, 760, 110, 22
     top = 44  # title and legend above the rows
@@ -490,11 +507,162 @@ def timeline_svg(
             x = label_w + i * step * scale
             body.append(f'<line x1="{x:.1f}" y1="{axis_y}" x2="{x:.1f}" y2="{axis_y + 4}" stroke="#888"/>')
             body.append(_text(x, axis_y + 16, fmt_time(i * step), "middle", 10))
-        caption = (
+        caption = caption or (
             f"makespan {fmt_time(timeline.makespan)}, bubble {timeline.bubble_fraction * 100:.1f}% "
             f"of the ranks' time idle"
         )
     else:
-        caption = "no events"
+        caption = caption or "no events"
     body.append(_text(label_w, axis_y + 38, caption))
     return _svg(width, height, body, f"{title}: {caption}")
+
+
+# -- the plan's pipeline -----------------------------------------------------------------------------------
+def _chunk(c: dict) -> float:
+    v = c.get("chunk")
+    return float(v) if _is_num(v) else math.inf
+
+
+def _stage_costs(plan: Plan) -> list[dict]:
+    return sorted(plan.stage_costs, key=_chunk)
+
+
+def _cost(c: dict, key: str) -> float:
+    v = c.get(key)
+    return float(v) if _is_num(v) else 0.0
+
+
+def _blocks(c: dict) -> str:
+    """A chunk's blocks ``[first, end)`` as ``first..last``."""
+    b = c.get("blocks")
+    if not isinstance(b, (list, tuple)) or len(b) != 2 or not all(_is_num(x) for x in b):
+        return "?"
+    first, end = int(b[0]), int(b[1])
+    return f"{first}..{end - 1}" if end > first else "none"
+
+
+def pipeline_timeline(plan: Plan) -> Timeline:
+    """The plan's pipelined step re-simulated from the plan alone: its schedule, stages, chunks per
+    rank and micro-batches, each chunk's recorded forward, backward, send and activation bytes per
+    micro-batch (``Plan.stage_costs``, what the search simulated). :class:`ScheduleError` when the
+    recorded costs do not fit the pipeline (a hand-edited plan)."""
+    pipe = plan.pipeline
+    costs = _stage_costs(plan)
+    if [_chunk(c) for c in costs] != list(range(pipe.chunks)):
+        raise ScheduleError(
+            f"the plan's pipeline has {pipe.chunks} chunks but its stage_costs name chunks "
+            f"{[c.get('chunk') for c in costs]}; re-plan to record them"
+        )
+    return simulate_schedule(
+        pipe.schedule,
+        pipe.stages,
+        pipe.virtual_stages,
+        plan.trades.micro_batches,
+        [_cost(c, "forward_s") for c in costs],
+        [_cost(c, "backward_s") for c in costs],
+        [_cost(c, "send_s") for c in costs[:-1]],
+        [_cost(c, "activation_bytes") for c in costs],
+    )
+
+
+def _first_micro_batches(timeline: Timeline, micro_batches: int, most: int) -> tuple[Timeline, int]:
+    """``timeline`` cut to the events of its first micro-batches, at most ``most`` events (at least
+    one micro-batch's), and how many micro-batches that is; the whole timeline when it fits."""
+    if len(timeline.events) <= most:
+        return timeline, micro_batches
+    per_micro = max(len(timeline.events) // max(micro_batches, 1), 1)
+    shown = max(most // per_micro, 1)
+    events = tuple(e for e in timeline.events if e.action.micro < shown)
+    busy = tuple(sum(e.duration for e in events if e.rank == r) for r in range(len(timeline.busy)))
+    end = max((e.end for e in events), default=0.0)
+    # the rows' notes keep the whole step's peaks
+    return Timeline(events, end, timeline.peak_bytes, timeline.peak_in_flight, busy), shown
+
+
+def pipeline_section(plan: Plan, max_events: int = TIMELINE_MAX_EVENTS) -> list[str]:
+    """The report's "Pipeline" section (HTML parts): one line on the pipeline, a table of its
+    chunks, the schedule's timeline re-simulated from the plan (:func:`pipeline_timeline`; the
+    events of the first micro-batches only past ``max_events``)."""
+    pipe = plan.pipeline
+    k = plan.trades.micro_batches
+    costs = _stage_costs(plan)
+    per_stage = math.prod(int(n) for n in plan.mesh_shape)
+    try:
+        timeline: Timeline | None = pipeline_timeline(plan)
+        error = ""
+    except ScheduleError as e:
+        timeline, error = None, str(e)
+    line = (
+        f"{pipe.stages} stages × {pipe.virtual_stages} chunk{'s' if pipe.virtual_stages > 1 else ''} per rank "
+        f"= {pipe.chunks} chunks, schedule <code>{escape(pipe.schedule.value)}</code>, {k} micro-batches per "
+        f"step; each stage a mesh {escape(_shape(plan.mesh_shape))} of {per_stage} devices (pipeline rank "
+        f"<i>p</i> holds global ranks <i>p</i>·{per_stage} .. <i>p</i>·{per_stage} + {per_stage - 1})"
+    )
+    if timeline is not None:
+        line += (
+            f"; the schedule's makespan {escape(fmt_ms(timeline.makespan))} of the predicted step "
+            f"{escape(fmt_ms(plan.predicted.step_time_s))}, bubble {timeline.bubble_fraction * 100:.1f}% "
+            "of the ranks' time idle"
+        )
+    rows = [
+        [
+            _t(c.get("chunk", "?")),
+            _t(c.get("rank", "?")),
+            _t(_blocks(c)),
+            _n(fmt_ms(c.get("forward_s"))),
+            _n(fmt_ms(c.get("backward_s"))),
+            _n(fmt_ms(c.get("send_s")) if i < len(costs) - 1 else "—"),
+            _n(fmt_mib(c.get("activation_bytes"))),
+            _n(fmt_mib(c.get("state_bytes"))),
+            _n(fmt_mib(c.get("peak_memory_bytes"))),
+        ]
+        for i, c in enumerate(costs)
+    ]
+    table = _table(
+        ["chunk", "pipeline rank", "blocks", "forward / micro-batch", "backward / micro-batch",
+         "send to next", "activations / micro-batch", "parameter state", "rank's peak"],
+        rows,
+    )  # fmt: skip
+    parts = [
+        "<h2>Pipeline</h2>",
+        f"<p>{line}.</p>",
+        table,
+        "<p>Blocks are the model's repeated blocks, numbered from 0; the first chunk also runs what precedes "
+        "the first block (embeddings), the last chunk what follows the last (head, loss). Forward, backward "
+        "and send per micro-batch, each including the schedule's per-action host time; the send carries the "
+        "chunk's output forward and its gradient back. Parameter state: parameters, gradients and optimizer "
+        "state of the chunk's parameters; the rank's peak: all of the rank's chunks, their activations in "
+        "flight at the schedule's peak included.</p>",
+    ]
+    if timeline is None:
+        parts.append(f'<p class="bad">No timeline: {escape(error)}</p>')
+        return parts
+    labels = [f"chunk {c.get('chunk', i)} (blocks {_blocks(c)})" for i, c in enumerate(costs)]
+    shown, n = _first_micro_batches(timeline, k, max_events)
+    title = f"{pipe.schedule.value}: {pipe.stages} ranks, {pipe.chunks} chunks, {k} micro-batches"
+    if n < k:
+        caption = (
+            f"micro-batches 0..{n - 1} of {k} drawn ({len(shown.events)} of {len(timeline.events)} actions, "
+            f"at their times in the whole step: {fmt_time(shown.makespan)} of its makespan "
+            f"{fmt_time(timeline.makespan)}, bubble {timeline.bubble_fraction * 100:.1f}%)"
+        )
+        svg = timeline_svg(shown, title=title + f" (first {n} drawn)", chunk_labels=labels, caption=caption)
+        note = (
+            f"The step has {len(timeline.events)} actions; to keep this page small only those of the first "
+            f"{n} micro-batches are drawn, where they run in the whole step (the gaps between them are the "
+            "later micro-batches' actions). "
+        )
+    else:
+        svg = timeline_svg(shown, title=title, chunk_labels=labels)
+        note = ""
+    parts += [
+        svg,
+        f"<p>{escape(note)}The timeline is re-simulated from the table above "
+        "(<code>cost_model/pipeline.py</code>): one row per pipeline rank, one bar per forward (blue), "
+        "backward (orange) or weight gradient (green) of a chunk's micro-batch, a shade "
+        "per chunk of a rank (interleaved schedules); at the right each rank's most micro-batches in flight and "
+        "their activation bytes. "
+        "The rest of the predicted step runs once per step after it: the optimizer, the gradient "
+        "reductions, the trades' terms.</p>",
+    ]
+    return parts

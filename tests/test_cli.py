@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import textwrap
 
 import pytest
@@ -93,3 +94,29 @@ def test_plan_a_meta_device_llama_prints_progress_and_gap(tmp_path, capsys):
     )
     assert "optimality gap" in printed and "predicted peak memory per device" in printed
     assert autopar.Plan.load(out).world_size == 8
+
+
+def test_plan_forces_pipeline_stages_and_schedule(tmp_path, capsys):
+    out, report = tmp_path / "p.json", tmp_path / "r.html"
+    spec = "autopar.examples:gpt2_tiny(batch=8, seq=16, layers=4, hidden=32, vocab=128)"
+    argv = ["plan", spec, "--cluster", "cpu:1x4", "--mesh", "2", "--out", str(out)]
+    assert main(argv + ["--pipeline-stages", "2", "--schedule", "1f1b", "--report", str(report)]) == 0
+    saved = json.loads(out.read_text())
+    assert saved["pipeline"]["stages"] == 2 and saved["pipeline"]["schedule"] == "1f1b"
+    assert saved["mesh_shape"] == [2] and autopar.Plan.load(out).world_size == 4
+    assert "pipeline: 2 stages, 1f1b" in capsys.readouterr().out
+    assert "<h2>Pipeline</h2>" in report.read_text()
+
+
+def test_bad_pipeline_flags(tmp_path, capsys):
+    argv = ["plan", "autopar.examples:gpt2_tiny", "--cluster", "cpu:1x4", "--out", str(tmp_path / "x.json")]
+    with pytest.raises(SystemExit) as e:
+        main(argv + ["--schedule", "zigzag"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "zigzag" in err
+    assert all(s in err for s in ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble"))
+    assert main(argv + ["--virtual-stages", "two"]) == 2
+    assert "--virtual-stages must be a positive integer" in capsys.readouterr().err
+    assert main(argv + ["--pipeline-stages", "0"]) == 2
+    assert "pipeline_stages must be a positive integer" in capsys.readouterr().err

@@ -405,3 +405,37 @@ def test_a_schema_1_plan_loads_with_its_collectives_read_into_records(real_plan)
     data["decisions"][0]["collectives"] = ["gather everything"]
     with pytest.raises(PlanFormatError, match="unreadable collective"):
         Plan.from_dict(data)
+
+
+def test_summary_collapses_a_deep_pipelines_alike_chunks():
+    """64 chunks on 16 ranks: the middle chunks, priced alike, are one line; each rank's peak once."""
+    from autopar.trades import Pipeline
+
+    def chunk(c: int, fwd: float) -> dict:
+        return {"chunk": c, "rank": c % 16, "blocks": [3 * c, 3 * c + 3], "forward_s": fwd, "backward_s": 2 * fwd,
+                "send_s": 1e-4, "activation_bytes": 2**20, "state_bytes": 2**30,
+                "peak_memory_bytes": (60 + c % 16) * 2**30}  # fmt: skip
+
+    costs = (chunk(0, 2e-3), *(chunk(c, 1e-3) for c in range(1, 63)), chunk(63, 3e-3))
+    plan = _tiny_plan(
+        pipeline=Pipeline(16, "interleaved_1f1b", 4, tuple(range(3, 192, 3))), stage_costs=costs
+    )
+    lines = plan._pipeline_lines()
+    assert lines == [
+        "  pipeline: 16 stages, interleaved_1f1b, 4 chunks per rank, mesh (2,) per stage",
+        "    chunk 0: blocks 0..2, forward 2.000 ms + backward 4.000 ms per micro-batch",
+        "    chunks 1-62: 3 blocks each (blocks 3..188), forward 1.000 ms + backward 2.000 ms per micro-batch",
+        "    chunk 63: blocks 189..191, forward 3.000 ms + backward 6.000 ms per micro-batch",
+        "    peak memory per pipeline rank: 60.00 (rank 0) to 75.00 GiB (rank 15)",
+    ]
+    assert "\n".join(lines) in plan.summary()
+    # a few ranks: each rank's peak; small plans in MiB
+    few = _tiny_plan(pipeline=Pipeline(2, "1f1b", 1, (1,)), stage_costs=(
+        {"chunk": 0, "rank": 0, "blocks": [0, 1], "forward_s": 1e-3, "backward_s": 2e-3, "peak_memory_bytes": 3 * 2**20},
+        {"chunk": 1, "rank": 1, "blocks": [1, 2], "forward_s": 1e-3, "backward_s": 2e-3, "peak_memory_bytes": 2**20},
+    ))  # fmt: skip
+    assert few._pipeline_lines()[1:] == [
+        "    chunks 0-1: 1 block each (blocks 0..1), forward 1.000 ms + backward 2.000 ms per micro-batch",
+        "    peak memory per pipeline rank: 3.00, 1.00 MiB",
+    ]
+    assert _tiny_plan()._pipeline_lines() == []

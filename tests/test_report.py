@@ -213,3 +213,131 @@ def test_rel_error():
     assert rel_error(12.0, 10.0) == pytest.approx(0.2)
     assert rel_error(1.0, 0.0) is None
     assert rel_error(None, 1.0) is None
+
+
+# -- the pipeline section ------------------------------------------------------------------------------
+def _section(doc: str, heading: str) -> str:
+    start = doc.index(f"<h2>{heading}</h2>")
+    end = doc.find("<h2>", start + 1)
+    return doc[start : end if end >= 0 else len(doc)]
+
+
+def _svg_root(html: str):
+    import xml.etree.ElementTree as ET
+
+    start, end = html.index("<svg"), html.index("</svg>") + len("</svg>")
+    return ET.fromstring(html[start:end]), end - start
+
+
+def _rects(root) -> int:
+    return sum(1 for e in root.iter() if e.tag.endswith("}rect") or e.tag == "rect")
+
+
+@pytest.fixture(scope="module")
+def pipelined_plan():
+    import autopar
+    from autopar.examples import gpt2_tiny
+
+    model, inputs = gpt2_tiny(batch=8, seq=16, layers=4, hidden=32, vocab=128)
+    return autopar.plan(
+        model, autopar.ClusterSpec.preset("cpu", devices_per_node=4), inputs, pipeline_stages=2,
+        mesh_shape=(2,), axis_roles=(autopar.AxisRole.DATA,), schedule="1f1b",
+    )  # fmt: skip
+
+
+def _synthetic(plan: Plan, stages: int, schedule: str, virtual: int, micro_batches: int) -> Plan:
+    """``plan`` with a pipeline of ``stages * virtual`` uniform two-block chunks (no planning)."""
+    import dataclasses
+
+    from autopar.trades import Pipeline
+
+    chunks = stages * virtual
+    costs = tuple(
+        {"chunk": c, "rank": c % stages, "blocks": [2 * c, 2 * c + 2], "forward_s": 1e-3, "backward_s": 2e-3,
+         "send_s": 1e-4 if c < chunks - 1 else 0.0, "activation_bytes": 2**20, "state_bytes": 2**28,
+         "peak_memory_bytes": 2**33}
+        for c in range(chunks)
+    )  # fmt: skip
+    return dataclasses.replace(
+        plan,
+        pipeline=Pipeline(stages, schedule, virtual, tuple(range(2, 2 * chunks, 2))),
+        stage_costs=costs,
+        trades=dataclasses.replace(plan.trades, micro_batches=micro_batches),
+    )
+
+
+def test_pipelined_plan_report_has_its_pipeline(pipelined_plan):
+    from autopar.cost_model.pipeline import simulate_schedule
+    from autopar.report import pipeline_timeline
+
+    plan = pipelined_plan
+    assert plan.pipeline.stages == 2 and len(plan.stage_costs) == 2
+    doc = render_report(plan)
+    section = _section(doc, "Pipeline")
+    text = " ".join(_parse(section).text)
+    assert "2 stages × 1 chunk per rank = 2 chunks" in text and "1f1b" in text
+    assert f"{plan.trades.micro_batches} micro-batches" in text and "mesh (2) of 2 devices" in text
+    # the table: one row per chunk, blocks first..last
+    body = section[section.index("<tbody>") : section.index("</tbody>")]
+    assert body.count("<tr>") == plan.pipeline.chunks
+    assert "<td>0..1</td>" in body and "<td>2..3</td>" in body
+    # the timeline re-simulated from the plan alone, as the search priced it
+    costs = sorted(plan.stage_costs, key=lambda c: c["chunk"])
+    timeline = simulate_schedule(
+        plan.pipeline.schedule, 2, 1, plan.trades.micro_batches, [c["forward_s"] for c in costs],
+        [c["backward_s"] for c in costs], [costs[0]["send_s"]], [c["activation_bytes"] for c in costs],
+    )  # fmt: skip
+    assert pipeline_timeline(plan) == timeline
+    assert timeline.makespan <= plan.predicted.step_time_s
+    assert f"bubble {timeline.bubble_fraction * 100:.1f}%" in text
+    root, _ = _svg_root(section)
+    kinds = {e.action.kind for e in timeline.events}
+    assert _rects(root) == len(timeline.events) + len(kinds)  # plus the legend's swatches
+    tips = [e.text for e in root.iter() if e.tag.endswith("title")]
+    assert any(t.startswith("F chunk 1 (blocks 2..3), micro-batch 0,") for t in tips)
+    assert " drawn" not in text  # every action drawn
+
+
+def test_interleaved_and_zero_bubble_timelines_draw_every_action(pipelined_plan):
+    from autopar.report import pipeline_timeline
+
+    for schedule in ("interleaved_1f1b", "zero_bubble"):
+        plan = _synthetic(pipelined_plan, 2, schedule, 2, 4)
+        section = _section(render_report(plan), "Pipeline")
+        assert section.count("<tr>") == 4 + 1  # the header and one row per chunk
+        timeline = pipeline_timeline(plan)
+        kinds = {e.action.kind for e in timeline.events}
+        assert kinds == ({"F", "I", "W"} if schedule == "zero_bubble" else {"F", "B"})
+        root, _ = _svg_root(section)
+        assert _rects(root) == len(timeline.events) + len(kinds)
+
+
+def test_huge_pipeline_timeline_is_capped():
+    """512 micro-batches on 64 stages: 65536 actions; the picture draws the first micro-batches'."""
+    from autopar.report import TIMELINE_MAX_EVENTS, pipeline_timeline
+
+    plan = _synthetic(_plan(), 64, "1f1b", 1, 512)
+    doc = render_report(plan)
+    section = _section(doc, "Pipeline")
+    assert section.count("<tr>") == 64 + 1
+    root, size = _svg_root(section)
+    assert size < 2 * 2**20 and len(doc) < 3 * 2**20
+    shown = TIMELINE_MAX_EVENTS // 128  # F and B of 64 chunks per micro-batch
+    assert _rects(root) == shown * 128 + 2
+    assert len(pipeline_timeline(plan).events) == 65536
+    labels = " ".join(_parse(section).svg_text[0])
+    assert f"micro-batches 0..{shown - 1} of 512 drawn" in labels
+    assert f"only those of the first {shown} micro-batches are drawn" in " ".join(_parse(section).text)
+
+
+def test_pipeline_costs_that_do_not_fit_give_a_note_not_an_error(pipelined_plan):
+    import dataclasses
+
+    plan = dataclasses.replace(pipelined_plan, stage_costs=pipelined_plan.stage_costs[:1])
+    section = _section(render_report(plan), "Pipeline")
+    assert "No timeline" in section and "<svg" not in section
+
+
+def test_no_pipeline_no_pipeline_section():
+    p = _parse(render_report(_plan()))
+    assert "Pipeline" not in " ".join(p.text) and p.tags.count("svg") == 3
