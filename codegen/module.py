@@ -28,6 +28,9 @@ into ``k`` micro-batches on dim 0, runs forward and backward on each in turn (on
 activations live at a time), and reduces the accumulated gradients across ranks once, in the last
 backward (``_set_grad_sync``, ``codegen/grad_sync.py``). With ``k == 1``, ``step`` is one forward
 and one backward, the same as ``model(**batch).loss.backward()``.
+
+A plan with pipeline stages builds a ``PipelinedModule`` (``codegen/pipeline.py``), a subclass:
+the same ``step``, ``optimizer`` and ``full_state_dict``, run by torch's pipeline schedules.
 """
 
 from __future__ import annotations

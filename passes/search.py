@@ -747,9 +747,11 @@ def with_pipeline(plan: Plan, price: PipelinePrice, cluster: ClusterSpec) -> Pla
     trades = dataclasses.replace(plan.trades, micro_batches=price.micro_batches)
     s = price.pipeline.stages  # the trades were priced on the whole model: each stage runs 1/S of it
     costs = {k: {**v, "seconds": v.get("seconds", 0.0) / s} for k, v in plan.trade_costs.items()}
+    # the bound is the whole model's on one stage's mesh: a pipeline of S stages is at best 1/S of it
+    solver = dataclasses.replace(plan.solver, lower_bound_s=plan.solver.lower_bound_s / s)
     return dataclasses.replace(
         plan, cluster=cluster.to_dict(), predicted=predicted, trades=trades, pipeline=price.pipeline,
-        stage_costs=price.stage_costs, trade_costs=costs,
+        stage_costs=price.stage_costs, trade_costs=costs, solver=solver,
     )  # fmt: skip
 
 

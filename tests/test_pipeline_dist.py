@@ -208,7 +208,7 @@ def _memory_rank(rank, world, jobs):
         pmodel = autopar.autoparallelize(model, cluster, inputs, plan=path)
         opt = torch.optim.SGD(pmodel.parameters(), lr=0.01)
 
-        def step():
+        def step(pmodel=pmodel, opt=opt, inputs=inputs):
             opt.zero_grad(set_to_none=True)
             pmodel.step(**inputs)
             opt.step()
