@@ -407,7 +407,8 @@ def price_pipeline(
         fixed_s = [sum(costs[r].fixed for r in rs) for rs in regs]
         fwd = [max(sum(costs[r].fwd for r in rs) / 3 - ff, 0.0) / k + ff for rs, ff in zip(regs, fixed_f)]
         bwd = [
-            max(sum(costs[r].total for r in rs) - fx, 0.0) / k + fx - f for rs, fx, f in zip(regs, fixed_s, fwd)
+            max(sum(costs[r].total for r in rs) - fx, 0.0) / k + fx - f
+            for rs, fx, f in zip(regs, fixed_s, fwd)
         ]
         fwd = [f + PIPELINE_ACTION_S for f in fwd]
         bwd = [b + PIPELINE_ACTION_S for b in bwd]

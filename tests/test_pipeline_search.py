@@ -38,7 +38,9 @@ def test_cut_is_the_best_contiguous_split(costs, pro, epi, data):
     """The cut's slowest chunk equals the least any contiguous split into non-empty chunks has."""
     chunks = data.draw(st.integers(1, len(costs)))
     cuts = cut(costs, pro, epi, chunks)
-    assert len(cuts) == chunks - 1 and list(cuts) == sorted(set(cuts)) and all(0 < c < len(costs) for c in cuts)
+    assert (
+        len(cuts) == chunks - 1 and list(cuts) == sorted(set(cuts)) and all(0 < c < len(costs) for c in cuts)
+    )
     best = min(
         _bottleneck(costs, pro, epi, c) for c in itertools.combinations(range(1, len(costs)), chunks - 1)
     )
