@@ -47,11 +47,11 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 
 from autopar.cluster import ClusterSpec
 from autopar.cost_model.comm import CommModel
-from autopar.cost_model.pipeline import ScheduleError, Timeline, simulate_schedule
+from autopar.cost_model.pipeline import ScheduleError, simulate_schedule
 from autopar.options import Optimizer, SearchOptions
 from autopar.passes.analyze import NodeInfo
 from autopar.passes.blocks import Block
@@ -209,13 +209,55 @@ def stage_tables(tables: CostTables, infos: dict[str, NodeInfo], regions: Region
     )
 
 
-# -- pricing the solution -----------------------------------------------------------------------------
+# -- pricing the solution -------------------------------------------------------------------------
+
+# simulated up to this many micro-batches; more are extrapolated (``price_schedule``)
+SIMULATED_MICRO_BATCHES = 64
+
+
+@dataclass(frozen=True)
+class Priced:
+    """What the search needs of a schedule's timeline: its makespan, each rank's busy seconds and
+    peak activation bytes."""
+
+    makespan: float
+    busy: tuple[float, ...]
+    peak_bytes: tuple[float, ...]
+
+
+def price_schedule(schedule: Schedule, stages: int, v: int, k: int, fwd, bwd, p2p=(), act=()) -> Priced:
+    """``simulate_schedule``'s makespan, busy time and peaks; past ``SIMULATED_MICRO_BATCHES``
+    (and ``4 S v``) micro-batches, from two simulations ``S`` micro-batches apart, extended
+    linearly to ``k``: after the warm-up each further ``S`` micro-batches repeat the same
+    steady-state pattern, adding the same time and the same in-flight bytes (none, but for GPipe's),
+    so the figures are linear in ``k`` there: the peaks exactly, the makespan within 1% (a slow
+    link can shift the steady state's phase by part of an action; ``tests/test_pipeline_search.py``
+    checks both against the full simulation). A 1T model's 512 micro-batches on 64 stages are 65,536 actions per
+    schedule simulated in Python; the two shorter runs take a fraction of that."""
+    base = max(SIMULATED_MICRO_BATCHES, 4 * stages * v)
+    base += -base % stages  # a multiple of the stages: every schedule here runs it
+    if k <= base + stages:
+        t = simulate_schedule(schedule, stages, v, k, fwd, bwd, p2p, act)
+        return Priced(t.makespan, t.busy, t.peak_bytes)
+    a = simulate_schedule(schedule, stages, v, base, fwd, bwd, p2p, act)
+    b = simulate_schedule(schedule, stages, v, base + stages, fwd, bwd, p2p, act)
+    x = (k - base) / stages
+
+    def ext(p: float, q: float) -> float:
+        return p + (q - p) * x
+
+    return Priced(
+        ext(a.makespan, b.makespan),
+        tuple(ext(p, q) for p, q in zip(a.busy, b.busy)),
+        tuple(ext(p, q) for p, q in zip(a.peak_bytes, b.peak_bytes)),
+    )
 
 
 @dataclass
 class PipelinePrice:
     """A pipeline priced on a solution: the decision, its step, per pipeline rank its peak bytes
-    and state bytes, per chunk what the plan records (``Plan.stage_costs``), the timeline."""
+    and state bytes, per chunk what the plan records (``Plan.stage_costs``), the schedule's
+    figures (``Priced``)."""
 
     pipeline: Pipeline
     micro_batches: int
@@ -225,10 +267,9 @@ class PipelinePrice:
     peak: tuple[float, ...]
     state: tuple[float, ...]
     stage_costs: tuple[dict, ...]
-    timeline: Timeline
+    timeline: Priced
     worst_state: tuple[float, float, float] = (0.0, 0.0, 0.0)  # the fullest rank's param, grad, optimizer
     worst_activations: float = 0.0  # and its activations in flight at their peak
-    tried: list = field(default_factory=list)
 
 
 @dataclass
@@ -368,13 +409,15 @@ def price_pipeline(
     extra_s: float,
     transient: float,
     fixed: Pipeline | None = None,
+    why: list[str] | None = None,
 ) -> PipelinePrice | None:
     """The fastest pipeline of ``stages`` stages on the solution ``picks`` that fits ``limit``
     per device (module docstring), or None. ``tables``: the traded tables (``trades``, at its
     micro-batches); ``extra_s``: seconds the whole-model step adds beyond the tables (gradient
     buckets' adjustment, trade terms), divided among the stages; ``transient``: bytes added to
     every rank's peak. ``fixed``: price this pipeline (its schedule, chunks and cuts) as it is,
-    whatever its memory (``autopar.reprice``)."""
+    whatever its memory (``autopar.reprice``). ``why``: where given, what ruled each pipeline
+    out is appended to it."""
     regions = Regions.of(tg, blocks)
     costs = _regions_costs(
         tg, infos, base, tables, picks, choice, regions, blocks, trades, options.optimizer, cluster
@@ -382,14 +425,18 @@ def price_pipeline(
     k = trades.micro_batches
     mesh = tables.mesh_shape
     comm = CommModel(cluster, (stages, *mesh))
-    peaks = [max(p[picks[v]] for p in [tables.node_peak[v]]) for v in tables.node_peak if v in picks]
-    top = max(peaks, default=0.0) + transient
+    top = max((p[picks[v]] for v, p in tables.node_peak.items() if v in picks), default=0.0) + transient
     n = regions.blocks
     best: PipelinePrice | None = None
-    tried = []
+    why = why if why is not None else []
     pairs = (
         [(fixed.schedule, fixed.virtual_stages)] if fixed is not None else schedules(options, stages, n, k)
     )
+    if not pairs:
+        why.append(
+            f"no schedule runs {k} micro-batches on {stages} stages of {n} blocks (the interleaved ones need a "
+            "multiple of the stages and two chunks of blocks per rank or more)"
+        )
     for schedule, v in pairs:
         chunks = stages * v
         if chunks > n:
@@ -415,9 +462,9 @@ def price_pipeline(
         act = [sum(costs[r].act for r in rs) for rs in regs]
         p2p = [comm.time(Collective.SEND_RECV, costs[bounds[c + 1]].recv / k, 0) for c in range(chunks - 1)]
         try:
-            timeline = simulate_schedule(schedule, stages, v, k, fwd, bwd, p2p, act)
+            timeline = price_schedule(schedule, stages, v, k, fwd, bwd, p2p, act)
         except ScheduleError as e:  # torch's schedule does not run these counts (e.g. 1F1B with k < S)
-            tried.append((f"{stages} stages, {schedule.value}", None, None, str(e)))
+            why.append(str(e))
             continue
         once = [0.0] * stages
         parts = [[0.0, 0.0, 0.0] for _ in range(stages)]  # per rank: parameters, gradients, optimizer
@@ -434,7 +481,8 @@ def price_pipeline(
         compute = max(timeline.busy)
         pipe = Pipeline(stages, schedule, v, cuts)
         fits = max(peak) <= limit or fixed is not None  # a given pipeline is priced as it is
-        tried.append((pipe.describe(), step, max(peak), fits))
+        if not fits:
+            why.append(f"{pipe.describe()}: its fullest rank needs {max(peak) / 2**30:.2f} GiB")
         if not fits or (best is not None and step >= best.step_s):
             continue
         stage_costs = tuple(
@@ -456,6 +504,4 @@ def price_pipeline(
             pipe, k, step, compute, timeline.makespan - compute, peak, tuple(state), stage_costs, timeline,
             tuple(parts[worst]), timeline.peak_bytes[worst],
         )  # fmt: skip
-    if best is not None:
-        best.tried = tried
     return best

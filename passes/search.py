@@ -688,15 +688,14 @@ def pipeline_candidates(
                 tables, traded, solved.sol.choice, cinfos, trades, sub, options.optimizer, blocks
             )  # fmt: skip
             solved = dataclasses.replace(solved, gs=gs, terms=terms, trades=trades)
+            why: list[str] = []
             price = price_pipeline(
                 tg, cinfos, tables, traded, solved.sol.choice, solved.choice, blocks, trades, stages, cluster,
-                options, limit, gs.adjustment_s + terms.total_s, terms.transient,
+                options, limit, gs.adjustment_s + terms.total_s, terms.transient, why=why,
             )  # fmt: skip
             entry = {**outcome.entry, "pipeline_stages": stages}
             if price is None:
-                st.say(
-                    f"solve: mesh {run.label} [{trades.describe()}]: no pipeline of it fits: every stage cut passes the limit"
-                )
+                st.say(f"solve: mesh {run.label} [{trades.describe()}]: no pipeline: {'; '.join(why)}")
                 candidates.append({**entry, "status": "infeasible", "objective": None})
                 over.append(trades)
                 continue
@@ -842,6 +841,8 @@ def no_fit_message(
         tries.append("offload=Offload.OPTIMIZER (or None)")
     if options.precision is not None and options.precision.value == "param":
         tries.append("precision=Precision.BF16")
+    if options.pipeline_stages == 1 or options.mesh_shape is not None or options.axis_roles is not None:
+        tries.append("pipeline stages (pipeline_stages=None: auto, or a count)")
     tries += ["more devices", "a smaller batch or sequence", "a larger memory_limit_bytes"]
     return f"{head}; try " + ", ".join(tries)
 
