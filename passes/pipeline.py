@@ -68,8 +68,9 @@ MAX_PIPELINE_MICRO_BATCHES = 512
 # virtual stages (chunks per rank) tried for the interleaved schedule
 VIRTUAL_STAGES = (2, 4)
 # host seconds torch's schedule spends per action (a chunk's forward or backward of one micro-batch):
-# posting and waiting on its sends and receives, the stage's bookkeeping, one autograd call
-PIPELINE_ACTION_S = 1e-4
+# posting and waiting on its sends and receives, the stage's bookkeeping, one autograd call;
+# measured on the development VM's gloo ranks (benchmarks/bench_pipeline.py: ~150 us)
+PIPELINE_ACTION_S = 1.5e-4
 PRO, EPI = "pro", "epi"  # the regions before the first block and after the last
 
 
