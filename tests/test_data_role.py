@@ -112,7 +112,8 @@ def test_the_default_search_weighs_data_parallelism_on_each_mesh():
     model, inputs = MODELS["gpt2"]()
     auto = autopar.plan(model, _cpu(2), inputs)
     dp = autopar.plan(model, _cpu(2), inputs, axis_roles=(D,))
-    roles = [c.get("axis_roles") for c in auto.solver.candidates]  # an entry per trades rung tried
+    # an entry per trades rung tried (pipeline stages' candidates aside: passes/pipeline.py)
+    roles = [c.get("axis_roles") for c in auto.solver.candidates if not c.get("pipeline_stages")]
     assert [r for i, r in enumerate(roles) if i == 0 or r != roles[i - 1]] == [None, ["data"]]
     assert auto.predicted.step_time_s <= dp.predicted.step_time_s * (1 + 1e-9)
 
