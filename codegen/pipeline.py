@@ -208,7 +208,7 @@ SCHEDULES = {
 
 
 def schedule_class(schedule: Schedule):
-    """torch's class for ``schedule``; PipelineScheduleError where the installed torch has none."""
+    """torch's class for ``schedule``; ``PipelineSplitError`` where the installed torch has none."""
     import torch.distributed.pipelining as pp
 
     cls = getattr(pp, SCHEDULES[schedule], None)
@@ -252,7 +252,7 @@ class PipelinedModule(ParallelModule):
         ]
         cls = schedule_class(pipe.schedule)
         k = self.micro_batches
-        self._losses_fn = None
+        self._step_loss_fn: Callable[[Any], torch.Tensor] | None = None  # ``step``'s, while it runs
         stage_arg = self.stages if pipe.schedule.multi_chunk else self.stages[0]
         self.schedule = cls(stage_arg, n_microbatches=k, loss_fn=self._loss, scale_grads=False)
 
