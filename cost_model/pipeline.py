@@ -410,3 +410,105 @@ def simulate_schedule(
         )
     order = schedule_order(schedule, stages, virtual, micro_batches)
     return simulate(order, fwd, bwd, p2p, act_bytes, wgrad_fraction)
+
+
+def schedule_figures(
+    schedule: Schedule,
+    stages: int,
+    virtual: int,
+    micro_batches: int,
+    fwd: Sequence[float],
+    bwd: Sequence[float],
+    p2p: Sequence[float] = (),
+    act_bytes: Sequence[float] = (),
+    wgrad_fraction: float = 0.5,
+) -> tuple[float, tuple[float, ...], tuple[float, ...]]:
+    """(makespan, busy seconds per rank, peak bytes per rank) of :func:`simulate_schedule`, the
+    same run without its events or its checks of the order (``schedule_order``'s are well formed):
+    what the search prices each candidate with, several times per plan, at up to hundreds of
+    thousands of actions."""
+    chunks = stages * virtual
+    if len(fwd) != chunks or len(bwd) != chunks:
+        raise ScheduleError(
+            f"{stages} stages x {virtual} chunks per rank need {chunks} forward and backward times"
+        )
+    order = schedule_order(schedule, stages, virtual, micro_batches)
+    k = micro_batches
+    f, b = [float(x) for x in fwd], [float(x) for x in bwd]
+    lag = [float(p2p[c]) if c < len(p2p) and stages > 1 else 0.0 for c in range(chunks)]
+    lag = [0.0 if (c + 1) % stages == c % stages else lag[c] for c in range(chunks)]  # same rank
+    mem = [float(act_bytes[c]) if c < len(act_bytes) else 0.0 for c in range(chunks)]
+    wf = float(wgrad_fraction)
+    split = any(a.kind == "I" for acts in order.values() for a in acts)
+    # end times by key: F at c*k+m, input gradient (B or I) at the next block, W after that
+    n = chunks * k
+    f_end, g_end = [-1.0] * n, [-1.0] * n
+    # per rank: (kind, chunk, micro, key) compiled once
+    plans = {
+        r: [(a.kind, a.chunk, a.micro, a.chunk * k + a.micro) for a in acts] for r, acts in order.items()
+    }
+    ranks = sorted(plans)
+    ptr = dict.fromkeys(ranks, 0)
+    free = dict.fromkeys(ranks, 0.0)
+    busy = dict.fromkeys(ranks, 0.0)
+    i_end: dict[int, float] = {}
+    remaining = sum(len(p) for p in plans.values())
+    makespan = 0.0
+    while remaining:
+        progressed = False
+        for r in ranks:
+            acts, i, t_free = plans[r], ptr[r], free[r]
+            while i < len(acts):
+                kind, c, m, key = acts[i]
+                if kind == "F":
+                    if c > 0:
+                        dep = f_end[key - k]
+                        if dep < 0:
+                            break
+                        start = max(t_free, dep + lag[c - 1])
+                    else:
+                        start = t_free
+                    t = f[c]
+                    t_free = start + t
+                    f_end[key] = t_free
+                elif kind == "W":
+                    dep = i_end.get(key, -1.0)
+                    if dep < 0:
+                        break
+                    t = wf * b[c]
+                    t_free = max(t_free, dep) + t
+                else:  # B or I: after its forward and the next chunk's input gradient
+                    dep = f_end[key]
+                    if dep < 0:
+                        break
+                    if c < chunks - 1:
+                        nxt = g_end[key + k]
+                        if nxt < 0:
+                            break
+                        dep = max(dep, nxt + lag[c])
+                    t = b[c] if kind == "B" else (1.0 - wf) * b[c]
+                    t_free = max(t_free, dep) + t
+                    g_end[key] = t_free
+                    if kind == "I":
+                        i_end[key] = t_free
+                busy[r] += t
+                i += 1
+                remaining -= 1
+                progressed = True
+            ptr[r], free[r] = i, t_free
+            makespan = max(makespan, t_free)
+        if not progressed:
+            raise ScheduleError(
+                f"the {schedule.value} order deadlocks on {stages} stages (simulate() says where)"
+            )
+    peaks = []
+    for r in ranks:
+        held = top = 0.0
+        for kind, c, _m, _key in plans[r]:
+            if kind == "F":
+                held += mem[c]
+                top = max(top, held)
+            elif kind == "W" or (kind == "B" and not split):
+                held -= mem[c]
+        peaks.append(top)
+    return makespan, tuple(busy[r] for r in ranks), tuple(peaks)

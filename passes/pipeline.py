@@ -51,7 +51,7 @@ from dataclasses import dataclass, replace
 
 from autopar.cluster import ClusterSpec
 from autopar.cost_model.comm import CommModel
-from autopar.cost_model.pipeline import ScheduleError, simulate_schedule
+from autopar.cost_model.pipeline import ScheduleError, schedule_figures
 from autopar.options import Optimizer, SearchOptions
 from autopar.passes.analyze import NodeInfo
 from autopar.passes.blocks import Block
@@ -227,7 +227,7 @@ class Priced:
 
 
 def price_schedule(schedule: Schedule, stages: int, v: int, k: int, fwd, bwd, p2p=(), act=()) -> Priced:
-    """``simulate_schedule``'s makespan, busy time and peaks; past ``SIMULATED_MICRO_BATCHES``
+    """``simulate_schedule``'s makespan, busy time and peaks (``schedule_figures``); past ``SIMULATED_MICRO_BATCHES``
     (and ``4 S v``) micro-batches, from two simulations ``S`` micro-batches apart, extended
     linearly to ``k``: after the warm-up each further ``S`` micro-batches repeat the same
     steady-state pattern, adding the same time and the same in-flight bytes (none, but for GPipe's),
@@ -238,10 +238,9 @@ def price_schedule(schedule: Schedule, stages: int, v: int, k: int, fwd, bwd, p2
     base = max(SIMULATED_MICRO_BATCHES, 4 * stages * v)
     base += -base % stages  # a multiple of the stages: every schedule here runs it
     if k <= base + stages:
-        t = simulate_schedule(schedule, stages, v, k, fwd, bwd, p2p, act)
-        return Priced(t.makespan, t.busy, t.peak_bytes)
-    a = simulate_schedule(schedule, stages, v, base, fwd, bwd, p2p, act)
-    b = simulate_schedule(schedule, stages, v, base + stages, fwd, bwd, p2p, act)
+        return Priced(*schedule_figures(schedule, stages, v, k, fwd, bwd, p2p, act))
+    a = Priced(*schedule_figures(schedule, stages, v, base, fwd, bwd, p2p, act))
+    b = Priced(*schedule_figures(schedule, stages, v, base + stages, fwd, bwd, p2p, act))
     x = (k - base) / stages
 
     def ext(p: float, q: float) -> float:
@@ -462,11 +461,6 @@ def price_pipeline(
         bwd = [b + PIPELINE_ACTION_S for b in bwd]
         act = [sum(costs[r].act for r in rs) for rs in regs]
         p2p = [comm.time(Collective.SEND_RECV, costs[bounds[c + 1]].recv / k, 0) for c in range(chunks - 1)]
-        try:
-            timeline = price_schedule(schedule, stages, v, k, fwd, bwd, p2p, act)
-        except ScheduleError as e:  # torch's schedule does not run these counts (e.g. 1F1B with k < S)
-            why.append(str(e))
-            continue
         once = [0.0] * stages
         parts = [[0.0, 0.0, 0.0] for _ in range(stages)]  # per rank: parameters, gradients, optimizer
         for c, rs in enumerate(regs):
@@ -477,6 +471,16 @@ def price_pipeline(
                 parts[rank][1] += costs[r].grad
                 parts[rank][2] += costs[r].opt
         state = [sum(x) for x in parts]
+        if schedule is Schedule.GPIPE and fixed is None:  # every micro-batch in flight: no need to simulate
+            held = [k * sum(act[c] for c in range(r, chunks, stages)) for r in range(stages)]
+            if max(state[r] + held[r] + top for r in range(stages)) > limit:
+                why.append(f"{stages} stages, gpipe: its {k} micro-batches in flight pass the limit")
+                continue
+        try:
+            timeline = price_schedule(schedule, stages, v, k, fwd, bwd, p2p, act)
+        except ScheduleError as e:  # torch's schedule does not run these counts (e.g. 1F1B with k < S)
+            why.append(str(e))
+            continue
         step = timeline.makespan + max(once) + extra_s / stages
         peak = tuple(state[r] + timeline.peak_bytes[r] + top for r in range(stages))
         compute = max(timeline.busy)

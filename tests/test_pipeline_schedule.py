@@ -373,3 +373,31 @@ def test_timeline_svg_zero_bubble_with_chunk_labels():
     assert len(list(root.iter(f"{SVG}rect"))) == len(tl.events) + 3  # forward, input grad, weight grad
     tips = [t.text for t in root.iter(f"{SVG}title")]
     assert any(t.startswith("W blocks 6-7 & <head>, micro-batch 0, ") for t in tips)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    stages=st.integers(1, 6),
+    schedule=st.sampled_from(list(Schedule)),
+    k=st.integers(1, 16),
+    data=st.data(),
+)
+def test_schedule_figures_are_the_simulations(stages, schedule, k, data):
+    """The search's fast pricing (``schedule_figures``) gives the full simulation's makespan, busy
+    time and peaks, for any times, sends and bytes."""
+    from autopar.cost_model.pipeline import schedule_figures
+
+    v = data.draw(st.integers(2, 3)) if schedule.multi_chunk else 1
+    n = stages * v
+    fwd = [data.draw(st.floats(0.1, 3.0)) for _ in range(n)]
+    bwd = [data.draw(st.floats(0.1, 5.0)) for _ in range(n)]
+    act = [data.draw(st.floats(0.0, 9.0)) for _ in range(n)]
+    p2p = [data.draw(st.floats(0.0, 1.0)) for _ in range(n - 1)]
+    try:
+        want = simulate_schedule(schedule, stages, v, k, fwd, bwd, p2p, act)
+    except ScheduleError:
+        return
+    makespan, busy, peaks = schedule_figures(schedule, stages, v, k, fwd, bwd, p2p, act)
+    assert makespan == pytest.approx(want.makespan, rel=1e-12)
+    assert busy == pytest.approx(want.busy, rel=1e-12)
+    assert peaks == pytest.approx(want.peak_bytes, rel=1e-12)
