@@ -77,14 +77,28 @@ def build_parallel_module(
     outputs = Outputs(plan.outputs)
     gm = lower(tg, choice, plan.mesh_shape, device, attrs, deferred, outputs)
     trades = getattr(plan, "trades", Trades())
+    common = _module_kwargs(tg, plan, choice, inputs, outputs) | dict(
+        mesh=mesh, state_specs=state_specs, aliases=aliases, extra_state=extra, device=device
+    )
     if full_mesh is not None:
-        return _pipelined(model, tg, plan, choice, inputs, gm, mesh, full_mesh, attrs, state_specs, aliases,
-                          extra, device, deferred, outputs)  # fmt: skip
+        return _pipelined(tg, plan, choice, gm, mesh, full_mesh, attrs, deferred, common)
     if trades.recompute is not Recompute.NONE or trades.zero_stage >= ZeroStage.GRADIENTS:
         # one submodule per repeated block, owning its parameters (codegen/blocks.py): recomputed
         # one at a time; under ZeRO 2 and 3 one FSDP2 group each, so that a block's gradients are
         # reduce-scattered as its backward ends (one group would hold every full gradient)
         gm = apply_recompute(split_blocks(gm, find_blocks(tg), tg.graph), trades.recompute, mesh)
+    names = {p.name: p.target for p in tg.placeholders}
+    # the plan's trades (ZeRO, mixed precision, offload: codegen/zero.py); the gradients FSDP2
+    # reduces are not bucketed again
+    zero = apply_trades(getattr(plan, "trades", None), gm, mesh, tg, deferred)
+    buckets = grad_buckets(tg, choice, zero.bucketed(deferred), plan.mesh_shape)
+    grad_sync = GradSync([([attrs[mangle(names[n])] for n in b.params], b.axes) for b in buckets], mesh)
+    return ParallelModule(local=gm, grad_sync=grad_sync, zero=zero, **common)
+
+
+def _module_kwargs(tg: TracedGraph, plan, choice: dict[str, Strategy], inputs, outputs: Outputs) -> dict:
+    """What every rank-local module is built with from the traced graph and the plan: the inputs'
+    structure and shapes, the outputs' structure and placements."""
     out_node = next(n for n in tg.graph.nodes if n.op == "output")
     output_specs = tuple(
         output_placement(choice[resolve_source(leaf).name].out, outputs)
@@ -92,29 +106,14 @@ def build_parallel_module(
         else None
         for leaf in pytree.tree_leaves(out_node.args[0])
     )
-    names = {p.name: p.target for p in tg.placeholders}
-    # the plan's trades (ZeRO, mixed precision, offload: codegen/zero.py); the gradients FSDP2
-    # reduces are not bucketed again
-    zero = apply_trades(getattr(plan, "trades", None), gm, mesh, tg, deferred)
-    buckets = grad_buckets(tg, choice, zero.bucketed(deferred), plan.mesh_shape)
-    grad_sync = GradSync([([attrs[mangle(names[n])] for n in b.params], b.axes) for b in buckets], mesh)
     args, kwargs = inputs
-    flat = pytree.tree_leaves((args, kwargs))
-    return ParallelModule(
-        local=gm,
-        mesh=mesh,
+    return dict(
         in_spec=tg.in_spec,
         kwarg_order=list(kwargs),
-        input_shapes=[tuple(t.shape) for t in flat],
+        input_shapes=[tuple(t.shape) for t in pytree.tree_leaves((args, kwargs))],
         out_spec=tg.out_spec,
-        state_specs=state_specs,
-        aliases=aliases,
-        extra_state=extra,
-        device=device,
         plan=plan,
-        grad_sync=grad_sync,
         output_specs=output_specs,
-        zero=zero,
     )
 
 
@@ -125,10 +124,10 @@ def pipeline_meshes(device: torch.device, stages: int, stage_mesh: tuple[int, ..
     return full, full[names[1:] if len(names) > 2 else names[1]]
 
 
-def _pipelined(model, tg, plan, choice, inputs, gm, mesh, full_mesh, attrs, state_specs, aliases, extra,
-               device, deferred, outputs):  # fmt: skip
+def _pipelined(tg, plan, choice, gm, mesh, full_mesh, attrs, deferred, common: dict):
     """The ``PipelinedModule`` of a pipelined plan (``codegen/pipeline.py``): this rank's chunks of
-    the lowered graph ``gm``, the tied parameters' groups, the stage mesh's gradient buckets."""
+    the lowered graph ``gm``, the tied parameters' groups, the stage mesh's gradient buckets;
+    ``common``: ``ParallelModule``'s other keyword arguments."""
     from autopar.codegen.pipeline import PipelinedModule, chunk_of_nodes, split_chunks
 
     pipe = plan.pipeline
@@ -183,32 +182,13 @@ def _pipelined(model, tg, plan, choice, inputs, gm, mesh, full_mesh, attrs, stat
         ],
         mesh,
     )
-    out_node = next(n for n in tg.graph.nodes if n.op == "output")
-    output_specs = tuple(
-        output_placement(choice[resolve_source(leaf).name].out, outputs)
-        if isinstance(leaf, fx.Node) and isinstance(leaf.meta.get("val"), torch.Tensor)
-        else None
-        for leaf in pytree.tree_leaves(out_node.args[0])
-    )
-    args, kwargs = inputs
-    flat = pytree.tree_leaves((args, kwargs))
     return PipelinedModule(
         chunks=chunks,
         full_mesh=full_mesh,
         tied=tied,
         spare={a: t for a, t in attrs.items() if not isinstance(t, torch.nn.Parameter) or a not in read},
         input_names=[n.name for n in gm.graph.nodes if n.op == "placeholder"],
-        mesh=mesh,
-        in_spec=tg.in_spec,
-        kwarg_order=list(kwargs),
-        input_shapes=[tuple(t.shape) for t in flat],
-        out_spec=tg.out_spec,
-        state_specs=state_specs,
-        aliases=aliases,
-        extra_state=extra,
-        device=device,
-        plan=plan,
         grad_sync=grad_sync,
-        output_specs=output_specs,
         zero=zero,
+        **common,
     )

@@ -101,7 +101,9 @@ class ParallelModule(torch.nn.Module):
         """The generated rank-local code."""
         return self.local.code
 
-    def forward(self, *args, **kwargs):
+    def _flat_inputs(self, args, kwargs) -> list:
+        """The call's arguments flattened as the example inputs were (keyword arguments in their
+        order); TypeError when they are structured otherwise."""
         kwargs = {k: kwargs[k] for k in self._kwarg_order if k in kwargs} | {
             k: v for k, v in kwargs.items() if k not in self._kwarg_order
         }
@@ -111,6 +113,10 @@ class ParallelModule(torch.nn.Module):
                 f"the parallel module was planned for inputs structured as {self._in_spec}, got {spec}; "
                 "call it with the same positional/keyword arguments as the example inputs"
             )
+        return flat
+
+    def forward(self, *args, **kwargs):
+        flat = self._flat_inputs(args, kwargs)
         k = self.micro_batches
         for i, (t, shape) in enumerate(zip(flat, self._input_shapes)):
             if k > 1 and tuple(t.shape) == (shape[0] * k, *shape[1:]):

@@ -290,15 +290,7 @@ class PipelinedModule(ParallelModule):
     def step(self, *args, loss_fn: Callable[[Any], torch.Tensor] | None = None, **kwargs) -> torch.Tensor:
         """Forward and backward of one step on the GLOBAL batch through the pipeline (module
         docstring); returns the mean loss over the micro-batches on every rank."""
-        kwargs = {k: kwargs[k] for k in self._kwarg_order if k in kwargs} | {
-            k: v for k, v in kwargs.items() if k not in self._kwarg_order
-        }
-        flat, spec = pytree.tree_flatten((args, kwargs))
-        if spec != self._in_spec:
-            raise TypeError(
-                f"the parallel module was planned for inputs structured as {self._in_spec}, got {spec}; "
-                "call step with the same positional/keyword arguments as the example inputs"
-            )
+        flat = self._flat_inputs(args, kwargs)
         k = self.micro_batches
         for i, (t, shape) in enumerate(zip(flat, self._input_shapes)):
             want = (shape[0] * k, *shape[1:])

@@ -220,20 +220,10 @@ def search(
             st.say(f"solve: mesh {run.label}: the same problem as mesh {mirrors[key]} (axes permuted)")
             continue
         mirrors[key] = run.mesh
-        fixed = None
-        if run.data_outer:
-            size = run.mesh[0]
-            if size not in data_axis:
-                try:
-                    data_axis[size] = data_parallel_axis(
-                        tg, infos, cluster, size, options.optimizer, classes, profiler
-                    )
-                except NoPlanFitsError as e:  # e.g. a batch of one: no data parallelism at all
-                    data_axis[size] = e
-            if isinstance(data_axis[size], NoPlanFitsError):
-                _skip(run, data_axis[size], candidates, unplaceable, st)
-                continue
-            fixed = {0: data_axis[size]}
+        fixed = pinned_axes(tg, infos, cluster, run, options, classes, profiler, data_axis)
+        if isinstance(fixed, NoPlanFitsError):  # e.g. a batch of one: no data parallelism at all
+            _skip(run, fixed, candidates, unplaceable, st)
+            continue
         strats = strategies_stage(tg, infos, run, classes, fixed, candidates, unplaceable, st)
         if strats is None:
             continue
@@ -366,6 +356,33 @@ def _mirror_key(cluster: ClusterSpec, run: MeshRun) -> tuple:
             for a, (n, link) in enumerate(zip(run.mesh, links))
         )
     )
+
+
+def pinned_axes(
+    tg: TracedGraph,
+    infos: dict[str, NodeInfo],
+    cluster: ClusterSpec,
+    run: MeshRun,
+    options: SearchOptions,
+    classes: Classes | None,
+    profiler: NodeTimer | None,
+    data_axis: dict,
+) -> dict | None | NoPlanFitsError:
+    """The axes a candidate pins (``MeshRun.data_outer``: axis 0 to the data-parallel solution of
+    its size, solved once per size and kept in ``data_axis``), None when it pins none, or why there
+    is no such solution."""
+    if not run.data_outer:
+        return None
+    size = run.mesh[0]
+    if size not in data_axis:
+        try:
+            data_axis[size] = data_parallel_axis(
+                tg, infos, cluster, size, options.optimizer, classes, profiler
+            )
+        except NoPlanFitsError as e:
+            data_axis[size] = e
+    got = data_axis[size]
+    return got if isinstance(got, NoPlanFitsError) else {0: got}
 
 
 def strategies_stage(
@@ -620,20 +637,10 @@ def pipeline_candidates(
     regions = Regions.of(tg, blocks)
     schedule = options.schedule or Schedule.ONE_F_ONE_B
     for run in stage_mesh_runs(sub, options, stages):
-        fixed = None
-        if run.data_outer:
-            size = run.mesh[0]
-            if size not in data_axis:
-                try:
-                    data_axis[size] = data_parallel_axis(
-                        tg, infos, sub, size, options.optimizer, classes, profiler
-                    )
-                except NoPlanFitsError as e:
-                    data_axis[size] = e
-            if isinstance(data_axis[size], NoPlanFitsError):
-                _skip(run, data_axis[size], candidates, unplaceable, st)
-                continue
-            fixed = {0: data_axis[size]}
+        fixed = pinned_axes(tg, infos, sub, run, options, classes, profiler, data_axis)
+        if isinstance(fixed, NoPlanFitsError):
+            _skip(run, fixed, candidates, unplaceable, st)
+            continue
         strats = strategies_stage(tg, infos, run, classes, fixed, candidates, unplaceable, st)
         if strats is None:
             continue
