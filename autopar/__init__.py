@@ -10,6 +10,7 @@ from autopar.coverage import OpCoverage, coverage
 from autopar.errors import (
     AutoparError,
     ClusterSpecError,
+    CrossRankMismatchError,
     DistributedSetupError,
     NoPlanFitsError,
     PlanFormatError,
@@ -29,6 +30,7 @@ __all__ = [
     "Collective",
     "ClusterSpecError",
     "DeviceSpec",
+    "CrossRankMismatchError",
     "DistributedSetupError",
     "LinkSpec",
     "NoPlanFitsError",

@@ -8,14 +8,17 @@ one ``SearchOptions``, resolves the op profiler, and builds the rank-local modul
 
 from __future__ import annotations
 
+import json
 import math
 import os
 from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
+import torch.utils._pytree as pytree
 
 from autopar.cluster import ClusterSpec
+from autopar.codegen.agree import agree, solve_once
 from autopar.errors import DistributedSetupError, PlanFormatError, PlanMismatchError
 from autopar.options import Optimizer, SearchOptions
 from autopar.passes.analyze import analyze
@@ -151,7 +154,9 @@ def autoparallelize(
     """Call on every rank inside an initialized process group; returns the rank-local module.
 
     Every rank must pass the same model (same weights) and, at run time, the same full global
-    batch: the module slices its own part. Gradients and optimizer steps are ordinary PyTorch.
+    batch: the module slices its own part. Both are checked across ranks, the weights and example
+    inputs here and the batch at the module's first call (``CrossRankMismatchError`` on every rank,
+    ``codegen/agree.py``). Without a ``plan``, rank 0 searches and sends the plan to the others. Gradients and optimizer steps are ordinary PyTorch.
     With ``plan.trades.micro_batches = k > 1`` the module is generated for one micro-batch (``1/k``
     of the example batch): train with ``pmodel.step(**global_batch)`` (``codegen/module.py``).
     """
@@ -170,17 +175,44 @@ def autoparallelize(
             f"the cluster spec describes {cluster.world_size} devices but the process group has {world}; "
             f"pass a spec of {world} devices (e.g. ClusterSpec.local())"
         )
+    # what every rank must share, checked before anything is solved or built (codegen/agree.py)
+    agree(
+        "the model's weights", model.state_dict().items(),
+        "every rank must build the same weights: call torch.manual_seed(...) with the same seed before building "
+        "the model, or load the same checkpoint on every rank",
+    )  # fmt: skip
+    agree(
+        "the example inputs", _named_leaves(example_inputs),
+        "pass the same full global batch on every rank: autopar slices each rank's part itself (do not give "
+        "each rank its own shard, as DistributedDataParallel wants)",
+    )  # fmt: skip
     if isinstance(plan, (str, os.PathLike)):
         plan = Plan.load(plan)
-    if plan is None:
-        result = search(model, cluster, example_inputs, options, **search_kwargs)
-        tg, the_plan = result.traced, result.plan
+    if plan is None:  # solved on rank 0 only, the plan sent to the others
+
+        def run():
+            result = search(model, cluster, example_inputs, options, **search_kwargs)
+            return result.traced, result.plan
+
+        tg, the_plan = solve_once(run)
+        if tg is None:
+            tg = trace(model, example_inputs)
     else:
+        agree(
+            "the plans",
+            [("plan", json.dumps(plan.to_dict(), sort_keys=True))],
+            "load the same plan on every rank",
+        )
         tg = trace(model, example_inputs)
         plan.check_matches(tg.fingerprint(), world)
         the_plan = plan
     tg, inputs, choice = _module_graph(model, tg, the_plan, example_inputs)
     return build_parallel_module(model, tg, the_plan, choice, inputs)
+
+
+def _named_leaves(example_inputs) -> list[tuple[str, object]]:
+    args, kwargs = normalize_inputs(example_inputs)
+    return [(f"input {i}", leaf) for i, leaf in enumerate(pytree.tree_leaves((args, kwargs)))]
 
 
 def _module_graph(model, tg: TracedGraph, plan: Plan, example_inputs):

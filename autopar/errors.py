@@ -50,3 +50,8 @@ class ProfileCacheError(AutoparError, ValueError):
 class UnpricedOpError(AutoparError):
     """An op's FLOPs or saved tensors could not be derived in strict analysis: the message names the
     op, the node, why, and the fix (a derivation in passes/analyze.py or an allow-list entry)."""
+
+
+class CrossRankMismatchError(DistributedSetupError):
+    """Ranks disagree on what every rank must share (the weights, the example inputs, the plan,
+    the batch): the message says what differs, on which ranks, and how to make them agree."""

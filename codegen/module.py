@@ -45,6 +45,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from autopar.codegen import collectives as C
+from autopar.codegen.agree import agree
 from autopar.codegen.micro_batches import batch_size, split_batch
 from autopar.codegen.zero import AppliedTrades
 from autopar.placement import Spec, is_shard
@@ -95,6 +96,7 @@ class ParallelModule(torch.nn.Module):
         # the placement of each output leaf (flattened, as pytree orders them; None: not a tensor):
         # all Replicate unless the plan returns outputs as local pieces (autopar.placement.Outputs)
         self.output_specs = tuple(output_specs)
+        self._batch_checked = False  # the batch is compared across ranks at the first call
 
     @property
     def code(self) -> str:
@@ -113,6 +115,13 @@ class ParallelModule(torch.nn.Module):
                 f"the parallel module was planned for inputs structured as {self._in_spec}, got {spec}; "
                 "call it with the same positional/keyword arguments as the example inputs"
             )
+        if not self._batch_checked:  # the first call: every rank holds the same global batch
+            agree(
+                "the batches", [(f"input {i}", t) for i, t in enumerate(flat)],
+                "pass the same full global batch on every rank: the module slices each rank's part itself (do "
+                "not give each rank its own shard, as DistributedDataParallel wants)",
+            )  # fmt: skip
+            self._batch_checked = True
         return flat
 
     def forward(self, *args, **kwargs):
