@@ -235,7 +235,6 @@ class PipelinedModule(ParallelModule):
         self.chunks = runners
         self.full_mesh = full_mesh
         self._chunks = chunks
-        self._chunk_params = [c.params for c in chunks]
         self._tied = tied  # [(attribute target, group)]: parameters copied on several pipeline ranks
         self._input_names = list(input_names)
         # state no chunk reads on a rank it is not stored on (buffers, unused parameters): each
@@ -263,7 +262,7 @@ class PipelinedModule(ParallelModule):
 
     def parameters(self, recurse: bool = True):
         seen = set()
-        for params in self._chunk_params:
+        for params in (c.params for c in self._chunks):
             for p in params.values():
                 if id(p) not in seen:
                     seen.add(id(p))
@@ -271,7 +270,7 @@ class PipelinedModule(ParallelModule):
 
     def named_parameters(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True):
         seen = set()
-        for params in self._chunk_params:
+        for params in (c.params for c in self._chunks):
             for name, p in params.items():
                 if id(p) not in seen:
                     seen.add(id(p))
@@ -333,7 +332,7 @@ class PipelinedModule(ParallelModule):
         return loss
 
     def _param_by_target(self, target: str) -> torch.nn.Parameter | None:
-        for params in self._chunk_params:
+        for params in (c.params for c in self._chunks):
             if target in params:
                 return params[target]
         return None
