@@ -6,6 +6,7 @@ plan = autopar.plan(model, cluster_spec, example_inputs)                # offlin
 
 from autopar.api import autoparallelize, plan, reprice, search
 from autopar.cluster import ClusterSpec, DeviceSpec, LinkSpec
+from autopar.codegen.weights import Rank0Weights, WeightsError
 from autopar.coverage import OpCoverage, coverage
 from autopar.errors import (
     AutoparError,
@@ -50,12 +51,14 @@ __all__ = [
     "PlanFormatError",
     "PlanMismatchError",
     "PlannedCollective",
+    "Rank0Weights",
     "Phase",
     "Predicted",
     "SearchOptions",
     "SearchOptionsError",
     "Site",
     "TraceError",
+    "WeightsError",
     "autoparallelize",
     "coverage",
     "plan",

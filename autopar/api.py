@@ -149,9 +149,17 @@ def autoparallelize(
     *,
     plan: Plan | str | os.PathLike | None = None,
     options: SearchOptions | None = None,
+    weights=None,
     **search_kwargs,
 ):
     """Call on every rank inside an initialized process group; returns the rank-local module.
+
+    ``weights``: where the weights come from when not from ``model`` itself: a Hugging Face
+    checkpoint folder or ``.safetensors`` file (each rank reads only its shards), or
+    ``autopar.Rank0Weights(state_dict)`` (a state dict rank 0 alone holds; the other ranks pass
+    ``Rank0Weights(None)``). With a ``model`` on the meta device and no ``weights``, each rank
+    initializes its own shards with the model's initializers (``codegen/weights.py``). No rank
+    ever holds the whole model.
 
     Every rank must pass the same model (same weights) and, at run time, the same full global
     batch: the module slices its own part. Both are checked across ranks, the weights and example
@@ -207,7 +215,7 @@ def autoparallelize(
         plan.check_matches(tg.fingerprint(), world)
         the_plan = plan
     tg, inputs, choice = _module_graph(model, tg, the_plan, example_inputs)
-    return build_parallel_module(model, tg, the_plan, choice, inputs)
+    return build_parallel_module(model, tg, the_plan, choice, inputs, weights=weights)
 
 
 def _named_leaves(example_inputs) -> list[tuple[str, object]]:

@@ -72,8 +72,8 @@ class _Recorder:
             "all_gather",
             lambda parts, n: sum(p.numel() * p.element_size() for p in parts),
         )
-        # the dim-0 gather into its output, bound at import (``collectives._gather_into``)
-        self._wrap(C, "_gather_into", "all_gather", lambda out, n: out.numel() * out.element_size())
+        # the dim-0 gather into its output, bound at import (``collectives.gather_into``)
+        self._wrap(C, "gather_into", "all_gather", lambda out, n: out.numel() * out.element_size())
 
     def _wrap(self, owner, attr: str, kind: str, full_bytes) -> None:
         fn = getattr(owner, attr)

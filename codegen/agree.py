@@ -50,22 +50,28 @@ def fingerprint(named: Iterable[tuple[str, object]]) -> tuple[str, dict[str, str
     return whole, per
 
 
-def agree(what: str, named: Iterable[tuple[str, object]], fix: str, group=None) -> None:
+def agree(what: str, named: Iterable[tuple[str, object]], fix: str, group=None, key=None) -> None:
     """Raise ``CrossRankMismatchError`` on every rank unless every rank's ``named`` values match
-    rank 0's; ``what`` names them in the message, ``fix`` says how to make them agree."""
+    rank 0's (with ``key``: those of the first rank with the same key, e.g. the ranks fed the
+    same slice of a batch); ``what`` names them in the message, ``fix`` says how to make them
+    agree."""
     if not dist.is_initialized() or dist.get_world_size(group) == 1:
         return
     whole, per = fingerprint(named)
     gathered: list = [None] * dist.get_world_size(group)
-    dist.all_gather_object(gathered, (whole, per), group=group)
-    if all(g[0] == gathered[0][0] for g in gathered):
+    dist.all_gather_object(gathered, (key, whole, per), group=group)
+    first_of = {}
+    for r, g in enumerate(gathered):
+        first_of.setdefault(g[0], r)
+    bad = [r for r, g in enumerate(gathered) if g[1] != gathered[first_of[g[0]]][1]]
+    if not bad:
         return
-    ref = gathered[0][1]
-    bad = [r for r, g in enumerate(gathered) if g[0] != gathered[0][0]]
-    first = gathered[bad[0]][1]
+    ref = gathered[first_of[gathered[bad[0]][0]]][2]
+    first = gathered[bad[0]][2]
     names = [k for k in sorted(set(ref) | set(first)) if ref.get(k) != first.get(k)]
     raise CrossRankMismatchError(
-        f"{what} differ between ranks: rank(s) {bad} differ from rank 0 (first: {names[:3]}); {fix}"
+        f"{what} differ between ranks: rank(s) {bad} differ from rank {first_of[gathered[bad[0]][0]]} "
+        f"(first: {names[:3]}); {fix}"
     )
 
 

@@ -8,16 +8,19 @@ coexist in one process.
 
 from __future__ import annotations
 
+import operator
+
 import torch
 import torch.distributed as dist
 import torch.fx as fx
 import torch.utils._pytree as pytree
-from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from autopar.codegen.blocks import apply_recompute, split_blocks
 from autopar.codegen.grad_sync import GradSync
-from autopar.codegen.lower import lower, mangle
-from autopar.codegen.module import ParallelModule, local_piece
+from autopar.codegen.lower import batch_axis, lower, mangle
+from autopar.codegen.module import ParallelModule
+from autopar.codegen.weights import StandIns
 from autopar.codegen.zero import apply_trades
 from autopar.errors import DistributedSetupError
 from autopar.passes.blocks import find_blocks
@@ -36,15 +39,18 @@ def _device() -> torch.device:
 
 
 def build_parallel_module(
-    model, tg: TracedGraph, plan, choice: dict[str, Strategy], inputs
+    model, tg: TracedGraph, plan, choice: dict[str, Strategy], inputs, weights=None
 ) -> ParallelModule:
+    """The rank-local module of ``plan``; ``weights``: where the state comes from where not from the
+    model's own tensors (``codegen/weights.py``: a checkpoint path, ``Rank0Weights``; a model on
+    the meta device without them is initialized shard by shard)."""
     device = _device()
     pipe = getattr(plan, "pipeline", None)
     full_mesh = None
     if pipe is not None and pipe.enabled:
         full_mesh, mesh = pipeline_meshes(device, pipe.stages, tuple(plan.mesh_shape))
     else:
-        mesh = init_device_mesh(device.type, tuple(plan.mesh_shape))
+        mesh = device_mesh(device.type, tuple(plan.mesh_shape), axis_names(len(plan.mesh_shape)))
     model_state = model.state_dict(keep_vars=True)
     # tied weights appear once in the graph under one name: map every state-dict name to that one
     traced_by_id = {id(t): name for name, t in model_state.items() if name in tg.state}
@@ -55,32 +61,23 @@ def build_parallel_module(
         if fqn is None:  # state the graph never reads (e.g. an unused buffer): returned as it was
             extra[name] = t.detach().clone()
 
-    attrs: dict[str, torch.Tensor] = {}
-    state_specs = {}
-    for p in tg.placeholders:
-        if p.role is Role.INPUT:
-            continue
-        full = tg.state[p.target]
-        if full.is_meta:
-            raise DistributedSetupError(
-                f"{p.target} is on the meta device: autoparallelize needs real weights on every rank "
-                "(plan meta-device models offline with autopar.plan)"
-            )
-        spec = choice[p.name].out
-        piece = local_piece(full.detach(), spec, mesh).to(device).clone()
-        if p.role is Role.PARAM:
-            piece = torch.nn.Parameter(piece, requires_grad=full.requires_grad)
-        attrs[mangle(p.target)] = piece
-        state_specs[p.target] = (mangle(p.target), spec)
-
+    # the module's state carries the plan's placements (the graph reads the local pieces,
+    # collectives.local): clip_grad_norm_, optimizers and checkpoints see the sharding. Lowered on
+    # meta stand-ins, made real group by group (codegen/weights.py): a pipelined rank makes only
+    # what its chunks read, ZeRO-2/3 one FSDP2 group at a time
+    specs = {p.target: choice[p.name].out for p in tg.placeholders if p.role is not Role.INPUT}
+    state = StandIns(model, tg, specs, aliases, mesh, plan.mesh_shape, device, weights)
+    state_specs = {t: (mangle(t), spec) for t, spec in specs.items()}
     deferred = deferred_grad_axes(tg, choice, plan.mesh_shape)
     outputs = Outputs(plan.outputs)
-    gm = lower(tg, choice, plan.mesh_shape, device, attrs, deferred, outputs)
+    gm = lower(tg, choice, plan.mesh_shape, state.attrs, deferred, outputs)
     trades = getattr(plan, "trades", Trades())
     common = _module_kwargs(tg, plan, choice, inputs, outputs) | dict(
         mesh=mesh, state_specs=state_specs, aliases=aliases, extra_state=extra, device=device
     )
     if full_mesh is not None:
+        state.load(gm, _pipeline_targets(tg, plan, gm, full_mesh))  # only what this rank's chunks read
+        attrs = {a: operator.attrgetter(a)(gm) for a in state.attrs}
         return _pipelined(tg, plan, choice, gm, mesh, full_mesh, attrs, deferred, common)
     if trades.recompute is not Recompute.NONE or trades.zero_stage >= ZeroStage.GRADIENTS:
         # one submodule per repeated block, owning its parameters (codegen/blocks.py): recomputed
@@ -90,15 +87,34 @@ def build_parallel_module(
     names = {p.name: p.target for p in tg.placeholders}
     # the plan's trades (ZeRO, mixed precision, offload: codegen/zero.py); the gradients FSDP2
     # reduces are not bucketed again
-    zero = apply_trades(getattr(plan, "trades", None), gm, mesh, tg, deferred)
+    zero = apply_trades(getattr(plan, "trades", None), gm, mesh, tg, deferred, state.load)
     buckets = grad_buckets(tg, choice, zero.bucketed(deferred), plan.mesh_shape)
-    grad_sync = GradSync([([attrs[mangle(names[n])] for n in b.params], b.axes) for b in buckets], mesh)
+    # the parameters as the module holds them now (the pieces made after lowering, FSDP2's shards)
+    grad_sync = GradSync([([getattr(gm, mangle(names[n])) for n in b.params], b.axes) for b in buckets], mesh)
     return ParallelModule(local=gm, grad_sync=grad_sync, zero=zero, **common)
+
+
+def _pipeline_targets(tg: TracedGraph, plan, gm: fx.GraphModule, full_mesh) -> set[str]:
+    """The state a pipelined rank holds: what its chunks read, every buffer and every parameter no
+    chunk reads (``_pipelined``'s spare state)."""
+    from autopar.codegen.pipeline import split_chunks
+
+    pipe = plan.pipeline
+    p = full_mesh.get_local_rank("pp")
+    mine = {c for c in range(pipe.chunks) if pipe.rank_of_chunk(c) == p}
+    read = {t for c in split_chunks(gm, tg.graph, find_blocks(tg), pipe, mine) for t in c.state}
+    used = {n.target for n in gm.graph.nodes if n.op == "get_attr" and n.users}
+    return {
+        pp.target
+        for pp in tg.placeholders
+        if pp.role is not Role.INPUT
+        and (mangle(pp.target) in read or pp.role is not Role.PARAM or mangle(pp.target) not in used)
+    }
 
 
 def _module_kwargs(tg: TracedGraph, plan, choice: dict[str, Strategy], inputs, outputs: Outputs) -> dict:
     """What every rank-local module is built with from the traced graph and the plan: the inputs'
-    structure and shapes, the outputs' structure and placements."""
+    structure, shapes and batch-splitting axes, the outputs' structure and placements."""
     out_node = next(n for n in tg.graph.nodes if n.op == "output")
     output_specs = tuple(
         output_placement(choice[resolve_source(leaf).name].out, outputs)
@@ -111,16 +127,41 @@ def _module_kwargs(tg: TracedGraph, plan, choice: dict[str, Strategy], inputs, o
         in_spec=tg.in_spec,
         kwarg_order=list(kwargs),
         input_shapes=[tuple(t.shape) for t in pytree.tree_leaves((args, kwargs))],
+        batch_axes=[
+            batch_axis(choice[p.name].out, plan.mesh_shape) for p in tg.placeholders if p.role is Role.INPUT
+        ],
         out_spec=tg.out_spec,
         plan=plan,
         output_specs=output_specs,
     )
 
 
+# one DeviceMesh object per (process group, device type, shape, axis names) in a process
+_MESHES: dict[tuple, DeviceMesh] = {}
+
+
+def device_mesh(device_type: str, shape: tuple[int, ...], names: tuple[str, ...]) -> DeviceMesh:
+    """The mesh of ``shape`` with axes ``names``, made once per process (collective the first time).
+
+    Modules built on equal meshes share one object: DTensor's sharding propagation caches its
+    output placements by value, so a ``DTensor`` made on a second, equal mesh object comes back
+    from any op (``nn.Parameter``'s ``detach`` is one) on the first; FSDP2 then refuses parameters
+    whose mesh is not the very object it is given."""
+    key = (id(dist.group.WORLD), device_type, tuple(shape), tuple(names))
+    if key not in _MESHES:
+        _MESHES[key] = init_device_mesh(device_type, tuple(shape), mesh_dim_names=tuple(names))
+    return _MESHES[key]
+
+
+def axis_names(n: int) -> tuple[str, ...]:
+    """The names of a plan mesh's axes: ``axis0``, ``axis1``, ... (FSDP2 names its data axis)."""
+    return tuple(f"axis{a}" for a in range(n))
+
+
 def pipeline_meshes(device: torch.device, stages: int, stage_mesh: tuple[int, ...]):
     """(the whole mesh: ``pp`` outermost, then the stage mesh's axes; this rank's stage mesh)."""
-    names = ("pp", *(f"axis{a}" for a in range(len(stage_mesh))))
-    full = init_device_mesh(device.type, (stages, *stage_mesh), mesh_dim_names=names)
+    names = ("pp", *axis_names(len(stage_mesh)))
+    full = device_mesh(device.type, (stages, *stage_mesh), names)
     return full, full[names[1:] if len(names) > 2 else names[1]]
 
 

@@ -42,6 +42,7 @@ from contextvars import ContextVar
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
 
 from autopar.errors import DistributedSetupError
 from autopar.placement import is_partial, is_shard
@@ -79,7 +80,7 @@ def axis_group(mesh: DeviceMesh, axis: int) -> dist.ProcessGroup:
 
 
 # ``all_gather_single`` is ``all_gather_into_tensor``'s newer name (torch >= 2.13 warns on the old one)
-_gather_into = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+gather_into = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 def _gather(x: torch.Tensor, dim: int, mesh: DeviceMesh, axis: int) -> torch.Tensor:
@@ -90,7 +91,7 @@ def _gather(x: torch.Tensor, dim: int, mesh: DeviceMesh, axis: int) -> torch.Ten
         # the backend's worker thread holds until it lets go of the work (on gloo, a race with the
         # caller: up to n L bytes more, for a while), and no copy into a concatenation
         out = x.new_empty((n * x.shape[0], *x.shape[1:]))
-        _gather_into(out, x, group=axis_group(mesh, axis))
+        gather_into(out, x, group=axis_group(mesh, axis))
         return out
     parts = [torch.empty_like(x) for _ in range(n)]
     dist.all_gather(parts, x, group=axis_group(mesh, axis))
@@ -186,6 +187,46 @@ class _F(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g):
         return reduce_sum(g, ctx.mesh, ctx.axis), None, None
+
+
+def local(x: torch.Tensor) -> torch.Tensor:
+    """This rank's piece of a parameter or buffer: the module's state is ``DTensor``s carrying the
+    plan's placements, the generated code computes on their local tensors (``DTensor.to_local``:
+    the gradient flows back into the parameter as a ``DTensor`` of the same placements). A plain
+    tensor (FSDP2's gathered parameter under torch without SPMD meshes) is its own piece."""
+    return x.to_local() if isinstance(x, DTensor) else x
+
+
+def batch_slice(x: torch.Tensor, axis: int, rows: int) -> torch.Tensor:
+    """This rank's rows of an input whose batch (dim 0, ``rows`` rows in the whole batch) the plan
+    splits over mesh axis ``axis``: the whole batch, as every rank may pass it, is sliced
+    (``chunk``); a slice of ``rows / n`` rows is taken to be this rank's already (the loader gave
+    each data-parallel rank its own, ``ParallelModule.data_rank``)."""
+    n = current_mesh().size(axis)
+    if x.shape[0] == rows:
+        return chunk(x, 0, axis)
+    if x.shape[0] * n == rows:
+        return x
+    raise ValueError(
+        f"an input has {x.shape[0]} rows: the plan takes the whole batch ({rows} rows) or this rank's slice "
+        f"({rows // n} rows) on every rank"
+    )
+
+
+def run_device() -> torch.device:
+    """The device the bound mesh runs on: ``cuda:<current device>`` for a CUDA mesh, else the
+    mesh's device type. The generated code calls it wherever the traced graph named a device
+    (``arange(..., device=)``, ``to(device=)``), so the code names none: the device it was traced
+    on (often the CPU, or the meta device) never reaches the rank's run."""
+    kind = current_mesh().device_type
+    if kind == "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device(kind)
+
+
+def run_device_type() -> str:
+    """``run_device().type``: what ``torch.autocast`` regions of the graph take."""
+    return current_mesh().device_type
 
 
 def coordinate(axis: int) -> int:

@@ -65,8 +65,33 @@ import torch
 import torch.distributed as dist
 from torch.autograd import Variable
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
 
 from autopar.codegen import collectives as C
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """The local tensor of a ``DTensor`` gradient (the parameters are ``DTensor``s, the
+    reductions here run on their pieces), or ``t`` itself."""
+    return t._local_tensor if isinstance(t, DTensor) else t
+
+
+def _like(p: torch.Tensor, piece: torch.Tensor) -> torch.Tensor:
+    """``piece`` (a local tensor) as a gradient of parameter ``p``: a ``DTensor`` of ``p``'s
+    placements for a ``DTensor`` parameter (no communication), else ``piece``."""
+    if isinstance(p, DTensor):
+        return DTensor.from_local(piece, p.device_mesh, p.placements, run_check=False)
+    return piece
+
+
+def _reduced(g: torch.Tensor, mesh: DeviceMesh, axes: Sequence[int]) -> torch.Tensor:
+    """A new gradient: ``g``'s pieces summed over the ranks of each of ``axes``."""
+    out = _local(g)
+    for a in axes:
+        out = C.reduce_sum(out, mesh, a)
+    if isinstance(g, DTensor):
+        return DTensor.from_local(out, g.device_mesh, g.placements, run_check=False)
+    return out
 
 
 def _accumulates(acc) -> bool:
@@ -147,9 +172,7 @@ class GradSync:
     def _pre_hook(self, p: torch.nn.Parameter, acc, axes: tuple[int, ...]):
         def hook(g: torch.Tensor) -> torch.Tensor:
             if not _accumulates(acc):
-                for a in axes:
-                    g = C.reduce_sum(g, self._mesh, a)
-                return g
+                return _reduced(g, self._mesh, axes)
             pid = id(p)
             if not self._sync:  # accumulate locally, reduce nothing
                 if p.grad is None or pid in self._unreduced:
@@ -188,18 +211,20 @@ class GradSync:
         members = [(p, *b.ready[id(p)]) for p in b.params if id(p) in b.ready]
         b.ready = {}
         if len(members) == 1:
-            (p, flat, add) = members[0]
+            (p, g, add) = members[0]
+            flat = _local(g)
             adds = [(p, flat)] if add else []
         else:
-            flat = torch.cat([g.reshape(-1) for _, g, _ in members])
+            flat = torch.cat([_local(g).reshape(-1) for _, g, _ in members])
             adds, off = [], 0
             for p, g, add in members:
-                piece = flat[off : off + g.numel()].view_as(g)
-                off += g.numel()
+                n = _local(g).numel()
+                piece = flat[off : off + n].view_as(_local(g))
+                off += n
                 if add:
                     adds.append((p, piece))
                 else:
-                    p.grad = piece  # the reduced values land in .grad; the old gradient is freed
+                    p.grad = _like(p, piece)  # the reduced values land in .grad; the old one is freed
         work = dist.all_reduce(flat, group=C.axis_group(self._mesh, b.axes[0]), async_op=True)
         self.reductions += 1
         self._pending.append((b, flat, work, adds))
@@ -226,6 +251,6 @@ class GradSync:
                 dist.all_reduce(flat, group=C.axis_group(self._mesh, a))
             for p, piece in adds:
                 if p.grad is None:  # set to None after it accumulated
-                    p.grad = piece
+                    p.grad = _like(p, piece)
                 else:
-                    p.grad.add_(piece)
+                    _local(p.grad).add_(piece)

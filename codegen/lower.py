@@ -13,8 +13,10 @@ For every node, in order:
 3. outputs are gathered to Replicate (full tensors) before they leave the module, or, with
    ``Outputs.LOCAL``, leave as this rank's piece (pending sums reduced).
 
-Parameters and buffers become ``get_attr`` of local shards; user inputs arrive full and are sliced
-locally. The generated ``.code`` is straight-line: local aten ops and ``autopar`` collectives.
+Parameters and buffers become ``get_attr`` of the module's ``DTensor`` state, read as local pieces
+(``collectives.local``) where used; user inputs arrive whole, or as this rank's slice of the batch
+(``collectives.batch_slice`` takes either), and are sliced locally. No device is named: every
+device argument is the rank's, read at run time (``collectives.run_device``, ``device_free``). The generated ``.code`` is straight-line: local aten ops and ``autopar`` collectives.
 """
 
 from __future__ import annotations
@@ -26,14 +28,15 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
+from torch.distributed.tensor import Shard
 
 from autopar.codegen import collectives as C
 from autopar.codegen import local_ops as L
 from autopar.passes.grad_sync import emitted_f_axes, reshard_key
 from autopar.passes.rules import map_args, norm_dim
 from autopar.passes.strategies import Strategy
-from autopar.passes.trace import Role, TracedGraph
-from autopar.placement import Outputs, Spec, is_shard, local_shape, output_placement, replicated
+from autopar.passes.trace import AUTOCAST_REGION, Role, TracedGraph, retarget_region
+from autopar.placement import Outputs, R, Spec, is_shard, local_shape, output_placement, replicated
 from autopar.reshard import StepKind, reshard_plan
 
 aten = torch.ops.aten
@@ -153,6 +156,13 @@ def _lower_mean(g, node, args, kwargs, s, mesh_shape):
     return g.call_function(aten.div.Tensor, (out, k)) if k > 1 else out
 
 
+def batch_axis(spec: Spec, mesh_shape: Sequence[int]) -> int | None:
+    """The mesh axis of more than one rank that splits an input's dim 0 (its batch) under
+    ``spec``: its ranks each take a slice of the rows (``collectives.batch_slice``)."""
+    a = _axis_sharding(spec, 0)
+    return a if a is not None and mesh_shape[a] > 1 else None
+
+
 def _axis_sharding(spec, dim: int) -> int | None:
     """The mesh axis that shards tensor dim ``dim`` under ``spec`` (plans shard a dim on one axis at most)."""
     for a, p in enumerate(spec):
@@ -220,16 +230,30 @@ def _lower_cross_entropy(g, node, args, kwargs, s, mesh_shape):
 # ------------------------------------------------------------------------------------------------
 
 
+def _run_device(g: fx.Graph) -> fx.Node:
+    return g.call_function(C.run_device, ())
+
+
+def _run_device_type(g: fx.Graph) -> fx.Node:
+    return g.call_function(C.run_device_type, ())
+
+
+def device_free(sub: fx.GraphModule) -> fx.GraphModule:
+    """A higher-order op's submodule that names no device: its device arguments and autocast
+    device type read at run time (``passes/trace.py:retarget_region``)."""
+    return retarget_region(sub, _run_device, _run_device_type)
+
+
 def lower(
     tg: TracedGraph,
     choice: dict[str, Strategy],
     mesh_shape: Sequence[int],
-    device: torch.device,
     attrs: dict[str, torch.Tensor],
     deferred: dict[str, tuple[int, ...]] | None = None,
     outputs: Outputs = Outputs.FULL,
 ) -> fx.GraphModule:
-    """Return the rank-local GraphModule; ``attrs`` maps mangled names to local parameter/buffer shards.
+    """Return the rank-local GraphModule; ``attrs`` maps mangled names to local parameter/buffer
+    shards. The code names no device (``collectives.run_device``, ``device_free``).
     ``deferred``: parameter placeholder -> axes whose "f" is left out because the accumulated
     gradient is all-reduced after backward (``passes/grad_sync.py``, ``codegen/grad_sync.py``)."""
     deferred = deferred or {}
@@ -241,6 +265,7 @@ def lower(
     # the first one's, and chains that start alike share their first steps (emit_reshard)
     made: dict[tuple, fx.Node] = {}
     roles = {p.name: p for p in tg.placeholders}
+    state_leaves: set[fx.Node] = set()  # the parameters' and buffers' placeholders
     root = torch.nn.Module()
     for name, t in attrs.items():
         if isinstance(t, torch.nn.Parameter):
@@ -249,15 +274,32 @@ def lower(
             root.register_buffer(name, t)
     r = replicated(len(mesh_shape))
 
+    # a parameter or buffer resharded for a use: (leaf, key) -> the chain's last node
+    state_made: dict[tuple, fx.Node] = {}
+
     def reshard(fops, leaf: fx.Node, need: Spec, user: fx.Node) -> fx.Node:
         """``leaf`` in placement ``need`` for ``user``: the collectives an earlier use with the same
         key made (the same chain emits the same calls), or new ones where there is no key
-        (passes/grad_sync.py:reshard_key: ``user`` writes to its inputs)."""
-        shared = reshard_key(leaf, spec[leaf], need, fops, user) is not None
-        return emit_reshard(g, env[leaf], spec[leaf], need, mesh_shape, fops, made if shared else None)
+        (passes/grad_sync.py:reshard_key: ``user`` writes to its inputs). A parameter or buffer
+        (a ``DTensor``) is read as its local piece (``collectives.local``) right before the use
+        that needs it, so that it lives where that use does (a block's own parameter stays in
+        the block, ``codegen/blocks.py``; a tied one is read in each pipeline chunk)."""
+        key = reshard_key(leaf, spec[leaf], need, fops, user)
+        if leaf not in state_leaves:
+            return emit_reshard(
+                g, env[leaf], spec[leaf], need, mesh_shape, fops, made if key is not None else None
+            )
+        if key is not None and (leaf, key) in state_made:
+            return state_made[(leaf, key)]
+        x = g.call_function(C.local, (env[leaf],))
+        out = emit_reshard(g, x, spec[leaf], need, mesh_shape, fops)
+        if key is not None:
+            state_made[(leaf, key)] = out
+        return out
 
     def map_device(a):
-        return device if isinstance(a, torch.device) else a
+        # the device the rank runs on, read at run time: the code names none (collectives.run_device)
+        return _run_device(g) if isinstance(a, torch.device) else a
 
     for node in src_graph.nodes:
         if node.op == "placeholder":
@@ -266,12 +308,19 @@ def lower(
             if info.role is Role.INPUT:
                 x = g.placeholder(node.name)
                 x.meta = dict(node.meta)
-                env[node] = emit_reshard(g, x, r, s.out, mesh_shape)
+                src = r
+                a = batch_axis(s.out, mesh_shape)
+                if a is not None:  # the batch's rows: the whole batch sliced, or this rank's slice
+                    x = g.call_function(C.batch_slice, (x, a, _out_shape(node)[0]))
+                    src = tuple(Shard(0) if b == a else R for b in range(len(mesh_shape)))
+                env[node] = emit_reshard(g, x, src, s.out, mesh_shape)
             else:
                 env[node] = g.get_attr(mangle(info.target))
+                state_leaves.add(node)
             spec[node] = s.out
         elif node.op == "get_attr":
-            setattr(root, node.target, getattr(tg.graph_module, node.target))
+            value = getattr(tg.graph_module, node.target)
+            setattr(root, node.target, device_free(value) if isinstance(value, fx.GraphModule) else value)
             env[node] = g.get_attr(node.target)
         elif node.op == "call_function" and node.target is operator.getitem:
             env[node] = g.call_function(operator.getitem, (env[node.args[0]], node.args[1]))
@@ -283,6 +332,8 @@ def lower(
                 return reshard(emitted_f_axes(s, k, leaf, deferred.get(leaf.name, ())), leaf, s.ins[k], node)
 
             args, kwargs = map_args(node, reshard_in, env.__getitem__, map_device)
+            if node.target is AUTOCAST_REGION and AUTOCAST_REGION is not None:  # its device type, at run time
+                args = (_run_device_type(g), *args[1:])
             fn = LOWERINGS.get(node.target)
             out = (
                 fn(g, node, args, kwargs, s, mesh_shape) if fn else g.call_function(node.target, args, kwargs)

@@ -1,10 +1,13 @@
 """ParallelModule: the rank-local module ``autoparallelize`` returns.
 
-It holds this rank's parameter shards (``parameters()`` yields only those, so any torch optimizer
-works; build it with ``optimizer(cls, **kwargs)``, which gives every ZeRO stage the optimizer it
-needs, ``codegen/zero.py``), takes the same arguments as the original model (the full global
-batch on every rank) and returns the same output structure with full tensors. ``full_state_dict()`` gathers the full,
-unsharded state under the original model's state-dict names.
+It holds this rank's parameter shards as ``DTensor``s with the plan's placements (``parameters()``
+yields only those, so any torch optimizer works, and ``torch.nn.utils.clip_grad_norm_`` sees the
+whole model; build the optimizer with ``optimizer(cls, **kwargs)``, which gives every ZeRO stage
+the optimizer it needs, ``codegen/zero.py``), takes the same arguments as the original model (the
+full global batch on every rank, or each data-parallel rank's slice of it: ``data_rank``,
+``data_world``) and returns the same output structure with full tensors. ``state_dict()`` is
+keyed by the original model's names, sharded (for ``torch.distributed.checkpoint``,
+``codegen/state.py``); ``full_state_dict()`` gathers the full, unsharded state under them.
 
 The module owns its DeviceMesh (``self.mesh``). ``forward`` runs the generated graph inside
 ``collectives.bound_mesh(self.mesh)``: each collective the graph calls runs on this mesh and keeps
@@ -39,25 +42,18 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.fx as fx
 import torch.utils._pytree as pytree
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from autopar.codegen import collectives as C
+from autopar.codegen import state as S
 from autopar.codegen.agree import agree
 from autopar.codegen.micro_batches import batch_size, split_batch
 from autopar.codegen.zero import AppliedTrades
-from autopar.placement import Spec, is_shard
-
-
-def local_piece(full: torch.Tensor, spec: Spec, mesh: DeviceMesh) -> torch.Tensor:
-    """This rank's piece of ``full`` under ``spec`` (Partial is never used for stored state)."""
-    x = full
-    for a, p in enumerate(spec):
-        if is_shard(p) and mesh.size(a) > 1:
-            x = x.chunk(mesh.size(a), dim=p.dim)[mesh.get_local_rank(a)]
-    return x.contiguous()
+from autopar.placement import Spec
 
 
 class ParallelModule(torch.nn.Module):
@@ -77,6 +73,7 @@ class ParallelModule(torch.nn.Module):
         grad_sync=None,
         output_specs: Sequence[Spec | None] = (),
         zero: AppliedTrades | None = None,
+        batch_axes: Sequence[int | None] = (),
     ):
         super().__init__()
         self.local = local
@@ -97,15 +94,23 @@ class ParallelModule(torch.nn.Module):
         # all Replicate unless the plan returns outputs as local pieces (autopar.placement.Outputs)
         self.output_specs = tuple(output_specs)
         self._batch_checked = False  # the batch is compared across ranks at the first call
+        # per input leaf: the mesh axis that splits its batch (dim 0), or None; the first such
+        # axis is the data-parallel one a loader feeds (data_rank, data_world)
+        self._batch_axes = list(batch_axes) or [None] * len(self._input_shapes)
+        axis = next((a for a in self._batch_axes if a is not None), None)
+        self._data = (mesh.get_local_rank(axis), mesh.size(axis)) if axis is not None else (0, 1)
 
     @property
     def code(self) -> str:
         """The generated rank-local code."""
         return self.local.code
 
-    def _flat_inputs(self, args, kwargs) -> list:
+    def _flat_inputs(self, args, kwargs, rows: int | None = None) -> tuple[list, int]:
         """The call's arguments flattened as the example inputs were (keyword arguments in their
-        order); TypeError when they are structured otherwise."""
+        order; TypeError when they are structured otherwise), and how many slices of the batch
+        they are: 1 for the whole batch on every rank, ``data_world`` for this rank's slice
+        (``data_rank``). ``rows``: the whole batch's rows, where not the plan's (``step``'s global
+        batch of micro-batches)."""
         kwargs = {k: kwargs[k] for k in self._kwarg_order if k in kwargs} | {
             k: v for k, v in kwargs.items() if k not in self._kwarg_order
         }
@@ -115,19 +120,67 @@ class ParallelModule(torch.nn.Module):
                 f"the parallel module was planned for inputs structured as {self._in_spec}, got {spec}; "
                 "call it with the same positional/keyword arguments as the example inputs"
             )
-        if not self._batch_checked:  # the first call: every rank holds the same global batch
-            agree(
-                "the batches", [(f"input {i}", t) for i, t in enumerate(flat)],
-                "pass the same full global batch on every rank: the module slices each rank's part itself (do "
-                "not give each rank its own shard, as DistributedDataParallel wants)",
-            )  # fmt: skip
+        sliced = self._slices(flat, rows)
+        if not self._batch_checked:  # the first call: ranks fed alike hold the same batch
+            named = [(f"input {i}", t) for i, t in enumerate(flat)]
+            if sliced == 1:
+                agree(
+                    "the batches", named,
+                    "pass the same full global batch on every rank (the module slices each rank's part itself), or "
+                    "each rank its own slice: rows data_rank::data_world of the batch (pmodel.data_rank, "
+                    "pmodel.data_world), never another split",
+                )  # fmt: skip
+            else:
+                agree(
+                    "the batch slices of ranks with the same data_rank", named,
+                    "ranks with the same pmodel.data_rank (they differ only on model-parallel axes) must be "
+                    "fed the same slice of the batch",
+                    key=self.data_rank,
+                )  # fmt: skip
             self._batch_checked = True
-        return flat
+        return flat, sliced
+
+    def _slices(self, flat, rows: int | None) -> int:
+        """1 when every batch-split input holds the whole batch, ``data_world`` when each holds
+        this rank's slice; ValueError for a mix or other sizes (``_flat_inputs``)."""
+        seen = set()
+        for i, (t, shape, axis) in enumerate(zip(flat, self._input_shapes, self._batch_axes)):
+            if axis is None or not isinstance(t, torch.Tensor) or t.dim() == 0:
+                continue
+            whole = rows if rows is not None else shape[0]
+            n = self.mesh.size(axis)
+            if t.shape[0] == whole:
+                seen.add(1)
+            elif t.shape[0] * n == whole:
+                seen.add(n)
+            elif (
+                rows is None
+                and self.micro_batches > 1
+                and t.shape[0] in (whole * self.micro_batches, whole * self.micro_batches // n)
+            ):
+                k = self.micro_batches
+                raise ValueError(
+                    f"input {i} has {t.shape[0]} rows, the global batch's, but this module runs the plan's {k} "
+                    f"micro-batches: forward takes one micro-batch, {shape}. Call pmodel.step(...) with the global batch "
+                    "to train (it runs every micro-batch and the backward)"
+                )
+            else:
+                raise ValueError(
+                    f"input {i} has {t.shape[0]} rows: the plan takes the whole batch of {whole} rows on every rank, "
+                    f"or each rank's slice of {whole // n} (pmodel.data_world = {n}); re-plan for another batch size"
+                )
+        if len(seen) > 1:
+            raise ValueError(
+                "some inputs hold the whole batch and others this rank's slice: pass all of them one way"
+            )
+        return seen.pop() if seen else 1
 
     def forward(self, *args, **kwargs):
-        flat = self._flat_inputs(args, kwargs)
+        flat, sliced = self._flat_inputs(args, kwargs)
         k = self.micro_batches
-        for i, (t, shape) in enumerate(zip(flat, self._input_shapes)):
+        for i, (t, shape, axis) in enumerate(zip(flat, self._input_shapes, self._batch_axes)):
+            if axis is not None and sliced > 1:
+                shape = (shape[0] // sliced, *shape[1:])
             if k > 1 and tuple(t.shape) == (shape[0] * k, *shape[1:]):
                 raise ValueError(
                     f"input {i} has the global batch's shape {tuple(t.shape)}, but this module runs the plan's "
@@ -169,11 +222,13 @@ class ParallelModule(torch.nn.Module):
         k = self.micro_batches
         if k > 1:
             batch, micro = batch_size((args, kwargs), 1), self._input_shapes[0][0]
-            if batch != micro * k:
+            if batch not in (micro * k, micro * k // self.data_world):
                 raise ValueError(
                     f"step takes the global batch, {micro * k} rows ({k} micro-batches of {micro}, the plan's), "
-                    f"got {batch}; plans are specialized to the example inputs' shapes: re-plan for this batch"
+                    f"or this rank's slice of it; got {batch}; plans are specialized to the example inputs' shapes: "
+                    "re-plan for this batch"
                 )
+            self._flat_inputs(args, kwargs, rows=micro * k)  # checked (and compared across ranks) whole
             parts = split_batch((args, kwargs), k)
         else:
             parts = [(args, kwargs)]
@@ -219,22 +274,116 @@ class ParallelModule(torch.nn.Module):
         return C.gather_full(piece, spec, self.mesh)
 
     @torch.no_grad()
-    def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """Full (unsharded) tensors under the original model's state-dict names; collective on every rank."""
-        full = {
-            fqn: C.gather_full(_whole_on_data_axes(getattr(self.local, attr)).detach(), spec, self.mesh)
-            for fqn, (attr, spec) in self._state_specs.items()
+    def full_state_dict(self, rank0_only: bool = False, cpu: bool = False) -> dict[str, torch.Tensor]:
+        """Full (unsharded) tensors under the original model's state-dict names; collective on
+        every rank, one tensor gathered at a time. ``rank0_only``: only rank 0 keeps them (the
+        others return an empty dict), for ``save_pretrained``-style exports; ``cpu``: kept on
+        the host."""
+        keep = not rank0_only or dist.get_rank() == 0
+        full = {}
+        for fqn, (attr, spec) in self._state_specs.items():
+            t = full_tensor(getattr(self.local, attr).detach(), spec, self.mesh)
+            if keep:
+                full[fqn] = t.cpu() if cpu else t
+        if not keep:
+            return {}
+        return {
+            name: full[fqn] if fqn in full else self._extra_state[name] for name, fqn in self._aliases.items()
         }
+
+    @torch.no_grad()
+    def full_grads(self) -> dict[str, torch.Tensor]:
+        """The whole gradient of every parameter that has one, under the model's state-dict name
+        (a tied parameter's first); collective on every rank. For checks and debugging."""
         out = {}
-        for name, fqn in self._aliases.items():
-            out[name] = full[fqn] if fqn in full else self._extra_state[name]
+        for fqn, (attr, spec) in self._state_specs.items():
+            p = getattr(self.local, attr)
+            if isinstance(p, torch.nn.Parameter) and p.grad is not None:
+                out[fqn] = full_tensor(p.grad, spec, self.mesh)
         return out
 
+    # -- state under the model's own names, with the plan's placements (codegen/state.py) ----------
 
-def _whole_on_data_axes(t: torch.Tensor) -> torch.Tensor:
-    """A parameter FSDP2 shards over the data axes (ZeRO-2/3: a ``DTensor``) gathered back to the
-    plan's local piece (collective over the data group); any other tensor as it is."""
-    return t.full_tensor() if isinstance(t, DTensor) else t
+    def _state_tensors(self) -> dict[str, torch.Tensor]:
+        """Attribute name -> this rank's parameter or buffer (a ``DTensor``)."""
+        return {attr: getattr(self.local, attr) for attr, _ in self._state_specs.values()}
+
+    def _canonical_params(self) -> list[tuple[str, torch.nn.Parameter]]:
+        """(the model's state-dict name, this rank's parameter) of every parameter it holds."""
+        attrs = {attr: fqn for fqn, (attr, _) in self._state_specs.items()}
+        return [(attrs[n.rpartition(".")[2]], p) for n, p in self.named_parameters()]
+
+    def state_dict(self, *args, destination=None, prefix: str = "", keep_vars: bool = False):
+        """The state under the original model's state-dict names (tied names included), each this
+        rank's tensor with the plan's placements (a ``DTensor``; never gathered): what
+        ``torch.distributed.checkpoint.save`` / ``load`` take (``codegen/state.py``)."""
+        attrs = {fqn: attr for fqn, (attr, _) in self._state_specs.items()}
+        out = S.model_state_dict(self._state_tensors(), self._aliases, attrs, self._extra_state, keep_vars)
+        out = {prefix + k: v for k, v in out.items()}
+        if destination is not None:
+            destination.update(out)
+            return destination
+        return out
+
+    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
+        """Load a state dict under the original names: whole tensors (e.g. a single-device model's
+        ``state_dict()``), or ``DTensor``s in any placements (``dcp.load`` into this module's own
+        ``state_dict()`` reads in place, and nothing is left to copy)."""
+        attrs = {fqn: attr for fqn, (attr, _) in self._state_specs.items()}
+        missing, unexpected = S.load_model_state_dict(
+            self._state_tensors(), self._aliases, attrs, state_dict, strict
+        )
+        return S.IncompatibleKeys(missing, unexpected)
+
+    def optimizer_state_dict(self, optimizer: torch.optim.Optimizer) -> dict:
+        """``optimizer``'s state under the model's parameter names, each tensor the optimizer's own
+        (sharded as it keeps it): save it with ``torch.distributed.checkpoint`` beside
+        ``state_dict()``, load it back with ``load_optimizer_state_dict`` (``codegen/state.py``)."""
+        return S.optimizer_state_dict(optimizer, self._canonical_params())
+
+    def load_optimizer_state_dict(self, optimizer: torch.optim.Optimizer, state_dict: dict) -> None:
+        """Put a state dict from ``optimizer_state_dict`` (of this plan or any other, e.g. after
+        ``dcp.load`` into this module's own) into ``optimizer``."""
+        S.load_optimizer_state_dict(optimizer, self._canonical_params(), state_dict)
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Clip the gradients of the whole model as ``torch.nn.utils.clip_grad_norm_`` clips the
+        single-device model's: returns the total norm (a plain tensor, the same on every rank).
+        ``torch.nn.utils.clip_grad_norm_(pmodel.parameters(), ...)`` gives the same where every
+        parameter lives on one mesh; this one also covers pipeline stages (``codegen/state.py``)."""
+        params = list(self.parameters())
+        total = S.total_grad_norm(params, norm_type, self._pipeline_group())
+        S.clip_grads(params, max_norm, total)
+        return total
+
+    def _pipeline_group(self):
+        """The process group over pipeline stages (None: no stages)."""
+        return None
+
+    # -- the data a rank is fed ------------------------------------------------------------------
+
+    @property
+    def data_rank(self) -> int:
+        """This rank's coordinate among the data-parallel ranks (the plan's batch-splitting axis;
+        0 without one): a loader gives each rank rows ``data_rank::data_world`` of a batch, or
+        any split in that order (module docstring, "Feeding data")."""
+        return self._data[0]
+
+    @property
+    def data_world(self) -> int:
+        """How many data-parallel slices the global batch is cut into (1 without data parallelism)."""
+        return self._data[1]
+
+
+def full_tensor(t: torch.Tensor, spec: Spec, mesh: DeviceMesh) -> torch.Tensor:
+    """The whole tensor of a piece of the module's state (collective over ``mesh``): a ``DTensor``
+    on the module's mesh (the plan's placements; FSDP2's shards over the data axis on top, ZeRO-2/3)
+    gathered whole; one on FSDP2's own data mesh (torch without SPMD meshes) gathered to the plan's
+    piece, then that piece; a plain tensor, the plan's piece under ``spec``."""
+    if isinstance(t, DTensor):
+        whole = t.full_tensor()
+        return whole if t.device_mesh == mesh else C.gather_full(whole, spec, mesh)
+    return C.gather_full(t, spec, mesh)
 
 
 def _loss_of(out, loss_fn: Callable[[Any], torch.Tensor] | None) -> torch.Tensor:

@@ -50,10 +50,11 @@ import torch.distributed as dist
 import torch.fx as fx
 import torch.utils._pytree as pytree
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
 
 from autopar.codegen import collectives as C
 from autopar.codegen.blocks import _COMPUTE, _set_attr, origins
-from autopar.codegen.module import ParallelModule, _loss_of, _whole_on_data_axes
+from autopar.codegen.module import ParallelModule, _loss_of, full_tensor
 from autopar.errors import AutoparError
 from autopar.passes.blocks import Block
 from autopar.trades import Pipeline, Schedule
@@ -260,6 +261,15 @@ class PipelinedModule(ParallelModule):
         """The generated code of this rank's chunks."""
         return "\n".join(f"# chunk {c.index}\n{r.chunk.code}" for c, r in zip(self._chunks, self.chunks))
 
+    def _pipeline_group(self):
+        return self.pp_group
+
+    def _state_tensors(self) -> dict[str, torch.Tensor]:
+        held = dict(self._spare)
+        for c in self._chunks:
+            held.update(c.state)
+        return held
+
     def parameters(self, recurse: bool = True):
         seen = set()
         for params in (c.params for c in self._chunks):
@@ -289,14 +299,15 @@ class PipelinedModule(ParallelModule):
     def step(self, *args, loss_fn: Callable[[Any], torch.Tensor] | None = None, **kwargs) -> torch.Tensor:
         """Forward and backward of one step on the GLOBAL batch through the pipeline (module
         docstring); returns the mean loss over the micro-batches on every rank."""
-        flat = self._flat_inputs(args, kwargs)
         k = self.micro_batches
-        for i, (t, shape) in enumerate(zip(flat, self._input_shapes)):
-            want = (shape[0] * k, *shape[1:])
+        flat, sliced = self._flat_inputs(args, kwargs, rows=self._input_shapes[0][0] * k)
+        for i, (t, shape, axis) in enumerate(zip(flat, self._input_shapes, self._batch_axes)):
+            want = (shape[0] * k // (sliced if axis is not None else 1), *shape[1:])
             if tuple(t.shape) != want:
                 raise ValueError(
                     f"input {i} has shape {tuple(t.shape)}; step takes the global batch, {want} ({k} micro-batches "
-                    f"of {shape}): plans are specialized to the example inputs' shapes, re-plan for this shape"
+                    f"of {shape}), or this rank's slice of it: plans are specialized to the example inputs' shapes, "
+                    "re-plan for this shape"
                 )
         named = {
             name: (t.to(self._device) if isinstance(t, torch.Tensor) else t)
@@ -321,7 +332,7 @@ class PipelinedModule(ParallelModule):
         for target, group in self._tied:
             p = self._param_by_target(target)
             if p is not None and p.grad is not None:
-                dist.all_reduce(p.grad, group=group)
+                dist.all_reduce(p.grad._local_tensor if isinstance(p.grad, DTensor) else p.grad, group=group)
         last = self.plan.pipeline.rank_of_chunk(self.plan.pipeline.chunks - 1)
         loss = (
             torch.stack([x.detach().float() for x in losses]).mean()
@@ -338,10 +349,11 @@ class PipelinedModule(ParallelModule):
         return None
 
     @torch.no_grad()
-    def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """Full tensors under the original model's state-dict names on every rank; collective
-        over every rank: each tensor is gathered on the stage mesh of the lowest pipeline rank that
-        holds it and broadcast over the pipeline."""
+    def full_state_dict(self, rank0_only: bool = False, cpu: bool = False) -> dict[str, torch.Tensor]:
+        """Full tensors under the original model's state-dict names on every rank (``rank0_only``:
+        rank 0 alone, the others get an empty dict; ``cpu``: on the host); collective over every
+        rank: each tensor is gathered on the stage mesh of the lowest pipeline rank that holds it
+        and broadcast over the pipeline."""
         held = {}
         for c in self._chunks:
             for name, t in c.state.items():
@@ -354,14 +366,17 @@ class PipelinedModule(ParallelModule):
         for i, (fqn, (attr, spec)) in enumerate(self._state_specs.items()):
             owner = int(owners[i])
             if owner == self.plan.pipeline.stages:  # held by no chunk: every rank has its copy
-                full[fqn] = C.gather_full(self._spare[attr].detach(), spec, self.mesh)
+                full[fqn] = full_tensor(self._spare[attr].detach(), spec, self.mesh)
                 continue
             mine = owner == self.pipe_rank
-            t = C.gather_full(_whole_on_data_axes(held[attr]).detach(), spec, self.mesh) if mine else None
+            t = full_tensor(held[attr].detach(), spec, self.mesh) if mine else None
             full[fqn] = _broadcast_tensor(t, owner, self.pp_group, self._device)
+        if rank0_only and dist.get_rank() != 0:
+            return {}
         out = {}
         for name, fqn in self._aliases.items():
-            out[name] = full[fqn] if fqn in full else self._extra_state[name]
+            t = full[fqn] if fqn in full else self._extra_state[name]
+            out[name] = t.cpu() if cpu else t
         return out
 
 

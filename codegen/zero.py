@@ -6,22 +6,27 @@ gradient buckets are made; the ``AppliedTrades`` it returns travels with the ``P
 Which engine does what, and why
 -------------------------------
 
-* **ZeRO-2 and ZeRO-3: FSDP2** (``torch.distributed.fsdp.fully_shard``) over the plan's data axes
-  (``Trades.data_axes`` of more than one rank: the module's own group of that axis, as a 1-D
-  ``DeviceMesh``). FSDP2 already does what ZeRO-2/3 need and nothing here should
-  rewrite: it shards each parameter on dim 0 as a ``DTensor`` on the data submesh, all-gathers
-  before forward (a module pre-hook, so the generated graph's ``get_attr`` reads plain, gathered
-  tensors), reduce-scatters gradients after backward, and overlaps both with compute.
+* **ZeRO-2 and ZeRO-3: FSDP2** (``torch.distributed.fsdp.fully_shard``) over the plan's data axis
+  (``Trades.data_axes`` of more than one rank). FSDP2 already does what ZeRO-2/3 need and nothing
+  here should rewrite: it shards each parameter on dim 0 over the data axis, all-gathers before
+  forward (a module pre-hook, so the generated graph's ``get_attr`` reads the gathered parameter),
+  reduce-scatters gradients after backward, and overlaps both with compute. The module's
+  parameters are ``DTensor``s on its mesh with the plan's placements (``codegen/build.py``); on
+  torch >= 2.13 FSDP2 takes them as they are ("SPMD meshes": ``dp_mesh_dims`` names the data axis,
+  on which they are ``Replicate``) and shards them into ``DTensor``s on the same mesh, so every
+  parameter of the module stays on one mesh; on older torch it shards their local pieces over the
+  data axis's 1-D submesh (``SPMD_FSDP``).
   ZeRO-3 is ``reshard_after_forward=True`` (parameters freed after forward, gathered again for
   backward) per repeated block: each ``block_<i>`` child of the graph module
   (``codegen/blocks.py:split_blocks``, where it ran) is its own group, the rest of the graph
   (embeddings, head, loss) the root's; ZeRO-2 is ``reshard_after_forward=False`` (parameters
   stay gathered from forward through backward, FSDP2's ZeRO-2). Between steps FSDP2 keeps only
   the shards in both stages.
-* **ZeRO-1: ``torch.distributed.optim.ZeroRedundancyOptimizer``** over the data axes' group:
-  each rank keeps the optimizer state of about ``1/d`` of the parameters, steps those and
-  broadcasts them; gradients are all-reduced whole as without ZeRO (``codegen/grad_sync.py``).
-  It shards what ZeRO-1 shards and nothing more; FSDP2 cannot leave gradients whole.
+* **ZeRO-1: ``codegen/zero_one.py:ZeroOneOptimizer``** on the data axis: each rank keeps the
+  optimizer state of ``1/d`` of every parameter, steps it and all-gathers the parameters after;
+  gradients are all-reduced whole as without ZeRO (``codegen/grad_sync.py``). Written here
+  because torch's ``ZeroRedundancyOptimizer`` cannot take ``DTensor`` parameters and FSDP2
+  cannot leave gradients whole (that module's docstring).
 * **Mixed precision: ``torch.autocast``** around the generated graph (``ParallelModule.forward``;
   the traced aten graph carries no dtype asserts, ``passes/trace.py``): the parameters are fp32
   masters (a half-precision model's weights are upcast here), so gradients and optimizer state
@@ -48,7 +53,7 @@ reduced once, by FSDP2). Every other parameter is passed to FSDP2 as ignored and
 plain: its gradient is reduced as without ZeRO (inline "f", or a bucket of ``GradSync``), and
 summing it again over the data axes would count it ``d`` times (GPT-2's position table, read by
 positions every rank computes alike, is one: its gradient is already whole on every rank).
-Parameters that need no gradient are sharded.
+Parameters that need no gradient are sharded, as is none that is not whole on the data axis.
 
 State and accumulation
 ----------------------
@@ -75,10 +80,10 @@ The user's loop
         opt.step()                           # on the shards, on the host when offloaded
         opt.zero_grad()
 
-``ParallelModule.optimizer`` is the way to build the optimizer: ZeRO-1 needs the
-``ZeroRedundancyOptimizer`` over the data group, and under FSDP2 ``parameters()`` yields sharded
-``DTensor``s (and the ignored plain parameters, kept in a param group of their own so that the
-foreach kernels never mix the two). Under FP16 the user adds a loss scaler
+``ParallelModule.optimizer`` is the way to build the optimizer: ZeRO-1 needs its
+``ZeroOneOptimizer``; otherwise it is the plain optimizer over ``parameters()`` (``DTensor``s;
+under FSDP2 on older torch, where some may not be, the plain ones in a param group of their own so
+that the foreach kernels never mix the two). Under FP16 the user adds a loss scaler
 (``torch.amp.GradScaler``) as in any fp16 loop.
 """
 
@@ -86,16 +91,24 @@ from __future__ import annotations
 
 import contextlib
 import re
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 import torch
-import torch.distributed as dist
 import torch.fx as fx
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Replicate
+
+try:  # torch >= 2.13: FSDP2 over DTensor parameters on the full mesh ("SPMD meshes")
+    from torch.distributed.fsdp import DataParallelMeshDims
+
+    SPMD_FSDP = True
+except ImportError:  # pragma: no cover - older torch: FSDP2 over plain local tensors
+    DataParallelMeshDims = None
+    SPMD_FSDP = False
 
 from autopar.codegen.lower import mangle
+from autopar.codegen.zero_one import ZeroOneOptimizer
 from autopar.passes.trace import Role, TracedGraph
 from autopar.trades import Offload, Precision, Trades, TradesError, ZeroStage
 
@@ -109,8 +122,7 @@ class AppliedTrades:
 
     trades: Trades = field(default_factory=Trades)
     data_axes: tuple[int, ...] = ()  # the data axes of more than one rank that ZeRO shards over
-    data_group: dist.ProcessGroup | None = None  # their flattened group (ZeRO-1's optimizer)
-    data_mesh: DeviceMesh | None = None  # the same as a 1-D mesh (FSDP2)
+    mesh: DeviceMesh | None = None  # the module's mesh (ZeRO-1's optimizer gathers on its data axis)
     fsdp_modules: list = field(default_factory=list)  # FSDP2 groups: blocks first, the root last
     sharded: frozenset[str] = frozenset()  # parameter placeholders FSDP2 shards and reduces
 
@@ -132,12 +144,8 @@ class AppliedTrades:
     def optimizer(self, params: Iterable[torch.nn.Parameter], optimizer_class, **kwargs):
         """``optimizer_class`` over ``params`` as this stage needs it (module docstring)."""
         params = list(params)
-        if self.trades.zero_stage is ZeroStage.OPTIMIZER and self.data_group is not None:
-            from torch.distributed.optim import ZeroRedundancyOptimizer
-
-            return ZeroRedundancyOptimizer(
-                params, optimizer_class=optimizer_class, process_group=self.data_group, **kwargs
-            )
+        if self.trades.zero_stage is ZeroStage.OPTIMIZER and self.data_axes:
+            return ZeroOneOptimizer(params, optimizer_class, self.mesh, self.data_axes[0], **kwargs)
         shards = [p for p in params if isinstance(p, DTensor)]
         plain = [p for p in params if not isinstance(p, DTensor)]
         if shards and plain:  # foreach kernels take DTensors or plain tensors, not both
@@ -145,17 +153,15 @@ class AppliedTrades:
         return optimizer_class(params, **kwargs)
 
 
-def data_group(mesh: DeviceMesh, axes: tuple[int, ...]) -> tuple[dist.ProcessGroup, DeviceMesh]:
-    """The process group (and 1-D mesh) of this rank's data-parallel peers on ``axes``: the mesh's
-    own group of the one axis. Several data axes of more than one rank raise ``TradesError``: the
-    rules split the batch (dim 0) on one mesh axis, so no plan has them."""
+def data_axis(axes: tuple[int, ...]) -> int:
+    """The one data axis ZeRO shards over. Several data axes of more than one rank raise
+    ``TradesError``: the rules split the batch (dim 0) on one mesh axis, so no plan has them."""
     if len(axes) != 1:
         raise TradesError(
             f"ZeRO over several data axes {list(axes)} is not supported: the batch splits on one mesh axis; "
             "give one axis AxisRole.DATA"
         )
-    group = mesh.get_group(axes[0])
-    return group, DeviceMesh.from_group(group, mesh.device_type, mesh_dim_names=("data",))
+    return axes[0]
 
 
 def sharded_params(
@@ -180,41 +186,48 @@ def apply_trades(
     mesh: DeviceMesh,
     tg: TracedGraph,
     deferred: dict[str, tuple[int, ...]],
+    load: Callable[[torch.nn.Module], None] | None = None,
 ) -> AppliedTrades:
     """Apply ``trades`` to the rank-local graph module ``gm`` (in place) on ``mesh``: upcast the
     parameters to fp32 masters under mixed precision, make the data group, and shard with FSDP2
-    for ZeRO-2/3 (and offload). Collective where a data group is made. ``trades`` None: none
-    taken."""
+    for ZeRO-2/3 (and offload). ``load(module)``: makes the state registered in ``module``
+    real (``codegen/build.py``: the pieces of a meta-device model); under FSDP2 called group by
+    group, just before each is sharded, so that a rank holds its shards plus one group's pieces.
+    ``trades`` None: none taken."""
     trades = trades if trades is not None else Trades()
     applied = AppliedTrades(trades)
-    if trades.precision.mixed:
-        for p in gm.parameters():  # fp32 masters: the gradients and optimizer state follow
-            if p.dtype.is_floating_point and p.dtype != torch.float32:
-                p.data = p.data.float()
+    load = load if load is not None else (lambda m: None)
     axes = tuple(a for a in trades.data_axes if mesh.size(a) > 1)
-    if not trades.zero_stage or not axes:
+    if trades.zero_stage and axes:
+        applied.data_axes = (data_axis(axes),)
+        applied.mesh = mesh
+    if trades.zero_stage < ZeroStage.GRADIENTS or not axes:
+        load(gm)
+        _upcast(applied, gm)
         return applied
-    applied.data_axes = axes
-    applied.data_group, applied.data_mesh = data_group(mesh, axes)
-    if trades.zero_stage < ZeroStage.GRADIENTS:
-        return applied
-    _fully_shard(applied, gm, tg, deferred)
+    _fully_shard(applied, gm, tg, deferred, load)
     return applied
 
 
-def _fully_shard(applied: AppliedTrades, gm: fx.GraphModule, tg: TracedGraph, deferred) -> None:
+def _upcast(applied: AppliedTrades, module: torch.nn.Module) -> None:
+    """fp32 masters under mixed precision (the gradients and optimizer state follow)."""
+    if applied.trades.precision.mixed:
+        for p in module.parameters():
+            if p.dtype.is_floating_point and p.dtype != torch.float32:
+                p.data = p.data.float()
+
+
+def _fully_shard(applied: AppliedTrades, gm: fx.GraphModule, tg: TracedGraph, deferred, load) -> None:
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
-    trades = applied.trades
+    trades, mesh = applied.trades, applied.mesh
+    axis = applied.data_axes[0]
     applied.sharded = sharded_params(tg, deferred, applied.data_axes)
     keep = {
         mangle(p.target) for p in tg.placeholders if p.role is Role.PARAM and p.name not in applied.sharded
     }
-    named = dict(gm.named_parameters(remove_duplicate=False))
-    ignored = {p for name, p in named.items() if name.rpartition(".")[2] in keep}
     half = applied.half
     kwargs = dict(
-        mesh=applied.data_mesh,
         reshard_after_forward=trades.zero_stage is ZeroStage.PARAMETERS,
         mp_policy=MixedPrecisionPolicy(param_dtype=half, reduce_dtype=torch.float32)
         if half is not None
@@ -222,11 +235,41 @@ def _fully_shard(applied: AppliedTrades, gm: fx.GraphModule, tg: TracedGraph, de
         offload_policy=CPUOffloadPolicy(pin_memory=torch.cuda.is_available())
         if trades.offload is Offload.OPTIMIZER
         else OffloadPolicy(),
-        ignored_params=ignored,
     )
+    if SPMD_FSDP:
+        # the parameters are DTensors on the module's mesh, whole on the data axis: FSDP2 shards
+        # them over it and keeps every parameter on that one mesh (clip_grad_norm_ needs one)
+        kwargs.update(mesh=mesh, dp_mesh_dims=DataParallelMeshDims(shard=mesh.mesh_dim_names[axis]))
+    else:
+        # torch without SPMD meshes (< 2.13): FSDP2 shards plain tensors over a 1-D data mesh, so
+        # the parameters it manages are handed to it as their local pieces (their DTensors end
+        # on that mesh; the others stay on the module's: ParallelModule.clip_grad_norm_)
+        kwargs.update(mesh=mesh[mesh.mesh_dim_names[axis]])
+    ignored: set[torch.nn.Parameter] = set()
     blocks = [m for name, m in gm.named_children() if _BLOCK.fullmatch(name)]
-    for m in [*blocks, gm]:
-        fully_shard(m, **kwargs)
+    for m in [*blocks, gm]:  # bottom-up, as FSDP2 wants; each group's state made just before
+        load(m)
+        _upcast(applied, m)
+        for (owner, leaf), p in _param_owners(m, skip=applied.fsdp_modules).items():
+            if leaf in keep or (isinstance(p, DTensor) and not isinstance(p.placements[axis], Replicate)):
+                ignored.add(p)  # FSDP2 shards over the data axis what is whole on it
+            elif not SPMD_FSDP and isinstance(p, DTensor):
+                owner.register_parameter(
+                    leaf, torch.nn.Parameter(p._local_tensor, requires_grad=p.requires_grad)
+                )
+        fully_shard(m, ignored_params=set(ignored), **kwargs)
         m.set_gradient_divide_factor(1.0)  # the graph's gradients are partial sums: reduce by SUM
         m.set_force_sum_reduction_for_comms(True)
         applied.fsdp_modules.append(m)
+
+
+def _param_owners(gm: torch.nn.Module, skip=()) -> dict[tuple[torch.nn.Module, str], torch.nn.Parameter]:
+    """Every parameter of ``gm`` by (the module that registers it, its attribute name), but those
+    of the modules in ``skip`` (groups already sharded)."""
+    skipped = {id(x) for s in skip for x in s.modules()}
+    return {
+        (m, leaf): p
+        for m in gm.modules()
+        if id(m) not in skipped
+        for leaf, p in m.named_parameters(recurse=False)
+    }

@@ -40,7 +40,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from autopar.errors import UnpricedOpError
 from autopar.passes.rules import ALIASING_OPS, tensor_inputs
-from autopar.passes.trace import Role, TracedGraph
+from autopar.passes.trace import Role, TracedGraph, retarget_region
 
 log = logging.getLogger(__name__)
 
@@ -152,11 +152,26 @@ def _submodule(a: fx.Node):
     return obj
 
 
+_ON_META: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _on_meta(sub):
+    """A region's submodule whose device arguments are the meta device, so that it runs on meta
+    inputs (the traced one names the device it was traced on: ``to(device=cpu)`` of a meta
+    tensor cannot run)."""
+    if not isinstance(sub, fx.GraphModule):
+        return sub
+    if sub not in _ON_META:
+        meta = torch.device("meta")
+        _ON_META[sub] = retarget_region(sub, lambda g: meta)
+    return _ON_META[sub]
+
+
 def _meta_args(node: fx.Node):
     def to_meta(a):
         if isinstance(a, fx.Node):
             if a.op == "get_attr":
-                return _submodule(a)
+                return _on_meta(_submodule(a))
             v = a.meta.get("val")
             if isinstance(v, torch.Tensor):
                 return torch.empty(v.shape, dtype=v.dtype, device="meta")

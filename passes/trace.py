@@ -15,6 +15,7 @@ from __future__ import annotations
 import enum
 import hashlib
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -222,16 +223,61 @@ def _merge_tied(
     return keep
 
 
+_ASSERTS = (torch.ops.aten._assert_tensor_metadata.default, torch.ops.aten._assert_scalar.default)
+# the higher-order op of a ``torch.autocast`` region: its first argument is the device type
+AUTOCAST_REGION = getattr(torch.ops.higher_order, "wrap_with_autocast", None)
+
+
 def _drop_asserts(gm: fx.GraphModule) -> None:
-    """Remove runtime metadata asserts: they check global shapes and would fail on local shards."""
+    """Remove runtime metadata asserts: they check global shapes (and the trace-time device) and
+    would fail on local shards. Higher-order ops' submodules (``torch.no_grad()`` and
+    ``torch.autocast`` regions) are cleaned the same way."""
     for n in list(gm.graph.nodes):
-        if n.op == "call_function" and n.target in (
-            torch.ops.aten._assert_tensor_metadata.default,
-            torch.ops.aten._assert_scalar.default,
-        ):
+        if n.op == "call_function" and n.target in _ASSERTS:
             gm.graph.erase_node(n)
     gm.graph.eliminate_dead_code()
     gm.recompile()
+    for _, sub in gm.named_children():
+        if isinstance(sub, fx.GraphModule):
+            _drop_asserts(sub)
+
+
+def retarget_region(
+    sub: fx.GraphModule,
+    device: Callable[[fx.Graph], object],
+    device_type: Callable[[fx.Graph], object] | None = None,
+) -> fx.GraphModule:
+    """A copy of a higher-order op's submodule (a ``torch.no_grad()`` or ``torch.autocast`` region
+    the tracer kept as ``wrap_with_set_grad_enabled`` / ``wrap_with_autocast``), nested regions
+    included, with every ``torch.device`` argument replaced by ``device(graph)`` and every
+    autocast region's device type by ``device_type(graph)`` (None: kept): a constant (the meta device, to
+    probe it) or a node the function adds to ``graph`` (the rank's device, read at run time:
+    ``codegen/lower.py``). The regions name the device they were traced on, which is not where
+    they run."""
+    g = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    holder = torch.nn.Module()
+    for n in sub.graph.nodes:
+        if n.op == "call_function" and n.target in _ASSERTS:
+            continue
+        if n.op == "get_attr":
+            value = getattr(sub, n.target)
+            if isinstance(value, fx.GraphModule):
+                value = retarget_region(value, device, device_type)
+            setattr(holder, n.target, value)
+        if n.op != "call_function":
+            env[n] = g.node_copy(n, env.__getitem__)
+            continue
+        args, kwargs = pytree.tree_map(
+            lambda a: device(g) if isinstance(a, torch.device) else a,
+            pytree.tree_map_only(fx.Node, env.__getitem__, (n.args, n.kwargs)),
+        )
+        if n.target is AUTOCAST_REGION and AUTOCAST_REGION is not None and device_type is not None:
+            args = (device_type(g), *args[1:])
+        env[n] = g.create_node("call_function", n.target, tuple(args), kwargs, name=n.name)
+        env[n].meta = dict(n.meta)
+    g.lint()
+    return fx.GraphModule(holder, g, class_name=type(sub).__name__)
 
 
 def _trace_make_fx(model, args, kwargs) -> TracedGraph:

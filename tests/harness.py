@@ -38,7 +38,12 @@ SQUEEZED, FREE_LINK = "squeezed", "free link"  # how an auto mode is planned (mo
 SQUEEZE = 0.7
 # the functions of autopar.codegen.collectives the generated code calls with a mesh axis: each
 # communicates over it, forward or backward (chunk's backward gathers, f's all-reduces, ...)
-COLLECTIVE_FNS = ("all_gather", "chunk", "all_reduce", "reduce_scatter", "to_partial", "f")
+COLLECTIVE_FNS = ("all_gather", "chunk", "all_reduce", "reduce_scatter", "to_partial", "f", "batch_slice")
+
+
+def labelled(label: str):
+    """``torch.testing.assert_close``'s ``msg``: ``label`` before its own account of the mismatch."""
+    return lambda found: f"{label}: {found}"
 
 
 def free_link_cpu(world: int) -> autopar.ClusterSpec:

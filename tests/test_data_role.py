@@ -84,7 +84,7 @@ def _mlp_rank(rank, world, path):
     pm = autopar.autoparallelize(model, _cpu(world), (x, target), plan=path)
     loss, y = pm(x, target)
     loss.backward()
-    grads = {n: p.grad.clone() for n, p in zip(pm._state_specs, pm.parameters())}
+    grads = pm.full_grads()
     return loss.detach(), y.detach(), grads, collective_axes(pm)
 
 
@@ -149,7 +149,7 @@ def _token_loss_rank(rank, world, path, dtype):
     reduces = [n for n in pm.local.graph.nodes if n.target is C.all_reduce]
     loss = pm(x, target)
     loss.backward()
-    grads = {n: p.grad.clone() for n, p in zip(pm._state_specs, pm.parameters())}
+    grads = pm.full_grads()
     return len(reduces), loss.detach(), grads
 
 

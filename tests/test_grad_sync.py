@@ -38,12 +38,7 @@ def _reference_grads():
 
 
 def _full_grads(pmodel) -> dict[str, torch.Tensor]:
-    out = {}
-    for fqn, (attr, spec) in pmodel._state_specs.items():
-        p = getattr(pmodel.local, attr)
-        if isinstance(p, torch.nn.Parameter) and p.grad is not None:
-            out[fqn] = C.gather_full(p.grad, spec, pmodel.mesh).clone()
-    return out
+    return {k: v.clone() for k, v in pmodel.full_grads().items()}
 
 
 def _rank(rank, world, plan_path, bucket_bytes=None):
@@ -79,7 +74,7 @@ def _f_uses(tg, choice, mesh_shape, deferred=None) -> dict[str, list[tuple[int, 
 
     params = {mangle(p.target): p.name for p in tg.placeholders if p.role.value == "param"}
     attrs = {attr: torch.nn.Parameter(torch.empty(0)) for attr in params}
-    gm = lower(tg, choice, mesh_shape, torch.device("cpu"), attrs, deferred)
+    gm = lower(tg, choice, mesh_shape, attrs, deferred)
     coll = {getattr(C, n) for n in ("f", "all_gather", "chunk", "all_reduce", "reduce_scatter", "to_partial")}
     out: dict[str, list[tuple[int, ...]]] = {}
     for node in gm.graph.nodes:
@@ -89,7 +84,7 @@ def _f_uses(tg, choice, mesh_shape, deferred=None) -> dict[str, list[tuple[int, 
         stack = [(u, ()) for u in node.users]
         while stack:
             u, axes = stack.pop()
-            if u.target in coll:
+            if u.target in coll or u.target is C.local:  # C.local: the parameter's local piece
                 axes = axes + ((u.args[1],) if u.target is C.f else ())
                 stack.extend((v, axes) for v in u.users)
             else:

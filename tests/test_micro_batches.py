@@ -34,9 +34,9 @@ import traceback
 import pytest
 import torch
 from harness import D, T, collective_axes, parallel_axes
+from torch.distributed.tensor import DTensor
 
 import autopar
-from autopar.codegen import collectives as C
 from autopar.codegen.micro_batches import MicroBatchError, batch_size, split_batch
 from autopar.examples import gpt2_tiny, llama_tiny, palm_tiny
 from autopar.launch import run_on_ranks
@@ -80,19 +80,20 @@ def build(name: str, batch: int):
 
 def _full_grads(pmodel) -> dict[str, torch.Tensor]:
     """State-dict name -> full gradient (collective on every rank)."""
-    full = {}
-    for fqn, (attr, spec) in pmodel._state_specs.items():
-        p = getattr(pmodel.local, attr)
-        if isinstance(p, torch.nn.Parameter) and p.grad is not None:
-            full[fqn] = C.gather_full(p.grad, spec, pmodel.mesh).clone()
-    return {name: full[fqn] for name, fqn in pmodel._aliases.items() if fqn in full}
+    full = pmodel.full_grads()
+    return {name: full[fqn].clone() for name, fqn in pmodel._aliases.items() if fqn in full}
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local tensor (the module's parameters and buffers are DTensors), or ``t``."""
+    return t._local_tensor if isinstance(t, DTensor) else t
 
 
 def _saved_bytes(pmodel, inputs) -> list[int]:
     """Bytes of the unique storages autograd saves during each forward of one ``step``, the
     module's own state (parameters and buffers) left out. Runs one step (gradients zeroed after)."""
     own = [*pmodel.parameters(), *(v for v in vars(pmodel.local).values() if isinstance(v, torch.Tensor))]
-    state = {t.untyped_storage().data_ptr() for t in own}
+    state = {_local(t).untyped_storage().data_ptr() for t in own}
     per_forward: list[dict[int, int]] = []
 
     def pack(t):

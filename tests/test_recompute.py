@@ -26,6 +26,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.utils._pytree as pytree
+from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import autopar
@@ -112,6 +113,11 @@ def world1(tmp_path_factory):
     dist.destroy_process_group()
 
 
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local tensor (the module's parameters and buffers are DTensors), or ``t``."""
+    return t._local_tensor if isinstance(t, DTensor) else t
+
+
 def _parallel(model, inputs, plan, mode: Recompute = NONE):
     return autopar.autoparallelize(model, _cpu(1), inputs, plan=with_recompute(plan, mode))
 
@@ -174,7 +180,7 @@ class _Watch(TorchDispatchMode):
         self.ops[func.overloadpacket] += 1
         for t in pytree.tree_leaves(out):
             if isinstance(t, torch.Tensor) and t.layout is torch.strided:
-                s = t.untyped_storage()
+                s = _local(t).untyped_storage()
                 self.storages[s.data_ptr()] = (weakref.ref(s), s.nbytes())
         return out
 
@@ -195,7 +201,7 @@ def test_recomputation_frees_activations_and_runs_the_forward_again_in_backward(
     kept, fwd_ops, bwd_ops, losses, grads = {}, {}, {}, {}, {}
     for mode in (NONE, SELECTIVE, FULL):
         pm = _parallel(model, inputs, plan, mode)
-        state = {t.untyped_storage().data_ptr() for t in [*pm.parameters(), *pm.buffers()]}
+        state = {_local(t).untyped_storage().data_ptr() for t in [*pm.parameters(), *pm.buffers()]}
         state |= {t.untyped_storage().data_ptr() for t in inputs.values()}
         with _Watch() as fwd:
             loss = pm(**inputs).loss

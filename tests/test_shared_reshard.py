@@ -41,7 +41,7 @@ def _lowered(res, mesh):
         if p.role.value in ("param", "buffer")
     }
     deferred = deferred_grad_axes(tg, res.choice, mesh)
-    return lower(tg, res.choice, mesh, torch.device("cpu"), attrs, deferred)
+    return lower(tg, res.choice, mesh, attrs, deferred)
 
 
 def _search(name, world, mesh, roles, cluster=None):

@@ -26,7 +26,15 @@ MODELS = {  # name -> (build, mesh shape, axis roles that force sharding on ever
     "llama": (lambda: llama_tiny(batch=4, seq=16, hidden=32, vocab=128), (2, 2), (D, T)),
 }
 # the collectives the generated code calls -> the position of their mesh-axis argument
-AXIS_ARG = {C.all_gather: 2, C.chunk: 2, C.all_reduce: 1, C.reduce_scatter: 2, C.to_partial: 1, C.f: 1}
+AXIS_ARG = {
+    C.all_gather: 2,
+    C.chunk: 2,
+    C.all_reduce: 1,
+    C.reduce_scatter: 2,
+    C.to_partial: 1,
+    C.f: 1,
+    C.batch_slice: 1,
+}
 
 
 def _build(name):
@@ -45,12 +53,8 @@ def _reference(name):
 
 def _full_grads(pmodel) -> dict[str, torch.Tensor]:
     """State-dict name -> full gradient (tied weights: under each of their names)."""
-    full = {}
-    for fqn, (attr, spec) in pmodel._state_specs.items():
-        p = getattr(pmodel.local, attr)
-        if isinstance(p, torch.nn.Parameter) and p.grad is not None:
-            full[fqn] = C.gather_full(p.grad, spec, pmodel.mesh).clone()
-    return {name: full[fqn] for name, fqn in pmodel._aliases.items() if fqn in full}
+    full = pmodel.full_grads()
+    return {name: full[fqn].clone() for name, fqn in pmodel._aliases.items() if fqn in full}
 
 
 def _rank(rank, world, plans):

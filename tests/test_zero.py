@@ -30,9 +30,10 @@ from harness import D, T
 from torch.distributed.tensor import DTensor
 
 import autopar
-from autopar.codegen import collectives as C
+from autopar.codegen.module import full_tensor
 from autopar.examples import gpt2_tiny, llama_tiny, palm_tiny
 from autopar.launch import run_on_ranks
+from autopar.placement import volume_factor
 from autopar.trades import Offload, Precision, Trades, TradesError, ZeroStage
 
 LR = 1e-3
@@ -101,9 +102,18 @@ def _bytes(tensors) -> int:
 
 
 def _opt_state(opt):
-    """Tensors of the optimizer state this rank holds (ZeRO-1: its local optimizer's)."""
-    inner = getattr(opt, "optim", opt)  # ZeroRedundancyOptimizer keeps its partition's in .optim
-    return [v for state in inner.state.values() for v in state.values() if isinstance(v, torch.Tensor)]
+    """Tensors of the optimizer state this rank holds (ZeRO-1: its shares' state)."""
+    return [v for state in opt.state.values() for v in state.values() if isinstance(v, torch.Tensor)]
+
+
+def _plan_bytes(pmodel) -> int:
+    """Bytes of this rank's pieces of the parameters under the plan's placements, before ZeRO."""
+    total = 0
+    for attr, spec in pmodel._state_specs.values():
+        p = getattr(pmodel.local, attr)
+        if isinstance(p, torch.nn.Parameter):
+            total += p.numel() // volume_factor(spec, tuple(pmodel.mesh.shape)) * p.element_size()
+    return total
 
 
 def _full_grads(pmodel) -> dict[str, torch.Tensor]:
@@ -114,8 +124,7 @@ def _full_grads(pmodel) -> dict[str, torch.Tensor]:
     for fqn, (attr, spec) in pmodel._state_specs.items():
         p = getattr(pmodel.local, attr)
         if isinstance(p, torch.nn.Parameter) and p.grad is not None:
-            g = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
-            full[fqn] = C.gather_full(g, spec, pmodel.mesh).clone()
+            full[fqn] = full_tensor(p.grad, spec, pmodel.mesh).clone()
     return {name: full[fqn] for name, fqn in pmodel._aliases.items() if fqn in full}
 
 
@@ -126,7 +135,7 @@ def _rank(rank, world, jobs):
         model, inputs = _build(key[0])
         pmodel = autopar.autoparallelize(model, cluster, inputs, plan=path)
         opt = pmodel.optimizer(torch.optim.Adam, lr=LR)
-        whole = sum(p.numel() * p.element_size() for p in pmodel.parameters())
+        whole = _plan_bytes(pmodel)
         losses, mem = [], {}
         for step in range(STEPS):
             out = pmodel(**inputs)
@@ -148,11 +157,11 @@ def _rank(rank, world, jobs):
                     "params": {p.device.type for p in pmodel.parameters()},
                     "grads": {p.grad.device.type for p in pmodel.parameters() if p.grad is not None},
                     "optimizer": {t.device.type for t in state if t.dim() > 0},
+                    # the optimizer steps the module's parameters (ZeRO-1: through their shares)
                     "stepped": moved
                     and all(
                         any(q is p for q in pmodel.parameters())
-                        for g in opt.param_groups
-                        for p in g["params"]
+                        for p in getattr(opt, "params", [p for g in opt.param_groups for p in g["params"]])
                     ),  # fmt: skip
                     "fsdp": len(pmodel.zero.fsdp_modules),
                     # mixed precision: fp32 masters and gradients, the forward in bf16

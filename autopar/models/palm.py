@@ -34,11 +34,24 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 class Rotary(nn.Module):
     def __init__(self, head_dim: int, max_seq: int, base: float = 10000.0):
         super().__init__()
-        inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
-        freqs = torch.outer(torch.arange(max_seq, dtype=torch.float32), inv_freq)
+        self.head_dim, self.max_seq, self.base = head_dim, max_seq, base
+        self.register_buffer("cos", torch.empty(max_seq, head_dim), persistent=False)
+        self.register_buffer("sin", torch.empty(max_seq, head_dim), persistent=False)
+        self.reset_parameters()
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        """The tables, computed where the buffers are (again after a meta-device build:
+        ``codegen/weights.py`` initializes a model's modules with ``reset_parameters``)."""
+        device = self.cos.device
+        inv_freq = 1.0 / (
+            self.base
+            ** (torch.arange(0, self.head_dim, 2, dtype=torch.float32, device=device) / self.head_dim)
+        )
+        freqs = torch.outer(torch.arange(self.max_seq, dtype=torch.float32, device=device), inv_freq)
         emb = torch.cat((freqs, freqs), dim=-1)  # [max_seq, head_dim]
-        self.register_buffer("cos", emb.cos(), persistent=False)
-        self.register_buffer("sin", emb.sin(), persistent=False)
+        self.cos.copy_(emb.cos())
+        self.sin.copy_(emb.sin())
 
     def forward(self, seq: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.cos[:seq], self.sin[:seq]

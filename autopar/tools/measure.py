@@ -4,7 +4,9 @@
 backward and optimizer alike), counts each storage once (views share it) and subtracts it when the
 last tensor on it dies. Tensors that exist before tracking starts (parameters, buffers) are added
 with ``add_existing``. On CUDA, ``torch.cuda.max_memory_allocated`` measures the same thing
-including the caching allocator's rounding.
+including the caching allocator's rounding. Storages over memory torch did not allocate (not
+resizable: a mapped file's pages, as the slices ``safetensors`` reads view, or a foreign buffer)
+and tensors with no real storage (fake, functional: tracing inside the mode) are not counted.
 """
 
 from __future__ import annotations
@@ -39,8 +41,13 @@ class LiveTensorTracker(TorchDispatchMode):
             t = t._local_tensor
         if t.device.type == "meta":
             return
-        st = t.untyped_storage()
-        key = st.data_ptr()
+        try:
+            st = t.untyped_storage()
+            key = st.data_ptr()
+        except RuntimeError:  # no real storage: a fake or functional tensor (tracing runs inside)
+            return
+        if not st.resizable():  # memory torch did not allocate: a mapped file, a foreign buffer
+            return
         if key == 0:
             return
         if key not in self._refs:

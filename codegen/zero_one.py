@@ -1,0 +1,154 @@
+"""ZeRO-1 over ``DTensor`` parameters: each data-parallel rank keeps and steps the optimizer state
+of its share of every parameter, then the shares are all-gathered back into the parameters.
+
+Why by hand: torch has no ZeRO-1 that takes ``DTensor`` parameters. ``ZeroRedundancyOptimizer``
+broadcasts the parameters with c10d ops a ``DTensor`` has no sharding rule for ("Operator
+c10d.broadcast_.default does not have a sharding strategy registered"), and FSDP2 always
+reduce-scatters gradients (ZeRO-2). What is written here is the part neither does: the step on
+shares and the gather after it; the step itself is the user's optimizer class, unchanged.
+
+**Shares.** A parameter ``p`` (a ``DTensor`` whose placement on the data axis is ``Replicate``:
+the gradient reduction made it whole there) is cut on dim 0 of its local piece into ``d`` equal
+parts, ``d`` the data axis's size; the rank at coordinate ``r`` on that axis owns part ``r``: a
+*share*, a ``DTensor`` whose local tensor is a view of ``p``'s local piece (no copy) and whose
+placement on the data axis is ``Shard(0)`` (``_StridedShard`` where a later axis also shards dim 0,
+as FSDP2 writes it), so that its optimizer state (``zeros_like(share)``) is ``1/d`` of the
+parameter's and checkpoints (``torch.distributed.checkpoint``) see where each piece belongs. A
+parameter whose local dim 0 does not divide by ``d`` (or a scalar) is its own share on every rank,
+stepped in full everywhere (as ZeRO implementations leave small tensors); the plan prices every
+parameter's state as sharded, a difference of a few bias vectors.
+
+**Step.** Each share's gradient is the matching view of the parameter's reduced gradient; the
+inner optimizer (``optimizer_class`` over the shares, whose ``param_groups`` are this object's,
+so learning-rate schedulers work as on any optimizer) steps the shares in place, which updates
+part ``r`` of each parameter; then each bucket of shares (about ``BUCKET_BYTES``) is all-gathered
+over the data axis, one collective per bucket, and the other ranks' parts copied into place.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+
+import torch
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.placement_types import _StridedShard
+
+from autopar.codegen.collectives import gather_into
+from autopar.placement import is_shard
+
+BUCKET_BYTES = 25 * 2**20  # shares gathered per all-gather, as DistributedDataParallel's buckets
+
+
+def _share_placements(p: DTensor, axis: int):
+    """``p``'s placements with dim 0 of its local piece cut over ``axis``."""
+    later = math.prod(
+        p.device_mesh.size(b)
+        for b, q in enumerate(p.placements)
+        if b > axis and is_shard(q) and q.dim % max(p.dim(), 1) == 0
+    )
+    out = list(p.placements)
+    out[axis] = _StridedShard(0, split_factor=later) if later > 1 else Shard(0)
+    return tuple(out)
+
+
+class ZeroOneOptimizer(torch.optim.Optimizer):
+    """``optimizer_class`` over this rank's shares of ``params`` on data axis ``axis`` of ``mesh``
+    (module docstring). ``step``, ``zero_grad``, ``param_groups`` and ``state_dict`` behave as the
+    inner optimizer's; ``shares`` maps each parameter to the tensor the state is kept for."""
+
+    def __init__(
+        self, params: Iterable[torch.nn.Parameter], optimizer_class, mesh: DeviceMesh, axis: int, **kwargs
+    ):
+        self.params = [p for p in params if p.requires_grad]
+        self.mesh, self.axis = mesh, axis
+        d, r = mesh.size(axis), mesh.get_local_rank(axis)
+        self.shares: dict[int, torch.Tensor] = {}
+        self._split: list[tuple[torch.nn.Parameter, torch.Tensor]] = []  # (parameter, its share)
+        for p in self.params:
+            local = p._local_tensor if isinstance(p, DTensor) else p
+            even = (
+                isinstance(p, DTensor)
+                and isinstance(p.placements[axis], Replicate)
+                and local.dim() > 0
+                and local.shape[0] % d == 0
+                and local.is_contiguous()
+            )
+            if not even:
+                self.shares[id(p)] = p
+                continue
+            view = local.detach().chunk(d, dim=0)[r]
+            share = torch.nn.Parameter(
+                DTensor.from_local(view, mesh, _share_placements(p, axis), run_check=False)
+            )
+            self.shares[id(p)] = share
+            self._split.append((p, share))
+        self.inner = optimizer_class([self.shares[id(p)] for p in self.params], **kwargs)
+        super().__init__([self.shares[id(p)] for p in self.params], self.inner.defaults)
+        # one set of groups and state: a scheduler changing a group's lr changes the inner one's
+        self.param_groups = self.inner.param_groups
+        self.state = self.inner.state
+        self._buckets = self._bucket()
+
+    def _bucket(self) -> list[list[tuple[torch.nn.Parameter, torch.Tensor]]]:
+        buckets, size = [[]], 0
+        for p, share in self._split:
+            nbytes = share._local_tensor.numel() * share._local_tensor.element_size()
+            if buckets[-1] and (size + nbytes > BUCKET_BYTES or share.dtype != buckets[-1][0][1].dtype):
+                buckets.append([])
+                size = 0
+            buckets[-1].append((p, share))
+            size += nbytes
+        return [b for b in buckets if b]
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        d, r = self.mesh.size(self.axis), self.mesh.get_local_rank(self.axis)
+        for p, share in self._split:  # each share's gradient: its part of the reduced gradient
+            if p.grad is None:
+                share.grad = None
+                continue
+            g = p.grad._local_tensor if isinstance(p.grad, DTensor) else p.grad
+            share.grad = DTensor.from_local(
+                g.chunk(d, dim=0)[r], self.mesh, share.placements, run_check=False
+            )
+        self.inner.step()
+        group = self.mesh.get_group(self.axis)
+        for bucket in self._buckets:
+            mine = torch.cat([s._local_tensor.reshape(-1) for _, s in bucket])
+            parts = mine.new_empty(d * mine.numel())
+            gather_into(parts, mine, group=group)
+            parts = parts.view(d, mine.numel())
+            off = 0
+            for p, s in bucket:
+                n = s._local_tensor.numel()
+                for q, part in enumerate(p._local_tensor.chunk(d, dim=0)):
+                    if q != r:
+                        part.copy_(parts[q, off : off + n].view_as(part))
+                off += n
+        for _, share in self._split:
+            share.grad = None
+        return loss
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for p in self.params:
+            if p.grad is None:
+                continue
+            if set_to_none:
+                p.grad = None
+            else:
+                p.grad.detach_().zero_()
+        self.inner.zero_grad(set_to_none)
+
+    def state_dict(self):
+        return self.inner.state_dict()
+
+    def load_state_dict(self, state_dict) -> None:
+        self.inner.load_state_dict(state_dict)
+        self.param_groups = self.inner.param_groups
+        self.state = self.inner.state
