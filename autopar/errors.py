@@ -55,3 +55,8 @@ class UnpricedOpError(AutoparError):
 class CrossRankMismatchError(DistributedSetupError):
     """Ranks disagree on what every rank must share (the weights, the example inputs, the plan,
     the batch): the message says what differs, on which ranks, and how to make them agree."""
+
+
+class ReferenceDataError(AutoparError, ValueError):
+    """A file of measured op times (``autopar/tools/op_reference.py``) has a row no pricing knows, or
+    too few rows to fit a figure: the message names the row or the figure."""

@@ -33,10 +33,12 @@ Fields
 * ``kernel_launch_s``: fixed overhead per kernel / op launch in s.
 * ``matmul_dim_half``: in elements, the smallest GEMM size ``d`` (of ``m``, ``k``, ``n``) at which
   a matmul reaches half its large-GEMM efficiency: a GEMM runs ``d / (d + matmul_dim_half)`` as
-  fast (``cost_model/compute.py``). ``autopar calibrate`` fits it; 0 (the GPU presets): no loss.
+  fast (``cost_model/compute.py``). ``autopar calibrate`` fits it; the ``h100-sxm`` and ``h200``
+  presets take it from measured ops (``autopar/presets.py``); 0 (the A100 presets): no loss.
 * ``matmul_overhead_s``: fixed seconds per GEMM (a forward matmul, or each of its backward's)
   beyond ``kernel_launch_s``: what a small GEMM costs whatever its FLOPs (packing its operands,
-  the autograd of a matmul). ``autopar calibrate`` fits it; 0 (the GPU presets): none.
+  the autograd of a matmul). ``autopar calibrate`` fits it (so do the H100 / H200 presets, from
+  measured ops); 0: none.
 * ``comm_overlap``: in [0, 1], the fraction of the ideal overlap of a gradient all-reduce with
   concurrent backward compute that the device realizes (``cost_model/overlap.py``); 0 prices
   overlapped collectives as if they ran inline. ``autopar calibrate`` measures it.

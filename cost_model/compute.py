@@ -14,10 +14,13 @@ product of the mesh axes on which an input or the output is Shard; Partial input
   datasheet figures, or ``autopar calibrate``).
 * ``bw``: ``DeviceSpec.memory_bandwidth`` [B/s]; calibrated as a step sees it (each op writing a
   fresh tensor, its inputs produced a while before: ``autopar/tools/calibrate_compute.py``), which on
-  a CPU is several times slower than the same op repeated on one cache-resident buffer.
+  a CPU is several times slower than the same op repeated on one cache-resident buffer; the H100
+  and H200 presets take what elementwise ops achieved on an H100 (88% of the datasheet's).
 * ``eff(F)``: achievable fraction of peak; large GEMMs reach ~70-80% of dense peak on A100/H100
   (e.g. NVIDIA's Megatron-LM reports 163-173 TFLOP/s of 312 on A100, ~55%, for whole models;
-  cuBLAS GEMMs at large sizes reach 70-80%), small ones far less. Modeled as
+  cuBLAS GEMMs at large sizes reach 70-80%; on one H100, with ``EFF_MAX`` left free per dtype,
+  the fit of ``autopar/tools/op_reference.py`` gives 0.756 bf16 and 0.738 fp32 from
+  ``cost_model/reference/h100_ops.jsonl``), small ones far less. Modeled as
   ``eff = EFF_MAX * F / (F + peak * T_HALF) * d / (d + D)``, which falls for small ops (an op
   that would take ``T_HALF`` seconds at peak reaches half of EFF_MAX, so tiny ops cost about
   ``T_HALF / EFF_MAX``) and for skinny GEMMs: ``d`` is the smallest of the local GEMM's ``m``,

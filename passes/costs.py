@@ -608,15 +608,20 @@ def analytical_node_time(
     new = [a for a, f in zip(inputs, fresh) if f and infos[a.name].requires_grad]
     # its output's gradient read and the new ones written; nothing where it passes the gradient on
     grad_bytes = info.out_bytes + sum(infos[a.name].out_bytes for a in new) if new else 0
-    elements = max(
+    return node_time(
+        info.flops, info.bytes, info.dtype, device, k, info.requires_grad,
+        new_grads=len(new), op=info.target, elements=node_elements(info, inputs), grad_bytes=grad_bytes,
+        min_dim=_local_gemm_min_dim(info.target, inputs, s, mesh_shape),
+    )  # fmt: skip
+
+
+def node_elements(info: NodeInfo, inputs: list[fx.Node]) -> int:
+    """``E`` of ``cost_model.compute``: the elements of the node's largest tensor, output or input
+    (what its per-element figures count: a loss's logits, not its scalar output)."""
+    return max(
         [math.prod(sh) for sh in info.shapes]
         + [t.numel() for a in inputs for t in tensor_vals(a.meta.get("val"))]
     )
-    return node_time(
-        info.flops, info.bytes, info.dtype, device, k, info.requires_grad,
-        new_grads=len(new), op=info.target, elements=elements, grad_bytes=grad_bytes,
-        min_dim=_local_gemm_min_dim(info.target, inputs, s, mesh_shape),
-    )  # fmt: skip
 
 
 def _local_gemm_min_dim(

@@ -39,7 +39,8 @@ def test_h100_numbers():
     assert c.device.peak_flops_for("float32") == 67e12
     assert c.device.peak_flops_for(torch.float8_e4m3fn) == 1979e12
     assert c.device.memory_bytes == 80 * GiB
-    assert c.device.memory_bandwidth == 3.35e12
+    # what elementwise ops achieved on an H100 (tests/test_gpu_preset.py), of the datasheet's 3.35 TB/s
+    assert c.device.memory_bandwidth == 2.96e12
     assert c.inter_node.bandwidth == 50e9
     assert c.host_link.bandwidth == 50e9
     assert 360e9 <= c.intra_node.bandwidth <= 480e9
@@ -68,7 +69,7 @@ def test_h200_numbers():
     h100 = ClusterSpec.preset("h100-sxm")
     assert h200.device.peak_flops == h100.device.peak_flops
     assert h200.device.memory_bytes == 141 * GiB
-    assert h200.device.memory_bandwidth == 4.8e12
+    assert h200.device.memory_bandwidth == 4.24e12  # 4.8 TB/s x the H100's achieved 2.96 / 3.35
     assert h200.host_memory_bytes == 2 * 2**40
 
 
@@ -358,9 +359,9 @@ def test_local_single_process_gloo(monkeypatch):
     [
         ("NVIDIA A100-SXM4-40GB", 42_298_834_944, 312e12, 1555e9),
         ("NVIDIA A100-SXM4-80GB", 85_198_045_184, 312e12, 2039e9),
-        ("NVIDIA H100 80GB HBM3", 85_020_000_000, 989e12, 3.35e12),
-        ("NVIDIA H200", 150_000_000_000, 989e12, 4.8e12),
-        ("NVIDIA L40S", 48_000_000_000, 989e12, 3.35e12),  # unknown -> h100 numbers
+        ("NVIDIA H100 80GB HBM3", 85_020_000_000, 989e12, 2.96e12),  # achieved (test_gpu_preset.py)
+        ("NVIDIA H200", 150_000_000_000, 989e12, 4.24e12),
+        ("NVIDIA L40S", 48_000_000_000, 989e12, 2.96e12),  # unknown -> h100 numbers
     ],
 )
 def test_gpu_device_selection(gpu, mem, flops_bf16, bandwidth):
