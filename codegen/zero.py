@@ -214,7 +214,11 @@ def _upcast(applied: AppliedTrades, module: torch.nn.Module) -> None:
     if applied.trades.precision.mixed:
         for p in module.parameters():
             if p.dtype.is_floating_point and p.dtype != torch.float32:
-                p.data = p.data.float()
+                # swapped, as nn.Module.float() does: ``p.data = ...`` on a DTensor parameter
+                # changes its outer dtype and leaves its local tensor in the half type
+                torch.utils.swap_tensors(
+                    p, torch.nn.Parameter(p.detach().float(), requires_grad=p.requires_grad)
+                )
 
 
 def _fully_shard(applied: AppliedTrades, gm: fx.GraphModule, tg: TracedGraph, deferred, load) -> None:

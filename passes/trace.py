@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import enum
 import hashlib
+import itertools
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -113,6 +114,11 @@ def trace(model: torch.nn.Module, example_inputs, stack_traces: bool = False) ->
     ``stack_traces``: keep each node's source line in ``node.meta["stack_trace"]`` (for dumps);
     collecting them costs about a quarter of the tracing time."""
     args, kwargs = normalize_inputs(example_inputs)
+    if any(t.is_meta for t in itertools.chain(model.parameters(), model.buffers())):
+        # a model built on the meta device is traced on meta inputs: torch < 2.13's fake tensors
+        # refuse an op mixing meta and CPU tensors (the embedding of CPU ids); the traced graph is
+        # the one a model on the inputs' device gives (no cross-device copies of the inputs)
+        args, kwargs = pytree.tree_map_only(torch.Tensor, lambda t: t.to("meta"), (args, kwargs))
     # a private switch of recent torch (2.11 has none: there, stack traces are always collected)
     if not hasattr(torch.fx.config, "do_not_emit_stack_traces"):
         return _trace(model, args, kwargs)

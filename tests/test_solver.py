@@ -199,8 +199,10 @@ def test_small_model_on_many_devices_is_data_parallel():
     ids = torch.randint(0, 50304, (64, 512))
     plan = autopar.plan(model, autopar.ClusterSpec.preset("h100-sxm"), {"input_ids": ids, "labels": ids},
                         mesh_shape=(8,))  # fmt: skip
-    # tokens are sharded (batch or sequence: near-tied for the cost model); weights never are, at use
-    assert plan.decision("input_ids").output in ("S(0)", "S(1)")
+    # tokens are sharded at their embedding (batch or sequence: near-tied for the cost model; the
+    # ids themselves may be taken whole, each rank holding the batch, a tie); weights never are, at use
+    assert plan.decision("embedding").output in ("S(0)", "S(1)")
+    assert plan.decision("embedding").inputs[1] in ("S(0)", "S(1)")
     matmuls = [d for d in plan.decisions if d.op in ("aten.addmm.default", "aten.linear.default")]
     assert len(matmuls) == 2 * 4 + 1
     for d in matmuls:

@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# The runtime's GPU checks in one command, for a GPU machine lent for a few minutes (one GPU,
+# world 1 on NCCL; ../shared/GPU.md says what those machines have):
+#
+#   1. tests/test_one_device.py: GPT-2, Llama and the PaLM-style model in bf16 train as eager PyTorch does;
+#      a meta-device Llama loaded from a save_pretrained folder trains as the saved model;
+#   2. README.md's "On GPUs" example, as written there, under torchrun;
+#   3. benchmarks/bench_gpu.py: eager vs autopar step time and peak memory, predicted vs measured.
+#
+# Logs go to $OUT (default gpu_out/). Packages the machine lacks (pulp, highspy) travel as wheels in
+# .whl/ (see the device tool's README); the project installs editable, without its dependencies.
+#
+#   bash benchmarks/gpu_checks.sh [seconds for the benchmark, default 200]
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-gpu_out}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+if compgen -G ".whl/*.whl" >/dev/null; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+    export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+fi
+python3 -m pip install -q --no-index --no-deps --no-build-isolation -e . >"$OUT/install.log" 2>&1 || {
+    echo "install failed"; tail -20 "$OUT/install.log"; exit 1
+}
+{
+    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+    python3 -c "import torch, transformers, triton; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'transformers', transformers.__version__, 'triton', triton.__version__)"
+} 2>&1 | tee "$OUT/env.txt"
+
+echo "== tests/test_one_device.py"
+timeout 180 python3 -m pytest -q -p no:cacheprovider tests/test_one_device.py -rA 2>&1 | tee "$OUT/test_gpu.log" | tail -15
+
+echo "== README On GPUs example"
+awk '/^# train_gpu.py/{on=1} on&&/^```$/{exit} on' README.md >"$OUT/train_gpu.py"
+timeout 180 torchrun --standalone --nproc-per-node 1 "$OUT/train_gpu.py" >"$OUT/readme.log" 2>&1
+echo "exit $?"; grep -v "^    " "$OUT/readme.log" | tail -12
+
+echo "== benchmarks/bench_gpu.py"
+timeout "${1:-200}" python3 benchmarks/bench_gpu.py --size medium 2>&1 | tee "$OUT/bench_gpu.log" | grep -v "^Running\|^Includes\|loss_type"

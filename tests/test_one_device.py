@@ -1,0 +1,127 @@
+"""On one device the generated module trains as eager PyTorch does: on the CPU (gloo) and, on a CUDA
+machine (skipped elsewhere), on its GPU (NCCL).
+
+One process, world 1, as a user with one GPU runs autopar: Hugging Face GPT-2 and Llama and
+the PaLM-style model, in bf16 (the plan's default for a half-precision model: fp32 master weights,
+bf16 compute), against the same model in eager PyTorch (fp32 weights under
+``torch.autocast``): the losses of three Adam steps and the weights
+after them, within bf16's precision. A Llama built on the meta device and loaded from a
+``save_pretrained`` folder trains as the model that was saved. Every parameter, gradient and
+optimizer state lives on the device.
+
+CI has no GPU: the CUDA cases run on the GPU machines (``benchmarks/gpu_checks.sh``;
+``benchmarks/README.md`` says when they last did).
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import autopar
+from autopar import examples
+from autopar.launch import free_port
+
+STEPS = 3
+LR = 1e-3
+BF16_LOSS = dict(rtol=2e-2, atol=2e-2)
+BF16_STATE = dict(rtol=2e-2, atol=2 * STEPS * LR + 2e-3)  # Adam moves a weight by about LR a step
+
+
+@pytest.fixture(
+    scope="module",
+    params=[
+        "cpu",
+        pytest.param(
+            "cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+        ),
+    ],
+)
+def device(request, tmp_path_factory):
+    """The device type the process group of world 1 runs on (gloo on the CPU, NCCL on a GPU)."""
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", str(free_port()))
+    if request.param == "cuda":
+        torch.cuda.set_device(0)
+    store = tmp_path_factory.mktemp("store") / "pg"
+    dist.init_process_group(
+        "nccl" if request.param == "cuda" else "gloo", init_method=f"file://{store}", rank=0, world_size=1
+    )
+    yield request.param
+    dist.destroy_process_group()
+
+
+def _build(name: str):
+    if name == "palm":
+        model, batch = examples.palm_tiny(batch=4, seq=64, layers=2, hidden=128, heads=4, vocab=512)
+    else:
+        model, batch = getattr(examples, f"{name}_tiny")(batch=4, seq=64, layers=2, hidden=128, vocab=512)
+    return model.to(torch.bfloat16), batch
+
+
+def _eager(model, batch, device: str):
+    """(losses, state) of eager PyTorch: fp32 weights under bf16 autocast, Adam."""
+    model = copy.deepcopy(model).float().to(device)
+    batch = {k: v.to(device) for k, v in batch.items()}
+    opt = torch.optim.Adam(model.parameters(), lr=LR)
+    losses = []
+    for _ in range(STEPS):
+        with torch.autocast(device, dtype=torch.bfloat16):
+            loss = model(**batch).loss
+        loss.backward()
+        losses.append(loss.detach().float().cpu())
+        opt.step()
+        opt.zero_grad()
+    return losses, {k: v.detach().float().cpu() for k, v in model.state_dict().items()}
+
+
+def _autopar(model, batch, device: str, **kw):
+    pmodel = autopar.autoparallelize(model, autopar.ClusterSpec.local(), batch, **kw)
+    opt = pmodel.optimizer(torch.optim.Adam, lr=LR)
+    losses = []
+    for _ in range(STEPS):
+        loss = pmodel.step(**batch)  # a CPU batch: the module moves it to its device
+        losses.append(loss.detach().float().cpu())
+        where = {p.device.type for p in pmodel.parameters()}
+        where |= {p.grad.device.type for p in pmodel.parameters() if p.grad is not None}
+        opt.step()
+        where |= {
+            v.device.type for s in opt.state.values() for v in s.values() if torch.is_tensor(v) and v.dim()
+        }
+        opt.zero_grad()
+        assert where == {device}, f"state off the {device}: {where}"
+    state = {k: v.float().cpu() for k, v in pmodel.full_state_dict().items()}
+    return losses, state, pmodel.plan
+
+
+def _check(got, want, what):
+    (g_losses, g_state), (w_losses, w_state) = got, want
+    for step, (g, w) in enumerate(zip(g_losses, w_losses)):
+        torch.testing.assert_close(g, w, **BF16_LOSS, msg=f"{what}: loss of step {step}")
+    assert set(g_state) == set(w_state), f"{what}: state names differ"
+    for k in w_state:
+        torch.testing.assert_close(
+            g_state[k], w_state[k], **BF16_STATE, msg=f"{what}: {k} after {STEPS} steps"
+        )
+
+
+@pytest.mark.parametrize("name", ["gpt2", "llama", "palm"])
+def test_bf16_models_train_as_eager(device, name):
+    model, batch = _build(name)
+    want = _eager(model, batch, device)
+    losses, state, plan = _autopar(model, batch, device)
+    assert plan.trades.precision is autopar.Precision.BF16
+    _check((losses, state), want, name)
+
+
+def test_a_meta_llama_loaded_from_a_checkpoint_folder_trains_as_the_saved_model(device, tmp_path):
+    model, batch = _build("llama")
+    model.save_pretrained(tmp_path / "ckpt")
+    with torch.device("meta"):
+        meta = type(model)(model.config).to(torch.bfloat16)
+    losses, state, _ = _autopar(meta, batch, device, weights=str(tmp_path / "ckpt"))
+    _check((losses, state), _eager(model, batch, device), "llama from a checkpoint")
