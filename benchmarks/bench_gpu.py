@@ -15,7 +15,7 @@ each step's end); peak memory: ``torch.cuda.max_memory_allocated`` over the time
 live tensors' peak, ``LiveTensorTracker``). Also ``autopar/eager - 1`` and the plan's predicted
 step and peak against the measured ones.
 
-    python benchmarks/bench_gpu.py [--models gpt2,llama,palm] [--size small|medium] [--steps 20]
+    python benchmarks/bench_gpu.py [--models gpt2,llama,palm] [--size small|medium] [--steps 20] [--profile F]
 
 On a machine without a GPU it runs on the CPU (``--size small`` is the default there): a check
 that it runs, not GPU figures. Record GPU results in benchmarks/README.md with the card and the
@@ -93,6 +93,22 @@ def _measure(step, device: torch.device, warmup: int, steps: int) -> tuple[float
     return statistics.median(times), tracker.peak
 
 
+def _profile(step, device: torch.device, path: str | None, title: str) -> None:
+    """Append the ops of three steps of ``step()`` to ``path``, most device time first."""
+    if not path:
+        return
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=acts) as prof:
+        for _ in range(3):
+            step()
+        _sync(device)
+    key = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
+    with open(path, "a") as f:
+        f.write(f"== {title} (3 steps)\n{prof.key_averages().table(sort_by=key, row_limit=30)}\n")
+
+
 def _eager(build, device, args):
     model, batch = build()
     model = model.float().to(device)  # fp32 masters, bf16 compute: what the plan runs
@@ -106,7 +122,9 @@ def _eager(build, device, args):
         opt.step()
         opt.zero_grad()
 
-    return _measure(step, device, args.warmup, args.steps)
+    result = _measure(step, device, args.warmup, args.steps)
+    _profile(step, device, args.profile, f"{args.current} eager")
+    return result
 
 
 def _autopar(build, device, args):
@@ -120,6 +138,7 @@ def _autopar(build, device, args):
         opt.zero_grad()
 
     t, peak = _measure(step, device, args.warmup, args.steps)
+    _profile(step, device, args.profile, f"{args.current} autopar")
     return t, peak, pmodel.plan
 
 
@@ -129,6 +148,9 @@ def main() -> None:
     ap.add_argument("--size", default=None, choices=sorted(SIZES))
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument(
+        "--profile", default=None, help="append each run's op table (torch.profiler) to this file"
+    )
     args = ap.parse_args()
     cuda = torch.cuda.is_available()
     args.size = args.size or ("medium" if cuda else "small")
@@ -150,6 +172,7 @@ def main() -> None:
     builds = _models(args.size)
     mib = 2**20
     for name in args.models.split(","):
+        args.current = name
         e_t, e_mem = _eager(builds[name], device, args)
         a_t, a_mem, plan = _autopar(builds[name], device, args)
         p = plan.predicted

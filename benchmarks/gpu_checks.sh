@@ -32,9 +32,9 @@ echo "== tests/test_one_device.py"
 timeout 180 python3 -m pytest -q -p no:cacheprovider tests/test_one_device.py -rA 2>&1 | tee "$OUT/test_gpu.log" | tail -15
 
 echo "== README On GPUs example"
-awk '/^# train_gpu.py/{on=1} on&&/^```$/{exit} on' README.md >"$OUT/train_gpu.py"
-timeout 180 torchrun --standalone --nproc-per-node 1 "$OUT/train_gpu.py" >"$OUT/readme.log" 2>&1
+awk '/^# train_gpu.py/{on=1} on&&/^```$/{exit} on' README.md >/tmp/train_gpu.py
+timeout 180 torchrun --standalone --nproc-per-node 1 /tmp/train_gpu.py >"$OUT/readme.log" 2>&1
 echo "exit $?"; grep -v "^    " "$OUT/readme.log" | tail -12
 
 echo "== benchmarks/bench_gpu.py"
-timeout "${1:-200}" python3 benchmarks/bench_gpu.py --size medium 2>&1 | tee "$OUT/bench_gpu.log" | grep -v "^Running\|^Includes\|loss_type"
+timeout "${1:-200}" python3 benchmarks/bench_gpu.py --size medium --profile "$OUT/profile.txt" 2>&1 | tee "$OUT/bench_gpu.log" | grep -v "^Running\|^Includes\|loss_type"
