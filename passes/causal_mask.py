@@ -53,7 +53,8 @@ EVAL_BUDGET_BYTES = 4 * 2**30
 def rewrite_causal_masks(gm: fx.GraphModule) -> int:
     """Rewrite every SDPA call of ``gm``'s graph whose mask is proven causal (module docstring);
     return how many were rewritten."""
-    verdicts: dict[fx.Node, bool] = {}  # one evaluation per mask node (shared by every layer)
+    values: dict[fx.Node, torch.Tensor | None] = {}  # one evaluation per mask (every layer shares it)
+    verdicts: dict[tuple[fx.Node, tuple[int, int]], bool] = {}
     rewritten = 0
     for node in list(gm.graph.nodes):
         if node.op != "call_function" or node.target is not SDPA:
@@ -66,9 +67,13 @@ def rewrite_causal_masks(gm: fx.GraphModule) -> int:
         if not isinstance(q, torch.Tensor) or not isinstance(k, torch.Tensor):
             continue
         shape = (q.shape[-2], k.shape[-2])
+        if not all(isinstance(d, int) for d in shape):  # a dynamic size: no value to compare with
+            continue
+        if mask not in values:
+            values[mask] = _evaluate(mask)
         key = (mask, shape)
         if key not in verdicts:
-            verdicts[key] = is_causal_mask(_evaluate(mask), *shape)
+            verdicts[key] = is_causal_mask(values[mask], *shape)
         if not verdicts[key]:
             continue
         del call["attn_mask"]
@@ -77,7 +82,7 @@ def rewrite_causal_masks(gm: fx.GraphModule) -> int:
         node.args, node.kwargs = (q, k, v), call
         rewritten += 1
     if rewritten:
-        _erase_dead({mask for mask, _ in verdicts})
+        _erase_dead(set(values))
         gm.graph.lint()
         gm.recompile()
     return rewritten
