@@ -5,6 +5,11 @@ Primary path: ``torch.export.export(..., strict=False)`` (training IR: keeps ``a
 Fallback: ``torch.fx.experimental.proxy_tensor.make_fx(pre_dispatch=True)`` over a functional
 call of the module, which also gives an aten-level graph.
 
+Right after capture, ``passes/causal_mask.py`` turns an attention mask proven to be the causal one
+(built from shapes alone, as Hugging Face's mask code does when traced) back into SDPA's
+``is_causal=True``, so that every later step (analysis, rules, cost model, codegen) sees the call
+eager PyTorch makes.
+
 The result, :class:`TracedGraph`, has one placeholder per parameter, buffer, constant and user
 input (in that order, each with its role), ``meta["val"]`` fake tensors on every node, and the
 pytree specs needed to call it like the original module and to rebuild its output structure.
@@ -25,6 +30,7 @@ import torch.fx.config
 import torch.utils._pytree as pytree
 
 from autopar.errors import TraceError
+from autopar.passes.causal_mask import rewrite_causal_masks
 
 
 class Role(enum.Enum):
@@ -108,11 +114,15 @@ def _describe_failure(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {first_line} (at {where})"
 
 
-def trace(model: torch.nn.Module, example_inputs, stack_traces: bool = False) -> TracedGraph:
+def trace(
+    model: torch.nn.Module, example_inputs, stack_traces: bool = False, causal_masks: bool = True
+) -> TracedGraph:
     """Capture ``model(*args, **kwargs)`` as a TracedGraph; raise TraceError naming what failed.
 
     ``stack_traces``: keep each node's source line in ``node.meta["stack_trace"]`` (for dumps);
-    collecting them costs about a quarter of the tracing time."""
+    collecting them costs about a quarter of the tracing time. ``causal_masks``: rewrite attention
+    masks proven causal into ``is_causal=True`` (``passes/causal_mask.py``); False keeps the graph
+    as captured (to compare the two)."""
     args, kwargs = normalize_inputs(example_inputs)
     if any(t.is_meta for t in itertools.chain(model.parameters(), model.buffers())):
         # a model built on the meta device is traced on meta inputs: torch < 2.13's fake tensors
@@ -121,13 +131,17 @@ def trace(model: torch.nn.Module, example_inputs, stack_traces: bool = False) ->
         args, kwargs = pytree.tree_map_only(torch.Tensor, lambda t: t.to("meta"), (args, kwargs))
     # a private switch of recent torch (2.11 has none: there, stack traces are always collected)
     if not hasattr(torch.fx.config, "do_not_emit_stack_traces"):
-        return _trace(model, args, kwargs)
-    previous = torch.fx.config.do_not_emit_stack_traces
-    torch.fx.config.do_not_emit_stack_traces = not stack_traces
-    try:
-        return _trace(model, args, kwargs)
-    finally:
-        torch.fx.config.do_not_emit_stack_traces = previous
+        tg = _trace(model, args, kwargs)
+    else:
+        previous = torch.fx.config.do_not_emit_stack_traces
+        torch.fx.config.do_not_emit_stack_traces = not stack_traces
+        try:
+            tg = _trace(model, args, kwargs)
+        finally:
+            torch.fx.config.do_not_emit_stack_traces = previous
+    if causal_masks:
+        rewrite_causal_masks(tg.graph_module)
+    return tg
 
 
 def _trace(model: torch.nn.Module, args, kwargs) -> TracedGraph:

@@ -1,0 +1,205 @@
+"""Causal masks: an attention mask built from shapes alone that is the causal one becomes ``is_causal``.
+
+Traced, Hugging Face models do not take their eager shortcut (``is_causal=True``, no mask): their
+mask code materializes the causal mask from ``arange`` comparisons and ``expand`` (a
+``(batch, 1, L, S)`` boolean), so the graph calls
+
+    scaled_dot_product_attention(q, k, v, mask)
+
+which keeps SDPA off the flash kernel, and costs the mask's memory and ops. This pass rewrites such
+a call into ``scaled_dot_product_attention(q, k, v, is_causal=True)`` (every other argument as it
+was) when it can *prove* the mask is the causal one:
+
+1. the mask is a function of shapes alone: no ancestor of it is a placeholder (a user input such as
+   ``attention_mask``, a parameter, a buffer), a ``get_attr`` or a random op, so its value is the
+   same at every call;
+2. its value, computed for real on the CPU (an ``fx.Interpreter`` over the mask's ancestors only,
+   every device argument retargeted to the CPU, the meta device of a model planned on meta
+   included), equals SDPA's ``is_causal`` mask: ``C = ones(L, S, dtype=bool).tril()`` (top-left
+   aligned, ``L`` = query rows, ``S`` = key rows) at every index, where a boolean mask attends
+   where True (``mask == C``) and a float mask adds 0 where attended and ``-inf`` (or at most the
+   dtype's lowest finite value) where masked.
+
+Only one slice is compared per broadcast dimension: a leading dim of size 1 or of stride 0 (an
+``expand``) holds one distinct slice, index 0; a leading dim that is really materialized (the batch
+dim of Hugging Face's mask, built by indexing with ``arange(batch)``) is compared in full. Anything
+else (a mask that fails to evaluate, a padding or sliding-window mask, an evaluation that would hold
+more than ``EVAL_BUDGET_BYTES`` at once) is left as it is: never guessed.
+
+Only the top-level graph is visited: an SDPA call inside a higher-order op's region (a
+``torch.no_grad()`` or ``torch.autocast`` submodule) keeps its mask.
+
+The mask nodes no other node uses any more are then erased (placeholders and output untouched), the
+graph linted and recompiled. Every remaining node keeps its ``meta["val"]``: the SDPA output's
+shape and dtype do not depend on the mask, so :class:`~autopar.passes.trace.TracedGraph`'s
+invariants (placeholders, specs, state) hold as they were.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+import torch.utils._pytree as pytree
+
+SDPA = torch.ops.aten.scaled_dot_product_attention.default
+# SDPA's schema, in order (aten::scaled_dot_product_attention)
+SDPA_ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
+# the most bytes the mask's evaluation may hold at once (its live values, as the interpreter frees
+# each after its last use): a (8, 1, 8192, 8192) boolean mask is 512 MiB, and Hugging Face's mask
+# code keeps about three such tensors alive
+EVAL_BUDGET_BYTES = 4 * 2**30
+
+
+def rewrite_causal_masks(gm: fx.GraphModule) -> int:
+    """Rewrite every SDPA call of ``gm``'s graph whose mask is proven causal (module docstring);
+    return how many were rewritten."""
+    values: dict[fx.Node, torch.Tensor | None] = {}  # one evaluation per mask (every layer shares it)
+    verdicts: dict[tuple[fx.Node, tuple[int, int]], bool] = {}
+    rewritten = 0
+    for node in list(gm.graph.nodes):
+        if node.op != "call_function" or node.target is not SDPA:
+            continue
+        call = _bind(node)
+        mask = call.get("attn_mask")
+        if not isinstance(mask, fx.Node) or call.get("is_causal", False):
+            continue
+        q, k = call["query"].meta.get("val"), call["key"].meta.get("val")
+        if not isinstance(q, torch.Tensor) or not isinstance(k, torch.Tensor):
+            continue
+        shape = (q.shape[-2], k.shape[-2])
+        if not all(isinstance(d, int) for d in shape):  # a dynamic size: no value to compare with
+            continue
+        if mask not in values:
+            values[mask] = _evaluate(mask)
+        key = (mask, shape)
+        if key not in verdicts:
+            verdicts[key] = is_causal_mask(values[mask], *shape)
+        if not verdicts[key]:
+            continue
+        del call["attn_mask"]
+        call["is_causal"] = True
+        q, k, v = call.pop("query"), call.pop("key"), call.pop("value")
+        node.args, node.kwargs = (q, k, v), call
+        rewritten += 1
+    if rewritten:
+        _erase_dead(set(values))
+        gm.graph.lint()
+        gm.recompile()
+    return rewritten
+
+
+def _bind(node: fx.Node) -> dict:
+    """The call's arguments by name (positional ones named from the schema)."""
+    call = dict(zip(SDPA_ARGS, node.args))
+    call.update(node.kwargs)
+    return call
+
+
+def ancestors(node: fx.Node) -> list[fx.Node]:
+    """``node`` and every node it depends on, in graph order."""
+    seen: set[fx.Node] = set()
+    stack = [node]
+    while stack:
+        n = stack.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        stack.extend(n.all_input_nodes)
+    return [n for n in node.graph.nodes if n in seen]
+
+
+def _shape_only(nodes: list[fx.Node]) -> bool:
+    """Every node is an op call whose value depends on shapes alone (no input, state or randomness)."""
+    for n in nodes:
+        if n.op != "call_function" or not callable(n.target):
+            return False
+        if torch.Tag.nondeterministic_seeded in getattr(n.target, "tags", ()):
+            return False
+        if isinstance(n.target, torch._ops.HigherOrderOperator):  # a region: runs a submodule
+            return False
+    return True
+
+
+def _live_peak(nodes: list[fx.Node]) -> int:
+    """The most bytes of the nodes' values held at once when each is freed after its last use
+    among ``nodes`` (what ``fx.Interpreter`` does); a value of unknown size counts as too large."""
+    index = {n: i for i, n in enumerate(nodes)}
+    last = {n: index[n] for n in nodes}
+    for n in nodes:
+        for a in n.all_input_nodes:
+            last[a] = max(last[a], index[n])
+    live, peak = 0, 0
+    for i, n in enumerate(nodes):
+        for v in pytree.tree_leaves(n.meta.get("val")):
+            if isinstance(v, torch.Tensor):
+                live += v.numel() * v.element_size()
+            elif v is None or isinstance(v, (torch.SymInt, torch.SymFloat)):
+                return EVAL_BUDGET_BYTES + 1
+        peak = max(peak, live)
+        for a in set(n.all_input_nodes):
+            if last[a] == i:
+                live -= sum(
+                    t.numel() * t.element_size()
+                    for t in pytree.tree_leaves(a.meta.get("val"))
+                    if isinstance(t, torch.Tensor)
+                )
+    return peak
+
+
+def _evaluate(mask: fx.Node) -> torch.Tensor | None:
+    """The mask's value computed on the CPU, or None where it depends on more than shapes, would
+    hold more than ``EVAL_BUDGET_BYTES``, or fails to run."""
+    nodes = ancestors(mask)
+    if not _shape_only(nodes) or _live_peak(nodes) > EVAL_BUDGET_BYTES:
+        return None
+    cpu = torch.device("cpu")
+
+    def on_cpu(a):
+        return cpu if isinstance(a, torch.device) else a
+
+    g = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    for n in nodes:
+        args, kwargs = pytree.tree_map(
+            on_cpu, pytree.tree_map_only(fx.Node, env.__getitem__, (n.args, n.kwargs))
+        )
+        env[n] = g.call_function(n.target, tuple(args), dict(kwargs))
+    g.output(env[mask])
+    try:
+        with torch.no_grad():
+            value = fx.Interpreter(fx.GraphModule(torch.nn.Module(), g)).run()
+    except Exception:  # noqa: BLE001 - a mask that cannot be computed here is left as it is
+        return None
+    return value if isinstance(value, torch.Tensor) else None
+
+
+def is_causal_mask(mask: torch.Tensor | None, rows: int, cols: int) -> bool:
+    """Whether ``mask``, broadcast to ``(..., rows, cols)``, is SDPA's ``is_causal`` mask at every
+    index (module docstring): True attends in a boolean mask; 0 attends and ``-inf`` (or at most the
+    dtype's lowest finite value) masks in a float one."""
+    if mask is None or mask.dim() < 2 or not (mask.dtype == torch.bool or mask.dtype.is_floating_point):
+        return False
+    try:
+        m = mask.expand(*mask.shape[:-2], rows, cols)
+    except RuntimeError:  # the last two dims do not broadcast to (rows, cols)
+        return False
+    # one slice of every broadcast leading dim; a materialized one is compared in full
+    m = m[tuple(0 if m.shape[d] == 1 or m.stride(d) == 0 else slice(None) for d in range(m.dim() - 2))]
+    causal = torch.ones(rows, cols, dtype=torch.bool).tril()
+    if m.dtype == torch.bool:
+        return bool((m == causal).all())
+    masked = (m == float("-inf")) | (m <= torch.finfo(m.dtype).min)
+    return bool(((m == 0) == causal).all() and (masked == ~causal).all())
+
+
+def _erase_dead(masks: set[fx.Node]) -> None:
+    """Erase the masks' ancestors that nothing uses any more, users first (never a placeholder,
+    the output, or an op with side effects)."""
+    nodes = [n for n in masks if n.graph is not None]
+    if not nodes:
+        return
+    graph = nodes[0].graph
+    candidates = set().union(*(ancestors(m) for m in nodes))
+    for n in reversed(list(graph.nodes)):
+        if n in candidates and not n.users and n.op == "call_function" and not n.is_impure():
+            graph.erase_node(n)
