@@ -352,7 +352,7 @@ class ParallelModule(torch.nn.Module):
         ``torch.nn.utils.clip_grad_norm_(pmodel.parameters(), ...)`` gives the same where every
         parameter lives on one mesh; this one also covers pipeline stages (``codegen/state.py``)."""
         params = list(self.parameters())
-        total = S.total_grad_norm(params, norm_type, self._pipeline_group())
+        total = S.total_grad_norm(params, norm_type, self._pipeline_group(), self.zero.pieces)
         S.clip_grads(params, max_norm, total)
         return total
 

@@ -30,7 +30,7 @@ another plan; the names here are the model's.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import NamedTuple
 
 import torch
@@ -227,20 +227,34 @@ def load_optimizer_state_dict(opt, params: Iterable[tuple[str, torch.Tensor]], s
 
 
 @torch.no_grad()
-def total_grad_norm(params: Iterable[torch.Tensor], norm_type: float, pipeline_group=None) -> torch.Tensor:
+def total_grad_norm(
+    params: Iterable[torch.Tensor], norm_type: float, pipeline_group=None, pieces: Mapping | None = None
+) -> torch.Tensor:
     """The norm of every gradient of the whole model: per mesh, torch's ``get_total_norm`` of the
     ``DTensor`` gradients (which reduces over the mesh), combined, and over ``pipeline_group``
-    (the stages' ranks) where given."""
+    (the stages' ranks) where given. ``pieces``: ``id(parameter) -> (the module's mesh, copies)``
+    for parameters whose ``DTensor`` covers only the rank's piece of the plan (FSDP2 on torch <
+    2.13 shards a piece over the data axis's own mesh: ``codegen/zero.py``): their local gradients
+    are reduced over the module's mesh, each element counted once (``copies``: the ranks that hold
+    the same piece)."""
     norm_type = float(norm_type)
+    pieces = pieces or {}
     by_mesh: dict[object, list[torch.Tensor]] = {}
+    spread: dict[object, list[tuple[torch.Tensor, int]]] = {}
     for p in params:
-        if p.grad is not None:
-            key = p.grad.device_mesh if isinstance(p.grad, DTensor) else None
-            by_mesh.setdefault(key, []).append(p.grad)
+        if p.grad is None:
+            continue
+        if id(p) in pieces:
+            mesh, copies = pieces[id(p)]
+            spread.setdefault(mesh, []).append((_local(p.grad), copies))
+            continue
+        key = p.grad.device_mesh if isinstance(p.grad, DTensor) else None
+        by_mesh.setdefault(key, []).append(p.grad)
     norms = []
     for grads in by_mesh.values():
         n = torch.nn.utils.get_total_norm(grads, norm_type)
         norms.append(n.full_tensor() if isinstance(n, DTensor) else n)
+    norms += [_spread_norm(grads, mesh, norm_type) for mesh, grads in spread.items()]
     device = norms[0].device if norms else torch.device("cpu")
     total = (
         torch.linalg.vector_norm(torch.stack([n.to(device).float() for n in norms]), norm_type)
@@ -255,6 +269,27 @@ def total_grad_norm(params: Iterable[torch.Tensor], norm_type: float, pipeline_g
             dist.all_reduce(total, group=pipeline_group)
             total = total.pow(1.0 / norm_type)
     return total
+
+
+def _spread_norm(grads: list[tuple[torch.Tensor, int]], mesh, norm_type: float) -> torch.Tensor:
+    """The norm of local gradient pieces spread over ``mesh``'s ranks, each held by ``copies``
+    ranks: the local sums of ``|g|^p / copies`` summed over every axis of the mesh (a maximum for
+    the infinity norm, where copies do not matter)."""
+    device = grads[0][0].device
+    if math.isinf(norm_type):
+        n = torch.stack(
+            [g.detach().abs().max().float() for g, _ in grads if g.numel()]
+            or [torch.zeros((), device=device)]
+        ).max()
+        op = dist.ReduceOp.MAX
+    else:
+        n = torch.zeros((), device=device)
+        for g, copies in grads:
+            n = n + torch.linalg.vector_norm(g.detach().float(), norm_type).pow(norm_type) / copies
+        op = dist.ReduceOp.SUM
+    for d in range(mesh.ndim):
+        dist.all_reduce(n, op=op, group=mesh.get_group(d))
+    return n if math.isinf(norm_type) else n.pow(1.0 / norm_type)
 
 
 @torch.no_grad()

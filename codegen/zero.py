@@ -90,7 +90,9 @@ that the foreach kernels never mix the two). Under FP16 the user adds a loss sca
 from __future__ import annotations
 
 import contextlib
+import math
 import re
+import warnings
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
@@ -125,6 +127,9 @@ class AppliedTrades:
     mesh: DeviceMesh | None = None  # the module's mesh (ZeRO-1's optimizer gathers on its data axis)
     fsdp_modules: list = field(default_factory=list)  # FSDP2 groups: blocks first, the root last
     sharded: frozenset[str] = frozenset()  # parameter placeholders FSDP2 shards and reduces
+    # torch < 2.13: id(parameter) -> (the module's mesh, the ranks holding its piece) for the
+    # parameters FSDP2 shards as plain pieces over the data axis's mesh (state.total_grad_norm)
+    pieces: dict[int, tuple[DeviceMesh, int]] = field(default_factory=dict)
 
     @property
     def half(self) -> torch.dtype | None:
@@ -249,7 +254,16 @@ def _fully_shard(applied: AppliedTrades, gm: fx.GraphModule, tg: TracedGraph, de
         # the parameters it manages are handed to it as their local pieces (their DTensors end
         # on that mesh; the others stay on the module's: ParallelModule.clip_grad_norm_)
         kwargs.update(mesh=mesh[mesh.mesh_dim_names[axis]])
+        if mesh.ndim > 1:
+            warnings.warn(
+                f"torch {torch.__version__} (< 2.13): FSDP2 shards the parameters of ZeRO-{int(trades.zero_stage)} "
+                "on the data axis's own mesh, the others stay on the module's: "
+                "torch.nn.utils.clip_grad_norm_(pmodel.parameters(), ...) cannot combine their norms "
+                "and returns a wrong one; use pmodel.clip_grad_norm_(max_norm), or torch >= 2.13",
+                stacklevel=2,
+            )
     ignored: set[torch.nn.Parameter] = set()
+    pieces: dict[tuple[torch.nn.Module, str], int] = {}
     blocks = [m for name, m in gm.named_children() if _BLOCK.fullmatch(name)]
     for m in [*blocks, gm]:  # bottom-up, as FSDP2 wants; each group's state made just before
         load(m)
@@ -261,7 +275,16 @@ def _fully_shard(applied: AppliedTrades, gm: fx.GraphModule, tg: TracedGraph, de
                 owner.register_parameter(
                     leaf, torch.nn.Parameter(p._local_tensor, requires_grad=p.requires_grad)
                 )
+                copies = math.prod(
+                    mesh.size(a)
+                    for a, pl in enumerate(p.placements)
+                    if a != axis and isinstance(pl, Replicate)
+                )
+                pieces[(owner, leaf)] = copies
         fully_shard(m, ignored_params=set(ignored), **kwargs)
+        # FSDP2 registered its sharded parameters in place of the pieces
+        applied.pieces.update({id(getattr(o, leaf)): (mesh, c) for (o, leaf), c in pieces.items()})
+        pieces.clear()
         m.set_gradient_divide_factor(1.0)  # the graph's gradients are partial sums: reduce by SUM
         m.set_force_sum_reduction_for_comms(True)
         applied.fsdp_modules.append(m)

@@ -214,6 +214,7 @@ def test_recomputation_frees_activations_and_runs_the_forward_again_in_backward(
     assert kept[FULL] < kept[SELECTIVE] < kept[NONE], kept
     for ops in fwd_ops.values():
         ops.pop(aten.detach, None)  # checkpoints detach what they keep
+        ops.pop(aten.empty, None)  # and, on torch < 2.13, make an empty placeholder per block
     assert fwd_ops[FULL] == fwd_ops[SELECTIVE] == fwd_ops[NONE]  # the forward itself is unchanged
 
     def count(ops, packets):

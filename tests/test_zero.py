@@ -112,7 +112,12 @@ def _plan_bytes(pmodel) -> int:
     for attr, spec in pmodel._state_specs.values():
         p = getattr(pmodel.local, attr)
         if isinstance(p, torch.nn.Parameter):
-            total += p.numel() // volume_factor(spec, tuple(pmodel.mesh.shape)) * p.element_size()
+            if isinstance(p, DTensor) and p.device_mesh.ndim < pmodel.mesh.ndim:
+                # torch < 2.13: FSDP2 shards the plan's piece on the data axis's own mesh, where
+                # the piece is the whole
+                total += p.numel() * p.element_size()
+            else:
+                total += p.numel() // volume_factor(spec, tuple(pmodel.mesh.shape)) * p.element_size()
     return total
 
 
