@@ -83,9 +83,42 @@ def pin_to_core(local_rank: int) -> int | None:
     return core
 
 
+# modules a rank process has imported before it starts: with the ``forkserver`` start method, one
+# server process imports them once and forks every rank of every later run from it, where each
+# spawned rank imported torch and autopar anew (seconds of CPU per rank, the most of a short run's
+# time on a small host). More, comma-separated, in AUTOPAR_RANK_PRELOAD (the tests add the model
+# families they run).
+PRELOAD_ENV = "AUTOPAR_RANK_PRELOAD"
+_PRELOAD = ("__main__", "torch", "torch.distributed", "autopar.api")
+
+
+def _start_method() -> str:
+    """``forkserver`` (preloaded: ``_PRELOAD``) where the platform has it, else ``spawn``. Never
+    ``fork``: the caller may hold threads (gloo's, a solver's) that a forked child would inherit
+    mid-operation."""
+    if "forkserver" not in mp.get_all_start_methods():
+        return "spawn"
+    extra = tuple(m.strip() for m in os.environ.get(PRELOAD_ENV, "").split(",") if m.strip())
+    # takes effect when the server starts (the first run); later calls change nothing
+    mp.get_context("forkserver").set_forkserver_preload(list(_PRELOAD + extra))
+    return "forkserver"
+
+
 def _worker(
-    rank: int, world: int, port: int, fn: Callable, args: tuple, queue, timeout_s: float, pin: bool
+    rank: int,
+    world: int,
+    port: int,
+    fn: Callable,
+    args: tuple,
+    queue,
+    timeout_s: float,
+    pin: bool,
+    environ: dict[str, str],
 ) -> None:
+    # the caller's environment as it is now (a forked rank has the server's, from its start), as a
+    # spawned process would have it
+    os.environ.clear()
+    os.environ.update(environ)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(1)
     keep_freed_memory()
@@ -146,15 +179,15 @@ def run_on_ranks(
 ) -> list:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo processes; return every rank's
     result. ``pin_cores``: bind each rank to a core (``pin_to_core``)."""
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
+    method = _start_method()
+    queue = mp.get_context(method).Queue()
     port = free_port()
     procs = mp.start_processes(
         _worker,
-        args=(world_size, port, fn, args, queue, timeout_s, pin_cores),
+        args=(world_size, port, fn, args, queue, timeout_s, pin_cores, dict(os.environ)),
         nprocs=world_size,
         join=False,
-        start_method="spawn",
+        start_method=method,
     )
     results: dict[int, object] = {}
     errors = []

@@ -9,6 +9,14 @@ from __future__ import annotations
 
 import os
 
+from autopar.launch import PRELOAD_ENV
 from autopar.passes.analyze import STRICT_ENV
 
 os.environ[STRICT_ENV] = "1"
+# rank processes start from a server that imported these once (autopar/launch.py): the model
+# families the multi-process tests build
+os.environ.setdefault(
+    PRELOAD_ENV,
+    "transformers,transformers.models.gpt2.modeling_gpt2,transformers.models.llama.modeling_llama,"
+    "transformers.models.opt.modeling_opt,autopar.examples,autopar.models.palm,hypothesis",
+)
