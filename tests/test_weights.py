@@ -164,9 +164,7 @@ def test_a_meta_model_is_built_shard_by_shard_from_each_source(tmp_path):
             losses, state = (ref_losses, ref_state) if src else (init_losses, init_state)
             assert got["losses"] == pytest.approx(losses, rel=1e-5), where
             for k, v in state.items():
-                torch.testing.assert_close(
-                    got["state"][k], v, **ADAM_STATE, msg=labelled(f"{where}: {k}")
-                )
+                torch.testing.assert_close(got["state"][k], v, **ADAM_STATE, msg=labelled(f"{where}: {k}"))
             assert got["held"] <= 0.55 * whole, f"{where}: holds {got['held']} of the model's {whole} bytes"
             if src is not None:  # its own pieces plus one whole tensor (ZeRO-3: or one group) at most
                 extra = max(biggest, got["group"])
