@@ -221,7 +221,8 @@ def test_every_order_is_complete_and_every_timeline_consistent(case):
     assert tl.makespan == max(e.end for e in tl.events)
     assert 0.0 <= tl.bubble_fraction < 1.0
     assert all(1 <= n <= k * virtual for n in tl.peak_in_flight)
-    assert all(b_ <= n * max(act) + 1e-6 for b_, n in zip(tl.peak_bytes, tl.peak_in_flight))
+    # the peak is a running sum of adds and frees: rounding relative to the bytes (1e9 here and there)
+    assert all(b_ <= n * max(act) * (1 + 1e-12) + 1e-6 for b_, n in zip(tl.peak_bytes, tl.peak_in_flight))
 
 
 # -- torch's own orders ------------------------------------------------------------------------------
