@@ -88,6 +88,20 @@ def train(model, inputs, steps: int = STEPS) -> list[tuple[str, torch.Tensor, to
     return outs
 
 
+def adam_reference(model, inputs, steps: int, lr: float) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """The single-device run a parallel one is checked against: ``steps`` Adam steps on the
+    model's own loss; (the loss of every step, the state dict after them)."""
+    opt = torch.optim.Adam(model.parameters(), lr=lr)
+    losses = []
+    for _ in range(steps):
+        loss = model(**inputs).loss
+        loss.backward()
+        losses.append(loss.item())
+        opt.step()
+        opt.zero_grad()
+    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
 def reference(build: Callable, name: str):
     model, inputs = build(name)
     outs = train(model, inputs)

@@ -20,7 +20,7 @@ import os
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from harness import D, T, free_link_cpu, labelled
+from harness import D, T, adam_reference, free_link_cpu, labelled
 from torch.distributed.tensor import DTensor, Shard
 
 import autopar
@@ -84,16 +84,7 @@ def _rank(rank, world, plans, ckpt):
 
 
 def _reference():
-    model, inputs = _build()
-    opt = torch.optim.Adam(model.parameters(), lr=LR)
-    losses = []
-    for _ in range(2 * STEPS):
-        loss = model(**inputs).loss
-        loss.backward()
-        losses.append(loss.item())
-        opt.step()
-        opt.zero_grad()
-    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
+    return adam_reference(*_build(), 2 * STEPS, LR)
 
 
 @pytest.mark.slow

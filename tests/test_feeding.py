@@ -15,7 +15,7 @@ import dataclasses
 
 import pytest
 import torch
-from harness import D, T, free_link_cpu, labelled
+from harness import D, T, adam_reference, free_link_cpu, labelled
 
 import autopar
 from autopar.examples import llama_tiny
@@ -63,16 +63,7 @@ def _rank(rank, world, plans):
 
 
 def _reference():
-    model, inputs = _build()
-    opt = torch.optim.Adam(model.parameters(), lr=LR)
-    losses = []
-    for _ in range(STEPS):
-        loss = model(**inputs).loss
-        loss.backward()
-        losses.append(loss.item())
-        opt.step()
-        opt.zero_grad()
-    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
+    return adam_reference(*_build(), STEPS, LR)
 
 
 @pytest.mark.slow

@@ -19,7 +19,7 @@ import math
 
 import pytest
 import torch
-from harness import D, T, free_link_cpu, labelled
+from harness import D, T, adam_reference, free_link_cpu, labelled
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -112,16 +112,7 @@ def _rank(rank, world, jobs, sources):
 
 
 def _train(model):
-    inputs = _inputs()
-    opt = torch.optim.Adam(model.parameters(), lr=LR)
-    losses = []
-    for _ in range(STEPS):
-        loss = model(**inputs).loss
-        loss.backward()
-        losses.append(loss.item())
-        opt.step()
-        opt.zero_grad()
-    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
+    return adam_reference(model, _inputs(), STEPS, LR)
 
 
 def _initialized():
