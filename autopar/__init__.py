@@ -19,7 +19,7 @@ from autopar.errors import (
     TraceError,
 )
 from autopar.options import AxisRole, Optimizer, SearchOptions, SearchOptionsError
-from autopar.placement import Outputs
+from autopar.placement import Outputs, SeqAttention
 from autopar.plan import NodeDecision, Plan, PlannedCollective, Predicted, Site
 from autopar.reshard import Collective, Phase
 from autopar.trades import Offload, Pipeline, Precision, Recompute, Schedule, Trades, TradesError, ZeroStage
@@ -47,6 +47,7 @@ __all__ = [
     "TradesError",
     "ZeroStage",
     "Outputs",
+    "SeqAttention",
     "Plan",
     "PlanFormatError",
     "PlanMismatchError",

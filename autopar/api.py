@@ -32,7 +32,7 @@ from autopar.passes.solver import Solution, objective_s
 from autopar.passes.strategies import Strategy, build_strategies
 from autopar.passes.trace import TracedGraph, normalize_inputs, trace
 from autopar.passes.trades import apply_trades, half_infos, trade_terms
-from autopar.placement import Outputs, spec_from_str
+from autopar.placement import Outputs, spec_from_str, via_from_str
 from autopar.plan import Plan
 from autopar.tools.profiler import OpProfiler, resolve_profiler
 
@@ -252,7 +252,7 @@ def choice_from_plan(tg: TracedGraph, plan: Plan) -> dict[str, Strategy]:
     allowed = build_strategies(tg, infos, plan.mesh_shape)
     choice = {}
     for d in plan.decisions:
-        s = Strategy(spec_from_str(d.output), tuple(spec_from_str(x) for x in d.inputs))
+        s = Strategy(spec_from_str(d.output), tuple(spec_from_str(x) for x in d.inputs), via_from_str(d.via))
         if d.name in allowed and s not in allowed[d.name].strategies:
             raise PlanFormatError(
                 f"node {d.name} ({d.op}): placement out={d.output} in={list(d.inputs)} is not a valid strategy on "

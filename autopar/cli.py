@@ -4,6 +4,7 @@
     autopar plan MODEL_SPEC --cluster PRESET[:NODESxDEVICES] | SPEC_FILE --out plan.json [--report r.html]
                  [--mesh AxB] [--recompute ..] [--micro-batches K] [--zero-stage ..] [--offload ..]
                  [--precision ..] [--pipeline-stages N] [--schedule ..] [--virtual-stages N]
+                 [--sequence-attention gather|ring|all_to_all]
                  [--profile [--profile-cache PATH] [--profile-threads N]]
     autopar calibrate [--world-size N] [--out cluster.json] [--quick]
     autopar coverage MODEL_SPEC [--json]
@@ -20,7 +21,7 @@ import sys
 
 from autopar.demo import DEMO_MODEL
 from autopar.errors import AutoparError
-from autopar.placement import Outputs
+from autopar.placement import Outputs, SeqAttention
 from autopar.trades import Schedule
 
 
@@ -129,6 +130,13 @@ def _build_parser() -> argparse.ArgumentParser:
         "zero_bubble (default: auto)",
     )
     pl.add_argument(
+        "--sequence-attention",
+        choices=["auto", *(v.value for v in SeqAttention)],
+        default="auto",
+        help="attention on a split sequence: K/V gathered, ring, or all-to-all (Ulysses) (default: auto, "
+        "by cost per attention)",
+    )
+    pl.add_argument(
         "--profile",
         action="store_true",
         help="price ops by running them on this machine (cached) instead of the analytical model; "
@@ -211,6 +219,7 @@ def _cmd_plan(args) -> int:
         pipeline_stages=counts["pipeline_stages"],
         schedule=auto(args.schedule),
         virtual_stages=counts["virtual_stages"],
+        sequence_attention=auto(args.sequence_attention),
         zero_stage=auto(args.zero_stage, int),
         offload=auto(args.offload),
         precision=auto(args.precision),

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, fields
 
 from autopar.errors import AutoparError
-from autopar.placement import Outputs
+from autopar.placement import Outputs, SeqAttention
 from autopar.trades import (
     ENUM_FIELDS,
     Offload,
@@ -73,6 +73,9 @@ class SearchOptions:
       forced: ``pipeline_stages`` (1: no pipeline; ``mesh_shape`` is then one stage's mesh, of
       ``world / pipeline_stages`` devices), ``schedule`` (``Schedule``), ``virtual_stages``
       (chunks per pipeline rank, for the interleaved schedules).
+    * ``sequence_attention``: how attention runs where the plan splits its sequence over an axis
+      (``SeqAttention``: K/V gathered, ring, or all-to-all); None lets the solver choose per
+      attention by cost.
     """
 
     mesh_shape: tuple[int, ...] | None = None
@@ -91,8 +94,17 @@ class SearchOptions:
     pipeline_stages: int | None = None
     schedule: Schedule | None = None
     virtual_stages: int | None = None
+    sequence_attention: SeqAttention | None = None
 
     def __post_init__(self) -> None:
+        if self.sequence_attention is not None:
+            try:
+                object.__setattr__(self, "sequence_attention", SeqAttention(self.sequence_attention))
+            except ValueError:
+                raise SearchOptionsError(
+                    f"sequence_attention must be one of {[v.value for v in SeqAttention]} (or None: auto), got "
+                    f"{self.sequence_attention!r}"
+                ) from None
         for name in ("pipeline_stages", "virtual_stages"):
             v = getattr(self, name)
             if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):

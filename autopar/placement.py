@@ -140,3 +140,35 @@ def output_placement(spec: Sequence[Placement], outputs: Outputs) -> Spec:
     if outputs is Outputs.FULL:
         return replicated(len(spec))
     return tuple(R if is_partial(p) else p for p in spec)
+
+
+class SeqAttention(enum.Enum):
+    """How attention runs where its queries are split over a mesh axis along the sequence.
+
+    * ``GATHER``: each rank's query rows against every key: K and V are all-gathered (every rank
+      then holds the whole sequence's keys and values). Placements alone say it: inputs
+      ``(S(L), R, R)``.
+    * ``RING``: Q, K and V all stay split on the sequence; K/V blocks travel around the ring of the
+      axis's ranks and each block's partial result is merged with an online softmax (Liu et al.
+      2023, "Ring Attention"), each send overlapped with the previous block's compute.
+    * ``ALL_TO_ALL``: DeepSpeed-Ulysses (Jacobs et al. 2023): one all-to-all per tensor turns Q, K,
+      V from sequence- to head-split, attention runs on whole sequences of a slice of the heads,
+      and one all-to-all turns the output back; a single K/V head (multi-query) is all-gathered.
+
+    ``RING`` and ``ALL_TO_ALL`` take the same placements ``(S(L), S(S), S(S))``; a strategy names
+    which in ``Strategy.via``."""
+
+    GATHER = "gather"
+    RING = "ring"
+    ALL_TO_ALL = "all_to_all"
+
+
+def via_to_str(via: Sequence[SeqAttention | None]) -> str:
+    """``"ring,-"``: per mesh axis the attention algorithm, ``-`` where there is none ("" when none)."""
+    return ",".join(v.value if v is not None else "-" for v in via) if any(via) else ""
+
+
+def via_from_str(s: str) -> tuple[SeqAttention | None, ...]:
+    if not s:
+        return ()
+    return tuple(None if t == "-" else SeqAttention(t) for t in s.split(","))

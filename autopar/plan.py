@@ -47,7 +47,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from autopar.errors import PlanFormatError, PlanMismatchError
-from autopar.placement import Outputs, Spec, spec_from_str
+from autopar.placement import Outputs, SeqAttention, Spec, is_shard, spec_from_str, via_from_str
 from autopar.reshard import Collective, CollectiveCall, Phase
 from autopar.trades import Pipeline, Trades
 
@@ -147,11 +147,21 @@ class NodeDecision:
     compute_s: float = 0.0
     comm_s: float = 0.0  # resharding into this node's inputs (forward + backward)
     collectives: tuple[PlannedCollective, ...] = ()
+    # per mesh axis, the algorithm of an op whose placements do not say it ("ring,-": attention
+    # on a sequence split, ``SeqAttention``); "" where there is none
+    via: str = ""
 
     def __post_init__(self) -> None:
         spec_from_str(self.output)  # validates
         for s in self.inputs:
             spec_from_str(s)
+        try:
+            via_from_str(self.via)
+        except ValueError:
+            raise PlanFormatError(
+                f"node {self.name}: via {self.via!r} names no attention algorithm "
+                f"({[v.value for v in SeqAttention]}, '-' for none, one per mesh axis)"
+            ) from None
         if self.compute_s < 0 or self.comm_s < 0:
             raise PlanFormatError(f"node {self.name}: negative predicted time")
 
@@ -290,6 +300,7 @@ class Plan:
                 f"; {k} {v.get('seconds', 0.0) * 1e3:+.3f} ms, {v.get('bytes_saved', 0.0) / 2**30:.3f} GiB saved"
                 for k, v in self.trade_costs.items()
             ),
+            *self._attention_lines(),
             *self._pipeline_lines(),
             f"  solver {self.solver.name}: {self.solver.status}, {self.solver.solve_time_s:.2f} s; lower bound "
             f"{self.solver.lower_bound_s * 1e3:.3f} ms; optimality gap {self.solver.gap:.1%}",
@@ -301,6 +312,27 @@ class Plan:
         if len(params) > max_rows:
             lines.append(f"    ... {len(params) - max_rows} more")
         return "\n".join(lines)
+
+    def _attention_lines(self) -> list[str]:
+        """How attention runs where the plan splits its sequence: per algorithm and mesh axis, how
+        many attention ops (K/V gathered is read off the placements: queries split, K/V whole)."""
+        counts: dict[str, int] = {}
+        for d in self.decisions:
+            if not d.op.startswith("aten.scaled_dot_product_attention"):
+                continue
+            for a, v in enumerate(via_from_str(d.via)):
+                if v is not None:
+                    counts[f"{v.value} on axis {a}"] = counts.get(f"{v.value} on axis {a}", 0) + 1
+            if not d.via and len(d.inputs) >= 3:
+                q, k = d.input_specs[0], d.input_specs[1]
+                rank = len(d.shape)
+                for a, (pq, pk) in enumerate(zip(q, k)):
+                    if is_shard(pq) and pq.dim % max(rank, 1) == rank - 2 and not is_shard(pk):
+                        counts[f"gather on axis {a}"] = counts.get(f"gather on axis {a}", 0) + 1
+        if not counts:
+            return []
+        each = ", ".join(f"{k} ({n} op{'s' if n != 1 else ''})" for k, n in counts.items())
+        return [f"  attention on a split sequence: {each}"]
 
     def _pipeline_lines(self) -> list[str]:
         """The pipeline, one line per run of chunks priced alike (same block count, forward and

@@ -13,6 +13,8 @@ all_reduce         sum (Partial -> Replicate)  identity
 reduce_scatter     sum + slice                 all-gather
 to_partial         keep on coordinate 0        identity
 f                  identity                    all-reduce (Megatron-LM's "f")
+all_to_all         re-cut: split one dim,      the all-to-all the other way
+                   concatenate another
 =================  ==========================  ======================================
 
 Which mesh. The generated code names a mesh axis, never a process group or a mesh
@@ -168,6 +170,28 @@ class _ReduceScatter(torch.autograd.Function):
         return _gather(g, ctx.dim, ctx.mesh, ctx.axis), None, None, None
 
 
+def _all_to_all(x: torch.Tensor, split_dim: int, cat_dim: int, mesh: DeviceMesh, axis: int) -> torch.Tensor:
+    """Cut ``x`` in n pieces along ``split_dim``, send piece i to coordinate i, and concatenate the
+    pieces received along ``cat_dim`` in coordinate order (one ``all_to_all_single``)."""
+    n = mesh.size(axis)
+    send = torch.stack(x.chunk(n, dim=split_dim)).contiguous()  # piece i at row i
+    recv = torch.empty_like(send)
+    dist.all_to_all_single(recv, send, group=axis_group(mesh, axis))
+    return torch.cat(recv.unbind(0), dim=cat_dim)
+
+
+class _AllToAll(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, split_dim, cat_dim, axis, mesh):
+        ctx.dims, ctx.axis, ctx.mesh = (split_dim, cat_dim), axis, mesh
+        return _all_to_all(x, split_dim, cat_dim, mesh, axis)
+
+    @staticmethod
+    def backward(ctx, g):
+        split_dim, cat_dim = ctx.dims
+        return _all_to_all(g, cat_dim, split_dim, ctx.mesh, ctx.axis), None, None, None, None
+
+
 class _ToPartial(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, axis, mesh):
@@ -255,6 +279,12 @@ def reduce_scatter(x: torch.Tensor, dim: int, axis: int) -> torch.Tensor:
 
 def to_partial(x: torch.Tensor, axis: int) -> torch.Tensor:
     return _ToPartial.apply(x, axis, current_mesh())
+
+
+def all_to_all(x: torch.Tensor, split_dim: int, cat_dim: int, axis: int) -> torch.Tensor:
+    """A value cut along ``cat_dim`` becomes cut along ``split_dim`` (Ulysses' sequence -> heads);
+    backward is the all-to-all the other way."""
+    return _AllToAll.apply(x, split_dim, cat_dim, axis, current_mesh())
 
 
 def f(x: torch.Tensor, axis: int) -> torch.Tensor:

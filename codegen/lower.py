@@ -31,12 +31,22 @@ import torch.utils._pytree as pytree
 from torch.distributed.tensor import Shard
 
 from autopar.codegen import collectives as C
+from autopar.codegen import context_parallel as CP
 from autopar.codegen import local_ops as L
 from autopar.passes.grad_sync import emitted_f_axes, reshard_key
 from autopar.passes.rules import map_args, norm_dim
 from autopar.passes.strategies import Strategy
 from autopar.passes.trace import AUTOCAST_REGION, Role, TracedGraph, retarget_region
-from autopar.placement import Outputs, R, Spec, is_shard, local_shape, output_placement, replicated
+from autopar.placement import (
+    Outputs,
+    R,
+    SeqAttention,
+    Spec,
+    is_shard,
+    local_shape,
+    output_placement,
+    replicated,
+)
 from autopar.reshard import StepKind, reshard_plan
 
 aten = torch.ops.aten
@@ -190,23 +200,56 @@ def _lower_embedding(g, node, args, kwargs, s, mesh_shape):
     return g.call_function(L.vocab_parallel_embedding, (args[0], args[1], coord, padding_idx))
 
 
+_SDPA_ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
+
+
 @lowering(aten.scaled_dot_product_attention.default)
 def _lower_sdpa(g, node, args, kwargs, s, mesh_shape):
     nd = len(node.args[0].meta["val"].shape)
     a = _axis_sharding(s.ins[0], nd - 2)  # query rows sharded: sequence parallel attention
     causal = node.args[5] if len(node.args) > 5 else node.kwargs.get("is_causal", False)
+    full = dict(zip(_SDPA_ARGS, args))
+    full.update(kwargs)
+    if a is not None and mesh_shape[a] > 1 and s.via_axis(SeqAttention.RING) == a:
+        return g.call_function(
+            CP.ring_attention,
+            (
+                full["query"],
+                full["key"],
+                full["value"],
+                full.get("attn_mask"),
+                a,
+                bool(causal),
+                full.get("scale"),
+            ),
+        )
+    if a is not None and mesh_shape[a] > 1 and s.via_axis(SeqAttention.ALL_TO_ALL) == a:
+        return _lower_ulysses(g, node, full, a)
     if a is None or mesh_shape[a] == 1 or not causal:
         return g.call_function(node.target, args, kwargs)
-    full = dict(
-        zip(["query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa"], args)
-    )
-    full.update(kwargs)
     coord = g.call_function(C.coordinate, (a,))
     return g.call_function(
         L.causal_attention_rows,
         (full["query"], full["key"], full["value"], coord, full.get("dropout_p", 0.0), full.get("scale"),
          full.get("enable_gqa", False)),
     )  # fmt: skip
+
+
+def _lower_ulysses(g, node, full: dict, a: int):
+    """DeepSpeed-Ulysses on mesh axis ``a``: Q, K, V re-cut from sequence to heads (one all-to-all
+    each; a single K/V head is all-gathered instead, its gradient reduce-scattered), attention on
+    whole sequences of this rank's heads, the output re-cut back to the sequence."""
+    q = g.call_function(C.all_to_all, (full["query"], 1, 2, a))
+    one_kv_head = node.args[1].meta["val"].shape[1] == 1
+    k, v = (
+        g.call_function(C.all_gather, (full[x], 2, a, True))
+        if one_kv_head
+        else g.call_function(C.all_to_all, (full[x], 1, 2, a))
+        for x in ("key", "value")
+    )
+    rest = {x: full[x] for x in _SDPA_ARGS[3:] if x in full}
+    out = g.call_function(aten.scaled_dot_product_attention.default, (q, k, v), rest)
+    return g.call_function(C.all_to_all, (out, 2, 1, a))
 
 
 @lowering(aten.cross_entropy_loss.default)

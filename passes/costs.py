@@ -69,6 +69,7 @@ from autopar.passes.strategies import AxisRole, NodeStrategies, Strategy
 from autopar.passes.trace import Role, TracedGraph
 from autopar.placement import (
     Outputs,
+    SeqAttention,
     is_replicate,
     is_shard,
     local_shapes,
@@ -185,6 +186,8 @@ class CostTables:
     # held output is charged by then, and no activation is kept past backward)
     step_peak: dict[str, list[float]] = field(default_factory=dict)
     step_position: float = 0.0
+    # node -> per strategy: seconds of one member's collectives inside its lowering (in node_cost)
+    node_inside: dict[str, list[float]] = field(default_factory=dict)
 
 
 def resolve_source(node: fx.Node) -> fx.Node:
@@ -229,7 +232,7 @@ def build_costs(
         info = infos[name]
         n = classes.count(name)
         members = classes.members[name]
-        costs, mems, peaks = [], [], []
+        costs, mems, peaks, inside = [], [], [], []
         if info.role is Role.PARAM and info.requires_grad:
             tables.grad_mem[name] = [
                 n * info.out_bytes / volume_factor(s.out, mesh_shape) for s in ns.strategies
@@ -263,7 +266,9 @@ def build_costs(
             if t is None:
                 t = analytical_node_time(info, ns.inputs, infos, device, k, s, mesh_shape)
             t *= slow
-            t += sum(sec for _, sec in lowering_collectives(ns.node, s, comm))
+            t_in = sum(sec for _, sec in lowering_collectives(ns.node, s, comm, t))
+            inside.append(t_in)
+            t += t_in
             costs.append(n * t + acc)
             # internal saved tensors are cut like the op's work: by its largest split (e.g. a loss's
             # log-probabilities follow the logits, not the scalar output)
@@ -283,6 +288,8 @@ def build_costs(
                 peaks.append(grads + info.grad_temp_bytes / work_vol)
         tables.node_cost[name] = costs
         tables.node_mem[name] = mems
+        if any(inside):
+            tables.node_inside[name] = inside
         if len(peaks) == len(costs):
             tables.node_peak[name] = peaks
     if profiler is not None:
@@ -637,9 +644,14 @@ def _local_gemm_min_dim(
     return gemm_min_dim(op, shapes)
 
 
-def lowering_collectives(node: fx.Node, s: Strategy, comm: CommModel) -> list[tuple[CollectiveCall, float]]:
+def lowering_collectives(
+    node: fx.Node, s: Strategy, comm: CommModel, compute_s: float = 0.0
+) -> list[tuple[CollectiveCall, float]]:
     """Each collective that the lowering of ``node`` under ``s`` runs inside the op, after its own
-    forward compute (codegen/lower.py), with its seconds."""
+    forward compute (codegen/lower.py), with its seconds: what it adds to the step beyond the op's
+    own compute ``compute_s`` (forward + backward, per rank), which a ring's hops overlap."""
+    if s.via:
+        return _sequence_attention_collectives(node, s, comm, compute_s)
     if node.target is aten.cross_entropy_loss.default and all(is_replicate(p) for p in s.out):
         # a mean over a split batch: one all-reduce of the local loss sum and token count (two
         # float32) on every split axis, exactly as codegen/lower.py emits it (a sum or 'none'
@@ -653,3 +665,60 @@ def lowering_collectives(node: fx.Node, s: Strategy, comm: CommModel) -> list[tu
             if split and comm.mesh_shape[a] > 1
         ]
     return []
+
+
+def _sequence_attention_collectives(
+    node: fx.Node, s: Strategy, comm: CommModel, compute_s: float
+) -> list[tuple[CollectiveCall, float]]:
+    """Attention with Q, K, V split on the sequence over an axis (``codegen/context_parallel.py``,
+    ``codegen/lower.py:_lower_ulysses``).
+
+    Ring on an axis of ``n``: forward sends the local K/V block ``n - 1`` hops, each behind one
+    block's compute (a third of the op's time, over ``n`` blocks: the slowest rank computes every
+    block, causal or not); backward sends K/V ``n - 1`` hops and the float32 K/V gradient
+    accumulators ``n`` hops, each step's pair behind one block's backward (the other two thirds),
+    the last accumulator hop behind nothing. A hop costs what it does not hide.
+
+    All-to-all: Q, K, V and the output re-cut once each way, forward and backward (its bytes: the
+    local tensor, of which ``(n-1)/n`` leaves), none hidden; a single K/V head is all-gathered
+    (backward: reduce-scattered) instead."""
+    mesh = comm.mesh_shape
+    q, k, v = (a.meta["val"] for a in node.args[:3])
+    ring = s.via_axis(SeqAttention.RING)
+    if ring is not None:
+        n = mesh[ring]
+        kv_local = (k.numel() * k.element_size() + v.numel() * v.element_size()) / volume_factor(
+            s.ins[1], mesh
+        )
+        grad_local = kv_local * max(1.0, 4 / k.element_size())  # the accumulators are float32 at least
+        hop = comm.time(Collective.SEND_RECV, kv_local, ring)
+        ghop = comm.time(Collective.SEND_RECV, grad_local, ring)
+        fwd_step, bwd_step = compute_s / 3 / n, 2 * compute_s / 3 / n
+        fwd = (n - 1) * max(0.0, hop - fwd_step)
+        bwd = (n - 1) * max(0.0, hop + ghop - bwd_step) + ghop
+        return [
+            (CollectiveCall(Collective.SEND_RECV, ring, kv_local, Phase.FORWARD), fwd),
+            (CollectiveCall(Collective.SEND_RECV, ring, kv_local + grad_local, Phase.BACKWARD), bwd),
+        ]
+    a = s.via_axis(SeqAttention.ALL_TO_ALL)
+    if a is None:
+        return []
+    out: list[tuple[CollectiveCall, float]] = []
+
+    def call(kind: Collective, nbytes: float, phase: Phase) -> None:
+        out.append((CollectiveCall(kind, a, nbytes, phase), comm.time(kind, nbytes, a)))
+
+    def local_bytes(t: torch.Tensor, spec) -> float:
+        return t.numel() * t.element_size() / volume_factor(spec, mesh)
+
+    one_kv_head = k.shape[1] == 1
+    for phase in (Phase.FORWARD, Phase.BACKWARD):
+        call(Collective.ALL_TO_ALL, local_bytes(q, s.ins[0]), phase)  # Q in, the output's gradient in
+        call(Collective.ALL_TO_ALL, local_bytes(q, s.out), phase)  # the output back, Q's gradient back
+        for t, spec in ((k, s.ins[1]), (v, s.ins[2])):
+            if one_kv_head:
+                kind = Collective.ALL_GATHER if phase is Phase.FORWARD else Collective.REDUCE_SCATTER
+                call(kind, local_bytes(t, spec) * mesh[a], phase)
+            else:
+                call(Collective.ALL_TO_ALL, local_bytes(t, spec), phase)
+    return out

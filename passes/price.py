@@ -41,7 +41,7 @@ from autopar.passes.memory_row import peak_bytes
 from autopar.passes.solver import Solution, objective_s
 from autopar.passes.strategies import Strategy
 from autopar.passes.trace import Role, TracedGraph
-from autopar.placement import Outputs, spec_to_str, volume_factor
+from autopar.placement import Outputs, spec_to_str, via_to_str, volume_factor
 from autopar.plan import NodeDecision, Plan, PlannedCollective, Predicted, Site, SolverInfo
 from autopar.reshard import Collective, CollectiveCall, Phase
 
@@ -114,7 +114,12 @@ def price_plan(
         s = choice[n.name]
         # the collectives a lowering runs inside the op are in its table cost: communication here
         inside = lowering_collectives(n, s, comm) if n.op == "call_function" else []
-        inside_s = sum(t for _, t in inside)
+        rep = tables.classes.rep.get(n.name) if tables.classes else n.name
+        inside_s = (
+            tables.node_inside[rep][sol.choice[rep]]
+            if rep in tables.node_inside
+            else sum(t for _, t in inside)
+        )  # a ring's hops are priced against its compute (passes/costs.py)
         cost = _node_compute(tables, sol, n.name) - inside_s
         vol = volume_factor(s.out, mesh)
         if info.role is Role.PARAM:
@@ -134,6 +139,7 @@ def price_plan(
                 comm_s=comm_in.get(n.name, 0.0) + inside_s,
                 collectives=tuple(colls.get(n.name, ()))
                 + tuple(PlannedCollective.of(call, Site.INSIDE) for call, _ in inside),
+                via=via_to_str(s.via),
             )
         )
     t_step = objective_s(tables, sol.choice)

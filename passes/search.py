@@ -81,7 +81,7 @@ from autopar.passes.trades import (
     param_state,
     trade_terms,
 )
-from autopar.placement import is_shard, spec_to_str
+from autopar.placement import SeqAttention, is_shard, spec_to_str
 from autopar.plan import Plan
 from autopar.trades import Offload, Schedule, Trades, ZeroStage
 
@@ -224,7 +224,9 @@ def search(
         if isinstance(fixed, NoPlanFitsError):  # e.g. a batch of one: no data parallelism at all
             _skip(run, fixed, candidates, unplaceable, st)
             continue
-        strats = strategies_stage(tg, infos, run, classes, fixed, candidates, unplaceable, st)
+        strats = strategies_stage(
+            tg, infos, run, classes, fixed, candidates, unplaceable, st, options.sequence_attention
+        )
         if strats is None:
             continue
         tables = cost_stage(tg, cinfos, strats, cluster, run, options, classes, profiler, st)
@@ -394,13 +396,16 @@ def strategies_stage(
     candidates: list[dict],
     unplaceable: list[str],
     st: _Stages,
+    seq_attention: SeqAttention | None = None,
 ) -> dict[str, NodeStrategies] | None:
     """Every node's strategies on the candidate's mesh; None (the candidate skipped, the reason
     kept for the error should no candidate fit) where its axis roles leave some tensor no
     placement (a batch of one on a data-parallel axis, a dim that does not divide)."""
     only = set(classes.members) if classes else None
     try:
-        strats = build_strategies(tg, infos, run.mesh, run.roles, only=only, fixed=fixed)
+        strats = build_strategies(
+            tg, infos, run.mesh, run.roles, only=only, fixed=fixed, seq_attention=seq_attention
+        )
     except NoPlanFitsError as e:
         _skip(run, e, candidates, unplaceable, st)
         return None
@@ -641,7 +646,9 @@ def pipeline_candidates(
         if isinstance(fixed, NoPlanFitsError):
             _skip(run, fixed, candidates, unplaceable, st)
             continue
-        strats = strategies_stage(tg, infos, run, classes, fixed, candidates, unplaceable, st)
+        strats = strategies_stage(
+            tg, infos, run, classes, fixed, candidates, unplaceable, st, options.sequence_attention
+        )
         if strats is None:
             continue
         tables = cost_stage(tg, cinfos, strats, sub, run, options, classes, profiler, st)

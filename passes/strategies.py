@@ -9,8 +9,9 @@ fallback is logged once per op.
 Constraints on the search (``AxisRole``) restrict the strategies of placeholders:
 ``DATA`` on an axis replicates parameters and shards user inputs on dim 0 (data parallelism);
 ``TENSOR`` replicates user inputs and shards every parameter of two or more dims (tensor
-parallelism); ``SEQUENCE`` replicates parameters and shards user inputs on dim 1, the sequence
-(context parallelism: attention then runs on query blocks against gathered keys and values);
+parallelism); ``SEQUENCE`` replicates parameters and shards user inputs on dim 1, the sequence, and splits
+attention's queries on the sequence (context parallelism: K/V gathered, a ring, or all-to-all,
+``SeqAttention``; ``seq_attention`` forces one);
 ``AUTO`` leaves the choice to the solver.
 
 ``fixed`` pins mesh axes of every node to placements chosen beforehand, given as strategies on a
@@ -27,6 +28,7 @@ import operator
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import torch
 import torch.fx as fx
 from torch.distributed.tensor.placement_types import Replicate, Shard
 
@@ -35,16 +37,24 @@ from autopar.options import AxisRole
 from autopar.passes.analyze import NodeInfo
 from autopar.passes.rules import RULES, VIEW_OPS, AxisOption, make_ctx, tensor_inputs, writes_inputs
 from autopar.passes.trace import Role, TracedGraph
-from autopar.placement import Spec, is_partial, is_replicate, is_shard
+from autopar.placement import SeqAttention, Spec, is_partial, is_replicate, is_shard
 
 log = logging.getLogger(__name__)
 R = Replicate()
+aten = torch.ops.aten
 
 
 @dataclass(frozen=True)
 class Strategy:
     out: Spec
     ins: tuple[Spec, ...]  # one spec per tensor input (see rules.tensor_inputs)
+    # per mesh axis, the algorithm of an op whose placements do not say it (``SeqAttention``);
+    # empty where no axis has one
+    via: tuple[SeqAttention | None, ...] = ()
+
+    def via_axis(self, kind: SeqAttention) -> int | None:
+        """The mesh axis this strategy runs ``kind`` on, if any."""
+        return next((a for a, v in enumerate(self.via) if v is kind), None)
 
     def split_axes(self) -> tuple[bool, ...]:
         """Per axis: is the op split over the axis (anything but all-Replicate)? Where an input is
@@ -128,11 +138,33 @@ def expand(
             continue
         if not all(_fits(shape, s, mesh_shape) for shape, s in zip(in_shapes, ins)):
             continue
-        key = (o_spec, ins)
+        if not _splits_fit(combo, ins, in_shapes, mesh_shape):
+            continue
+        via = tuple(c.via for c in combo) if any(c.via for c in combo) else ()
+        key = (o_spec, ins, via)
         if key not in seen:
             seen.add(key)
-            out.append(Strategy(o_spec, ins))
+            out.append(Strategy(o_spec, ins, via))
     return out
+
+
+def _splits_fit(
+    combo: Sequence[AxisOption],
+    ins: Sequence[Spec],
+    in_shapes: Sequence[Sequence[int]],
+    mesh_shape: Sequence[int],
+) -> bool:
+    """Every dim an option's algorithm cuts itself (``AxisOption.splits``) divides evenly by its
+    axis, after the other axes' Shards of that dim."""
+    for a, c in enumerate(combo):
+        for i, d in c.splits:
+            size = in_shapes[i][d]
+            for b, p in enumerate(ins[i]):
+                if b != a and is_shard(p) and p.dim == d:
+                    size //= mesh_shape[b]
+            if size % mesh_shape[a] or size < mesh_shape[a]:
+                return False
+    return True
 
 
 def placeholder_options(shape: Sequence[int]) -> list[AxisOption]:
@@ -146,6 +178,7 @@ def build_strategies(
     axis_roles: Sequence[AxisRole] | None = None,
     only: set[str] | None = None,
     fixed: dict[int, dict[str, Strategy]] | None = None,
+    seq_attention: SeqAttention | None = None,
 ) -> dict[str, NodeStrategies]:
     """Strategies of every placeholder and op node (or of the names in ``only``: class representatives).
 
@@ -160,7 +193,11 @@ def build_strategies(
             continue
         info = infos[node.name]
         pinned = {
-            a: AxisOption(f[node.name].out[0], tuple(x[0] for x in f[node.name].ins))
+            a: AxisOption(
+                f[node.name].out[0],
+                tuple(x[0] for x in f[node.name].ins),
+                f[node.name].via[0] if f[node.name].via else None,
+            )
             for a, f in (fixed or {}).items()
             if node.name in f
         }
@@ -191,8 +228,47 @@ def build_strategies(
             if node.name in mutated:
                 options = []  # stays replicated: a reshard would copy it and the mutation would be lost
             strategies = expand(options, len(ins), info.shapes, in_shapes, mesh_shape, pinned)
+            if node.target is SDPA:
+                strategies = _attention_strategies(
+                    strategies, in_shapes, mesh_shape, axis_roles, seq_attention
+                )
             result[node.name] = NodeStrategies(node, strategies, ins, rule is not None)
     return result
+
+
+SDPA = aten.scaled_dot_product_attention.default
+
+
+def _attention_strategies(
+    strategies: list[Strategy],
+    in_shapes,
+    mesh_shape: Sequence[int],
+    axis_roles: Sequence[AxisRole],
+    kind: SeqAttention | None,
+) -> list[Strategy]:
+    """Attention's strategies under the search's constraints: on a ``SEQUENCE`` axis its queries
+    are split on the sequence (context parallelism), where any strategy does so; with ``kind``
+    forced, a split sequence runs only by that algorithm."""
+    seq = len(in_shapes[0]) - 2
+    for a, role in enumerate(axis_roles):
+        if role is AxisRole.SEQUENCE and mesh_shape[a] > 1:
+            split = [s for s in strategies if is_shard(s.ins[0][a]) and s.ins[0][a].dim == seq]
+            strategies = split or strategies
+    if kind is not None:
+        strategies = [s for s in strategies if _attention_is(s, in_shapes, mesh_shape, kind)]
+    return strategies
+
+
+def _attention_is(s: Strategy, in_shapes, mesh_shape: Sequence[int], kind: SeqAttention) -> bool:
+    """Does attention strategy ``s`` split its queries' sequence only by ``kind`` (or not at all)?"""
+    seq = len(in_shapes[0]) - 2
+    for a, p in enumerate(s.ins[0]):
+        if not (is_shard(p) and p.dim == seq and mesh_shape[a] > 1):
+            continue
+        via = s.via[a] if s.via else None
+        if (via or SeqAttention.GATHER) is not kind:
+            return False
+    return True
 
 
 def mutated_views(tg: TracedGraph) -> set[str]:

@@ -266,6 +266,47 @@ def test_sdpa(b, hkv, group, lq, lk, e, mask, mesh):
 
 
 @SETTINGS
+@given(
+    hkv=st.sampled_from([1, 2, 4]),
+    group=st.sampled_from([1, 2]),
+    seq=st.sampled_from([4, 6, 12]),
+    mask=st.sampled_from(["causal", "none", "bool_ls", "float_b1ls", "float_b11s", "float_1hls"]),
+    mesh=st.sampled_from([(2,), (3,), (4,), (2, 2)]),
+)
+def test_sdpa_sequence_split_ring_and_all_to_all(hkv, group, seq, mask, mesh):
+    """Queries, keys and values all split on the sequence: the ring (K/V blocks passed around the
+    axis, online softmax, forward and backward run by the real ring code in one thread per rank)
+    and the all-to-all (heads for sequence) compute the dense attention, with grouped and single
+    K/V heads and every mask kind; all-to-all is offered only where the heads divide the axis."""
+    from autopar.placement import SeqAttention
+
+    hq = hkv * group
+    q, k, v = randn((2, hq, seq, 4), 1), randn((2, hkv, seq, 4), 2), randn((2, hkv, seq, 4), 3)
+    attn_mask, causal = None, mask == "causal"
+    if mask == "bool_ls":
+        attn_mask = randn((seq, seq), 4) > 0
+        attn_mask[:, 0] = True
+    elif mask == "float_b1ls":
+        attn_mask = randn((2, 1, seq, seq), 4)
+    elif mask == "float_b11s":  # a padding mask: the same for every query row
+        attn_mask = randn((2, 1, 1, seq), 4)
+    elif mask == "float_1hls":
+        attn_mask = randn((1, hq, seq, seq), 4)
+    args = (q, k, v, attn_mask, 0.0, causal)
+    strategies = assert_rules_hold(
+        aten.scaled_dot_product_attention.default, args, {"enable_gqa": hq != hkv}, mesh
+    )
+    n = mesh[-1]
+    vias = {v for s in strategies for v in s.via if v is not None and seq % n == 0}
+    if seq % n == 0:
+        assert SeqAttention.RING in vias
+    heads_divide = hq % n == 0 and (hkv == 1 or hkv % n == 0)
+    head_free_mask = attn_mask is None or attn_mask.dim() < 3 or attn_mask.shape[-3] == 1
+    if seq % n == 0 and mesh == (n,):
+        assert (SeqAttention.ALL_TO_ALL in vias) == (heads_divide and head_free_mask)
+
+
+@SETTINGS
 @given(b=sizes, s=st.sampled_from([2, 4]), e=st.sampled_from([2, 4]))
 def test_sdpa_3d_never_shards_sequence(b, s, e):
     args = (randn((b, s, e), 1), randn((b, s, e), 2), randn((b, s, e), 3))

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import threading
 from collections.abc import Sequence
 
 import torch
@@ -25,6 +26,7 @@ import torch.fx as fx
 from torch.distributed.tensor.placement_types import Placement
 
 from autopar.codegen import collectives as C
+from autopar.codegen import context_parallel as CP
 from autopar.codegen.lower import LOWERINGS, emit_reshard
 from autopar.passes.costs import f_axes
 from autopar.passes.rules import map_args, tensor_inputs
@@ -165,6 +167,10 @@ def _sim_fwd(kind: str, dim: int, xs: Sequence[torch.Tensor]) -> list[torch.Tens
         return [x.clone() if c == 0 else torch.zeros_like(x) for c, x in enumerate(xs)]
     if kind == "f":
         return [x.clone() for x in xs]
+    if kind == "all_to_all":  # dim: (split, cat); rank dst gets every rank's piece dst
+        split, cat = dim
+        pieces = [x.chunk(n, dim=split) for x in xs]
+        return [torch.cat([pieces[src][dst] for src in range(n)], dim=cat).contiguous() for dst in range(n)]
     raise AssertionError(kind)
 
 
@@ -175,6 +181,7 @@ _BWD = {  # backward of each collective is another collective (see the table in 
     "reduce_scatter": "all_gather",
     "to_partial": "identity",
     "f": "all_reduce",
+    "all_to_all": "all_to_all",
 }
 
 
@@ -188,10 +195,12 @@ class _GroupCollective(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *gs):
-        kind = _BWD[ctx.kind]
+        kind, dim = _BWD[ctx.kind], ctx.dim
         if ctx.kind == "all_gather" and ctx.fused_f:
             kind = "reduce_scatter"
-        grads = list(gs) if kind == "identity" else _sim_fwd(kind, ctx.dim, gs)
+        if ctx.kind == "all_to_all":
+            dim = dim[::-1]
+        grads = list(gs) if kind == "identity" else _sim_fwd(kind, dim, gs)
         return (None, None, None, *grads)
 
 
@@ -202,6 +211,7 @@ _SIMULATED = {  # collective -> (kind, index of dim argument or None, index of a
     C.reduce_scatter: ("reduce_scatter", 1, 2),
     C.to_partial: ("to_partial", None, 1),
     C.f: ("f", None, 1),
+    C.all_to_all: ("all_to_all", (1, 2), 3),
 }
 
 
@@ -209,7 +219,9 @@ def _run_collective(target, args: tuple, kwargs: dict, env_x: list, coords: list
     kind, dim_i, axis_i = _SIMULATED[target]
     flat = list(args) + list(kwargs.values())
     axis = flat[axis_i]
-    dim = flat[dim_i] if dim_i is not None else 0
+    dim = (
+        tuple(flat[i] for i in dim_i) if isinstance(dim_i, tuple) else flat[dim_i] if dim_i is not None else 0
+    )
     fused = bool(flat[3]) if kind == "all_gather" and len(flat) > 3 else False
     out: list = [None] * len(coords)
     groups: dict[Coord, list[int]] = {}
@@ -217,6 +229,105 @@ def _run_collective(target, args: tuple, kwargs: dict, env_x: list, coords: list
         groups.setdefault(c[:axis] + c[axis + 1 :], []).append(r)  # in coordinate order along axis
     for ranks in groups.values():
         res = _GroupCollective.apply(kind, dim, fused, *[env_x[r] for r in ranks])
+        for r, v in zip(ranks, res):
+            out[r] = v
+    return out
+
+
+def _axis_groups(coords: list[Coord], axis: int) -> list[list[int]]:
+    """The ranks of each group along mesh axis ``axis``, in coordinate order."""
+    groups: dict[Coord, list[int]] = {}
+    for r, c in enumerate(coords):
+        groups.setdefault(c[:axis] + c[axis + 1 :], []).append(r)
+    return list(groups.values())
+
+
+class _ThreadRing:
+    """``context_parallel.Transport`` between simulated ranks running in threads: each hop puts
+    this rank's tensors in its slot and takes the previous rank's, between two barriers."""
+
+    def __init__(self, slots: list, barrier: threading.Barrier, rank: int):
+        self.slots, self.barrier, self.rank = slots, barrier, rank
+
+    def start(self, tensors):
+        ring = self
+
+        class _Hop:
+            def wait(self):
+                ring.slots[ring.rank] = [t.clone() for t in tensors]
+                ring.barrier.wait()
+                got = ring.slots[(ring.rank - 1) % len(ring.slots)]
+                ring.barrier.wait()
+                return got
+
+        return _Hop()
+
+
+def _in_threads(fn, n: int) -> list:
+    """``fn(rank, transport)`` for every rank of a ring of ``n``, each in its own thread (they meet
+    at every hop); the first exception is raised here."""
+    slots: list = [None] * n
+    barrier = threading.Barrier(n, timeout=120)
+    results: list = [None] * n
+    errors: list = []
+
+    def run(r):
+        try:
+            results[r] = fn(r, _ThreadRing(slots, barrier, r))
+        except BaseException as e:  # noqa: BLE001 - handed to the caller
+            errors.append(e)
+            barrier.abort()
+
+    threads = [threading.Thread(target=run, args=(r,)) for r in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
+    return results
+
+
+class _GroupRing(torch.autograd.Function):
+    """``context_parallel.ring_attention`` over one axis group of simulated ranks: the real ring
+    forward and backward, every rank in a thread."""
+
+    @staticmethod
+    def forward(ctx, causal, scale, n, *flat):
+        qs, ks, vs, masks = (list(flat[i * n : (i + 1) * n]) for i in range(4))
+        res = _in_threads(
+            lambda r, t: CP.ring_forward(qs[r], ks[r], vs[r], masks[r], r, n, causal, scale, t), n
+        )
+        ctx.causal, ctx.scale, ctx.n = causal, scale, n
+        ctx.save_for_backward(*qs, *ks, *vs, *[r[0] for r in res], *[r[1] for r in res])
+        ctx.masks = masks
+        return tuple(r[0] for r in res)
+
+    @staticmethod
+    def backward(ctx, *douts):
+        n = ctx.n
+        saved = ctx.saved_tensors
+        qs, ks, vs, outs, lses = (saved[i * n : (i + 1) * n] for i in range(5))
+        mask_grad = [ctx.needs_input_grad[3 + 3 * n + r] for r in range(n)]
+        res = _in_threads(
+            lambda r, t: CP.ring_backward(
+                douts[r], qs[r], ks[r], vs[r], ctx.masks[r], outs[r], lses[r], r, n, ctx.causal, ctx.scale, t,
+                mask_grad[r],
+            ),
+            n,
+        )  # fmt: skip
+        return (None, None, None, *[x[i] for i in range(4) for x in res])
+
+
+def _run_ring(args: tuple, env_args: list[list], coords: list[Coord]) -> list:
+    """Every rank's ``ring_attention``: ``env_args`` holds q, k, v and the mask per rank."""
+    axis, causal, scale = args[4], args[5], args[6] if len(args) > 6 else None
+    out: list = [None] * len(coords)
+    for ranks in _axis_groups(coords, axis):
+        n = len(ranks)
+        q0 = env_args[0][ranks[0]]
+        flat = [env_args[i][r] for i in range(4) for r in ranks]
+        res = _GroupRing.apply(causal, CP.attention_scale(q0, scale), n, *flat)
         for r, v in zip(ranks, res):
             out[r] = v
     return out
@@ -273,6 +384,9 @@ def _run_lockstep(g: fx.Graph, local_inputs: list[list[torch.Tensor]], coords: l
         elif n.op == "call_function":
             if n.target is C.coordinate:  # each simulated rank's own coordinate on the axis
                 env[n] = [c[n.args[0]] for c in coords]
+            elif n.target is CP.ring_attention:
+                ins = [env[a] if isinstance(a, fx.Node) else [a] * len(coords) for a in n.args[:4]]
+                env[n] = _run_ring(n.args, ins, coords)
             elif n.target in _SIMULATED:
                 x = n.args[0]
                 args = fx.node.map_arg(n.args, lambda a: None)

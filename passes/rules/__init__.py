@@ -33,16 +33,23 @@ import torch.fx as fx
 import torch.utils._pytree as pytree
 from torch.distributed.tensor.placement_types import Partial, Placement, Replicate, Shard
 
+from autopar.placement import SeqAttention
+
 aten = torch.ops.aten
 R, P = Replicate(), Partial()
 
 
 @dataclass(frozen=True)
 class AxisOption:
-    """One way to run an op on one mesh axis."""
+    """One way to run an op on one mesh axis. ``via``: the algorithm where placements alone do not
+    say it (attention on a sequence split: ``SeqAttention``); ``splits``: the (tensor input, dim)
+    pairs the algorithm itself cuts into as many pieces as the axis has ranks (Ulysses' heads),
+    which must then divide evenly like a Shard's dim."""
 
     out: Placement
     ins: tuple[Placement, ...]
+    via: SeqAttention | None = None
+    splits: tuple[tuple[int, int], ...] = ()
 
 
 @dataclass

@@ -16,6 +16,7 @@ from autopar.passes.rules import (
     register,
     shard_every_dim,
 )
+from autopar.placement import SeqAttention
 
 # embedding, norms, softmax, attention, loss
 
@@ -70,6 +71,30 @@ def sdpa_rule(ctx: OpCtx) -> list[AxisOption]:
     if nd == 4 and (q[1] == k[1] or ctx.arg(7, "enable_gqa", False)):
         kv = Shard(1) if k[1] > 1 else R  # a single K/V head (multi-query) stays replicated
         opts.append(AxisOption(Shard(1), (Shard(1), kv, kv) + mask_pl(1)))
+    return opts + _sequence_attention_options(ctx, mask_pl)
+
+
+def _sequence_attention_options(ctx: OpCtx, mask_pl) -> list[AxisOption]:
+    """Q, K and V all split on the sequence (``SeqAttention.RING`` and ``ALL_TO_ALL``,
+    ``codegen/context_parallel.py``): self-attention shapes (as many keys as queries), no dropout.
+    Ring takes any mask, split by query rows like the queries; all-to-all runs whole sequences
+    of a slice of the heads, so its mask must be whole and the same for every head."""
+    q, k = ctx.in_shapes[0], ctx.in_shapes[1]
+    if len(q) != 4 or q[2] != k[2] or q[2] < 2 or ctx.arg(4, "dropout_p", 0.0):
+        return []
+    if q[1] != k[1] and not (ctx.arg(7, "enable_gqa", False) and q[1] % k[1] == 0):
+        return []
+    mask = ctx.in_shapes[3] if ctx.n_in > 3 else None
+    seq = Shard(2)
+    opts = [AxisOption(seq, (seq, seq, seq) + mask_pl(2), via=SeqAttention.RING)]
+    if mask is None or len(mask) < 3 or mask[-3] == 1:
+        # heads cut by the all-to-all: Q's, and K/V's unless there is one K/V head (then gathered)
+        splits = ((0, 1),) if k[1] == 1 else ((0, 1), (1, 1), (2, 1))
+        opts.append(
+            AxisOption(
+                seq, (seq, seq, seq) + ((R,) if mask else ()), via=SeqAttention.ALL_TO_ALL, splits=splits
+            )
+        )
     return opts
 
 
