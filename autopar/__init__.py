@@ -11,6 +11,7 @@ from autopar.coverage import OpCoverage, coverage
 from autopar.errors import (
     AutoparError,
     ClusterSpecError,
+    CollectiveCallError,
     CrossRankMismatchError,
     DistributedSetupError,
     NoPlanFitsError,
@@ -30,6 +31,7 @@ __all__ = [
     "ClusterSpec",
     "Collective",
     "ClusterSpecError",
+    "CollectiveCallError",
     "DeviceSpec",
     "CrossRankMismatchError",
     "DistributedSetupError",

@@ -57,6 +57,13 @@ class CrossRankMismatchError(DistributedSetupError):
     the batch): the message says what differs, on which ranks, and how to make them agree."""
 
 
+class CollectiveCallError(AutoparError, RuntimeError):
+    """A collective method of the parallel module (``full_state_dict``, ``full_output``,
+    ``full_grads``) was entered by some ranks of its mesh and not by the others in time (the "save
+    on rank 0" habit): raised on the ranks that called it, naming the call, the ranks that did not
+    come and the fix, instead of a backend abort or a hang in the gather."""
+
+
 class ReferenceDataError(AutoparError, ValueError):
     """A file of measured op times (``autopar/tools/op_reference.py``) has a row no pricing knows, or
     too few rows to fit a figure: the message names the row or the figure."""

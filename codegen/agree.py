@@ -9,6 +9,17 @@ plans). ``agree`` compares a cheap fingerprint of a value across ranks with one
 by shape, dtype, float64 sum and norm (equal for identical tensors, computed the same way on every
 rank; on the tensor's own device, without a float64 copy of it).
 
+``all_entered`` guards the module's collective methods that users are tempted to call on one rank
+(``full_state_dict``, ``full_output``, ``full_grads``: "save on rank 0"): before any gathering,
+each rank that enters one checks in through torch.distributed's store (the key-value store every
+backend, gloo and NCCL alike, starts from: no collective, so nothing is left half-sent when a rank
+never comes) and waits, for at most a timeout, for every rank of the mesh. The ranks that came
+raise ``CollectiveCallError`` naming the call and the fix, instead of the backend's abort
+("Received data size doesn't match expected size") or a hang; the ranks that never came are left
+as they were. Calls are numbered per process (per call name and mesh), so repeated calls do not
+mix; a call its ranks gave up on is skipped by a rank that comes to it later, which joins the
+next one instead: after a failed call, one on every rank works again.
+
 ``solve_once`` runs the search on rank 0 only and broadcasts the plan (or rank 0's error) to the
 others: planning time no longer grows with the number of ranks.
 """
@@ -16,13 +27,17 @@ others: planning time no longer grows with the number of ranks.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 import torch.utils._pytree as pytree
 
-from autopar.errors import AutoparError, CrossRankMismatchError, DistributedSetupError
+from autopar.errors import AutoparError, CollectiveCallError, CrossRankMismatchError, DistributedSetupError
+
+ENTRY_TIMEOUT_S = 60.0  # how long a rank waits in ``all_entered`` for the others, by default
+_next_call: dict[str, int] = {}  # this process's number of its next call, per call name and mesh
 
 
 def fingerprint(named: Iterable[tuple[str, object]]) -> tuple[str, dict[str, str]]:
@@ -72,6 +87,54 @@ def agree(what: str, named: Iterable[tuple[str, object]], fix: str, group=None, 
     raise CrossRankMismatchError(
         f"{what} differ between ranks: rank(s) {bad} differ from rank {first_of[gathered[bad[0]][0]]} "
         f"(first: {names[:3]}); {fix}"
+    )
+
+
+def all_entered(call: str, ranks: Sequence[int], fix: str, timeout_s: float = ENTRY_TIMEOUT_S) -> None:
+    """Return once every rank of ``ranks`` (global ranks, e.g. a mesh's) has entered ``call``; on
+    the ranks that entered it, raise ``CollectiveCallError`` naming ``call``, the ranks that did
+    not come within ``timeout_s`` seconds, and ``fix`` (module docstring). Cost when all come: a
+    few round trips to the store per rank, and a wait for the last to arrive (which the gather
+    that follows would wait for anyway).
+
+    Keys under ``autopar/entered/<call>/<mesh>/<number>``: ``ranks`` (who came), ``n`` (how
+    many: the rank that makes it ``len(ranks)`` decides "go"), ``go`` (the decision, "go" or
+    "abandoned", set once: by that rank, or by the first that timed out); the rank that decides
+    "go" deletes the previous call's keys, which every rank has left by then."""
+    if not dist.is_initialized() or len(ranks) < 2:
+        return
+    store = dist.distributed_c10d._get_default_store()
+    mesh = hashlib.sha256(repr(sorted(ranks)).encode()).hexdigest()[:12]
+    scope = f"autopar/entered/{call}/{mesh}"
+    seq = _next_call.get(scope, 0)
+    while store.check([f"{scope}/{seq}/go"]) and store.get(f"{scope}/{seq}/go") == b"abandoned":
+        seq += 1  # the others gave up on this call before this rank came: theirs is the next one
+    _next_call[scope] = seq + 1
+    key = f"{scope}/{seq}"
+    store.append(f"{key}/ranks", f"{dist.get_rank()},")
+    arrived = store.add(f"{key}/n", 1)
+    if arrived < len(ranks):
+        try:
+            store.wait([f"{key}/go"], timedelta(seconds=timeout_s))
+        except RuntimeError:  # DistStoreError (FileStore's: RuntimeError): not every rank came
+            pass
+    decided = store.compare_set(f"{key}/go", "", "go" if arrived >= len(ranks) else "abandoned")
+    if decided == b"go":
+        if arrived == len(ranks) and seq > 0:
+            for k in ("ranks", "n", "go"):
+                store.delete_key(f"{scope}/{seq - 1}/{k}")
+        return
+    came = {int(r) for r in store.get(f"{key}/ranks").decode().split(",") if r}
+    missing = [r for r in ranks if r not in came]
+    who = (
+        f"rank(s) {missing[:8]}{' ...' if len(missing) > 8 else ''} of its mesh did not call it within "
+        f"{timeout_s:g} s of rank(s) {sorted(came)[:8]}"
+        if missing
+        else f"its ranks did not all call it within {timeout_s:g} s of each other"
+    )
+    raise CollectiveCallError(
+        f"{call} is a collective over every rank of the module's mesh ({len(ranks)} ranks), but {who}: "
+        f"{fix} (pmodel.entry_timeout_s sets how long the ranks wait for each other)"
     )
 
 

@@ -16,6 +16,15 @@ on different meshes may run forward and backward in any interleaving in one proc
 stays bound after a call. ``full_output`` and ``full_state_dict`` pass ``self.mesh`` to
 ``collectives.gather_full``.
 
+Collective methods called on one rank. ``full_state_dict``, ``full_output`` and ``full_grads``
+gather over every rank of the mesh, whatever the plan (so a loop that works under one plan works
+under every other): ``if rank == 0: torch.save(pmodel.full_state_dict(), ...)`` cannot work.
+Before gathering, each checks that every rank of the mesh entered it (``agree.all_entered``,
+through the store: no collective); where not all did within ``entry_timeout_s`` seconds, the ranks
+that called it raise ``CollectiveCallError`` naming the call and the fix, rather than abort in the
+backend or hang, and the ranks that did not are left as they were (their next call of it joins
+the others' next one).
+
 Training loop. ``step(**batch)`` runs one step's forward and backward on the global batch and
 returns its loss; the optimizer steps as usual::
 
@@ -50,13 +59,18 @@ from torch.distributed.tensor import DTensor
 
 from autopar.codegen import collectives as C
 from autopar.codegen import state as S
-from autopar.codegen.agree import agree
+from autopar.codegen.agree import ENTRY_TIMEOUT_S, agree, all_entered
 from autopar.codegen.micro_batches import batch_size, split_batch
 from autopar.codegen.zero import AppliedTrades
 from autopar.placement import Spec
 
 
 class ParallelModule(torch.nn.Module):
+    # how long ``full_state_dict``, ``full_output`` and ``full_grads`` wait for every rank of the
+    # mesh to call them before raising ``CollectiveCallError`` (module docstring); ranks that
+    # legitimately reach them far apart (one evaluates alone first) need it longer
+    entry_timeout_s: float = ENTRY_TIMEOUT_S
+
     def __init__(
         self,
         local: fx.GraphModule,
@@ -267,10 +281,16 @@ class ParallelModule(torch.nn.Module):
     @torch.no_grad()
     def full_output(self, piece: torch.Tensor, index: int) -> torch.Tensor:
         """The whole output from this rank's ``piece`` of output leaf ``index`` (``output_specs``
-        order); collective: every rank calls it. For plans made with ``outputs=Outputs.LOCAL``."""
+        order); collective: every rank of the mesh calls it, each with its own piece, under any plan
+        (a rank that calls it alone raises ``CollectiveCallError``, module docstring). For plans
+        made with ``outputs=Outputs.LOCAL``."""
         spec = self.output_specs[index]
         if spec is None:
             raise ValueError(f"output {index} is not a tensor")
+        self._all_entered(
+            "full_output",
+            "call it on every rank, each with its piece of the same output, and keep the whole where it is needed",
+        )
         return C.gather_full(piece, spec, self.mesh)
 
     @torch.no_grad()
@@ -278,7 +298,9 @@ class ParallelModule(torch.nn.Module):
         """Full (unsharded) tensors under the original model's state-dict names; collective on
         every rank, one tensor gathered at a time. ``rank0_only``: only rank 0 keeps them (the
         others return an empty dict), for ``save_pretrained``-style exports; ``cpu``: kept on
-        the host."""
+        the host. Called on some ranks only (``if rank == 0: ...``), it raises
+        ``CollectiveCallError`` on those, after ``entry_timeout_s`` (module docstring)."""
+        self._all_entered("full_state_dict", FULL_STATE_FIX)
         keep = not rank0_only or dist.get_rank() == 0
         full = {}
         for fqn, (attr, spec) in self._state_specs.items():
@@ -294,13 +316,24 @@ class ParallelModule(torch.nn.Module):
     @torch.no_grad()
     def full_grads(self) -> dict[str, torch.Tensor]:
         """The whole gradient of every parameter that has one, under the model's state-dict name
-        (a tied parameter's first); collective on every rank. For checks and debugging."""
+        (a tied parameter's first); collective on every rank (module docstring). For checks and
+        debugging."""
+        self._all_entered("full_grads", "call it on every rank and keep the result where it is needed")
         out = {}
         for fqn, (attr, spec) in self._state_specs.items():
             p = getattr(self.local, attr)
             if isinstance(p, torch.nn.Parameter) and p.grad is not None:
                 out[fqn] = full_tensor(p.grad, spec, self.mesh)
         return out
+
+    def _all_entered(self, call: str, fix: str) -> None:
+        """``CollectiveCallError`` unless every rank of the module's mesh enters ``call``."""
+        ranks = self._collective_mesh().mesh.flatten().tolist()
+        all_entered(call, ranks, fix, self.entry_timeout_s)
+
+    def _collective_mesh(self) -> DeviceMesh:
+        """The mesh whose every rank the collective methods gather over (a pipeline's: all stages)."""
+        return self.mesh
 
     # -- state under the model's own names, with the plan's placements (codegen/state.py) ----------
 
@@ -373,6 +406,9 @@ class ParallelModule(torch.nn.Module):
     def data_world(self) -> int:
         """How many data-parallel slices the global batch is cut into (1 without data parallelism)."""
         return self._data[1]
+
+
+FULL_STATE_FIX = "call it on every rank; pass rank0_only=True to keep the tensors on rank 0 only"
 
 
 def full_tensor(t: torch.Tensor, spec: Spec, mesh: DeviceMesh) -> torch.Tensor:

@@ -54,7 +54,7 @@ from torch.distributed.tensor import DTensor
 
 from autopar.codegen import collectives as C
 from autopar.codegen.blocks import _COMPUTE, _set_attr, origins
-from autopar.codegen.module import ParallelModule, _loss_of, full_tensor
+from autopar.codegen.module import FULL_STATE_FIX, ParallelModule, _loss_of, full_tensor
 from autopar.errors import AutoparError
 from autopar.passes.blocks import Block
 from autopar.trades import Pipeline, Schedule
@@ -264,6 +264,9 @@ class PipelinedModule(ParallelModule):
     def _pipeline_group(self):
         return self.pp_group
 
+    def _collective_mesh(self) -> DeviceMesh:
+        return self.full_mesh
+
     def _state_tensors(self) -> dict[str, torch.Tensor]:
         held = dict(self._spare)
         for c in self._chunks:
@@ -353,7 +356,9 @@ class PipelinedModule(ParallelModule):
         """Full tensors under the original model's state-dict names on every rank (``rank0_only``:
         rank 0 alone, the others get an empty dict; ``cpu``: on the host); collective over every
         rank: each tensor is gathered on the stage mesh of the lowest pipeline rank that holds it
-        and broadcast over the pipeline."""
+        and broadcast over the pipeline. Called on some ranks only, it raises
+        ``CollectiveCallError`` on those (``codegen/module.py``'s docstring)."""
+        self._all_entered("full_state_dict", FULL_STATE_FIX)
         held = {}
         for c in self._chunks:
             for name, t in c.state.items():
