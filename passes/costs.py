@@ -529,7 +529,7 @@ def use_price(
 
 def data_parallel_pair(have, need, param: bool, data_axes: Sequence[int]) -> bool:
     """May a use take a tensor stored as ``have`` in placement ``need`` under data parallelism on
-    ``data_axes`` (``AxisRole.DATA``)? There a split tensor is never gathered or re-split (the
+    ``data_axes`` (``AxisRole.DATA``)? There a split activation is never gathered or re-split (the
     batch stays split, every op runs on its rows) and a parameter is used whole, as stored; a
     pending sum may be reduced (a mean loss) and a replicated tensor sliced (a mask built whole).
     Uses that cannot take a piece are not checked (``_takes_whole``)."""
@@ -552,6 +552,19 @@ def _takes_whole(node: fx.Node) -> bool:
     return node.target in _METADATA_ONLY or writes_inputs(node)
 
 
+def _indexes_whole(node: fx.Node, i: int, info: NodeInfo) -> bool:
+    """Is input ``i`` of ``node`` an integer or boolean tensor that ``aten.index`` looks up whole?
+    Hugging Face builds its padding masks as ``mask[batch_idx, kv_idx]``: the batch indices pick
+    rows of the whole mask, which no rule runs on a slice of them, so under data parallelism the
+    (small, integer) mask is gathered; floating tensors never are."""
+    return (
+        node.target is aten.index.Tensor
+        and i == 0
+        and info.dtype is not None
+        and not info.dtype.is_floating_point
+    )
+
+
 def _edge(
     src, dst, i, inp, infos, strats, comm: CommModel, pinned=(), orig: int = 0, owner: str = "",
     grad_total: float = 0.0, data_axes: Sequence[int] = (),
@@ -560,7 +573,7 @@ def _edge(
     nbytes = info.out_bytes
     rg = info.requires_grad
     param = grad_total if infos[src].role is Role.PARAM else 0.0
-    checked = () if _takes_whole(strats[dst].node) else data_axes
+    checked = () if _takes_whole(strats[dst].node) or _indexes_whole(strats[dst].node, i, info) else data_axes
     saves = infos[dst].saves_inputs
     keeps = infos[dst].requires_grad and (saves[i] if i < len(saves) else True)
     # strategies share output placements and input requirements: price each distinct pair once

@@ -23,7 +23,17 @@ MODELS = {
     "gpt2": lambda: gpt2_tiny(batch=4, seq=16, hidden=32, vocab=128),
     "llama": lambda: llama_tiny(batch=4, seq=16, hidden=32, vocab=128),
     "t5": lambda: t5_tiny(batch=4, seq=16, hidden=32, heads=4, vocab=128),
+    # a padding mask: Hugging Face indexes the whole mask with batch and key indices, so the data
+    # role must let an integer mask be gathered (floating tensors still never are)
+    "gpt2_padded": lambda: _padded(*gpt2_tiny(batch=4, seq=16, hidden=32, vocab=128)),
+    "llama_padded": lambda: _padded(*llama_tiny(batch=4, seq=16, hidden=32, vocab=128)),
 }
+
+
+def _padded(model, inputs):
+    mask = torch.ones_like(inputs["input_ids"])
+    mask[0, -5:] = 0
+    return model, {**inputs, "attention_mask": mask, "labels": inputs["labels"].masked_fill(mask == 0, -100)}
 
 
 def _cpu(world: int) -> autopar.ClusterSpec:
