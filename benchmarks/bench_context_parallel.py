@@ -2,7 +2,7 @@
 
     .venv/bin/python benchmarks/bench_context_parallel.py [--case NAME ...] [--forced]
 
-For each case (Llama-3-8B on the meta device, bf16, one sequence per node of 8 H100, outputs as
+For each case (Llama-3-8B on the meta device, bf16, one sequence per step, as long-context steps are, outputs as
 per-rank pieces): the plan autopar searches, what it chose (mesh, trades, and how each attention
 runs where its sequence is split: K/V gathered, ring, or all-to-all), its predicted step, peak
 memory and MFU, and the time planning took. ``--forced`` also prices the same search with the
@@ -28,7 +28,7 @@ from autopar import Outputs, SeqAttention
 LLAMA3_8B = dict(layers=32, hidden=4096, ffn=14336, heads=32, kv_heads=8)
 CASES = {
     f"llama3-8b-{seq // 1024}k-{nodes * 8}xh100": Case(
-        f"llama3-8b-{seq // 1024}k-{nodes * 8}xh100", dict(**LLAMA3_8B, batch=nodes, seq=seq), "llama",
+        f"llama3-8b-{seq // 1024}k-{nodes * 8}xh100", dict(**LLAMA3_8B, batch=1, seq=seq), "llama",
         f"h100-sxm:{nodes}x8", "",
     )
     for nodes in (1, 8)

@@ -91,16 +91,36 @@ def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.promote_types(dtype, torch.float32)
 
 
-def _scores(q, k, scale, mask, diagonal_causal: bool) -> torch.Tensor:
-    """``q k^T * scale`` of one block (accumulation dtype), masked entries at -inf."""
+# the most bytes one block's float32 scores may take at once: query rows are taken in chunks
+# under it, so a long sequence's block (16k x 16k keys, 32 heads: 32 GiB) never materializes
+SCORE_BYTES = 2**28
+
+
+def _row_chunks(q: torch.Tensor, keys: int):
+    """Slices of ``q``'s rows whose scores against ``keys`` keys stay under ``SCORE_BYTES``."""
+    rows = q.shape[-2]
+    per_row = max(1, q[..., :1, :1].numel() * keys * 4)
+    step = max(1, min(rows, SCORE_BYTES // per_row))
+    return [slice(r, min(r + step, rows)) for r in range(0, rows, step)]
+
+
+def _scores(q, k, scale, mask, diagonal_causal: bool, row0: int = 0) -> torch.Tensor:
+    """``q k^T * scale`` of one block's query rows ``row0...`` (accumulation dtype), masked
+    entries at -inf (``mask``: those rows' mask, or one row that every row shares)."""
     s = torch.matmul(q, k.transpose(-1, -2)) * scale
     if mask is not None:
         s = s.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else s + mask.to(s.dtype)
     if diagonal_causal:
         rows, cols = s.shape[-2], s.shape[-1]
-        upper = torch.ones(rows, cols, dtype=torch.bool, device=s.device).triu(1)
+        upper = torch.ones(rows, cols, dtype=torch.bool, device=s.device).triu(row0 + 1)
         s = s.masked_fill(upper, float("-inf"))
     return s
+
+
+def _mask_rows(mask: torch.Tensor | None, rows: slice) -> torch.Tensor | None:
+    if mask is None or mask.dim() < 2 or mask.shape[-2] == 1:
+        return mask
+    return mask[..., rows, :]
 
 
 def _probs(s: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
@@ -148,69 +168,75 @@ def ring_forward(q, k, v, mask, rank: int, n: int, causal: bool, scale: float, r
         kind = _step_kind(rank, j, causal)
         if kind != "skip":
             kb, vb = (_expand_heads(t.to(acc), groups) for t in kv)
-            s = _scores(qa, kb, scale, _mask_block(mask, j, block), kind == "diagonal")
-            lse_b = torch.logsumexp(s, dim=-1)
-            out_b = torch.matmul(_probs(s, lse_b), vb)
-            new = torch.logaddexp(lse, lse_b)
-            w_old = torch.nan_to_num(torch.exp(lse - new), nan=0.0).unsqueeze(-1)
-            w_new = torch.nan_to_num(torch.exp(lse_b - new), nan=0.0).unsqueeze(-1)
-            out = out * w_old + out_b * w_new
-            lse = new
+            mb = _mask_block(mask, j, block)
+            for rows in _row_chunks(qa, block):
+                s = _scores(qa[..., rows, :], kb, scale, _mask_rows(mb, rows), kind == "diagonal", rows.start)
+                lse_b = torch.logsumexp(s, dim=-1)
+                out_b = torch.matmul(_probs(s, lse_b), vb)
+                old = lse[..., rows]
+                new = torch.logaddexp(old, lse_b)
+                w_old = torch.nan_to_num(torch.exp(old - new), nan=0.0).unsqueeze(-1)
+                w_new = torch.nan_to_num(torch.exp(lse_b - new), nan=0.0).unsqueeze(-1)
+                out[..., rows, :] = out[..., rows, :] * w_old + out_b * w_new
+                lse[..., rows] = new
         if pending is not None:
             kv = pending.wait()
     return out.to(q.dtype), lse
 
 
 def ring_backward(
-    dout,
-    q,
-    k,
-    v,
-    mask,
-    out,
-    lse,
-    rank: int,
-    n: int,
-    causal: bool,
-    scale: float,
-    ring: Transport,
-    mask_grad=False,
-):
+    dout, q, k, v, mask, out, lse, rank: int, n: int, causal: bool, scale: float, ring: Transport, mask_grad=False
+):  # fmt: skip
     """Gradients of ``q``, ``k``, ``v`` and (``mask_grad``: an additive float mask that needs one)
-    the mask, in their dtypes, else None for it. K/V blocks travel with their gradient accumulators
-    and are back at their owner after ``n`` hops; the mask's rows are this rank's, so its gradient
-    stays here."""
+    the mask, in their dtypes, else None for it.
+
+    At step ``i`` this rank computes the gradient its queries give key block ``j = (r - i) mod n``,
+    adds it to the block's accumulators (which arrive from the previous rank, sent at its step
+    ``i - 1``) and sends them on: each block's accumulators visit every rank and, after ``n``
+    hops, are back at its owner. Both sends overlap the next step's compute. Query gradients, and
+    the mask's (this rank's rows), stay here."""
     acc = _acc_dtype(q.dtype)
     groups = q.shape[1] // k.shape[1]
     qa, da = q.to(acc), dout.to(acc)
     rowdot = (da * out.to(acc)).sum(-1, keepdim=True)  # D = rowsum(dO * O)
     dq = torch.zeros(q.shape, dtype=acc, device=q.device)
     kv = [k, v]
-    dkv = [torch.zeros(k.shape, dtype=acc, device=k.device), torch.zeros(v.shape, dtype=acc, device=v.device)]
     block = k.shape[2]
     dmask = torch.zeros(mask.shape, dtype=acc, device=mask.device) if mask_grad else None
+    sent: Pending | None = None  # the accumulators sent at the previous step
     for i in range(n):
         pending = ring.start(kv) if i < n - 1 else None
         j = (rank - i) % n
         kind = _step_kind(rank, j, causal)
+        dkb = torch.zeros(kv[0].shape, dtype=acc, device=q.device)
+        dvb = torch.zeros(kv[1].shape, dtype=acc, device=q.device)
         if kind != "skip":
             kb, vb = (_expand_heads(t.to(acc), groups) for t in kv)
             mb = _mask_block(mask, j, block)
-            s = _scores(qa, kb, scale, mb, kind == "diagonal")
-            p = _probs(s, lse)
-            dvb = torch.matmul(p.transpose(-1, -2), da)
-            ds = p * (torch.matmul(da, vb.transpose(-1, -2)) - rowdot)
-            dq = dq + torch.matmul(ds, kb) * scale
-            dkb = torch.matmul(ds.transpose(-1, -2), qa) * scale
-            dkv = [dkv[0] + _reduce_heads(dkb, groups), dkv[1] + _reduce_heads(dvb, groups)]
-            if dmask is not None:  # an additive mask's gradient is the scores'
-                cols = slice(None) if mask.shape[-1] == 1 else slice(j * block, (j + 1) * block)
-                dmask[..., cols] += ds.sum_to_size(mb.shape)
-        dkv = ring.start(dkv).wait()  # the accumulators follow their block to the next rank
+            dk_full, dv_full = torch.zeros_like(kb), torch.zeros_like(vb)
+            for rows in _row_chunks(qa, block):
+                mr = _mask_rows(mb, rows)
+                s = _scores(qa[..., rows, :], kb, scale, mr, kind == "diagonal", rows.start)
+                p = _probs(s, lse[..., rows])
+                d_rows = da[..., rows, :]
+                dv_full += torch.matmul(p.transpose(-1, -2), d_rows)
+                ds = p * (torch.matmul(d_rows, vb.transpose(-1, -2)) - rowdot[..., rows, :])
+                dq[..., rows, :] += torch.matmul(ds, kb) * scale
+                dk_full += torch.matmul(ds.transpose(-1, -2), qa[..., rows, :]) * scale
+                if dmask is not None:  # an additive mask's gradient is the scores'
+                    cols = slice(None) if mask.shape[-1] == 1 else slice(j * block, (j + 1) * block)
+                    target = dmask[..., cols] if mr is mb else dmask[..., rows, cols]
+                    target += ds.sum_to_size(target.shape)
+            dkb, dvb = _reduce_heads(dk_full, groups), _reduce_heads(dv_full, groups)
+        if sent is not None:
+            arrived = sent.wait()
+            dkb, dvb = dkb + arrived[0], dvb + arrived[1]
+        sent = ring.start([dkb, dvb])
         if pending is not None:
             kv = pending.wait()
+    dk, dv = sent.wait()
     dm = dmask.to(mask.dtype) if dmask is not None else None
-    return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), dm
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dm
 
 
 class _RingAttention(torch.autograd.Function):

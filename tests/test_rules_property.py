@@ -272,12 +272,17 @@ def test_sdpa(b, hkv, group, lq, lk, e, mask, mesh):
     seq=st.sampled_from([4, 6, 12]),
     mask=st.sampled_from(["causal", "none", "bool_ls", "float_b1ls", "float_b11s", "float_1hls"]),
     mesh=st.sampled_from([(2,), (3,), (4,), (2, 2)]),
+    chunked=st.booleans(),
 )
-def test_sdpa_sequence_split_ring_and_all_to_all(hkv, group, seq, mask, mesh):
+def test_sdpa_sequence_split_ring_and_all_to_all(hkv, group, seq, mask, mesh, chunked):
     """Queries, keys and values all split on the sequence: the ring (K/V blocks passed around the
-    axis, online softmax, forward and backward run by the real ring code in one thread per rank)
-    and the all-to-all (heads for sequence) compute the dense attention, with grouped and single
-    K/V heads and every mask kind; all-to-all is offered only where the heads divide the axis."""
+    axis, online softmax, forward and backward run by the real ring code in one thread per rank;
+    ``chunked``: a block's query rows taken two at a time, as long sequences are) and the
+    all-to-all (heads for sequence) compute the dense attention, with grouped and single K/V heads
+    and every mask kind; all-to-all is offered only where the heads divide the axis."""
+    from unittest import mock
+
+    from autopar.codegen import context_parallel
     from autopar.placement import SeqAttention
 
     hq = hkv * group
@@ -293,9 +298,11 @@ def test_sdpa_sequence_split_ring_and_all_to_all(hkv, group, seq, mask, mesh):
     elif mask == "float_1hls":
         attn_mask = randn((1, hq, seq, seq), 4)
     args = (q, k, v, attn_mask, 0.0, causal)
-    strategies = assert_rules_hold(
-        aten.scaled_dot_product_attention.default, args, {"enable_gqa": hq != hkv}, mesh
-    )
+    budget = 2 * 2 * hq * seq * 4 if chunked else context_parallel.SCORE_BYTES  # two rows per chunk
+    with mock.patch.object(context_parallel, "SCORE_BYTES", budget):
+        strategies = assert_rules_hold(
+            aten.scaled_dot_product_attention.default, args, {"enable_gqa": hq != hkv}, mesh
+        )
     n = mesh[-1]
     vias = {v for s in strategies for v in s.via if v is not None and seq % n == 0}
     if seq % n == 0:
