@@ -157,8 +157,14 @@ def test_sequence_parallel_attention_trains_as_one_device(world, name, mesh, rol
             assert ("ring_attention(" in code) == (kind is RING), code
             assert ("all_to_all(" in code) == (kind is A2A), code
         torch.testing.assert_close(
-            torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-4, atol=1e-5, msg=labelled(f"rank {rank} losses")
+            torch.tensor(losses),
+            torch.tensor(ref_losses),
+            rtol=1e-4,
+            atol=1e-5,
+            msg=labelled(f"rank {rank} losses"),
         )
         assert set(state) == set(ref_state)
         for k in ref_state:
-            torch.testing.assert_close(state[k], ref_state[k], rtol=1e-4, atol=1e-5, msg=labelled(f"rank {rank} {k}"))
+            torch.testing.assert_close(
+                state[k], ref_state[k], rtol=1e-4, atol=1e-5, msg=labelled(f"rank {rank} {k}")
+            )
