@@ -274,6 +274,7 @@ def build_costs(
             # log-probabilities follow the logits, not the scalar output)
             work_vol = max([vol] + [volume_factor(x, mesh_shape) for x in s.ins])
             saved = (info.out_bytes if name in kept.at_node else 0) / vol + info.saved_temp_bytes / work_vol
+            saved += lowering_saved_bytes(ns.node, s, mesh_shape)
             mems.append(n * saved)
             if info.requires_grad:  # its output's gradient, the new input gradients, internal temporaries
                 new = info.grad_new or (True,) * len(s.ins)
@@ -678,6 +679,22 @@ def lowering_collectives(
             if split and comm.mesh_shape[a] > 1
         ]
     return []
+
+
+def lowering_saved_bytes(node: fx.Node, s: Strategy, mesh_shape: Sequence[int]) -> float:
+    """Bytes a lowering makes that the op then keeps for backward, beyond what the traced op keeps
+    (``analyze``): causal attention on this rank's query rows against gathered keys
+    (``local_ops.causal_attention_rows``) builds its mask from global positions, ``[rows, keys]``,
+    which SDPA turns into an additive mask of the queries' dtype and saves."""
+    if node.target is not aten.scaled_dot_product_attention.default or s.via:
+        return 0.0
+    causal = node.args[5] if len(node.args) > 5 else node.kwargs.get("is_causal", False)
+    q, k = node.args[0].meta["val"], node.args[1].meta["val"]
+    seq = q.dim() - 2
+    for a, p in enumerate(s.ins[0]):
+        if causal and is_shard(p) and p.dim == seq and mesh_shape[a] > 1:
+            return q.shape[-2] // mesh_shape[a] * k.shape[-2] * q.element_size()
+    return 0.0
 
 
 def _sequence_attention_collectives(
