@@ -3,8 +3,9 @@
 Per-axis options from ``rules.py`` are expanded to the mesh as their cartesian product, keeping a
 combination only if every tensor it touches divides evenly (each sharded dim by its axis size) and
 no tensor dim is sharded by two axes. Placeholders (parameters, buffers, user inputs) may take
-Replicate or Shard(d) for any dim. Ops without a rule get the all-Replicate strategy only, and the
-fallback is logged once per op.
+Replicate or Shard(d) for any dim. Ops without a rule of autopar's own take the options PyTorch's
+DTensor strategies give them (``rules/dtensor.py``); ops with neither get the all-Replicate strategy
+only, and the fallback is logged once per op.
 
 Constraints on the search (``AxisRole``) restrict the strategies of placeholders:
 ``DATA`` on an axis replicates parameters and shards user inputs on dim 0 (data parallelism);
@@ -36,6 +37,7 @@ from autopar.errors import NoPlanFitsError
 from autopar.options import AxisRole
 from autopar.passes.analyze import NodeInfo
 from autopar.passes.rules import RULES, VIEW_OPS, AxisOption, make_ctx, tensor_inputs, writes_inputs
+from autopar.passes.rules.dtensor import options as dtensor_options
 from autopar.passes.trace import Role, TracedGraph
 from autopar.placement import SeqAttention, Spec, is_partial, is_replicate, is_shard
 
@@ -167,6 +169,16 @@ def _splits_fit(
     return True
 
 
+def axis_options(node: fx.Node, mesh_shape: Sequence[int]) -> list[AxisOption]:
+    """A call_function node's per-axis options: its rule's (``RULES``) where autopar has one, else
+    those derived from PyTorch's DTensor strategies for the axis sizes of ``mesh_shape``
+    (``rules/dtensor.py``, each checked by the validator's tests), else none (replicated)."""
+    rule = RULES.get(node.target)
+    if rule is not None:
+        return rule(make_ctx(node))
+    return dtensor_options(node, mesh_shape)
+
+
 def placeholder_options(shape: Sequence[int]) -> list[AxisOption]:
     return [AxisOption(Shard(d), ()) for d in range(len(shape)) if shape[d] > 1]
 
@@ -217,14 +229,12 @@ def build_strategies(
             ins = tensor_inputs(node)
             in_shapes = [tuple(a.meta["val"].shape) for a in ins]
             rule = RULES.get(node.target)
-            options: list[AxisOption] = []
-            if rule is not None:
-                options = rule(make_ctx(node))
-            else:
+            options = axis_options(node, mesh_shape)
+            if rule is None and not options:
                 name = str(node.target)
                 if name not in _warned_fallback:
                     _warned_fallback.add(name)
-                    log.info("no sharding rule for %s: replicated", name)
+                    log.info("no sharding rule or DTensor strategy for %s: replicated", name)
             if node.name in mutated:
                 options = []  # stays replicated: a reshard would copy it and the mutation would be lost
             strategies = expand(options, len(ins), info.shapes, in_shapes, mesh_shape, pinned)
@@ -232,7 +242,7 @@ def build_strategies(
                 strategies = _attention_strategies(
                     strategies, in_shapes, mesh_shape, axis_roles, seq_attention
                 )
-            result[node.name] = NodeStrategies(node, strategies, ins, rule is not None)
+            result[node.name] = NodeStrategies(node, strategies, ins, rule is not None or bool(options))
     return result
 
 

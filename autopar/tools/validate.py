@@ -63,8 +63,8 @@ import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
 
-from autopar.passes.rules import RULES, make_ctx, map_args, tensor_inputs
-from autopar.passes.strategies import Strategy, expand
+from autopar.passes.rules import RULES, map_args, tensor_inputs
+from autopar.passes.strategies import Strategy, axis_options, expand
 from autopar.passes.trace import Role, TracedGraph, normalize_inputs
 from autopar.placement import spec_to_str
 from autopar.tools.simulate import (
@@ -282,7 +282,7 @@ def check_strategy(
 
 def node_strategies(node: fx.Node, mesh_shape: Sequence[int]) -> list[Strategy]:
     """The strategies ``strategies.build_strategies`` gives a call_function node (all-Replicate
-    only when the op has no rule)."""
+    only when the op has neither a rule nor DTensor-derived options)."""
     ins = tensor_inputs(node)
     in_shapes = [tuple(a.meta["val"].shape) for a in ins]
     out_shapes = [
@@ -290,8 +290,7 @@ def node_strategies(node: fx.Node, mesh_shape: Sequence[int]) -> list[Strategy]:
         for t in pytree.tree_leaves(node.meta.get("val"))
         if isinstance(t, torch.Tensor)
     ]
-    rule = RULES.get(node.target)
-    options = rule(make_ctx(node)) if rule is not None else []
+    options = axis_options(node, mesh_shape)
     return expand(options, len(ins), out_shapes, in_shapes, tuple(mesh_shape))
 
 
@@ -410,7 +409,8 @@ def validate_graph(
     parameters and buffers come from the traced graph. Missing user inputs get random values
     (integers in [0, 2)). At most ``max_per_node`` strategies per node are checked (a sample that
     depends only on ``seed`` and the node name; ``None``: all). Returns the wrong strategies and
-    one ``"missing"`` problem per op without a rule, in graph order.
+    one ``"missing"`` problem per op without a rule (of autopar's own, or derived from DTensor's
+    strategies for that node), in graph order.
     """
     mesh_shape = tuple(int(n) for n in mesh_shape)
     values = global_values(traced_graph, example_values, seed)
@@ -420,7 +420,7 @@ def validate_graph(
         if node.op != "call_function" or node.target is operator.getitem:
             continue
         op = str(node.target)
-        if node.target not in RULES:
+        if node.target not in RULES and not axis_options(node, mesh_shape):
             if op not in missing:
                 missing[op] = Problem("missing", node.name, op, nodes=[])
                 problems.append(missing[op])

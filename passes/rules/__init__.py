@@ -3,7 +3,8 @@
 A rule maps an op (with its global input/output shapes) to the list of :class:`AxisOption`
 it supports on one mesh axis of size n: the placement of its output and the placement each tensor
 input must have. All-Replicate is always added by the expander, so rules list only the sharded
-options. An op without a rule is replicated (and priced as such), never guessed.
+options. An op without a rule here takes the options derived from PyTorch's DTensor strategies
+(``dtensor.py``); an op with neither is replicated (and priced as such), never guessed.
 
 Semantics (checked by ``autopar/tools/validate.py`` and its property tests against the dense op): running
 the op on local pieces, with inputs in ``ins``, yields the local piece of the output in ``out``:
