@@ -20,7 +20,9 @@ OLMo (causal LMs, ``labels`` = ``input_ids``), GPT-2 with a sequence-classificat
 RoBERTa (masked LM) and DistilBERT (sequence classification), the last three with a padding
 ``attention_mask``; a plain-torch CNN (conv, BatchNorm2d, ReLU, max/average pooling, linear head,
 cross-entropy); ``torch.nn.Transformer`` behind a linear head and an MSE loss. Batch 4, sequence
-16, 2 layers, hidden 32, 4 heads, vocabulary 128.
+16, 2 layers, hidden 32, 4 heads, vocabulary 128. A plan with pipeline stages or micro-batches
+trains with ``pmodel.step`` (it returns the loss alone): there the losses and the weights are
+compared, not the outputs.
 
 Batch norm: ``cnn_bn`` is the CNN as a user writes it, ``BatchNorm2d`` in train mode, which updates
 its running statistics in forward (torch.export refuses the buffer mutation; autopar traces it with
@@ -33,13 +35,14 @@ is never gathered there), and micro-batches (a pipelined plan) change the statis
 micro-batch normalizes with its own, and ``num_batches_tracked`` counts micro-batches.
 
 Matrix cells: ``ok`` (every rank equals the single-device model), ``ok/R`` (equal, and the plan
-replicates everything: nothing about parallelism was tested), ``PLAN`` (planning raised), ``RUN``
+replicates everything: nothing about parallelism was tested), ``planned`` / ``planned/R`` (with
+``--only-plan``), ``PLAN`` (planning raised), ``RUN``
 (a rank raised), ``DIFF`` (a rank differs); the first line of each error and the worst
 difference follow the matrix.
 
     .venv/bin/python benchmarks/bench_any_model.py --only-plan            # plan only, worlds 2 and 4
     .venv/bin/python benchmarks/bench_any_model.py --world 2              # plan + run world 2
-    .venv/bin/python benchmarks/bench_any_model.py --models qwen3_moe,bloom --modes data
+    .venv/bin/python benchmarks/bench_any_model.py --world 4 --models qwen3_moe,bloom --modes data -v
 """
 
 from __future__ import annotations
