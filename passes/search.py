@@ -47,6 +47,7 @@ from autopar.passes.blocks import Block, find_blocks
 from autopar.passes.coarsen import Classes, find_classes
 from autopar.passes.costs import CostTables, NodeTimer, build_costs
 from autopar.passes.grad_sync import GradSyncCost
+from autopar.passes.infeasible import blocked
 from autopar.passes.memory_row import lower_bound_bytes
 from autopar.passes.pipeline import (
     PipelinePrice,
@@ -521,6 +522,12 @@ def solve_mesh(
     folded = exact if small and exact is not None else fold_followers(tables, exact=small)
     sol = solve(tables, limit, options.time_limit_s, folded=folded)
     if sol is None:
+        why = blocked(tables, {n.name: n for n in tg.graph.nodes})
+        if why is not None:  # no choice at all, whatever the memory: name the op
+            st.say(f"solve: mesh {label}: no plan under its axis roles: {why}")
+            return MeshOutcome(
+                {**entry, "status": "infeasible", "objective": None, "blocked": why}, mem_needed
+            )
         st.say(f"solve: mesh {label}: no plan fits {limit / 2**30:.2f} GiB per device")
         return MeshOutcome({**entry, "status": "infeasible", "objective": None}, mem_needed)
     # the full price of the choice (solve evaluates it), with the gradient all-reduces as they run:
@@ -812,6 +819,14 @@ def select_stage(
     st.write("5_select.json", json.dumps(candidates, indent=1, default=str))
     if best is None and min_needed == math.inf and unplaceable:
         raise NoPlanFitsError("no plan: no candidate mesh can place the model; " + "; ".join(unplaceable))
+    infeasible = [c for c in candidates if c.get("status") == "infeasible"]
+    if best is None and infeasible and all(c.get("blocked") for c in infeasible):
+        reasons = list(dict.fromkeys(c["blocked"] for c in infeasible))
+        raise NoPlanFitsError(
+            "no plan: the axis roles cannot be honoured on any candidate: "
+            + "; ".join(reasons[:3])
+            + "; use AxisRole.AUTO on that axis (or another role), or change the model's op"
+        )
     if best is None:
         raise NoPlanFitsError(no_fit_message(cluster, limit, min_needed, refused_at_full_peak, options))
     return best

@@ -189,3 +189,29 @@ def test_a_split_mean_cross_entropy_is_one_all_reduce_and_the_single_device_loss
         for name, g in grads.items():
             torch.testing.assert_close(g, ref_model.get_parameter(name).grad, **tol)
         assert reduces == 1
+
+
+def test_a_role_no_plan_can_honour_names_the_op_that_prevents_it():
+    """Training-mode batch norm takes the whole batch (its statistics mix samples): forced data
+    parallelism has no plan at any memory limit, and the error says so and names the op, not memory."""
+
+    class CNN(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv = torch.nn.Conv2d(3, 8, 3, padding=1)
+            self.bn = torch.nn.BatchNorm2d(8, track_running_stats=False)
+            self.head = torch.nn.Linear(8, 4)
+
+        def forward(self, x, y):
+            h = torch.relu(self.bn(self.conv(x))).mean((2, 3))
+            return torch.nn.functional.cross_entropy(self.head(h), y)
+
+    torch.manual_seed(0)
+    inputs = {"x": torch.randn(4, 3, 8, 8), "y": torch.randint(0, 4, (4,))}
+    with pytest.raises(autopar.NoPlanFitsError) as err:
+        autopar.plan(CNN(), _cpu(2), inputs, mesh_shape=(2,), axis_roles=(D,))
+    text = str(err.value)
+    assert "axis roles cannot be honoured" in text and "aten.batch_norm" in text, text
+    assert "GiB" not in text, text
+    # the same model plans without the role (batch norm then runs on the whole batch)
+    assert autopar.plan(CNN(), _cpu(2), inputs, mesh_shape=(2,)).mesh_shape == (2,)
