@@ -186,7 +186,8 @@ class CostTables:
     # held output is charged by then, and no activation is kept past backward)
     step_peak: dict[str, list[float]] = field(default_factory=dict)
     step_position: float = 0.0
-    # node -> per strategy: seconds of one member's collectives inside its lowering (in node_cost)
+    # node -> per strategy: seconds of one member's collectives inside its lowering (in node_cost),
+    # for every node whose lowering runs any
     node_inside: dict[str, list[float]] = field(default_factory=dict)
 
 
@@ -233,6 +234,7 @@ def build_costs(
         n = classes.count(name)
         members = classes.members[name]
         costs, mems, peaks, inside = [], [], [], []
+        has_inside = False
         if info.role is Role.PARAM and info.requires_grad:
             tables.grad_mem[name] = [
                 n * info.out_bytes / volume_factor(s.out, mesh_shape) for s in ns.strategies
@@ -266,8 +268,10 @@ def build_costs(
             if t is None:
                 t = analytical_node_time(info, ns.inputs, infos, device, k, s, mesh_shape)
             t *= slow
-            t_in = sum(sec for _, sec in lowering_collectives(ns.node, s, comm, t))
+            calls = lowering_collectives(ns.node, s, comm, t)
+            t_in = sum(sec for _, sec in calls)
             inside.append(t_in)
+            has_inside |= bool(calls)
             t += t_in
             costs.append(n * t + acc)
             # internal saved tensors are cut like the op's work: by its largest split (e.g. a loss's
@@ -289,7 +293,7 @@ def build_costs(
                 peaks.append(grads + info.grad_temp_bytes / work_vol)
         tables.node_cost[name] = costs
         tables.node_mem[name] = mems
-        if any(inside):
+        if has_inside:  # recorded even where every hop hides: pricing reads it, never recomputes
             tables.node_inside[name] = inside
         if len(peaks) == len(costs):
             tables.node_peak[name] = peaks

@@ -114,12 +114,9 @@ def price_plan(
         s = choice[n.name]
         # the collectives a lowering runs inside the op are in its table cost: communication here
         inside = lowering_collectives(n, s, comm) if n.op == "call_function" else []
+        # their seconds as the tables priced them (a ring's hops against its compute, passes/costs.py)
         rep = tables.classes.rep.get(n.name) if tables.classes else n.name
-        inside_s = (
-            tables.node_inside[rep][sol.choice[rep]]
-            if rep in tables.node_inside
-            else sum(t for _, t in inside)
-        )  # a ring's hops are priced against its compute (passes/costs.py)
+        inside_s = tables.node_inside[rep][sol.choice[rep]] if rep in tables.node_inside else 0.0
         cost = _node_compute(tables, sol, n.name) - inside_s
         vol = volume_factor(s.out, mesh)
         if info.role is Role.PARAM:
