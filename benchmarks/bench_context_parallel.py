@@ -17,13 +17,12 @@ from __future__ import annotations
 
 import argparse
 import platform
-import time
 
 import torch
-from bench_plan_quality import Case, build, model_flops
+from bench_plan_quality import Case, build, model_flops, plan_row
 
 import autopar
-from autopar import Outputs, SeqAttention
+from autopar import SeqAttention
 
 LLAMA3_8B = dict(layers=32, hidden=4096, ffn=14336, heads=32, kv_heads=8)
 CASES = {
@@ -42,20 +41,17 @@ def attention_line(plan) -> str:
 
 
 def row(label: str, model, inputs, cluster, flops, **options) -> None:
-    t0 = time.perf_counter()
-    try:
-        plan = autopar.plan(model, cluster, inputs, outputs=Outputs.LOCAL, **options)
-    except autopar.NoPlanFitsError as e:
-        print(f"{label}: no plan ({time.perf_counter() - t0:.1f} s): {e}", flush=True)
+    """Plan (``bench_plan_quality.plan_row``: local outputs, timed, MFU) and print one row."""
+    plan, dt, mfu = plan_row(model, inputs, cluster, flops, **options)
+    if plan is None:
+        print(f"{label}: no plan ({dt:.1f} s): {mfu}", flush=True)
         return
-    dt = time.perf_counter() - t0
     p = plan.predicted
-    mfu = flops / (p.step_time_s * cluster.world_size * cluster.device.peak_flops_for("bfloat16"))
     mesh = "x".join(map(str, plan.mesh_shape))
     pipe = f" x {plan.pipeline.describe()}" if plan.pipeline.enabled else ""
     print(
         f"{label}: mesh {mesh}{pipe}; {plan.trades.describe()}; attention: {attention_line(plan)}; "
-        f"step {p.step_time_s * 1e3:.0f} ms, peak {p.peak_memory_bytes / 2**30:.1f} GiB, MFU {mfu:.1%}, "
+        f"step {p.step_time_s * 1e3:.0f} ms, peak {p.peak_memory_bytes / 2**30:.1f} GiB, MFU {mfu}, "
         f"planned in {dt:.1f} s",
         flush=True,
     )

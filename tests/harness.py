@@ -88,6 +88,14 @@ def train(model, inputs, steps: int = STEPS) -> list[tuple[str, torch.Tensor, to
     return outs
 
 
+def padded(model, inputs):
+    """``(model, inputs)`` with right padding on the first row (its last 5 tokens): an
+    ``attention_mask`` with zeros there, and the labels ignored (-100) there."""
+    mask = torch.ones_like(inputs["input_ids"])
+    mask[0, -5:] = 0
+    return model, {**inputs, "attention_mask": mask, "labels": inputs["labels"].masked_fill(mask == 0, -100)}
+
+
 def adam_reference(
     model, inputs, steps: int, lr: float, eps: float = 1e-8
 ) -> tuple[list[float], dict[str, torch.Tensor]]:

@@ -16,7 +16,7 @@ import traceback
 
 import pytest
 import torch
-from harness import D, S, adam_reference, collective_axes, free_link_cpu, labelled, parallel_axes
+from harness import D, S, adam_reference, collective_axes, free_link_cpu, labelled, padded, parallel_axes
 
 import autopar
 from autopar.examples import gpt2_tiny, llama_tiny, palm_tiny
@@ -28,14 +28,6 @@ pytestmark = pytest.mark.slow
 SEQ, HIDDEN, VOCAB, BATCH = 16, 32, 128, 2
 LR, EPS, STEPS = 1e-2, 1e-5, 2
 RING, A2A = SeqAttention.RING, SeqAttention.ALL_TO_ALL
-
-
-def _padded(model, inputs):
-    """Right padding on the first row (its last 5 tokens), labels ignored there."""
-    mask = torch.ones_like(inputs["input_ids"])
-    mask[0, -5:] = 0
-    labels = inputs["labels"].masked_fill(mask == 0, -100)
-    return model, {"input_ids": inputs["input_ids"], "attention_mask": mask, "labels": labels}
 
 
 def _qwen3():
@@ -55,9 +47,9 @@ def build(name):
     kw = {"batch": BATCH, "seq": SEQ, "hidden": HIDDEN, "vocab": VOCAB}
     return {
         "llama": lambda: llama_tiny(**kw),
-        "llama_pad": lambda: _padded(*llama_tiny(**kw)),
+        "llama_pad": lambda: padded(*llama_tiny(**kw)),
         "gpt2": lambda: gpt2_tiny(**kw),
-        "gpt2_pad": lambda: _padded(*gpt2_tiny(**kw)),
+        "gpt2_pad": lambda: padded(*gpt2_tiny(**kw)),
         "palm": lambda: palm_tiny(**kw),
         "qwen3": _qwen3,
         "llama_long": lambda: llama_tiny(batch=1, seq=256, hidden=16, vocab=64),

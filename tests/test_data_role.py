@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from harness import D, collective_axes
+from harness import D, collective_axes, padded
 
 import autopar
 from autopar.examples import gpt2_tiny, llama_tiny, mlp, t5_tiny
@@ -25,15 +25,9 @@ MODELS = {
     "t5": lambda: t5_tiny(batch=4, seq=16, hidden=32, heads=4, vocab=128),
     # a padding mask: Hugging Face indexes the whole mask with batch and key indices, so the data
     # role must let an integer mask be gathered (floating tensors still never are)
-    "gpt2_padded": lambda: _padded(*gpt2_tiny(batch=4, seq=16, hidden=32, vocab=128)),
-    "llama_padded": lambda: _padded(*llama_tiny(batch=4, seq=16, hidden=32, vocab=128)),
+    "gpt2_padded": lambda: padded(*gpt2_tiny(batch=4, seq=16, hidden=32, vocab=128)),
+    "llama_padded": lambda: padded(*llama_tiny(batch=4, seq=16, hidden=32, vocab=128)),
 }
-
-
-def _padded(model, inputs):
-    mask = torch.ones_like(inputs["input_ids"])
-    mask[0, -5:] = 0
-    return model, {**inputs, "attention_mask": mask, "labels": inputs["labels"].masked_fill(mask == 0, -100)}
 
 
 def _cpu(world: int) -> autopar.ClusterSpec:

@@ -11,28 +11,22 @@ batch-sharded baddbmm, a stack sharded off its new dim, ...).
 from __future__ import annotations
 
 import logging
-import os
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given
 from hypothesis import strategies as st
+from rules_check import SETTINGS, assert_rules_hold, randn
 from torch.distributed.tensor.placement_types import Partial, Replicate, Shard
 
 from autopar.passes import strategies as strategies_mod
 from autopar.passes.rules import RULES, AxisOption, dtensor
-from autopar.tools.validate import check_node, node_strategies, one_node_graph, strategy_str
+from autopar.tools.validate import check_node, node_strategies, one_node_graph
 
 aten = torch.ops.aten
 
 MESHES = [(2,), (3,), (2, 2)]
 SIZES = [1, 2, 3, 4, 6]
-SETTINGS = settings(
-    max_examples=int(os.environ.get("AUTOPAR_HYPOTHESIS_EXAMPLES", "20")),
-    deadline=None,
-    derandomize=True,
-    suppress_health_check=[HealthCheck.too_slow],
-)
 meshes = st.sampled_from(MESHES)
 sizes = st.sampled_from(SIZES)
 
@@ -67,38 +61,6 @@ OPS = [
 #   on their dim 0; AxisOption has one placement for all outputs (the batch split needs the
 #   statistics of the whole batch: DTensor offers none)
 NONE = [aten.clamp_.default, aten.batch_norm.default, aten.native_batch_norm.default]
-
-
-def randn(shape, seed=0):
-    return torch.randn(shape, generator=torch.Generator().manual_seed(seed))
-
-
-def _even(shape, spec, mesh) -> bool:
-    seen = set()
-    for p, n in zip(spec, mesh):
-        if isinstance(p, Shard):
-            d = p.dim % len(shape)
-            if d in seen or shape[d] % n or shape[d] < n:
-                return False
-            seen.add(d)
-    return True
-
-
-def assert_rules_hold(target, args, kwargs, mesh):
-    """All strategies of ``target(*args, **kwargs)`` on ``mesh`` divide evenly and are correct
-    (``test_rules_property.assert_rules_hold``); returns them."""
-    node, values = one_node_graph(target, args, kwargs)
-    found = node_strategies(node, mesh)
-    assert found, "all-Replicate is always a strategy"
-    out_shapes = [tuple(t.shape) for t in torch.utils._pytree.tree_leaves(node.meta["val"])]
-    for s in found:
-        for v, spec in zip(values, s.ins):
-            assert _even(tuple(v.shape), spec, mesh), f"uneven input sharding {strategy_str(s)}"
-        for shape in out_shapes:
-            assert _even(shape, s.out, mesh), f"uneven output sharding {strategy_str(s)}"
-    bad = [str(r) for r in check_node(node, mesh, values, found) if not r.ok]
-    assert not bad, f"{target} inputs {[tuple(v.shape) for v in values]} mesh {mesh}:\n" + "\n".join(bad)
-    return found
 
 
 def _has(found, out, ins, axis=0) -> bool:

@@ -9,28 +9,20 @@ produced at all. Rules this suite once caught wrong have their own regression te
 
 from __future__ import annotations
 
-import os
-
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given
 from hypothesis import strategies as st
+from rules_check import SETTINGS, assert_rules_hold, randn
 from torch.distributed.tensor.placement_types import Partial, Replicate, Shard
 
 from autopar.passes import rules
 from autopar.passes.rules import AxisOption
-from autopar.tools.validate import check_node, node_strategies, one_node_graph, strategy_str
+from autopar.tools.validate import check_node, one_node_graph
 
 aten = torch.ops.aten
 
 MESHES = [(1,), (2,), (3,), (2, 2), (2, 1, 2), (1, 3)]
 SIZES = [1, 2, 3, 4, 6]
-SETTINGS = settings(
-    max_examples=int(os.environ.get("AUTOPAR_HYPOTHESIS_EXAMPLES", "20")),
-    deadline=None,
-    derandomize=True,
-    suppress_health_check=[HealthCheck.too_slow],
-)
-
 meshes = st.sampled_from(MESHES)
 sizes = st.sampled_from(SIZES)
 
@@ -41,40 +33,6 @@ def shapes(min_dims=1, max_dims=3):
 
 def _gen(seed: int) -> torch.Generator:
     return torch.Generator().manual_seed(seed)
-
-
-def randn(shape, seed=0, positive=False):
-    x = torch.randn(shape, generator=_gen(seed))
-    return x.abs() + 0.5 if positive else x
-
-
-def _even(shape, spec, mesh) -> bool:
-    seen = set()
-    for p, n in zip(spec, mesh):
-        if isinstance(p, Shard):
-            d = p.dim % len(shape)
-            if d in seen or shape[d] % n or shape[d] < n:
-                return False
-            seen.add(d)
-    return True
-
-
-def assert_rules_hold(target, args, kwargs, mesh, *, backward=True):
-    """All strategies of ``target(*args, **kwargs)`` on ``mesh`` divide evenly and are correct."""
-    node, values = one_node_graph(target, args, kwargs)
-    strategies = node_strategies(node, mesh)
-    assert strategies, "all-Replicate is always a strategy"
-    out_shapes = [tuple(t.shape) for t in torch.utils._pytree.tree_leaves(node.meta["val"])]
-    for s in strategies:
-        for v, spec in zip(values, s.ins):
-            assert _even(tuple(v.shape), spec, mesh), f"uneven input sharding {strategy_str(s)}"
-        for shape in out_shapes:
-            assert _even(shape, s.out, mesh), f"uneven output sharding {strategy_str(s)}"
-    results = check_node(node, mesh, values, strategies, backward=backward)
-    bad = [str(r) for r in results if not r.ok]
-    shapes_txt = [tuple(v.shape) for v in values]
-    assert not bad, f"{target} inputs {shapes_txt} mesh {mesh}:\n" + "\n".join(bad)
-    return strategies
 
 
 # --------------------------------------------------------------------------------------------------

@@ -224,10 +224,7 @@ def _run_collective(target, args: tuple, kwargs: dict, env_x: list, coords: list
     )
     fused = bool(flat[3]) if kind == "all_gather" and len(flat) > 3 else False
     out: list = [None] * len(coords)
-    groups: dict[Coord, list[int]] = {}
-    for r, c in enumerate(coords):
-        groups.setdefault(c[:axis] + c[axis + 1 :], []).append(r)  # in coordinate order along axis
-    for ranks in groups.values():
+    for ranks in _axis_groups(coords, axis):
         res = _GroupCollective.apply(kind, dim, fused, *[env_x[r] for r in ranks])
         for r, v in zip(ranks, res):
             out[r] = v
