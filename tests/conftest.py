@@ -13,6 +13,8 @@ from autopar.launch import PRELOAD_ENV
 from autopar.passes.analyze import STRICT_ENV
 
 os.environ[STRICT_ENV] = "1"
+# the Triton kernels run here on CPU tensors through Triton's interpreter (kernels/dispatch.py)
+os.environ.setdefault("TRITON_INTERPRET", "1")
 # rank processes start from a server that imported these once (autopar/launch.py): the model
 # families the multi-process tests build
 os.environ.setdefault(
