@@ -9,12 +9,17 @@ from __future__ import annotations
 
 import os
 
-from autopar.launch import PRELOAD_ENV
-from autopar.passes.analyze import STRICT_ENV
+# the Triton kernels run here on CPU tensors through Triton's interpreter (kernels/dispatch.py). Set
+# before the imports below: they import Triton (torch.utils.flop_counter does), and Triton decides at
+# its import whether its own @jit functions (tl.sum, tl.max, ...) are interpretable; made before, a
+# kernel calling them fails under the interpreter ("Cannot call @triton.jit'd outside of the scope
+# of a kernel")
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from autopar.launch import PRELOAD_ENV  # noqa: E402
+from autopar.passes.analyze import STRICT_ENV  # noqa: E402
 
 os.environ[STRICT_ENV] = "1"
-# the Triton kernels run here on CPU tensors through Triton's interpreter (kernels/dispatch.py)
-os.environ.setdefault("TRITON_INTERPRET", "1")
 # rank processes start from a server that imported these once (autopar/launch.py): the model
 # families the multi-process tests build
 os.environ.setdefault(
