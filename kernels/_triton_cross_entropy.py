@@ -1,8 +1,9 @@
 """Triton kernels of ``kernels/cross_entropy.py``: one chunk's row-wise log-sum-exp and target logit
-(forward), and its softmax-minus-one-hot gradient (backward).
+(forward), and a block of vocabulary's softmax-minus-one-hot gradient (backward).
 
-Both read a chunk of fp32 logits ``[rows, V]`` (``V`` the vocabulary this rank holds: the whole of
-it, or a shard starting at global id ``vocab_start``), compute in fp32 and store in the output
+Both read logits ``[rows, V]`` (forward: a chunk of rows over the vocabulary this rank holds, the
+whole of it or a shard starting at global id ``vocab_start``; backward: every row over a block of
+the vocabulary, its global ids ``vocab_start`` on), compute in fp32 and store in the output
 pointer's dtype. Imported only when a Triton path runs (``kernels/dispatch.py``).
 """
 
@@ -70,23 +71,23 @@ def _grad_kernel(
     stride_grad,
     labels_ptr,
     lse_ptr,
-    scale_ptr,
+    a_ptr,
+    b_ptr,
     V,
     vocab_start,
-    ignore_index,
     BLOCK_V: tl.constexpr,
 ):
-    """Program (row, block): ``scale * (exp(x - lse) - onehot(label))`` on one vocabulary block;
-    zero on a row whose label is ``ignore_index`` (even where ``scale`` is inf: mean of none)."""
+    """Program (row, block): ``a * exp(x - lse) - b * onehot(label - vocab_start)`` on one block of
+    the row's columns (``a``, ``b``: the row's fp32 coefficients; both 0 on an ignored row)."""
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
     mask = cols < V
     x = tl.load(logits_ptr + row * stride_row + cols, mask=mask, other=0.0).to(tl.float32)
     lse = tl.load(lse_ptr + row).to(tl.float32)
     label = tl.load(labels_ptr + row)
-    scale = tl.load(scale_ptr).to(tl.float32)
-    g = tl.exp(x - lse) - tl.where(cols == label - vocab_start, 1.0, 0.0)
-    g = tl.where(label != ignore_index, g * scale, 0.0)
+    a = tl.load(a_ptr + row).to(tl.float32)
+    b = tl.load(b_ptr + row).to(tl.float32)
+    g = a * tl.exp(x - lse) - tl.where(cols == label - vocab_start, b, 0.0)
     tl.store(grad_ptr + row * stride_grad + cols, g.to(grad_ptr.dtype.element_ty), mask=mask)
 
 
@@ -120,16 +121,17 @@ def softmax_grad(
     logits: torch.Tensor,
     labels: torch.Tensor,
     lse: torch.Tensor,
-    scale: torch.Tensor,
+    coef_softmax: torch.Tensor,
+    coef_onehot: torch.Tensor,
     vocab_start: int,
-    ignore_index: int,
     out: torch.Tensor,
 ) -> torch.Tensor:
-    """``out[r] = scale * (softmax(logits[r]) - onehot(labels[r] - vocab_start))``, zero on ignored
-    rows; ``softmax`` through the given ``lse`` (the global one, for a vocabulary shard). ``out`` may
-    be ``logits`` itself (in place: each element is read before it is written, by one program)."""
+    """``out[r] = a[r] * exp(logits[r] - lse[r]) - b[r] * onehot(labels[r] - vocab_start)``, with
+    ``lse`` the given (global) log-sum-exp, so ``logits`` may be a block of the vocabulary's columns
+    (global ids ``vocab_start`` on). ``out`` may be ``logits`` itself (in place: each element is
+    read before it is written, by one program)."""
     rows, v = logits.shape
-    if rows == 0:
+    if rows == 0 or v == 0:
         return out
     block = min(_block_v(v), 1024 if not interpreting() else MAX_BLOCK_V_INTERPRETED)
     _grad_kernel[(rows, triton.cdiv(v, block))](
@@ -139,10 +141,10 @@ def softmax_grad(
         out.stride(0),
         labels,
         lse,
-        scale,
+        coef_softmax,
+        coef_onehot,
         v,
         vocab_start,
-        ignore_index,
         BLOCK_V=block,
         num_warps=_num_warps(block),
     )

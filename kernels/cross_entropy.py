@@ -30,31 +30,43 @@ output in place, ``.to(float32)`` on load, the values ``.float()`` gives) or ``c
 ``4 c V`` temporary with the torch ops. ``chunk_rows = 0`` picks ``c`` so that a chunk's fp32 logits
 stay under ``CHUNK_BYTES``.
 
-Backward strategy (recompute; the search prices it: ``flop_counter`` formulas below). Autograd
-saves only ``h``, ``weight`` and ``labels``, the op's own inputs, alive anyway: **zero** bytes
-beyond them, against eager's ``4 N V``. The backward recomputes each chunk's logits: one extra
-``h W^T`` matmul, ``2 N H V`` FLOPs (backward ``6 N H V`` against eager's ``4 N H V``), plus one more
-read of the chunk's logits to recompute each row's log-sum-exp, which is not saved (saving it,
-``4 N`` bytes, would make it a second output of the op, and spare that read only, never a matmul).
-Its working set: one chunk (as the forward's; the gradient is written over the mm's output), an
-fp32 accumulator for ``grad_weight`` (``4 V H`` bytes; each chunk's ``dz^T h`` is added into it by
-the GEMM itself on CUDA, ``FP32_OUT_MM``, else through a ``V H e`` product), cast to
-``weight.dtype`` at the end (``V H e``, the output); ``grad_h`` (``N H e``, the output) is written
-chunk by chunk. The accumulator is read and written once per chunk (``8 V H`` bytes): fewer, larger
-chunks are faster. On an H100, N = 8192, H = 4096, V = 128256, bf16, forward + backward: eager
-11.74 GiB above its inputs, 51.1 ms; this op (Triton) with the default's 2092-row chunks 3.46 GiB,
-54.6 ms; with 523-row chunks (a 256 MiB budget) 3.08 GiB, 74.3 ms (2 GiB of either is the
-accumulator, 1 GiB the bf16 ``grad_weight`` itself). The alternative (Liger-kernel's: both
-gradients computed during the forward and kept) holds ``N H e + 4 V H`` bytes from forward to
-backward, a weight's worth per loss, to save the recomputing matmul.
+Backward strategy (recompute; the search prices it: ``flop_counter`` formulas below). The op
+returns ``(loss, lse)``, ``lse`` the fp32 ``[N]`` log-sum-exp per row the forward computes anyway:
+callers use output 0; ``lse`` is an output so that autograd saves it (``4 N`` bytes) with ``h``,
+``weight`` and ``labels`` (the op's inputs, alive anyway) and the backward need not recompute it.
+Its gradient, zeros or ``None`` in practice (nobody differentiates it), is honoured all the same:
+``d lse_i / d z_i = softmax(z_i)``, one more term. The backward loops over **blocks of the
+vocabulary** (``Vb`` rows of ``weight``, as many logits as one forward chunk: ``vocab_rows_for``,
+``N Vb`` fp32 under ``CHUNK_BYTES``, a multiple of 128): the block's logits ``h W_blk^T``
+(``[N, Vb]``, recomputed: one extra ``2 N H V`` over the blocks, backward ``6 N H V`` against
+eager's ``4 N H V``) become their gradient in place (Triton; torch ops: through an fp32 copy),
+``dz_blk = a * softmax - b * onehot`` (``b`` the loss's scale per row, 0 on ignored rows, ``a = b +
+grad_lse``); the block's rows of ``grad_weight`` are complete at once, ``dz_blk^T h`` written in
+``weight.dtype`` (no ``[V, H]`` fp32 accumulator), and ``grad_h`` sums ``dz_blk W_blk`` in an fp32
+``[N, H]`` buffer (by the GEMM itself on CUDA, ``FP32_OUT_MM``, else through an ``N H e`` product),
+cast to ``h.dtype`` at the end. Backward working set, above the inputs:
+
+.. math::
+
+    N V_b e\ (\text{block logits; } + 4 N V_b \text{ with the torch ops, } e < 4)
+    + 4 N H\ (\text{grad\_h, fp32}) + V H e\ (\text{grad\_weight}) + N H e\ (\text{product, no fp32-out GEMM})
+
+and at the end ``4 N H + V H e + N H e`` (the cast ``grad_h``). On an H100, N = 8192, H = 4096,
+V = 128256, bf16 (``Vb`` = 32768, 4 blocks): 512 MiB + 128 MiB + 1002 MiB (+ 64 MiB) = 1.60 GiB
+(1.67 GiB), the backward's, above the forward's 2092-row chunk (512 MiB): expected peak 1.6-1.7 GiB
+against eager's 11.74 GiB (7x; not yet measured there). Before (row chunks, an fp32 ``[V, H]``
+accumulator for ``grad_weight``): 3.46 GiB, 54.6 ms against eager's 51.1 ms. The alternative
+(Liger-kernel's: both gradients computed during the forward and kept) holds ``N H e + 4 V H``
+bytes from forward to backward, a weight's worth per loss, to save the recomputing matmul.
 
 ``torch.ops.autopar.linear_cross_entropy(h, weight, labels, ignore_index=-100, reduction="mean",
-chunk_rows=0)`` returns the 0-dim fp32 loss; reductions ``mean`` (over non-ignored labels: all
-ignored gives nan, 0/0, as torch's) and ``sum``. The matmuls are torch's (``torch.mm`` in the input
-dtype, as eager's); the per-chunk log-sum-exp, target logit and
-softmax-minus-one-hot are a Triton kernel where ``use_triton(h)`` (``kernels/_triton_cross_entropy.py``),
-else torch ops. The backward is itself an op, ``torch.ops.autopar.linear_cross_entropy_backward``,
-with a fake implementation, so forward and backward run on meta tensors.
+chunk_rows=0) -> (loss, lse)``: the 0-dim fp32 loss; reductions ``mean`` (over non-ignored labels:
+all ignored gives nan, 0/0, as torch's) and ``sum``. The matmuls are torch's (``torch.mm`` in the
+input dtype, as eager's); the per-chunk log-sum-exp, target logit and softmax-minus-one-hot are a
+Triton kernel where ``use_triton(h)`` (``kernels/_triton_cross_entropy.py``), else torch ops. The
+backward is itself an op, ``torch.ops.autopar.linear_cross_entropy_backward(grad_loss, grad_lse,
+h, weight, labels, lse, ignore_index, reduction, chunk_rows, need_grad_h, need_grad_weight) ->
+(grad_h, grad_weight)``, with a fake implementation, so forward and backward run on meta tensors.
 
 ``vocab_parallel_linear_cross_entropy``: the same loss where each rank of ``group`` holds the rows
 ``[vocab_start, vocab_start + V / n)`` of ``weight`` (Megatron's vocabulary-parallel cross-entropy).
@@ -63,20 +75,20 @@ falls in the shard (0 elsewhere), then **2 all-reduces**: MAX of ``lse_r`` (``m`
 shift; any upper-ish bound of the row max works, and ``lse_r >= max_r``), and one SUM of the stacked
 ``[exp(lse_r - m), target_r]`` (``2 * rows`` fp32): ``lse = m + log(sum)``, the target logit from
 the one rank holding it. The three reductions the textbook form names (row max, sum of exponentials,
-target logit) are two collectives: the sums share one. Backward: no collective to form the
-gradient of the local logits (the global ``lse``, ``4 N`` bytes, is saved from forward, with ``h``,
-the shard and the labels); each rank
-gets its own ``grad_weight`` shard and a partial ``grad_h`` (its vocabulary's share of
-``dz W``), which is all-reduced (SUM) over the group, one asynchronous all-reduce per chunk of
-rows, waited for at the end (it overlaps the next chunk's matmuls). Convention: **the returned
-``grad_h`` is already summed over the group**: ``h`` is replicated over the group, and a caller
-treats it so, with no further reduction. The loss is the full loss on every rank (not a partial
-one), so every rank's ``loss.backward()`` seeds it with the same gradient.
+target logit) are two collectives: the sums share one. Backward: no collective at all (the global ``lse``, ``4 N`` bytes, is saved from
+forward, with ``h``, the shard and the labels): each rank gets its own ``grad_weight`` shard and
+**its own share of** ``grad_h`` (its vocabulary's ``dz W_r``), **not** summed over the group: the
+caller sums the shares. In autopar's generated code ``h`` is a Replicate input of an op split over
+the axis, so codegen puts Megatron's "f" on it (identity forward, all-reduce of the gradient
+backward), which does that sum; summing here too would double it. ``group`` may be a sequence of
+process groups (a vocabulary split over several mesh axes): each all-reduce runs over every group
+in turn (max then max, sum then sum). The loss is the full loss on every rank (not a partial one),
+so every rank's ``loss.backward()`` seeds it with the same gradient.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 import torch
 import torch.distributed as dist
@@ -153,24 +165,23 @@ def _softmax_grad(
     logits: Tensor,
     labels: Tensor,
     lse: Tensor,
-    scale: Tensor,
+    coef_softmax: Tensor,
+    coef_onehot: Tensor,
     vocab_start: int,
-    ignore_index: int,
     out: Tensor,
     triton: bool,
 ) -> Tensor:
-    """``out = scale * (exp(logits - lse) - onehot(label - vocab_start))``, 0 on ignored rows, in
-    ``out``'s dtype; ``logits`` (fp32) is overwritten (``out`` may be ``logits`` itself)."""
+    """``out = a * exp(logits - lse) - b * onehot(label - vocab_start)`` per row (``a``, ``b`` the
+    fp32 ``[rows]`` coefficients: ``_row_coefficients``), in ``out``'s dtype; ``logits`` (fp32
+    ``[rows, v]``, global columns ``vocab_start`` on) is overwritten (``out`` may be ``logits``)."""
     if triton:
         from autopar.kernels import _triton_cross_entropy as K
 
-        return K.softmax_grad(logits, labels, lse, scale, vocab_start, ignore_index, out)
-    g = logits.sub_(lse.unsqueeze(1)).exp_()
-    hit, col = _hit(labels, vocab_start, logits.shape[1], ignore_index)
-    g.scatter_add_(1, col.unsqueeze(1), -hit.to(g.dtype).unsqueeze(1))
-    g.mul_(scale)
-    # after the scaling: scale is inf for a mean over no labels, and those rows must stay 0
-    g.masked_fill_((labels == ignore_index).unsqueeze(1), 0.0)
+        return K.softmax_grad(logits, labels, lse, coef_softmax, coef_onehot, vocab_start, out)
+    g = logits.sub_(lse.unsqueeze(1)).exp_().mul_(coef_softmax.unsqueeze(1))
+    local = labels - vocab_start
+    hit = (local >= 0) & (local < logits.shape[1])
+    g.scatter_add_(1, torch.where(hit, local, 0).unsqueeze(1), -(coef_onehot * hit).unsqueeze(1))
     if out is not g:
         out.copy_(g)
     return out
@@ -185,7 +196,7 @@ def _project(h_chunk: Tensor, weight: Tensor, triton: bool) -> tuple[Tensor, Ten
 
 
 # ``torch.addmm(..., out_dtype=torch.float32)``: a bf16/fp16 product accumulated into an fp32
-# tensor by the GEMM itself (CUDA): no product in the input dtype (``V H e`` bytes) written, read
+# tensor by the GEMM itself (CUDA): no product in the input dtype (``N H e`` bytes) written, read
 # back and added. Elsewhere, or where the running torch lacks it, the product and an in-place add.
 FP32_OUT_MM = True
 
@@ -200,55 +211,76 @@ def _accumulate_mm(acc: Tensor, a: Tensor, b: Tensor) -> None:
         acc.add_(torch.mm(a, b))
 
 
-def _scale(grad_loss: Tensor, labels: Tensor, ignore_index: int, reduction: str) -> Tensor:
-    """d loss / d (a row's loss), as a 0-dim fp32 tensor (no host sync)."""
-    g = grad_loss.float()
-    return g / (labels != ignore_index).sum() if reduction == "mean" else g
-
-
 def _reduce(total: Tensor, labels: Tensor, ignore_index: int, reduction: str) -> Tensor:
     return total / (labels != ignore_index).sum() if reduction == "mean" else total
 
 
-def _backward_chunks(
+def _row_coefficients(
+    grad_loss: Tensor, grad_lse: Tensor | None, labels: Tensor, ignore_index: int, reduction: str
+) -> tuple[Tensor, Tensor]:
+    """fp32 ``[N]`` (a, b) of ``dz_i = a_i softmax(z_i) - b_i onehot(y_i)``: ``b_i = s`` (the loss's
+    gradient per row: ``g / count`` for mean, ``g`` for sum; 0 on ignored rows, even where ``s`` is
+    inf, a mean over none) and ``a_i = b_i + grad_lse_i`` (``d lse_i / d z_i = softmax(z_i)``).
+    No host sync."""
+    valid = labels != ignore_index
+    g = grad_loss.float()
+    s = g / valid.sum() if reduction == "mean" else g
+    b = torch.where(valid, s, 0.0)
+    return (b if grad_lse is None else b + grad_lse.float()), b
+
+
+def _backward_blocks(
     grad_loss: Tensor,
+    grad_lse: Tensor | None,
     h: Tensor,
     weight: Tensor,
     labels: Tensor,
-    lse: Tensor | None,
+    lse: Tensor,
     vocab_start: int,
     ignore_index: int,
     reduction: str,
-    rows: int,
+    block: int,
     need_h: bool,
     need_weight: bool,
-    on_grad_h_rows=None,
 ) -> tuple[Tensor, Tensor]:
-    """The backward of both forms, chunk by chunk: ``lse`` the saved global log-sum-exp per row, or
-    None to recompute it from each chunk's logits (single device). ``on_grad_h_rows(rows)`` is
-    called with each chunk's rows of ``grad_h`` once they are written (the vocabulary-parallel
-    all-reduce)."""
+    """The backward of both forms, over blocks of ``block`` rows of ``weight`` (vocabulary entries),
+    with ``lse`` the saved (global) log-sum-exp per row: each block's logits ``[N, block]`` are
+    recomputed and turned into their gradient in place; that block's rows of ``grad_weight`` are
+    complete at once (written in ``weight.dtype``, no accumulator), ``grad_h`` sums every block's
+    ``dz W_blk`` in an fp32 ``[N, H]`` buffer, cast to ``h.dtype`` at the end."""
     triton = use_triton(h)
-    scale = _scale(grad_loss, labels, ignore_index, reduction)
-    grad_h = torch.empty(h.shape, dtype=h.dtype, device=h.device) if need_h else h.new_empty(0)
-    acc = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_weight else None
+    coef_softmax, coef_onehot = _row_coefficients(grad_loss, grad_lse, labels, ignore_index, reduction)
+    v = weight.shape[0]
+    grad_weight = torch.zeros_like(weight) if need_weight else weight.new_empty(0)
+    acc = None
+    if need_h:
+        acc = torch.zeros(h.shape, dtype=torch.float32, device=h.device)
     if need_h or need_weight:
-        for start, end in _chunks(h.shape[0], rows):
-            low, logits = _project(h[start:end], weight, triton)
-            lab = labels[start:end]
-            chunk_lse = (
-                lse[start:end] if lse is not None else _lse_target(logits, lab, 0, ignore_index, triton)[0]
+        for start, end in _chunks(v, block):
+            w_blk = weight[start:end]
+            low, logits = _project(h, w_blk, triton)
+            g = _softmax_grad(
+                logits, labels, lse, coef_softmax, coef_onehot, vocab_start + start, low, triton
             )
-            g = _softmax_grad(logits, lab, chunk_lse, scale, vocab_start, ignore_index, low, triton)
             del logits  # an fp32 copy (torch ops, low precision): the gradient lives in the mm's output
-            if need_h:
-                torch.mm(g, weight, out=grad_h[start:end])
-                if on_grad_h_rows is not None:
-                    on_grad_h_rows(grad_h[start:end])
             if need_weight:
-                _accumulate_mm(acc, g.t(), h[start:end])
-    grad_weight = acc.to(weight.dtype) if need_weight else weight.new_empty(0)
+                torch.mm(g.t(), h, out=grad_weight[start:end])
+            if need_h:
+                _accumulate_mm(acc, g, w_blk)
+            del low, g
+    grad_h = acc.to(h.dtype) if need_h else h.new_empty(0)  # fp32 h: the accumulator itself
     return grad_h, grad_weight
+
+
+def vocab_rows_for(n: int, v: int, chunk_rows: int) -> int:
+    """The vocabulary entries of one backward block: as many logits as one forward chunk holds
+    (``chunk_rows * v``, or with 0 ``CHUNK_BYTES`` of fp32), ``// n`` rows each; a multiple of 128
+    where that is at least 128 (aligned GEMM tiles); at least 1, at most ``v``."""
+    budget = chunk_rows * v if chunk_rows else CHUNK_BYTES // 4
+    block = budget // max(n, 1)
+    if block >= 128:
+        block -= block % 128
+    return max(1, min(block, v))
 
 
 # --- the single-device op -------------------------------------------------------------------------
@@ -262,9 +294,12 @@ def linear_cross_entropy(
     ignore_index: int = -100,
     reduction: str = "mean",
     chunk_rows: int = 0,
-) -> Tensor:
+) -> tuple[Tensor, Tensor]:
     """``F.cross_entropy((h @ weight.T).float(), labels, ignore_index=, reduction=)`` without the
-    ``[N, V]`` logits: ``chunk_rows`` rows at a time (module docstring). A 0-dim fp32 loss."""
+    ``[N, V]`` logits: ``chunk_rows`` rows at a time (module docstring). Returns ``(loss, lse)``:
+    the 0-dim fp32 loss, which callers use (output 0), and the fp32 ``[N]`` log-sum-exp per row,
+    computed on the way, an output so that autograd saves it for the backward, which then need not
+    recompute it (differentiable: ``d lse_i / d z_i = softmax(z_i)``)."""
     return _loss(h, weight, labels, ignore_index, reduction, chunk_rows)
 
 
@@ -275,56 +310,108 @@ def _loss(
     ignore_index: int = -100,
     reduction: str = "mean",
     chunk_rows: int = 0,
-) -> Tensor:
+) -> tuple[Tensor, Tensor]:
     """The forward op's implementation (also what a test runs to see its allocations)."""
     _check(h, weight, labels, reduction, chunk_rows)
     triton = use_triton(h)
     rows = chunk_rows_for(h.shape[0], weight.shape[0], chunk_rows)
     total = torch.zeros((), dtype=torch.float32, device=h.device)
+    lse = torch.empty(h.shape[0], dtype=torch.float32, device=h.device)
     for start, end in _chunks(h.shape[0], rows):
         _, logits = _project(h[start:end], weight, triton)
         lab = labels[start:end]
-        lse, target = _lse_target(logits, lab, 0, ignore_index, triton)
-        total += torch.where(lab != ignore_index, lse - target, 0.0).sum()
-    return _reduce(total, labels, ignore_index, reduction)
+        chunk_lse, target = _lse_target(logits, lab, 0, ignore_index, triton)
+        del logits
+        lse[start:end] = chunk_lse
+        total += torch.where(lab != ignore_index, chunk_lse - target, 0.0).sum()
+    return _reduce(total, labels, ignore_index, reduction), lse
 
 
 @linear_cross_entropy.register_fake
 def _(h, weight, labels, ignore_index=-100, reduction="mean", chunk_rows=0):
     _check(h, weight, labels, reduction, chunk_rows)
-    return h.new_empty((), dtype=torch.float32)
+    return h.new_empty((), dtype=torch.float32), h.new_empty(h.shape[0], dtype=torch.float32)
 
 
 @torch.library.custom_op("autopar::linear_cross_entropy_backward", mutates_args=())
 def linear_cross_entropy_backward(
     grad_loss: Tensor,
+    grad_lse: Tensor | None,
     h: Tensor,
     weight: Tensor,
     labels: Tensor,
+    lse: Tensor,
     ignore_index: int,
     reduction: str,
     chunk_rows: int,
     need_grad_h: bool,
     need_grad_weight: bool,
 ) -> tuple[Tensor, Tensor]:
-    """(grad of ``h``, grad of ``weight``) of ``linear_cross_entropy``, recomputing each chunk's
-    logits and log-sum-exp; an unneeded one is an empty ``[0]`` tensor (its matmul skipped)."""
+    """(grad of ``h``, grad of ``weight``) of ``linear_cross_entropy``, given the forward's ``lse``,
+    over blocks of the vocabulary (``vocab_rows_for``); ``grad_lse`` None (nobody differentiated
+    ``lse``) or its gradient, added as ``grad_lse_i * softmax(z_i)``; an unneeded gradient is an
+    empty ``[0]`` tensor (its matmul skipped)."""
     return _grads(
-        grad_loss, h, weight, labels, ignore_index, reduction, chunk_rows, need_grad_h, need_grad_weight
+        grad_loss,
+        grad_lse,
+        h,
+        weight,
+        labels,
+        lse,
+        ignore_index,
+        reduction,
+        chunk_rows,
+        need_grad_h,
+        need_grad_weight,
     )
 
 
-def _grads(grad_loss, h, weight, labels, ignore_index, reduction, chunk_rows, need_grad_h, need_grad_weight):
+def _grads(
+    grad_loss,
+    grad_lse,
+    h,
+    weight,
+    labels,
+    lse,
+    ignore_index,
+    reduction,
+    chunk_rows,
+    need_grad_h,
+    need_grad_weight,
+):
     """The backward op's implementation (also what a test runs to see its allocations)."""
     _check(h, weight, labels, reduction, chunk_rows)
-    rows = chunk_rows_for(h.shape[0], weight.shape[0], chunk_rows)
-    return _backward_chunks(
-        grad_loss, h, weight, labels, None, 0, ignore_index, reduction, rows, need_grad_h, need_grad_weight
+    block = vocab_rows_for(h.shape[0], weight.shape[0], chunk_rows)
+    return _backward_blocks(
+        grad_loss,
+        grad_lse,
+        h,
+        weight,
+        labels,
+        lse,
+        0,
+        ignore_index,
+        reduction,
+        block,
+        need_grad_h,
+        need_grad_weight,
     )
 
 
 @linear_cross_entropy_backward.register_fake
-def _(grad_loss, h, weight, labels, ignore_index, reduction, chunk_rows, need_grad_h, need_grad_weight):
+def _(
+    grad_loss,
+    grad_lse,
+    h,
+    weight,
+    labels,
+    lse,
+    ignore_index,
+    reduction,
+    chunk_rows,
+    need_grad_h,
+    need_grad_weight,
+):
     _check(h, weight, labels, reduction, chunk_rows)
     grad_h = h.new_empty(h.shape) if need_grad_h else h.new_empty(0)
     grad_weight = weight.new_empty(weight.shape) if need_grad_weight else weight.new_empty(0)
@@ -333,15 +420,15 @@ def _(grad_loss, h, weight, labels, ignore_index, reduction, chunk_rows, need_gr
 
 def _setup_context(ctx, inputs, output) -> None:
     h, weight, labels, ignore_index, reduction, chunk_rows = inputs
-    ctx.save_for_backward(h, weight, labels)
+    ctx.save_for_backward(h, weight, labels, output[1])  # lse: an output, not recomputed
     ctx.args = (ignore_index, reduction, chunk_rows)
 
 
-def _backward(ctx, grad_loss):
-    h, weight, labels = ctx.saved_tensors
+def _backward(ctx, grad_loss, grad_lse):
+    h, weight, labels, lse = ctx.saved_tensors
     need_h, need_w = ctx.needs_input_grad[:2]
     grad_h, grad_weight = torch.ops.autopar.linear_cross_entropy_backward(
-        grad_loss, h, weight, labels, *ctx.args, need_h, need_w
+        grad_loss, grad_lse, h, weight, labels, lse, *ctx.args, need_h, need_w
     )
     return (grad_h if need_h else None, grad_weight if need_w else None, None, None, None, None)
 
@@ -356,7 +443,9 @@ def _forward_flops(h_shape, weight_shape, *args, out_shape=None, **kwargs) -> in
 
 
 @register_flop_formula(torch.ops.autopar.linear_cross_entropy_backward)
-def _backward_flops(grad_shape, h_shape, weight_shape, labels_shape, *args, out_shape=None, **kwargs) -> int:
+def _backward_flops(
+    grad_shape, grad_lse_shape, h_shape, weight_shape, *args, out_shape=None, **kwargs
+) -> int:
     """The recomputed projection (``2 N H V``) and each needed gradient's ``2 N H V``."""
     need = sum(s[0] > 0 for s in out_shape) if out_shape is not None else 2
     return 2 * h_shape[0] * h_shape[1] * weight_shape[0] * (1 + need)
@@ -365,11 +454,26 @@ def _backward_flops(grad_shape, h_shape, weight_shape, labels_shape, *args, out_
 # --- the vocabulary-parallel form -----------------------------------------------------------------
 
 
+def _groups(group) -> list:
+    """``group`` as a list: one process group (None: the default), or a sequence of them."""
+    if group is None or isinstance(group, dist.ProcessGroup):
+        return [group]
+    return list(group)
+
+
+def _all_reduce(t: Tensor, op, groups: list) -> None:
+    """All-reduce over every group in turn (max then max, sum then sum): over their product, a
+    vocabulary split over several mesh axes."""
+    for g in groups:
+        dist.all_reduce(t, op=op, group=g)
+
+
 class _VocabParallelLinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, h, weight_shard, labels, vocab_start, group, ignore_index, reduction, chunk_rows):
         _check(h, weight_shard, labels, reduction, chunk_rows)
         triton = use_triton(h)
+        groups = _groups(group)
         n, v_local = h.shape[0], weight_shard.shape[0]
         rows = chunk_rows_for(n, v_local, chunk_rows)
         lse = torch.empty(n, dtype=torch.float32, device=h.device)
@@ -380,27 +484,23 @@ class _VocabParallelLinearCrossEntropy(torch.autograd.Function):
             local_lse, target = _lse_target(logits, lab, vocab_start, ignore_index, triton)
             del logits
             shift = local_lse.clone()
-            dist.all_reduce(shift, op=dist.ReduceOp.MAX, group=group)
+            _all_reduce(shift, dist.ReduceOp.MAX, groups)
             sums = torch.stack([torch.exp(local_lse - shift), target])
-            dist.all_reduce(sums, op=dist.ReduceOp.SUM, group=group)
+            _all_reduce(sums, dist.ReduceOp.SUM, groups)
             lse[start:end] = shift + torch.log(sums[0])
             total += torch.where(lab != ignore_index, lse[start:end] - sums[1], 0.0).sum()
         ctx.save_for_backward(h, weight_shard, labels, lse)
-        ctx.args = (vocab_start, group, ignore_index, reduction, rows)
+        ctx.args = (vocab_start, ignore_index, reduction, vocab_rows_for(n, v_local, chunk_rows))
         return _reduce(total, labels, ignore_index, reduction)
 
     @staticmethod
     def backward(ctx, grad_loss):
         h, weight_shard, labels, lse = ctx.saved_tensors
-        vocab_start, group, ignore_index, reduction, rows = ctx.args
+        vocab_start, ignore_index, reduction, block = ctx.args
         need_h, need_w = ctx.needs_input_grad[:2]
-        pending = []  # one async all-reduce (SUM) of grad_h's rows per chunk, waited for at the end
-
-        def all_reduce_rows(rows_of_grad_h: Tensor) -> None:
-            pending.append(dist.all_reduce(rows_of_grad_h, op=dist.ReduceOp.SUM, group=group, async_op=True))
-
-        grad_h, grad_weight = _backward_chunks(
+        grad_h, grad_weight = _backward_blocks(
             grad_loss,
+            None,
             h,
             weight_shard,
             labels,
@@ -408,13 +508,11 @@ class _VocabParallelLinearCrossEntropy(torch.autograd.Function):
             vocab_start,
             ignore_index,
             reduction,
-            rows,
+            block,
             need_h,
             need_w,
-            on_grad_h_rows=all_reduce_rows,
         )
-        for work in pending:
-            work.wait()
+        # grad_h: this rank's share (its vocabulary's dz W), no collective (docstring)
         return (
             grad_h if need_h else None,
             grad_weight if need_w else None,
@@ -432,19 +530,24 @@ def vocab_parallel_linear_cross_entropy(
     weight_shard: Tensor,
     labels: Tensor,
     vocab_start: int,
-    group: dist.ProcessGroup | None = None,
+    group: dist.ProcessGroup | Sequence[dist.ProcessGroup] | None = None,
     ignore_index: int = -100,
     reduction: str = "mean",
     chunk_rows: int = 0,
 ) -> Tensor:
-    """The loss of ``h @ W.T`` over the whole vocabulary, where this rank of ``group`` holds
-    ``weight_shard = W[vocab_start : vocab_start + V_r]`` and every rank the same ``h``, ``labels``
-    (global ids). Returns the full loss on every rank. Backward: this rank's ``weight_shard``
-    gradient, and ``h``'s gradient **summed over the group** (``h`` is replicated: no further
-    reduction). Collectives (module docstring): 2 all-reduces per chunk forward, 1 (async) per
-    chunk backward. Every rank must pass the same ``chunk_rows``; 0 derives it from the shard's
-    rows, which agree where the shards have equal sizes (a vocabulary padded to a multiple of the
-    group's size, as Megatron's): pass it explicitly for unequal shards."""
+    """The loss of ``h @ W.T`` over the whole vocabulary, where this rank holds ``weight_shard =
+    W[vocab_start : vocab_start + V_r]`` and every rank of ``group`` the same ``h``, ``labels``
+    (global ids). ``group``: one process group (None: the default), or a sequence of them, a
+    vocabulary split over several mesh axes (each all-reduce runs over every group in turn; the
+    caller gives ``vocab_start``). Returns the full loss on every rank. Backward: this rank's
+    ``weight_shard`` gradient, and **this rank's own share of** ``h``'s **gradient** (its
+    vocabulary's ``dz W_r``), **not** summed over the group: the caller sums the shares, as
+    autopar's generated code does through Megatron's "f" on ``h`` (identity forward, all-reduce of
+    the gradient backward), which codegen puts on a Replicate input of an op split over the axis.
+    Collectives (module docstring): 2 all-reduces per chunk forward (per group), none backward.
+    Every rank must pass the same ``chunk_rows``; 0 derives it from the shard's rows, which agree
+    where the shards have equal sizes (a vocabulary padded to a multiple of the group's size, as
+    Megatron's): pass it explicitly for unequal shards."""
     return _VocabParallelLinearCrossEntropy.apply(
         h, weight_shard, labels, vocab_start, group, ignore_index, reduction, chunk_rows
     )
