@@ -19,6 +19,7 @@ from autopar.errors import (
     PlanMismatchError,
     TraceError,
 )
+from autopar.fusion import Kernel, KernelUse
 from autopar.options import AxisRole, Optimizer, SearchOptions, SearchOptionsError
 from autopar.placement import Outputs, SeqAttention
 from autopar.plan import NodeDecision, Plan, PlannedCollective, Predicted, Site
@@ -49,6 +50,8 @@ __all__ = [
     "TradesError",
     "ZeroStage",
     "Outputs",
+    "Kernel",
+    "KernelUse",
     "SeqAttention",
     "Plan",
     "PlanFormatError",

@@ -8,6 +8,7 @@ one ``SearchOptions``, resolves the op profiler, and builds the rank-local modul
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -24,13 +25,14 @@ from autopar.options import Optimizer, SearchOptions
 from autopar.passes.analyze import analyze
 from autopar.passes.blocks import find_blocks
 from autopar.passes.costs import build_costs
+from autopar.passes.fuse import fuse_as_planned
 from autopar.passes.pipeline import price_pipeline, stage_cluster
 from autopar.passes.price import expanded_choice, grad_sync_cost, price_plan
 from autopar.passes.search import MeshRun, SearchResult, Solved, with_pipeline, with_trades
 from autopar.passes.search import search as _search
 from autopar.passes.solver import Solution, objective_s
 from autopar.passes.strategies import Strategy, build_strategies
-from autopar.passes.trace import TracedGraph, normalize_inputs, trace
+from autopar.passes.trace import TracedGraph, keep_loss_only, normalize_inputs, trace
 from autopar.passes.trades import apply_trades, half_infos, trade_terms
 from autopar.placement import Outputs, spec_from_str, via_from_str
 from autopar.plan import Plan
@@ -100,7 +102,7 @@ def reprice(
     the cost tables' total on ``cluster``."""
     if isinstance(plan, (str, os.PathLike)):
         plan = Plan.load(plan)
-    tg = trace(model, example_inputs)
+    tg = traced_as_planned(model, example_inputs, plan)
     plan.check_matches(tg.fingerprint(), cluster.world_size)
     infos = analyze(tg)
     mesh = tuple(plan.mesh_shape)
@@ -131,7 +133,9 @@ def reprice(
     )
     run = MeshRun(mesh, None)
     solved = Solved(priced.predicted.step_time_s, run, sol, tables, 0.0, gs, choice, trades, terms)
-    repriced = with_trades(priced, tg, cinfos, solved, SearchOptions(optimizer=optimizer))
+    repriced = dataclasses.replace(
+        with_trades(priced, tg, cinfos, solved, SearchOptions(optimizer=optimizer)), kernels=tg.kernels
+    )
     if not plan.pipeline.enabled:
         return repriced
     pipe = price_pipeline(
@@ -204,18 +208,28 @@ def autoparallelize(
 
         tg, the_plan = solve_once(run)
         if tg is None:
-            tg = trace(model, example_inputs)
+            tg = traced_as_planned(model, example_inputs, the_plan)
     else:
         agree(
             "the plans",
             [("plan", json.dumps(plan.to_dict(), sort_keys=True))],
             "load the same plan on every rank",
         )
-        tg = trace(model, example_inputs)
+        tg = traced_as_planned(model, example_inputs, plan)
         plan.check_matches(tg.fingerprint(), world)
         the_plan = plan
     tg, inputs, choice = _module_graph(model, tg, the_plan, example_inputs)
     return build_parallel_module(model, tg, the_plan, choice, inputs, weights=weights)
+
+
+def traced_as_planned(model, example_inputs, plan: Plan) -> TracedGraph:
+    """The model traced and rewritten as the plan's search rewrote it: the outputs it does not
+    return dropped (``Outputs.LOSS``), its fused kernels substituted at the same nodes."""
+    tg = trace(model, example_inputs)
+    if plan.outputs == Outputs.LOSS.value:
+        keep_loss_only(tg)
+    fuse_as_planned(tg, plan.kernels)
+    return tg
 
 
 def _named_leaves(example_inputs) -> list[tuple[str, object]]:
@@ -235,7 +249,7 @@ def _module_graph(model, tg: TracedGraph, plan: Plan, example_inputs):
     if k == 1:
         return tg, inputs, choice_from_plan(tg, plan)
     micro = micro_batch_inputs(example_inputs, plan)
-    mtg = trace(model, micro)
+    mtg = traced_as_planned(model, micro, plan)
     check_same_graph(tg, mtg, k)
     try:
         return mtg, normalize_inputs(micro), choice_from_plan(mtg, plan)

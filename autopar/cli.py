@@ -4,7 +4,7 @@
     autopar plan MODEL_SPEC --cluster PRESET[:NODESxDEVICES] | SPEC_FILE --out plan.json [--report r.html]
                  [--mesh AxB] [--recompute ..] [--micro-batches K] [--zero-stage ..] [--offload ..]
                  [--precision ..] [--pipeline-stages N] [--schedule ..] [--virtual-stages N]
-                 [--sequence-attention gather|ring|all_to_all]
+                 [--sequence-attention gather|ring|all_to_all] [--kernels auto|all|none|K1,K2]
                  [--profile [--profile-cache PATH] [--profile-threads N]]
     autopar calibrate [--world-size N] [--out cluster.json] [--quick]
     autopar coverage MODEL_SPEC [--json]
@@ -21,6 +21,7 @@ import sys
 
 from autopar.demo import DEMO_MODEL
 from autopar.errors import AutoparError
+from autopar.fusion import Kernel, KernelsError, coerce_kernels
 from autopar.placement import Outputs, SeqAttention
 from autopar.trades import Schedule
 
@@ -79,8 +80,8 @@ def _build_parser() -> argparse.ArgumentParser:
         "--outputs",
         choices=[o.value for o in Outputs],
         default=Outputs.FULL.value,
-        help="return each output whole on every rank (full, the default) or as each rank's piece "
-        "(local: no gathered logits)",
+        help="return each output whole on every rank (full, the default), as each rank's piece "
+        "(local: no gathered logits), or the loss alone (loss: the logits are never computed)",
     )
     pl.add_argument(
         "--recompute",
@@ -135,6 +136,13 @@ def _build_parser() -> argparse.ArgumentParser:
         default="auto",
         help="attention on a split sequence: K/V gathered, ring, or all-to-all (Ulysses) (default: auto, "
         "by cost per attention)",
+    )
+    pl.add_argument(
+        "--kernels",
+        default="auto",
+        metavar="auto|all|none|K1,K2",
+        help="fused kernels to substitute: auto (all on GPUs, none on CPUs), all, none, or a comma-separated "
+        f"list of {', '.join(k.value for k in Kernel)}",
     )
     pl.add_argument(
         "--profile",
@@ -213,7 +221,13 @@ def _cmd_plan(args) -> int:
             print(f"autopar: error: --{flag.replace('_', '-')} must be a positive integer or auto, got {text!r}",
                   file=sys.stderr)  # fmt: skip
             return 2
+    try:
+        kernels = coerce_kernels(args.kernels)
+    except KernelsError as e:
+        print(f"autopar: error: --kernels: {e}", file=sys.stderr)
+        return 2
     options = autopar.SearchOptions(
+        kernels=kernels,
         recompute=auto(args.recompute),
         micro_batches=counts["micro_batches"],
         pipeline_stages=counts["pipeline_stages"],

@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, fields
 
 from autopar.errors import AutoparError
+from autopar.fusion import Kernel, KernelsError, coerce_kernels
 from autopar.placement import Outputs, SeqAttention
 from autopar.trades import (
     ENUM_FIELDS,
@@ -60,7 +61,8 @@ class SearchOptions:
     * ``time_limit_s``: the ILP solver's time limit per mesh.
     * ``axis_roles``: one ``AxisRole`` per mesh axis; None lets the solver choose every placement.
     * ``optimizer``: the optimizer whose state the memory model counts.
-    * ``outputs``: ``Outputs.FULL`` (every output whole on every rank) or ``Outputs.LOCAL``.
+    * ``outputs``: ``Outputs.FULL`` (every output whole on every rank), ``Outputs.LOCAL`` (each
+      rank's piece) or ``Outputs.LOSS`` (the loss alone: the other outputs are never computed).
     * ``coarsen``: repeated blocks share their ILP variables (``passes/coarsen.py``).
     * ``profile``: price ops by running them on this machine (``autopar.tools.profiler``) instead
       of the roofline.
@@ -76,6 +78,10 @@ class SearchOptions:
     * ``sequence_attention``: how attention runs where the plan splits its sequence over an axis
       (``SeqAttention``: K/V gathered, ring, or all-to-all); None lets the solver choose per
       attention by cost.
+    * ``kernels``: the fused kernels substituted for their aten patterns (``autopar.fusion.Kernel``,
+      ``passes/fuse.py``): None (auto) fuses every kernel where the cluster's devices are
+      accelerators (Triton runs there) and none on CPUs; a set of kernels (or ``"all"``,
+      ``"none"``) fuses exactly those on any device (the torch fallbacks run on CPUs).
     """
 
     mesh_shape: tuple[int, ...] | None = None
@@ -95,8 +101,13 @@ class SearchOptions:
     schedule: Schedule | None = None
     virtual_stages: int | None = None
     sequence_attention: SeqAttention | None = None
+    kernels: frozenset[Kernel] | None = None
 
     def __post_init__(self) -> None:
+        try:
+            object.__setattr__(self, "kernels", coerce_kernels(self.kernels))
+        except KernelsError as e:
+            raise SearchOptionsError(str(e)) from None
         if self.sequence_attention is not None:
             try:
                 object.__setattr__(self, "sequence_attention", SeqAttention(self.sequence_attention))

@@ -129,15 +129,20 @@ class Outputs(enum.Enum):
       only pending sums (Partial) are reduced. A loss is a scalar, whole either way; the logits of
       a vocabulary-parallel head stay sharded (for a 128k-token vocabulary, 67 GB gathered on every
       rank otherwise). ``ParallelModule.output_specs`` says each output's placement.
+    * ``LOSS``: the model's loss alone (its first output, a scalar), whole on every rank; the other
+      outputs are returned as None and never computed: what a training step reads. The logits of a
+      causal LM (4 GiB of fp32 at 8192 tokens and a 128k vocabulary) then need not exist at all:
+      the output projection and the loss fuse (``autopar.fusion.Kernel.LINEAR_CROSS_ENTROPY``).
     """
 
     FULL = "full"
     LOCAL = "local"
+    LOSS = "loss"
 
 
 def output_placement(spec: Sequence[Placement], outputs: Outputs) -> Spec:
     """The placement a graph output computed in ``spec`` is returned in."""
-    if outputs is Outputs.FULL:
+    if outputs is not Outputs.LOCAL:
         return replicated(len(spec))
     return tuple(R if is_partial(p) else p for p in spec)
 

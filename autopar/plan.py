@@ -47,6 +47,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from autopar.errors import PlanFormatError, PlanMismatchError
+from autopar.fusion import KernelUse
 from autopar.placement import Outputs, SeqAttention, Spec, is_shard, spec_from_str, via_from_str
 from autopar.reshard import Collective, CollectiveCall, Phase
 from autopar.trades import Pipeline, Trades
@@ -238,6 +239,9 @@ class Plan:
     # search priced: its blocks, forward and backward seconds per micro-batch, peak bytes
     pipeline: Pipeline = field(default_factory=Pipeline)
     stage_costs: tuple = ()
+    # the fused kernels substituted for aten patterns (passes/fuse.py): each one's node (its
+    # decision is in ``decisions``) and the traced nodes it stands for; empty: none
+    kernels: tuple[KernelUse, ...] = ()
     schema_version: int = SCHEMA_VERSION
     _by_name: dict = field(default=None, repr=False, compare=False, hash=False)  # type: ignore[assignment]
 
@@ -301,6 +305,7 @@ class Plan:
                 for k, v in self.trade_costs.items()
             ),
             *self._attention_lines(),
+            *self._kernel_lines(),
             *self._pipeline_lines(),
             f"  solver {self.solver.name}: {self.solver.status}, {self.solver.solve_time_s:.2f} s; lower bound "
             f"{self.solver.lower_bound_s * 1e3:.3f} ms; optimality gap {self.solver.gap:.1%}",
@@ -333,6 +338,20 @@ class Plan:
             return []
         each = ", ".join(f"{k} ({n} op{'s' if n != 1 else ''})" for k, n in counts.items())
         return [f"  attention on a split sequence: {each}"]
+
+    def _kernel_lines(self) -> list[str]:
+        """The fused kernels: per kernel, how many ops it replaced and their predicted seconds."""
+        if not self.kernels:
+            return []
+        count: dict[str, list] = {}
+        for u in self.kernels:
+            c = count.setdefault(u.kernel.value, [0, 0, 0.0])
+            c[0] += 1
+            c[1] += len(u.replaced)
+            d = self._by_name.get(u.node)
+            c[2] += d.compute_s if d is not None else 0.0
+        each = ", ".join(f"{k} x{n} ({ops} aten ops, {s * 1e3:.3f} ms)" for k, (n, ops, s) in count.items())
+        return [f"  fused kernels: {each}"]
 
     def _pipeline_lines(self) -> list[str]:
         """The pipeline, one line per run of chunks priced alike (same block count, forward and
@@ -400,6 +419,7 @@ class Plan:
             "trade_costs": self.trade_costs,
             "pipeline": self.pipeline.to_dict(),
             "stage_costs": [dict(c) for c in self.stage_costs],
+            "kernels": [u.to_dict() for u in self.kernels],
             "solver": {**asdict(self.solver), "candidates": list(self.solver.candidates)},
         }
 
@@ -440,6 +460,7 @@ class Plan:
                 trade_costs=dict(data.get("trade_costs", {})),
                 pipeline=Pipeline.from_dict(data.get("pipeline")),  # before pipelines: none
                 stage_costs=tuple(dict(c) for c in data.get("stage_costs", ())),
+                kernels=tuple(KernelUse.from_dict(u) for u in data.get("kernels", ())),
                 schema_version=SCHEMA_VERSION,  # read into this version's types
             )
         except (KeyError, TypeError, ValueError) as e:

@@ -292,6 +292,32 @@ def f(x: torch.Tensor, axis: int) -> torch.Tensor:
     return _F.apply(x, axis, current_mesh())
 
 
+def vocab_parallel_cross_entropy(
+    h: torch.Tensor,
+    weight: torch.Tensor,
+    target: torch.Tensor,
+    ignore_index: int,
+    reduction: str,
+    chunk_rows: int,
+    axes: tuple[int, ...],
+) -> torch.Tensor:
+    """The output projection fused with its loss, the vocabulary (``weight``'s rows) split over
+    ``axes`` (in mesh-axis order, the first outermost, as DTensor nests shards):
+    ``kernels/cross_entropy.py``'s vocabulary-parallel form, on those axes' groups. ``h`` and
+    ``target`` are whole on ``axes``; the loss comes out whole, and ``h``'s gradient summed."""
+    from autopar.kernels.cross_entropy import vocab_parallel_linear_cross_entropy
+
+    mesh = current_mesh()
+    piece = 0
+    for a in axes:
+        piece = piece * mesh.size(a) + mesh.get_local_rank(a)
+    groups = [axis_group(mesh, a) for a in axes]
+    return vocab_parallel_linear_cross_entropy(
+        h, weight, target, piece * weight.shape[0], groups if len(groups) > 1 else groups[0],
+        ignore_index, reduction, chunk_rows,
+    )  # fmt: skip
+
+
 @torch.no_grad()
 def gather_full(x: torch.Tensor, spec, mesh: DeviceMesh) -> torch.Tensor:
     """Rebuild the full tensor from this rank's piece under ``spec`` on ``mesh`` (no autograd):

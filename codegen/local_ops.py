@@ -58,6 +58,30 @@ def loss_sum_and_count(logits: torch.Tensor, target: torch.Tensor, ignore_index:
     return torch.stack([per_token.sum(dtype=acc), count])
 
 
+def fused_loss_sum_and_count(
+    h: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, ignore_index: int, chunk_rows: int, axes=()
+) -> torch.Tensor:
+    """``loss_sum_and_count`` of the output projection fused with its loss
+    (``kernels/cross_entropy.py``): this rank's rows' loss sum, computed in chunks, never the
+    logits; over the vocabulary split on ``axes`` (none: the whole vocabulary here) the vocabulary-
+    parallel form (``collectives.vocab_parallel_cross_entropy``)."""
+    if axes:
+        from autopar.codegen.collectives import vocab_parallel_cross_entropy
+
+        loss = vocab_parallel_cross_entropy(h, weight, target, ignore_index, "sum", chunk_rows, axes)
+    else:
+        loss = torch.ops.autopar.linear_cross_entropy(h, weight, target, ignore_index, "sum", chunk_rows)
+        loss = loss[0] if isinstance(loss, tuple) else loss  # (loss, per-row logsumexp)
+    count = (target != ignore_index).sum(dtype=loss.dtype)
+    return torch.stack([loss, count])
+
+
+def loss_alone(loss: torch.Tensor) -> tuple[torch.Tensor, None]:
+    """A loss where the fused op returns ``(loss, per-row logsumexp)``: the graph reads only the
+    loss, and a split op's rows' logsumexp is no whole value to return."""
+    return loss, None
+
+
 def mean_of_sum_and_count(pair: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """The mean loss from the all-reduced ``[sum, count]``, in the loss's dtype."""
     return (pair[0] / pair[1]).to(dtype)

@@ -33,6 +33,7 @@ from torch.distributed.tensor import Shard
 from autopar.codegen import collectives as C
 from autopar.codegen import context_parallel as CP
 from autopar.codegen import local_ops as L
+from autopar.kernels import ops as kernel_ops
 from autopar.passes.grad_sync import emitted_f_axes, reshard_key
 from autopar.passes.rules import map_args, norm_dim
 from autopar.passes.strategies import Strategy
@@ -50,6 +51,7 @@ from autopar.placement import (
 from autopar.reshard import StepKind, reshard_plan
 
 aten = torch.ops.aten
+kernel_ops.load()  # the fused ops a plan may call (passes/fuse.py), lowered below where they split
 
 
 def mangle(fqn: str) -> str:
@@ -268,6 +270,30 @@ def _lower_cross_entropy(g, node, args, kwargs, s, mesh_shape):
     for a in split:
         pair = g.call_function(C.all_reduce, (pair, a))
     return g.call_function(L.mean_of_sum_and_count, (pair, dtype))
+
+
+@lowering(torch.ops.autopar.linear_cross_entropy.default)
+def _lower_linear_cross_entropy(g, node, args, kwargs, s, mesh_shape):
+    """The fused output projection + loss (``passes/rules/fused.py``): rows split on some axes,
+    the vocabulary on others. A mean over split rows is the all-reduced local sum and token count,
+    as for ``cross_entropy_loss``; the vocabulary split is the vocabulary-parallel form, whose
+    collectives run inside the op."""
+    h, w, target, ignore, reduction, chunk = args
+    live = [a for a, n in enumerate(mesh_shape) if n > 1]
+    rows = tuple(a for a in live if is_shard(s.ins[0][a]))
+    vocab = tuple(a for a in live if is_shard(s.ins[1][a]))
+    if rows and reduction == "mean":
+        pair = g.call_function(L.fused_loss_sum_and_count, (h, w, target, ignore, chunk, vocab))
+        for a in rows:
+            pair = g.call_function(C.all_reduce, (pair, a))
+        loss = g.call_function(L.mean_of_sum_and_count, (pair, torch.float32))
+    elif vocab:
+        loss = g.call_function(
+            C.vocab_parallel_cross_entropy, (h, w, target, ignore, reduction, chunk, vocab)
+        )
+    else:
+        return g.call_function(node.target, args, kwargs)
+    return g.call_function(L.loss_alone, (loss,)) if isinstance(node.meta["val"], tuple) else loss
 
 
 # ------------------------------------------------------------------------------------------------

@@ -136,7 +136,13 @@ _GEMMS = {
     "aten.bmm.default": _batched,
     "aten.baddbmm.default": lambda bias, a, b: _batched(a, b),
     "aten.matmul.default": _batched,
+    # the output projection fused with its loss (kernels/cross_entropy.py): h [N, H] @ W[V, H]^T
+    "autopar.linear_cross_entropy.default": lambda h, w, *_: (h[0], h[1], w[0]),
 }
+
+# ops whose backward runs more GEMMs of the forward's size than the two of a matmul: the fused
+# cross-entropy recomputes each chunk's logits before its two gradient GEMMs (it keeps no logits)
+BACKWARD_GEMMS = {"autopar.linear_cross_entropy.default": 3}
 
 
 def gemm_min_dim(op: str, shapes: Sequence[Sequence[int]]) -> int | None:
@@ -174,7 +180,8 @@ def node_time(
     fwd = max(body, units / k * measured[0]) if measured else body
     t = fwd + device.kernel_launch_s
     if requires_grad:
-        bwd = max(min(new_grads, BACKWARD_FACTOR) * body, grad_bytes / k / device.memory_bandwidth)
+        factor = BACKWARD_GEMMS.get(op, min(new_grads, BACKWARD_FACTOR))
+        bwd = max(factor * body, grad_bytes / k / device.memory_bandwidth)
         if measured:
             bwd = max(bwd, units / k * measured[1])
         t += bwd + device.kernel_launch_s

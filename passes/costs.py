@@ -670,6 +670,8 @@ def lowering_collectives(
     own compute ``compute_s`` (forward + backward, per rank), which a ring's hops overlap."""
     if s.via:
         return _sequence_attention_collectives(node, s, comm, compute_s)
+    if node.target is FUSED_CROSS_ENTROPY:
+        return _fused_cross_entropy_collectives(node, s, comm)
     if node.target is aten.cross_entropy_loss.default and all(is_replicate(p) for p in s.out):
         # a mean over a split batch: one all-reduce of the local loss sum and token count (two
         # float32) on every split axis, exactly as codegen/lower.py emits it (a sum or 'none'
@@ -683,6 +685,41 @@ def lowering_collectives(
             if split and comm.mesh_shape[a] > 1
         ]
     return []
+
+
+FUSED_CROSS_ENTROPY = torch.ops.autopar.linear_cross_entropy.default
+
+
+def _fused_cross_entropy_collectives(node: fx.Node, s: Strategy, comm: CommModel) -> list:
+    """What ``codegen/lower.py`` runs around the fused output projection + loss: over each split
+    rows axis, for a mean, the all-reduce of ``[sum, count]`` (8 B); over each vocabulary axis, per
+    row of this rank three float32 all-reduces (row max, sum of exponentials, target logit: 12 B a
+    row, ``kernels/cross_entropy.py``) forward. (``h``'s gradient, each rank's vocabulary slice's
+    share, is summed by the Megatron "f" codegen puts on ``h``, priced with the reshards.)"""
+    h = node.args[0].meta["val"]
+    reduction = node.args[4] if len(node.args) > 4 else "mean"
+    mesh = comm.mesh_shape
+    live = [a for a, n in enumerate(mesh) if n > 1]
+    rows = [a for a in live if is_shard(s.ins[0][a])]
+    local_rows = h.shape[0] // math.prod(mesh[a] for a in rows)
+    out = []
+    for a in live:
+        if a in rows and reduction == "mean":
+            out.append(
+                (
+                    CollectiveCall(Collective.ALL_REDUCE, a, 8, Phase.FORWARD),
+                    comm.time(Collective.ALL_REDUCE, 8, a),
+                )
+            )
+        if is_shard(s.ins[1][a]):
+            fwd = 12 * local_rows
+            out.append(
+                (
+                    CollectiveCall(Collective.ALL_REDUCE, a, fwd, Phase.FORWARD),
+                    comm.time(Collective.ALL_REDUCE, fwd, a),
+                )
+            )
+    return out
 
 
 def lowering_saved_bytes(node: fx.Node, s: Strategy, mesh_shape: Sequence[int]) -> float:

@@ -46,6 +46,7 @@ from autopar.passes.analyze import NodeInfo, analyze
 from autopar.passes.blocks import Block, find_blocks
 from autopar.passes.coarsen import Classes, find_classes
 from autopar.passes.costs import CostTables, NodeTimer, build_costs
+from autopar.passes.fuse import chosen_kernels, fuse
 from autopar.passes.grad_sync import GradSyncCost
 from autopar.passes.infeasible import blocked
 from autopar.passes.memory_row import lower_bound_bytes
@@ -70,7 +71,7 @@ from autopar.passes.solver import (
     solve,
 )
 from autopar.passes.strategies import NodeStrategies, Strategy, build_strategies, variable_nodes
-from autopar.passes.trace import Role, TracedGraph, trace
+from autopar.passes.trace import Role, TracedGraph, keep_loss_only, trace
 from autopar.passes.trades import (
     TradeTerms,
     apply_trades,
@@ -82,7 +83,7 @@ from autopar.passes.trades import (
     param_state,
     trade_terms,
 )
-from autopar.placement import SeqAttention, is_shard, spec_to_str
+from autopar.placement import Outputs, SeqAttention, is_shard, spec_to_str
 from autopar.plan import Plan
 from autopar.trades import Offload, Schedule, Trades, ZeroStage
 
@@ -195,6 +196,7 @@ def search(
     options = options or SearchOptions()
     st = _Stages(progress, dump_dir)
     tg = trace_stage(model, example_inputs, st)
+    fuse_stage(tg, cluster, options, st)
     infos = analyze_stage(tg, st)
     classes = coarsen_stage(tg, infos, options, st)
     blocks = find_blocks(tg)
@@ -290,6 +292,21 @@ def search(
 
 
 # -- stages ----------------------------------------------------------------------------------------
+
+
+def fuse_stage(tg: TracedGraph, cluster: ClusterSpec, options: SearchOptions, st: _Stages) -> None:
+    """Outputs the plan does not return dropped (``Outputs.LOSS``), then the fused kernels
+    substituted (``passes/fuse.py``); the graph dumped again where anything changed."""
+    if options.outputs is Outputs.LOSS:
+        keep_loss_only(tg)
+    tg.kernels = fuse(tg, chosen_kernels(cluster.device.name, options.kernels))
+    if tg.kernels:
+        counts: dict[str, int] = {}
+        for u in tg.kernels:
+            counts[u.kernel.value] = counts.get(u.kernel.value, 0) + 1
+        st.say("fuse: " + ", ".join(f"{k} x{n}" for k, n in counts.items()))
+    if tg.kernels or options.outputs is Outputs.LOSS:
+        st.write("1_fuse.py", tg.graph_module.code)
 
 
 def trace_stage(model: torch.nn.Module, example_inputs, st: _Stages) -> TracedGraph:
@@ -889,7 +906,7 @@ def price_stage(
         tg, infos, best.tables, best.sol, best.choice, best.cluster or cluster, best.run.mesh, options.optimizer,
         candidates, best.bound, best.gs, options.outputs,
     )  # fmt: skip
-    plan = with_trades(plan, tg, infos, best, options)
+    plan = dataclasses.replace(with_trades(plan, tg, infos, best, options), kernels=tg.kernels)
     if best.pipe is not None:
         plan = with_pipeline(plan, best.pipe, cluster)
     if st.dump:

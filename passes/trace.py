@@ -57,6 +57,8 @@ class TracedGraph:
     state: dict[str, torch.Tensor]  # FQN -> original parameter / buffer / constant tensor
     model_name: str
     tracer: str  # "torch.export" or "make_fx"
+    # the fused kernels substituted into the graph (passes/fuse.py; autopar.fusion.KernelUse)
+    kernels: tuple = ()
 
     @property
     def graph(self) -> fx.Graph:
@@ -341,3 +343,22 @@ def _trace_make_fx(model, args, kwargs) -> TracedGraph:
         model_name=type(model).__name__,
         tracer="make_fx",
     )
+
+
+def keep_loss_only(tg: TracedGraph) -> None:
+    """Drop every graph output but the first, which must be the loss (a floating scalar), and
+    what only they read (``Outputs.LOSS``): the dropped outputs are returned as None."""
+    out = next(n for n in tg.graph.nodes if n.op == "output")
+    leaves, spec = pytree.tree_flatten(out.args[0])
+    first = leaves[0] if leaves else None
+    val = first.meta.get("val") if isinstance(first, fx.Node) else None
+    if not isinstance(val, torch.Tensor) or val.dim() != 0 or not val.dtype.is_floating_point:
+        raise TraceError(
+            f"outputs='loss' keeps the model's first output as its loss, but {tg.model_name}'s first output is "
+            f"{'a tensor of shape ' + str(tuple(val.shape)) if isinstance(val, torch.Tensor) else repr(first)}, "
+            "not a scalar: pass the labels so that the model returns its loss first (Hugging Face), or use "
+            "outputs='full' or 'local'"
+        )
+    out.args = (pytree.tree_unflatten([first] + [None] * (len(leaves) - 1), spec),)
+    tg.graph.eliminate_dead_code()
+    tg.graph_module.recompile()

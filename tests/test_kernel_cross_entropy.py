@@ -404,3 +404,18 @@ def test_vocab_parallel_equals_single_device_eager(world):
                 )
                 # a share, not the sum: the caller's all-reduce (codegen's "f") must not be doubled
                 assert not torch.allclose(own_h, grad_h), label
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1", reason="run with TRITON_INTERPRET=0")
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_cuda_compiled_triton_matches_eager(reduction, monkeypatch):
+    """The compiled kernel on CUDA at a model-sized vocabulary (not a power of two, several chunks
+    and vocabulary blocks) against eager cross-entropy on the same tensors: loss and both
+    gradients, bf16 inputs."""
+    monkeypatch.setenv(ENV, "triton")
+    h, w, labels = (t.cuda() for t in _inputs(3000, 512, 50257, torch.bfloat16, seed=5))
+    hg, wg = h.detach().requires_grad_(), w.detach().requires_grad_()
+    loss, _ = torch.ops.autopar.linear_cross_entropy(hg, wg, labels, IGNORE, reduction, 700)
+    got = (loss.detach(), *torch.autograd.grad(loss, [hg, wg]))
+    _assert_matches(got, _eager(h, w, labels, reduction), torch.bfloat16, f"cuda {reduction}")

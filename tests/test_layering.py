@@ -41,6 +41,7 @@ LAYERS = {
     "autopar.cluster": 0,
     "autopar.model_spec": 0,
     "autopar.trades": 0,
+    "autopar.fusion": 0,
     "autopar.passes.trades": 2,
     "autopar.passes.pipeline": 2,
     "autopar.passes": 1,

@@ -125,3 +125,39 @@ def test_a_meta_llama_loaded_from_a_checkpoint_folder_trains_as_the_saved_model(
         meta = type(model)(model.config).to(torch.bfloat16)
     losses, state, _ = _autopar(meta, batch, device, weights=str(tmp_path / "ckpt"))
     _check((losses, state), _eager(model, batch, device), "llama from a checkpoint")
+
+
+@pytest.mark.parametrize("name", ["gpt2", "llama", "palm"])
+def test_fused_kernels_train_as_eager(device, name):
+    """Every kernel the model's patterns call for substituted (Triton on a GPU, where ``auto``
+    fuses them all; the torch fallbacks on the CPU, where they are forced), the logits never
+    computed (``Outputs.LOSS``): the same training as eager PyTorch's unfused model."""
+    model, batch = _build(name)
+    want = _eager(model, batch, device)
+    kernels = None if device == "cuda" else "all"  # auto fuses on accelerators only
+    losses, state, plan = _autopar(model, batch, device, kernels=kernels, outputs=autopar.Outputs.LOSS)
+    fused = {u.kernel for u in plan.kernels}
+    assert autopar.Kernel.LINEAR_CROSS_ENTROPY in fused and len(fused) >= 2, fused
+    assert "fused kernels:" in plan.summary()
+    _check((losses, state), want, f"{name} with fused kernels")
+
+
+def test_the_generated_module_runs_under_torch_compile(device):
+    """``torch.compile`` (Inductor: C++ on the CPU, Triton on a GPU) of the parallel module with
+    fused kernels: its loss and gradients are eager PyTorch's."""
+    model, batch = examples.llama_tiny(batch=2, seq=32, layers=1, hidden=64, vocab=128)
+    ref = copy.deepcopy(model).to(device)
+    pmodel = autopar.autoparallelize(
+        model, autopar.ClusterSpec.local(), batch, kernels="all", outputs=autopar.Outputs.LOSS
+    )
+    compiled = torch.compile(pmodel)
+    on = {k: v.to(device) for k, v in batch.items()}
+    loss = compiled(**on).loss
+    loss.backward()
+    ref_loss = ref(**on).loss
+    ref_loss.backward()
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6)
+    grads = {k: v.grad for k, v in ref.named_parameters()}
+    got = pmodel.full_grads()
+    for k, g in grads.items():
+        torch.testing.assert_close(got[k].float().cpu(), g.float().cpu(), rtol=1e-4, atol=1e-5, msg=k)

@@ -69,7 +69,7 @@ def test_real_plan_save_load_roundtrip(real_plan, tmp_path):
     assert data["schema_version"] == SCHEMA_VERSION == 4
     assert set(data) == {
         "schema_version", "fingerprint", "model", "cluster", "mesh_shape", "decisions", "predicted", "outputs",
-        "trades", "trade_costs", "pipeline", "stage_costs", "solver",
+        "trades", "trade_costs", "pipeline", "stage_costs", "solver", "kernels",
     }  # fmt: skip
     # a loaded plan still answers lookups (the private index is rebuilt)
     for d in real_plan.decisions:

@@ -201,4 +201,4 @@ def has_rule(target) -> bool:
 
 
 # the families register their rules on import
-from autopar.passes.rules import elementwise, matmul, nn, shape  # noqa: E402, F401
+from autopar.passes.rules import elementwise, fused, matmul, nn, shape  # noqa: E402, F401
