@@ -261,6 +261,9 @@ def main(argv=None) -> list[dict]:
                 json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in row.items()}),
                 flush=True,
             )
+            if a.out:  # kept row by row: a run cut short still leaves what it measured
+                with open(a.out, "w") as f:
+                    json.dump({"rows": rows}, f, indent=1)
             if device.type == "cuda":
                 torch.cuda.empty_cache()
     meta = {
