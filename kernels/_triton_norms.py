@@ -92,7 +92,9 @@ def _norm_bwd(DY, DHIN, H, W, DH, DW, DB, N, rows, rows_per_prog, eps, offset,
 
 
 def _warps(block: int) -> int:
-    return min(max(block // 256, 1), 16)
+    # one row per program: 8 warps for rows of 2048-8191 elements (Llama's 4096), as Liger's and
+    # Triton's tutorial layer norms use; 16 warps there spread a row too thin
+    return 4 if block < 2048 else 8 if block < 8192 else 16 if block < 32768 else 32
 
 
 @functools.cache
