@@ -58,6 +58,7 @@ hierarchical collectives, ``cost_model/comm.py``, a flat ring is slower); uneven
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 import torch
@@ -83,17 +84,21 @@ def _hop(send: torch.Tensor, recv: torch.Tensor, group, nxt: int, prv: int) -> l
 
 
 def ring_gather(
-    piece: torch.Tensor, group, compute: Callable[[int, torch.Tensor], None]
+    piece: torch.Tensor,
+    group,
+    compute: Callable[[int, torch.Tensor], None],
+    into: list[torch.Tensor] | None = None,
 ) -> list[torch.Tensor]:
     """Every rank's ``piece`` (equal shapes), in rank order; ``compute(j, piece_j)`` is called for
-    each as it is at hand (this rank's first), while the next one travels."""
+    each as it is at hand (this rank's first), while the next one travels. ``into``: contiguous
+    buffers, one per rank, to receive the pieces in (views of one gathered tensor), else new ones."""
     n, r, nxt, prv = _ring(group)
     pieces: list[torch.Tensor | None] = [None] * n
-    pieces[r] = piece.contiguous()
+    pieces[r] = into[r].copy_(piece) if into is not None else piece.contiguous()
     cur = r
     for k in range(n - 1):
         j = (r - k - 1) % n
-        pieces[j] = torch.empty_like(pieces[r])
+        pieces[j] = into[j] if into is not None else torch.empty_like(pieces[r])
         works = _hop(pieces[cur], pieces[j], group, nxt, prv)
         compute(cur, pieces[cur])
         for w in works:
@@ -152,16 +157,20 @@ class _AllGatherLinear(torch.autograd.Function):
                 f"all_gather_linear gathers along dim {dim}, the contracted (last) dim of the input: the "
                 "pieces' products would be summed, not concatenated; gather before the linear instead"
             )
+        n, c = dist.get_world_size(group), x.shape[d]
         outs: dict[int, torch.Tensor] = {}
 
         def chunk(j: int, piece: torch.Tensor) -> None:
             outs[j] = F.linear(piece, weight, bias)
 
-        pieces = ring_gather(x, group, chunk)
-        gathered = torch.cat(pieces, dim=d)
-        out = torch.cat([outs[j] for j in range(len(pieces))], dim=d)
+        if math.prod(x.shape[:d]) == 1:  # the pieces are consecutive: received into the gathered tensor
+            gathered = x.new_empty((*x.shape[:d], n * c, *x.shape[d + 1 :]))
+            ring_gather(x, group, chunk, [gathered.narrow(d, j * c, c) for j in range(n)])
+        else:
+            gathered = torch.cat(ring_gather(x, group, chunk), dim=d)
+        out = torch.cat([outs.pop(j) for j in range(n)], dim=d)
         ctx.save_for_backward(gathered, weight)
-        ctx.dim, ctx.group, ctx.reduce_grad, ctx.has_bias = d, group, reduce_grad, bias is not None
+        ctx.dim, ctx.group, ctx.reduce_grad = d, group, reduce_grad
         ctx.device_type = x.device.type
         ctx.autocast = _autocast_state(x.device.type)
         if keep_gathered:
@@ -177,21 +186,20 @@ class _AllGatherLinear(torch.autograd.Function):
         c = gathered.shape[d] // n
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
         enabled, dtype = ctx.autocast
+        acc = _Sums()  # the weight's and bias's gradients, summed over the pieces as they come
         with torch.autocast(ctx.device_type, dtype=dtype, enabled=enabled):
-            gw: list[torch.Tensor] = []
-            gb: list[torch.Tensor] = []
 
             def piece_grads(j: int, want_x: bool = True) -> torch.Tensor | None:
-                """The weight's and bias's gradient from piece ``j`` (collected), and the gathered
-                input's piece ``j`` of gradient where ``want_x``."""
-                g_j = g.narrow(d, j * c, c)
+                """Piece ``j``'s share of the weight's and bias's gradients (added up), and, where
+                ``want_x``, the gathered input's gradient on piece ``j``."""
+                g_j = _flat(g.narrow(d, j * c, c))
                 if need_w:
-                    gw.append(_flat(g_j).t() @ _flat(gathered.narrow(d, j * c, c)).to(g_j.dtype))
+                    acc.add("w", g_j.t() @ _flat(gathered.narrow(d, j * c, c)).to(g_j.dtype))
                 if need_b:
-                    gb.append(_flat(g_j).sum(0))
+                    acc.add("b", g_j.sum(0))
                 if not want_x:
                     return None
-                dx = g_j @ weight.to(g_j.dtype)
+                dx = g.narrow(d, j * c, c) @ weight.to(g.dtype)
                 if g_gathered is not None:  # other ops' gradient of the gathered input
                     dx = dx + g_gathered.narrow(d, j * c, c)
                 return dx
@@ -203,10 +211,23 @@ class _AllGatherLinear(torch.autograd.Function):
                 for j in range(n):
                     if j != r:
                         piece_grads(j, False)
-        dw = torch.stack(gw).sum(0).to(weight.dtype) if need_w else None
-        db = torch.stack(gb).sum(0) if need_b else None
+        dw = acc.get("w").to(weight.dtype) if need_w else None
         dx = dx.to(gathered.dtype) if dx is not None else None
-        return dx, dw, db, None, None, None, None
+        return dx, dw, acc.get("b") if need_b else None, None, None, None, None
+
+
+class _Sums:
+    """Running sums by name (a backward's weight and bias gradients over the pieces): one
+    tensor each, never a list of ``n`` of them."""
+
+    def __init__(self):
+        self.sums: dict[str, torch.Tensor] = {}
+
+    def add(self, name: str, t: torch.Tensor) -> None:
+        self.sums[name] = self.sums[name].add_(t) if name in self.sums else t
+
+    def get(self, name: str) -> torch.Tensor:
+        return self.sums[name]
 
 
 class _LinearReduceScatter(torch.autograd.Function):
@@ -239,38 +260,35 @@ class _LinearReduceScatter(torch.autograd.Function):
         d, c, features = ctx.dim, ctx.c, ctx.features
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
         enabled, dtype = ctx.autocast
-        dx: dict[int, torch.Tensor] = {}
-        dw: dict[int, torch.Tensor] = {}
-        db: dict[int, torch.Tensor] = {}
+        acc = _Sums()  # what every piece adds to: the weight's and bias's (rows) or the input's (features)
+        parts: dict[str, dict[int, torch.Tensor]] = {"x": {}, "w": {}, "b": {}}  # one block per piece
         with torch.autocast(ctx.device_type, dtype=dtype, enabled=enabled):
 
             def on_piece(j: int, g_j: torch.Tensor) -> None:
                 if features:  # g_j: the gradient of output features j..; W_j their weight rows
-                    w_j = weight.narrow(0, j * c, c)
                     if need_x:
-                        dx[j] = g_j @ w_j.to(g_j.dtype)
+                        acc.add("x", g_j @ weight.narrow(0, j * c, c).to(g_j.dtype))
                     if need_w:
-                        dw[j] = _flat(g_j).t() @ _flat(x).to(g_j.dtype)
+                        parts["w"][j] = _flat(g_j).t() @ _flat(x).to(g_j.dtype)
+                    if need_b:
+                        parts["b"][j] = _flat(g_j).sum(0)
                 else:  # g_j: the gradient of rows j.. of the output, made from x_j
-                    x_j = x.narrow(d, j * c, c)
                     if need_x:
-                        dx[j] = g_j @ weight.to(g_j.dtype)
+                        parts["x"][j] = g_j @ weight.to(g_j.dtype)
                     if need_w:
-                        dw[j] = _flat(g_j).t() @ _flat(x_j).to(g_j.dtype)
-                if need_b:
-                    db[j] = _flat(g_j).sum(0)
+                        acc.add("w", _flat(g_j).t() @ _flat(x.narrow(d, j * c, c)).to(g_j.dtype))
+                    if need_b:
+                        acc.add("b", _flat(g_j).sum(0))
 
             ring_gather(g, ctx.group, on_piece)
-        n = len(dx) or len(dw) or len(db)
-        order = range(n)
-        if features:
-            gx = torch.stack([dx[j] for j in order]).sum(0) if need_x else None
-            gw = torch.cat([dw[j] for j in order], 0) if need_w else None
-            gb = torch.cat([db[j] for j in order], 0) if need_b else None
-        else:
-            gx = torch.cat([dx[j] for j in order], d) if need_x else None
-            gw = torch.stack([dw[j] for j in order]).sum(0) if need_w else None
-            gb = torch.stack([db[j] for j in order]).sum(0) if need_b else None
+
+        def whole(name: str, need: bool, cat_dim: int) -> torch.Tensor | None:
+            if not need:
+                return None
+            blocks = parts[name]
+            return torch.cat([blocks.pop(j) for j in sorted(blocks)], cat_dim) if blocks else acc.get(name)
+
+        gx, gw, gb = whole("x", need_x, d), whole("w", need_w, 0), whole("b", need_b, 0)
         gx = gx.to(x.dtype) if gx is not None else None
         gw = gw.to(weight.dtype) if gw is not None else None
         return gx, gw, gb, None, None
