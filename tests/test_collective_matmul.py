@@ -15,10 +15,16 @@ generated code calls the fused collectives when on and none when off.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+import traceback
+
 import pytest
 import torch
 import torch.nn.functional as F
+from harness import T, adam_reference, collective_axes, labelled, parallel_axes
 
+import autopar
 from autopar.launch import run_on_ranks
 
 pytestmark = pytest.mark.slow
@@ -165,3 +171,206 @@ def test_collective_matmuls_refuse_what_they_cannot_cut(kernel_runs):
     contracted, uneven = per_rank[0][1]
     assert "contracted (last) dim" in contracted
     assert "not a multiple of the group's" in uneven and "overlap_matmuls=False" in uneven
+
+
+# -- end to end ------------------------------------------------------------------------------------
+
+SEQ, HIDDEN, VOCAB, BATCH = 16, 32, 128, 2
+LR, EPS, STEPS = 1e-2, 1e-5, 2
+FUSED = ("all_gather_linear(", "linear_reduce_scatter(")
+
+
+def build(name):
+    from autopar.examples import gpt2_tiny, llama_tiny
+
+    kw = {"batch": BATCH, "seq": SEQ, "hidden": HIDDEN, "vocab": VOCAB}
+    return {"llama": llama_tiny, "gpt2": gpt2_tiny}[name](**kw)
+
+
+def _sequence_parallel(plan, model, inputs):
+    """``plan`` (tensor parallel on one axis) with the sequence split around its linears, as
+    Megatron-LM's sequence parallelism has it: the input of every column-parallel linear (weight
+    split by rows, input whole) made by an op whose output is split on the sequence (dim 1), and
+    the one use of every row-parallel linear's output (a pending sum) taking it split on the
+    sequence. Any strategy the rules offer runs correctly, chosen or not; these make the reshards
+    the collective matmuls fuse: an all-gather of the sequence into a linear, a reduce-scatter
+    of a linear's output over it."""
+    from torch.distributed.tensor.placement_types import Shard
+
+    from autopar.passes.analyze import analyze
+    from autopar.passes.collective_matmul import LINEAR, sole_use
+    from autopar.passes.costs import resolve_source
+    from autopar.passes.rules import tensor_inputs
+    from autopar.passes.strategies import build_strategies
+    from autopar.passes.trace import trace
+    from autopar.placement import R, is_partial, spec_from_str, spec_to_str
+
+    tg = trace(model, inputs)
+    allowed = build_strategies(tg, analyze(tg), plan.mesh_shape)
+    seq = (Shard(1),)
+    want = {}
+    for n in tg.graph.nodes:
+        if n.op != "call_function" or n.target is not LINEAR:
+            continue
+        d = plan[n.name]
+        if spec_from_str(d.inputs[1]) == (Shard(0),) and spec_from_str(d.inputs[0]) == (R,):
+            want[resolve_source(tensor_inputs(n)[0]).name] = lambda s: s.out == seq
+        if is_partial(spec_from_str(d.output)[0]):
+            user, k = sole_use(n)
+            want[user.name] = lambda s, k=k: s.out == seq and s.ins[k] == seq
+    decisions = []
+    for d in plan.decisions:
+        if d.name in want:
+            s = next(s for s in allowed[d.name].strategies if want[d.name](s))
+            d = dataclasses.replace(d, output=spec_to_str(s.out), inputs=tuple(spec_to_str(x) for x in s.ins))
+        decisions.append(d)
+    return dataclasses.replace(plan, decisions=tuple(decisions))
+
+
+def _train_rank(rank, world, jobs):
+    cluster = autopar.ClusterSpec.preset("cpu", devices_per_node=world)
+    results = {}
+    for key, path in jobs:
+        try:
+            model, inputs = build(key[0])
+            pmodel = autopar.autoparallelize(model, cluster, inputs, plan=path)
+            opt = pmodel.optimizer(torch.optim.Adam, lr=LR, eps=EPS)
+            losses = []
+            for _ in range(STEPS):
+                loss = pmodel(**inputs).loss
+                loss.backward()
+                losses.append(loss.item())
+                opt.step()
+                opt.zero_grad()
+            code = pmodel.code if rank == 0 else ""
+            results[key] = (losses, pmodel.full_state_dict(), code, collective_axes(pmodel))
+        except Exception:  # noqa: BLE001 - reported by that configuration's test
+            results[key] = traceback.format_exc()
+    return results
+
+
+@functools.cache
+def _sp_plan(name: str):
+    """``name``'s tensor-parallel plan on 2 CPU ranks, made sequence parallel (``_sequence_parallel``)."""
+    model, inputs = build(name)
+    cluster = autopar.ClusterSpec.preset("cpu", devices_per_node=2)
+    tp = autopar.plan(model, cluster, inputs, mesh_shape=(2,), axis_roles=(T,))
+    return _sequence_parallel(tp, model, inputs)
+
+
+@pytest.fixture(scope="module")
+def sequence_parallel_runs(tmp_path_factory):
+    """Each model's sequence-parallel plan with ``overlap_matmuls`` on and off (the same placements),
+    trained on 2 gloo ranks: (plans, per-rank results)."""
+    plans, jobs = {}, []
+    tmp = tmp_path_factory.mktemp("cm")
+    for name in ("llama", "gpt2"):
+        sp = _sp_plan(name)
+        for on in (True, False):
+            key = (name, on)
+            plans[key] = dataclasses.replace(sp, overlap_matmuls=on)
+            path = tmp / f"{name}_{on}.json"
+            plans[key].save(path)
+            jobs.append((key, str(path)))
+    return plans, run_on_ranks(_train_rank, 2, jobs, timeout_s=600)
+
+
+@pytest.mark.parametrize("on", [True, False], ids=["overlap", "no_overlap"])
+@pytest.mark.parametrize("name", ["llama", "gpt2"])
+def test_sequence_parallel_trains_as_one_device(sequence_parallel_runs, name, on):
+    plans, per_rank = sequence_parallel_runs
+    assert plans[(name, on)].overlap_matmuls is on
+    ref_losses, ref_state = adam_reference(*build(name), STEPS, LR, EPS)
+    for rank, results in enumerate(per_rank):
+        res = results[(name, on)]
+        assert not isinstance(res, str), f"rank {rank} failed:\n{res}"
+        losses, state, code, axes = res
+        assert axes >= parallel_axes((2,))
+        if rank == 0:
+            fused = [f for f in FUSED if f in code]
+            # llama's plan has both (column- and row-parallel linears), GPT-2's a row-parallel head
+            want = list(FUSED) if name == "llama" else ["linear_reduce_scatter("]
+            assert fused == (want if on else []), code
+        torch.testing.assert_close(
+            torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-4, atol=1e-5,
+            msg=labelled(f"rank {rank} losses"),
+        )  # fmt: skip
+        assert set(state) == set(ref_state)
+        for k in ref_state:
+            torch.testing.assert_close(
+                state[k], ref_state[k], rtol=1e-4, atol=1e-5, msg=labelled(f"rank {rank} {k}")
+            )
+
+
+def _lowered(model, inputs, plan):
+    """The rank-local graph codegen emits for ``plan``, lowered on meta-device shards (no process
+    group), and the traced graph."""
+    from autopar.api import choice_from_plan
+    from autopar.codegen.lower import lower, mangle
+    from autopar.passes.grad_sync import deferred_grad_axes
+    from autopar.passes.trace import Role, trace
+    from autopar.placement import Outputs, local_shape
+
+    tg = trace(model, inputs)
+    choice = choice_from_plan(tg, plan)
+    attrs = {}
+    for p in tg.placeholders:
+        if p.role is not Role.INPUT:
+            full = tg.state[p.target]
+            t = torch.empty(
+                local_shape(tuple(full.shape), choice[p.name].out, plan.mesh_shape), device="meta"
+            )
+            attrs[mangle(p.target)] = torch.nn.Parameter(t) if p.role is Role.PARAM else t
+    deferred = deferred_grad_axes(tg, choice, plan.mesh_shape)
+    gm = lower(tg, choice, plan.mesh_shape, attrs, deferred, Outputs(plan.outputs), plan.overlap_matmuls)
+    return gm, tg
+
+
+def test_the_plan_prices_the_collective_matmuls_codegen_emits():
+    """Priced on a device that overlaps communication with compute (the h100-sxm preset's
+    ``comm_overlap``), Llama's sequence-parallel plan with collective matmuls costs what it costs
+    without them less what each hides, at the nodes where codegen emits them: the linear an
+    all-gather fuses into, the one use of a linear whose reduce-scatter fuses; each node's saving
+    is ``ring_hidden_s`` of its collectives against the linear's forward and backward compute."""
+    from autopar.codegen import collectives as C
+    from autopar.cost_model.comm import CommModel
+    from autopar.cost_model.overlap import ring_hidden_s
+    from autopar.passes.collective_matmul import sole_use
+    from autopar.reshard import Collective
+
+    model, inputs = build("llama")
+    h100 = autopar.ClusterSpec.preset("h100-sxm", devices_per_node=2)
+    sp = _sp_plan("llama")
+    on = autopar.reprice(model, h100, inputs, dataclasses.replace(sp, overlap_matmuls=True))
+    off = autopar.reprice(model, h100, inputs, dataclasses.replace(sp, overlap_matmuls=False))
+    assert on.overlap_matmuls and not off.overlap_matmuls
+    saved = {d.name: off[d.name].comm_s - d.comm_s for d in on.decisions}
+    priced = {n for n, t in saved.items() if abs(t) > 1e-15}
+    # where codegen fuses: the traced linear each fused call computes, and for a scatter its one use
+    gm, tg = _lowered(model, inputs, on)
+    nodes = {n.name: n for n in tg.graph.nodes}
+    emitted = set()
+    for n in gm.graph.nodes:
+        if n.target is C.all_gather_linear:
+            emitted.add(next(u for u in [n, *n.users] if "traced" in u.meta).meta["traced"])
+        elif n.target is C.linear_reduce_scatter:
+            emitted.add(sole_use(nodes[n.meta["traced"]])[0].name)
+    assert emitted and priced == emitted
+    assert not any(
+        n.target in (C.all_gather_linear, C.linear_reduce_scatter)
+        for n in _lowered(model, inputs, off)[0].graph.nodes
+    )
+    assert on.predicted.step_time_s == pytest.approx(
+        off.predicted.step_time_s - sum(saved.values()), rel=1e-9
+    )
+    # a fused gather's saving, from the comm model and the linear's compute as the plan has them
+    comm, e = CommModel(h100, (2,)), h100.device.comm_overlap
+    for n in gm.graph.nodes:
+        if n.target is C.all_gather_linear:
+            linear = next(u for u in [n, *n.users] if "traced" in u.meta).meta["traced"]
+            x = nodes[linear].args[0].meta["val"]
+            full = x.numel() * x.element_size()
+            t = comm.time(Collective.ALL_GATHER, full, 0)  # forward; backward reduce-scatters as much
+            c = on[linear].compute_s
+            want = ring_hidden_s(t, c / 3, 2, e) + ring_hidden_s(t, 2 * c / 3, 2, e)
+            assert saved[linear] == pytest.approx(want, rel=1e-9), linear
