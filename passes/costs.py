@@ -67,7 +67,7 @@ from autopar.cost_model.memory import reshard_transient
 from autopar.options import Optimizer
 from autopar.passes.analyze import NodeInfo, tensor_vals
 from autopar.passes.coarsen import Classes
-from autopar.passes.collective_matmul import LINEAR, fused_steps, overlap_saving_s
+from autopar.passes.collective_matmul import LINEAR, fused_steps, overlap_saving_s, sole_use
 from autopar.passes.rules import tensor_inputs, writes_inputs
 from autopar.passes.strategies import AxisRole, NodeStrategies, Strategy
 from autopar.passes.trace import Role, TracedGraph
@@ -580,7 +580,7 @@ def _fuse_matmuls(
     a gather's against the consumer's compute under its strategy, a scatter's against the
     producer's. ``user``: the consumer (a member of ``e.dst``'s class), ``inp`` what it takes."""
     src = resolve_source(inp)
-    if not (user.target is LINEAR and i == 0) and src.target is not LINEAR:
+    if not (user.target is LINEAR and i == 0) and not (src.target is LINEAR and sole_use(src) == (user, i)):
         return
     info = infos[inp.name]
     state = infos[e.src].role in (Role.PARAM, Role.BUFFER)
