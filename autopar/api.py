@@ -118,7 +118,10 @@ def reprice(
     profiler = resolve_profiler(profile, cluster, None)
     trades = plan.trades
     cinfos = half_infos(infos, trades.precision)  # as the search priced it (passes/trades.py)
-    base = build_costs(tg, cinfos, strats, cluster, mesh, optimizer, profiler=profiler, outputs=outputs)
+    base = build_costs(
+        tg, cinfos, strats, cluster, mesh, optimizer, profiler=profiler, outputs=outputs,
+        overlap_matmuls=plan.overlap_matmuls,
+    )  # fmt: skip
     blocks = find_blocks(tg)
     tables = apply_trades(base, tg, cinfos, trades, cluster, optimizer, blocks)
     wanted = choice_from_plan(tg, plan)

@@ -5,6 +5,7 @@
                  [--mesh AxB] [--recompute ..] [--micro-batches K] [--zero-stage ..] [--offload ..]
                  [--precision ..] [--pipeline-stages N] [--schedule ..] [--virtual-stages N]
                  [--sequence-attention gather|ring|all_to_all] [--kernels auto|all|none|K1,K2]
+                 [--overlap-matmuls auto|on|off]
                  [--profile [--profile-cache PATH] [--profile-threads N]]
     autopar calibrate [--world-size N] [--out cluster.json] [--quick]
     autopar coverage MODEL_SPEC [--json]
@@ -145,6 +146,13 @@ def _build_parser() -> argparse.ArgumentParser:
         f"list of {', '.join(k.value for k in Kernel)}",
     )
     pl.add_argument(
+        "--overlap-matmuls",
+        choices=["auto", "on", "off"],
+        default="auto",
+        help="run the all-gather before a linear, or the reduce-scatter after it, as one collective "
+        "matmul whose communication overlaps the matmul's chunks (default: auto, on)",
+    )
+    pl.add_argument(
         "--profile",
         action="store_true",
         help="price ops by running them on this machine (cached) instead of the analytical model; "
@@ -234,6 +242,7 @@ def _cmd_plan(args) -> int:
         schedule=auto(args.schedule),
         virtual_stages=counts["virtual_stages"],
         sequence_attention=auto(args.sequence_attention),
+        overlap_matmuls=auto(args.overlap_matmuls, lambda v: v == "on"),
         zero_stage=auto(args.zero_stage, int),
         offload=auto(args.offload),
         precision=auto(args.precision),

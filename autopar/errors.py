@@ -67,3 +67,8 @@ class CollectiveCallError(AutoparError, RuntimeError):
 class ReferenceDataError(AutoparError, ValueError):
     """A file of measured op times (``autopar/tools/op_reference.py``) has a row no pricing knows, or
     too few rows to fit a figure: the message names the row or the figure."""
+
+
+class CollectiveMatmulError(AutoparError, ValueError):
+    """A collective matmul (``kernels/collective_matmul.py``) was given pieces it cannot cut: the
+    message says which dim and how to fix it."""

@@ -82,6 +82,10 @@ class SearchOptions:
       ``passes/fuse.py``): None (auto) fuses every kernel where the cluster's devices are
       accelerators (Triton runs there) and none on CPUs; a set of kernels (or ``"all"``,
       ``"none"``) fuses exactly those on any device (the torch fallbacks run on CPUs).
+    * ``overlap_matmuls``: run a linear and the all-gather before it, or the reduce-scatter after
+      it, as one collective matmul whose ring hops overlap the matmul's chunks
+      (``kernels/collective_matmul.py``; where it applies: ``passes/collective_matmul.py``), and
+      price it so. None (auto): on; False: off (every collective runs on its own).
     """
 
     mesh_shape: tuple[int, ...] | None = None
@@ -102,12 +106,17 @@ class SearchOptions:
     virtual_stages: int | None = None
     sequence_attention: SeqAttention | None = None
     kernels: frozenset[Kernel] | None = None
+    overlap_matmuls: bool | None = None
 
     def __post_init__(self) -> None:
         try:
             object.__setattr__(self, "kernels", coerce_kernels(self.kernels))
         except KernelsError as e:
             raise SearchOptionsError(str(e)) from None
+        if self.overlap_matmuls is not None and not isinstance(self.overlap_matmuls, bool):
+            raise SearchOptionsError(
+                f"overlap_matmuls must be True, False or None (auto: on), got {self.overlap_matmuls!r}"
+            )
         if self.sequence_attention is not None:
             try:
                 object.__setattr__(self, "sequence_attention", SeqAttention(self.sequence_attention))
@@ -166,6 +175,11 @@ class SearchOptions:
             raise SearchOptionsError(f"optimizer must be an autopar.Optimizer, got {self.optimizer!r}")
         if not isinstance(self.outputs, Outputs):
             raise SearchOptionsError(f"outputs must be an autopar.Outputs, got {self.outputs!r}")
+
+    @property
+    def fuses_matmuls(self) -> bool:
+        """Whether the plan runs collective matmuls: ``overlap_matmuls``, auto (None) being on."""
+        return self.overlap_matmuls is not False
 
     @classmethod
     def names(cls) -> tuple[str, ...]:

@@ -20,6 +20,8 @@ JSON layout (schema_version 4; 3 is the same without "pipeline", 2 also without 
       "predicted": {"step_time_s": ..., "peak_memory_bytes": ..., "compute_s": ..., "comm_s": ...,
                     "param_bytes": ..., "grad_bytes": ..., "optimizer_bytes": ..., "activation_bytes": ...},
       "outputs": "full",   (or "local": each rank returns its piece; absent in older plans: "full")
+      "overlap_matmuls": true,   (linears run with the all-gather before or the reduce-scatter after
+                 them as collective matmuls, kernels/collective_matmul.py; absent in older plans: false)
       "trades": {"recompute": "none", "micro_batches": 1, "precision": "param", "zero_stage": 0,
                  "offload": "none", "data_axes": []},   (autopar/trades.py; absent: none taken)
       "trade_costs": {"zero": {"seconds": ..., "bytes_saved": ...}, ...},
@@ -231,6 +233,8 @@ class Plan:
     solver: SolverInfo
     # how the module returns the outputs: "full" (gathered) or "local" (autopar.placement.Outputs)
     outputs: str = "full"
+    # collective matmuls (passes/collective_matmul.py): priced by the plan, emitted by codegen
+    overlap_matmuls: bool = False
     # the memory-for-time trades (autopar/trades.py) and, per trade, what it costs and saves:
     # {"recompute": {"seconds": ..., "bytes_saved": ...}, ...} (absent in older plans: none taken)
     trades: Trades = field(default_factory=Trades)
@@ -251,6 +255,8 @@ class Plan:
                 f"plan schema_version {self.schema_version} is not supported (this autopar reads "
                 f"{list(READABLE_VERSIONS)}); re-plan with `autopar plan`"
             )
+        if not isinstance(self.overlap_matmuls, bool):
+            raise PlanFormatError(f"overlap_matmuls must be true or false, got {self.overlap_matmuls!r}")
         if self.outputs not in {o.value for o in Outputs}:
             raise PlanFormatError(
                 f"outputs must be one of {[o.value for o in Outputs]}, got {self.outputs!r}"
@@ -304,6 +310,7 @@ class Plan:
                 f"; {k} {v.get('seconds', 0.0) * 1e3:+.3f} ms, {v.get('bytes_saved', 0.0) / 2**30:.3f} GiB saved"
                 for k, v in self.trade_costs.items()
             ),
+            *self._overlap_lines(),
             *self._attention_lines(),
             *self._kernel_lines(),
             *self._pipeline_lines(),
@@ -317,6 +324,11 @@ class Plan:
         if len(params) > max_rows:
             lines.append(f"    ... {len(params) - max_rows} more")
         return "\n".join(lines)
+
+    def _overlap_lines(self) -> list[str]:
+        if not self.overlap_matmuls:
+            return []
+        return ["  collective matmuls: linears overlap the all-gather before or reduce-scatter after them"]
 
     def _attention_lines(self) -> list[str]:
         """How attention runs where the plan splits its sequence: per algorithm and mesh axis, how
@@ -415,6 +427,7 @@ class Plan:
             ],
             "predicted": asdict(self.predicted),
             "outputs": self.outputs,
+            "overlap_matmuls": self.overlap_matmuls,
             "trades": self.trades.to_dict(),
             "trade_costs": self.trade_costs,
             "pipeline": self.pipeline.to_dict(),
@@ -456,6 +469,7 @@ class Plan:
                 predicted=Predicted(**data["predicted"]),
                 solver=SolverInfo(**solver),
                 outputs=data.get("outputs", Outputs.FULL.value),  # plans from before the option
+                overlap_matmuls=data.get("overlap_matmuls", False),  # before it: none fused
                 trades=Trades.from_dict(data.get("trades")),  # plans from before trades: none
                 trade_costs=dict(data.get("trade_costs", {})),
                 pipeline=Pipeline.from_dict(data.get("pipeline")),  # before pipelines: none

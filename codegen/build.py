@@ -70,7 +70,9 @@ def build_parallel_module(
     state_specs = {t: (mangle(t), spec) for t, spec in specs.items()}
     deferred = deferred_grad_axes(tg, choice, plan.mesh_shape)
     outputs = Outputs(plan.outputs)
-    gm = lower(tg, choice, plan.mesh_shape, state.attrs, deferred, outputs)
+    gm = lower(
+        tg, choice, plan.mesh_shape, state.attrs, deferred, outputs, getattr(plan, "overlap_matmuls", False)
+    )
     trades = getattr(plan, "trades", Trades())
     common = _module_kwargs(tg, plan, choice, inputs, outputs) | dict(
         mesh=mesh, state_specs=state_specs, aliases=aliases, extra_state=extra, device=device

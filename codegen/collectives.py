@@ -15,7 +15,13 @@ to_partial         keep on coordinate 0        identity
 f                  identity                    all-reduce (Megatron-LM's "f")
 all_to_all         re-cut: split one dim,      the all-to-all the other way
                    concatenate another
+all_gather_linear  all_gather, then linear     linear's backward, then all_gather's
+linear_reduce_     linear, then                all_gather of the gradient, then linear's
+scatter            reduce_scatter              backward
 =================  ==========================  ======================================
+
+The last two are collective matmuls (``kernels/collective_matmul.py``): the collective runs as
+ring hops that overlap the matmul's chunks, forward and backward.
 
 Which mesh. The generated code names a mesh axis, never a process group or a mesh
 (``all_gather(x, dim, axis)``), so one graph runs on whichever mesh its module was built with.
@@ -47,6 +53,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from autopar.errors import DistributedSetupError
+from autopar.kernels import collective_matmul as K
 from autopar.placement import is_partial, is_shard
 
 # the mesh the generated code's collectives run on, set only inside ``bound_mesh``
@@ -316,6 +323,33 @@ def vocab_parallel_cross_entropy(
         h, weight, target, piece * weight.shape[0], groups if len(groups) > 1 else groups[0],
         ignore_index, reduction, chunk_rows,
     )  # fmt: skip
+
+
+def all_gather_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    dim: int,
+    axis: int,
+    fused_f: bool = True,
+    keep_gathered: bool = False,
+):
+    """``all_gather(x, dim, axis, fused_f)`` then ``aten.linear`` with ``weight`` and ``bias``, as
+    one collective matmul (``kernels/collective_matmul.py``): its ring's hops overlap the matmul's
+    chunks, forward and (``fused_f``: the gathered input's gradient reduce-scattered) backward.
+    ``keep_gathered``: also returns the gathered input, for the other uses of that gather. Runs on
+    the bound mesh's group of ``axis``, which the kernel keeps for backward."""
+    return K.all_gather_linear(x, weight, bias, dim, axis_group(current_mesh(), axis), fused_f, keep_gathered)
+
+
+def linear_reduce_scatter(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, dim: int, axis: int
+) -> torch.Tensor:
+    """``aten.linear`` then ``reduce_scatter(..., dim, axis)`` of its partial sums, as one collective
+    matmul (``kernels/collective_matmul.py``): each chunk's reduction travels while the next
+    computes; backward all-gathers the gradient the same way. On the bound mesh's group of
+    ``axis``, kept for backward."""
+    return K.linear_reduce_scatter(x, weight, bias, dim, axis_group(current_mesh(), axis))
 
 
 @torch.no_grad()

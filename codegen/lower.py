@@ -9,7 +9,12 @@ For every node, in order:
    (``passes/grad_sync.py:reshard_key``), so q, k and v reduce their input's gradient once;
 2. the op runs on local pieces: the same aten op, except for *lowerings* (``LOWERINGS``) that
    rewrite arguments that refer to global sizes (views, expands), rescale a mean over a sharded
-   dim, or reduce a batch-sharded cross-entropy with explicit all-reduces;
+   dim, or reduce a batch-sharded cross-entropy with explicit all-reduces; with
+   ``overlap_matmuls``, a linear whose input's reshard ends with an all-gather runs it as
+   ``all_gather_linear`` (the reshard's earlier steps emitted as they are), and one whose output's
+   only use reshards it starting with a reduce-scatter as ``linear_reduce_scatter`` (the use then
+   reshards the rest of the way): collective matmuls, where ``passes/collective_matmul.py`` says
+   they fuse, the same test the cost tables price them by;
 3. outputs are gathered to Replicate (full tensors) before they leave the module, or, with
    ``Outputs.LOCAL``, leave as this rank's piece (pending sums reduced).
 
@@ -34,7 +39,8 @@ from autopar.codegen import collectives as C
 from autopar.codegen import context_parallel as CP
 from autopar.codegen import local_ops as L
 from autopar.kernels import ops as kernel_ops
-from autopar.passes.grad_sync import emitted_f_axes, reshard_key
+from autopar.passes.collective_matmul import LINEAR, gather_step, scatter_step, sole_use
+from autopar.passes.grad_sync import emitted_f_axes, plan_uses, reshard_key
 from autopar.passes.rules import map_args, norm_dim
 from autopar.passes.strategies import Strategy
 from autopar.passes.trace import AUTOCAST_REGION, Role, TracedGraph, retarget_region
@@ -48,7 +54,7 @@ from autopar.placement import (
     output_placement,
     replicated,
 )
-from autopar.reshard import StepKind, reshard_plan
+from autopar.reshard import ReshardStep, StepKind, reshard_plan
 
 aten = torch.ops.aten
 kernel_ops.load()  # the fused ops a plan may call (passes/fuse.py), lowered below where they split
@@ -84,7 +90,17 @@ def emit_reshard(
     arguments): a chain that starts as an earlier one did takes its steps instead of running them
     again (the logits gathered over the vocabulary for the loss, then over the batch for the
     caller). Every step is linear, so its gradient is the sum of its consumers'."""
-    for step in reshard_plan(tuple(src), tuple(dst), tuple(mesh_shape), 0.0, tuple(sorted(set(fops)))).steps:
+    return emit_steps(g, x, reshard_steps(src, dst, mesh_shape, fops), made)
+
+
+def reshard_steps(src: Spec, dst: Spec, mesh_shape: Sequence[int], fops=()) -> tuple[ReshardStep, ...]:
+    """The steps of the reshard plan that ``emit_reshard`` emits (``autopar/reshard.py``)."""
+    return reshard_plan(tuple(src), tuple(dst), tuple(mesh_shape), 0.0, tuple(sorted(set(fops)))).steps
+
+
+def emit_steps(g: fx.Graph, x: fx.Node, steps: Sequence[ReshardStep], made: dict | None = None) -> fx.Node:
+    """One collective call per step, in order, each taking the one before (``emit_reshard``)."""
+    for step in steps:
         fn, args = _STEP_CALLS[step.kind](x, step)
         if made is None:
             x = g.call_function(fn, args)
@@ -296,6 +312,20 @@ def _lower_linear_cross_entropy(g, node, args, kwargs, s, mesh_shape):
     return g.call_function(L.loss_alone, (loss,)) if isinstance(node.meta["val"], tuple) else loss
 
 
+def _emit_gather_linear(g, args, kwargs, x: fx.Node, step: ReshardStep, call, made: dict) -> fx.Node:
+    """``all_gather_linear`` of the linear's input ``x`` (before its last reshard step, the
+    all-gather ``step``) with its weight and bias; where later uses share the gather (``call``:
+    its ``made`` key), the gathered input is its second output and theirs."""
+    bias = args[2] if len(args) > 2 else kwargs.get("bias")
+    if call is None:
+        return g.call_function(C.all_gather_linear, (x, args[1], bias, step.dim, step.axis, step.fused_f))
+    fused = g.call_function(
+        C.all_gather_linear, (x, args[1], bias, step.dim, step.axis, step.fused_f), {"keep_gathered": True}
+    )
+    made[call] = g.create_node("call_function", operator.getitem, (fused, 1), name="gathered")
+    return g.call_function(operator.getitem, (fused, 0))
+
+
 # ------------------------------------------------------------------------------------------------
 
 
@@ -320,11 +350,14 @@ def lower(
     attrs: dict[str, torch.Tensor],
     deferred: dict[str, tuple[int, ...]] | None = None,
     outputs: Outputs = Outputs.FULL,
+    overlap_matmuls: bool = False,
 ) -> fx.GraphModule:
     """Return the rank-local GraphModule; ``attrs`` maps mangled names to local parameter/buffer
     shards. The code names no device (``collectives.run_device``, ``device_free``).
     ``deferred``: parameter placeholder -> axes whose "f" is left out because the accumulated
-    gradient is all-reduced after backward (``passes/grad_sync.py``, ``codegen/grad_sync.py``)."""
+    gradient is all-reduced after backward (``passes/grad_sync.py``, ``codegen/grad_sync.py``).
+    ``overlap_matmuls``: a linear and the all-gather before it, or the reduce-scatter after it, run
+    as one collective matmul where ``passes/collective_matmul.py`` says they fuse (``Plan.overlap_matmuls``)."""
     deferred = deferred or {}
     src_graph = tg.graph
     g = fx.Graph()
@@ -366,6 +399,42 @@ def lower(
             state_made[(leaf, key)] = out
         return out
 
+    # reshards that several uses share (``reshard_key``): a collective matmul that gathers for the
+    # first of them hands the gathered input to the others
+    shared_keys: set[tuple] = set()
+    if overlap_matmuls:
+        counts: dict[tuple, int] = {}
+        for u in plan_uses(tg, choice, deferred, outputs):
+            key = reshard_key(u.inp, choice[u.src].out, u.need, u.fops, u.user)
+            counts[key] = counts.get(key, 0) + 1
+        shared_keys = {k for k, c in counts.items() if k is not None and c > 1}
+
+    def gather_input(fops, leaf: fx.Node, need: Spec, user: fx.Node):
+        """Input 0 of the linear ``user`` up to the all-gather a collective matmul runs for it
+        (its reshard's earlier steps emitted), that step, and the gather's ``made`` key where
+        later uses share it; None where none fuses, or an earlier use gathered it already."""
+        steps = reshard_steps(spec[leaf], need, mesh_shape, fops)
+        step = gather_step(user, 0, steps, choice[user.name].out)
+        if step is None:
+            return None
+        key = reshard_key(leaf, spec[leaf], need, fops, user)
+        shared = made if key is not None else None
+        x = emit_steps(g, env[leaf], steps[:-1], shared)
+        call = _STEP_CALLS[StepKind.ALL_GATHER](x, step)
+        if shared is not None and call in shared:
+            return None
+        return x, step, call if key in shared_keys else None
+
+    def scatter_after(node: fx.Node, s: Strategy) -> ReshardStep | None:
+        """The reduce-scatter a collective matmul runs after the linear ``node`` for its one use."""
+        use = sole_use(node)
+        if use is None:
+            return None
+        user, k = use
+        need = choice[user.name]
+        fops = emitted_f_axes(need, k, node, deferred.get(node.name, ()))
+        return scatter_step(node, user, k, reshard_steps(s.out, need.ins[k], mesh_shape, fops))
+
     def map_device(a):
         # the device the rank runs on, read at run time: the code names none (collectives.run_device)
         return _run_device(g) if isinstance(a, torch.device) else a
@@ -396,20 +465,39 @@ def lower(
             spec[node] = spec[node.args[0]]
         elif node.op == "call_function":
             s = choice[node.name]
+            fuse = overlap_matmuls and node.target is LINEAR
+            gather = []  # all_gather_linear's input, step and made key (gather_input)
 
-            def reshard_in(k, leaf, s=s, node=node):
-                return reshard(emitted_f_axes(s, k, leaf, deferred.get(leaf.name, ())), leaf, s.ins[k], node)
+            def reshard_in(k, leaf, s=s, node=node, fuse=fuse, gather=gather):
+                fops = emitted_f_axes(s, k, leaf, deferred.get(leaf.name, ()))
+                if fuse and k == 0 and leaf not in state_leaves:
+                    hit = gather_input(fops, leaf, s.ins[0], node)
+                    if hit is not None:
+                        gather.append(hit)
+                        return hit[0]
+                return reshard(fops, leaf, s.ins[k], node)
 
             args, kwargs = map_args(node, reshard_in, env.__getitem__, map_device)
             if node.target is AUTOCAST_REGION and AUTOCAST_REGION is not None:  # its device type, at run time
                 args = (_run_device_type(g), *args[1:])
             fn = LOWERINGS.get(node.target)
-            out = (
-                fn(g, node, args, kwargs, s, mesh_shape) if fn else g.call_function(node.target, args, kwargs)
-            )
+            out_spec = s.out
+            scatter = scatter_after(node, s) if fuse else None
+            if gather:
+                out = _emit_gather_linear(g, args, kwargs, *gather[0], made)
+            elif scatter is not None:  # the linear's one use takes it reduce-scattered
+                bias = args[2] if len(args) > 2 else kwargs.get("bias")
+                out = g.call_function(C.linear_reduce_scatter, (*args[:2], bias, scatter.dim, scatter.axis))
+                out_spec = tuple(Shard(scatter.dim) if a == scatter.axis else p for a, p in enumerate(s.out))
+            else:
+                out = (
+                    fn(g, node, args, kwargs, s, mesh_shape)
+                    if fn
+                    else g.call_function(node.target, args, kwargs)
+                )
             out.meta["traced"] = node.name  # for debugging and tests: which traced node this computes
             env[node] = out
-            spec[node] = s.out
+            spec[node] = out_spec
         elif node.op == "output":
             outs = []
             for leaf in pytree.tree_leaves(node.args[0]):

@@ -63,3 +63,27 @@ def hidden_seconds(steps: Steps, efficiency: float) -> float:
     compute = sum(c for c, _ in steps)
     iso = sum(_prices(r)[0] for _, issued in steps for r in issued)
     return max(0.0, (iso - run) + efficiency * (compute + run - end))
+
+
+def ring_hidden_s(comm_s: float, compute_s: float, n: int, efficiency: float) -> float:
+    """Seconds a collective matmul hides of its collective (``kernels/collective_matmul.py``):
+    the collective (``comm_s``, as ``CommModel.time`` prices it unfused) runs as ``n - 1`` ring
+    hops of ``h = comm_s / (n - 1)`` each, beside the matmul's ``n`` chunks of ``m = compute_s / n``
+    each. One chunk needs no hop (an all-gather's own piece, a reduce-scatter's first partial
+    sum), and each other chunk's hop runs while the chunk before it computes, so the pair takes
+
+        m + (n - 1) max(h, m)                                                            [s]
+
+    against ``comm_s + compute_s = (n - 1) h + n m`` unfused: it saves
+
+        hidden = efficiency * (n - 1) min(h, m) = efficiency * min(comm_s, (n - 1) / n * compute_s)
+
+    What stays exposed is ``comm_s - hidden``: the part of the collective the matmul is too short
+    to cover (``max(0, comm_s - (n - 1) / n * compute_s)`` at full efficiency), never less than
+    nothing. ``efficiency`` (``DeviceSpec.comm_overlap``, in [0, 1]) is the fraction of ideal
+    overlap the device realizes, as for the gradient buckets above. Not priced: the chunks'
+    smaller GEMMs (``cost_model/compute.py``'s ``matmul_dim_half`` on ``m / n`` rows) and a hop's
+    latency where the comm model prices a hierarchical or tree algorithm instead of the ring."""
+    if n <= 1 or comm_s <= 0 or compute_s <= 0:
+        return 0.0
+    return efficiency * min(comm_s, (n - 1) / n * compute_s)

@@ -24,7 +24,10 @@
 * edge cost ``c[e, s_u, s_v]`` (s): resharding the tensor on edge ``e = (u -> v, input i)`` from
   ``u``'s output placement to what ``v`` requires under ``s_v``, forward and backward, plus the
   backward all-reduce of the Megatron "f" on the Replicate inputs of a split op
-  (``cost_model.comm.CommModel.reshard``); ``inf`` marks a pair the axis roles forbid;
+  (``cost_model.comm.CommModel.reshard``), less what a collective matmul hides of it where the
+  pair fuses a linear with the all-gather before it or the reduce-scatter after it
+  (``overlap_matmuls``; ``passes/collective_matmul.py``, ``overlap_price``); ``inf`` marks a
+  pair the axis roles forbid;
 * edge memory ``m[e, s_u, s_v]`` (B per device): what ``v`` keeps until backward by taking the
   tensor: the resharded copy when it saves it (``nbytes / pieces(s_v's input placement)``), or,
   when no collective runs, the producer's storage if ``v`` is its only keeper
@@ -64,6 +67,7 @@ from autopar.cost_model.memory import reshard_transient
 from autopar.options import Optimizer
 from autopar.passes.analyze import NodeInfo, tensor_vals
 from autopar.passes.coarsen import Classes
+from autopar.passes.collective_matmul import LINEAR, fused_steps, overlap_saving_s, sole_use
 from autopar.passes.rules import tensor_inputs, writes_inputs
 from autopar.passes.strategies import AxisRole, NodeStrategies, Strategy
 from autopar.passes.trace import Role, TracedGraph
@@ -76,7 +80,7 @@ from autopar.placement import (
     output_placement,
     volume_factor,
 )
-from autopar.reshard import Collective, CollectiveCall, Phase
+from autopar.reshard import Collective, CollectiveCall, Phase, reshard_plan
 
 
 class NodeTimer(Protocol):
@@ -189,6 +193,11 @@ class CostTables:
     # node -> per strategy: seconds of one member's collectives inside its lowering (in node_cost),
     # for every node whose lowering runs any
     node_inside: dict[str, list[float]] = field(default_factory=dict)
+    # collective matmuls (``passes/collective_matmul.py``): priced on the edges where they fuse,
+    # when on; each linear's compute per strategy (one member's, forward + backward, per rank), what
+    # they hide the collectives behind
+    overlap_matmuls: bool = False
+    matmul_s: dict[str, list[float]] = field(default_factory=dict)
 
 
 def resolve_source(node: fx.Node) -> fx.Node:
@@ -208,18 +217,22 @@ def build_costs(
     classes: Classes | None = None,
     profiler: NodeTimer | None = None,
     outputs: Outputs = Outputs.FULL,
+    overlap_matmuls: bool = False,
 ) -> CostTables:
     """Cost tables over class representatives (every node its own class when ``classes`` is None):
     node costs are multiplied by the class size, edges between the same two classes are priced once
     and multiplied by how many there are; an edge inside one class is a self-loop (same strategy).
     With a ``profiler``, an op's compute is its measured time on the local shapes where it has one.
-    ``outputs``: the placement the module returns the graph's outputs in (whole, or as pieces)."""
+    ``outputs``: the placement the module returns the graph's outputs in (whole, or as pieces).
+    ``overlap_matmuls``: the edges where a linear and its collective fuse into a collective matmul
+    are priced as it runs (``passes/collective_matmul.py``, ``overlap_price``)."""
     comm = CommModel(cluster, mesh_shape)
     device = cluster.device
     slow = cluster.compute_slowdown  # CPU ranks sharing too few cores
     classes = classes or Classes.identity(list(strats))
     kept = kept_for_backward(tg, infos)
     tables = CostTables(mesh_shape, {k: v.strategies for k, v in strats.items()}, {}, {}, classes=classes)
+    tables.overlap_matmuls = overlap_matmuls
     order = {n.name: i for i, n in enumerate(tg.graph.nodes)}
     tables.positions = {r: tuple(sorted(order[m] for m in classes.members[r])) for r in strats}
     tables.step_position = max((order[p.name] for p in tg.placeholders), default=0)
@@ -268,6 +281,8 @@ def build_costs(
             if t is None:
                 t = analytical_node_time(info, ns.inputs, infos, device, k, s, mesh_shape)
             t *= slow
+            if overlap_matmuls and ns.node.target is LINEAR:
+                tables.matmul_s.setdefault(name, []).append(t)
             calls = lowering_collectives(ns.node, s, comm, t)
             t_in = sum(sec for _, sec in calls)
             inside.append(t_in)
@@ -314,13 +329,16 @@ def build_costs(
             info = infos[inp.name]
             orig, owner = _owner(kept, (name, i), infos, classes)
             key = (classes.rep[src], rep, i, info.out_bytes, info.requires_grad, orig, owner)
-            groups.setdefault(key, [inp, 0])[1] += 1
+            groups.setdefault(key, [inp, 0, node])[1] += 1
     grad_total = trainable_bytes(tg, infos)
     data_axes = tuple(a for a, r in enumerate(axis_roles or ()) if r is AxisRole.DATA and mesh_shape[a] > 1)
     tables.bucket_fixed = {a: bucket_fixed_s(comm, a) for a in data_axes}
-    for (src, dst, i, _, _, orig, owner), (inp, count) in groups.items():
+    matmul_s = tables.matmul_s if overlap_matmuls else None
+    for (src, dst, i, _, _, orig, owner), (inp, count, user) in groups.items():
         pinned = _pinned_axes(infos[src], axis_roles)
         e = _edge(src, dst, i, inp, infos, strats, comm, pinned, orig, owner, grad_total, data_axes)
+        if matmul_s is not None:
+            _fuse_matmuls(e, user, i, inp, infos, strats, comm, matmul_s)
         tables.edges.append(e.scaled(count))
 
     out_node = next(n for n in tg.graph.nodes if n.op == "output")
@@ -530,6 +548,54 @@ def use_price(
             t += max(comm.time(Collective.ALL_REDUCE, full, a) - bucket_fixed_s(comm, a), 0.0) * local / full
         t += flatten_s(local, comm.cluster)
     return t, pure
+
+
+def overlap_price(
+    comm: CommModel,
+    user: fx.Node,
+    k: int,
+    inp: fx.Node,
+    have,
+    need,
+    nbytes: float,
+    rg: bool,
+    f: Sequence[int],
+    matmul_s,
+    user_out,
+    state: bool = False,
+) -> float:
+    """Seconds a use's collective matmuls hide (``passes/collective_matmul.py``): 0 where none
+    fuses; its price is ``use_price`` less these. ``matmul_s(linear)``: the linear's tabled
+    compute under the strategy in question; ``user_out``: ``user``'s output placement under it;
+    ``state``: ``inp`` is a parameter or buffer."""
+    steps = reshard_plan(tuple(have), tuple(need), comm.mesh_shape, nbytes, tuple(f)).steps
+    fused = fused_steps(user, k, inp, steps, user_out, state)
+    return overlap_saving_s(comm, fused, matmul_s, rg) if fused else 0.0
+
+
+def _fuse_matmuls(
+    e: Edge, user: fx.Node, i: int, inp: fx.Node, infos, strats, comm: CommModel, matmul_s: dict
+) -> None:
+    """Take from ``e``'s costs what the collective matmuls of its pairs hide (``overlap_price``):
+    a gather's against the consumer's compute under its strategy, a scatter's against the
+    producer's. ``user``: the consumer (a member of ``e.dst``'s class), ``inp`` what it takes."""
+    src = resolve_source(inp)
+    if not (user.target is LINEAR and i == 0) and not (src.target is LINEAR and sole_use(src) == (user, i)):
+        return
+    info = infos[inp.name]
+    state = infos[e.src].role in (Role.PARAM, Role.BUFFER)
+    for a, su in enumerate(strats[e.src].strategies):
+        for b, sv in enumerate(strats[e.dst].strategies):
+            if not math.isfinite(e.cost[a][b]):
+                continue
+
+            def compute(linear: fx.Node, a=a, b=b) -> float:
+                return matmul_s[e.dst][b] if linear is user else matmul_s[e.src][a]
+
+            e.cost[a][b] -= overlap_price(
+                comm, user, i, inp, su.out, sv.ins[i], info.out_bytes, info.requires_grad, f_axes(sv, i),
+                compute, sv.out, state,
+            )  # fmt: skip
 
 
 def data_parallel_pair(have, need, param: bool, data_axes: Sequence[int]) -> bool:

@@ -43,6 +43,7 @@ from autopar.passes.costs import (
     bucket_fixed_s,
     f_axes,
     flatten_s,
+    overlap_price,
     resolve_source,
     trainable_bytes,
     use_price,
@@ -130,18 +131,33 @@ def plan_uses(
 
 
 def shared_reshards_s(
-    uses: Iterable[Use], infos: dict, choice: dict[str, Strategy], comm: CommModel
+    uses: Iterable[Use], infos: dict, choice: dict[str, Strategy], comm: CommModel, matmul_s=None
 ) -> float:
     """Seconds of the reshards that uses share (``reshard_key``) beyond the first of each: the cost
     tables price every use on its own (a graph output's without a gradient), codegen runs one.
-    ``uses``: ``plan_uses`` of the plan."""
+    ``uses``: ``plan_uses`` of the plan; ``matmul_s``: ``use_run_s``'s."""
     total = 0.0
     for u in uses:
         if not u.runs:
-            info = infos[u.inp.name]
-            rg = info.requires_grad and u.user.op == "call_function"
-            total += comm.reshard(choice[u.src].out, u.need, info.out_bytes, rg, u.fops)[0]
+            total += use_run_s(u, infos, choice, comm, matmul_s)
     return total
+
+
+def use_run_s(u: Use, infos: dict, choice: dict[str, Strategy], comm: CommModel, matmul_s=None) -> float:
+    """Seconds of the reshard of use ``u`` as the tables price it (a graph output's without a
+    gradient), less what its collective matmuls hide where the plan runs them (``matmul_s``: the
+    chosen strategy's compute of each linear, ``costs.overlap_price``; None: they are off)."""
+    info = infos[u.inp.name]
+    have = choice[u.src].out
+    rg = info.requires_grad and u.user.op == "call_function"
+    t = comm.reshard(have, u.need, info.out_bytes, rg, u.fops)[0]
+    if matmul_s is not None and u.user.op == "call_function":
+        state = infos[u.src].role in (Role.PARAM, Role.BUFFER)
+        t -= overlap_price(
+            comm, u.user, u.k, u.inp, have, u.need, info.out_bytes, rg, u.fops, matmul_s,
+            choice[u.user.name].out, state,
+        )  # fmt: skip
+    return t
 
 
 @dataclass(frozen=True)
@@ -284,6 +300,7 @@ def price_grad_sync(
     efficiency: float,
     outputs: Outputs = Outputs.FULL,
     bucket_axes: Collection[int] = (),
+    matmul_s=None,
 ) -> GradSyncCost:
     """Price the deferred all-reduces of a plan on the backward timeline.
 
@@ -294,7 +311,8 @@ def price_grad_sync(
     bucket's all-reduce is issued after the step that completes it: the first use in graph order
     of its earliest-used member, the last of their uses that backward reaches. ``bucket_axes``:
     the tables' data-parallel axes, where they price a parameter's "f" as a bucket share
-    (``CostTables.bucket_fixed``)."""
+    (``CostTables.bucket_fixed``). ``matmul_s``: each linear's compute under the plan, where it
+    runs collective matmuls (``use_run_s``); a use's reshard runs what they leave exposed."""
     mesh = comm.mesh_shape
     deferred = deferred_grad_axes(tg, choice, mesh)
     grad_total = trainable_bytes(tg, infos)
@@ -320,7 +338,8 @@ def price_grad_sync(
             priced, bucketed = use_price(
                 comm, have, u.need, info.out_bytes, rg, f_axes(s, u.k), param, bucket_axes
             )
-            run, _ = comm.reshard(have, u.need, info.out_bytes, rg, u.fops)
+            run = use_run_s(u, infos, choice, comm, matmul_s)
+            priced -= comm.reshard(have, u.need, info.out_bytes, rg, u.fops)[0] - run  # the matmuls' part
             fixed_axes.update(bucketed)
             inline_f += priced - run
             if u.src in deferred:
@@ -337,5 +356,5 @@ def price_grad_sync(
         steps[min(first_use[p] for p in b.params)][1].append((t, t_q))
     inline_f += sum(bucket_fixed_s(comm, a) for a in fixed_axes)
     hidden = hidden_seconds(list(reversed(steps)), efficiency)
-    shared = shared_reshards_s(every, infos, choice, comm)
+    shared = shared_reshards_s(every, infos, choice, comm, matmul_s)
     return GradSyncCost(deferred, inline_f, allreduce, hidden, shared, copy, tuple(buckets))

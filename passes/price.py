@@ -21,7 +21,9 @@ gradient bucket.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
+
+import torch.fx as fx
 
 from autopar.cluster import ClusterSpec, DeviceSpec
 from autopar.cost_model.comm import CommModel
@@ -36,6 +38,7 @@ from autopar.passes.grad_sync import (
     bucket_transients,
     plan_uses,
     price_grad_sync,
+    use_run_s,
 )
 from autopar.passes.memory_row import peak_bytes
 from autopar.passes.solver import Solution, objective_s
@@ -71,8 +74,24 @@ def grad_sync_cost(
     compute = {n: _node_compute(tables, sol, n) for n in choice}
     comm = CommModel(cluster, mesh)
     return price_grad_sync(
-        tg, infos, choice, compute, comm, cluster.device.comm_overlap, outputs, tuple(tables.bucket_fixed)
-    )
+        tg, infos, choice, compute, comm, cluster.device.comm_overlap, outputs, tuple(tables.bucket_fixed),
+        chosen_matmul_s(tables, sol),
+    )  # fmt: skip
+
+
+def chosen_matmul_s(tables: CostTables, sol: Solution) -> Callable[[fx.Node], float] | None:
+    """Each linear's compute (one member's, forward + backward) under the solution, as the tables
+    price it, for the collective matmuls the plan runs (``passes/collective_matmul.py``); None
+    where the tables price none (``overlap_matmuls`` off)."""
+    if not tables.overlap_matmuls:
+        return None
+    rep = tables.classes.rep if tables.classes else {}
+
+    def matmul_s(linear: fx.Node) -> float:
+        r = rep.get(linear.name, linear.name)
+        return tables.matmul_s[r][sol.choice[r]]
+
+    return matmul_s
 
 
 def _with_getitems(tg: TracedGraph, choice: dict[str, Strategy]) -> dict[str, Strategy]:
@@ -103,7 +122,9 @@ def price_plan(
     ``candidates``, the meshes the search tried; ``bound``, the chosen mesh's lower bound;
     ``gs``, its gradient buckets (``grad_sync_cost``)."""
     comm = CommModel(cluster, mesh)
-    comm_in, colls, out_colls = _node_collectives(tg, infos, choice, comm, gs.deferred, gs.buckets, outputs)
+    comm_in, colls, out_colls = _node_collectives(
+        tg, infos, choice, comm, gs.deferred, gs.buckets, outputs, chosen_matmul_s(tables, sol)
+    )
     decisions = []
     param_b = grad_b = 0.0
     compute = 0.0
@@ -166,6 +187,7 @@ def price_plan(
         decisions=tuple(decisions),
         predicted=predicted,
         outputs=outputs.value,
+        overlap_matmuls=tables.overlap_matmuls,
         solver=SolverInfo(
             name=sol.solver,
             status=sol.status,
@@ -219,10 +241,12 @@ def _node_collectives(
     deferred,
     buckets: Sequence[Bucket],
     outputs: Outputs,
+    matmul_s=None,
 ):
     """Per node: seconds and records of the collectives that bring its inputs to the placements it
     takes (priced as in the cost tables' edges, but per graph edge, not per class of edges; a
-    reshard several uses share is listed on the first); a parameter's ``deferred`` gradient
+    reshard several uses share is listed on the first; what a collective matmul hides of them
+    taken out, ``use_run_s``); a parameter's ``deferred`` gradient
     all-reduce is listed on the parameter, with its share of its bucket's seconds. And the
     collectives that bring the graph's outputs to the caller (priced by the tables, listed on no
     node)."""
@@ -234,6 +258,8 @@ def _node_collectives(
             continue
         info = infos[u.inp.name]
         c, called = comm.reshard(choice[u.src].out, u.need, info.out_bytes, info.requires_grad, u.fops)
+        if u.user.op == "call_function":
+            c = use_run_s(u, infos, choice, comm, matmul_s)
         if u.user.op == "output":
             out_calls.extend(called)
         elif called:

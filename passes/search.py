@@ -454,8 +454,9 @@ def cost_stage(
     st: _Stages,
 ) -> CostTables:
     tables = build_costs(
-        tg, infos, strats, cluster, run.mesh, options.optimizer, run.roles, classes, profiler, options.outputs
-    )
+        tg, infos, strats, cluster, run.mesh, options.optimizer, run.roles, classes, profiler, options.outputs,
+        options.fuses_matmuls,
+    )  # fmt: skip
     if profiler is not None:
         st.say(f"profile: mesh {run.mesh}: {profiler.take_stats().line()}")
     if st.dump:

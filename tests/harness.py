@@ -38,7 +38,10 @@ SQUEEZED, FREE_LINK = "squeezed", "free link"  # how an auto mode is planned (mo
 SQUEEZE = 0.7
 # the functions of autopar.codegen.collectives the generated code calls with a mesh axis: each
 # communicates over it, forward or backward (chunk's backward gathers, f's all-reduces, ...)
-COLLECTIVE_FNS = ("all_gather", "chunk", "all_reduce", "reduce_scatter", "to_partial", "f", "batch_slice")
+COLLECTIVE_FNS = (
+    "all_gather", "chunk", "all_reduce", "reduce_scatter", "to_partial", "f", "batch_slice",
+    "all_gather_linear", "linear_reduce_scatter",
+)  # fmt: skip
 
 
 def labelled(label: str):

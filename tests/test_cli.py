@@ -108,6 +108,21 @@ def test_plan_forces_pipeline_stages_and_schedule(tmp_path, capsys):
     assert "<h2>Pipeline</h2>" in report.read_text()
 
 
+@pytest.mark.parametrize("flag,on", [("auto", True), ("on", True), ("off", False)])
+def test_plan_takes_overlap_matmuls(tmp_path, flag, on):
+    out = tmp_path / "p.json"
+    argv = [
+        "plan",
+        "autopar.examples:mlp(batch=8, hidden=16, ffn=32)",
+        "--cluster",
+        "cpu:1x2",
+        "--out",
+        str(out),
+    ]
+    assert main(argv + ["--overlap-matmuls", flag]) == 0
+    assert json.loads(out.read_text())["overlap_matmuls"] is on
+
+
 def test_bad_pipeline_flags(tmp_path, capsys):
     argv = ["plan", "autopar.examples:gpt2_tiny", "--cluster", "cpu:1x4", "--out", str(tmp_path / "x.json")]
     with pytest.raises(SystemExit) as e:

@@ -29,6 +29,13 @@ def test_roles_must_match_the_mesh():
         SearchOptions(mesh_shape=(2, 0))
 
 
+def test_overlap_matmuls_is_on_unless_turned_off():
+    assert SearchOptions().fuses_matmuls and SearchOptions(overlap_matmuls=True).fuses_matmuls
+    assert not SearchOptions(overlap_matmuls=False).fuses_matmuls
+    with pytest.raises(SearchOptionsError, match="overlap_matmuls must be True, False or None"):
+        SearchOptions(overlap_matmuls="on")
+
+
 def test_keywords_override_an_options_value_and_unknown_ones_are_named():
     base = SearchOptions(mesh_shape=(4,))
     both = SearchOptions.of(base, axis_roles=[AxisRole.TENSOR])
@@ -49,6 +56,11 @@ def test_plan_takes_an_options_value_or_the_same_keywords():
     by_keyword = autopar.plan(model, cluster, inputs, mesh_shape=(2,), axis_roles=(AxisRole.TENSOR,))
     assert by_value.decisions == by_keyword.decisions
     assert by_value.predicted == by_keyword.predicted
+    assert by_value.overlap_matmuls  # auto: on, recorded in the plan
+    off = autopar.plan(
+        model, cluster, inputs, mesh_shape=(2,), axis_roles=(AxisRole.TENSOR,), overlap_matmuls=False
+    )
+    assert not off.overlap_matmuls
     assert any(d.output != "R" for d in by_value.decisions if d.role == "param")  # tensor parallel
     with pytest.raises(SearchOptionsError):
         autopar.plan(model, cluster, inputs, memory_limit_bytes=-5)

@@ -69,8 +69,9 @@ def test_real_plan_save_load_roundtrip(real_plan, tmp_path):
     assert data["schema_version"] == SCHEMA_VERSION == 4
     assert set(data) == {
         "schema_version", "fingerprint", "model", "cluster", "mesh_shape", "decisions", "predicted", "outputs",
-        "trades", "trade_costs", "pipeline", "stage_costs", "solver", "kernels",
+        "trades", "trade_costs", "pipeline", "stage_costs", "solver", "kernels", "overlap_matmuls",
     }  # fmt: skip
+    assert data["overlap_matmuls"] is True  # auto: on
     # a loaded plan still answers lookups (the private index is rebuilt)
     for d in real_plan.decisions:
         assert loaded[d.name] == d
@@ -199,6 +200,7 @@ def _plans(draw) -> Plan:
         predicted=predicted,
         solver=solver,
         outputs=draw(st.sampled_from([o.value for o in Outputs])),
+        overlap_matmuls=draw(st.booleans()),
     )
 
 
@@ -231,6 +233,18 @@ def test_outputs_mode_defaults_to_full_for_older_plans_and_rejects_unknown_modes
     assert Plan.from_dict(data).outputs == "full"
     with pytest.raises(PlanFormatError, match="outputs must be one of"):
         Plan.from_dict({**data, "outputs": "sharded"})
+
+
+def test_overlap_matmuls_is_off_for_older_plans_and_must_be_a_bool():
+    """A plan saved before collective matmuls was priced without them: its module runs none."""
+    data = _tiny_plan(overlap_matmuls=True).to_dict()
+    assert data["overlap_matmuls"] is True and Plan.from_dict(data).overlap_matmuls is True
+    del data["overlap_matmuls"]
+    assert Plan.from_dict(data).overlap_matmuls is False
+    assert "collective matmuls" in _tiny_plan(overlap_matmuls=True).summary()
+    assert "collective matmuls" not in _tiny_plan().summary()
+    with pytest.raises(PlanFormatError, match="overlap_matmuls must be true or false"):
+        _tiny_plan(overlap_matmuls="yes")
 
 
 # ------------------------------------------------------------------------------------------ errors

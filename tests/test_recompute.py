@@ -263,7 +263,10 @@ def test_recomputed_dropout_draws_the_forwards_masks(world1):
 # gloo ranks: every configuration of a world size in one spawn
 # ------------------------------------------------------------------------------------------------
 
-COLLECTIVES = {C.all_gather, C.chunk, C.all_reduce, C.reduce_scatter, C.to_partial, C.f}
+COLLECTIVES = {
+    C.all_gather, C.chunk, C.all_reduce, C.reduce_scatter, C.to_partial, C.f, C.all_gather_linear,
+    C.linear_reduce_scatter,
+}  # fmt: skip
 
 
 def _rank(rank, world, jobs):
