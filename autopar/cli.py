@@ -150,7 +150,8 @@ def _build_parser() -> argparse.ArgumentParser:
         choices=["auto", "on", "off"],
         default="auto",
         help="run the all-gather before a linear, or the reduce-scatter after it, as one collective "
-        "matmul whose communication overlaps the matmul's chunks (default: auto, on)",
+        "matmul whose communication overlaps the matmul's chunks (default: auto, on where devices overlap "
+        "communication with compute: GPUs)",
     )
     pl.add_argument(
         "--profile",

@@ -85,7 +85,8 @@ class SearchOptions:
     * ``overlap_matmuls``: run a linear and the all-gather before it, or the reduce-scatter after
       it, as one collective matmul whose ring hops overlap the matmul's chunks
       (``kernels/collective_matmul.py``; where it applies: ``passes/collective_matmul.py``), and
-      price it so. None (auto): on; False: off (every collective runs on its own).
+      price it so. None (auto): on where the devices overlap communication with compute
+      (``DeviceSpec.comm_overlap`` > 0: GPUs), off on CPUs; False: off; True: on.
     """
 
     mesh_shape: tuple[int, ...] | None = None
@@ -115,7 +116,7 @@ class SearchOptions:
             raise SearchOptionsError(str(e)) from None
         if self.overlap_matmuls is not None and not isinstance(self.overlap_matmuls, bool):
             raise SearchOptionsError(
-                f"overlap_matmuls must be True, False or None (auto: on), got {self.overlap_matmuls!r}"
+                f"overlap_matmuls must be True, False or None (auto), got {self.overlap_matmuls!r}"
             )
         if self.sequence_attention is not None:
             try:
@@ -176,10 +177,13 @@ class SearchOptions:
         if not isinstance(self.outputs, Outputs):
             raise SearchOptionsError(f"outputs must be an autopar.Outputs, got {self.outputs!r}")
 
-    @property
-    def fuses_matmuls(self) -> bool:
-        """Whether the plan runs collective matmuls: ``overlap_matmuls``, auto (None) being on."""
-        return self.overlap_matmuls is not False
+    def fuses_matmuls(self, comm_overlap: float) -> bool:
+        """Whether the plan runs collective matmuls: ``overlap_matmuls``, or (auto) where the
+        device overlaps communication with compute at all (``DeviceSpec.comm_overlap`` above 0:
+        GPUs; on CPU ranks nothing is hidden, so a ring only adds hops)."""
+        if self.overlap_matmuls is not None:
+            return self.overlap_matmuls
+        return comm_overlap > 0
 
     @classmethod
     def names(cls) -> tuple[str, ...]:

@@ -10,7 +10,9 @@ add, ``silu(gate) * up``, ``apply_rotary_pos_emb``, ``cross_entropy(logits.float
     python benchmarks/bench_kernels.py [--out results.json]        # on a CUDA machine
     python benchmarks/bench_kernels.py --device cpu --small         # smoke run of the script
 
-Times: CUDA events after warm-up, median of ``--repeats``; peak memory:
+Times: CUDA events after warm-up, median of ``--repeats`` of 10 back-to-back calls (host dispatch
+included where it is longer than the kernels), and ``*_device_*``: the same work captured in a CUDA
+graph and replayed (the device alone: what a step whose host runs ahead sees); peak memory:
 ``torch.cuda.max_memory_allocated`` above what the inputs hold, over one forward + backward.
 On CPU (``--small``) the fused ops run their torch fallbacks: the figures say nothing there.
 """
@@ -209,6 +211,21 @@ def _forward(fn, args):
     return run
 
 
+def _graphed(fn, device):
+    """``fn`` captured in a CUDA graph, its replay: what the device alone spends (no host
+    dispatch, no kernel launch from Python), the time a step whose host runs ahead sees."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):  # warm up (allocator, Triton's compilation) outside the capture
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph.replay
+
+
 def peak_bytes(fn, args, device) -> int | None:
     """Peak bytes allocated above what is held before, over one forward + backward."""
     if device.type != "cuda":
@@ -235,9 +252,13 @@ def bench(kernel: str, shape: str, s: dict, device, dtype, repeats: int, compile
             row[f"{name}_fwdbwd_ms"] = _timed(_fwd_bwd(fn, args), device, repeats) * 1e3
             if kernel == "cross_entropy":
                 row[f"{name}_peak_mib"] = (peak_bytes(fn, args, device) or 0) / 2**20
+            elif device.type == "cuda" and name != "compiled":
+                for part, make in (("fwd", _forward), ("fwdbwd", _fwd_bwd)):
+                    replay = _graphed(make(fn, args), device)
+                    row[f"{name}_device_{part}_ms"] = _timed(replay, device, repeats) * 1e3
         except Exception as e:  # noqa: BLE001 - one failing variant is reported, the others still run
             row[f"{name}_error"] = f"{type(e).__name__}: {e}"[:300]
-    for part in ("fwd", "fwdbwd"):
+    for part in ("fwd", "fwdbwd", "device_fwd", "device_fwdbwd"):
         e, f = row.get(f"eager_{part}_ms"), row.get(f"fused_{part}_ms")
         if e and f:
             row[f"speedup_{part}"] = e / f

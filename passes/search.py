@@ -455,7 +455,7 @@ def cost_stage(
 ) -> CostTables:
     tables = build_costs(
         tg, infos, strats, cluster, run.mesh, options.optimizer, run.roles, classes, profiler, options.outputs,
-        options.fuses_matmuls,
+        options.fuses_matmuls(cluster.device.comm_overlap),
     )  # fmt: skip
     if profiler is not None:
         st.say(f"profile: mesh {run.mesh}: {profiler.take_stats().line()}")
