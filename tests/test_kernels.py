@@ -134,6 +134,33 @@ def test_layer_norm(backend, dtype, lead, n, flags, seed):
     check(backend, dtype, lambda x, r, w, b: OPS.layer_norm(x, r, w, b, 1e-5), reference, [x, res, w, b])
 
 
+@pytest.mark.parametrize("shape", [(1, 1), (1, 70), (37, 100), (130, 33)], ids=str)
+@pytest.mark.parametrize("kind", ["rms", "rms_gemma", "ln", "ln_bias_only", "ln_weight_only"])
+def test_norm_backward_many_rows(kind, shape):
+    """More rows than the hypothesis cases: the dw/db reduction's several row groups, tiles per group
+    and column blocks (masked in both dims) on the Triton path, bf16 with an fp32 weight for Gemma."""
+    rows_, n = shape
+    dtype = torch.bfloat16
+    x, res = randn(shape, dtype, 1, scale=2.0) + 0.5, randn(shape, dtype, 2)
+    if kind.startswith("rms"):
+        offset = 1.0 if kind == "rms_gemma" else 0.0
+        w = randn((n,), torch.float32 if offset else dtype, 3)
+
+        def reference(x, r, w):
+            return llama_rms_norm(x, r, w, 1e-6, offset, torch.promote_types(x.dtype, w.dtype))
+
+        check("triton", dtype, lambda x, r, w: OPS.rms_norm(x, r, w, 1e-6, offset), reference, [x, res, w])
+    else:
+        w = randn((n,), dtype, 3) if kind != "ln_bias_only" else None
+        b = randn((n,), dtype, 4) if kind != "ln_weight_only" else None
+
+        def reference(x, r, w, b):
+            h = x + r
+            return F.layer_norm(h, (n,), w, b, 1e-5), h
+
+        check("triton", dtype, lambda x, r, w, b: OPS.layer_norm(x, r, w, b, 1e-5), reference, [x, res, w, b])
+
+
 # ---------------------------------------------------------------------------------- activations
 
 
