@@ -27,8 +27,20 @@ def _check(x: Tensor, cos: Tensor, sin: Tensor) -> None:
     if x.dim() == 0 or x.shape[-1] % 2:
         raise ValueError(f"rope needs an even last dim, got x of shape {tuple(x.shape)}")
     for name, t in (("cos", cos), ("sin", sin)):
-        if torch.broadcast_shapes(t.shape, x.shape) != x.shape:
+        if not _broadcasts_to(t.shape, x.shape):
             raise ValueError(f"{name} {tuple(t.shape)} does not broadcast to x {tuple(x.shape)}")
+
+
+def _broadcasts_to(shape: torch.Size, target: torch.Size) -> bool:
+    """Whether ``shape`` broadcasts to ``target``. Plain ints (every eager call, forward and
+    backward) are compared directly: ``torch.broadcast_shapes`` goes through ``torch._refs`` and its
+    symbolic-shape guards, ~30 us of host time a call, twice a call here, more than the kernel of a
+    small tensor. Symbolic shapes (tracing) still go through it."""
+    if all(type(n) is int for n in (*shape, *target)):
+        return len(shape) <= len(target) and all(
+            a == 1 or a == b for a, b in zip(reversed(shape), reversed(target))
+        )
+    return torch.broadcast_shapes(shape, target) == target
 
 
 def _rotate_half(x: Tensor) -> Tensor:

@@ -225,6 +225,21 @@ def test_rope_strided_and_promoted(backend):
         check(backend, torch.float32, OPS.rope, apply_rotary, [x, cos, sin], wrt=[0])
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("d", [6, 130, 128], ids=lambda d: f"d{d}")
+def test_rope_tiles(backend, d):
+    """Several programs of several rows each, the last one partial (rows masked), half-columns
+    masked where ``D / 2`` is no power of two; ``x`` transposed, bf16, fp32 cos/sin broadcast over
+    heads; and ``x`` contiguous with cos/sin of one batch."""
+    b, s, h = 2, 37, 3
+    x = randn((b, s, h, d), torch.bfloat16, 7).transpose(1, 2)
+    cos, sin = randn((b, 1, s, d), torch.float32, 8), randn((b, 1, s, d), torch.float32, 9)
+    check(backend, torch.bfloat16, OPS.rope, apply_rotary, [x, cos, sin], wrt=[0])
+    x = randn((b, h, s, d), torch.float32, 10)
+    cos, sin = randn((1, 1, s, d), torch.float32, 11), randn((1, 1, s, d), torch.float32, 12)
+    check(backend, torch.float32, OPS.rope, apply_rotary, [x, cos, sin], wrt=[0])
+
+
 # --------------------------------------------------------------------------- meta, opcheck, lazy
 
 
