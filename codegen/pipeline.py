@@ -73,6 +73,9 @@ class Chunk:
     module: fx.GraphModule
     params: dict[str, torch.nn.Parameter]  # get_attr target -> the parameter object
     state: dict[str, torch.Tensor]  # get_attr target -> every tensor it reads (buffers too)
+    # the last chunk's graph outputs that are None (``Outputs.LOSS`` drops all but the loss): a
+    # pipeline stage returns tensors only, so it leaves them out and the loss function puts them back
+    absent: tuple[int, ...] = ()
 
 
 def chunk_of_nodes(
@@ -175,13 +178,19 @@ def split_chunks(
                 env[n] = g.node_copy(n, env.__getitem__)
             elif n in need or chunk.get(n) == c:
                 env[n] = g.node_copy(n, env.__getitem__)
+        absent: tuple[int, ...] = ()
         if c == n_chunks - 1:
-            g.output(fx.map_arg(out_node.args[0], env.__getitem__))
+            outs = out_node.args[0]
+            if isinstance(outs, (tuple, list)) and any(o is None for o in outs):
+                absent = tuple(i for i, o in enumerate(outs) if o is None)
+                g.output(tuple(env[o] for o in outs if o is not None))
+            else:
+                g.output(fx.map_arg(outs, env.__getitem__))
         else:
             g.output(tuple(env[x] for x in crossing[c]))
         g.eliminate_dead_code()
         g.lint()
-        out.append(Chunk(c, fx.GraphModule(holder, g, class_name=f"Chunk{c}"), params, state))
+        out.append(Chunk(c, fx.GraphModule(holder, g, class_name=f"Chunk{c}"), params, state, absent))
     return out
 
 
@@ -290,7 +299,9 @@ class PipelinedModule(ParallelModule):
                     yield prefix + name, p
 
     def _loss(self, out, target):
-        outs = out if isinstance(out, (tuple, list)) else (out,)
+        outs = list(out) if isinstance(out, (tuple, list)) else [out]
+        for i in self._chunks[-1].absent:  # the last stage's rank holds the last chunk
+            outs.insert(i, None)
         return _loss_of(pytree.tree_unflatten(list(outs), self._out_spec), self._step_loss_fn)
 
     def forward(self, *args, **kwargs):
