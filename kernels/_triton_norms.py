@@ -47,6 +47,22 @@ import triton.language as tl
 
 
 @triton.jit
+def _normalized(h, mask, N, eps, RMS: tl.constexpr):
+    """A row ``h`` (fp32, 0 past ``mask``) normalized, with its mean (0 for RMS) and ``rstd``:
+    ``h * rstd`` or ``(h - mean) * rstd``, as the forward and the backward both compute them."""
+    if RMS:
+        mean = 0.0
+        rstd = tl.rsqrt(tl.sum(h * h, axis=0) / N + eps)
+        n = h * rstd
+    else:
+        mean = tl.sum(h, axis=0) / N
+        d = tl.where(mask, h - mean, 0.0)
+        rstd = tl.rsqrt(tl.sum(d * d, axis=0) / N + eps)
+        n = d * rstd
+    return n, mean, rstd
+
+
+@triton.jit
 def _norm_fwd(X, R, W, B, Y, H, N, eps, offset,
               HAS_RES: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr,
               RMS: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
@@ -59,15 +75,7 @@ def _norm_fwd(X, R, W, B, Y, H, N, eps, offset,
         x += tl.load(R + base + cols, mask=mask, other=0.0).to(tl.float32)
     h = x.to(H.dtype.element_ty)  # h rounded to its dtype, as eager ``x + residual``
     tl.store(H + base + cols, h, mask=mask)
-    h = h.to(tl.float32)
-    if RMS:
-        rstd = tl.rsqrt(tl.sum(h * h, axis=0) / N + eps)
-        n = h * rstd
-    else:
-        mean = tl.sum(h, axis=0) / N
-        d = tl.where(mask, h - mean, 0.0)
-        rstd = tl.rsqrt(tl.sum(d * d, axis=0) / N + eps)
-        n = d * rstd
+    n, _, _ = _normalized(h.to(tl.float32), mask, N, eps, RMS)
     if HAS_W:
         n = n * (tl.load(W + cols, mask=mask, other=0.0).to(tl.float32) + offset)
     if HAS_B:
@@ -89,14 +97,7 @@ def _norm_bwd_dh(DY, DHIN, H, W, DH, MEAN, RSTD, N, eps, offset,
     if HAS_DY:
         h = tl.load(H + base + cols, mask=mask, other=0.0).to(tl.float32)
         dy = tl.load(DY + base + cols, mask=mask, other=0.0).to(tl.float32)
-        if RMS:
-            rstd = tl.rsqrt(tl.sum(h * h, axis=0) / N + eps)
-            n = h * rstd
-        else:
-            mean = tl.sum(h, axis=0) / N
-            d = tl.where(mask, h - mean, 0.0)
-            rstd = tl.rsqrt(tl.sum(d * d, axis=0) / N + eps)
-            n = d * rstd
+        n, mean, rstd = _normalized(h, mask, N, eps, RMS)
         if HAS_W:
             g = dy * (tl.load(W + cols, mask=mask, other=0.0).to(tl.float32) + offset)
         else:

@@ -227,3 +227,55 @@ def code_of(world_result, name: str, mode: str) -> str:
     res = world_result[1][0][(name, mode)]
     assert not isinstance(res, str), res
     return res[2]
+
+
+def adam_rank(rank, world, build, jobs, steps, lr, eps, check_output=None):
+    """On each rank: per ``(key, plan path)`` of ``jobs`` (``key[0]`` names the model ``build``
+    makes), the parallel module's losses of ``steps`` Adam steps on the model's own loss, its full
+    state after them, rank 0's generated code ("" elsewhere) and the mesh axes its collectives ran
+    on; or the traceback, reported by that configuration's test. ``check_output(out)``: asserts
+    on every step's output."""
+    cluster = autopar.ClusterSpec.preset("cpu", devices_per_node=world)
+    results = {}
+    for key, path in jobs:
+        try:
+            model, inputs = build(key[0])
+            pmodel = autopar.autoparallelize(model, cluster, inputs, plan=path)
+            opt = pmodel.optimizer(torch.optim.Adam, lr=lr, eps=eps)
+            losses = []
+            for _ in range(steps):
+                out = pmodel(**inputs)
+                if check_output is not None:
+                    check_output(out)
+                out.loss.backward()
+                losses.append(out.loss.item())
+                opt.step()
+                opt.zero_grad()
+            code = pmodel.code if rank == 0 else ""
+            results[key] = (losses, pmodel.full_state_dict(), code, collective_axes(pmodel))
+        except Exception:  # noqa: BLE001 - reported by that configuration's test
+            results[key] = traceback.format_exc()
+    return results
+
+
+def saved_bytes(pmodel, inputs) -> int:
+    """Bytes of the unique storages autograd saves in one forward of ``pmodel`` (its own
+    parameters and buffers left out); runs the backward after it."""
+    from torch.distributed.tensor import DTensor
+
+    state = {
+        (t._local_tensor if isinstance(t, DTensor) else t).untyped_storage().data_ptr()
+        for t in [*pmodel.parameters(), *pmodel.buffers()]
+    }
+    seen: dict[int, int] = {}
+
+    def pack(t):
+        s = t.untyped_storage()
+        if s.data_ptr() not in state:
+            seen[s.data_ptr()] = s.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss = pmodel(**inputs).loss
+    loss.backward()
+    return sum(seen.values())

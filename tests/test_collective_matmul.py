@@ -17,12 +17,11 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import traceback
 
 import pytest
 import torch
 import torch.nn.functional as F
-from harness import T, adam_reference, collective_axes, labelled, parallel_axes
+from harness import T, adam_rank, adam_reference, labelled, parallel_axes
 
 import autopar
 from autopar.launch import run_on_ranks
@@ -227,28 +226,6 @@ def _sequence_parallel(plan, model, inputs):
     return dataclasses.replace(plan, decisions=tuple(decisions))
 
 
-def _train_rank(rank, world, jobs):
-    cluster = autopar.ClusterSpec.preset("cpu", devices_per_node=world)
-    results = {}
-    for key, path in jobs:
-        try:
-            model, inputs = build(key[0])
-            pmodel = autopar.autoparallelize(model, cluster, inputs, plan=path)
-            opt = pmodel.optimizer(torch.optim.Adam, lr=LR, eps=EPS)
-            losses = []
-            for _ in range(STEPS):
-                loss = pmodel(**inputs).loss
-                loss.backward()
-                losses.append(loss.item())
-                opt.step()
-                opt.zero_grad()
-            code = pmodel.code if rank == 0 else ""
-            results[key] = (losses, pmodel.full_state_dict(), code, collective_axes(pmodel))
-        except Exception:  # noqa: BLE001 - reported by that configuration's test
-            results[key] = traceback.format_exc()
-    return results
-
-
 @functools.cache
 def _sp_plan(name: str):
     """``name``'s tensor-parallel plan on 2 CPU ranks, made sequence parallel (``_sequence_parallel``)."""
@@ -272,7 +249,7 @@ def sequence_parallel_runs(tmp_path_factory):
             path = tmp / f"{name}_{on}.json"
             plans[key].save(path)
             jobs.append((key, str(path)))
-    return plans, run_on_ranks(_train_rank, 2, jobs, timeout_s=600)
+    return plans, run_on_ranks(adam_rank, 2, build, jobs, STEPS, LR, EPS, timeout_s=600)
 
 
 @pytest.mark.parametrize("on", [True, False], ids=["overlap", "no_overlap"])

@@ -16,7 +16,7 @@ import traceback
 
 import pytest
 import torch
-from harness import D, T, adam_reference, collective_axes, parallel_axes
+from harness import D, T, adam_rank, adam_reference, parallel_axes, saved_bytes
 
 import autopar
 from autopar.examples import gpt2_tiny, llama_tiny, palm_tiny
@@ -73,27 +73,8 @@ CASES = {
 }
 
 
-def _rank(rank, world, jobs):
-    cluster = autopar.ClusterSpec.preset("cpu", devices_per_node=world)
-    results = {}
-    for key, path in jobs:
-        try:
-            model, inputs = build(key[0])
-            pmodel = autopar.autoparallelize(model, cluster, inputs, plan=path)
-            opt = pmodel.optimizer(torch.optim.Adam, lr=LR, eps=EPS)
-            losses = []
-            for _ in range(STEPS):
-                out = pmodel(**inputs)
-                assert out.logits is None, "outputs='loss' returns no logits"
-                out.loss.backward()
-                losses.append(out.loss.item())
-                opt.step()
-                opt.zero_grad()
-            code = pmodel.code if rank == 0 else ""
-            results[key] = (losses, pmodel.full_state_dict(), code, collective_axes(pmodel))
-        except Exception:  # noqa: BLE001 - reported by that configuration's test
-            results[key] = traceback.format_exc()
-    return results
+def _no_logits(out):
+    assert out.logits is None, "outputs='loss' returns no logits"
 
 
 _RUNS: dict[int, tuple[dict, list]] = {}
@@ -125,7 +106,10 @@ def _world(world: int, tmp_path_factory):
             plan.save(path)
             plans[key] = plan
             jobs.append((key, str(path)))
-        _RUNS[world] = (plans, run_on_ranks(_rank, world, jobs, timeout_s=900))
+        _RUNS[world] = (
+            plans,
+            run_on_ranks(adam_rank, world, build, jobs, STEPS, LR, EPS, _no_logits, timeout_s=900),
+        )
     return _RUNS[world]
 
 
@@ -172,31 +156,12 @@ def test_fused_kernels_train_as_one_device(world, name, mesh, roles, tmp_path_fa
 
 
 def _saved_bytes_rank(rank, world, paths):
-    """Bytes of the unique storages autograd saves in one forward under each plan (the module's
-    own parameters and buffers left out), on this rank."""
-    from torch.distributed.tensor import DTensor
-
+    """Bytes autograd saves in one forward under each plan, on this rank (``harness.saved_bytes``)."""
     cluster = autopar.ClusterSpec.preset("cpu", devices_per_node=world)
     out = {}
     for kind, path in paths:
         model, inputs = llama_tiny(batch=4, seq=32, hidden=32, vocab=512)
-        pmodel = autopar.autoparallelize(model, cluster, inputs, plan=path)
-        state = {
-            (t._local_tensor if isinstance(t, DTensor) else t).untyped_storage().data_ptr()
-            for t in [*pmodel.parameters(), *pmodel.buffers()]
-        }
-        seen: dict[int, int] = {}
-
-        def pack(t, state=state, seen=seen):
-            s = t.untyped_storage()
-            if s.data_ptr() not in state:
-                seen[s.data_ptr()] = s.nbytes()
-            return t
-
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            loss = pmodel(**inputs).loss
-        loss.backward()
-        out[kind] = sum(seen.values())
+        out[kind] = saved_bytes(autopar.autoparallelize(model, cluster, inputs, plan=path), inputs)
     return out
 
 
