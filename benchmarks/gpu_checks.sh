@@ -13,20 +13,7 @@
 #   bash benchmarks/gpu_checks.sh [seconds for the benchmark, default 200]
 set -uo pipefail
 cd "$(dirname "$0")/.."
-OUT=${OUT:-gpu_out}
-mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1
-if compgen -G ".whl/*.whl" >/dev/null; then
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
-    export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
-fi
-python3 -m pip install -q --no-index --no-deps --no-build-isolation -e . >"$OUT/install.log" 2>&1 || {
-    echo "install failed"; tail -20 "$OUT/install.log"; exit 1
-}
-{
-    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
-    python3 -c "import torch, transformers, triton; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'transformers', transformers.__version__, 'triton', triton.__version__)"
-} 2>&1 | tee "$OUT/env.txt"
+source benchmarks/gpu_setup.sh
 
 echo "== tests/test_one_device.py"
 timeout 180 python3 -m pytest -q -p no:cacheprovider tests/test_one_device.py -rA 2>&1 | tee "$OUT/test_gpu.log" | tail -15

@@ -14,20 +14,8 @@
 #   bash benchmarks/gpu_kernels.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
-OUT=${OUT:-gpu_out}
-mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1 TRITON_INTERPRET=0
-if compgen -G ".whl/*.whl" >/dev/null; then
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
-    export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
-fi
-python3 -m pip install -q --no-index --no-deps --no-build-isolation -e . >"$OUT/install.log" 2>&1 || {
-    echo "install failed"; tail -20 "$OUT/install.log"; exit 1
-}
-{
-    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
-    python3 -c "import torch, transformers, triton; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'transformers', transformers.__version__, 'triton', triton.__version__)"
-} 2>&1 | tee "$OUT/env.txt"
+export TRITON_INTERPRET=0
+source benchmarks/gpu_setup.sh
 
 echo "== benchmarks/bench_kernels.py"
 timeout "${BENCH_S:-260}" python3 benchmarks/bench_kernels.py --repeats 10 --out "$OUT/bench_kernels.json" 2>&1 \
