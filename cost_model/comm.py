@@ -106,12 +106,19 @@ def node_split(cluster: ClusterSpec, mesh_shape: Sequence[int], axis: int) -> tu
     return m, n // m
 
 
+def crosses_nodes(mesh_shape: Sequence[int], axis: int, devices_per_node: int) -> bool:
+    """Whether the groups of mesh axis ``axis`` span more than one node: ranks row-major over the
+    mesh and numbered node by node, a group of the axis lies in a run of ``stride * n =
+    prod(mesh_shape[axis:])`` consecutive ranks, which fits in a node or does not (the module
+    docstring; the search keeps only meshes whose runs tile the nodes, ``solver.node_aligned``)."""
+    return math.prod(mesh_shape[axis:]) > devices_per_node
+
+
 def axis_link(cluster: ClusterSpec, mesh_shape: Sequence[int], axis: int) -> LinkSpec:
-    """The link an axis's collectives run on: ``intra_node`` where its groups (``stride * n``
-    consecutive ranks, row-major mesh) fit in a node, else ``inter_node``."""
-    stride = math.prod(mesh_shape[axis + 1 :])
-    span = stride * mesh_shape[axis]
-    return cluster.intra_node if span <= cluster.devices_per_node else cluster.inter_node
+    """The link an axis's collectives run on: ``inter_node`` where its groups cross nodes
+    (:func:`crosses_nodes`), else ``intra_node``."""
+    crosses = crosses_nodes(mesh_shape, axis, cluster.devices_per_node)
+    return cluster.inter_node if crosses else cluster.intra_node
 
 
 class CommModel:
@@ -130,7 +137,7 @@ class CommModel:
         them, else ``name``'s own."""
         link, n = self.links[axis], self.mesh_shape[axis]
         stride = math.prod(self.mesh_shape[axis + 1 :])
-        if stride * n <= self.cluster.devices_per_node:
+        if not crosses_nodes(self.mesh_shape, axis, self.cluster.devices_per_node):
             key = group_ranges(name, n, stride)
             if any(r[0] == key for r in link.ranges):
                 return key
@@ -141,7 +148,7 @@ class CommModel:
         n, link = self.mesh_shape[axis], self.links[axis]
         # a tree only across nodes (inside a node NCCL rings); not ``link is inter_node``, which
         # also holds where a one-node calibration gave both links the same figures
-        crosses = math.prod(self.mesh_shape[axis:]) > self.cluster.devices_per_node
+        crosses = crosses_nodes(self.mesh_shape, axis, self.cluster.devices_per_node)
         best = _flat(kind, nbytes, n, link, tree=crosses, ranges=self.ranges(kind.value, axis))
         split = self.splits[axis]
         if split is not None and kind is not Collective.SEND_RECV:
