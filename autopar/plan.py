@@ -14,7 +14,9 @@ JSON layout (schema_version 4; 3 is the same without "pipeline", 2 also without 
          "shape": [4, 16, 128], "output": "S(0),R", "inputs": ["S(0),R", "R,S(0)"],
          "compute_s": 1.2e-06, "comm_s": 0.0,
          "collectives": [{"kind": "all_reduce", "axis": 1, "nbytes": 4096.0, "phase": "backward",
-                          "site": "inputs"}]},
+                          "site": "inputs"}],
+         "via": "", "module": "transformer.h.0.mlp.c_fc"},
+                 (module: where in the model the node runs; absent in older plans: "")
         ...
       ],
       "predicted": {"step_time_s": ..., "peak_memory_bytes": ..., "compute_s": ..., "comm_s": ...,
@@ -153,6 +155,9 @@ class NodeDecision:
     # per mesh axis, the algorithm of an op whose placements do not say it ("ring,-": attention
     # on a sequence split, ``SeqAttention``); "" where there is none
     via: str = ""
+    # the innermost module the node runs in, by its path in the model ("model.layers.3.mlp.down_proj"),
+    # a parameter's or buffer's its owner's; "" for the model itself or where unknown (older plans)
+    module: str = ""
 
     def __post_init__(self) -> None:
         spec_from_str(self.output)  # validates

@@ -20,7 +20,7 @@ import torch
 import torch.fx as fx
 
 from autopar.passes.analyze import NodeInfo
-from autopar.passes.trace import Role, TracedGraph
+from autopar.passes.trace import Role, TracedGraph, module_path
 
 _INDEX = re.compile(r"(?<=\.)\d+(?=\.|$)|^\d+(?=\.)")
 
@@ -40,13 +40,6 @@ class Classes:
 
 def erase_indices(path: str) -> str:
     return _INDEX.sub("#", path)
-
-
-def _module_path(node: fx.Node) -> str:
-    stack = node.meta.get("nn_module_stack")
-    if not stack:
-        return ""
-    return list(stack.values())[-1][0]
 
 
 def _arg_signature(node: fx.Node) -> str:
@@ -75,7 +68,7 @@ def find_classes(tg: TracedGraph, infos: dict[str, NodeInfo], names: list[str]) 
             else:
                 key = (info.role.value, erase_indices(info.target), info.shapes, info.requires_grad)
         else:
-            path = _module_path(node)
+            path = module_path(node)
             base = (
                 erase_indices(path),
                 str(node.target),

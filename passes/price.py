@@ -43,7 +43,7 @@ from autopar.passes.grad_sync import (
 from autopar.passes.memory_row import peak_bytes
 from autopar.passes.solver import Solution, objective_s
 from autopar.passes.strategies import Strategy
-from autopar.passes.trace import Role, TracedGraph
+from autopar.passes.trace import Role, TracedGraph, module_path
 from autopar.placement import Outputs, spec_to_str, via_to_str, volume_factor
 from autopar.plan import NodeDecision, Plan, PlannedCollective, Predicted, Site, SolverInfo
 from autopar.reshard import Collective, CollectiveCall, Phase
@@ -104,6 +104,12 @@ def _with_getitems(tg: TracedGraph, choice: dict[str, Strategy]) -> dict[str, St
     return out
 
 
+def _owner(info: NodeInfo) -> str:
+    """The module path of a parameter's or buffer's owner (its FQN less the last name); "" for a
+    user input."""
+    return info.target.rpartition(".")[0] if info.role in (Role.PARAM, Role.BUFFER) else ""
+
+
 def price_plan(
     tg: TracedGraph,
     infos: dict[str, NodeInfo],
@@ -158,6 +164,7 @@ def price_plan(
                 collectives=tuple(colls.get(n.name, ()))
                 + tuple(PlannedCollective.of(call, Site.INSIDE) for call, _ in inside),
                 via=via_to_str(s.via),
+                module=module_path(n) if n.op != "placeholder" else _owner(info),
             )
         )
     t_step = objective_s(tables, sol.choice)

@@ -83,6 +83,16 @@ class TracedGraph:
         return h.hexdigest()
 
 
+def module_path(node: fx.Node) -> str:
+    """The innermost module a node was traced in, by its path in the model (``model.layers.3.mlp``,
+    from the tracer's ``nn_module_stack``); "" for the model itself or where none was recorded
+    (placeholders, nodes passes add without copying the stack)."""
+    stack = node.meta.get("nn_module_stack")
+    if not stack:
+        return ""
+    return list(stack.values())[-1][0].removeprefix("L['self'].")
+
+
 def _target_name(target) -> str:
     if isinstance(target, str):
         return target

@@ -122,6 +122,33 @@ def test_real_plan_parameter_placements(real_plan, mlp):
     assert shapes == {"up.weight": (32, 16), "up.bias": (32,), "down.weight": (16, 32), "down.bias": (16,)}
 
 
+def test_real_plan_names_each_nodes_module(real_plan, mlp):
+    """Each decision says where in the model it runs: the linears and their parameters the
+    model's own submodules, the loss (computed in the model's forward) the model itself ("")."""
+    model, _ = mlp
+    modules = {name for name, _ in model.named_modules()}
+    by_op = {}
+    for d in real_plan.decisions:
+        assert d.module in modules, (d.name, d.module)
+        by_op.setdefault(d.op, set()).add(d.module)
+    linears = {op: m for op, m in by_op.items() if "linear" in op or "addmm" in op}
+    assert set().union(*linears.values()) == {"up", "down"}
+    params = {d.target: d.module for d in real_plan.decisions if d.role == "param"}
+    assert params == {"up.weight": "up", "up.bias": "up", "down.weight": "down", "down.bias": "down"}
+    assert "" in by_op["aten.mse_loss.default"]
+    assert {d.module for d in real_plan.decisions if d.role == "input"} == {""}
+
+
+def test_a_plan_saved_without_modules_loads_with_none():
+    """Plans saved before NodeDecision.module load, each module unknown ("")."""
+    data = _tiny_plan(decisions=(
+        NodeDecision("w", "placeholder", "param", "lin.weight", (4, 4), "S(0)", (), module="lin"),
+    )).to_dict()  # fmt: skip
+    assert data["decisions"][0]["module"] == "lin"
+    del data["decisions"][0]["module"]
+    assert Plan.from_dict(data).decisions[0].module == ""
+
+
 def test_summary_mentions_parameters(real_plan):
     text = real_plan.summary()
     assert "MLP" in text
@@ -166,6 +193,7 @@ def _plans(draw) -> Plan:
             compute_s=draw(_time),
             comm_s=draw(_time),
             collectives=tuple(draw(st.lists(_collective, max_size=3))),
+            module=draw(_text),
         )
         for name in names
     )
