@@ -2,7 +2,13 @@
 
 One file, no external scripts, styles or fonts: tables plus hand-made inline SVG charts (memory breakdown,
 the most expensive nodes, and predicted step time per candidate mesh shape; for a pipelined plan its
-chunks and its schedule's timeline, re-simulated from the plan). Pass ``measured`` (e.g.
+chunks and its schedule's timeline, re-simulated from the plan), a table of the mesh's axes (size,
+role, whether its groups cross nodes) and a legend of the placement notation. Nodes are named by
+the module they run in and their op (``transformer.h.0.mlp.c_fc · addmm``), their graph name in
+the tooltip. No label is clipped: each chart sizes its label columns and width from its longest
+label, measured in a monospace font (every glyph 0.6 em), and cuts a label past its limit with an
+ellipsis (``tests/test_report_browser.py`` checks the rendered page in a headless browser). Pass
+``measured`` (e.g.
 ``{"step_time_s": 0.012, "peak_memory_bytes": 3 << 30, "world_size": 8}``) to show measured values next to
 the predictions with their relative error.
 """
@@ -12,13 +18,16 @@ from __future__ import annotations
 import math
 import os
 import pathlib
+import unicodedata
 from collections.abc import Sequence
 from html import escape
 from numbers import Real
 from typing import Any
 
+from autopar.cost_model.comm import crosses_nodes
 from autopar.cost_model.pipeline import ScheduleError, Timeline, simulate_schedule
-from autopar.plan import Plan
+from autopar.placement import SeqAttention, is_shard
+from autopar.plan import NodeDecision, Plan
 
 COMPUTE_COLOUR = "#4c78a8"
 COMM_COLOUR = "#f58518"
@@ -31,6 +40,12 @@ MEMORY_PARTS = (  # (label, Predicted attribute, colour)
     ("activations", "activation_bytes", "#e45756"),
 )
 TOP_NODES = 20
+# the longest node label drawn, in characters: longer module paths lose their head ("…layers.27.mlp")
+NODE_LABEL_CHARS = 64
+# the charts' font: monospace, every glyph 0.6 em wide (DejaVu Sans Mono, Menlo, SF Mono, Courier),
+# so a label's width is known before a browser draws it; CHAR_EM estimates it a little high
+SVG_FONT = "ui-monospace,SFMono-Regular,Menlo,Consolas,'DejaVu Sans Mono','Liberation Mono',monospace"
+CHAR_EM = 0.62
 # the most schedule actions the pipeline timeline draws (each 150-250 bytes of SVG: 4096 keep the
 # picture under 1 MB); past it, the actions of the first micro-batches only
 TIMELINE_MAX_EVENTS = 4096
@@ -40,7 +55,7 @@ body{font-family:system-ui,sans-serif;margin:2em;color:#222;max-width:1200px}
 h1{font-size:1.5em}h2{font-size:1.2em;margin-top:1.6em;border-bottom:1px solid #ccc}
 table{border-collapse:collapse;font-size:.9em;margin:.5em 0}
 th,td{border:1px solid #ddd;padding:3px 8px;text-align:left;vertical-align:top}
-th{background:#f3f3f3}td.num{text-align:right;font-variant-numeric:tabular-nums}
+th{background:#f3f3f3}td.num{text-align:right;font-variant-numeric:tabular-nums;white-space:nowrap}
 code{font-family:ui-monospace,monospace}.bad{color:#b00}svg{display:block;margin:.5em 0}
 """
 
@@ -106,24 +121,59 @@ def _text(x: float, y: float, s: str, anchor: str = "start", size: int = 11) -> 
     return f'<text x="{x:.1f}" y="{y:.1f}" font-size="{size}" text-anchor="{anchor}">{escape(s)}</text>'
 
 
-def _svg(width: int, height: int, body: list[str], label: str) -> str:
+def _svg(width: float, height: float, body: list[str], label: str) -> str:
+    width, height = math.ceil(width), math.ceil(height)
     return (
         f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
-        f'viewBox="0 0 {width} {height}" role="img" aria-label="{escape(label)}">' + "".join(body) + "</svg>"
+        f'viewBox="0 0 {width} {height}" font-family="{escape(SVG_FONT)}" role="img" '
+        f'aria-label="{escape(label)}">' + "".join(body) + "</svg>"
     )
 
 
-def _legend(x: float, y: float, items: list[tuple[str, str]]) -> list[str]:
+def text_width(s: str, size: float = 11) -> float:
+    """Pixels ``s`` takes at font size ``size`` in the charts' monospace font, estimated a little
+    high (a wide East Asian character takes two cells)."""
+    cells = sum(2 if unicodedata.east_asian_width(c) in "WF" else 1 for c in s)
+    return cells * size * CHAR_EM
+
+
+def _legend(x: float, y: float, items: list[tuple[str, str]]) -> tuple[list[str], float]:
+    """Swatches and labels in a row from ``x``; the elements and where the row ends."""
     out = []
     for label, colour in items:
         out.append(f'<rect x="{x:.1f}" y="{y - 9:.1f}" width="10" height="10" fill="{colour}"/>')
         out.append(_text(x + 14, y, label))
-        x += 14 + 7 * len(label) + 16
-    return out
+        x += 14 + text_width(label) + 16
+    return out, x - 16
 
 
 def _short(s: str, n: int = 36) -> str:
+    """``s`` cut to ``n`` characters, its tail replaced by an ellipsis."""
     return s if len(s) <= n else s[: n - 1] + "…"
+
+
+def _short_head(s: str, n: int) -> str:
+    """``s`` cut to ``n`` characters, its head replaced by an ellipsis: a module path keeps its
+    innermost names."""
+    return s if len(s) <= n else "…" + s[len(s) - n + 1 :]
+
+
+def op_name(op: str) -> str:
+    """An op's short name: ``aten.linear.default`` -> ``linear``, ``<built-in function getitem>``
+    -> ``getitem``."""
+    if op.startswith("<built-in function ") and op.endswith(">"):
+        return op[len("<built-in function ") : -1]
+    parts = op.split(".")
+    return parts[-2] if len(parts) >= 3 else op
+
+
+def node_label(d: NodeDecision) -> str:
+    """How the report names a node: a parameter, buffer or input by its name in the model; an
+    op by its module path and op (``transformer.h.0.mlp.c_fc · addmm``), by its graph name where
+    it runs in the model itself or the plan does not say (older plans)."""
+    if d.op == "placeholder":
+        return d.target or d.name
+    return f"{d.module} · {op_name(d.op)}" if d.module else d.name
 
 
 # -- charts ----------------------------------------------------------------------------------------------
@@ -141,33 +191,43 @@ def memory_svg(plan: Plan) -> str:
         x += w
     if not total:
         body.append(_text(x0 + bar_w / 2, 29, "no memory predicted", "middle"))
-    body += _legend(x0, 58, [(f"{label} {fmt_mib(b)}", colour) for label, b, colour in parts])
-    return _svg(width, 70, body, "predicted memory per device")
+    legend, end = _legend(x0, 58, [(f"{label} {fmt_mib(b)}", colour) for label, b, colour in parts])
+    return _svg(max(width, end + x0), 70, body + legend, "predicted memory per device")
 
 
 def nodes_svg(plan: Plan, top: int = TOP_NODES) -> str:
     """Horizontal bars of the ``top`` nodes by compute_s + comm_s, compute and communication stacked."""
     nodes = sorted(plan.decisions, key=lambda d: d.compute_s + d.comm_s, reverse=True)[:top]
-    label_w, bar_w, row_h, top_pad = 250, 420, 18, 24
-    width = label_w + bar_w + 110
+    labels = [_short_head(node_label(d), NODE_LABEL_CHARS) for d in nodes]
+    values = [fmt_time(d.compute_s + d.comm_s) for d in nodes]
+    # the label column and the room right of the longest bar as wide as their longest text
+    label_w = 10 + max((text_width(x) for x in labels), default=0.0) + 6
+    bar_w, row_h, top_pad = 420, 18, 24
+    width = label_w + bar_w + 4 + max((text_width(v) for v in values), default=0.0) + 10
     height = top_pad + row_h * max(len(nodes), 1) + 10
-    body = _legend(label_w, 14, [("compute", COMPUTE_COLOUR), ("communication", COMM_COLOUR)])
+    body, end = _legend(label_w, 14, [("compute", COMPUTE_COLOUR), ("communication", COMM_COLOUR)])
     biggest = max((d.compute_s + d.comm_s for d in nodes), default=0.0)
     if not nodes:
         body.append(_text(label_w, top_pad + 13, "no nodes"))
-    for i, d in enumerate(nodes):
+        end = max(end, label_w + text_width("no nodes"))
+    for i, (d, label, value) in enumerate(zip(nodes, labels, values)):
         y = top_pad + i * row_h
-        body.append(_text(label_w - 6, y + 13, _short(d.name), "end"))
+        who = f"{node_label(d)} (node {d.name}, {d.op})"
+        body.append(
+            _text(label_w - 6, y + 13, label, "end").replace(
+                "</text>", f"<title>{escape(who)}</title></text>"
+            )
+        )
         wc = bar_w * d.compute_s / biggest if biggest else 0.0
         wm = bar_w * d.comm_s / biggest if biggest else 0.0
         body.append(
-            _rect(label_w, y + 2, wc, row_h - 4, COMPUTE_COLOUR, f"{d.name} compute {fmt_time(d.compute_s)}")
+            _rect(label_w, y + 2, wc, row_h - 4, COMPUTE_COLOUR, f"{who}: compute {fmt_time(d.compute_s)}")
         )
         body.append(
-            _rect(label_w + wc, y + 2, wm, row_h - 4, COMM_COLOUR, f"{d.name} comm {fmt_time(d.comm_s)}")
+            _rect(label_w + wc, y + 2, wm, row_h - 4, COMM_COLOUR, f"{who}: comm {fmt_time(d.comm_s)}")
         )
-        body.append(_text(label_w + wc + wm + 4, y + 13, fmt_time(d.compute_s + d.comm_s)))
-    return _svg(width, height, body, f"top {len(nodes)} nodes by predicted time")
+        body.append(_text(label_w + wc + wm + 4, y + 13, value))
+    return _svg(max(width, end + 10), height, body, f"top {len(nodes)} nodes by predicted time")
 
 
 def _mesh_key(shape: Any) -> tuple[int, ...] | None:
@@ -180,49 +240,65 @@ def _mesh_key(shape: Any) -> tuple[int, ...] | None:
 def candidates_svg(plan: Plan) -> str:
     """Vertical bars: predicted step time per candidate mesh shape; the chosen mesh highlighted."""
     cands = list(plan.solver.candidates)
+    chosen_i = chosen_candidate(plan)
+    objs = [c.get("objective") for c in cands]
+    biggest = max((o for o in objs if _finite(o)), default=0.0)
+    # each column's texts (size 11 or 10): value or why not solved, mesh, status, roles and trades
+    cols = []
+    for i, c in enumerate(cands):
+        key = _mesh_key(c.get("mesh_shape"))
+        label = _shape(key) if key is not None else str(c.get("mesh_shape"))
+        obj, status = c.get("objective"), str(c.get("status", ""))
+        if _finite(obj) and biggest > 0:
+            value = fmt_ms(obj)
+        else:  # not solved: infeasible, pruned by a bound, or the mirror image of another mesh
+            value = "infeasible" if status.lower() == "infeasible" else "not solved"
+        roles = c.get("axis_roles") or ()
+        tag = "/".join(r[0].upper() for r in roles)  # e.g. a 3-axis mesh with its outer axis data parallel
+        tag = (tag + " " + _trades_tag(c.get("trades"), c.get("pipeline"))).strip()
+        cols.append(
+            (label + (" ★" if i == chosen_i else ""), value, _short(status, 14), _short(tag, 16), label)
+        )
+    col_w = max(
+        [90.0] + [max(text_width(col[0]), *(text_width(t, 10) for t in col[1:4])) + 10 for col in cols]
+    )
+    plot_h, top_pad, bottom = 160, 40, 56  # the legend sits above the tallest bar's label
+    body, end = _legend(10, 14, [("chosen", CHOSEN_COLOUR), ("other", OTHER_COLOUR)])
+    width = max(col_w * len(cands) + 20, 300, end + 10)
+    base = top_pad + plot_h
+    for i, (c, (mesh, value, status, tag, label)) in enumerate(zip(cands, cols)):
+        x = 10 + i * col_w
+        obj = c.get("objective")
+        if _finite(obj) and biggest > 0:
+            h = max(plot_h * obj / biggest, 1.0)
+            colour = CHOSEN_COLOUR if i == chosen_i else OTHER_COLOUR
+            tip = f"mesh {label}: {fmt_ms(obj)} ({c.get('status', '')})"
+            body.append(_rect(x + 10, base - h, col_w - 20, h, colour, tip))
+            body.append(_text(x + col_w / 2, base - h - 4, value, "middle", 10))
+        else:
+            body.append(_text(x + col_w / 2, base - 4, value, "middle", 10))
+        body.append(_text(x + col_w / 2, base + 16, mesh, "middle"))
+        body.append(_text(x + col_w / 2, base + 32, status, "middle", 10))
+        if tag:
+            body.append(_text(x + col_w / 2, base + 46, tag, "middle", 10))
+    body.append(f'<line x1="5" y1="{base}" x2="{width - 5:.1f}" y2="{base}" stroke="#888"/>')
+    return _svg(width, base + bottom, body, "predicted step time per candidate mesh shape")
+
+
+def chosen_candidate(plan: Plan) -> int | None:
+    """The index in ``plan.solver.candidates`` of the plan itself: its mesh, trades and pipeline
+    (older plans: none recorded), the fastest of those (a mesh solved twice, free and with axis 0
+    data parallel, has two entries); None where none matches."""
+    cands = plan.solver.candidates
     chosen = tuple(int(n) for n in plan.mesh_shape)
     trades = plan.trades.to_dict()
     pipe = plan.pipeline.to_dict()
-    # one candidate is the plan: its mesh, trades and pipeline (older plans: none recorded), the
-    # fastest of those (a mesh solved twice, free and with axis 0 data parallel, has two entries)
     matches = [
         i for i, c in enumerate(cands)
         if _mesh_key(c.get("mesh_shape")) == chosen and c.get("trades", trades) == trades
         and c.get("pipeline", pipe) == pipe and _finite(c.get("objective"))
     ]  # fmt: skip
-    chosen_i = min(matches, key=lambda i: cands[i]["objective"], default=None)
-    col_w, plot_h, top_pad, bottom = 90, 160, 40, 56  # the legend sits above the tallest bar's label
-    width = max(col_w * len(cands) + 20, 300)
-    body = _legend(10, 14, [("chosen", CHOSEN_COLOUR), ("other", OTHER_COLOUR)])
-    objs = [c.get("objective") for c in cands]
-    biggest = max((o for o in objs if _finite(o)), default=0.0)
-    base = top_pad + plot_h
-    for i, c in enumerate(cands):
-        x = 10 + i * col_w
-        key = _mesh_key(c.get("mesh_shape"))
-        label = _shape(key) if key is not None else str(c.get("mesh_shape"))
-        obj, status = c.get("objective"), str(c.get("status", ""))
-        is_chosen = i == chosen_i
-        if _finite(obj) and biggest > 0:
-            h = max(plot_h * obj / biggest, 1.0)
-            colour = CHOSEN_COLOUR if is_chosen else OTHER_COLOUR
-            body.append(
-                _rect(x + 10, base - h, col_w - 20, h, colour, f"mesh {label}: {fmt_ms(obj)} ({status})")
-            )
-            body.append(_text(x + col_w / 2, base - h - 4, fmt_ms(obj), "middle", 10))
-        else:
-            # not solved: infeasible, pruned by a bound, or the mirror image of another mesh
-            body.append(_text(x + col_w / 2, base - 4, "infeasible" if status.lower() == "infeasible" else "not solved",
-                              "middle", 10))  # fmt: skip
-        body.append(_text(x + col_w / 2, base + 16, label + (" ★" if is_chosen else ""), "middle"))
-        body.append(_text(x + col_w / 2, base + 32, _short(status, 14), "middle", 10))
-        roles = c.get("axis_roles") or ()
-        tag = "/".join(r[0].upper() for r in roles)  # e.g. a 3-axis mesh with its outer axis data parallel
-        tag += (" " if tag else "") + _trades_tag(c.get("trades"), c.get("pipeline"))
-        if tag.strip():
-            body.append(_text(x + col_w / 2, base + 46, _short(tag, 16), "middle", 10))
-    body.append(f'<line x1="5" y1="{base}" x2="{width - 5}" y2="{base}" stroke="#888"/>')
-    return _svg(width, base + bottom, body, "predicted step time per candidate mesh shape")
+    return min(matches, key=lambda i: cands[i]["objective"], default=None)
 
 
 def _trades_tag(t: dict | None, pipeline: dict | None = None) -> str:
@@ -289,6 +365,17 @@ def _n(s: str) -> tuple[str, bool]:
     return escape(s), True
 
 
+def _dotted(s: str) -> tuple[str, bool]:
+    """A dotted or underscored name (module path, op, graph name) that may wrap after each ``.``
+    and ``_``, so that a table of long ones fits the page."""
+    return escape(s).replace(".", ".<wbr>").replace("_", "_<wbr>"), False
+
+
+def _unbroken(s: str) -> tuple[str, bool]:
+    """Text kept on one line (a shape)."""
+    return escape(s).replace(" ", "&nbsp;"), False
+
+
 def _summary_table(plan: Plan, measured: dict | None) -> str:
     p = plan.predicted
     rows: list[tuple[str, str, Any, str]] = [  # label, unit kind, predicted value, key in `measured`
@@ -324,6 +411,133 @@ def _summary_table(plan: Plan, measured: dict | None) -> str:
     return _table(headers, out)
 
 
+# -- mesh axes and the placement notation ---------------------------------------------------------------
+# what each axis role of the search (autopar.AxisRole; passes/strategies.py) asks of an axis
+ROLE_MEANING = {
+    "data": "data parallel: parameters whole on each device, the inputs split on dim 0 (the batch)",
+    "tensor": "tensor parallel: every parameter of two or more dims sharded, the inputs whole",
+    "sequence": "sequence parallel: the inputs split on dim 1 (the sequence), attention's queries too",
+    "auto": "any: the solver chose every placement",
+}
+SEQ_ATTENTION_MEANING = {
+    SeqAttention.GATHER: "each device's query rows against every key: K and V all-gathered over the axis",
+    SeqAttention.RING: "Q, K and V stay split; K/V blocks travel around the axis's ring of devices "
+    "(ring attention)",
+    SeqAttention.ALL_TO_ALL: "one all-to-all re-splits Q, K and V from the sequence to the heads and one "
+    "turns the output back (DeepSpeed-Ulysses)",
+}
+
+
+def axis_roles(plan: Plan) -> list[str]:
+    """Per mesh axis, the role the search gave it (``AxisRole`` values): the chosen candidate's,
+    else ``data`` on the trades' data axes and ``auto`` elsewhere."""
+    i = chosen_candidate(plan)
+    roles = plan.solver.candidates[i].get("axis_roles") if i is not None else None
+    if isinstance(roles, (list, tuple)) and len(roles) == len(plan.mesh_shape):
+        return [str(r) for r in roles]
+    return ["data" if a in plan.trades.data_axes else "auto" for a in range(len(plan.mesh_shape))]
+
+
+def _what_it_splits(plan: Plan, axis: int) -> str:
+    """What the plan splits on mesh ``axis``, read off its placements: the inputs' dims and how
+    many parameters are sharded."""
+    params = [d for d in plan.decisions if d.role == "param"]
+    sharded = sum(1 for d in params if is_shard(d.output_spec[axis]))
+    dims = sorted(
+        {
+            d.output_spec[axis].dim
+            for d in plan.decisions
+            if d.role == "input" and is_shard(d.output_spec[axis])
+        }
+    )
+    out = []
+    if dims:
+        out.append("inputs split on dim " + ", ".join(str(x) for x in dims))
+    elif any(d.role == "input" for d in plan.decisions):
+        out.append("inputs whole")
+    if params:
+        out.append(f"{sharded} of {len(params)} parameters sharded")
+    return "; ".join(out) or "—"
+
+
+def _crosses(plan: Plan, mesh: tuple[int, ...], axis: int) -> str:
+    """Whether ``axis`` of ``mesh`` (the whole world's: pipeline stages outermost) crosses nodes,
+    as the cost model prices its collectives (``cost_model.comm.crosses_nodes``)."""
+    c = plan.cluster if isinstance(plan.cluster, dict) else {}
+    per = c.get("devices_per_node")
+    if mesh[axis] == 1:
+        return "no (one device)"
+    if not _is_num(per) or per < 1:
+        return "— (cluster size unknown)"
+    if crosses_nodes(mesh, axis, int(per)):
+        return "yes: its devices lie on different nodes (inter-node link)"
+    return "no: each group inside one node"
+
+
+def axes_table(plan: Plan) -> str:
+    """The mesh's axes, outermost first: size, the search's role, whether each crosses nodes
+    (ranks row-major over the mesh, numbered node by node; a pipelined plan's stages outermost)
+    and what the plan splits on it."""
+    mesh = tuple(int(n) for n in plan.mesh_shape)
+    pipe = plan.pipeline
+    world = ((pipe.stages,) if pipe.enabled else ()) + mesh
+    rows = []
+    if pipe.enabled:
+        rows.append([
+            _t("pipeline stages"), _n(str(pipe.stages)),
+            _t(f"pipeline: a run of the model's blocks per stage, schedule {pipe.schedule.value}"),
+            _t(_crosses(plan, world, 0)),
+            _t(f"{pipe.chunks} chunks, {plan.trades.micro_batches} micro-batches; each stage a mesh {_shape(mesh)}"),
+        ])  # fmt: skip
+    zero = int(plan.trades.zero_stage)
+    for a, role in enumerate(axis_roles(plan)):
+        meaning = ROLE_MEANING.get(role, role)
+        if zero and a in plan.trades.data_axes:
+            meaning += f"; ZeRO stage {zero} shards over it"
+        crosses = _crosses(plan, world, len(world) - len(mesh) + a)
+        rows.append([
+            _unbroken(f"axis {a}"), _n(str(mesh[a])), _t(f"{role} — {meaning}"), _t(crosses),
+            _t(_what_it_splits(plan, a)),
+        ])  # fmt: skip
+    return _table(
+        ["axis", "devices", "role in the search", "crosses nodes", "what this plan splits on it"], rows
+    )
+
+
+def placement_legend(plan: Plan) -> str:
+    """How to read the placements of the tables below: the notation, one entry per mesh axis, and
+    (where the plan has any) the attention algorithms of a split sequence."""
+    n = len(plan.mesh_shape)
+    example = ",".join(["S(0)"] + ["R"] * (n - 1))
+    each = f"<code>{example}</code>: tensor dim 0 split over axis 0" + (
+        ", whole along " + ", ".join(f"axis {a}" for a in range(1, n)) if n > 1 else ""
+    )
+    rows = [
+        [("<code>R</code>", False), _t("replicated: every device of the axis holds the whole tensor (along that axis)")],
+        [("<code>S(<i>d</i>)</code>", False), _t("sharded on tensor dim d (counted from 0): each device of the axis holds "
+                                                 "an equal slice of that dim")],
+        [("<code>P</code>", False), _t("partial: each device of the axis holds a partial sum; the tensor is their sum, "
+                                       "reduced (all-reduce or reduce-scatter) where an op needs it whole")],
+    ]  # fmt: skip
+    vias = {v for d in plan.decisions if d.via for v in d.via.split(",") if v != "-"}
+    for v in SeqAttention:
+        if v.value in vias:
+            rows.append([(f"<code>via {escape(v.value)}</code>", False), _t(SEQ_ATTENTION_MEANING[v])])
+    text = (
+        f"<p>A placement has one entry per mesh axis, in axis order, comma separated ({each}). "
+        "<i>output</i>: where a node's result lives; <i>inputs</i>: where each of its tensor inputs is brought "
+        "before it runs; the collectives that bring them there are named <code>kind@axis</code>."
+        + (
+            " An attention whose sequence is split says how it runs: <code>via</code> one algorithm per mesh "
+            "axis, <code>-</code> where none."
+            if vias
+            else ""
+        )
+        + "</p>"
+    )
+    return text + _table(["notation", "meaning"], rows)
+
+
 def render_report(plan: Plan, *, measured: dict | None = None, title: str | None = None) -> str:
     """The report as one HTML string."""
     c = plan.cluster if isinstance(plan.cluster, dict) else {}
@@ -353,20 +567,25 @@ def render_report(plan: Plan, *, measured: dict | None = None, title: str | None
     params = _table(
         ["parameter", "shape", "placement"],
         [
-            [_t(d.target), _t(_shape(d.shape)), (f"<code>{escape(d.output)}</code>", False)]
+            [_t(d.target), _unbroken(_shape(d.shape)), (f"<code>{escape(d.output)}</code>", False)]
             for d in plan.decisions
             if d.role == "param"
         ],
     )
     decisions = _table(
-        ["name", "op", "role", "shape", "output", "inputs", "compute", "comm", "collectives"],
+        ["name", "module", "op", "role", "shape", "output", "inputs", "compute", "comm", "collectives"],
         [
             [
-                _t(d.name),
-                _t(d.op),
+                _dotted(d.name),
+                _dotted(d.module or "—"),
+                _dotted(d.op),
                 _t(d.role),
-                _t(_shape(d.shape)),
-                (f"<code>{escape(d.output)}</code>", False),
+                _unbroken(_shape(d.shape)),
+                (
+                    f"<code>{escape(d.output)}</code>"
+                    + (f"<br><code>via {escape(d.via)}</code>" if d.via else ""),
+                    False,
+                ),
                 ("<br>".join(f"<code>{escape(i)}</code>" for i in d.inputs), False),
                 _n(fmt_time(d.compute_s)),
                 _n(fmt_time(d.comm_s)),
@@ -383,6 +602,10 @@ def render_report(plan: Plan, *, measured: dict | None = None, title: str | None
         head,
         "<h2>Summary</h2>",
         _summary_table(plan, measured),
+        "<h2>Mesh axes</h2>",
+        axes_table(plan),
+        "<h2>Placement notation</h2>",
+        placement_legend(plan),
         "<h2>Memory-for-time trades</h2>",
         trades_table(plan),
         *(pipeline_section(plan) if plan.pipeline.enabled else ()),
@@ -390,6 +613,8 @@ def render_report(plan: Plan, *, measured: dict | None = None, title: str | None
         memory_svg(plan),
         f"<h2>Top {min(TOP_NODES, len(plan.decisions))} nodes by predicted time</h2>",
         nodes_svg(plan),
+        "<p>Each node named by the module it runs in and its op (its graph name in the tooltip); "
+        "a parameter by its name.</p>",
     ]
     if s.candidates:
         piped = any(int((c.get("pipeline") or {}).get("stages", 1)) > 1 for c in s.candidates)
@@ -455,9 +680,18 @@ def timeline_svg(
     in the caption. ``chunk_labels[c]`` replaces "chunk c" in the tooltips; ``caption`` replaces
     the caption (e.g. for a part of a step, whose own makespan and idle share mean nothing)."""
     ranks = max(len(timeline.busy), 1 + max((e.rank for e in timeline.events), default=-1))
-    label_w, plot_w, right_w, row_h = 60, 760, 110, 22
+    notes = []  # per rank, at the right of its row: its peak in-flight micro-batches and bytes
+    for r in range(ranks):
+        note = ""
+        if r < len(timeline.peak_in_flight):
+            note = f"{timeline.peak_in_flight[r]} in flight"
+            if r < len(timeline.peak_bytes) and timeline.peak_bytes[r] > 0:
+                note += f", {fmt_mib(timeline.peak_bytes[r])}"
+        notes.append(note)
+    label_w = 10 + text_width(f"rank {ranks - 1}") + 6
+    plot_w, row_h = 760, 22
+    right_w = 6 + max((text_width(n, 10) for n in notes), default=0.0) + 10
     top = 44  # title and legend above the rows
-    width = label_w + plot_w + right_w
     axis_y = top + row_h * max(ranks, 1) + 4
     height = axis_y + 50
     span = timeline.makespan if timeline.makespan > 0 else 1.0
@@ -466,18 +700,17 @@ def timeline_svg(
     shortest = min((e.end - e.start for e in timeline.events if e.end > e.start), default=1e-3)
     digits = min(6, max(2, 1 - math.floor(math.log10(shortest * 1e3))))  # tooltips tell events apart
     body = [_text(label_w, 14, title, size=13)]
-    body += _legend(label_w, 34, [(_KIND_NAMES[k], TIMELINE_COLOURS[k][0]) for k in kinds])
+    legend, legend_end = _legend(label_w, 34, [(_KIND_NAMES[k], TIMELINE_COLOURS[k][0]) for k in kinds])
+    body += legend
     for r in range(ranks):
         y = top + r * row_h
         body.append(_text(label_w - 6, y + 15, f"rank {r}", "end"))
         body.append(
-            f'<line x1="{label_w}" y1="{y + row_h:.1f}" x2="{label_w + plot_w}" y2="{y + row_h:.1f}" stroke="#eee"/>'
+            f'<line x1="{label_w:.1f}" y1="{y + row_h:.1f}" x2="{label_w + plot_w:.1f}" y2="{y + row_h:.1f}" '
+            'stroke="#eee"/>'
         )
-        if r < len(timeline.peak_in_flight):
-            note = f"{timeline.peak_in_flight[r]} in flight"
-            if r < len(timeline.peak_bytes) and timeline.peak_bytes[r] > 0:
-                note += f", {fmt_mib(timeline.peak_bytes[r])}"
-            body.append(_text(label_w + plot_w + 6, y + 15, note, size=10))
+        if notes[r]:
+            body.append(_text(label_w + plot_w + 6, y + 15, notes[r], size=10))
     for e in timeline.events:
         a = e.action
         shades = TIMELINE_COLOURS.get(a.kind, ("#999999",))
@@ -499,7 +732,9 @@ def timeline_svg(
                     "<text ", '<text fill="#fff" ', 1
                 )
             )
-    body.append(f'<line x1="{label_w}" y1="{axis_y}" x2="{label_w + plot_w}" y2="{axis_y}" stroke="#888"/>')
+    body.append(
+        f'<line x1="{label_w:.1f}" y1="{axis_y}" x2="{label_w + plot_w:.1f}" y2="{axis_y}" stroke="#888"/>'
+    )
     if timeline.makespan > 0:
         step = _tick_step(span)
         n = int(span / step + 1e-9)
@@ -507,13 +742,23 @@ def timeline_svg(
             x = label_w + i * step * scale
             body.append(f'<line x1="{x:.1f}" y1="{axis_y}" x2="{x:.1f}" y2="{axis_y + 4}" stroke="#888"/>')
             body.append(_text(x, axis_y + 16, fmt_time(i * step), "middle", 10))
+        # the last tick's label, centred on the plot's right end, reaches half its width past it
+        ticks_end = label_w + n * step * scale + text_width(fmt_time(n * step), 10) / 2
         caption = caption or (
             f"makespan {fmt_time(timeline.makespan)}, bubble {timeline.bubble_fraction * 100:.1f}% "
             f"of the ranks' time idle"
         )
     else:
+        ticks_end = 0.0
         caption = caption or "no events"
     body.append(_text(label_w, axis_y + 38, caption))
+    width = max(
+        label_w + plot_w + right_w,
+        label_w + text_width(title, 13) + 10,
+        legend_end + 10,
+        ticks_end + 10,
+        label_w + text_width(caption) + 10,
+    )
     return _svg(width, height, body, f"{title}: {caption}")
 
 

@@ -344,3 +344,156 @@ def test_pipeline_costs_that_do_not_fit_give_a_note_not_an_error(pipelined_plan)
 def test_no_pipeline_no_pipeline_section():
     p = _parse(render_report(_plan()))
     assert "Pipeline" not in " ".join(p.text) and p.tags.count("svg") == 3
+
+
+# -- mesh axes, the placement legend, node names ---------------------------------------------------------
+class _Rows(HTMLParser):
+    """The text of each row's cells, per <tr>."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.rows: list[list[str]] = []
+
+    def handle_starttag(self, tag, attrs):
+        if tag == "tr":
+            self.rows.append([])
+        elif tag in ("td", "th"):
+            self.rows[-1].append("")
+
+    def handle_data(self, data):
+        if self.rows and self.rows[-1]:
+            self.rows[-1][-1] += data.replace("\xa0", " ")
+
+
+def _table_rows(html: str) -> list[list[str]]:
+    p = _Rows()
+    p.feed(html[html.index("<table>") : html.index("</table>")])
+    return p.rows[1:]  # less the header
+
+
+def _mesh_plan(mesh, nodes, per, stages=1, roles=None) -> Plan:
+    """``_plan()`` on ``mesh`` (one stage's) of a cluster of ``nodes`` x ``per`` devices."""
+    import dataclasses
+
+    from autopar.trades import Pipeline
+
+    n = len(mesh)
+    spec = ",".join(["S(0)"] + ["R"] * (n - 1))
+    decisions = (
+        NodeDecision("w", "placeholder", "param", "lin.weight", (16, 16), spec, (), module="lin"),
+        NodeDecision("b", "placeholder", "param", "lin.bias", (16,), ",".join(["R"] * n), (), module="lin"),
+        NodeDecision("x", "placeholder", "input", "x", (8, 16), ",".join(["R"] * n), ()),
+    )
+    cand = {"mesh_shape": list(mesh), "status": "Optimal", "objective": 0.0125}
+    if roles is not None:
+        cand["axis_roles"] = list(roles)
+    return dataclasses.replace(
+        _plan(candidates=(cand,)),
+        mesh_shape=tuple(mesh),
+        decisions=decisions,
+        cluster={"name": "c", "nodes": nodes, "devices_per_node": per},
+        pipeline=Pipeline(stages, "1f1b", 1, tuple(range(1, stages))),
+    )
+
+
+def _groups_cross_nodes(world_mesh, axis, per) -> bool:
+    """Whether some group of ``axis`` holds ranks of two nodes: ranks laid out row-major over the
+    whole world's mesh, node ``r // per`` holding rank ``r`` (as torchrun numbers them)."""
+    import torch
+
+    ranks = torch.arange(math.prod(world_mesh)).reshape(world_mesh)
+    groups = ranks.movedim(axis, -1).reshape(-1, world_mesh[axis])
+    return any(len({int(r) // per for r in g}) > 1 for g in groups)
+
+
+@pytest.mark.parametrize(
+    "mesh, nodes, per, stages",
+    [((2, 2), 2, 2, 1), ((4, 2), 2, 4, 1), ((2, 2, 2), 2, 4, 1), ((8,), 2, 4, 1), ((2, 4), 1, 8, 1),
+     ((4,), 2, 4, 2), ((2,), 4, 2, 4), ((1, 4), 1, 4, 1)],
+)  # fmt: skip
+def test_axes_table_says_which_axes_cross_nodes(mesh, nodes, per, stages):
+    doc = render_report(_mesh_plan(mesh, nodes, per, stages))
+    rows = _table_rows(_section(doc, "Mesh axes"))
+    world = ((stages,) if stages > 1 else ()) + tuple(mesh)
+    assert len(rows) == len(world)
+    assert [r[0] for r in rows] == ["pipeline stages"] * (stages > 1) + [
+        f"axis {a}" for a in range(len(mesh))
+    ]
+    for a, row in enumerate(rows):
+        assert row[1] == str(world[a])
+        assert row[3].startswith("yes") == _groups_cross_nodes(world, a, per), (world, a, row[3])
+        if world[a] == 1:
+            assert row[3] == "no (one device)"
+
+
+def test_axes_table_roles_and_what_each_axis_splits():
+    doc = render_report(_mesh_plan((2, 2), 2, 2, roles=("data", "tensor")))
+    rows = _table_rows(_section(doc, "Mesh axes"))
+    assert rows[0][2].startswith("data — data parallel") and rows[1][2].startswith("tensor — tensor parallel")
+    # lin.weight is S(0) on axis 0 only; the input is whole
+    assert rows[0][4] == "inputs whole; 1 of 2 parameters sharded"
+    assert rows[1][4] == "inputs whole; 0 of 2 parameters sharded"
+    # no roles recorded (older plans, a free search): auto; no cluster size: unknown
+    plan = _mesh_plan((2,), 1, 2)
+    import dataclasses
+
+    plan = dataclasses.replace(plan, cluster={"name": "c"})
+    (row,) = _table_rows(_section(render_report(plan), "Mesh axes"))
+    assert row[2].startswith("auto — any") and row[3] == "— (cluster size unknown)"
+
+
+def test_placement_legend_explains_the_notation_the_plan_uses():
+    import dataclasses
+
+    section = _section(render_report(_mesh_plan((2, 2), 1, 4)), "Placement notation")
+    text = " ".join(_parse(section).text)
+    assert "one entry per mesh axis" in text and "S(0),R" in text
+    assert [r[0] for r in _table_rows(section)] == ["R", "S(d)", "P"]
+    assert "via" not in text
+    # an attention run as a ring on axis 1: its algorithm explained
+    plan = _plan()
+    att = NodeDecision("sdpa", "aten.scaled_dot_product_attention.default", "activation", "", (8, 4, 16), "S(0)",
+                       ("S(0)",), 1e-6, 0.0, via="ring")  # fmt: skip
+    plan = dataclasses.replace(plan, decisions=plan.decisions + (att,))
+    section = _section(render_report(plan), "Placement notation")
+    rows = _table_rows(section)
+    assert [r[0] for r in rows] == ["R", "S(d)", "P", "via ring"]
+    assert "ring" in rows[-1][1]
+    assert "via ring" in _section(render_report(plan), "All decisions (8)")
+
+
+def test_nodes_named_by_module_and_op_with_the_graph_name_in_the_tooltip():
+    import dataclasses
+
+    plan = _plan()
+    decisions = tuple(
+        dataclasses.replace(d, module="model.layers.27.mlp.down_proj") if d.name == "linear_2" else d
+        for d in plan.decisions
+    )
+    doc = render_report(dataclasses.replace(plan, decisions=decisions))
+    chart = " ".join(_parse(doc).svg_text[1])
+    assert "model.layers.27.mlp.down_proj · linear" in chart
+    assert "(node linear_2, aten.linear.default)" in chart  # the label's tooltip
+    assert "embedding_1" in chart  # no module recorded: its graph name
+    rows = _table_rows(_section(doc, "All decisions (7)"))
+    assert ["linear_2", "model.layers.27.mlp.down_proj", "aten.linear.default"] == rows[4][:3]
+    assert rows[3][1] == "—"
+
+
+def test_long_labels_are_cut_from_the_head_and_charts_widen_for_them():
+    from autopar.report import NODE_LABEL_CHARS, node_label, op_name, text_width
+
+    assert op_name("aten.linear.default") == "linear" and op_name("<built-in function getitem>") == "getitem"
+    assert op_name("autopar.fused_rms_norm.default") == "fused_rms_norm"
+    long = "model." + ".".join(f"block_{i}" for i in range(40))
+    d = NodeDecision("mm_9", "aten.mm.default", "activation", "", (4, 4), "R", (), module=long)
+    assert node_label(d) == f"{long} · mm"
+    import dataclasses
+
+    plan = dataclasses.replace(_plan(), decisions=(d,))
+    root, _ = _svg_root(_section(render_report(plan), "Top 1 nodes by predicted time"))
+    label = next(e for e in root.iter() if e.tag.endswith("text") and e.get("text-anchor") == "end")
+    shown = label.text
+    assert len(shown) == NODE_LABEL_CHARS and shown.startswith("…") and shown.endswith("block_39 · mm")
+    # the label column holds it: it ends at the column's edge and starts inside the chart
+    assert float(label.get("x")) - text_width(shown) >= 0
