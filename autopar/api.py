@@ -17,6 +17,7 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 import torch.utils._pytree as pytree
+from torch.distributed.tensor.placement_types import Replicate
 
 from autopar.cluster import ClusterSpec
 from autopar.codegen.agree import agree, solve_once
@@ -268,9 +269,23 @@ def choice_from_plan(tg: TracedGraph, plan: Plan) -> dict[str, Strategy]:
     infos = analyze(tg)
     allowed = build_strategies(tg, infos, plan.mesh_shape)
     choice = {}
+    single = [n == 1 for n in plan.mesh_shape]
+
+    def same_on_mesh(s: Strategy) -> tuple:
+        # a placement on an axis of one device is no cut: on a micro-batch of one row the rules
+        # offer only Replicate where the plan (made for the whole batch) says Shard(0)
+        def canon(spec):
+            return tuple(Replicate() if one else p for p, one in zip(spec, single))
+
+        return canon(s.out), tuple(canon(x) for x in s.ins), s.via
+
     for d in plan.decisions:
         s = Strategy(spec_from_str(d.output), tuple(spec_from_str(x) for x in d.inputs), via_from_str(d.via))
-        if d.name in allowed and s not in allowed[d.name].strategies:
+        if (
+            d.name in allowed
+            and s not in allowed[d.name].strategies
+            and same_on_mesh(s) not in {same_on_mesh(x) for x in allowed[d.name].strategies}
+        ):
             raise PlanFormatError(
                 f"node {d.name} ({d.op}): placement out={d.output} in={list(d.inputs)} is not a valid strategy on "
                 f"mesh {plan.mesh_shape}; re-plan instead of editing the plan by hand"

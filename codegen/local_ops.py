@@ -48,6 +48,49 @@ def arange_piece(start, step, length: int, coord: int, **kwargs) -> torch.Tensor
     )
 
 
+def local_rows(index: torch.Tensor, coord: int, rows: int) -> torch.Tensor:
+    """Global row numbers of this rank's block ``[coord * rows, (coord + 1) * rows)`` as rows of the
+    block itself."""
+    return index - coord * rows
+
+
+def _per_channel(t: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """A per-channel vector shaped to broadcast over ``x`` (channels on dim 1)."""
+    return t.view((1, -1) + (1,) * (x.dim() - 2))
+
+
+def channel_sum(x: torch.Tensor) -> torch.Tensor:
+    """The sum of ``x`` over every dim but the channels (dim 1), in float32 at least."""
+    acc = torch.promote_types(x.dtype, torch.float32)
+    return x.sum(dim=[d for d in range(x.dim()) if d != 1], dtype=acc)
+
+
+def channel_squared_deviations(x: torch.Tensor, total: torch.Tensor, count: int) -> torch.Tensor:
+    """Per channel, the sum of ``(x - mean)^2`` over this rank's elements, ``mean = total / count``."""
+    dev = x.to(total.dtype) - _per_channel(total / count, x)
+    return (dev * dev).sum(dim=[d for d in range(x.dim()) if d != 1])
+
+
+def batch_norm_of_sums(
+    x, total, squares, count: int, weight, bias, running_mean, running_var, momentum, eps
+) -> torch.Tensor:
+    """Training batch norm from the whole batch's per-channel sum and squared deviations over
+    ``count`` elements per channel; running statistics (if any) updated in place as
+    ``torch.batch_norm`` does (the variance unbiased)."""
+    mean, var = total / count, squares / count
+    if running_mean is not None:
+        with torch.no_grad():
+            running_mean.mul_(1 - momentum).add_(mean.to(running_mean.dtype), alpha=momentum)
+            unbiased = var * (count / max(count - 1, 1))
+            running_var.mul_(1 - momentum).add_(unbiased.to(running_var.dtype), alpha=momentum)
+    y = (x.to(total.dtype) - _per_channel(mean, x)) * _per_channel(torch.rsqrt(var + eps), x)
+    if weight is not None:
+        y = y * _per_channel(weight, x)
+    if bias is not None:
+        y = y + _per_channel(bias, x)
+    return y.to(x.dtype)
+
+
 def loss_sum_and_count(logits: torch.Tensor, target: torch.Tensor, ignore_index: int) -> torch.Tensor:
     """This rank's cross-entropy sum and count of counted tokens, as one tensor ``[sum, count]``
     (one all-reduce sums both over the ranks). Summed in float32 at least: in float16 a sum or

@@ -42,6 +42,7 @@ from autopar.kernels import ops as kernel_ops
 from autopar.passes.collective_matmul import LINEAR, gather_step, scatter_step, sole_use
 from autopar.passes.grad_sync import emitted_f_axes, plan_uses, reshard_key
 from autopar.passes.rules import map_args, norm_dim
+from autopar.passes.rules.nn import batch_norm_split_axes
 from autopar.passes.strategies import Strategy
 from autopar.passes.trace import AUTOCAST_REGION, Role, TracedGraph, retarget_region
 from autopar.placement import (
@@ -168,6 +169,50 @@ def _lower_arange(g, node, args, kwargs, s, mesh_shape):
     coord = g.call_function(C.coordinate, (a,))
     kw = {k: v for k, v in kwargs.items() if k not in ("start", "end", "step")}
     return g.call_function(L.arange_piece, (start, step, _out_shape(node)[0] // mesh_shape[a], coord), kw)
+
+
+@lowering(aten.index.Tensor)
+def _lower_index(g, node, args, kwargs, s, mesh_shape):
+    """An indexed dim of ``x`` split (``passes/rules/shape.py``: its index is the identity over it,
+    split alike): each rank's index values are global rows of its own block, made local."""
+    x, indices = args[0], list(args[1] if len(args) > 1 else kwargs["indices"])
+    src = node.args[0].meta["val"].shape
+    for a, p in enumerate(s.ins[0]):
+        if is_shard(p) and p.dim < len(indices) and indices[p.dim] is not None and mesh_shape[a] > 1:
+            rows = int(src[p.dim]) // mesh_shape[a]
+            coord = g.call_function(C.coordinate, (a,))
+            indices[p.dim] = g.call_function(L.local_rows, (indices[p.dim], coord, rows))
+    rest = {k: v for k, v in kwargs.items() if k != "indices"}
+    return g.call_function(node.target, (x, indices), rest)
+
+
+@lowering(aten.batch_norm.default)
+def _lower_batch_norm(g, node, args, kwargs, s, mesh_shape):
+    """Training batch norm on a split batch (or any split non-channel dim): the per-channel sum,
+    then the sum of squared deviations from the global mean, each all-reduced over the split
+    axes (two passes, as accurate as the one-device op), so every rank normalizes with the whole
+    batch's statistics and updates its running statistics alike. torch's SyncBatchNorm does this
+    on CUDA only (its stats kernels have no CPU form), hence by hand. Forward all-reduces, and
+    Megatron's "f" on each sum all-reduces its gradient's per-rank parts backward."""
+    split = batch_norm_split_axes(node, s.ins[0], mesh_shape)
+    if not split:
+        return g.call_function(node.target, args, kwargs)
+    names = ["input", "weight", "bias", "running_mean", "running_var", "training", "momentum", "eps"]
+    bound = dict(zip(names, args)) | {k: v for k, v in kwargs.items() if k in names}
+    x = bound["input"]
+    shape = node.args[0].meta["val"].shape
+    count = math.prod(int(n) for n in shape) // int(shape[1])
+    total = g.call_function(L.channel_sum, (x,))
+    for a in split:
+        total = g.call_function(C.f, (g.call_function(C.all_reduce, (total, a)), a))
+    squares = g.call_function(L.channel_squared_deviations, (x, total, count))
+    for a in split:
+        squares = g.call_function(C.f, (g.call_function(C.all_reduce, (squares, a)), a))
+    rest = tuple(bound.get(k) for k in ("weight", "bias", "running_mean", "running_var"))
+    return g.call_function(
+        L.batch_norm_of_sums,
+        (x, total, squares, count, *rest, bound.get("momentum", 0.1), bound.get("eps", 1e-5)),
+    )
 
 
 @lowering(aten.mean.dim, aten.mean.default)

@@ -27,6 +27,7 @@ import torch
 import torch.utils._pytree as pytree
 
 from autopar.errors import PlanMismatchError
+from autopar.passes.trace import graph_signature
 from autopar.placement import is_shard, spec_from_str
 
 
@@ -101,18 +102,10 @@ def micro_batch_inputs(inputs, plan):
     return split_batch(inputs, k)[0]
 
 
-def _signature(tg) -> list[tuple[str, str, str]]:
-    return [
-        (n.name, n.op, str(n.target))
-        for n in tg.graph.nodes
-        if n.op in ("placeholder", "call_function", "output")
-    ]
-
-
 def check_same_graph(full, micro, k: int) -> None:
     """Raise MicroBatchError unless ``micro`` (the model traced on one micro-batch) has the nodes
     of ``full`` (traced on the global batch, the plan's graph): same names, kinds and ops, in order."""
-    a, b = _signature(full), _signature(micro)
+    a, b = graph_signature(full), graph_signature(micro)
     if a == b:
         return
     i = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))

@@ -204,9 +204,15 @@ class _ChunkRunner(torch.nn.Module):
         self._autocast = autocast
 
     def forward(self, *received, **inputs):
+        inputs = {k.removeprefix(INPUT_PREFIX): v for k, v in inputs.items()}
         with C.bound_mesh(self._mesh), self._autocast():
             out = self.chunk(*received, **inputs)
         return out
+
+
+# the model's inputs go through ``schedule.step`` as keyword arguments under this prefix: a model
+# input named ``target`` or ``losses`` would otherwise be taken as the schedule's own argument
+INPUT_PREFIX = "autopar_input_"
 
 
 SCHEDULES = {
@@ -324,7 +330,7 @@ class PipelinedModule(ParallelModule):
                     "re-plan for this shape"
                 )
         named = {
-            name: (t.to(self._device) if isinstance(t, torch.Tensor) else t)
+            INPUT_PREFIX + name: (t.to(self._device) if isinstance(t, torch.Tensor) else t)
             for name, t in zip(self._input_names, flat)
         }
         self._step_loss_fn = loss_fn

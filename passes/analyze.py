@@ -39,7 +39,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode
 
 from autopar.errors import UnpricedOpError
-from autopar.passes.rules import ALIASING_OPS, tensor_inputs
+from autopar.passes.rules import ALIASING_OPS, tensor_inputs, writes_inputs
 from autopar.passes.trace import Role, TracedGraph, retarget_region
 
 log = logging.getLogger(__name__)
@@ -279,6 +279,7 @@ def _saved_for_backward(node: fx.Node, grads: tuple[bool, ...]) -> tuple[_Probe,
 
 def _run_probe(node: fx.Node, grads: tuple[bool, ...]) -> _Probe:
     ins: list[torch.Tensor] = []
+    mutable = writes_inputs(node)
 
     def to_meta(a):
         if isinstance(a, fx.Node):
@@ -289,6 +290,8 @@ def _run_probe(node: fx.Node, grads: tuple[bool, ...]) -> _Probe:
                 rg = grads[len(ins)] if len(ins) < len(grads) else v.dtype.is_floating_point
                 t = torch.empty(v.shape, dtype=v.dtype, device="meta")
                 t.requires_grad_(rg and v.dtype.is_floating_point)
+                if t.requires_grad and mutable:
+                    t = t.clone()  # an in-place op may not write into a leaf that requires grad
                 ins.append(t)
                 return t
             return v

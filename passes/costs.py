@@ -69,6 +69,7 @@ from autopar.passes.analyze import NodeInfo, tensor_vals
 from autopar.passes.coarsen import Classes
 from autopar.passes.collective_matmul import LINEAR, fused_steps, overlap_saving_s, sole_use
 from autopar.passes.rules import tensor_inputs, writes_inputs
+from autopar.passes.rules.nn import batch_norm_split_axes
 from autopar.passes.strategies import AxisRole, NodeStrategies, Strategy
 from autopar.passes.trace import Role, TracedGraph
 from autopar.placement import (
@@ -738,6 +739,19 @@ def lowering_collectives(
         return _sequence_attention_collectives(node, s, comm, compute_s)
     if node.target is FUSED_CROSS_ENTROPY:
         return _fused_cross_entropy_collectives(node, s, comm)
+    if node.target is aten.batch_norm.default:
+        # the per-channel sum and squared deviations, all-reduced forward and (their "f") backward
+        # on each axis splitting the batch, as codegen/lower.py emits them
+        channels = node.args[0].meta["val"].shape[1]
+        nbytes = 4 * int(channels)
+        return [
+            (
+                CollectiveCall(Collective.ALL_REDUCE, a, nbytes, phase),
+                comm.time(Collective.ALL_REDUCE, nbytes, a),
+            )
+            for a in batch_norm_split_axes(node, s.ins[0], comm.mesh_shape)
+            for phase in (Phase.FORWARD, Phase.FORWARD, Phase.BACKWARD, Phase.BACKWARD)
+        ]
     if node.target is aten.cross_entropy_loss.default and all(is_replicate(p) for p in s.out):
         # a mean over a split batch: one all-reduce of the local loss sum and token count (two
         # float32) on every split axis, exactly as codegen/lower.py emits it (a sum or 'none'

@@ -50,6 +50,7 @@ from autopar.passes.fuse import chosen_kernels, fuse
 from autopar.passes.grad_sync import GradSyncCost
 from autopar.passes.infeasible import blocked
 from autopar.passes.memory_row import lower_bound_bytes
+from autopar.passes.micro_batch_check import MicroBatchCheck
 from autopar.passes.pipeline import (
     PipelinePrice,
     Regions,
@@ -196,6 +197,7 @@ def search(
     options = options or SearchOptions()
     st = _Stages(progress, dump_dir)
     tg = trace_stage(model, example_inputs, st)
+    micro = MicroBatchCheck(model, example_inputs, tg, options.micro_batches, st.say)
     fuse_stage(tg, cluster, options, st)
     infos = analyze_stage(tg, st)
     classes = coarsen_stage(tg, infos, options, st)
@@ -248,6 +250,8 @@ def search(
         for trades in ladder(options, data_axes, precision, batch, bool(blocks)):
             if trades.micro_batches > 1 and (batch is None or (batch // trades.micro_batches) % parts):
                 continue
+            if not micro.allows(batch, trades.micro_batches):
+                continue
             if any(relieves_no_more(trades, t) for t in short + over):
                 continue  # a rung with at least this much room each way had no plan
             traded = apply_trades(tables, tg, cinfos, trades, cluster, options.optimizer, blocks)
@@ -277,7 +281,7 @@ def search(
     for stages in stage_counts(cluster.world_size, len(blocks), options):
         got = pipeline_candidates(
             tg, infos, cinfos, classes, blocks, cluster, options, stages, precision, batch, limit,
-            profiler, st, candidates, unplaceable, data_axis, best_objective,
+            profiler, st, candidates, unplaceable, data_axis, best_objective, micro,
         )  # fmt: skip
         min_needed = min(min_needed, got.mem_needed)
         if got.solved is not None:
@@ -648,6 +652,7 @@ def pipeline_candidates(
     unplaceable: list[str],
     data_axis: dict,
     best_objective: float,
+    micro: MicroBatchCheck,
 ) -> MeshOutcome:
     """The best plan with ``stages`` pipeline stages (``passes/pipeline.py``): per stage mesh
     (``stage_mesh_runs``), the ladder of trades at the pipeline's micro-batches (ZeRO 0-1: FSDP2's
@@ -681,7 +686,10 @@ def pipeline_candidates(
         # what a micro-batch must split over: the data axes (a solution that splits the batch on
         # another axis too gets fewer micro-batches, below)
         parts = math.prod(run.mesh[a] for a in data_axes) if data_axes else 1
-        ks = micro_batch_counts(batch, parts, stages, options)
+        ks = [k for k in micro_batch_counts(batch, parts, stages, options) if micro.allows(batch, k)]
+        if not ks:
+            st.say(f"pipeline: mesh {run.label}: no micro-batch count keeps the model's step: skipped")
+            continue
         k = ks[0]
         zero = options.zero_stage if options.zero_stage is not None else None
         popts = dataclasses.replace(options, micro_batches=k, offload=Offload.NONE, zero_stage=zero)
@@ -717,9 +725,12 @@ def pipeline_candidates(
                 # the solution splits the batch over more devices than the micro-batches allow: the
                 # most micro-batches it does allow (more memory than the rows priced: checked below)
                 split = solution_batch_parts(tg, cinfos, solved.sol.choice, ptables)
-                trades = dataclasses.replace(
-                    trades, micro_batches=micro_batch_counts(batch, split, stages, options)[0]
-                )
+                fewer = [
+                    k for k in micro_batch_counts(batch, split, stages, options) if micro.allows(batch, k)
+                ]
+                if not fewer:
+                    continue
+                trades = dataclasses.replace(trades, micro_batches=fewer[0])
                 traded = apply_trades(tables, tg, cinfos, trades, sub, options.optimizer, blocks)
             # priced on the step's own tables, not the fullest stage's rows (as autopar.reprice does)
             gs = grad_sync_cost(tg, cinfos, traded, solved.sol, solved.choice, sub, run.mesh, options.outputs)

@@ -285,7 +285,8 @@ def mutated_views(tg: TracedGraph) -> set[str]:
     """Nodes an in-place op writes into, and the views between them and their base.
 
     e.g. ``z = new_zeros(...); z[:, 1:].copy_(x)`` (T5's shift-right): ``z`` and the slice must be
-    one storage for the copy to land in ``z``. Placeholders are excluded: they are never resharded
+    one storage for the copy to land in ``z``. A chain that only the in-place op reads is not
+    counted: whatever it is resharded into, the op's result is what later ops read. Placeholders are excluded: they are never resharded
     in place (they are parameters, buffers or inputs, which in-place ops do not touch in training)."""
     out: set[str] = set()
     for node in tg.graph.nodes:
@@ -296,11 +297,16 @@ def mutated_views(tg: TracedGraph) -> set[str]:
                 isinstance(arg, fx.Node) and formal.alias_info is not None and formal.alias_info.is_write
             ):
                 continue
+            chain = []
             while isinstance(arg, fx.Node) and arg.op == "call_function":
-                out.add(arg.name)
+                chain.append(arg)
                 if arg.target not in VIEW_OPS:
                     break
                 arg = arg.args[0]
+            # a write that no other reader sees (each link read only by the next, the last by
+            # the in-place op: Falcon's ``matmul(...).add_(attention)``) is lost by no reshard
+            if any(len(n.users) > 1 for n in chain):
+                out.update(n.name for n in chain)
     return out
 
 

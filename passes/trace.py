@@ -355,6 +355,16 @@ def _trace_make_fx(model, args, kwargs) -> TracedGraph:
     )
 
 
+def graph_signature(tg: TracedGraph) -> list[tuple[str, str, str]]:
+    """Each placeholder, op and output node as (name, kind, target), in order: two traces of a model
+    with equal signatures are one graph (its decisions read from one onto the other by name)."""
+    return [
+        (n.name, n.op, str(n.target))
+        for n in tg.graph.nodes
+        if n.op in ("placeholder", "call_function", "output")
+    ]
+
+
 def keep_loss_only(tg: TracedGraph) -> None:
     """Drop every graph output but the first, which must be the loss (a floating scalar), and
     what only they read (``Outputs.LOSS``): the dropped outputs are returned as None."""

@@ -329,3 +329,41 @@ def test_split_batch_and_its_errors():
     with pytest.raises(MicroBatchError, match="scalar"):
         split_batch({"x": ids, "t": torch.tensor(1.0)}, 2)
     assert issubclass(MicroBatchError, autopar.PlanMismatchError)
+
+
+class _BatchOneBranch(torch.nn.Module):
+    """Code that takes another path for a batch of one row (as Hugging Face's squeezes do)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        h = self.lin(x)
+        if h.shape[0] == 1:
+            h = h.squeeze(0).unsqueeze(0)
+        return h.square().mean()
+
+
+def test_the_search_keeps_micro_batches_off_where_they_change_the_step():
+    """A training batch norm normalizes each micro-batch with its own statistics, and a one-row
+    micro-batch of code that branches on the batch traces another graph: the search refuses those
+    counts (``passes/micro_batch_check.py``), a forced count is the user's."""
+    from autopar.passes.micro_batch_check import MicroBatchCheck
+    from autopar.passes.trace import trace
+
+    torch.manual_seed(0)
+    bn = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.BatchNorm2d(4))
+    x = torch.randn(4, 3, 6, 6)
+    check = MicroBatchCheck(bn, (x,), trace(bn, (x,)), forced=None)
+    assert check.allows(4, 1) and not check.allows(4, 2) and not check.allows(4, 4)
+    assert "batch_norm" in check.refused[2] and "statistics over the batch" in check.refused[2]
+    assert MicroBatchCheck(bn, (x,), trace(bn, (x,)), forced=2).allows(4, 2)
+
+    model, y = _BatchOneBranch(), torch.randn(4, 8)
+    check = MicroBatchCheck(model, (y,), trace(model, (y,)), forced=None)
+    assert check.allows(4, 2)  # two rows trace the plan's graph
+    assert not check.allows(4, 4) and "one row" in check.refused[4]
+    # a model whose code does not branch: one-row micro-batches are fine
+    plain = torch.nn.Sequential(torch.nn.Linear(8, 8))
+    assert MicroBatchCheck(plain, (y,), trace(plain, (y,)), forced=None).allows(4, 4)

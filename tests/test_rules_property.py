@@ -173,6 +173,23 @@ def test_layer_norm(shape, k, affine, mesh):
 
 @SETTINGS
 @given(
+    shape=shapes(2, 4), mode=st.sampled_from(["running", "batch", "eval"]), affine=st.booleans(), mesh=meshes
+)
+def test_batch_norm(shape, mode, affine, mesh):
+    """Split batch (or any non-channel dim): training normalizes with the whole batch's statistics,
+    all-reduced inside the lowering (SyncBatchNorm); channels split where no running statistics are
+    updated. Running statistics are updated in place by every rank alike, and the backward with
+    them runs in the data-parallel CNN of test_data_role.py."""
+    c = shape[1]
+    w, b = (randn((c,), 1), randn((c,), 2)) if affine else (None, None)
+    stats = (randn((c,), 3), randn((c,), 4, positive=True)) if mode != "batch" else (None, None)
+    args = (randn(shape, 0, positive=mode == "eval"), w, b, *stats, mode != "eval", 0.1, 1e-5, False)
+    # the validator would make running statistics require gradients: backward where there are none
+    assert_rules_hold(aten.batch_norm.default, args, None, mesh, backward=mode == "batch")
+
+
+@SETTINGS
+@given(
     op=st.sampled_from(["softmax", "_softmax", "log_softmax", "_log_softmax"]),
     shape=shapes(1, 3),
     mesh=meshes,

@@ -166,11 +166,14 @@ def check_strategy(
     backward: bool = True,
     upcast: bool = True,
     seed: int = 0,
+    needs_grad: Sequence[bool] | None = None,
 ) -> CheckResult:
     """Check that ``strategy`` of call_function ``node`` computes the dense op on ``mesh_shape``.
 
     ``inputs`` are the global values of ``rules.tensor_inputs(node)``, in that order. Floating
-    inputs are upcast to float64 unless ``upcast=False``. See the module docstring for the method.
+    inputs are upcast to float64 unless ``upcast=False``. ``needs_grad``: per input, whether the
+    backward check differentiates it (default: every floating input; a buffer such as batch norm's
+    running statistics must not be). See the module docstring for the method.
     """
     mesh_shape = tuple(int(n) for n in mesh_shape)
     text = strategy_str(strategy)
@@ -192,7 +195,9 @@ def check_strategy(
         return x.clone()
 
     globals_ = [prep(x) for x in inputs]
-    floating = [x.dtype.is_floating_point for x in globals_]
+    floating = [
+        x.dtype.is_floating_point and (needs_grad is None or needs_grad[i]) for i, x in enumerate(globals_)
+    ]
 
     # dense reference
     dense_in = [x.clone().requires_grad_(f and backward) for x, f in zip(globals_, floating)]
@@ -414,6 +419,7 @@ def validate_graph(
     """
     mesh_shape = tuple(int(n) for n in mesh_shape)
     values = global_values(traced_graph, example_values, seed)
+    buffers = {p.name for p in traced_graph.placeholders if p.role is Role.BUFFER}
     problems: list[Problem] = []
     missing: dict[str, Problem] = {}
     for node in traced_graph.graph.nodes:
@@ -430,13 +436,16 @@ def validate_graph(
             if not isinstance(values.get(a.name), torch.Tensor):
                 raise NotImplementedError(f"{node.name}: input {a.name} has no tensor value")
         inputs = [values[a.name] for a in tensor_inputs(node)]
+        needs_grad = [a.op != "placeholder" or a.name not in buffers for a in tensor_inputs(node)]
         strategies = node_strategies(node, mesh_shape)
         if max_per_node is not None and len(strategies) > max_per_node:
             rng = random.Random(f"{seed}:{node.name}")
             keep = sorted(rng.sample(range(len(strategies)), max_per_node))
             strategies = [strategies[i] for i in keep]
         for s in strategies:
-            res = check_strategy(node, s, mesh_shape, inputs, backward=backward, seed=seed)
+            res = check_strategy(
+                node, s, mesh_shape, inputs, backward=backward, seed=seed, needs_grad=needs_grad
+            )
             if not res.ok:
                 err = res.forward_error if res.forward_error > res.tolerance else res.backward_error
                 problems.append(Problem("wrong", node.name, op, res.strategy, err, res.detail))

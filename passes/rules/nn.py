@@ -3,6 +3,9 @@ rows), cross-entropy, and reductions (a sharded reduced dim gives Partial)."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
+import torch.fx as fx
 from torch.distributed.tensor.placement_types import Placement, Shard
 
 from autopar.passes.rules import (
@@ -16,7 +19,7 @@ from autopar.passes.rules import (
     register,
     shard_every_dim,
 )
-from autopar.placement import SeqAttention
+from autopar.placement import SeqAttention, is_shard
 
 # embedding, norms, softmax, attention, loss
 
@@ -41,6 +44,35 @@ def layer_norm_rule(ctx: OpCtx) -> list[AxisOption]:
         if ctx.out_shape[d] > 1:
             opts.append(AxisOption(Shard(d), (Shard(d),) + (R,) * (ctx.n_in - 1)))
     return opts
+
+
+@register(aten.batch_norm.default)
+def batch_norm_rule(ctx: OpCtx) -> list[AxisOption]:
+    """``batch_norm(x, weight?, bias?, running_mean?, running_var?, training, momentum, eps, ...)``
+    with per-channel tensors on x's dim 1. Any other dim of ``x`` may be split, the per-channel
+    tensors whole: in training the statistics over the split dims are all-reduced (SyncBatchNorm,
+    by the lowering in ``codegen/lower.py``), in evaluation the op is per element. Channels may be
+    split with the per-channel tensors, unless training updates running statistics (buffers are
+    never resharded in place: the update would be lost)."""
+    x = ctx.in_shapes[0]
+    training = ctx.arg(5, "training", False)
+    running = ctx.arg(3, "running_mean") is not None
+    if len(x) < 2 or (training and running and ctx.arg(6, "momentum", 0.1) is None):
+        return []  # a cumulative average (momentum None) counts batches: replicated
+    rest = (R,) * (ctx.n_in - 1)
+    opts = [AxisOption(Shard(d), (Shard(d),) + rest) for d in range(len(x)) if d != 1 and x[d] > 1]
+    if x[1] > 1 and not (training and running):
+        opts.append(AxisOption(Shard(1), (Shard(1),) + (Shard(0),) * (ctx.n_in - 1)))
+    return opts
+
+
+def batch_norm_split_axes(node: fx.Node, x_spec: Sequence[Placement], mesh_shape: Sequence[int]) -> list[int]:
+    """The mesh axes over which a training ``batch_norm`` whose input is placed ``x_spec``
+    all-reduces its statistics: those splitting a dim of its input other than the channels."""
+    training = node.args[5] if len(node.args) > 5 else node.kwargs.get("training", False)
+    if not training:
+        return []
+    return [a for a, p in enumerate(x_spec) if is_shard(p) and p.dim != 1 and mesh_shape[a] > 1]
 
 
 @register(aten.softmax.int, aten._softmax.default, aten.log_softmax.int, aten._log_softmax.default)

@@ -4,8 +4,11 @@ splits, cat, gather and advanced indexing, pads, and factory ops made as local p
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
-from torch.distributed.tensor.placement_types import Shard
+import torch
+import torch.fx as fx
+from torch.distributed.tensor.placement_types import Placement, Shard
 
 from autopar.passes.rules import (
     AxisOption,
@@ -171,25 +174,90 @@ def diff_rule(ctx: OpCtx) -> list[AxisOption]:
 
 @register(aten.index.Tensor)
 def index_rule(ctx: OpCtx) -> list[AxisOption]:
-    # x[i0, i1, ..., ik-1] with index tensors on the k leading dims: out = broadcast(i) + x.shape[k:]
+    """``x[..., i, j, ...]``: index tensors at some dims of ``x`` (None: the dim whole, as ``:``).
+    The indices broadcast to one shape ``b``; adjacent index tensors put ``b`` where the first one
+    was, separated ones put it first; every dim of ``x`` no index touches follows, in order.
+
+    Options: a dim of ``x`` no index touches, split alike in ``x`` and the output (indices whole);
+    a dim of ``b``, split in the indices that have it (the others whole) with ``x`` whole (each rank
+    gathers its rows); and, where an index is the identity over an indexed dim of ``x`` (an
+    ``arange`` of that dim's length, e.g. ``logits[arange(B), last]``), that dim split in ``x`` and
+    in the index alike: each rank's rows index only its own rows of ``x`` (the lowering makes the
+    index local). The last is what keeps a batch split through per-sample indexing."""
     indices = ctx.arg(1, "indices")
-    k = len(indices)
-    if any(i is None for i in indices) or k == 0:
-        return []  # index tensors after a slice (None): replicated
-    src, idx_shapes = ctx.in_shapes[0], ctx.in_shapes[1:]
-    nb = len(ctx.out_shape) - (len(src) - k)
+    src = ctx.in_shapes[0]
+    at = [p for p, i in enumerate(indices) if i is not None]
+    if not at or len(indices) > len(src):
+        return []
+    idx_shapes = ctx.in_shapes[1:]
+    nb = max(len(s) for s in idx_shapes)
+    adjacent = at == list(range(at[0], at[-1] + 1))
+    b0 = at[0] if adjacent else 0  # where the broadcast dims start in the output
+    rest = [d for d in range(len(src)) if d not in at]
+    out_of = {d: (o if o < b0 else o + nb) for o, d in enumerate(rest)}  # x dim -> output dim
+
+    def idx_pl(j: int) -> list[Placement]:
+        # each index tensor split on broadcast dim j where it has it (size > 1), whole elsewhere
+        out = []
+        for s in idx_shapes:
+            k = j - (nb - len(s))
+            out.append(Shard(k) if k >= 0 and s[k] > 1 else R)
+        return out
+
+    index_nodes = ctx.node.args[1] if len(ctx.node.args) > 1 else ctx.node.kwargs["indices"]
     opts = []
-    for j in range(nb):  # a broadcast dim of the indices: gather locally from the full source
-        if ctx.out_shape[j] > 1:
-            ins = [R] + [
-                Shard(j - (nb - len(s))) if j - (nb - len(s)) >= 0 and s[j - (nb - len(s))] > 1 else R
-                for s in idx_shapes
-            ]
-            opts.append(AxisOption(Shard(j), tuple(ins)))
-    for d in range(k, len(src)):  # a dim the indices do not touch
+    for d in rest:
         if src[d] > 1:
-            opts.append(AxisOption(Shard(nb + d - k), (Shard(d),) + (R,) * len(idx_shapes)))
+            opts.append(AxisOption(Shard(out_of[d]), (Shard(d),) + (R,) * len(idx_shapes)))
+    for j in range(nb):
+        if ctx.out_shape[b0 + j] > 1:
+            opts.append(AxisOption(Shard(b0 + j), (R, *idx_pl(j))))
+    for p in at:
+        j = _identity_index_dim(index_nodes[p], src[p], nb)
+        if j is not None and src[p] > 1:
+            opts.append(AxisOption(Shard(b0 + j), (Shard(p), *idx_pl(j))))
     return opts
+
+
+# ops through which an ``arange`` stays an arange along one dim (its values unchanged)
+_INDEX_PASS = frozenset(
+    [
+        aten.unsqueeze.default, aten.view.default, aten.reshape.default, aten._unsafe_view.default,
+        aten.expand.default, aten._to_copy.default, aten.to.dtype, aten.to.dtype_layout, aten.to.device,
+        aten.alias.default, aten.clone.default,
+    ]
+)  # fmt: skip
+
+
+def _identity_index_dim(node: Any, length: int, nb: int) -> int | None:
+    """The broadcast dim (of ``nb``) along which index ``node`` runs 0, 1, ..., length - 1, where it
+    is an ``arange(length)`` (start 0, step 1) seen through unsqueezes, views, expands and casts
+    with that one dim of more than one element; None otherwise."""
+    if not isinstance(node, fx.Node):
+        return None
+    val = node.meta.get("val")
+    if not isinstance(val, torch.Tensor) or val.dtype.is_floating_point:
+        return None
+    big = [k for k, n in enumerate(val.shape) if n > 1]
+    if len(big) != 1 or val.shape[big[0]] != length:
+        return None
+    src = node
+    while src.op == "call_function" and src.target in _INDEX_PASS:
+        src = src.args[0]
+        if not isinstance(src, fx.Node):
+            return None
+    if src.op != "call_function" or src.target not in _ARANGES:
+        return None
+    names = {aten.arange.default: ["end"], aten.arange.start: ["start", "end"]}.get(
+        src.target, ["start", "end", "step"]
+    )
+    bound = dict(zip(names, src.args))
+    if bound.get("start", 0) != 0 or bound.get("step", 1) != 1 or bound.get("end") != length:
+        return None
+    return big[0] + (nb - len(val.shape))
+
+
+_ARANGES = (aten.arange.default, aten.arange.start, aten.arange.start_step)
 
 
 @register(aten.zeros.default, aten.ones.default, aten.full.default, aten.arange.default, aten.arange.start,
