@@ -32,7 +32,7 @@ MODELS = {
 PLANS = {
     2: {"dp": ((2,), (D,)), "tp": ((2,), (T,)), "sp": ((2,), (S,)), "auto": ((2,), None, SQUEEZED)},
     4: {
-        "dp": ((4,), (D,)),
+        # data parallelism on 4 ranks is dp_tp_2x2's outer axis and test_data_role's
         "tp": ((4,), (T,)),
         "dp_tp_2x2": ((2, 2), (D, T)),
         "auto_2x2": ((2, 2), None, FREE_LINK),

@@ -2,8 +2,7 @@
 T5 (encoder-decoder, relative position buckets) and ViT (conv2d patch embedding) on 2 and 4 gloo
 processes.
 
-2 ranks: DP, TP and the solver's plan; 4 ranks: DP and TP on mesh (4,), the solver's plan on mesh
-(2, 2). Planned, run and compared with the single-device model by tests/harness.py.
+2 ranks: DP, TP and the solver's plan; 4 ranks: TP on mesh (4,), the solver's plan on mesh (2, 2). Planned, run and compared with the single-device model by tests/harness.py.
 
 Fast single-process tests check the new sharding rules against the dense op (local pieces in,
 local piece out) and that the PaLM graph has a rule for every op.
@@ -36,7 +35,10 @@ MODELS = {
 # The sizes above divide 4 wherever a 4-way plan shards them (batch 4, 4 heads, hidden 32, vocab 128).
 PLANS = {
     2: {"dp": ((2,), (D,)), "tp": ((2,), (T,)), "auto": ((2,), None, SQUEEZED)},
-    4: {"dp": ((4,), (D,)), "tp": ((4,), (T,)), "auto_2x2": ((2, 2), None, FREE_LINK)},
+    4: {
+        "tp": ((4,), (T,)),
+        "auto_2x2": ((2, 2), None, FREE_LINK),
+    },  # data parallel: at 2 and in test_data_role
 }
 
 
