@@ -31,6 +31,7 @@ import torch.utils._pytree as pytree
 
 from autopar.errors import TraceError
 from autopar.passes.causal_mask import rewrite_causal_masks
+from autopar.passes.merged_rows import unmerge_row_reshapes
 
 
 class Role(enum.Enum):
@@ -153,6 +154,7 @@ def trace(
             torch.fx.config.do_not_emit_stack_traces = previous
     if causal_masks:
         rewrite_causal_masks(tg.graph_module)
+    unmerge_row_reshapes(tg.graph_module)
     return tg
 
 

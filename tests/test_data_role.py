@@ -242,6 +242,21 @@ class LastTokenClassifier(torch.nn.Module):
         return torch.nn.functional.cross_entropy(self.head(z)[torch.arange(ids.shape[0]), last], y)
 
 
+class SelfAttention(torch.nn.Module):
+    """``nn.MultiheadAttention``, whose output projection runs on rows ``L * B`` merged with the
+    batch inner (``passes/merged_rows.py`` keeps them apart), then an MSE loss."""
+
+    def __init__(self):
+        super().__init__()
+        # no bias: the key bias has no gradient (softmax ignores a constant per query): Adam steps on noise
+        self.attn = torch.nn.MultiheadAttention(16, 4, batch_first=True, bias=False)
+        self.head = torch.nn.Linear(16, 16)
+
+    def forward(self, x, y):
+        h, _ = self.attn(x, x, x, need_weights=False)
+        return torch.nn.functional.mse_loss(self.head(h), y)
+
+
 def _per_sample_models():
     torch.manual_seed(0)
     g = torch.Generator().manual_seed(1)
@@ -254,6 +269,10 @@ def _per_sample_models():
             {"x": torch.randn(4, 3, 8, 8, generator=g), "y": torch.randint(0, 4, (4,), generator=g)},
         ),
         "last_token": (LastTokenClassifier(), {"ids": ids, "y": torch.randint(0, 3, (4,), generator=g)}),
+        "attention": (
+            SelfAttention(),
+            {"x": torch.randn(4, 6, 16, generator=g), "y": torch.randn(4, 6, 16, generator=g)},
+        ),
     }
 
 
@@ -277,7 +296,8 @@ def _per_sample_rank(rank, world, paths):
 def test_data_parallel_batch_norm_and_per_sample_indexing_train_as_one_device(tmp_path):
     """Forced data parallelism on ops that used to have no rule for a split batch: batch norm
     (statistics all-reduced, running statistics the whole batch's on every rank), ``h[arange(B),
-    last]`` (each rank indexes its own rows) and an in-place add into an activation. Losses and the
+    last]`` (each rank indexes its own rows), an in-place add into an activation, and
+    ``nn.MultiheadAttention`` (its rows merged with the batch inner, kept apart). Losses and the
     full state (running statistics included) after 2 Adam steps equal one device's."""
     paths = {}
     for name, (model, inputs) in _per_sample_models().items():
@@ -313,9 +333,26 @@ def test_per_sample_index_and_batch_norm_strategies_compute_the_dense_ops():
         tg = trace(model, inputs)
         problems = [p for p in validate_graph(tg, (2,), inputs, max_per_node=None) if p.kind != "missing"]
         assert not problems, (name, [str(p) for p in problems])
-        per_sample = (
-            torch.ops.aten.index.Tensor if name == "last_token" else torch.ops.aten.batch_norm.default
-        )
+        per_sample = {
+            "last_token": torch.ops.aten.index.Tensor,
+            "cnn": torch.ops.aten.batch_norm.default,
+            "attention": torch.ops.aten.scaled_dot_product_attention.default,
+        }[name]
         node = next(n for n in tg.graph.nodes if n.target is per_sample)
         strategies = build_strategies(tg, analyze(tg), (2,))[node.name].strategies
         assert any(is_shard(s.ins[0][0]) and s.ins[0][0].dim == 0 for s in strategies), name
+
+
+def test_a_merge_of_rows_with_the_batch_is_undone_and_computes_the_same():
+    """``nn.MultiheadAttention``'s ``reshape(L * B, E) -> out_proj -> view(L, B, E)``: the traced
+    graph's reshape keeps ``L, B`` apart, and the graph computes the model's loss."""
+    from autopar.passes.merged_rows import unmerge_row_reshapes
+    from autopar.tools.validate import placeholder_values
+
+    model, inputs = _per_sample_models()["attention"]
+    tg = trace(model, inputs)
+    reshapes = [n.args[1] for n in tg.graph.nodes if n.target is torch.ops.aten.reshape.default]
+    assert [6, 4, 16] in reshapes and not [r for r in reshapes if len(r) == 2], reshapes
+    assert unmerge_row_reshapes(tg.graph_module) == 0  # nothing left to undo
+    got = tg.graph_module(*placeholder_values(tg, inputs, seed=0))
+    torch.testing.assert_close(got[0] if isinstance(got, (tuple, list)) else got, model(**inputs))
