@@ -207,6 +207,7 @@ def search(
     batch = batch_size(tg, infos)
     limit = cluster.memory_limit(options.memory_limit_bytes)
     candidates: list[dict] = []
+    fits: list[Solved] = []  # every candidate solved that fits, for a fallback from the best
     best: Solved | None = None
     best_objective = math.inf
     min_needed = math.inf
@@ -250,7 +251,7 @@ def search(
         for trades in ladder(options, data_axes, precision, batch, bool(blocks)):
             if trades.micro_batches > 1 and (batch is None or (batch // trades.micro_batches) % parts):
                 continue
-            if not micro.allows(batch, trades.micro_batches):
+            if not micro.allows(batch, trades.micro_batches, trace=False):
                 continue
             if any(relieves_no_more(trades, t) for t in short + over):
                 continue  # a rung with at least this much room each way had no plan
@@ -270,6 +271,7 @@ def search(
             if outcome.solved is None and outcome.entry.get("status") == "infeasible":
                 short.append(trades)
             if outcome.solved is not None:
+                fits.append(outcome.solved)
                 best_objective = min(
                     best_objective, outcome.solved.sol.objective + outcome.solved.terms.total_s
                 )
@@ -285,14 +287,24 @@ def search(
         )  # fmt: skip
         min_needed = min(min_needed, got.mem_needed)
         if got.solved is not None:
+            fits.append(got.solved)
             best_objective = min(best_objective, got.solved.t_step)
             if best is None or got.solved.t_step < best.t_step - 1e-12:
                 best = got.solved
+    # a one-row micro-batch is traced only now, for the plan picked: where the model's graph
+    # changes on one row, the next fastest plan found is taken
+    while best is not None and not micro.allows(batch, _micro_batches_of(best)):
+        fits = [f for f in fits if f is not best]
+        best = min(fits, key=lambda f: f.t_step, default=None)
     best = select_stage(
         best, candidates, cluster, limit, min_needed, refused_at_full_peak, unplaceable, st, options
     )
     plan = price_stage(tg, cinfos, best, cluster, options, candidates, st)
     return SearchResult(plan, tg, best.choice)
+
+
+def _micro_batches_of(s: Solved) -> int:
+    return s.pipe.micro_batches if s.pipe is not None else s.trades.micro_batches
 
 
 # -- stages ----------------------------------------------------------------------------------------
@@ -686,7 +698,11 @@ def pipeline_candidates(
         # what a micro-batch must split over: the data axes (a solution that splits the batch on
         # another axis too gets fewer micro-batches, below)
         parts = math.prod(run.mesh[a] for a in data_axes) if data_axes else 1
-        ks = [k for k in micro_batch_counts(batch, parts, stages, options) if micro.allows(batch, k)]
+        ks = [
+            k
+            for k in micro_batch_counts(batch, parts, stages, options)
+            if micro.allows(batch, k, trace=False)
+        ]
         if not ks:
             st.say(f"pipeline: mesh {run.label}: no micro-batch count keeps the model's step: skipped")
             continue
