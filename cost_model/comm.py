@@ -130,6 +130,7 @@ class CommModel:
         self.links = [axis_link(cluster, self.mesh_shape, a) for a in range(len(self.mesh_shape))]
         self.splits = [node_split(cluster, self.mesh_shape, a) for a in range(len(self.mesh_shape))]
         self._cache: dict[tuple, tuple[float, tuple[CollectiveCall, ...]]] = {}
+        self._by_id: dict[tuple, tuple] = {}
 
     def ranges(self, name: str, axis: int) -> str:
         """The ``LinkSpec.ranges`` name that prices collective ``name`` on ``axis``: its group's
@@ -192,11 +193,21 @@ class CommModel:
         """Forward + backward seconds to move a tensor of ``nbytes`` (global) from src to dst, plus
         the backward all-reduce of every Megatron "f" on ``f_axes``; and the collectives that run
         (``autopar/reshard.py:reshard_plan``, backward ones only when it needs a gradient)."""
+        # first by identity: the search asks this of the same placement tuples hundreds of thousands
+        # of times, and hashing a placement is a Python call; the entry holds the objects it was
+        # keyed on, so their ids stay theirs while it lives
+        tuples = type(src) is tuple and type(dst) is tuple and type(f_axes) is tuple  # never mutated
+        ikey = (id(src), id(dst), nbytes, requires_grad, id(f_axes))
+        same = self._by_id.get(ikey) if tuples else None
+        if same is not None and same[0] is src and same[1] is dst and same[2] is f_axes:
+            return same[3]
         key = (tuple(src), tuple(dst), nbytes, requires_grad, tuple(f_axes))
         hit = self._cache.get(key)
         if hit is None:
             calls = reshard_plan(key[0], key[1], self.mesh_shape, nbytes, key[4]).collectives(requires_grad)
             hit = self._cache[key] = (self.calls_time(calls), calls)
+        if tuples:
+            self._by_id[ikey] = (src, dst, f_axes, hit)
         return hit
 
     def calls_time(self, calls: Sequence[CollectiveCall]) -> float:

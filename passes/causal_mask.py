@@ -37,6 +37,8 @@ invariants (placeholders, specs, state) hold as they were.
 
 from __future__ import annotations
 
+import operator
+
 import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
@@ -165,12 +167,111 @@ def _evaluate(mask: fx.Node) -> torch.Tensor | None:
         )
         env[n] = g.call_function(n.target, tuple(args), dict(kwargs))
     g.output(env[mask])
+    gm = fx.GraphModule(torch.nn.Module(), g)
+    if all(_value_only(n.target) for n in nodes):
+        try:
+            with torch.no_grad():
+                value = _Broadcasts(gm).run()
+            return value if isinstance(value, torch.Tensor) else None
+        except Exception:  # noqa: BLE001 - e.g. a view a broadcast cannot take: evaluated as written
+            pass
     try:
         with torch.no_grad():
-            value = fx.Interpreter(fx.GraphModule(torch.nn.Module(), g)).run()
+            value = fx.Interpreter(gm).run()
     except Exception:  # noqa: BLE001 - a mask that cannot be computed here is left as it is
         return None
     return value if isinstance(value, torch.Tensor) else None
+
+
+# the bitwise operators torch does not tag pointwise (their ``bitwise_*`` ops are)
+_POINTWISE_ALIASES = {
+    getattr(getattr(torch.ops.aten, f"__{op}__"), o)
+    for op in ("and", "or", "xor")
+    for o in ("Tensor", "Scalar")
+}
+# broadcast slices are looked for in bool and integer values of at most this many elements (a
+# full compare each; float values are never merged: -0.0 equals 0.0)
+SHARED_SLICE_MAX_ELEMENTS = 2**24
+
+
+def _value_only(target) -> bool:
+    """An op whose result depends on its inputs' values alone, never on their strides (no
+    ``as_strided``, no mutation): a broadcast view may stand for an equal materialized input."""
+    if target is operator.getitem:
+        return True
+    if not isinstance(target, torch._ops.OpOverload):
+        return False
+    return not target._schema.is_mutable and "as_strided" not in target.name()
+
+
+def _pointwise(target) -> bool:
+    return target in _POINTWISE_ALIASES or torch.Tag.pointwise in getattr(target, "tags", ())
+
+
+class _Broadcasts(fx.Interpreter):
+    """Computes the mask's value keeping what repeats along a dim as a broadcast (stride 0): a
+    pointwise op whose every input is broadcast along a dim runs on one slice of it, and a small
+    integer or bool value whose slices along a dim are all equal becomes a broadcast of the first.
+    Every element has the value the graph computes (a pointwise op's element depends only on its
+    inputs' elements at the same index; the ops are ``_value_only``); a Hugging Face mask, built
+    per batch row by indexing with ``arange(batch)``, then costs one row instead of ``batch``."""
+
+    def call_function(self, target, args, kwargs):
+        out = _on_one_slice(target, args, kwargs) if _pointwise(target) else None
+        if out is None:
+            out = target(*args, **kwargs)
+        return _shared_slices(out)
+
+
+def _on_one_slice(target, args, kwargs):
+    """``target(*args, **kwargs)`` of a pointwise op run on one slice of every dim where each input
+    is broadcast, then broadcast back; None where no dim is."""
+    flat, spec = pytree.tree_flatten((args, kwargs))
+    ts = [a for a in flat if isinstance(a, torch.Tensor) and a.dim() > 0]
+    if not ts:
+        return None
+    shape = torch.broadcast_shapes(*(t.shape for t in ts))
+    n = len(shape)
+
+    def broadcast(t: torch.Tensor, d: int) -> bool:
+        e = d - (n - t.dim())
+        return e < 0 or t.shape[e] == 1 or t.stride(e) == 0
+
+    dims = [d for d in range(n) if shape[d] > 1 and all(broadcast(t, d) for t in ts)]
+    if not dims:
+        return None
+
+    def one_slice(a):
+        if isinstance(a, torch.Tensor) and a.dim() > 0:
+            for d in dims:
+                e = d - (n - a.dim())
+                if e >= 0 and a.shape[e] > 1:
+                    a = a.narrow(e, 0, 1)
+        return a
+
+    args, kwargs = pytree.tree_unflatten([one_slice(a) for a in flat], spec)
+    out = target(*args, **kwargs)
+    if not isinstance(out, torch.Tensor) or out.dim() != n:
+        return None
+    return out.expand(shape)
+
+
+def _shared_slices(value):
+    """``value`` with every dim whose slices are all equal made a broadcast of its first slice
+    (bool and integer tensors of at most ``SHARED_SLICE_MAX_ELEMENTS`` elements; others as they are)."""
+    if (
+        not isinstance(value, torch.Tensor)
+        or value.dtype.is_floating_point
+        or value.dtype.is_complex
+        or value.numel() > SHARED_SLICE_MAX_ELEMENTS
+    ):
+        return value
+    for d in range(value.dim()):
+        if value.shape[d] > 1 and value.stride(d) != 0:
+            first = value.narrow(d, 0, 1).expand(value.shape)
+            if torch.equal(value, first):
+                value = first
+    return value
 
 
 def is_causal_mask(mask: torch.Tensor | None, rows: int, cols: int) -> bool:

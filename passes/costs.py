@@ -540,7 +540,7 @@ def use_price(
     and the axes priced as bucket shares."""
     mesh = comm.mesh_shape
     pure = bucketed_axes(have, need, f, axes) if grad_total and rg else ()
-    t, _ = comm.reshard(have, need, nbytes, rg, tuple(a for a in f if a not in pure))
+    t, _ = comm.reshard(have, need, nbytes, rg, tuple(a for a in f if a not in pure) if pure else f)
     if pure:
         vol = volume_factor(need, mesh)
         local = nbytes / vol

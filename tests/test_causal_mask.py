@@ -199,3 +199,50 @@ def test_mask_too_large_to_evaluate_is_left_alone(monkeypatch):
     assert all(_mask_of(n) is not None for n in _sdpa_calls(trace(model, batch)))
     monkeypatch.setattr(cm, "EVAL_BUDGET_BYTES", 64 * 2**10)
     assert all(_mask_of(n) is None for n in _sdpa_calls(trace(model, batch)))
+
+
+@pytest.mark.parametrize("build", [llama_tiny, gpt2_tiny], ids=["llama", "gpt2"])
+def test_mask_evaluated_on_broadcast_slices_equals_the_graphs_value(build):
+    """``_evaluate`` keeps what repeats along a dim as a broadcast (one batch row of Hugging Face's
+    mask instead of every row): every element equals what the mask's graph computes as written, and
+    the batch dim comes back a broadcast (stride 0)."""
+    import torch.fx as fx
+
+    from autopar.passes.causal_mask import _bind, _evaluate
+
+    model, batch = build(batch=3, seq=16)
+    captured = trace(model, batch, causal_masks=False)
+    mask = _bind(_sdpa_calls(captured)[0])["attn_mask"]
+    fast = _evaluate(mask)
+    nodes = ancestors(mask)
+    g = fx.Graph()
+    env = {}
+    for n in nodes:
+        env[n] = g.node_copy(n, env.__getitem__)
+    g.output(env[mask])
+    with torch.no_grad():
+        plain = fx.Interpreter(fx.GraphModule(torch.nn.Module(), g)).run()
+    assert fast.shape == plain.shape and fast.dtype == plain.dtype
+    assert torch.equal(fast, plain)
+    assert fast.stride(0) == 0
+
+
+def test_pointwise_op_on_one_slice_of_broadcast_dims():
+    from autopar.passes.causal_mask import _Broadcasts, _on_one_slice, _shared_slices
+
+    rows = torch.arange(5)[None, :, None].expand(4, 5, 1)  # stride 0 on dim 0
+    cols = torch.arange(6).repeat(4, 1)[:, None, :]  # every batch row equal, materialized
+    shared = _shared_slices(cols)
+    assert torch.equal(shared, cols) and shared.stride(0) == 0
+    got = _on_one_slice(torch.ops.aten.le.Tensor, (shared, rows), {})
+    assert got.stride(0) == 0 and torch.equal(got, cols <= rows)
+    # a 0-dim operand keeps its promotion (a scalar tensor, not a broadcast one)
+    frows = torch.arange(5.0)[None, :, None].expand(4, 5, 1)
+    half = _on_one_slice(torch.ops.aten.mul.Tensor, (frows, torch.tensor(0.5, dtype=torch.float64)), {})
+    assert half.dtype == torch.float32 and half.stride(0) == 0 and torch.equal(half, frows * 0.5)
+    # no dim broadcast in every input: None (run as it is)
+    assert _on_one_slice(torch.ops.aten.le.Tensor, (cols, torch.arange(6)), {}) is None
+    # floats are never merged (-0.0 equals 0.0); a differing slice is kept
+    assert _shared_slices(torch.zeros(3, 2)).stride(0) != 0
+    assert _shared_slices(torch.tensor([[1, 2], [1, 3]])).stride(0) != 0
+    assert issubclass(_Broadcasts, torch.fx.Interpreter)
