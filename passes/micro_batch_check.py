@@ -9,8 +9,9 @@ time. That is the same training step only if
 * the model's code does not change with the batch size: the generated module is traced again on
   one micro-batch and must be the plan's graph (``codegen/micro_batches.py:check_same_graph``).
   Hugging Face code takes other paths for one row (squeezes, ``if batch_size == 1``), found here
-  by tracing the model on one row when the plan the search picks has one-row micro-batches (the
-  next best plan is taken where it changes the graph): one trace, only then.
+  by tracing the model on one row, once per search: when a pipeline would run one-row
+  micro-batches (the next count is taken where the graph changes), or when the plan the search
+  picks does (the next best plan is taken).
 
 A micro-batch count the user forces is honoured (they chose it; a batch-norm model is warned about).
 """

@@ -701,7 +701,7 @@ def pipeline_candidates(
         ks = [
             k
             for k in micro_batch_counts(batch, parts, stages, options)
-            if micro.allows(batch, k, trace=False)
+            if micro.allows(batch, k)  # chosen here, not by the ladder: one-row counts traced now
         ]
         if not ks:
             st.say(f"pipeline: mesh {run.label}: no micro-batch count keeps the model's step: skipped")
