@@ -280,16 +280,21 @@ def _per_sample_rank(rank, world, paths):
     out = {}
     for name, (model, inputs) in _per_sample_models().items():
         pm = autopar.autoparallelize(model, _cpu(world), inputs, plan=paths[name])
-        opt = torch.optim.Adam(pm.parameters(), lr=1e-2)
-        losses = []
-        for _ in range(2):
-            opt.zero_grad()
-            loss = pm(**inputs)
-            loss.backward()
-            opt.step()
-            losses.append(loss.detach())
-        out[name] = (losses, pm.full_state_dict())
+        out[name] = (_two_adam_steps(pm, inputs), pm.full_state_dict())
     return out
+
+
+def _two_adam_steps(module, inputs) -> list[torch.Tensor]:
+    """The losses of 2 Adam steps of ``module`` (parallel or the model itself) on its own loss."""
+    opt = torch.optim.Adam(module.parameters(), lr=1e-2)
+    losses = []
+    for _ in range(2):
+        opt.zero_grad()
+        loss = module(**inputs)
+        loss.backward()
+        opt.step()
+        losses.append(loss.detach())
+    return losses
 
 
 @pytest.mark.slow
@@ -306,15 +311,7 @@ def test_data_parallel_batch_norm_and_per_sample_indexing_train_as_one_device(tm
         plan.save(paths[name])
     want = {}
     for name, (model, inputs) in _per_sample_models().items():
-        opt = torch.optim.Adam(model.parameters(), lr=1e-2)
-        losses = []
-        for _ in range(2):
-            opt.zero_grad()
-            loss = model(**inputs)
-            loss.backward()
-            opt.step()
-            losses.append(loss.detach())
-        want[name] = (losses, model.state_dict())
+        want[name] = (_two_adam_steps(model, inputs), model.state_dict())
     for got in run_on_ranks(_per_sample_rank, 2, paths):
         for name, (losses, state) in got.items():
             torch.testing.assert_close(losses, want[name][0], rtol=1e-5, atol=1e-6)
