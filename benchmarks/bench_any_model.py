@@ -28,11 +28,10 @@ Batch norm: ``cnn_bn`` is the CNN as a user writes it, ``BatchNorm2d`` in train 
 its running statistics in forward (torch.export refuses the buffer mutation; autopar traces it with
 make_fx instead, the in-place updates kept); ``cnn_bn_batch`` the same with
 ``track_running_stats=False`` (batch statistics, no buffers). Both are compared exactly, running
-statistics included: batch norm has no sharding rule and no DTensor strategy, so a plan runs it
-replicated on the whole batch, and its statistics are the single-device model's (not those of each
-rank's piece, as under DDP). Forced data parallelism therefore has no plan for them (a batch split
-is never gathered there), and micro-batches (a pipelined plan) change the statistics: each
-micro-batch normalizes with its own, and ``num_batches_tracked`` counts micro-batches.
+statistics included: batch norm's rule (``passes/rules/nn.py``) all-reduces the per-channel
+statistics of a split batch (SyncBatchNorm), so its statistics are the single-device model's (not
+those of each rank's piece, as under DDP), and the search plans no micro-batches for it (each
+micro-batch would normalize with its own statistics: ``passes/micro_batch_check.py``).
 
 Matrix cells: ``ok`` (every rank equals the single-device model), ``ok/R`` (equal, and the plan
 replicates everything: nothing about parallelism was tested), ``planned`` / ``planned/R`` (with

@@ -56,7 +56,7 @@ from autopar.codegen import collectives as C
 from autopar.codegen.blocks import _COMPUTE, _set_attr, origins
 from autopar.codegen.module import FULL_STATE_FIX, ParallelModule, _loss_of, full_tensor
 from autopar.errors import AutoparError
-from autopar.passes.blocks import Block
+from autopar.passes.blocks import Block, between_blocks
 from autopar.trades import Pipeline, Schedule
 
 
@@ -86,6 +86,7 @@ def chunk_of_nodes(
     last = pipeline.chunks - 1
     own = origins(gm, traced)
     block_of = {name: b.index for b in blocks for name in b.nodes}
+    between = between_blocks(traced, blocks)
     tpos = {n.name: i for i, n in enumerate(traced.nodes)}
     first_block = min((tpos[n] for n in blocks[0].nodes), default=0) if blocks else 0
     derived: set[fx.Node] = set()
@@ -106,6 +107,8 @@ def chunk_of_nodes(
             chunk[n] = last
         elif origin in block_of:
             chunk[n] = pipeline.chunk_of_block(block_of[origin])
+        elif origin in between:
+            chunk[n] = pipeline.chunk_of_block(between[origin])
         else:
             chunk[n] = 0 if tpos.get(origin, 0) < first_block else last
     return chunk, derived
@@ -137,6 +140,11 @@ def split_chunks(
                         "does not follow its blocks; re-plan without pipeline stages"
                     )
                 last_reader[x] = max(last_reader.get(x, c), c)
+    # the input-derived in-place writes, by the storage they write
+    writers: dict[fx.Node, list[fx.Node]] = {}
+    for n in gm.graph.nodes:
+        if n in derived and n.op == "call_function" and _writes_first_arg(n):
+            writers.setdefault(_storage(n.args[0]), []).append(n)
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
     # crossing[c]: the values sent from chunk c to chunk c + 1, in graph order
     crossing = [
@@ -155,7 +163,8 @@ def split_chunks(
             env[p] = g.placeholder(p.name)
             env[p].meta = dict(p.meta)
         mine = [n for n in gm.graph.nodes if chunk.get(n) == c]
-        # the input-derived nodes this chunk reads, with what they read in turn
+        # the input-derived nodes this chunk reads, with what they read in turn, and the in-place
+        # writes into any of their storages (T5's shift-right copies the labels into new zeros)
         need: set[fx.Node] = set()
         stack = [x for n in mine for x in n.all_input_nodes] + (
             list(out_node.all_input_nodes) if c == n_chunks - 1 else []
@@ -165,6 +174,7 @@ def split_chunks(
             if x in derived and x not in need and x.op != "placeholder":
                 need.add(x)
                 stack.extend(x.all_input_nodes)
+                stack.extend(writers.get(_storage(x), ()))
         params: dict[str, torch.nn.Parameter] = {}
         state: dict[str, torch.Tensor] = {}
         holder = torch.nn.Module()
@@ -187,11 +197,37 @@ def split_chunks(
             else:
                 g.output(fx.map_arg(outs, env.__getitem__))
         else:
-            g.output(tuple(env[x] for x in crossing[c]))
+            # sent as laid out in memory: a view that crosses (an expanded position bias) is
+            # copied, since the receiving stage's buffer is contiguous and gloo refuses strided ones
+            g.output(tuple(g.call_method("contiguous", (env[x],)) for x in crossing[c]))
         g.eliminate_dead_code()
         g.lint()
         out.append(Chunk(c, fx.GraphModule(holder, g, class_name=f"Chunk{c}"), params, state, absent))
     return out
+
+
+def _aliases_first_arg(n: fx.Node) -> bool:
+    """``n``'s result is a view of (or, written in place, is) its first argument's storage."""
+    schema = getattr(n.target, "_schema", None)
+    return bool(
+        n.op == "call_function" and schema is not None and schema.returns and n.args
+        and isinstance(n.args[0], fx.Node) and schema.returns[0].alias_info is not None
+    )  # fmt: skip
+
+
+def _writes_first_arg(n: fx.Node) -> bool:
+    schema = getattr(n.target, "_schema", None)
+    return bool(
+        schema is not None and schema.arguments and schema.arguments[0].alias_info is not None
+        and schema.arguments[0].alias_info.is_write
+    )  # fmt: skip
+
+
+def _storage(n: fx.Node) -> fx.Node:
+    """The node that allocated the storage ``n`` views (through views and in-place writes)."""
+    while _aliases_first_arg(n):
+        n = n.args[0]
+    return n
 
 
 class _ChunkRunner(torch.nn.Module):

@@ -95,5 +95,28 @@ def find_blocks(tg: TracedGraph) -> list[Block]:
     return blocks
 
 
+def between_blocks(graph: fx.Graph, blocks: list[Block]) -> dict[str, int]:
+    """Each node after one block's span and before the next's (an encoder's final norm, a
+    decoder's embedding and masks) -> the index of the block before it. A pipeline runs such a
+    node with that block (``passes/pipeline.py:Regions``, ``codegen/pipeline.py``): it may be read
+    by the next block, so it cannot wait for the stages after the last block, and whatever it
+    hands on crosses the cut like a block's outputs."""
+    if len(blocks) < 2:
+        return {}
+    start = {b.nodes[0]: b.index for b in blocks if b.nodes}
+    end = {b.nodes[-1]: b.index for b in blocks if b.nodes}
+    inside = {n for b in blocks for n in b.nodes}
+    out: dict[str, int] = {}
+    before: int | None = None  # the block whose span ended last, while no next block has begun
+    for n in graph.nodes:
+        if n.name in start:
+            before = None
+        if n.name in end:
+            before = end[n.name]
+        elif before is not None and n.name not in inside and before < blocks[-1].index:
+            out[n.name] = before
+    return out
+
+
 def names_in_order(span: list[fx.Node]) -> list[str]:
     return [n.name for n in span]

@@ -54,7 +54,7 @@ from autopar.cost_model.comm import CommModel
 from autopar.cost_model.pipeline import ScheduleError, schedule_figures
 from autopar.options import Optimizer, SearchOptions
 from autopar.passes.analyze import NodeInfo
-from autopar.passes.blocks import Block
+from autopar.passes.blocks import Block, between_blocks
 from autopar.passes.costs import CostTables
 from autopar.passes.strategies import Strategy
 from autopar.passes.trace import Role, TracedGraph
@@ -152,6 +152,7 @@ class Regions:
     @classmethod
     def of(cls, tg: TracedGraph, blocks: Sequence[Block]) -> Regions:
         block_of = {n: b.index for b in blocks for n in b.nodes}
+        block_of.update(between_blocks(tg.graph, blocks))  # runs with the block before it
         first = min((i for i, n in enumerate(tg.graph.nodes) if n.name in block_of), default=0)
         node: dict[str, int | str] = {}
         for i, n in enumerate(tg.graph.nodes):

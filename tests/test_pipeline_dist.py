@@ -10,9 +10,9 @@ Each rank holds only its chunks' parameters: the ranks of one stage mesh positio
 every parameter, and no rank holds all of them (tied embeddings aside, which two stages copy).
 
 The matrix covers each layout (PP4; PP2 x DP2 with ZeRO-1; PP2 x TP2), each schedule (GPipe,
-1F1B, interleaved 1F1B, and torch's interleaved zero bubble), each model (GPT-2 with tied embeddings, Llama, the PaLM-style model, and
-``Stack``, a plain torch model no other test names, returning a bare scalar loss), and selective
-recomputation inside the stages.
+1F1B, interleaved 1F1B, and torch's interleaved zero bubble), each model (GPT-2 with tied embeddings, Llama, the PaLM-style model,
+T5's encoder-decoder, and ``Stack``, a plain torch model no other test names, returning a bare
+scalar loss), and selective recomputation inside the stages.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from harness import D, T
 
 import autopar
-from autopar.examples import gpt2_tiny, llama_tiny, palm_tiny
+from autopar.examples import gpt2_tiny, llama_tiny, palm_tiny, t5_tiny
 from autopar.launch import run_on_ranks
 from autopar.trades import Pipeline, Schedule
 
@@ -71,6 +71,10 @@ MODELS = {
     "llama": lambda: llama_tiny(batch=8, seq=16, hidden=32, vocab=128, layers=4),
     "palm": lambda: palm_tiny(batch=8, seq=16, hidden=32, vocab=128, layers=4),
     "stack": _stack,
+    # encoder-decoder: 2 + 2 blocks, one per stage; the encoder's final norm and the decoder's
+    # embedding run between the blocks (with the encoder's last), and the decoder's inputs are the
+    # labels shifted right in place, computed again by the stages that read them
+    "t5": lambda: t5_tiny(batch=8, seq=16, hidden=32, heads=4, vocab=128, layers=2),
 }
 ONE = (1,), None
 DP2, TP2 = ((2,), (D,)), ((2,), (T,))
@@ -83,7 +87,7 @@ CONFIGS = {
     "gpt2 pp2xtp2 interleaved recompute": (
         "gpt2", 2, Schedule.INTERLEAVED_1F1B, 2, TP2, {"virtual_stages": 2, "recompute": "selective"},
     ),
-    "stack pp4 gpipe": ("stack", 4, Schedule.GPIPE, 4, ONE, {}),
+    "t5 pp4 gpipe": ("t5", 4, Schedule.GPIPE, 4, ONE, {}),
     "llama pp2xdp2 zero bubble": ("llama", 2, Schedule.ZERO_BUBBLE, 2, DP2, {"virtual_stages": 2}),
 }  # fmt: skip
 
@@ -186,7 +190,7 @@ def test_pipeline_forward_alone_refused(world_results):
 
 def test_pipeline_cuts_cover_the_blocks():
     """A forced pipeline's chunks cover every block once, in order."""
-    plan = _plan("stack pp4 gpipe")
+    plan = _plan("t5 pp4 gpipe")
     assert plan.pipeline.cuts == Pipeline.even_cuts(4, 4)
     spans = [tuple(c["blocks"]) for c in plan.stage_costs]
     assert spans == [(0, 1), (1, 2), (2, 3), (3, 4)]
