@@ -43,6 +43,7 @@ from autopar.passes.collective_matmul import LINEAR, gather_step, scatter_step, 
 from autopar.passes.grad_sync import emitted_f_axes, plan_uses, reshard_key
 from autopar.passes.rules import map_args, norm_dim
 from autopar.passes.rules.nn import batch_norm_split_axes
+from autopar.passes.rules.shape import arange_range
 from autopar.passes.strategies import Strategy
 from autopar.passes.trace import AUTOCAST_REGION, Role, TracedGraph, retarget_region
 from autopar.placement import (
@@ -161,11 +162,7 @@ def _lower_arange(g, node, args, kwargs, s, mesh_shape):
     a = _axis_sharding(s.out, 0)
     if a is None or mesh_shape[a] == 1:
         return g.call_function(node.target, args, kwargs)
-    names = {aten.arange.default: ["end"], aten.arange.start: ["start", "end"]}.get(
-        node.target, ["start", "end", "step"]
-    )
-    bound = dict(zip(names, args))
-    start, step = bound.get("start", 0), bound.get("step", 1)
+    start, _, step = arange_range(node.target, args, kwargs)
     coord = g.call_function(C.coordinate, (a,))
     kw = {k: v for k, v in kwargs.items() if k not in ("start", "end", "step")}
     return g.call_function(L.arange_piece, (start, step, _out_shape(node)[0] // mesh_shape[a], coord), kw)

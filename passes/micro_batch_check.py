@@ -25,6 +25,7 @@ import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
 
+from autopar.passes.rules.nn import batch_norm_training
 from autopar.passes.trace import TracedGraph, graph_signature, trace
 
 log = logging.getLogger(__name__)
@@ -35,10 +36,8 @@ def batch_statistics_op(gm: fx.GraphModule) -> str | None:
     """The first op of ``gm`` that computes statistics over its batch in training (a
     ``batch_norm`` with ``training=True``), as ``name (target)``; None if there is none."""
     for node in gm.graph.nodes:
-        if node.op == "call_function" and node.target is aten.batch_norm.default:
-            training = node.args[5] if len(node.args) > 5 else node.kwargs.get("training", False)
-            if training:
-                return f"{node.name} ({node.target})"
+        if batch_norm_training(node):
+            return f"{node.name} ({node.target})"
     return None
 
 

@@ -66,11 +66,19 @@ def batch_norm_rule(ctx: OpCtx) -> list[AxisOption]:
     return opts
 
 
+def batch_norm_training(node: fx.Node) -> bool:
+    """``node`` is an ``aten.batch_norm`` that normalizes by the statistics of its batch (training
+    mode): they are all-reduced over a split batch here, and a micro-batch would have its own
+    (``passes/micro_batch_check.py``)."""
+    if node.op != "call_function" or node.target is not aten.batch_norm.default:
+        return False
+    return bool(node.args[5] if len(node.args) > 5 else node.kwargs.get("training", False))
+
+
 def batch_norm_split_axes(node: fx.Node, x_spec: Sequence[Placement], mesh_shape: Sequence[int]) -> list[int]:
     """The mesh axes over which a training ``batch_norm`` whose input is placed ``x_spec``
     all-reduces its statistics: those splitting a dim of its input other than the channels."""
-    training = node.args[5] if len(node.args) > 5 else node.kwargs.get("training", False)
-    if not training:
+    if not batch_norm_training(node):
         return []
     return [a for a, p in enumerate(x_spec) if is_shard(p) and p.dim != 1 and mesh_shape[a] > 1]
 

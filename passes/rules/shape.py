@@ -248,16 +248,23 @@ def _identity_index_dim(node: Any, length: int, nb: int) -> int | None:
             return None
     if src.op != "call_function" or src.target not in _ARANGES:
         return None
-    names = {aten.arange.default: ["end"], aten.arange.start: ["start", "end"]}.get(
-        src.target, ["start", "end", "step"]
-    )
-    bound = dict(zip(names, src.args))
-    if bound.get("start", 0) != 0 or bound.get("step", 1) != 1 or bound.get("end") != length:
+    if arange_range(src.target, src.args, src.kwargs) != (0, length, 1):
         return None
     return big[0] + (nb - len(val.shape))
 
 
 _ARANGES = (aten.arange.default, aten.arange.start, aten.arange.start_step)
+
+
+def arange_range(target, args, kwargs) -> tuple[Any, Any, Any]:
+    """(start, end, step) of an ``aten.arange`` overload's call, its defaults filled in: the rule
+    above and codegen's lowering of a split arange (``codegen/lower.py``) read it alike."""
+    names = {aten.arange.default: ["end"], aten.arange.start: ["start", "end"]}.get(
+        target, ["start", "end", "step"]
+    )
+    bound = {"start": 0, "step": 1, **dict(zip(names, args))}
+    bound.update((k, kwargs[k]) for k in ("start", "end", "step") if k in kwargs)
+    return bound["start"], bound.get("end"), bound["step"]
 
 
 @register(aten.zeros.default, aten.ones.default, aten.full.default, aten.arange.default, aten.arange.start,
