@@ -184,8 +184,9 @@ class Pipeline:
     schedule ordering each rank's forwards and backwards of ``Trades.micro_batches`` micro-batches.
 
     ``cuts``: the first block (``passes/blocks.py`` index) of each chunk after the first, rising;
-    what precedes the first block (embeddings) runs in chunk 0, what follows the last (head, loss)
-    in the last chunk. ``stages == 1``: no pipeline. The plan's ``mesh_shape`` is one stage's mesh;
+    what precedes the first block (embeddings) runs in chunk 0, what lies between two blocks (an
+    encoder's final norm) with the block before it, what follows the last (head, loss) in the last
+    chunk. ``stages == 1``: no pipeline. The plan's ``mesh_shape`` is one stage's mesh;
     the devices are ``stages`` such meshes, pipeline rank ``p`` holding global ranks
     ``p * M .. p * M + M - 1`` (``M`` the stage mesh's size): the pipeline is the outermost axis."""
 

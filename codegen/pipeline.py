@@ -7,10 +7,12 @@ as without a pipeline), then keeps only the chunks its pipeline rank runs (``c %
 
 **The split** (``split_chunks``). ``codegen/blocks.py:origins`` maps each lowered node to the
 traced node it was emitted for; a traced node in a block runs in that block's chunk, one before
-the first block (embeddings) in chunk 0, one after the last (head, loss, the outputs' gathers) in
-the last. Values a node derives from the model's inputs and buffers alone (position ids, masks,
-rotary tables: *input-derived*, no parameter upstream) are not sent between stages: every chunk
-that reads one computes it again from the inputs, which every stage receives as keyword arguments
+the first block (embeddings) in chunk 0, one between two blocks (an encoder's final norm, a
+decoder's embedding: ``passes/blocks.py:between_blocks``) in the chunk of the block before it, one
+after the last (head, loss, the outputs' gathers) in the last. Values a node derives from the
+model's inputs and buffers alone (position ids, masks, rotary tables: *input-derived*, no parameter
+upstream) are not sent between stages: every chunk that reads one computes it again from the
+inputs, in-place writes into it included, which every stage receives as keyword arguments
 (``PipelineStage`` passes the ``step`` call's keyword arguments, split into micro-batches, to every
 stage). Every other value a later chunk reads crosses each boundary in between: chunk ``c`` takes
 the values crossing into it as positional arguments (in graph order) and returns those crossing
