@@ -22,7 +22,7 @@ from autopar.cost_model.pipeline import (
     simulate,
     simulate_schedule,
 )
-from autopar.report import timeline_svg
+from autopar.report.pipeline import timeline_svg
 
 SVG = "{http://www.w3.org/2000/svg}"
 FEW = settings(max_examples=40, deadline=None)

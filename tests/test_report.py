@@ -8,7 +8,8 @@ from html.parser import HTMLParser
 import pytest
 
 from autopar.plan import NodeDecision, Plan, Predicted, SolverInfo
-from autopar.report import fmt_time, rel_error, render_report, write_report
+from autopar.report import render_report, write_report
+from autopar.report.svg import fmt_time, rel_error
 
 EVIL = "<script>alert(1)</script>"
 
@@ -268,7 +269,7 @@ def _synthetic(plan: Plan, stages: int, schedule: str, virtual: int, micro_batch
 
 def test_pipelined_plan_report_has_its_pipeline(pipelined_plan):
     from autopar.cost_model.pipeline import simulate_schedule
-    from autopar.report import pipeline_timeline
+    from autopar.report.pipeline import pipeline_timeline
 
     plan = pipelined_plan
     assert plan.pipeline.stages == 2 and len(plan.stage_costs) == 2
@@ -302,7 +303,7 @@ def test_pipelined_plan_report_has_its_pipeline(pipelined_plan):
 
 
 def test_interleaved_and_zero_bubble_timelines_draw_every_action(pipelined_plan):
-    from autopar.report import pipeline_timeline
+    from autopar.report.pipeline import pipeline_timeline
 
     for schedule in ("interleaved_1f1b", "zero_bubble"):
         plan = _synthetic(pipelined_plan, 2, schedule, 2, 4)
@@ -317,7 +318,7 @@ def test_interleaved_and_zero_bubble_timelines_draw_every_action(pipelined_plan)
 
 def test_huge_pipeline_timeline_is_capped():
     """512 micro-batches on 64 stages: 65536 actions; the picture draws the first micro-batches'."""
-    from autopar.report import TIMELINE_MAX_EVENTS, pipeline_timeline
+    from autopar.report.pipeline import TIMELINE_MAX_EVENTS, pipeline_timeline
 
     plan = _synthetic(_plan(), 64, "1f1b", 1, 512)
     doc = render_report(plan)
@@ -481,7 +482,8 @@ def test_nodes_named_by_module_and_op_with_the_graph_name_in_the_tooltip():
 
 
 def test_long_labels_are_cut_from_the_head_and_charts_widen_for_them():
-    from autopar.report import NODE_LABEL_CHARS, node_label, op_name, text_width
+    from autopar.report import NODE_LABEL_CHARS, node_label, op_name
+    from autopar.report.svg import text_width
 
     assert op_name("aten.linear.default") == "linear" and op_name("<built-in function getitem>") == "getitem"
     assert op_name("autopar.fused_rms_norm.default") == "fused_rms_norm"
