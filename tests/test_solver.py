@@ -143,15 +143,41 @@ def test_the_memory_lower_bound_holds_for_every_plan(problem):
 @pytest.mark.parametrize("solver", ["CBC", "HiGHS"])
 def test_both_solvers_find_the_optimum(solver, monkeypatch):
     """HiGHS (default when highspy is installed) and CBC (always there) agree with brute force."""
-    from autopar.passes.solver import _highs_available
+    from autopar.passes.lp_model import highs_available
 
-    if solver == "HiGHS" and not _highs_available():
+    if solver == "HiGHS" and not highs_available():
         pytest.skip("highspy not installed")
     monkeypatch.setenv("AUTOPAR_SOLVER", solver)
     tables, limit = _fixed_problem()
     sol = solve(tables, limit, merge_followers=False)
     assert sol is not None and solver.lower() in sol.solver.lower()
     assert evaluate(tables, sol.choice)[0] == pytest.approx(brute_force(tables, limit))
+
+
+@settings(max_examples=40, deadline=None)
+@given(problems())
+def test_direct_highs_model_and_pulp_cbc_find_the_same_optimum(problem):
+    """The model passed whole to HiGHS (passes/lp_model.py) and the same model solved by CBC
+    through PuLP (the fallback without highspy) agree: both infeasible, or the same optimum."""
+    import os
+    from unittest import mock
+
+    from autopar.passes.lp_model import highs_available
+
+    if not highs_available():
+        pytest.skip("highspy not installed")
+    tables, limit = problem
+    got = {}
+    for name in ("HiGHS", "CBC"):
+        with mock.patch.dict(os.environ, {"AUTOPAR_SOLVER": name}):
+            got[name] = solve(tables, limit, merge_followers=False)
+    highs, cbc = got["HiGHS"], got["CBC"]
+    assert (highs is None) == (cbc is None)
+    if highs is not None:
+        assert highs.solver == "HiGHS" and "cbc" in cbc.solver.lower()
+        assert highs.num_variables == cbc.num_variables
+        assert highs.objective == pytest.approx(cbc.objective, rel=1e-6, abs=1e-6)
+        assert evaluate(tables, highs.choice)[1] <= limit + 1e-6
 
 
 def _fixed_problem():
