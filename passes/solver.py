@@ -46,7 +46,9 @@ Before the ILP, followers are folded into their producers (``fold_followers``), 
 removes most edges of a transformer block. When the folded ILP has no plan under M, the LP
 relaxation of the unfolded one is solved first: if even it is infeasible, so is the ILP (a cheap
 proof; the unfolded ILP runs only otherwise). The model is built as arrays (``passes/lp_model.py``) and
-passed to HiGHS whole. The outer search (``autopar.api.search``) tries every
+passed to HiGHS whole. Given a cutoff (the search's best step so far), the ILP's own LP relaxation
+runs first: where its optimum passes the cutoff, only whether the ILP has a plan is found out
+(``Pruned``), not its optimum. The outer search (``autopar.api.search``) tries every
 mesh shape (``mesh_candidates``: 1, 2 and 3 axes; a 3-axis mesh's outer axis data parallel) and
 keeps the best objective.
 """
@@ -134,21 +136,51 @@ def lower_bound(tables: CostTables, folded: Folded | None = None) -> float:
     return nodes + sum(min(min(row) for row in e.cost) for e in reduced.edges)
 
 
+@dataclass(frozen=True)
+class Pruned:
+    """A solve cut short by its ``cutoff``: the ILP has a plan, and the optimum of its LP
+    relaxation, ``bound`` [s], a lower bound on every plan's objective, is already above the
+    cutoff, so its optimum is too."""
+
+    bound: float
+    solve_time_s: float
+
+
+# an LP relaxation's optimum must pass the cutoff by this much (relative) to prune: HiGHS meets
+# its rows within 1e-7, so a bound that equals the cutoff is no proof
+PRUNE_RTOL = 1e-6
+
+
 def solve(
     tables: CostTables,
     memory_limit_bytes: float,
     time_limit_s: float | None = None,
     merge_followers: bool = True,
     folded: Folded | None = None,
-) -> Solution | None:
+    cutoff: float = math.inf,
+) -> Solution | Pruned | None:
     """Return the best choice, or None if no assignment fits ``memory_limit_bytes``.
 
     With ``merge_followers`` (see ``fold_followers``) the ILP is smaller and the result optimal over
-    the plans in which every follower answers its producer as cheaply as it can; without, optimal."""
+    the plans in which every follower answers its producer as cheaply as it can; without, optimal.
+
+    ``cutoff`` [s] (HiGHS only): where the ILP has a plan but its LP relaxation already proves its
+    optimum above the cutoff, ``Pruned`` instead of the optimum (the search passes its best step so
+    far: such a candidate cannot beat it). The relaxation costs a tenth of the ILP on a large
+    mesh (benchmarks/README.md, issue 22's planning time); whether there is a plan at all is
+    still decided (its first solution found), so what a candidate with no plan gets is unchanged."""
     sol = None
     if merge_followers:
         reduced, merged = folded or fold_followers(tables)
-        sol = _solve(reduced, memory_limit_bytes, time_limit_s, buckets=_bucket_rows(tables, reduced, merged))
+        sol = _solve(
+            reduced,
+            memory_limit_bytes,
+            time_limit_s,
+            buckets=_bucket_rows(tables, reduced, merged),
+            cutoff=cutoff,
+        )
+        if isinstance(sol, Pruned):
+            return sol
         if sol is not None:
             choice = dict(sol.choice)
             for v, (u, response) in reversed(merged):
@@ -320,10 +352,14 @@ def _solve(
     time_limit_s: float | None,
     relax: bool = False,
     buckets: list[BucketRow] = (),
-) -> Solution | None:
+    cutoff: float = math.inf,
+) -> Solution | Pruned | None:
     """The ILP on ``tables``; with ``relax``, its LP relaxation (x continuous in [0, 1]), whose
     infeasibility proves the ILP's. ``buckets``: ``_bucket_rows`` (without them the relaxation
-    is still a valid proof of infeasibility: they only add cost)."""
+    is still a valid proof of infeasibility: they only add cost). ``cutoff``: see ``solve``; the
+    model's objective (with its constant) is at most ``objective_s`` of any plan (reshards shared
+    by several uses are paid once, constant outputs not at all), so a relaxation above the cutoff
+    bounds the plan's full price too."""
     t0 = time.perf_counter()
     prob = Model()
     x = _node_vars(prob, tables, integer=not relax)
@@ -367,7 +403,16 @@ def _solve(
     prob.objective(objective)
     add_memory_rows(prob, x, quad, memory_limit_bytes, shared, tables)
 
-    got = prob.solve(solver_name(), time_limit_s)
+    name = solver_name()
+    if math.isfinite(cutoff) and name == "HiGHS" and not relax:
+        lp = prob.relaxation(time_limit_s)
+        if lp.status == "Infeasible":
+            return None  # no fractional plan fits: nor does an integral one
+        if lp.has_solution and lp.objective > cutoff + PRUNE_RTOL * abs(cutoff):
+            if prob.first_solution(time_limit_s).has_solution:
+                return Pruned(lp.objective, time.perf_counter() - t0)
+            return None  # infeasible, or no plan within the time limit: as the full solve would say
+    got = prob.solve(name, time_limit_s)
     elapsed = time.perf_counter() - t0
     if got.status in ("Infeasible", "Undefined") or not got.has_solution:
         return None

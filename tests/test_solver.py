@@ -180,6 +180,31 @@ def test_direct_highs_model_and_pulp_cbc_find_the_same_optimum(problem):
         assert evaluate(tables, highs.choice)[1] <= limit + 1e-6
 
 
+@settings(max_examples=80, deadline=None)
+@given(problems(), st.floats(0, 40, allow_nan=False))
+def test_a_solve_pruned_by_its_cutoff_has_no_plan_under_it(problem, cutoff):
+    """``solve(..., cutoff=c)`` prunes (``Pruned``) only a problem that has a plan and whose
+    optimum is at least c, with a bound that never passes the true optimum (brute force);
+    otherwise it answers what the solve without a cutoff answers."""
+    from autopar.passes.lp_model import highs_available
+    from autopar.passes.solver import Pruned
+
+    if not highs_available():
+        pytest.skip("highspy not installed")
+    tables, limit = problem
+    plain = solve(tables, limit)
+    got = solve(tables, limit, cutoff=cutoff)
+    if isinstance(got, Pruned):
+        assert plain is not None and plain.objective >= cutoff
+        best = brute_force(tables, limit)
+        assert got.bound <= best + 1e-6 and best <= plain.objective + 1e-6
+        assert got.bound > cutoff
+        return
+    assert (got is None) == (plain is None)
+    if got is not None:
+        assert got.choice == plain.choice and got.objective == plain.objective
+
+
 def _fixed_problem():
     dummy = Strategy((R,), ())
     names = ["a", "b", "c"]
