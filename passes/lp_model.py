@@ -123,6 +123,14 @@ class Model:
         the program's, and its infeasibility proves the program's."""
         return self._run_highs(time_limit_s, relax=True)
 
+    def integral(self, values: np.ndarray, tol: float = 1e-6) -> bool:
+        """Whether ``values`` (a relaxation's solution, which meets every row) are whole on every
+        integer column: then they are a solution of the program itself (HiGHS's MIP takes a value
+        within 1e-6 of an integer as one)."""
+        ints = np.asarray(self.integer, dtype=bool)
+        v = values[ints]
+        return bool(np.all(np.abs(v - np.round(v)) <= tol))
+
     def first_solution(self, time_limit_s: float | None = None) -> LpResult:
         """HiGHS's branch and bound stopped at its first feasible solution: whether the program
         has one, without proving an optimum (``has_solution``; the values are that solution's)."""

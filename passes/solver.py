@@ -409,7 +409,7 @@ def _solve(
         if lp.status == "Infeasible":
             return None  # no fractional plan fits: nor does an integral one
         if lp.has_solution and lp.objective > cutoff + PRUNE_RTOL * abs(cutoff):
-            if prob.first_solution(time_limit_s).has_solution:
+            if prob.integral(lp.values) or prob.first_solution(time_limit_s).has_solution:
                 return Pruned(lp.objective, time.perf_counter() - t0)
             return None  # infeasible, or no plan within the time limit: as the full solve would say
     got = prob.solve(name, time_limit_s)
