@@ -764,8 +764,15 @@ def pipeline_candidates(
                     continue
                 trades = dataclasses.replace(trades, micro_batches=fewer[0])
                 traded = apply_trades(tables, tg, cinfos, trades, sub, options.optimizer, blocks)
-            # priced on the step's own tables, not the fullest stage's rows (as autopar.reprice does)
-            gs = grad_sync_cost(tg, cinfos, traded, solved.sol, solved.choice, sub, run.mesh, options.outputs)
+            # priced on the step's own tables, not the fullest stage's rows (as autopar.reprice does);
+            # the gradient sync reads only their seconds, which the rows (``stage_tables``) keep:
+            # solve_mesh's holds unless the micro-batches changed above
+            if trades is not solved.trades:
+                gs = grad_sync_cost(
+                    tg, cinfos, traded, solved.sol, solved.choice, sub, run.mesh, options.outputs
+                )
+            else:
+                gs = solved.gs
             terms = trade_terms(
                 tables, traded, solved.sol.choice, cinfos, trades, sub, options.optimizer, blocks
             )  # fmt: skip
