@@ -131,6 +131,12 @@ class Model:
         v = values[ints]
         return bool(np.all(np.abs(v - np.round(v)) <= tol))
 
+    def feasible_with(self, fixed: dict[int, float], time_limit_s: float | None = None) -> bool:
+        """Whether the program has a solution with the columns ``fixed`` (index -> value) at those
+        values: the LP with their bounds pinned (where every integer column is fixed, the rest
+        being continuous, a plan of the program itself)."""
+        return self._run_highs(time_limit_s, relax=True, fixed=fixed).has_solution
+
     def first_solution(self, time_limit_s: float | None = None) -> LpResult:
         """HiGHS's branch and bound stopped at its first feasible solution: whether the program
         has one, without proving an optimum (``has_solution``; the values are that solution's)."""
@@ -170,12 +176,21 @@ class Model:
         )  # fmt: skip
         return self._built
 
-    def _run_highs(self, time_limit_s: float | None, relax: bool = False, first: bool = False) -> LpResult:
+    def _run_highs(
+        self, time_limit_s: float | None, relax: bool = False, first: bool = False, fixed: dict | None = None
+    ) -> LpResult:
         import highspy
 
         order, n, m, nz, offset, cost, lower, upper, row_lower, row_upper, start, index, value, integer = (
             self._arrays()
         )
+        if fixed:
+            position = np.empty(n, dtype=np.int64)
+            position[order] = np.arange(n)
+            at = position[np.fromiter(fixed, dtype=np.int64, count=len(fixed))]
+            pinned = np.fromiter(fixed.values(), dtype=np.float64, count=len(fixed))
+            lower, upper = lower.copy(), upper.copy()
+            lower[at] = upper[at] = pinned
         kinds = np.where(
             integer & (not relax), int(highspy.HighsVarType.kInteger), int(highspy.HighsVarType.kContinuous)
         ).astype(np.int32)

@@ -409,7 +409,13 @@ def _solve(
         if lp.status == "Infeasible":
             return None  # no fractional plan fits: nor does an integral one
         if lp.has_solution and lp.objective > cutoff + PRUNE_RTOL * abs(cutoff):
-            if prob.integral(lp.values) or prob.first_solution(time_limit_s).has_solution:
+            # a plan at hand: the relaxation's own when integral, else its largest x per node
+            # rounded to 1 where the rest of the model (continuous) still fits; else HiGHS's first
+            if (
+                prob.integral(lp.values)
+                or prob.feasible_with(_rounded(x, lp.values), time_limit_s)
+                or prob.first_solution(time_limit_s).has_solution
+            ):
                 return Pruned(lp.objective, time.perf_counter() - t0)
             return None  # infeasible, or no plan within the time limit: as the full solve would say
     got = prob.solve(name, time_limit_s)
@@ -429,6 +435,18 @@ def _solve(
         num_variables=prob.num_variables,
         num_constraints=prob.num_constraints,
     )
+
+
+def _rounded(x: dict[str, list], values) -> dict[int, float]:
+    """Each node's strategy of largest value in a relaxation's ``values`` at 1, the others at 0
+    (column index -> value)."""
+    out: dict[int, float] = {}
+    for xs in x.values():
+        if isinstance(xs[0], int):
+            continue
+        best = max(range(len(xs)), key=lambda i: values[xs[i].index])
+        out.update((var.index, float(i == best)) for i, var in enumerate(xs))
+    return out
 
 
 def solver_name(name: str | None = None) -> str:
