@@ -335,9 +335,10 @@ def build_costs(
     data_axes = tuple(a for a, r in enumerate(axis_roles or ()) if r is AxisRole.DATA and mesh_shape[a] > 1)
     tables.bucket_fixed = {a: bucket_fixed_s(comm, a) for a in data_axes}
     matmul_s = tables.matmul_s if overlap_matmuls else None
+    memo: dict = {}
     for (src, dst, i, _, _, orig, owner), (inp, count, user) in groups.items():
         pinned = _pinned_axes(infos[src], axis_roles)
-        e = _edge(src, dst, i, inp, infos, strats, comm, pinned, orig, owner, grad_total, data_axes)
+        e = _edge(src, dst, i, inp, infos, strats, comm, pinned, orig, owner, grad_total, data_axes, memo)
         if matmul_s is not None:
             _fuse_matmuls(e, user, i, inp, infos, strats, comm, matmul_s)
         tables.edges.append(e.scaled(count))
@@ -639,8 +640,12 @@ def _indexes_whole(node: fx.Node, i: int, info: NodeInfo) -> bool:
 
 def _edge(
     src, dst, i, inp, infos, strats, comm: CommModel, pinned=(), orig: int = 0, owner: str = "",
-    grad_total: float = 0.0, data_axes: Sequence[int] = (),
+    grad_total: float = 0.0, data_axes: Sequence[int] = (), memo: dict | None = None,
 ) -> Edge:  # fmt: skip
+    """The edge of ``inp`` into input ``i`` of ``dst``: per (source, destination) strategy pair
+    its seconds, kept bytes, transient, storage kept as it is, copy and bucketed axes. ``memo``:
+    pairs priced by earlier edges of the same tables (``comm`` and ``data_axes`` fixed)."""
+    memo = {} if memo is None else memo
     info = infos[inp.name]
     nbytes = info.out_bytes
     rg = info.requires_grad
@@ -653,21 +658,31 @@ def _edge(
     rows = [have_ix.setdefault(su.out, len(have_ix)) for su in strats[src].strategies]
     need_ix: dict = {}
     cols = [need_ix.setdefault((sv.ins[i], f_axes(sv, i)), len(need_ix)) for sv in strats[dst].strategies]
+    is_param = infos[src].role is Role.PARAM
+    # what a pair costs depends on these and the placements alone: edges of one size share it
+    # (three in four pairs of a Llama's tables are priced by an earlier edge)
+    alike = (nbytes, rg, param, tuple(pinned), is_param, checked, keeps, orig)
     row_c, row_m, row_p, row_k, row_cp, row_b = [], [], [], [], [], []
     for have in have_ix:
         rc, rm, rp, rk, rcp, rb = [], [], [], [], [], []
         for need, f in need_ix:
-            c, bucketed = use_price(comm, have, need, nbytes, rg, f, param, data_axes)
+            key = (have, need, f, alike)
+            hit = memo.get(key)
+            if hit is None:
+                c, bucketed = use_price(comm, have, need, nbytes, rg, f, param, data_axes)
+                pinned_moves = any(have[a] != need[a] for a in pinned)
+                if pinned_moves or not data_parallel_pair(have, need, is_param, checked):
+                    c = math.inf  # forbidden pair (see _pinned_axes, data_parallel_pair)
+                copy, own = _kept_bytes(have, need, nbytes, keeps, orig, comm.mesh_shape)
+                peak = reshard_transient(have, need, nbytes, comm.mesh_shape, rg, f, keeps)
+                hit = memo[key] = (c, bucketed, copy, own, peak)
+            c, bucketed, copy, own, peak = hit
             rb.append(bucketed)
-            pinned_moves = any(have[a] != need[a] for a in pinned)
-            if pinned_moves or not data_parallel_pair(have, need, infos[src].role is Role.PARAM, checked):
-                c = math.inf  # forbidden pair (see _pinned_axes, data_parallel_pair)
             rc.append(c)
-            copy, own = _kept_bytes(have, need, nbytes, keeps, orig, comm.mesh_shape)
             rm.append(copy + (0.0 if owner else own))
             rcp.append(copy)
             rk.append(own)
-            rp.append(reshard_transient(have, need, nbytes, comm.mesh_shape, rg, f, keeps))
+            rp.append(peak)
         for row, r in (
             (row_c, rc), (row_m, rm), (row_p, rp), (row_k, rk), (row_cp, rcp), (row_b, rb)
         ):  # fmt: skip

@@ -49,9 +49,8 @@ import bisect
 import math
 from dataclasses import dataclass
 
-import pulp
-
 from autopar.passes.costs import CostTables, Edge
+from autopar.passes.lp_model import Model
 
 END = math.inf  # after the last node: what the caller holds after forward, the start of backward
 START = -1.0  # before the first node: where gradients are charged (released after their last use)
@@ -250,7 +249,7 @@ def lower_bound_bytes(tables: CostTables) -> float:
 # -- the ILP's rows ---------------------------------------------------------------------------------
 
 
-def add_memory_rows(prob, x: dict, quad: list, limit: float, shared: Folds, tables: CostTables):
+def add_memory_rows(prob: Model, x: dict, quad: list, limit: float, shared: Folds, tables: CostTables):
     """Constraint family (3), see the module docstring. ``x``: node variables (1 for a node with one
     strategy); ``quad``: (edge, {(a, b): y}) for the edges left in the ILP; ``shared``: each node's
     terms, with the other edges folded in."""
@@ -322,14 +321,14 @@ def add_memory_rows(prob, x: dict, quad: list, limit: float, shared: Folds, tabl
             charge(owner_positions(tables, o), k, 1.0 / g)
     total = None
     for j, seg in enumerate(segments):
-        s = pulp.LpVariable(f"kept_{j}", lowBound=0)
+        s = prob.var(f"kept_{j}", 0)
         terms = seg + ([(total, 1)] if total is not None else []) + [(s, -1)]
-        prob += pulp.LpConstraint(_expr(terms), pulp.LpConstraintEQ, f"kept_{j}", 0)
+        prob.eq(terms, 0)
         total = s
         if j < len(cuts):
             z = _bound(prob, f"peak_{j}", rows[cuts[j]], g)
-            prob += pulp.LpConstraint(_expr([(s, 1), (z, 1)]), pulp.LpConstraintLE, f"memory_{j}", 1.0)
-    prob += pulp.LpConstraint(_expr([(total, 1)]), pulp.LpConstraintLE, "memory", 1.0)
+            prob.le([(s, 1), (z, 1)], 1.0)
+    prob.le([(total, 1)], 1.0)
 
 
 def _positions_that_matter(
@@ -354,27 +353,13 @@ def _positions_that_matter(
     return sorted(keep)
 
 
-def _bound(prob, name: str, rows: list[list[tuple]], g: float):
+def _bound(prob: Model, name: str, rows: list[list[tuple]], g: float):
     """A variable >= every row (each a sum of variable * bytes, one term equal to 1 in any plan)."""
     floor = max((min(c for _, c in r) for r in rows), default=0.0)
     rows = [r for r in rows if max(c for _, c in r) > floor]
     if floor == 0 and not rows:
         return None
-    z = pulp.LpVariable(name, lowBound=floor * g)
-    for j, r in enumerate(rows):
-        terms = [(var, c * g) for var, c in r if c] + [(z, -1)]
-        prob += pulp.LpConstraint(_expr(terms), pulp.LpConstraintLE, f"{name}_{j}", 0)
+    z = prob.var(name, floor * g)
+    for r in rows:
+        prob.le([(var, c * g) for var, c in r if c] + [(z, -1)], 0)
     return z
-
-
-def _expr(terms: list[tuple]) -> pulp.LpAffineExpression:
-    """sum of coefficient * variable; a constant node's ``1`` (and None) go into the constant."""
-    constant, pairs = 0.0, {}
-    for var, coef in terms:
-        if var is None:
-            continue
-        if isinstance(var, int):
-            constant += coef * var
-        else:
-            pairs[var] = pairs.get(var, 0.0) + coef
-    return pulp.LpAffineExpression(list(pairs.items()), constant=constant)

@@ -9,8 +9,9 @@
 * ``candidates``: the meshes (and axis roles) to try (``mesh_runs``); for each,
   ``strategies`` (``passes/strategies.py``), ``cost`` (the cost tables, ``passes/costs.py``) and
   ``solve`` (``solve_mesh``: memory lower bound, time lower bound against the best so far, the ILP
-  of ``passes/solver.py``, then the chosen solution's gradient buckets and full peak, solving again
-  once with less room when the buckets' flattening passes the limit);
+  of ``passes/solver.py`` (pruned where its LP relaxation passes the best so far), then the
+  chosen solution's gradient buckets and full peak, solving again once with less room when the
+  buckets' flattening passes the limit);
 * ``trades``: per candidate, the memory-for-time trades ladder (``passes/trades.py``: ZeRO stage,
   recomputation, micro-batches, offload, at the plan's precision), each rung the same ILP on
   transformed tables, skipped without a solve where its memory lower bound passes the limit or a
@@ -64,6 +65,7 @@ from autopar.passes.pipeline import (
 from autopar.passes.price import buffers_inputs_bytes, expanded_choice, grad_sync_cost, plan_peak, price_plan
 from autopar.passes.solver import (
     EXACT_FOLD_MAX_PAIRS,
+    Pruned,
     Solution,
     edge_pairs,
     fold_followers,
@@ -270,6 +272,10 @@ def search(
             candidates.append(outcome.entry)
             if outcome.solved is None and outcome.entry.get("status") == "infeasible":
                 short.append(trades)
+            if outcome.fitted:  # a plan that fits, no better than the best: as a solved rung
+                fitted += 1
+                if fitted >= RUNGS_SOLVED:
+                    break
             if outcome.solved is not None:
                 fits.append(outcome.solved)
                 best_objective = min(
@@ -508,6 +514,9 @@ class MeshOutcome:
     mem_needed: float
     solved: Solved | None = None
     refused_at_full_peak: bool = False
+    # pruned by the ILP's LP relaxation: it has a plan, no better than the best (a rung that fits,
+    # as far as the trades ladder is concerned: the ILP would have solved it, and lost)
+    fitted: bool = False
 
 
 def solve_mesh(
@@ -554,7 +563,14 @@ def solve_mesh(
     # the ILP's tables: only meshes that get solved pay for this fold
     small = edge_pairs(tables) <= EXACT_FOLD_MAX_PAIRS
     folded = exact if small and exact is not None else fold_followers(tables, exact=small)
-    sol = solve(tables, limit, options.time_limit_s, folded=folded)
+    # the best so far as a cutoff: where the ILP's LP relaxation already passes it, the ILP itself
+    # is not solved (only whether it has a plan: a candidate with none is reported as before)
+    sol = solve(tables, limit, options.time_limit_s, folded=folded, cutoff=best_objective)
+    if isinstance(sol, Pruned):
+        st.say(f"solve: mesh {label}: LP relaxation {sol.bound * 1e3:.3f} ms >= best: pruned")
+        return MeshOutcome(
+            {**entry, "lp_bound": sol.bound, "status": "pruned", "objective": None}, mem_needed, fitted=True
+        )
     if sol is None:
         why = blocked(tables, {n.name: n for n in tg.graph.nodes})
         if why is not None:  # no choice at all, whatever the memory: name the op
@@ -748,8 +764,15 @@ def pipeline_candidates(
                     continue
                 trades = dataclasses.replace(trades, micro_batches=fewer[0])
                 traded = apply_trades(tables, tg, cinfos, trades, sub, options.optimizer, blocks)
-            # priced on the step's own tables, not the fullest stage's rows (as autopar.reprice does)
-            gs = grad_sync_cost(tg, cinfos, traded, solved.sol, solved.choice, sub, run.mesh, options.outputs)
+            # priced on the step's own tables, not the fullest stage's rows (as autopar.reprice does);
+            # the gradient sync reads only their seconds, which the rows (``stage_tables``) keep:
+            # solve_mesh's holds unless the micro-batches changed above
+            if trades is not solved.trades:
+                gs = grad_sync_cost(
+                    tg, cinfos, traded, solved.sol, solved.choice, sub, run.mesh, options.outputs
+                )
+            else:
+                gs = solved.gs
             terms = trade_terms(
                 tables, traded, solved.sol.choice, cinfos, trades, sub, options.optimizer, blocks
             )  # fmt: skip

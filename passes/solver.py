@@ -1,4 +1,4 @@
-r"""Solve: choose one strategy per node by integer linear programming (PuLP).
+r"""Solve: choose one strategy per node by integer linear programming (HiGHS; CBC without it).
 
 Variables
     x[v, s] in {0, 1}     node v takes strategy s                          (``_node_vars``)
@@ -45,7 +45,10 @@ integral on trees), as in Alpa (Zheng et al., OSDI 2022) and meta-pytorch/autopa
 Before the ILP, followers are folded into their producers (``fold_followers``), which
 removes most edges of a transformer block. When the folded ILP has no plan under M, the LP
 relaxation of the unfolded one is solved first: if even it is infeasible, so is the ILP (a cheap
-proof; the unfolded ILP runs only otherwise). The outer search (``autopar.api.search``) tries every
+proof; the unfolded ILP runs only otherwise). The model is built as arrays (``passes/lp_model.py``) and
+passed to HiGHS whole. Given a cutoff (the search's best step so far), the ILP's own LP relaxation
+runs first: where its optimum passes the cutoff, only whether the ILP has a plan is found out
+(``Pruned``), not its optimum. The outer search (``autopar.api.search``) tries every
 mesh shape (``mesh_candidates``: 1, 2 and 3 axes; a 3-axis mesh's outer axis data parallel) and
 keeps the best objective.
 """
@@ -59,10 +62,10 @@ import time
 from dataclasses import dataclass
 
 import numpy as np
-import pulp
 
 from autopar.errors import SolverError
 from autopar.passes.costs import CostTables, Edge
+from autopar.passes.lp_model import Model, Var, highs_available
 from autopar.passes.memory_row import Folds, add_memory_rows, peak_bytes
 
 # the tables with followers folded in, and each follower with its producer and best responses
@@ -133,21 +136,51 @@ def lower_bound(tables: CostTables, folded: Folded | None = None) -> float:
     return nodes + sum(min(min(row) for row in e.cost) for e in reduced.edges)
 
 
+@dataclass(frozen=True)
+class Pruned:
+    """A solve cut short by its ``cutoff``: the ILP has a plan, and the optimum of its LP
+    relaxation, ``bound`` [s], a lower bound on every plan's objective, is already above the
+    cutoff, so its optimum is too."""
+
+    bound: float
+    solve_time_s: float
+
+
+# an LP relaxation's optimum must pass the cutoff by this much (relative) to prune: HiGHS meets
+# its rows within 1e-7, so a bound that equals the cutoff is no proof
+PRUNE_RTOL = 1e-6
+
+
 def solve(
     tables: CostTables,
     memory_limit_bytes: float,
     time_limit_s: float | None = None,
     merge_followers: bool = True,
     folded: Folded | None = None,
-) -> Solution | None:
+    cutoff: float = math.inf,
+) -> Solution | Pruned | None:
     """Return the best choice, or None if no assignment fits ``memory_limit_bytes``.
 
     With ``merge_followers`` (see ``fold_followers``) the ILP is smaller and the result optimal over
-    the plans in which every follower answers its producer as cheaply as it can; without, optimal."""
+    the plans in which every follower answers its producer as cheaply as it can; without, optimal.
+
+    ``cutoff`` [s] (HiGHS only): where the ILP has a plan but its LP relaxation already proves its
+    optimum above the cutoff, ``Pruned`` instead of the optimum (the search passes its best step so
+    far: such a candidate cannot beat it). The relaxation costs a tenth of the ILP on a large
+    mesh (benchmarks/README.md, issue 22's planning time); whether there is a plan at all is
+    still decided (its first solution found), so what a candidate with no plan gets is unchanged."""
     sol = None
     if merge_followers:
         reduced, merged = folded or fold_followers(tables)
-        sol = _solve(reduced, memory_limit_bytes, time_limit_s, buckets=_bucket_rows(tables, reduced, merged))
+        sol = _solve(
+            reduced,
+            memory_limit_bytes,
+            time_limit_s,
+            buckets=_bucket_rows(tables, reduced, merged),
+            cutoff=cutoff,
+        )
+        if isinstance(sol, Pruned):
+            return sol
         if sol is not None:
             choice = dict(sol.choice)
             for v, (u, response) in reversed(merged):
@@ -319,13 +352,17 @@ def _solve(
     time_limit_s: float | None,
     relax: bool = False,
     buckets: list[BucketRow] = (),
-) -> Solution | None:
+    cutoff: float = math.inf,
+) -> Solution | Pruned | None:
     """The ILP on ``tables``; with ``relax``, its LP relaxation (x continuous in [0, 1]), whose
     infeasibility proves the ILP's. ``buckets``: ``_bucket_rows`` (without them the relaxation
-    is still a valid proof of infeasibility: they only add cost)."""
+    is still a valid proof of infeasibility: they only add cost). ``cutoff``: see ``solve``; the
+    model's objective (with its constant) is at most ``objective_s`` of any plan (reshards shared
+    by several uses are paid once, constant outputs not at all), so a relaxation above the cutoff
+    bounds the plan's full price too."""
     t0 = time.perf_counter()
-    prob = pulp.LpProblem("autopar", pulp.LpMinimize)
-    x = _node_vars(prob, tables, pulp.LpContinuous if relax else pulp.LpBinary)
+    prob = Model()
+    x = _node_vars(prob, tables, integer=not relax)
     lin_cost = {k: list(v) for k, v in tables.node_cost.items()}
     shared = Folds.of(tables)
     quad: list[tuple[Edge, dict]] = []
@@ -337,10 +374,9 @@ def _solve(
     for e, ys in quad:
         for (a, b), y in ys.items():
             if math.isinf(e.cost[a][b]):
-                y.upBound = 0
-    # expressions are built from (variable, coefficient) pairs directly: PuLP's operators are slow
+                prob.set_upper(y, 0)
     objective = [(x[v][s], c) for v, cs in lin_cost.items() for s, c in enumerate(cs) if c]
-    z: dict[tuple, tuple[pulp.LpVariable, float]] = {}  # (group, key) -> (z, cost of one reshard)
+    z: dict[tuple, tuple[Var, float]] = {}  # (group, key) -> (z, cost of one reshard)
     for e, ys in quad:
         for (a, b), y in ys.items():
             c = e.cost[a][b]
@@ -353,89 +389,84 @@ def _solve(
             # z >= y for every edge of the tensor that runs this reshard: paid once, at the max
             k = (sharing[id(e)], key)
             if k not in z:
-                z[k] = (pulp.LpVariable(f"z_{len(z)}", lowBound=0, upBound=1), c)
+                z[k] = (prob.var(f"z_{len(z)}", 0, 1), c)
             var, c0 = z[k]
             z[k] = (var, max(c0, c))
-            prob += pulp.LpConstraint(
-                _affine([(var, 1), (y, -1)]), pulp.LpConstraintGE, f"zs_{len(prob.constraints)}", 0
-            )
+            prob.ge([(var, 1), (y, -1)], 0)
     objective += list(z.values())
-    g: dict[int, pulp.LpVariable] = {}  # axis -> a bucket's fixed price is paid there
+    g: dict[int, Var] = {}  # axis -> a bucket's fixed price is paid there
     for axis, coef, const in buckets:
         if axis not in g:
-            g[axis] = pulp.LpVariable(f"g_{axis}", lowBound=0, upBound=1)
+            g[axis] = prob.var(f"g_{axis}", 0, 1)
             objective.append((g[axis], tables.bucket_fixed[axis]))
-        terms = [(g[axis], 1.0)] + [(x[v][i], -c) for (v, i), c in coef.items()]
-        prob += pulp.LpConstraint(_affine(terms), pulp.LpConstraintGE, f"gb_{len(prob.constraints)}", const)
-    prob += _affine(objective)
+        prob.ge([(g[axis], 1.0)] + [(x[v][i], -c) for (v, i), c in coef.items()], const)
+    prob.objective(objective)
     add_memory_rows(prob, x, quad, memory_limit_bytes, shared, tables)
 
-    solver = make_solver(time_limit_s)
-    try:
-        prob.solve(solver)
-    except pulp.PulpSolverError as e:
-        raise SolverError(
-            f"the ILP solver failed: {e}; check that PuLP's bundled CBC runs on this machine"
-        ) from e
-    status = pulp.LpStatus[prob.status]
-    if prob.sol_status == pulp.LpSolutionIntegerFeasible:  # stopped by the time limit with a plan
-        status = "Feasible (time limit)"
+    name = solver_name()
+    if math.isfinite(cutoff) and name == "HiGHS" and not relax:
+        lp = prob.relaxation(time_limit_s)
+        if lp.status == "Infeasible":
+            return None  # no fractional plan fits: nor does an integral one
+        if lp.has_solution and lp.objective > cutoff + PRUNE_RTOL * abs(cutoff):
+            # a plan at hand: the relaxation's own when integral, else its largest x per node
+            # rounded to 1 where the rest of the model (continuous) still fits; else HiGHS's first
+            if (
+                prob.integral(lp.values)
+                or prob.feasible_with(_rounded(x, lp.values), time_limit_s)
+                or prob.first_solution(time_limit_s).has_solution
+            ):
+                return Pruned(lp.objective, time.perf_counter() - t0)
+            return None  # infeasible, or no plan within the time limit: as the full solve would say
+    got = prob.solve(name, time_limit_s)
     elapsed = time.perf_counter() - t0
-    if status in ("Infeasible", "Undefined") or prob.sol_status not in (1, 2):
+    if got.status in ("Infeasible", "Undefined") or not got.has_solution:
         return None
     choice = {}
     for v, xs in x.items():
-        vals = [var if isinstance(var, int) else (var.value() or 0.0) for var in xs]
+        vals = [var if isinstance(var, int) else got.values[var.index] for var in xs]
         choice[v] = max(range(len(vals)), key=lambda i: vals[i])
     return Solution(
         choice=choice,
-        objective=float(pulp.value(prob.objective) or 0.0),
-        status=status,
+        objective=got.objective,
+        status="Feasible (time limit)" if got.time_limited else got.status,
         solve_time_s=elapsed,
-        solver=solver.name,
-        num_variables=len(prob.variables()),
-        num_constraints=len(prob.constraints),
+        solver=got.solver,
+        num_variables=prob.num_variables,
+        num_constraints=prob.num_constraints,
     )
 
 
-def make_solver(time_limit_s: float | None = None, name: str | None = None):
-    """HiGHS (through highspy) when it is installed, else PuLP's bundled CBC, which always works."""
-    name = name or os.environ.get("AUTOPAR_SOLVER") or ("HiGHS" if _highs_available() else "CBC")
-    if name == "HiGHS":
-        return pulp.HiGHS(msg=False, timeLimit=time_limit_s)
-    if name == "CBC":
-        return pulp.PULP_CBC_CMD(msg=False, timeLimit=time_limit_s)
-    raise SolverError(f"unknown solver {name!r}: use 'HiGHS' or 'CBC'")
+def _rounded(x: dict[str, list], values) -> dict[int, float]:
+    """Each node's strategy of largest value in a relaxation's ``values`` at 1, the others at 0
+    (column index -> value)."""
+    out: dict[int, float] = {}
+    for xs in x.values():
+        if isinstance(xs[0], int):
+            continue
+        best = max(range(len(xs)), key=lambda i: values[xs[i].index])
+        out.update((var.index, float(i == best)) for i, var in enumerate(xs))
+    return out
 
 
-def _highs_available() -> bool:
-    try:
-        return pulp.HiGHS(msg=False).available()
-    except Exception:  # noqa: BLE001 - any failure to load highspy means: not available
-        return False
+def solver_name(name: str | None = None) -> str:
+    """HiGHS (through highspy, the model passed whole) when it is installed, else CBC (PuLP's
+    bundled binary, which always works); ``AUTOPAR_SOLVER`` picks one."""
+    name = name or os.environ.get("AUTOPAR_SOLVER") or ("HiGHS" if highs_available() else "CBC")
+    if name not in ("HiGHS", "CBC"):
+        raise SolverError(f"unknown solver {name!r}: use 'HiGHS' or 'CBC'")
+    return name
 
 
-def _node_vars(prob: pulp.LpProblem, tables: CostTables, cat: str = pulp.LpBinary) -> dict[str, list]:
+def _node_vars(prob: Model, tables: CostTables, integer: bool = True) -> dict[str, list]:
     x = {}
     for i, (v, ss) in enumerate(tables.strategies.items()):
         if len(ss) == 1:
             x[v] = [1]  # constant: no variable needed
             continue
-        x[v] = [pulp.LpVariable(f"x_{i}_{s}", 0, 1, cat=cat) for s in range(len(ss))]
-        prob += pulp.LpConstraint(_affine([(var, 1) for var in x[v]]), pulp.LpConstraintEQ, f"one_{i}", 1)
+        x[v] = [prob.var(f"x_{i}_{s}", 0, 1, integer) for s in range(len(ss))]
+        prob.eq([(var, 1) for var in x[v]], 1)
     return x
-
-
-def _affine(terms: list[tuple]) -> pulp.LpAffineExpression:
-    """sum of coefficient * variable over distinct variables; a constant node's ``1`` goes into the constant."""
-    constant = 0.0
-    pairs = []
-    for var, coef in terms:
-        if isinstance(var, int):
-            constant += coef * var
-        else:
-            pairs.append((var, coef))
-    return pulp.LpAffineExpression(pairs, constant=constant)
 
 
 def _fold_edge(e: Edge, tables: CostTables, lin_cost: dict, shared: Folds) -> bool:
@@ -458,14 +489,14 @@ def _fold_edge(e: Edge, tables: CostTables, lin_cost: dict, shared: Folds) -> bo
     return True
 
 
-def _forbid(prob: pulp.LpProblem, x: dict, lin_cost: dict) -> None:
+def _forbid(prob: Model, x: dict, lin_cost: dict) -> None:
     """Strategies whose folded cost is infinite (a forbidden pair) are fixed to 0."""
     for v, cs in lin_cost.items():
         for s, c in enumerate(cs):
             if math.isinf(c):
                 if isinstance(x[v][s], int):
                     raise SolverError(f"node {v}: its only strategy is forbidden by the axis roles")
-                prob += x[v][s] == 0, f"forbid_{v}_{s}"
+                prob.eq([(x[v][s], 1)], 0)
                 cs[s] = 0.0
 
 
@@ -484,12 +515,12 @@ def _sharing_groups(edges: list[Edge]) -> dict[int, tuple[str, int]]:
     return {id(e): g for g, es in groups.items() if len(es) > 1 for e in es}
 
 
-def _edge_vars(prob: pulp.LpProblem, e: Edge, x: dict, tables: CostTables, by_key: bool = False) -> dict:
+def _edge_vars(prob: Model, e: Edge, x: dict, tables: CostTables, by_key: bool = False) -> dict:
     """y over groups of identical rows and of identical columns of the edge's (cost, memory) tables:
     strategies that differ elsewhere often reshard this tensor alike (same output placement, same
     requirement), so one y serves them all. Keyed by the groups' first (a, b). ``by_key``: rows
     and columns also differ by the placements they reshard between (for ``Edge.share_key``)."""
-    idx = len(prob.constraints)
+    idx = prob.num_constraints
     n_src, n_dst = len(tables.strategies[e.src]), _n_dst(e, tables)
     tabs = [t for t in (e.cost, e.mem, e.peak, e.keep) if t is not None]
     rows: dict[tuple, list[int]] = {}
@@ -503,14 +534,13 @@ def _edge_vars(prob: pulp.LpProblem, e: Edge, x: dict, tables: CostTables, by_ke
     ys = {}
     for g in row_groups:
         for h in col_groups:
-            ys[(g[0], h[0])] = pulp.LpVariable(f"y_{idx}_{g[0]}_{h[0]}", lowBound=0, upBound=1)
-    eq = pulp.LpConstraintEQ
+            ys[(g[0], h[0])] = prob.var(f"y_{idx}_{g[0]}_{h[0]}", 0, 1)
     for g in row_groups:
         terms = [(ys[(g[0], h[0])], 1) for h in col_groups] + [(x[e.src][a], -1) for a in g]
-        prob += pulp.LpConstraint(_affine(terms), eq, f"ys_{idx}_{g[0]}", 0)
+        prob.eq(terms, 0)
     for h in col_groups:
         terms = [(ys[(g[0], h[0])], 1) for g in row_groups] + [(x[e.dst][b], -1) for b in h]
-        prob += pulp.LpConstraint(_affine(terms), eq, f"yd_{idx}_{h[0]}", 0)
+        prob.eq(terms, 0)
     return ys
 
 

@@ -143,15 +143,66 @@ def test_the_memory_lower_bound_holds_for_every_plan(problem):
 @pytest.mark.parametrize("solver", ["CBC", "HiGHS"])
 def test_both_solvers_find_the_optimum(solver, monkeypatch):
     """HiGHS (default when highspy is installed) and CBC (always there) agree with brute force."""
-    from autopar.passes.solver import _highs_available
+    from autopar.passes.lp_model import highs_available
 
-    if solver == "HiGHS" and not _highs_available():
+    if solver == "HiGHS" and not highs_available():
         pytest.skip("highspy not installed")
     monkeypatch.setenv("AUTOPAR_SOLVER", solver)
     tables, limit = _fixed_problem()
     sol = solve(tables, limit, merge_followers=False)
     assert sol is not None and solver.lower() in sol.solver.lower()
     assert evaluate(tables, sol.choice)[0] == pytest.approx(brute_force(tables, limit))
+
+
+@settings(max_examples=40, deadline=None)
+@given(problems())
+def test_direct_highs_model_and_pulp_cbc_find_the_same_optimum(problem):
+    """The model passed whole to HiGHS (passes/lp_model.py) and the same model solved by CBC
+    through PuLP (the fallback without highspy) agree: both infeasible, or the same optimum."""
+    import os
+    from unittest import mock
+
+    from autopar.passes.lp_model import highs_available
+
+    if not highs_available():
+        pytest.skip("highspy not installed")
+    tables, limit = problem
+    got = {}
+    for name in ("HiGHS", "CBC"):
+        with mock.patch.dict(os.environ, {"AUTOPAR_SOLVER": name}):
+            got[name] = solve(tables, limit, merge_followers=False)
+    highs, cbc = got["HiGHS"], got["CBC"]
+    assert (highs is None) == (cbc is None)
+    if highs is not None:
+        assert highs.solver == "HiGHS" and "cbc" in cbc.solver.lower()
+        assert highs.num_variables == cbc.num_variables
+        assert highs.objective == pytest.approx(cbc.objective, rel=1e-6, abs=1e-6)
+        assert evaluate(tables, highs.choice)[1] <= limit + 1e-6
+
+
+@settings(max_examples=80, deadline=None)
+@given(problems(), st.floats(0, 40, allow_nan=False))
+def test_a_solve_pruned_by_its_cutoff_has_no_plan_under_it(problem, cutoff):
+    """``solve(..., cutoff=c)`` prunes (``Pruned``) only a problem that has a plan and whose
+    optimum is at least c, with a bound that never passes the true optimum (brute force);
+    otherwise it answers what the solve without a cutoff answers."""
+    from autopar.passes.lp_model import highs_available
+    from autopar.passes.solver import Pruned
+
+    if not highs_available():
+        pytest.skip("highspy not installed")
+    tables, limit = problem
+    plain = solve(tables, limit)
+    got = solve(tables, limit, cutoff=cutoff)
+    if isinstance(got, Pruned):
+        assert plain is not None and plain.objective >= cutoff
+        best = brute_force(tables, limit)
+        assert got.bound <= best + 1e-6 and best <= plain.objective + 1e-6
+        assert got.bound > cutoff
+        return
+    assert (got is None) == (plain is None)
+    if got is not None:
+        assert got.choice == plain.choice and got.objective == plain.objective
 
 
 def _fixed_problem():

@@ -1,0 +1,294 @@
+"""A linear (integer) program as plain arrays, solved whole by HiGHS, or by CBC through PuLP.
+
+The ILP of ``passes/solver.py`` has tens of thousands of variables on a large mesh. Built as PuLP
+objects (an ``LpVariable`` per variable, an ``LpAffineExpression`` dict per row), which PuLP's
+HiGHS interface then re-reads one column and one row at a time (``addCol``, ``addRow``), the model
+cost more than HiGHS's solve of it (benchmarks/README.md, issue 22's planning time). Here a
+variable is an index, a row a list of (index, coefficient) pairs, and HiGHS receives the whole
+model in one ``passModel`` call as compressed columns. PuLP stays for CBC (always installed, with
+PuLP's bundled binary) where highspy is not.
+
+The model handed to either solver is the one PuLP built before: columns in the order of their
+names (``LpProblem.variables()`` sorts by name, and HiGHS's branch and bound breaks ties between
+equal optima by column order, so keeping it keeps the plans), rows in the order they are added,
+coefficients summed per variable, zero coefficients left out, constants moved to the bounds.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import numpy as np
+import pulp
+
+from autopar.errors import SolverError
+
+
+class Var:
+    """A column of a ``Model``, by index (identity-hashed: terms of one variable are summed)."""
+
+    __slots__ = ("index",)
+
+    def __init__(self, index: int):
+        self.index = index
+
+
+# a term of a row or of the objective: (variable, coefficient); the variable may be the int 1 (a
+# node with one strategy: a constant) or None (nothing), both folded into the row's bounds
+Term = tuple
+
+
+@dataclass(frozen=True)
+class LpResult:
+    """What a solve gave: the status in PuLP's words (``Optimal``, ``Infeasible``, ...), whether a
+    solution is at hand, whether the time limit stopped it first, the columns' values, the
+    objective, and the solver's name."""
+
+    status: str
+    has_solution: bool
+    time_limited: bool
+    values: np.ndarray
+    objective: float
+    solver: str
+
+
+class Model:
+    """A minimization: columns with bounds and integrality, rows ``lo <= sum a x <= hi``."""
+
+    def __init__(self) -> None:
+        self.names: list[str] = []
+        self.lower: list[float] = []
+        self.upper: list[float] = []
+        self.integer: list[bool] = []
+        self.rows: list[tuple[list[int], list[float]]] = []
+        self.row_lower: list[float] = []
+        self.row_upper: list[float] = []
+        self.cost: dict[int, float] = {}
+        self.offset = 0.0
+        self._built: tuple | None = None
+
+    @property
+    def num_variables(self) -> int:
+        return len(self.names)
+
+    @property
+    def num_constraints(self) -> int:
+        return len(self.rows)
+
+    def var(self, name: str, lower: float = 0.0, upper: float = math.inf, integer: bool = False) -> Var:
+        self.names.append(name)
+        self.lower.append(lower)
+        self.upper.append(upper)
+        self.integer.append(integer)
+        return Var(len(self.names) - 1)
+
+    def set_upper(self, v: Var, upper: float) -> None:
+        self.upper[v.index] = upper
+
+    def objective(self, terms: Iterable[Term]) -> None:
+        coefs, constant = _collect(terms)
+        if not coefs:  # as PuLP does (``LpProblem.fixObjective``): no solver takes an empty model
+            coefs = {self.var("__dummy", 0.0, 0.0): 1.0}
+        self.cost = {v.index: c for v, c in coefs.items()}
+        self.offset = constant
+
+    def eq(self, terms: Iterable[Term], rhs: float) -> None:
+        self._row(terms, rhs, rhs)
+
+    def le(self, terms: Iterable[Term], rhs: float) -> None:
+        self._row(terms, -math.inf, rhs)
+
+    def ge(self, terms: Iterable[Term], rhs: float) -> None:
+        self._row(terms, rhs, math.inf)
+
+    def _row(self, terms: Iterable[Term], lo: float, hi: float) -> None:
+        coefs, constant = _collect(terms)
+        self.rows.append(([v.index for v, c in coefs.items() if c], [c for c in coefs.values() if c]))
+        # as PuLP moves the constant: the bound is -(constant - rhs), the same float as rhs - constant
+        self.row_lower.append(lo - constant if math.isfinite(lo) else lo)
+        self.row_upper.append(hi - constant if math.isfinite(hi) else hi)
+
+    def solve(self, solver: str, time_limit_s: float | None = None) -> LpResult:
+        """Solve with ``solver`` ("HiGHS" or "CBC", ``passes/solver.py:solver_name``)."""
+        if solver == "HiGHS":
+            return self._run_highs(time_limit_s)
+        if solver == "CBC":
+            return self._solve_pulp(pulp.PULP_CBC_CMD(msg=False, timeLimit=time_limit_s))
+        raise SolverError(f"unknown solver {solver!r}: use 'HiGHS' or 'CBC'")
+
+    def relaxation(self, time_limit_s: float | None = None) -> LpResult:
+        """The LP relaxation (every column continuous) by HiGHS: its optimum is a lower bound on
+        the program's, and its infeasibility proves the program's."""
+        return self._run_highs(time_limit_s, relax=True)
+
+    def integral(self, values: np.ndarray, tol: float = 1e-6) -> bool:
+        """Whether ``values`` (a relaxation's solution, which meets every row) are whole on every
+        integer column: then they are a solution of the program itself (HiGHS's MIP takes a value
+        within 1e-6 of an integer as one)."""
+        ints = np.asarray(self.integer, dtype=bool)
+        v = values[ints]
+        return bool(np.all(np.abs(v - np.round(v)) <= tol))
+
+    def feasible_with(self, fixed: dict[int, float], time_limit_s: float | None = None) -> bool:
+        """Whether the program has a solution with the columns ``fixed`` (index -> value) at those
+        values: the LP with their bounds pinned (where every integer column is fixed, the rest
+        being continuous, a plan of the program itself)."""
+        return self._run_highs(time_limit_s, relax=True, fixed=fixed).has_solution
+
+    def first_solution(self, time_limit_s: float | None = None) -> LpResult:
+        """HiGHS's branch and bound stopped at its first feasible solution: whether the program
+        has one, without proving an optimum (``has_solution``; the values are that solution's)."""
+        return self._run_highs(time_limit_s, first=True)
+
+    def _order(self) -> np.ndarray:
+        """Column order: by name, as PuLP hands columns to its solvers."""
+        return np.array(sorted(range(len(self.names)), key=self.names.__getitem__), dtype=np.int64)
+
+    def _arrays(self) -> tuple:
+        """The model as ``Highs.passModel`` takes it (columns in ``_order``, the matrix by
+        column), and the order; built once: a model is complete when it is first solved."""
+        if self._built is not None:
+            return self._built
+        n, m = len(self.names), len(self.rows)
+        order = self._order()
+        position = np.empty(n, dtype=np.int64)
+        position[order] = np.arange(n)
+        # the rows as coordinates, then compressed by column (rows ascending within a column: the
+        # matrix PuLP's one-row-at-a-time addRow calls leave HiGHS with)
+        counts = np.fromiter((len(ix) for ix, _ in self.rows), dtype=np.int64, count=m)
+        row = np.repeat(np.arange(m, dtype=np.int64), counts)
+        col = position[np.fromiter((j for ix, _ in self.rows for j in ix), dtype=np.int64, count=row.size)]
+        val = np.fromiter((c for _, cs in self.rows for c in cs), dtype=np.float64, count=row.size)
+        by_col = np.lexsort((row, col))
+        start = np.zeros(n + 1, dtype=np.int32)
+        np.cumsum(np.bincount(col, minlength=n), out=start[1:])
+        cost = np.zeros(n)
+        for j, c in self.cost.items():
+            cost[position[j]] = c
+        integer = np.asarray(self.integer, dtype=bool)[order]
+        self._built = (
+            order, n, m, row.size, self.offset, cost, np.asarray(self.lower)[order],
+            np.asarray(self.upper)[order], np.asarray(self.row_lower, dtype=np.float64),
+            np.asarray(self.row_upper, dtype=np.float64), start, row[by_col].astype(np.int32), val[by_col],
+            integer,
+        )  # fmt: skip
+        return self._built
+
+    def _run_highs(
+        self, time_limit_s: float | None, relax: bool = False, first: bool = False, fixed: dict | None = None
+    ) -> LpResult:
+        import highspy
+
+        order, n, m, nz, offset, cost, lower, upper, row_lower, row_upper, start, index, value, integer = (
+            self._arrays()
+        )
+        if fixed:
+            position = np.empty(n, dtype=np.int64)
+            position[order] = np.arange(n)
+            at = position[np.fromiter(fixed, dtype=np.int64, count=len(fixed))]
+            pinned = np.fromiter(fixed.values(), dtype=np.float64, count=len(fixed))
+            lower, upper = lower.copy(), upper.copy()
+            lower[at] = upper[at] = pinned
+        kinds = np.where(
+            integer & (not relax), int(highspy.HighsVarType.kInteger), int(highspy.HighsVarType.kContinuous)
+        ).astype(np.int32)
+        h = highspy.Highs()
+        h.setOptionValue("output_flag", False)
+        if time_limit_s is not None:
+            h.setOptionValue("time_limit", float(time_limit_s))
+        if first:
+            h.setOptionValue("mip_max_improving_sols", 1)
+        h.passModel(
+            n, m, nz, int(highspy.MatrixFormat.kColwise), int(highspy.ObjSense.kMinimize), offset, cost, lower,
+            upper, row_lower, row_upper, start, index, value, kinds,
+        )  # fmt: skip
+        h.run()
+        values = np.empty(n)
+        values[order] = np.asarray(h.getSolution().col_value, dtype=np.float64)
+        objective = h.getObjectiveValue()
+        status, has_solution, limited = _highs_status(h.getModelStatus(), objective)
+        if first and not has_solution:  # stopped at its first solution: a limit PuLP never sets
+            has_solution = h.getInfo().primal_solution_status == highspy.kSolutionStatusFeasible
+        return LpResult(status, has_solution, limited, values, objective, "HiGHS")
+
+    def _solve_pulp(self, solver) -> LpResult:
+        prob = pulp.LpProblem("autopar", pulp.LpMinimize)
+        xs = [
+            pulp.LpVariable(
+                name,
+                lowBound=lo if math.isfinite(lo) else None,
+                upBound=hi if math.isfinite(hi) else None,
+                cat=pulp.LpInteger if integer else pulp.LpContinuous,
+            )
+            for name, lo, hi, integer in zip(self.names, self.lower, self.upper, self.integer)
+        ]
+        prob += pulp.LpAffineExpression([(xs[j], c) for j, c in self.cost.items()], constant=self.offset)
+        for i, ((ix, cs), lo, hi) in enumerate(zip(self.rows, self.row_lower, self.row_upper)):
+            expr = pulp.LpAffineExpression([(xs[j], c) for j, c in zip(ix, cs)])
+            if lo == hi:
+                prob += pulp.LpConstraint(expr, pulp.LpConstraintEQ, f"r{i}", lo)
+            else:
+                if math.isfinite(lo):
+                    prob += pulp.LpConstraint(expr, pulp.LpConstraintGE, f"r{i}", lo)
+                if math.isfinite(hi):
+                    prob += pulp.LpConstraint(expr, pulp.LpConstraintLE, f"r{i}_le", hi)
+        try:
+            prob.solve(solver)
+        except pulp.PulpSolverError as e:
+            raise SolverError(
+                f"the ILP solver failed: {e}; check that PuLP's bundled CBC runs on this machine"
+            ) from e
+        values = np.array([x.value() or 0.0 for x in xs], dtype=np.float64)
+        has = prob.sol_status in (pulp.LpSolutionOptimal, pulp.LpSolutionIntegerFeasible)
+        return LpResult(
+            pulp.LpStatus[prob.status],
+            has,
+            prob.sol_status == pulp.LpSolutionIntegerFeasible,
+            values,
+            float(pulp.value(prob.objective) or 0.0),
+            solver.name,
+        )
+
+
+def _collect(terms: Iterable[Term]) -> tuple[dict[Var, float], float]:
+    """Coefficients summed per variable (first-seen order) and the constant: ``1 * coef`` for a
+    constant node, nothing for None."""
+    constant, coefs = 0.0, {}
+    for var, coef in terms:
+        if var is None:
+            continue
+        if isinstance(var, int):
+            constant += coef * var
+        else:
+            coefs[var] = coefs.get(var, 0.0) + coef
+    return coefs, constant
+
+
+def _highs_status(status, objective: float) -> tuple[str, bool, bool]:
+    """(status, has a solution, stopped by a limit) as PuLP's HiGHS interface reads HiGHS's model
+    status (``pulp.apis.highs_api.HiGHS.findSolutionValues``): a model without columns is "Not
+    Solved", a limit that stopped the search before any solution too."""
+    import highspy
+
+    s = highspy.HighsModelStatus
+    if status == s.kOptimal:
+        return "Optimal", True, False
+    if status in (s.kInfeasible, s.kUnboundedOrInfeasible):
+        return "Infeasible", False, False
+    if status == s.kUnbounded:
+        return "Unbounded", False, False
+    if status in (s.kObjectiveBound, s.kObjectiveTarget, s.kInterrupt, s.kTimeLimit, s.kIterationLimit):
+        if status in (s.kTimeLimit, s.kIterationLimit) and objective == highspy.kHighsInf:
+            return "Not Solved", False, False
+        return "Optimal", True, True
+    return "Not Solved", False, False
+
+
+def highs_available() -> bool:
+    try:
+        import highspy  # noqa: F401
+    except ImportError:
+        return False
+    return True
