@@ -208,8 +208,13 @@ def solve(
 # LLaMA-70B on (128, 8) solves in 16 s instead of 6 s for a plan 3% faster, which would take its
 # planning past issue 5's 60 s; a 2048-wide llama on 2 x 4 (64,786 pairs) gains 0.2%
 # (benchmarks/bench_solver.py). Exact folding is used for the lower bound in any case (a
-# heuristic fold gives no valid bound).
-EXACT_FOLD_MAX_PAIRS = 30_000
+# heuristic fold gives no valid bound). That was with PuLP's model building; since the ILP goes to
+# HiGHS whole (passes/lp_model.py) and a candidate is pruned by its LP relaxation, exact folding
+# everywhere plans issue 22's Llama-3-8B on 64 H100s in 29.0 s against 33.3 s, the 70B on 1024 in
+# 62.1 s against 64.1 s, the same plans, while the heuristic lost plan quality on small tables:
+# llama_tiny's automatic plan on a 2 x 2 cpu mesh (~60,000 pairs) was 12.45 ms per step, exactly
+# 7.68 ms (2026-11-26, the 2-core dev VM). The heuristic stays for tables past this many pairs.
+EXACT_FOLD_MAX_PAIRS = 3_000_000
 
 
 def edge_pairs(tables: CostTables) -> int:
