@@ -9,9 +9,8 @@ time. That is the same training step only if
 * the model's code does not change with the batch size: the generated module is traced again on
   one micro-batch and must be the plan's graph (``codegen/micro_batches.py:check_same_graph``).
   Hugging Face code takes other paths for one row (squeezes, ``if batch_size == 1``), found here
-  by tracing the model on one row, once per search: when a pipeline would run one-row
-  micro-batches (the next count is taken where the graph changes), or when the plan the search
-  picks does (the next best plan is taken).
+  by tracing the model on one row, once per search, only when the plan the search picks runs
+  one-row micro-batches (the search then runs again without them, ``passes/search.py``).
 
 A micro-batch count the user forces is honoured (they chose it; a batch-norm model is warned about).
 """
@@ -77,15 +76,17 @@ class MicroBatchCheck:
             )
 
     def allows(self, batch: int | None, k: int, trace: bool = True) -> bool:
-        """``trace=False``: the cheap checks only (the search's loops); a one-row count is then
-        checked, by tracing, on the plan the search picks (``trace=True``)."""
+        """``trace=False``: the cheap checks only (the search's loops), and what tracing on one
+        row already found; a one-row count not yet traced is then checked, by tracing, on the plan
+        the search picks (``trace=True``)."""
         if k == 1 or (self.forced is not None and k == self.forced):
             return True
         if k in self.refused:
             return False
+        one_row = batch is not None and batch // k == 1
         if self.statistics:
             self.refused[k] = f"{self.statistics} computes statistics over the batch"
-        elif batch is not None and batch // k == 1 and trace and not self._one_row_traces_alike():
+        elif one_row and (trace or 1 in self._rows_ok) and not self._one_row_traces_alike():
             self.refused[k] = "the model's code takes another path for a batch of one row"
         if k in self.refused:
             self.say(f"micro-batches: {k} refused: {self.refused[k]}")

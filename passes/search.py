@@ -208,16 +208,63 @@ def search(
     cinfos = half_infos(infos, precision)  # what the cost model prices: activations as computed
     batch = batch_size(tg, infos)
     limit = cluster.memory_limit(options.memory_limit_bytes)
-    candidates: list[dict] = []
-    fits: list[Solved] = []  # every candidate solved that fits, for a fallback from the best
+    # data-parallel solution of one axis, by size (or why there is none): shared by every pass
+    data_axis: dict[int, dict[str, Strategy] | NoPlanFitsError] = {}
+    args = (tg, infos, cinfos, classes, blocks, cluster, options, precision, batch, limit, profiler, st)
+    found = _explore(*args, micro, data_axis)
+    # one-row micro-batches are explored unchecked (tracing the model on one row costs as much as
+    # the first trace); only where a plan with them wins is the model traced on one row. Where its
+    # graph changes there, the search runs again without them: that plan may have pruned others
+    while found.best is not None and not micro.allows(batch, _micro_batches_of(found.best)):
+        st.say("search: again, without one-row micro-batches")
+        found = _explore(*args, micro, data_axis)
+    best, candidates = found.best, found.candidates
+    best = select_stage(
+        best, candidates, cluster, limit, found.min_needed, found.refused_at_full_peak, found.unplaceable, st,
+        options,
+    )  # fmt: skip
+    plan = price_stage(tg, cinfos, best, cluster, options, candidates, st)
+    return SearchResult(plan, tg, best.choice)
+
+
+@dataclass
+class _Found:
+    """What one pass over the candidates found: each candidate's entry, the fastest plan that fits
+    (None where none does), and what the error says when none does."""
+
+    candidates: list[dict] = field(default_factory=list)
+    best: Solved | None = None
+    min_needed: float = math.inf
+    refused_at_full_peak: bool = False
+    # candidates whose roles no placement of some tensor satisfies, and why
+    unplaceable: list[str] = field(default_factory=list)
+
+
+def _explore(
+    tg: TracedGraph,
+    infos: dict[str, NodeInfo],
+    cinfos: dict[str, NodeInfo],
+    classes: Classes | None,
+    blocks: list[Block],
+    cluster: ClusterSpec,
+    options: SearchOptions,
+    precision,
+    batch: int | None,
+    limit: float,
+    profiler: NodeTimer | None,
+    st: _Stages,
+    micro: MicroBatchCheck,
+    data_axis: dict,
+) -> _Found:
+    """Every candidate: the SPMD meshes (``mesh_runs``), each down its ladder of trades, then each
+    pipeline stage count (``pipeline_candidates``), pruned against the fastest plan so far."""
+    found = _Found()
+    candidates, unplaceable = found.candidates, found.unplaceable
     best: Solved | None = None
     best_objective = math.inf
     min_needed = math.inf
     refused_at_full_peak = False
     mirrors: dict[tuple, tuple] = {}
-    # data-parallel solution of one axis, by size (or why there is none)
-    data_axis: dict[int, dict[str, Strategy] | NoPlanFitsError] = {}
-    unplaceable: list[str] = []  # candidates whose roles no placement of some tensor satisfies, and why
     spmd = options.pipeline_stages is None or options.pipeline_stages == 1
     for run in mesh_runs(cluster, options) if spmd else ():
         key = _mirror_key(cluster, run)
@@ -277,7 +324,6 @@ def search(
                 if fitted >= RUNGS_SOLVED:
                     break
             if outcome.solved is not None:
-                fits.append(outcome.solved)
                 best_objective = min(
                     best_objective, outcome.solved.sol.objective + outcome.solved.terms.total_s
                 )
@@ -293,20 +339,11 @@ def search(
         )  # fmt: skip
         min_needed = min(min_needed, got.mem_needed)
         if got.solved is not None:
-            fits.append(got.solved)
             best_objective = min(best_objective, got.solved.t_step)
             if best is None or got.solved.t_step < best.t_step - 1e-12:
                 best = got.solved
-    # a one-row micro-batch is traced only now, for the plan picked: where the model's graph
-    # changes on one row, the next fastest plan found is taken
-    while best is not None and not micro.allows(batch, _micro_batches_of(best)):
-        fits = [f for f in fits if f is not best]
-        best = min(fits, key=lambda f: f.t_step, default=None)
-    best = select_stage(
-        best, candidates, cluster, limit, min_needed, refused_at_full_peak, unplaceable, st, options
-    )
-    plan = price_stage(tg, cinfos, best, cluster, options, candidates, st)
-    return SearchResult(plan, tg, best.choice)
+    found.best, found.min_needed, found.refused_at_full_peak = best, min_needed, refused_at_full_peak
+    return found
 
 
 def _micro_batches_of(s: Solved) -> int:
@@ -717,7 +754,7 @@ def pipeline_candidates(
         ks = [
             k
             for k in micro_batch_counts(batch, parts, stages, options)
-            if micro.allows(batch, k)  # chosen here, not by the ladder: one-row counts traced now
+            if micro.allows(batch, k, trace=False)  # one-row counts: traced where their plan wins
         ]
         if not ks:
             st.say(f"pipeline: mesh {run.label}: no micro-batch count keeps the model's step: skipped")
@@ -758,7 +795,9 @@ def pipeline_candidates(
                 # most micro-batches it does allow (more memory than the rows priced: checked below)
                 split = solution_batch_parts(tg, cinfos, solved.sol.choice, ptables)
                 fewer = [
-                    k for k in micro_batch_counts(batch, split, stages, options) if micro.allows(batch, k)
+                    k
+                    for k in micro_batch_counts(batch, split, stages, options)
+                    if micro.allows(batch, k, trace=False)
                 ]
                 if not fewer:
                     continue

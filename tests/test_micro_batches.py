@@ -367,3 +367,46 @@ def test_the_search_keeps_micro_batches_off_where_they_change_the_step():
     # a model whose code does not branch: one-row micro-batches are fine
     plain = torch.nn.Sequential(torch.nn.Linear(8, 8))
     assert MicroBatchCheck(plain, (y,), trace(plain, (y,)), forced=None).allows(4, 4)
+
+
+class _OneRowStack(torch.nn.Module):
+    """Repeated blocks (so the search may pipeline them) whose code takes another path for one
+    row when ``branch``."""
+
+    def __init__(self, branch: bool):
+        super().__init__()
+        torch.manual_seed(0)
+        self.branch = branch
+        self.layers = torch.nn.ModuleList(
+            torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.GELU()) for _ in range(4)
+        )
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        if self.branch and x.shape[0] == 1:
+            x = x.squeeze(0).unsqueeze(0)
+        return x.square().mean()
+
+
+@pytest.mark.parametrize("branch", [True, False])
+def test_one_row_micro_batches_are_traced_only_where_their_plan_wins(branch):
+    """The search explores one-row micro-batches unchecked and traces the model on one row only
+    where such a plan wins. Where the graph changes on one row, it searches again without them
+    and answers what a search that never had them answers: the same plan as the next count forced."""
+    model, x = _OneRowStack(branch), torch.randn(4, 256)
+    cluster = autopar.ClusterSpec.preset("a100-80gb", devices_per_node=2)
+    said: list[str] = []
+    kw = dict(pipeline_stages=2, schedule="gpipe")
+    got = autopar.plan(model, cluster, (x,), progress=said.append, **kw)
+    # two stages of one device each: 4 micro-batches (one row each) are the search's first count
+    assert got.pipeline.enabled and got.pipeline.stages == 2
+    if not branch:
+        assert got.trades.micro_batches == 4 and not any("again" in m for m in said)
+        return
+    assert any("search: again, without one-row micro-batches" in m for m in said)
+    assert got.trades.micro_batches == 2
+    forced = autopar.plan(model, cluster, (x,), micro_batches=2, **kw)
+    assert forced.pipeline == got.pipeline
+    assert got.predicted.step_time_s == pytest.approx(forced.predicted.step_time_s, rel=1e-12)
+    assert got.to_dict()["decisions"] == forced.to_dict()["decisions"]
