@@ -59,6 +59,7 @@ from autopar.codegen.blocks import _COMPUTE, _set_attr, origins
 from autopar.codegen.module import FULL_STATE_FIX, ParallelModule, _loss_of, full_tensor
 from autopar.errors import AutoparError
 from autopar.passes.blocks import Block, between_blocks
+from autopar.passes.rules import storage_base, written_inputs
 from autopar.trades import Pipeline, Schedule
 
 
@@ -145,8 +146,9 @@ def split_chunks(
     # the input-derived in-place writes, by the storage they write
     writers: dict[fx.Node, list[fx.Node]] = {}
     for n in gm.graph.nodes:
-        if n in derived and n.op == "call_function" and _writes_first_arg(n):
-            writers.setdefault(_storage(n.args[0]), []).append(n)
+        if n in derived and n.op == "call_function":
+            for w in written_inputs(n):
+                writers.setdefault(storage_base(w), []).append(n)
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
     # crossing[c]: the values sent from chunk c to chunk c + 1, in graph order
     crossing = [
@@ -176,7 +178,7 @@ def split_chunks(
             if x in derived and x not in need and x.op != "placeholder":
                 need.add(x)
                 stack.extend(x.all_input_nodes)
-                stack.extend(writers.get(_storage(x), ()))
+                stack.extend(writers.get(storage_base(x), ()))
         params: dict[str, torch.nn.Parameter] = {}
         state: dict[str, torch.Tensor] = {}
         holder = torch.nn.Module()
@@ -206,30 +208,6 @@ def split_chunks(
         g.lint()
         out.append(Chunk(c, fx.GraphModule(holder, g, class_name=f"Chunk{c}"), params, state, absent))
     return out
-
-
-def _aliases_first_arg(n: fx.Node) -> bool:
-    """``n``'s result is a view of (or, written in place, is) its first argument's storage."""
-    schema = getattr(n.target, "_schema", None)
-    return bool(
-        n.op == "call_function" and schema is not None and schema.returns and n.args
-        and isinstance(n.args[0], fx.Node) and schema.returns[0].alias_info is not None
-    )  # fmt: skip
-
-
-def _writes_first_arg(n: fx.Node) -> bool:
-    schema = getattr(n.target, "_schema", None)
-    return bool(
-        schema is not None and schema.arguments and schema.arguments[0].alias_info is not None
-        and schema.arguments[0].alias_info.is_write
-    )  # fmt: skip
-
-
-def _storage(n: fx.Node) -> fx.Node:
-    """The node that allocated the storage ``n`` views (through views and in-place writes)."""
-    while _aliases_first_arg(n):
-        n = n.args[0]
-    return n
 
 
 class _ChunkRunner(torch.nn.Module):

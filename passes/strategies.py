@@ -36,7 +36,7 @@ from torch.distributed.tensor.placement_types import Replicate, Shard
 from autopar.errors import NoPlanFitsError
 from autopar.options import AxisRole
 from autopar.passes.analyze import NodeInfo
-from autopar.passes.rules import RULES, VIEW_OPS, AxisOption, make_ctx, tensor_inputs, writes_inputs
+from autopar.passes.rules import RULES, VIEW_OPS, AxisOption, make_ctx, tensor_inputs, written_inputs
 from autopar.passes.rules.dtensor import options as dtensor_options
 from autopar.passes.trace import Role, TracedGraph
 from autopar.placement import SeqAttention, Spec, is_partial, is_replicate, is_shard
@@ -290,13 +290,9 @@ def mutated_views(tg: TracedGraph) -> set[str]:
     in place (they are parameters, buffers or inputs, which in-place ops do not touch in training)."""
     out: set[str] = set()
     for node in tg.graph.nodes:
-        if node.op != "call_function" or not writes_inputs(node):
+        if node.op != "call_function":
             continue
-        for arg, formal in zip(node.args, node.target._schema.arguments):
-            if not (
-                isinstance(arg, fx.Node) and formal.alias_info is not None and formal.alias_info.is_write
-            ):
-                continue
+        for arg in written_inputs(node):
             chain = []
             while isinstance(arg, fx.Node) and arg.op == "call_function":
                 chain.append(arg)

@@ -96,6 +96,31 @@ def writes_inputs(node: fx.Node) -> bool:
     return schema is not None and schema.is_mutable
 
 
+def written_inputs(node: fx.Node) -> list[fx.Node]:
+    """The positional inputs ``node`` writes into, by its schema's alias annotations (``self`` of
+    an in-place op such as ``copy_``)."""
+    if not writes_inputs(node):
+        return []
+    return [
+        a
+        for a, formal in zip(node.args, node.target._schema.arguments)
+        if isinstance(a, fx.Node) and formal.alias_info is not None and formal.alias_info.is_write
+    ]
+
+
+def storage_base(node: fx.Node) -> fx.Node:
+    """The node that allocated the storage ``node`` is: followed back through every op whose
+    result aliases its first argument (views, and in-place ops, which return their ``self``)."""
+    while True:
+        schema = getattr(node.target, "_schema", None) if node.op == "call_function" else None
+        first = node.args[0] if node.args else None
+        if schema is None or not schema.returns or schema.returns[0].alias_info is None:
+            return node
+        if not isinstance(first, fx.Node):
+            return node
+        node = first
+
+
 def tensor_inputs(node: fx.Node) -> list[fx.Node]:
     """Tensor-valued input nodes in flattened (args, kwargs) order: the order ``ins`` refers to.
     Cached on the node while its ``args`` and ``kwargs`` are the same objects (fx replaces them,
