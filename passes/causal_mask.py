@@ -24,7 +24,8 @@ Only one slice is compared per broadcast dimension: a leading dim of size 1 or o
 ``expand``) holds one distinct slice, index 0; a leading dim that is really materialized (the batch
 dim of Hugging Face's mask, built by indexing with ``arange(batch)``) is compared in full. Anything
 else (a mask that fails to evaluate, a padding or sliding-window mask, an evaluation that would hold
-more than ``EVAL_BUDGET_BYTES`` at once) is left as it is: never guessed.
+more than ``EVAL_BUDGET_BYTES`` at once, counted as the evaluation allocates, op by op) is left as
+it is: never guessed.
 
 Only the top-level graph is visited: an SDPA call inside a higher-order op's region (a
 ``torch.no_grad()`` or ``torch.autocast`` submodule) keeps its mask.
@@ -37,7 +38,9 @@ invariants (placeholders, specs, state) hold as they were.
 
 from __future__ import annotations
 
+import math
 import operator
+from collections.abc import Callable
 
 import torch
 import torch.fx as fx
@@ -152,7 +155,7 @@ def _evaluate(mask: fx.Node) -> torch.Tensor | None:
     """The mask's value computed on the CPU, or None where it depends on more than shapes, would
     hold more than ``EVAL_BUDGET_BYTES``, or fails to run."""
     nodes = ancestors(mask)
-    if not _shape_only(nodes) or _live_peak(nodes) > EVAL_BUDGET_BYTES:
+    if not _shape_only(nodes):
         return None
     cpu = torch.device("cpu")
 
@@ -173,8 +176,12 @@ def _evaluate(mask: fx.Node) -> torch.Tensor | None:
             with torch.no_grad():
                 value = _Broadcasts(gm).run()
             return value if isinstance(value, torch.Tensor) else None
+        except _OverBudget:  # as written, it would hold more still
+            return None
         except Exception:  # noqa: BLE001 - e.g. a view a broadcast cannot take: evaluated as written
             pass
+    if _live_peak(nodes) > EVAL_BUDGET_BYTES:
+        return None
     try:
         with torch.no_grad():
             value = fx.Interpreter(gm).run()
@@ -214,18 +221,67 @@ class _Broadcasts(fx.Interpreter):
     integer or bool value whose slices along a dim are all equal becomes a broadcast of the first.
     Every element has the value the graph computes (a pointwise op's element depends only on its
     inputs' elements at the same index; the ops are ``_value_only``); a Hugging Face mask, built
-    per batch row by indexing with ``arange(batch)``, then costs one row instead of ``batch``."""
+    per batch row by indexing with ``arange(batch)``, then costs one row instead of ``batch``.
+
+    Its memory is checked before each op runs, not from the values' shapes (a Hugging Face mask
+    of 1024 rows is 16 GiB as written, a few MiB with its broadcasts kept): the op first runs on
+    meta tensors of the same shapes and strides, which tells the storage its result allocates (none
+    where it aliases an input, as ``expand`` or a ``to`` that changes nothing does); past
+    ``EVAL_BUDGET_BYTES`` with what is held, ``_OverBudget`` is raised before anything is allocated."""
 
     def call_function(self, target, args, kwargs):
-        out = _on_one_slice(target, args, kwargs) if _pointwise(target) else None
+        out = None
+        if _pointwise(target):
+            out = _on_one_slice(target, args, kwargs, self._within_budget)
         if out is None:
+            self._within_budget(target, args, kwargs)
             out = target(*args, **kwargs)
         return _shared_slices(out)
 
+    def _within_budget(self, target, args, kwargs) -> None:
+        held = {}
+        for v in pytree.tree_leaves(list(self.env.values())):
+            if isinstance(v, torch.Tensor):
+                held[v.untyped_storage()._cdata] = v.untyped_storage().nbytes()
+        if sum(held.values()) + _allocates(target, args, kwargs) > EVAL_BUDGET_BYTES:
+            raise _OverBudget(target)
 
-def _on_one_slice(target, args, kwargs):
+
+class _OverBudget(Exception):
+    """The mask's evaluation would hold more than ``EVAL_BUDGET_BYTES``."""
+
+
+def _allocates(target, args, kwargs) -> float:
+    """Bytes of new storage ``target(*args, **kwargs)`` allocates, found by running it on meta
+    tensors of the inputs' shapes, strides and dtypes (0 where its results alias an input); inf
+    where that dry run fails (a result whose shape depends on values)."""
+
+    def on_meta(a):
+        if isinstance(a, torch.Tensor):
+            return torch.empty_strided(a.shape, a.stride(), dtype=a.dtype, device="meta")
+        return torch.device("meta") if isinstance(a, torch.device) else a
+
+    margs, mkwargs = pytree.tree_map(on_meta, (args, kwargs))
+    try:
+        out = target(*margs, **mkwargs)
+    except Exception:  # noqa: BLE001 - not to be run blind
+        return math.inf
+    inputs = {
+        t.untyped_storage()._cdata
+        for t in pytree.tree_leaves((margs, mkwargs))
+        if isinstance(t, torch.Tensor)
+    }
+    return sum(
+        t.untyped_storage().nbytes()
+        for t in pytree.tree_leaves(out)
+        if isinstance(t, torch.Tensor) and t.untyped_storage()._cdata not in inputs
+    )
+
+
+def _on_one_slice(target, args, kwargs, check: Callable = lambda *_: None):
     """``target(*args, **kwargs)`` of a pointwise op run on one slice of every dim where each input
-    is broadcast, then broadcast back; None where no dim is."""
+    is broadcast, then broadcast back; None where no dim is. ``check(target, args, kwargs)`` is
+    called on the call made, before it is."""
     flat, spec = pytree.tree_flatten((args, kwargs))
     ts = [a for a in flat if isinstance(a, torch.Tensor) and a.dim() > 0]
     if not ts:
@@ -250,6 +306,7 @@ def _on_one_slice(target, args, kwargs):
         return a
 
     args, kwargs = pytree.tree_unflatten([one_slice(a) for a in flat], spec)
+    check(target, args, kwargs)
     out = target(*args, **kwargs)
     if not isinstance(out, torch.Tensor) or out.dim() != n:
         return None

@@ -202,6 +202,38 @@ def test_mask_too_large_to_evaluate_is_left_alone(monkeypatch):
 
 
 @pytest.mark.parametrize("build", [llama_tiny, gpt2_tiny], ids=["llama", "gpt2"])
+def test_the_budget_counts_what_the_evaluation_allocates(monkeypatch, build):
+    """The budget holds what the evaluation allocates, op by op, not the values' written sizes:
+    a Hugging Face mask of many rows, over the budget as written (16 GiB for 1024 rows of 4096),
+    is one row with its broadcasts kept, and is proven causal; no op ever runs that would take
+    the evaluation past the budget, and a budget under what it needs leaves the mask alone."""
+    import autopar.passes.causal_mask as cm
+    from autopar.passes.causal_mask import _bind, _live_peak
+
+    model, batch = build(batch=64, seq=64)
+    captured = trace(model, batch, causal_masks=False)
+    budget = 160 * 2**10  # (64, 1, 64, 64) booleans are 256 KiB
+    assert _live_peak(ancestors(_bind(_sdpa_calls(captured)[0])["attn_mask"])) > budget  # as written
+    held: list[int] = []
+    check = cm._Broadcasts._within_budget
+
+    def spy(self, target, args, kwargs):
+        check(self, target, args, kwargs)  # raises past the budget, before the op runs
+        storages = {}
+        for v in [*self.env.values(), *args]:
+            if isinstance(v, torch.Tensor):
+                storages[v.untyped_storage()._cdata] = v.untyped_storage().nbytes()
+        held.append(sum(storages.values()) + cm._allocates(target, args, kwargs))
+
+    monkeypatch.setattr(cm._Broadcasts, "_within_budget", spy)
+    monkeypatch.setattr(cm, "EVAL_BUDGET_BYTES", budget)
+    assert all(_mask_of(n) is None for n in _sdpa_calls(trace(model, batch)))
+    assert held and max(held) <= budget
+    monkeypatch.setattr(cm, "EVAL_BUDGET_BYTES", max(held) - 1)
+    assert all(_mask_of(n) is not None for n in _sdpa_calls(trace(model, batch)))
+
+
+@pytest.mark.parametrize("build", [llama_tiny, gpt2_tiny], ids=["llama", "gpt2"])
 def test_mask_evaluated_on_broadcast_slices_equals_the_graphs_value(build):
     """``_evaluate`` keeps what repeats along a dim as a broadcast (one batch row of Hugging Face's
     mask instead of every row): every element equals what the mask's graph computes as written, and
