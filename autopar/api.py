@@ -22,11 +22,13 @@ from torch.distributed.tensor.placement_types import Replicate
 from autopar.cluster import ClusterSpec
 from autopar.codegen.agree import agree, solve_once
 from autopar.errors import DistributedSetupError, PlanFormatError, PlanMismatchError
-from autopar.options import Optimizer, SearchOptions
+from autopar.options import AxisRole, Optimizer, SearchOptions
 from autopar.passes.analyze import analyze
 from autopar.passes.blocks import find_blocks
 from autopar.passes.costs import build_costs
+from autopar.passes.data_region import plan_region
 from autopar.passes.fuse import fuse_as_planned
+from autopar.passes.local_rows import trace_rows
 from autopar.passes.pipeline import price_pipeline, stage_cluster
 from autopar.passes.price import expanded_choice, grad_sync_cost, price_plan
 from autopar.passes.search import MeshRun, SearchResult, Solved, with_pipeline, with_trades
@@ -35,7 +37,7 @@ from autopar.passes.solver import Solution, objective_s
 from autopar.passes.strategies import Strategy, build_strategies
 from autopar.passes.trace import TracedGraph, keep_loss_only, normalize_inputs, trace
 from autopar.passes.trades import apply_trades, half_infos, trade_terms
-from autopar.placement import Outputs, spec_from_str, via_from_str
+from autopar.placement import Outputs, own_rows_axes, spec_from_str, via_from_str
 from autopar.plan import Plan
 from autopar.tools.profiler import OpProfiler, resolve_profiler
 
@@ -108,7 +110,8 @@ def reprice(
     infos = analyze(tg)
     mesh = tuple(plan.mesh_shape)
     outputs = Outputs(plan.outputs)
-    strats = build_strategies(tg, infos, mesh)
+    regions = plan_regions(model, tg, plan, example_inputs)
+    strats = build_strategies(tg, infos, mesh, regions[0] or None, regions=regions[1])
     whole = cluster
     if plan.pipeline.enabled:  # the tables price one stage's mesh (passes/pipeline.py)
         cluster = stage_cluster(cluster, plan.pipeline.stages)
@@ -125,7 +128,7 @@ def reprice(
     )  # fmt: skip
     blocks = find_blocks(tg)
     tables = apply_trades(base, tg, cinfos, trades, cluster, optimizer, blocks)
-    wanted = choice_from_plan(tg, plan)
+    wanted = choice_from_plan(tg, plan, regions)
     picks = {v: ss.index(wanted[v]) for v, ss in tables.strategies.items()}
     t = objective_s(tables, picks)
     sol = Solution(picks, t, "Repriced", 0.0, plan.solver.name, 0, 0)
@@ -251,12 +254,16 @@ def _module_graph(model, tg: TracedGraph, plan: Plan, example_inputs):
     inputs = normalize_inputs(example_inputs)
     k = plan.trades.micro_batches
     if k == 1:
-        return tg, inputs, choice_from_plan(tg, plan)
+        return tg, inputs, choice_from_plan(tg, plan, plan_regions(model, tg, plan, example_inputs))
     micro = micro_batch_inputs(example_inputs, plan)
     mtg = traced_as_planned(model, micro, plan)
     check_same_graph(tg, mtg, k)
     try:
-        return mtg, normalize_inputs(micro), choice_from_plan(mtg, plan)
+        return (
+            mtg,
+            normalize_inputs(micro),
+            choice_from_plan(mtg, plan, plan_regions(model, mtg, plan, micro)),
+        )
     except PlanFormatError as e:
         raise MicroBatchError(
             f"the plan's placements do not fit micro-batches of 1/{k} of the batch: {e}. Use a larger batch "
@@ -264,10 +271,44 @@ def _module_graph(model, tg: TracedGraph, plan: Plan, example_inputs):
         ) from e
 
 
-def choice_from_plan(tg: TracedGraph, plan: Plan) -> dict[str, Strategy]:
-    """Read every node's strategy back from the plan, refusing any the rules would not allow."""
+def plan_regions(model, tg: TracedGraph, plan: Plan, example_inputs) -> tuple[tuple, dict]:
+    """``(axis_roles, regions)`` for ``build_strategies``: where the plan runs a data-parallel region
+    (``passes/data_region.py``: decisions via ``OwnRows``), the data role on its axis and the region
+    nodes' options, read off the model traced again on one rank's rows of ``example_inputs`` (their
+    local arguments stored for codegen); ``((), {})`` where it runs none."""
+    names = [d.name for d in plan.decisions if own_rows_axes(via_from_str(d.via))]
+    if not names:
+        return (), {}
+    axes = {a for d in plan.decisions for a in own_rows_axes(via_from_str(d.via))}
+    if len(axes) != 1:
+        raise PlanFormatError(f"the plan runs data-parallel regions on mesh axes {sorted(axes)}; one at most")
+    (axis,) = axes
+    parts = plan.mesh_shape[axis]
+
+    def rewrite(other: TracedGraph) -> None:  # as traced_as_planned rewrites tg
+        if plan.outputs == Outputs.LOSS.value:
+            keep_loss_only(other)
+        fuse_as_planned(other, plan.kernels)
+
+    local = trace_rows(model, example_inputs, tg, parts, rewrite)
+    if not isinstance(local, str):
+        local = plan_region(tg, local, names)
+    if isinstance(local, str):
+        raise PlanMismatchError(
+            f"the plan's data-parallel region cannot run on one rank's rows: {local}; re-plan"
+        )
+    roles = tuple(AxisRole.DATA if a == axis else AxisRole.AUTO for a in range(len(plan.mesh_shape)))
+    return roles, local
+
+
+def choice_from_plan(
+    tg: TracedGraph, plan: Plan, regions: tuple[tuple, dict] = ((), {})
+) -> dict[str, Strategy]:
+    """Read every node's strategy back from the plan, refusing any the rules would not allow
+    (``regions``: ``plan_regions``' for a plan with a data-parallel region)."""
     infos = analyze(tg)
-    allowed = build_strategies(tg, infos, plan.mesh_shape)
+    roles, options = regions
+    allowed = build_strategies(tg, infos, plan.mesh_shape, roles or None, regions=options)
     choice = {}
     single = [n == 1 for n in plan.mesh_shape]
 

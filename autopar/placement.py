@@ -168,12 +168,36 @@ class SeqAttention(enum.Enum):
     ALL_TO_ALL = "all_to_all"
 
 
-def via_to_str(via: Sequence[SeqAttention | None]) -> str:
-    """``"ring,-"``: per mesh axis the attention algorithm, ``-`` where there is none ("" when none)."""
+class OwnRows(enum.Enum):
+    """An op of a data-parallel region (``passes/data_region.py``): on this axis each rank runs the
+    op unchanged on the values its own rows of the batch give, as the model would run on that
+    rank's rows alone. Its placements say which dim has the rank's rows (``Shard(d)``: the local
+    sizes) or that the value has no batch dim (``Replicate``); they do not say that the values are
+    pieces of the whole batch's: inside the region they are not (a sort of this rank's tokens is no
+    slice of the sort of all tokens). Only the region's outputs are, which the region's check
+    proved. No collective runs inside; the whole region is taken or none of it."""
+
+    LOCAL = "own_rows"
+
+
+Via = SeqAttention | OwnRows
+
+
+def via_to_str(via: Sequence[Via | None]) -> str:
+    """``"ring,-"``: per mesh axis the algorithm, ``-`` where there is none ("" when none)."""
     return ",".join(v.value if v is not None else "-" for v in via) if any(via) else ""
 
 
-def via_from_str(s: str) -> tuple[SeqAttention | None, ...]:
+def _via(t: str) -> Via:
+    return OwnRows(t) if t == OwnRows.LOCAL.value else SeqAttention(t)
+
+
+def via_from_str(s: str) -> tuple[Via | None, ...]:
     if not s:
         return ()
-    return tuple(None if t == "-" else SeqAttention(t) for t in s.split(","))
+    return tuple(None if t == "-" else _via(t) for t in s.split(","))
+
+
+def own_rows_axes(via: Sequence[Via | None]) -> tuple[int, ...]:
+    """The axes on which a strategy with ``via`` runs as an op of a data-parallel region."""
+    return tuple(a for a, v in enumerate(via) if v is OwnRows.LOCAL)

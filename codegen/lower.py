@@ -9,7 +9,9 @@ For every node, in order:
    (``passes/grad_sync.py:reshard_key``), so q, k and v reduce their input's gradient once;
 2. the op runs on local pieces: the same aten op, except for *lowerings* (``LOWERINGS``) that
    rewrite arguments that refer to global sizes (views, expands), rescale a mean over a sharded
-   dim, or reduce a batch-sharded cross-entropy with explicit all-reduces; with
+   dim, or reduce a batch-sharded cross-entropy with explicit all-reduces; an op of a
+   data-parallel region (``OwnRows``, ``passes/data_region.py``) runs with its arguments as traced
+   on one rank's rows (``local_call``), no lowering, no collective; with
    ``overlap_matmuls``, a linear whose input's reshard ends with an all-gather runs it as
    ``all_gather_linear`` (the reshard's earlier steps emitted as they are), and one whose output's
    only use reshards it starting with a reduce-scatter as ``linear_reduce_scatter`` (the use then
@@ -41,6 +43,7 @@ from autopar.codegen import local_ops as L
 from autopar.kernels import ops as kernel_ops
 from autopar.passes.collective_matmul import LINEAR, gather_step, scatter_step, sole_use
 from autopar.passes.grad_sync import emitted_f_axes, plan_uses, reshard_key
+from autopar.passes.local_rows import local_call
 from autopar.passes.rules import map_args, norm_dim
 from autopar.passes.rules.nn import batch_norm_split_axes
 from autopar.passes.rules.shape import arange_range
@@ -54,6 +57,7 @@ from autopar.placement import (
     is_shard,
     local_shape,
     output_placement,
+    own_rows_axes,
     replicated,
 )
 from autopar.reshard import ReshardStep, StepKind, reshard_plan
@@ -519,10 +523,13 @@ def lower(
                         return hit[0]
                 return reshard(fops, leaf, s.ins[k], node)
 
-            args, kwargs = map_args(node, reshard_in, env.__getitem__, map_device)
+            # an op of a data-parallel region runs as traced on this rank's rows: no lowering
+            own_rows = bool(own_rows_axes(s.via))
+            call = local_call(node) if own_rows else None
+            args, kwargs = map_args(node, reshard_in, env.__getitem__, map_device, call)
             if node.target is AUTOCAST_REGION and AUTOCAST_REGION is not None:  # its device type, at run time
                 args = (_run_device_type(g), *args[1:])
-            fn = LOWERINGS.get(node.target)
+            fn = None if own_rows else LOWERINGS.get(node.target)
             out_spec = s.out
             scatter = scatter_after(node, s) if fuse else None
             if gather:

@@ -612,6 +612,16 @@ def data_parallel_pair(have, need, param: bool, data_axes: Sequence[int]) -> boo
     return True
 
 
+def data_role_takes(node: fx.Node, i: int, info: NodeInfo, have, need, param: bool, data_axes) -> bool:
+    """May input ``i`` of ``node`` (the tensor ``info``), stored as ``have``, be taken as ``need``
+    under data parallelism on ``data_axes``? The test ``_edge`` prices the pair by (a forbidden pair
+    is infinite): ``data_parallel_pair`` unless the use takes its input whole (``_takes_whole``,
+    ``_indexes_whole``)."""
+    if _takes_whole(node) or _indexes_whole(node, i, info):
+        return True
+    return data_parallel_pair(have, need, param, data_axes)
+
+
 # ops that read only their input's dtype and device (``x.new_zeros(shape)``)
 _METADATA_ONLY = frozenset(
     [aten.new_zeros.default, aten.new_ones.default, aten.new_full.default, aten.new_empty.default]
@@ -750,7 +760,7 @@ def lowering_collectives(
     """Each collective that the lowering of ``node`` under ``s`` runs inside the op, after its own
     forward compute (codegen/lower.py), with its seconds: what it adds to the step beyond the op's
     own compute ``compute_s`` (forward + backward, per rank), which a ring's hops overlap."""
-    if s.via:
+    if any(isinstance(v, SeqAttention) for v in s.via):
         return _sequence_attention_collectives(node, s, comm, compute_s)
     if node.target is FUSED_CROSS_ENTROPY:
         return _fused_cross_entropy_collectives(node, s, comm)

@@ -47,9 +47,11 @@ from autopar.passes.analyze import NodeInfo, analyze
 from autopar.passes.blocks import Block, find_blocks
 from autopar.passes.coarsen import Classes, find_classes
 from autopar.passes.costs import CostTables, NodeTimer, build_costs
+from autopar.passes.data_region import DataRegion, find_region, region_parts
 from autopar.passes.fuse import chosen_kernels, fuse
 from autopar.passes.grad_sync import GradSyncCost
 from autopar.passes.infeasible import blocked
+from autopar.passes.local_rows import trace_rows
 from autopar.passes.memory_row import lower_bound_bytes
 from autopar.passes.micro_batch_check import MicroBatchCheck
 from autopar.passes.pipeline import (
@@ -208,16 +210,19 @@ def search(
     cinfos = half_infos(infos, precision)  # what the cost model prices: activations as computed
     batch = batch_size(tg, infos)
     limit = cluster.memory_limit(options.memory_limit_bytes)
-    # data-parallel solution of one axis, by size (or why there is none): shared by every pass
+    # found once, shared by every pass: the data-parallel solution of one axis, by size, and the
+    # data-parallel regions by ranks on the data axis (or why there is none)
     data_axis: dict[int, dict[str, Strategy] | NoPlanFitsError] = {}
+    regions: dict[int, DataRegion | str] = {}
     args = (tg, infos, cinfos, classes, blocks, cluster, options, precision, batch, limit, profiler, st)
-    found = _explore(*args, micro, data_axis)
+    rest = (micro, data_axis, model, example_inputs, regions)
+    found = _explore(*args, *rest)
     # one-row micro-batches are explored unchecked (tracing the model on one row costs as much as
     # the first trace); only where a plan with them wins is the model traced on one row. Where its
     # graph changes there, the search runs again without them: that plan may have pruned others
     while found.best is not None and not micro.allows(batch, _micro_batches_of(found.best)):
         st.say("search: again, without one-row micro-batches")
-        found = _explore(*args, micro, data_axis)
+        found = _explore(*args, *rest)
     best, candidates = found.best, found.candidates
     best = select_stage(
         best, candidates, cluster, limit, found.min_needed, found.refused_at_full_peak, found.unplaceable, st,
@@ -255,6 +260,9 @@ def _explore(
     st: _Stages,
     micro: MicroBatchCheck,
     data_axis: dict,
+    model: torch.nn.Module,
+    example_inputs,
+    regions: dict,
 ) -> _Found:
     """Every candidate: the SPMD meshes (``mesh_runs``), each down its ladder of trades, then each
     pipeline stage count (``pipeline_candidates``), pruned against the fastest plan so far."""
@@ -297,7 +305,10 @@ def _explore(
             parts = math.prod(run.mesh[a] for a in data_axes)
         else:
             parts = math.prod(run.mesh) if options.micro_batches is None else 1
-        for trades in ladder(options, data_axes, precision, batch, bool(blocks)):
+        rungs = list(ladder(options, data_axes, precision, batch, bool(blocks)))
+        tried_region = fixed is not None or region_parts(run.mesh, data_axes) is None
+        while rungs:
+            trades = rungs.pop(0)
             if trades.micro_batches > 1 and (batch is None or (batch // trades.micro_batches) % parts):
                 continue
             if not micro.allows(batch, trades.micro_batches, trace=False):
@@ -314,6 +325,24 @@ def _explore(
                 continue
             ctx = TradeContext(trades, tables, blocks, cinfos, bounds)
             outcome = solve_mesh(tg, cinfos, traded, cluster, run, options, limit, best_objective, st, ctx)
+            if outcome.entry.get("blocked") and not tried_region:
+                # an op the data role cannot split: the ops around it as one region run on each
+                # rank's own rows (passes/data_region.py), where that holds; then this candidate again
+                tried_region = True
+                got = region_stage(model, example_inputs, tg, infos, cinfos, run, classes, cluster, options,
+                                   profiler, st, regions)  # fmt: skip
+                if isinstance(got, str):
+                    outcome.entry["blocked"] += f"; as a data-parallel region: {got}"
+                else:
+                    strats, tables = got
+                    # micro-batches would run the region on other sizes than those it was checked on
+                    rungs = [
+                        t
+                        for t in ladder(options, data_axes, precision, batch, bool(blocks))
+                        if t.micro_batches == 1
+                    ]
+                    bounds, short, over = {}, [], []
+                    continue
             min_needed = min(min_needed, outcome.mem_needed)
             refused_at_full_peak |= outcome.refused_at_full_peak
             candidates.append(outcome.entry)
@@ -489,6 +518,51 @@ def strategies_stage(
     if st.dump:
         st.write(f"3_strategies_{run.tag}.tsv", strategies_tsv(strats))
     return strats
+
+
+def region_stage(
+    model, example_inputs, tg: TracedGraph, infos: dict[str, NodeInfo], cinfos: dict[str, NodeInfo],
+    run: MeshRun, classes: Classes | None, cluster: ClusterSpec, options: SearchOptions,
+    profiler: NodeTimer | None, st: _Stages, regions: dict,
+) -> tuple[dict[str, NodeStrategies], CostTables] | str:  # fmt: skip
+    """The candidate's strategies and tables with its data-parallel region (``passes/data_region.py``:
+    found and checked once per number of ranks on the data axis, kept in ``regions``), or why there
+    is none."""
+    data_axes = [a for a, r in enumerate(run.roles or ()) if r is AxisRole.DATA]
+    parts = region_parts(run.mesh, data_axes)
+    if parts not in regions:
+        t0 = time.perf_counter()
+
+        def rewrite(other: TracedGraph) -> None:  # as the search rewrote tg (fuse_stage)
+            if options.outputs is Outputs.LOSS:
+                keep_loss_only(other)
+            fuse(other, {u.kernel for u in tg.kernels})
+
+        rows = trace_rows(model, example_inputs, tg, parts, rewrite)
+        if isinstance(rows, str):
+            regions[parts] = rows
+        else:
+            one_axis = build_strategies(tg, infos, (parts,), (AxisRole.DATA,))
+            regions[parts] = find_region(tg, rows, infos, one_axis, classes)
+        got = regions[parts]
+        said = got if isinstance(got, str) else f"{len(got.nodes)} ops run on each rank's own rows"
+        st.say(f"data region on {parts} ranks: {said} ({time.perf_counter() - t0:.1f} s)")
+    region = regions[parts]
+    if isinstance(region, str):
+        return region
+    only = set(classes.members) if classes else None
+    strats = build_strategies(
+        tg,
+        infos,
+        run.mesh,
+        run.roles,
+        only=only,
+        seq_attention=options.sequence_attention,
+        regions=region.options,
+    )
+    if st.dump:
+        st.write(f"3_strategies_{run.tag}.tsv", strategies_tsv(strats))
+    return strats, cost_stage(tg, cinfos, strats, cluster, run, options, classes, profiler, st)
 
 
 def _skip(run: MeshRun, e: NoPlanFitsError, candidates: list[dict], unplaceable: list[str], st: _Stages):

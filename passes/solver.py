@@ -330,7 +330,10 @@ def _dominant_responses(v: str, edges: list[Edge], v_cost: list[float], na: int)
         with np.errstate(invalid="ignore"):
             d = c[:, None, :] - c[None, :, :]
         d = np.where(np.isnan(d), 0.0, d)  # inf - inf: both forbidden, no difference
-        regret = regret + d.max(axis=2)
+        with np.errstate(invalid="ignore"):
+            regret = regret + d.max(axis=2)
+        # -inf + inf: b' forbidden downstream on one edge, b on another; as if b cost the most
+        regret = np.where(np.isnan(regret), np.inf, regret)
     response = []
     for a in range(na):
         row = t[a]

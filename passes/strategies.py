@@ -39,7 +39,7 @@ from autopar.passes.analyze import NodeInfo
 from autopar.passes.rules import RULES, VIEW_OPS, AxisOption, make_ctx, tensor_inputs, written_inputs
 from autopar.passes.rules.dtensor import options as dtensor_options
 from autopar.passes.trace import Role, TracedGraph
-from autopar.placement import SeqAttention, Spec, is_partial, is_replicate, is_shard
+from autopar.placement import SeqAttention, Spec, Via, is_partial, is_replicate, is_shard
 
 log = logging.getLogger(__name__)
 R = Replicate()
@@ -50,9 +50,9 @@ aten = torch.ops.aten
 class Strategy:
     out: Spec
     ins: tuple[Spec, ...]  # one spec per tensor input (see rules.tensor_inputs)
-    # per mesh axis, the algorithm of an op whose placements do not say it (``SeqAttention``);
-    # empty where no axis has one
-    via: tuple[SeqAttention | None, ...] = ()
+    # per mesh axis, the algorithm of an op whose placements do not say it (``SeqAttention``, or
+    # ``OwnRows``: an op of a data-parallel region); empty where no axis has one
+    via: tuple[Via | None, ...] = ()
 
     def via_axis(self, kind: SeqAttention) -> int | None:
         """The mesh axis this strategy runs ``kind`` on, if any."""
@@ -191,10 +191,13 @@ def build_strategies(
     only: set[str] | None = None,
     fixed: dict[int, dict[str, Strategy]] | None = None,
     seq_attention: SeqAttention | None = None,
+    regions: dict[str, AxisOption] | None = None,
 ) -> dict[str, NodeStrategies]:
     """Strategies of every placeholder and op node (or of the names in ``only``: class representatives).
 
-    ``fixed[a][name]``: a strategy on a 1-axis mesh that node ``name`` takes on mesh axis ``a``."""
+    ``fixed[a][name]``: a strategy on a 1-axis mesh that node ``name`` takes on mesh axis ``a``.
+    ``regions[name]``: the one option of a node of a data-parallel region (``passes/data_region.py``)
+    on the mesh's data axis; such a node is replicated on every other axis."""
     axis_roles = tuple(axis_roles or (AxisRole.AUTO,) * len(mesh_shape))
     if len(axis_roles) != len(mesh_shape):
         raise ValueError(f"axis_roles {axis_roles} must have one entry per mesh axis {tuple(mesh_shape)}")
@@ -213,6 +216,8 @@ def build_strategies(
             for a, f in (fixed or {}).items()
             if node.name in f
         }
+        if regions and node.name in regions:
+            pinned = _region_pins(regions[node.name], mesh_shape, axis_roles)
         if node.op == "placeholder":
             strategies = expand(placeholder_options(info.shape), 0, info.shapes, [], mesh_shape, pinned)
             strategies = [s for s in strategies if _placeholder_allowed(s.out, info, axis_roles)]
@@ -247,6 +252,15 @@ def build_strategies(
 
 
 SDPA = aten.scaled_dot_product_attention.default
+
+
+def _region_pins(option: AxisOption, mesh_shape: Sequence[int], axis_roles: Sequence[AxisRole]) -> dict:
+    """A data-parallel region's node: its option on the data axis, Replicate on every other."""
+    whole = AxisOption(R, (R,) * len(option.ins))
+    return {
+        a: option if role is AxisRole.DATA and n > 1 else whole
+        for a, (n, role) in enumerate(zip(mesh_shape, axis_roles))
+    }
 
 
 def _attention_strategies(

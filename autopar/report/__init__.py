@@ -24,7 +24,7 @@ from html import escape
 from typing import Any
 
 from autopar.cost_model.comm import crosses_nodes
-from autopar.placement import SeqAttention, is_shard
+from autopar.placement import OwnRows, SeqAttention, is_shard
 from autopar.plan import NodeDecision, Plan
 from autopar.report.pipeline import pipeline_section
 from autopar.report.svg import (
@@ -313,6 +313,11 @@ SEQ_ATTENTION_MEANING = {
     "turns the output back (DeepSpeed-Ulysses)",
 }
 
+OWN_ROWS_MEANING = (
+    "an op of a data-parallel region (passes/data_region.py): each device runs it unchanged on its own rows of "
+    "the batch, no collective inside; only the region's outputs are slices of the whole batch's values"
+)
+
 
 def axis_roles(plan: Plan) -> list[str]:
     """Per mesh axis, the role the search gave it (``AxisRole`` values): the chosen candidate's,
@@ -409,6 +414,8 @@ def placement_legend(plan: Plan) -> str:
     for v in SeqAttention:
         if v.value in vias:
             rows.append([(f"<code>via {escape(v.value)}</code>", False), text_cell(SEQ_ATTENTION_MEANING[v])])
+    if OwnRows.LOCAL.value in vias:
+        rows.append([(f"<code>via {OwnRows.LOCAL.value}</code>", False), text_cell(OWN_ROWS_MEANING)])
     text = (
         f"<p>A placement has one entry per mesh axis, in axis order, comma separated ({each}). "
         "<i>output</i>: where a node's result lives; <i>inputs</i>: where each of its tensor inputs is brought "

@@ -34,7 +34,7 @@ import torch.fx as fx
 import torch.utils._pytree as pytree
 from torch.distributed.tensor.placement_types import Partial, Placement, Replicate, Shard
 
-from autopar.placement import SeqAttention
+from autopar.placement import Via
 
 aten = torch.ops.aten
 R, P = Replicate(), Partial()
@@ -49,7 +49,7 @@ class AxisOption:
 
     out: Placement
     ins: tuple[Placement, ...]
-    via: SeqAttention | None = None
+    via: Via | None = None
     splits: tuple[tuple[int, int], ...] = ()
 
 
@@ -141,10 +141,12 @@ def map_args(
     tensor: Callable[[int, fx.Node], Any],
     other_node: Callable[[fx.Node], Any],
     value: Callable[[Any], Any] = lambda v: v,
+    call: tuple[tuple, dict] | None = None,
 ) -> tuple[tuple, dict]:
-    """``node``'s (args, kwargs) with its k-th tensor input (``tensor_inputs`` order) replaced by
-    ``tensor(k, input)``, any other node by ``other_node(it)`` and every other leaf by ``value(it)``."""
-    leaves, tree = pytree.tree_flatten((node.args, node.kwargs))
+    """``node``'s (args, kwargs) (or ``call``, other arguments of the same form) with its k-th
+    tensor input (``tensor_inputs`` order) replaced by ``tensor(k, input)``, any other node by
+    ``other_node(it)`` and every other leaf by ``value(it)``."""
+    leaves, tree = pytree.tree_flatten((node.args, node.kwargs) if call is None else call)
     out, k = [], 0
     for leaf in leaves:
         if _is_tensor_node(leaf):
