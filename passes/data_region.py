@@ -73,6 +73,10 @@ R = Replicate()
 MAX_ROUNDS = 32
 RTOL, ATOL = 1e-4, 1e-5
 TRIALS, DESCENDING = 3, 2  # check runs: random values twice, then rows in descending order
+# the most the check may hold, counted from the traced values before anything runs: a model
+# planned on the meta device has its region's weights made for the check (a large mixture of
+# experts' would be tens of GiB), and every value of the region is computed for the whole batch
+CHECK_BUDGET_BYTES = 2 * 2**30
 
 
 @dataclass(frozen=True)
@@ -331,9 +335,15 @@ def check(tg: TracedGraph, region: set[str], dims: dict, parts: int, seed: int =
     order, inputs, outputs = _boundary(region, nodes)
     if not outputs:
         return "the region gives nothing outside"
+    weights = {p.name for p in tg.placeholders if p.role is not Role.INPUT}
+    need = _check_bytes(tg, order, inputs, weights)
+    if need > CHECK_BUDGET_BYTES:
+        return (
+            f"checking the region around {order[0].target} (node {order[0].name}) would hold "
+            f"{need / 2**30:.1f} GiB, over the {CHECK_BUDGET_BYTES / 2**30:.0f} GiB it may: not checked"
+        )
     whole = _subgraph(tg.graph_module, order, inputs, outputs, lambda n: (n.args, n.kwargs))
     mine = _subgraph(tg.graph_module, order, inputs, outputs, local_call)
-    weights = {p.name for p in tg.placeholders if p.role is not Role.INPUT}
 
     def fresh(a, v):  # an in-place op of the region may write into an activation it reads
         return v if a.name in weights else v.clone()
@@ -355,6 +365,30 @@ def check(tg: TracedGraph, region: set[str], dims: dict, parts: int, seed: int =
             if not ok and o.name not in bad:
                 bad.append(o.name)
     return bad
+
+
+def _check_bytes(tg: TracedGraph, order: list[fx.Node], inputs: list[fx.Node], weights: set[str]) -> float:
+    """What ``check`` holds at most, from the traced values: the inputs it makes (a weight already in
+    memory is read as it is; one on the meta device is made), and every value of the region, none
+    freed, for the whole batch and again for the ranks' rows."""
+
+    def nbytes(n: fx.Node) -> float:
+        return sum(
+            t.numel() * t.element_size()
+            for t in pytree.tree_leaves(n.meta.get("val"))
+            if isinstance(t, torch.Tensor)
+        )
+
+    def made(a: fx.Node) -> bool:
+        if a.op == "get_attr":
+            return False
+        if a.name not in weights:
+            return True
+        target = next(p.target for p in tg.placeholders if p.name == a.name)
+        t = tg.state.get(target)
+        return t is None or t.device.type == "meta"
+
+    return sum(nbytes(a) for a in inputs if made(a)) + 2 * sum(nbytes(n) for n in order)
 
 
 def region_parts(mesh_shape: Sequence[int], data_axes: Sequence[int]) -> int | None:

@@ -306,7 +306,11 @@ def _explore(
         else:
             parts = math.prod(run.mesh) if options.micro_batches is None else 1
         rungs = list(ladder(options, data_axes, precision, batch, bool(blocks)))
-        tried_region = fixed is not None or region_parts(run.mesh, data_axes) is None
+        # a region is looked for only where the user forced the data role: the automatic search
+        # has other layouts, and finding one costs a trace on fewer rows and the region's check
+        tried_region = (
+            options.axis_roles is None or fixed is not None or region_parts(run.mesh, data_axes) is None
+        )
         while rungs:
             trades = rungs.pop(0)
             if trades.micro_batches > 1 and (batch is None or (batch // trades.micro_batches) % parts):

@@ -102,6 +102,27 @@ def test_forced_data_parallelism_on_a_region_that_mixes_samples_names_the_op():
         autopar.plan(model, _cpu(2), inputs, mesh_shape=(2,), axis_roles=(D,))
 
 
+def test_a_region_too_large_to_check_is_refused_before_it_runs(monkeypatch):
+    """The check's memory is counted from the traced values before anything runs (a model planned
+    on meta would have its experts made for it): past the budget the region is refused, saying
+    so; the automatic search never looks for a region (it has other layouts)."""
+    import autopar.passes.data_region as dr
+
+    model, inputs = _routed()
+    said: list[str] = []
+    auto = autopar.plan(model, _cpu(2), inputs, progress=said.append)
+    assert not any("data region" in m for m in said)
+    assert not any(OwnRows.LOCAL in via_from_str(d.via) for d in auto.decisions)
+    monkeypatch.setattr(dr, "CHECK_BUDGET_BYTES", 64)
+    ran = []
+    monkeypatch.setattr(dr, "_subgraph", lambda *a, **k: ran.append(1))
+    with pytest.raises(
+        NoPlanFitsError, match=r"as a data-parallel region: checking the region .* would hold"
+    ):
+        autopar.plan(model, _cpu(2), inputs, mesh_shape=(2,), axis_roles=(D,))
+    assert not ran
+
+
 def test_a_routed_region_is_planned_with_its_ops_on_each_ranks_rows():
     """The plan keeps the batch split and the weights whole; the ops of the region say so (via
     ``own_rows``), nothing is gathered on the data axis."""
