@@ -60,7 +60,7 @@ import torch.fx as fx
 import torch.utils._pytree as pytree
 from torch.distributed.tensor.placement_types import Replicate, Shard
 
-from autopar.passes.analyze import NodeInfo
+from autopar.passes.analyze import NodeInfo, tensor_nbytes, tensor_vals
 from autopar.passes.coarsen import Classes
 from autopar.passes.costs import data_role_takes
 from autopar.passes.local_rows import ODD, Rows, local_call, localize, row_dims, tensors
@@ -291,11 +291,9 @@ def _value(tg: TracedGraph, node: fx.Node, dim, parts: int, trial: int, gen: tor
     the ``DESCENDING`` trial larger on each rank's rows than on the next rank's (a sort, or
     anything that orders the rows, moves the last rank's rows to the front: on a few rows, random
     keys may already be in order)."""
-    role = next((p for p in tg.placeholders if p.name == node.name), None)
-    if role is not None and role.role is not Role.INPUT:
-        t = tg.state.get(role.target)
-        if t is not None and t.device.type != "meta":
-            return t.detach()  # read, never written: no training op writes into a weight
+    t = _in_memory(tg, node)
+    if t is not None:
+        return t.detach()  # read, never written: no training op writes into a weight
     v = node.meta["val"]
     if v.dtype == torch.bool:
         return torch.rand(v.shape, generator=gen) < 0.5
@@ -312,6 +310,16 @@ def _value(tg: TracedGraph, node: fx.Node, dim, parts: int, trial: int, gen: tor
         else:
             x = (rank < (parts + 1) // 2).to(x.dtype).view(shape).expand(v.shape).clone()
     return x.to(v.dtype)
+
+
+def _in_memory(tg: TracedGraph, node: fx.Node) -> torch.Tensor | None:
+    """The weight or buffer ``node`` is, where it is in memory (not on the meta device): the check
+    reads it as it is, and makes every other input."""
+    role = next((p for p in tg.placeholders if p.name == node.name), None)
+    if role is None or role.role is Role.INPUT:
+        return None
+    t = tg.state.get(role.target)
+    return t if t is not None and t.device.type != "meta" else None
 
 
 def _piece(t: torch.Tensor, dim, parts: int, r: int) -> torch.Tensor:
@@ -335,8 +343,7 @@ def check(tg: TracedGraph, region: set[str], dims: dict, parts: int, seed: int =
     order, inputs, outputs = _boundary(region, nodes)
     if not outputs:
         return "the region gives nothing outside"
-    weights = {p.name for p in tg.placeholders if p.role is not Role.INPUT}
-    need = _check_bytes(tg, order, inputs, weights)
+    need = _check_bytes(tg, order, inputs)
     if need > CHECK_BUDGET_BYTES:
         return (
             f"checking the region around {order[0].target} (node {order[0].name}) would hold "
@@ -344,6 +351,7 @@ def check(tg: TracedGraph, region: set[str], dims: dict, parts: int, seed: int =
         )
     whole = _subgraph(tg.graph_module, order, inputs, outputs, lambda n: (n.args, n.kwargs))
     mine = _subgraph(tg.graph_module, order, inputs, outputs, local_call)
+    weights = {p.name for p in tg.placeholders if p.role is not Role.INPUT}
 
     def fresh(a, v):  # an in-place op of the region may write into an activation it reads
         return v if a.name in weights else v.clone()
@@ -367,28 +375,16 @@ def check(tg: TracedGraph, region: set[str], dims: dict, parts: int, seed: int =
     return bad
 
 
-def _check_bytes(tg: TracedGraph, order: list[fx.Node], inputs: list[fx.Node], weights: set[str]) -> float:
-    """What ``check`` holds at most, from the traced values: the inputs it makes (a weight already in
-    memory is read as it is; one on the meta device is made), and every value of the region, none
-    freed, for the whole batch and again for the ranks' rows."""
+def _check_bytes(tg: TracedGraph, order: list[fx.Node], inputs: list[fx.Node]) -> float:
+    """What ``check`` holds at most, from the traced values: the inputs it makes (``_in_memory``:
+    a weight in memory is read as it is), and every value of the region, none freed, for the whole
+    batch and again for the ranks' rows."""
 
-    def nbytes(n: fx.Node) -> float:
-        return sum(
-            t.numel() * t.element_size()
-            for t in pytree.tree_leaves(n.meta.get("val"))
-            if isinstance(t, torch.Tensor)
-        )
+    def nbytes(n: fx.Node) -> int:
+        return sum(tensor_nbytes(t) for t in tensor_vals(n.meta.get("val")))
 
-    def made(a: fx.Node) -> bool:
-        if a.op == "get_attr":
-            return False
-        if a.name not in weights:
-            return True
-        target = next(p.target for p in tg.placeholders if p.name == a.name)
-        t = tg.state.get(target)
-        return t is None or t.device.type == "meta"
-
-    return sum(nbytes(a) for a in inputs if made(a)) + 2 * sum(nbytes(n) for n in order)
+    made = [a for a in inputs if a.op != "get_attr" and _in_memory(tg, a) is None]
+    return sum(nbytes(a) for a in made) + 2 * sum(nbytes(n) for n in order)
 
 
 def region_parts(mesh_shape: Sequence[int], data_axes: Sequence[int]) -> int | None:
