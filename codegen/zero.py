@@ -203,6 +203,9 @@ def apply_trades(
     applied = AppliedTrades(trades)
     load = load if load is not None else (lambda m: None)
     axes = tuple(a for a in trades.data_axes if mesh.size(a) > 1)
+    if not axes and mesh.size() == 1 and trades.zero_stage >= ZeroStage.GRADIENTS:
+        # one device (passes/trades.py:zero_axes): FSDP2 over it shards nothing, but offloads
+        axes = trades.data_axes[:1]
     if trades.zero_stage and axes:
         applied.data_axes = (data_axis(axes),)
         applied.mesh = mesh
@@ -231,7 +234,8 @@ def _fully_shard(applied: AppliedTrades, gm: fx.GraphModule, tg: TracedGraph, de
 
     trades, mesh = applied.trades, applied.mesh
     axis = applied.data_axes[0]
-    applied.sharded = sharded_params(tg, deferred, applied.data_axes)
+    # on one device no gradient is partial on any axis: FSDP2 takes those left complete
+    applied.sharded = sharded_params(tg, deferred, tuple(a for a in applied.data_axes if mesh.size(a) > 1))
     keep = {
         mangle(p.target) for p in tg.placeholders if p.role is Role.PARAM and p.name not in applied.sharded
     }

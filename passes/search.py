@@ -87,6 +87,7 @@ from autopar.passes.trades import (
     micro_batch_ok,
     param_state,
     trade_terms,
+    zero_axes,
 )
 from autopar.placement import Outputs, SeqAttention, is_shard, spec_to_str
 from autopar.plan import Plan
@@ -305,7 +306,8 @@ def _explore(
             parts = math.prod(run.mesh[a] for a in data_axes)
         else:
             parts = math.prod(run.mesh) if options.micro_batches is None else 1
-        rungs = list(ladder(options, data_axes, precision, batch, bool(blocks)))
+        zaxes, one_device = zero_axes(run.mesh, data_axes), math.prod(run.mesh) == 1
+        rungs = list(ladder(options, zaxes, precision, batch, bool(blocks), one_device))
         # a region is looked for only where the user forced the data role: the automatic search
         # has other layouts, and finding one costs a trace on fewer rows and the region's check
         tried_region = (
@@ -342,7 +344,7 @@ def _explore(
                     # micro-batches would run the region on other sizes than those it was checked on
                     rungs = [
                         t
-                        for t in ladder(options, data_axes, precision, batch, bool(blocks))
+                        for t in ladder(options, zaxes, precision, batch, bool(blocks), one_device)
                         if t.micro_batches == 1
                     ]
                     bounds, short, over = {}, [], []

@@ -410,6 +410,20 @@ def trade_terms(
                 grads_full[b] += gbytes
             step_elems_host += elems * (4 if trades.precision.mixed else _item(info.dtype))
     d = math.prod(mesh[a] for a in axis_parts) if axis_parts else 1
+    # the host's optimizer step, tensor by tensor as on the device (each tensor's own overhead)
+    host_step = sum(
+        len(members[v])
+        * optimizer_step_time(
+            piece_elems(infos[v], tables.strategies[v][i].out, mesh)
+            * (4 if trades.precision.mixed else _item(infos[v].dtype))
+            / (d if z else 1),
+            optimizer.value,
+            cluster.device,
+            optimizer.name,
+        )
+        for v, i in choice.items()
+        if infos[v].role is Role.PARAM and infos[v].requires_grad
+    )
 
     def ag(nbytes: float) -> float:
         return sum(comm.time(Collective.ALL_GATHER, nbytes, a) for a in axis_parts)
@@ -454,8 +468,8 @@ def trade_terms(
         shard = step_elems_host / (d if z else 1)  # bytes of the master pieces this device steps
         link = cluster.host_link
         traffic = 2 * shard  # gradients down, parameters up
-        host_step = optimizer_step_time(shard, optimizer.value, cluster.device, optimizer.name)
-        host_step *= cluster.device.memory_bandwidth / max(link.bandwidth, 1.0)  # host memory is slower
+        # host memory is slower, never faster: on CPU devices the "host" is the device's own RAM
+        host_step *= max(1.0, cluster.device.memory_bandwidth / max(link.bandwidth, 1.0))
         terms.seconds["offload"] = traffic / link.bandwidth + link.latency + host_step
         terms.host_bytes = shard * (optimizer.value + 2)  # the master shards, gradients and state
         terms.bytes_saved["offload"] = terms.host_bytes
@@ -546,17 +560,28 @@ _RANK_RECOMPUTE = {Recompute.NONE: 0.0, Recompute.SELECTIVE: 1.0, Recompute.FULL
 _RANK_OFFLOAD = {Offload.NONE: 0.0, Offload.OPTIMIZER: 3.0}
 
 
+def zero_axes(mesh: Sequence[int], data_axes: tuple[int, ...]) -> tuple[int, ...]:
+    """The axes ZeRO shards over: ``data_axes`` (the data axes of more than one device); on a mesh
+    of one device, its first axis: FSDP2 over one device shards nothing, but it offloads, and
+    offload is what frees device memory there (``ladder`` offers ZeRO there only with it)."""
+    if data_axes:
+        return tuple(data_axes)
+    return (0,) if math.prod(mesh) == 1 else ()
+
+
 def ladder(
     options: SearchOptions,
     data_axes: tuple[int, ...],
     precision: Precision,
     batch: int | None,
     has_blocks: bool,
+    one_device: bool = False,
 ) -> list[Trades]:
     """The rungs the search tries, in the order of the time they tend to add (module docstring):
     every combination the options allow (a forced trade fixes its dimension), ZeRO only over
-    data axes, recomputation only where the model has repeated blocks, micro-batches only where
-    they divide the batch."""
+    data axes (``zero_axes``), recomputation only where the model has repeated blocks,
+    micro-batches only where they divide the batch. ``one_device``: the mesh is one device, where
+    ZeRO (over no one else) is offered only with offload, unless forced."""
     if options.zero_stage and not data_axes:
         return []
     zs = (
@@ -564,6 +589,8 @@ def ladder(
         if options.zero_stage is not None
         else (list(ZeroStage) if data_axes else [ZeroStage.NONE])
     )
+    if one_device and options.zero_stage is None:
+        zs = [z for z in zs if z is not ZeroStage.OPTIMIZER]  # ZeRO-1 offloads nothing
     rs = [options.recompute] if options.recompute is not None else (
         list(Recompute) if has_blocks else [Recompute.NONE]
     )  # fmt: skip
@@ -579,6 +606,7 @@ def ladder(
         for k in ks
         for o in os_
         if o is Offload.NONE or z >= ZeroStage.GRADIENTS  # offload is FSDP2's: ZeRO-2 or 3
+        if not (one_device and z and o is Offload.NONE and options.zero_stage is None)
     ]
     return sorted(
         rungs,

@@ -79,21 +79,27 @@ def _eager(model, batch, device: str):
     return losses, {k: v.detach().float().cpu() for k, v in model.state_dict().items()}
 
 
-def _autopar(model, batch, device: str, **kw):
+def _home(t: torch.Tensor) -> str:
+    """Where a tensor (a DTensor's local piece) lives: its device type, ', pinned' for pinned host memory."""
+    t = t.to_local() if hasattr(t, "to_local") else t
+    return t.device.type + (", pinned" if t.device.type == "cpu" and t.is_pinned() else "")
+
+
+def _autopar(model, batch, device: str, home: str | None = None, **kw):
+    """(losses, state, plan) of the generated module; every parameter, gradient and optimizer
+    state is checked to live in ``home`` (default: the device)."""
     pmodel = autopar.autoparallelize(model, autopar.ClusterSpec.local(), batch, **kw)
     opt = pmodel.optimizer(torch.optim.Adam, lr=LR)
     losses = []
     for _ in range(STEPS):
         loss = pmodel.step(**batch)  # a CPU batch: the module moves it to its device
         losses.append(loss.detach().float().cpu())
-        where = {p.device.type for p in pmodel.parameters()}
-        where |= {p.grad.device.type for p in pmodel.parameters() if p.grad is not None}
+        where = {_home(p) for p in pmodel.parameters()}
+        where |= {_home(p.grad) for p in pmodel.parameters() if p.grad is not None}
         opt.step()
-        where |= {
-            v.device.type for s in opt.state.values() for v in s.values() if torch.is_tensor(v) and v.dim()
-        }
+        where |= {_home(v) for s in opt.state.values() for v in s.values() if torch.is_tensor(v) and v.dim()}
         opt.zero_grad()
-        assert where == {device}, f"state off the {device}: {where}"
+        assert where == {home or device}, f"state off {home or device}: {where}"
     state = {k: v.float().cpu() for k, v in pmodel.full_state_dict().items()}
     return losses, state, pmodel.plan
 
@@ -116,6 +122,34 @@ def test_bf16_models_train_as_eager(device, name):
     losses, state, plan = _autopar(model, batch, device)
     assert plan.trades.precision is autopar.Precision.BF16
     _check((losses, state), want, name)
+
+
+@pytest.mark.parametrize(
+    "trades",
+    [
+        dict(recompute=autopar.Recompute.FULL, micro_batches=2),
+        dict(zero_stage=3, recompute=autopar.Recompute.SELECTIVE),
+        dict(zero_stage=2, offload=autopar.Offload.OPTIMIZER),
+        dict(zero_stage=3, offload=autopar.Offload.OPTIMIZER, micro_batches=2),
+    ],
+    ids=["full-recompute-micro2", "zero3-selective", "zero2-offload", "zero3-offload-micro2"],
+)
+def test_trades_on_one_device_train_as_eager(device, trades):
+    """The memory-for-time trades on one device: recomputation and micro-batches, FSDP2 over the
+    one device, and optimizer offload (the fp32 masters, their gradients and Adam's state in host
+    memory, pinned on a GPU: FSDP2's ``CPUOffloadPolicy``; the one ZeRO that pays on one device)
+    train as eager PyTorch does."""
+    model, batch = _build("llama")
+    want = _eager(model, batch, device)
+    offload = trades.get("offload") is autopar.Offload.OPTIMIZER
+    home = ("cpu, pinned" if device == "cuda" else "cpu") if offload else None
+    losses, state, plan = _autopar(model, batch, device, home=home, **trades)
+    assert plan.trades.zero_stage == trades.get("zero_stage", 0)
+    assert plan.trades.micro_batches == trades.get("micro_batches", 1)
+    assert plan.trades.offload is trades.get("offload", autopar.Offload.NONE)
+    if offload:
+        assert plan.predicted.optimizer_bytes == 0 and "optimizer offloaded" in plan.summary()
+    _check((losses, state), want, f"llama with {trades}")
 
 
 def test_a_meta_llama_loaded_from_a_checkpoint_folder_trains_as_the_saved_model(device, tmp_path):

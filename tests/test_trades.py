@@ -77,6 +77,17 @@ def test_ladder_respects_forced_trades_and_the_batch():
         Trades(Recompute.FULL, 2, Precision.BF16, ZeroStage.GRADIENTS, Offload.NONE, (0,))
     ]
     assert ladder(SearchOptions(zero_stage=ZeroStage.OPTIMIZER), (), Precision.PARAM, 8, True) == []
+    # one device: ZeRO over it shards nothing, so the search offers it only with offload; forced, as asked
+    one = ladder(opts, (0,), Precision.PARAM, 8, True, one_device=True)
+    assert {(t.zero_stage, t.offload) for t in one} == {
+        (ZeroStage.NONE, Offload.NONE),
+        (ZeroStage.GRADIENTS, Offload.OPTIMIZER),
+        (ZeroStage.PARAMETERS, Offload.OPTIMIZER),
+    }
+    forced3 = SearchOptions(zero_stage=ZeroStage.PARAMETERS, offload=Offload.NONE)
+    assert {t.zero_stage for t in ladder(forced3, (0,), Precision.PARAM, 8, True, one_device=True)} == {
+        ZeroStage.PARAMETERS
+    }
 
 
 def test_options_refuse_bad_trades():
@@ -170,6 +181,25 @@ def test_search_trades_memory_when_short():
     assert not squeezed.trades.is_default
     assert squeezed.predicted.peak_memory_bytes <= CPU2.memory_limit(limit)
     assert squeezed.predicted.step_time_s >= free.predicted.step_time_s
+
+
+def test_one_device_offloads_its_optimizer_only_when_short():
+    """One device: with room, nothing offloaded (host traffic and a slower step only cost time);
+    squeezed under what its optimizer state needs, a plan with the state (and fp32 masters) in host
+    memory, under the limit: ZeRO-Offload's single-device case (Ren et al. 2021)."""
+    model, inputs = llama_tiny(batch=4, seq=64)
+    one = autopar.ClusterSpec.preset("cpu", devices_per_node=1)
+    keep = dict(recompute=Recompute.NONE, micro_batches=1)
+    free = autopar.plan(model, one, inputs, **keep)
+    assert free.trades.offload is Offload.NONE and free.trades.zero_stage is ZeroStage.NONE
+    peak = free.predicted.peak_memory_bytes
+    limit = (peak - 0.8 * free.predicted.optimizer_bytes) / (1 - one.memory_reserve)
+    squeezed = autopar.plan(model, one, inputs, memory_limit_bytes=limit, **keep)
+    assert squeezed.trades.offload is Offload.OPTIMIZER, squeezed.trades
+    assert squeezed.predicted.optimizer_bytes == 0
+    assert squeezed.predicted.peak_memory_bytes <= one.memory_limit(limit)
+    assert squeezed.predicted.step_time_s > free.predicted.step_time_s
+    assert squeezed.trade_costs["offload"]["bytes_saved"] > 0
 
 
 def test_half_precision_models_train_with_fp32_masters():
