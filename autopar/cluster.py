@@ -18,6 +18,8 @@ presets and the sources of their numbers: ``autopar/presets.py``.
 * ``inter_node``: link between hosts, per device (InfiniBand / Ethernet).
 * ``host_memory_bytes``: host (CPU) RAM per node in B, shared by the node's devices (offload budget).
 * ``host_link``: device <-> host memory link (PCIe), per device.
+* ``host_memory_bandwidth``: the host's own memory bandwidth per node in B/s, shared by the
+  node's devices (an offloaded optimizer steps there); None: unknown, priced at ``host_link``'s.
 * ``memory_reserve``: fraction of each device's memory a plan leaves unused (default
   ``DEFAULT_MEMORY_RESERVE`` = 0.1), of ``device.memory_bytes`` or of an explicit
   ``memory_limit_bytes`` alike: the plan's predicted peak stays under ``(1 - memory_reserve)`` of it.
@@ -80,8 +82,9 @@ _CLUSTER_KEYS = (
     "host_memory_bytes",
     "host_link",
     "memory_reserve",
+    "host_memory_bandwidth",
 )
-_CLUSTER_OPTIONAL = ("memory_reserve",)
+_CLUSTER_OPTIONAL = ("memory_reserve", "host_memory_bandwidth")
 # fraction of device memory a plan leaves free by default (see the module docstring for what it holds)
 DEFAULT_MEMORY_RESERVE = 0.1
 _DEVICE_OPTIONAL = (
@@ -236,6 +239,7 @@ class ClusterSpec:
     host_memory_bytes: int
     host_link: LinkSpec
     memory_reserve: float = DEFAULT_MEMORY_RESERVE
+    host_memory_bandwidth: float | None = None
 
     def __post_init__(self) -> None:
         _check_name("ClusterSpec.name", self.name)
@@ -267,6 +271,21 @@ class ClusterSpec:
                 f"(default {DEFAULT_MEMORY_RESERVE})"
             )
         object.__setattr__(self, "memory_reserve", float(r))
+        bw = self.host_memory_bandwidth
+        if bw is not None:
+            if isinstance(bw, bool) or not isinstance(bw, (int, float)) or not bw > 0:
+                raise ClusterSpecError(
+                    f"ClusterSpec.host_memory_bandwidth: got {bw!r}; must be B/s (> 0) or None (unknown)"
+                )
+            object.__setattr__(self, "host_memory_bandwidth", float(bw))
+
+    @property
+    def host_step_bandwidth(self) -> float:
+        """B/s of host memory one device's offloaded optimizer step gets: the node's
+        ``host_memory_bandwidth`` shared by its devices (all step at once); unknown: the host link's."""
+        if self.host_memory_bandwidth is None:
+            return self.host_link.bandwidth
+        return self.host_memory_bandwidth / self.devices_per_node
 
     def memory_limit(self, memory_limit_bytes: float | None = None) -> float:
         """Bytes per device a plan may use: ``memory_limit_bytes`` (default: the device's memory)
@@ -304,7 +323,7 @@ class ClusterSpec:
         key = name.strip().lower() if isinstance(name, str) else None
         if key not in _DEVICES:
             raise ClusterSpecError(f"preset: unknown preset {name!r}; known presets are {list(PRESET_NAMES)}")
-        intra, inter, host_mem, host_link, default_dpn = _NODES[key]
+        intra, inter, host_mem, host_link, default_dpn, host_bw = _NODES[key]
         device = _cpu_device() if key == "cpu" else _DEVICES[key]  # cpu: this host's cores
         return cls(
             name=key,
@@ -315,6 +334,7 @@ class ClusterSpec:
             inter_node=inter,
             host_memory_bytes=host_mem,
             host_link=host_link,
+            host_memory_bandwidth=device.memory_bandwidth if key == "cpu" else host_bw,
         )
 
     # ---------------------------------------------------------------- (de)serialization
@@ -330,6 +350,7 @@ class ClusterSpec:
             "host_memory_bytes": self.host_memory_bytes,
             "host_link": self.host_link.to_dict(),
             "memory_reserve": self.memory_reserve,
+            "host_memory_bandwidth": self.host_memory_bandwidth,
         }
 
     @classmethod
@@ -347,6 +368,9 @@ class ClusterSpec:
             device=device,
             host_memory_bytes=_coerce_number(d["host_memory_bytes"]),
             memory_reserve=_coerce_number(d.get("memory_reserve", DEFAULT_MEMORY_RESERVE)),
+            host_memory_bandwidth=(
+                None if d.get("host_memory_bandwidth") is None else _coerce_number(d["host_memory_bandwidth"])
+            ),
             **links,
         )
 
@@ -462,7 +486,7 @@ class ClusterSpec:
             gpu_name = torch.cuda.get_device_name(0)
             preset = _gpu_preset_for(gpu_name, int(props.total_memory))
             device = _gpu_device(gpu_name, int(props.total_memory))
-        intra, inter, host_mem, host_link, _ = _NODES[preset]
+        intra, inter, host_mem, host_link, _, host_bw = _NODES[preset]
         return cls(
             name=name,
             nodes=world // dpn,
@@ -472,4 +496,5 @@ class ClusterSpec:
             inter_node=inter,
             host_memory_bytes=host_mem,
             host_link=host_link,
+            host_memory_bandwidth=device.memory_bandwidth if preset == "cpu" else host_bw,
         )

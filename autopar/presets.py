@@ -181,12 +181,15 @@ _DEVICES: dict[str, DeviceSpec] = {
     ),
 }
 
-# (intra_node, inter_node, host_memory_bytes per node, host_link, default devices_per_node)
-_NODES: dict[str, tuple[LinkSpec, LinkSpec, int, LinkSpec, int]] = {
-    "a100-40gb": (_A100_NVLINK, _HDR_IB, 1 * TiB, _PCIE4, 8),  # [DGX] DGX A100 320GB: 1 TB RAM
-    "a100-80gb": (_A100_NVLINK, _HDR_IB, 2 * TiB, _PCIE4, 8),  # [DGX] DGX A100 640GB: 2 TB RAM
-    "h100-sxm": (_H100_NVLINK, _NDR_IB, 2 * TiB, _PCIE5, 8),  # [DGX] DGX H100: 2 TB RAM
-    "h200": (_H100_NVLINK, _NDR_IB, 2 * TiB, _PCIE5, 8),  # [DGX] DGX H200: 2 TB RAM
+# (intra_node, inter_node, host_memory_bytes per node, host_link, default devices_per_node,
+#  host_memory_bandwidth per node: two sockets' DRAM at ~75% of its channels' peak, STREAM's usual share)
+_NODES: dict[str, tuple[LinkSpec, LinkSpec, int, LinkSpec, int, float | None]] = {
+    # [DGX] DGX A100: 2 x AMD EPYC 7742, 8 channels of DDR4-3200 each (2 x 204.8 GB/s peak)
+    "a100-40gb": (_A100_NVLINK, _HDR_IB, 1 * TiB, _PCIE4, 8, 300e9),  # [DGX] DGX A100 320GB: 1 TB RAM
+    "a100-80gb": (_A100_NVLINK, _HDR_IB, 2 * TiB, _PCIE4, 8, 300e9),  # [DGX] DGX A100 640GB: 2 TB RAM
+    # [DGX] DGX H100/H200: 2 x Xeon Platinum 8480C, 8 channels of DDR5-4800 each (2 x 307 GB/s peak)
+    "h100-sxm": (_H100_NVLINK, _NDR_IB, 2 * TiB, _PCIE5, 8, 460e9),  # [DGX] DGX H100: 2 TB RAM
+    "h200": (_H100_NVLINK, _NDR_IB, 2 * TiB, _PCIE5, 8, 460e9),  # [DGX] DGX H200: 2 TB RAM
     "cpu": (
         # gloo over loopback TCP: about a GB/s and a millisecond per collective, the order
         # `autopar calibrate` fits for a few ranks on one host (runs: benchmarks/README.md)
@@ -195,6 +198,7 @@ _NODES: dict[str, tuple[LinkSpec, LinkSpec, int, LinkSpec, int]] = {
         32 * GiB,  # 4 processes x 8 GiB
         LinkSpec(bandwidth=20e9, latency=1e-6),  # "offload" is a memcpy in the same RAM
         4,  # CPU "devices" are processes
+        None,  # the host is the device: its own memory bandwidth (ClusterSpec.preset)
     ),
 }
 

@@ -104,6 +104,15 @@ def _run(name, build, device, args):
             _sync(device)
             times.append(time.perf_counter() - t0)
         peak = torch.cuda.max_memory_allocated()
+        at_rest = torch.cuda.memory_allocated()  # between steps: what the step keeps
+        if kw["zero_stage"] == 0 and kw["micro_batches"] == 1:  # a forward alone (FSDP2 wants its backward)
+            out = pmodel(**batch)
+            _sync(device)
+            kept = torch.cuda.memory_allocated() - at_rest  # what forward keeps for backward, and the outputs
+            del out
+        else:
+            kept = None
+        args.rest = (at_rest, kept)
     else:
         with LiveTensorTracker() as tracker:
             for _ in range(args.steps):
@@ -111,6 +120,7 @@ def _run(name, build, device, args):
                 step()
                 times.append(time.perf_counter() - t0)
         peak = tracker.peak
+        args.rest = None
     return statistics.median(times), peak, losses, _state_home(opt), pmodel.plan
 
 
@@ -170,6 +180,15 @@ def main() -> None:
             f"          plan: {plan.trades.describe()}; losses {', '.join(f'{x:.4f}' for x in losses)}",
             flush=True,
         )
+        if args.rest is not None:  # measured (CUDA) against the plan's parts
+            at_rest, kept = args.rest
+            print(
+                f"          MiB between steps {at_rest / mib:.1f} (predicted parameters + optimizer "
+                f"{(p.param_bytes + p.optimizer_bytes) / mib:.1f}); kept by a forward "
+                + (f"{kept / mib:.1f}" if kept is not None else "-")
+                + f" (predicted activations {p.activation_bytes / mib:.1f}, gradients {p.grad_bytes / mib:.1f})",
+                flush=True,
+            )
     dist.destroy_process_group()
 
 

@@ -12,6 +12,7 @@
 #   bash benchmarks/gpu_trades.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
+export TRITON_INTERPRET=0  # Triton compiled on the GPU (tests/conftest.py defaults to the interpreter)
 source benchmarks/gpu_setup.sh
 
 echo "== tests/test_one_device.py -k trades"

@@ -225,6 +225,19 @@ def optimizer_step_time(
     ) + device.optimizer_param(optimizer)
 
 
+# a CPU optimizer's own time per tensor (no kernel launch: Python and ATen dispatch), an assumption
+HOST_OPTIMIZER_PARAM_S = 5e-6
+
+
+def host_optimizer_step_time(
+    param_bytes: float, state_copies: int, bandwidth: float, optimizer: str = ""
+) -> float:
+    """``optimizer_step_time`` of one parameter tensor stepped on the host (offloaded): the same
+    memory traffic at the host memory's ``bandwidth`` [B/s] (``ClusterSpec.host_step_bandwidth``)."""
+    inplace, fresh, _ = _traffic(state_copies, optimizer)
+    return param_bytes * (inplace + fresh) / bandwidth + HOST_OPTIMIZER_PARAM_S
+
+
 def optimizer_step_bytes(param_bytes: float, optimizer: str) -> float:
     """Bytes of temporaries the step of one parameter tensor of ``param_bytes`` holds at once
     (Adam's ``sqrt`` and the division of it: twice the parameter), freed before the next tensor's."""

@@ -59,8 +59,10 @@ parameter's):
 * mixed precision: an fp32 model's activations are analyzed in the half type (bytes halved,
   matmuls at the half type's peak: ``half_infos``); masters, gradients and optimizer state fp32.
 * offload: the gradients go to host and the updated parameters come back over
-  ``ClusterSpec.host_link`` (``(L_grad + L_param) / bw``), and the optimizer step runs on the host
-  at the host link's bandwidth (a lower bound on a CPU Adam's memory traffic; exposed).
+  ``ClusterSpec.host_link`` (``(L_grad + L_param) / bw``), and the optimizer step runs on the host,
+  tensor by tensor, its memory traffic at the host memory's bandwidth shared by the node's devices
+  (``ClusterSpec.host_step_bandwidth``; exposed). On one H200 the step this priced at 834 ms ran
+  in 269 ms (``benchmarks/bench_gpu_trades.py``) when the host step was priced at the PCIe link's.
 """
 
 from __future__ import annotations
@@ -74,7 +76,7 @@ import torch
 
 from autopar.cluster import ClusterSpec
 from autopar.cost_model.comm import CommModel
-from autopar.cost_model.compute import node_time, optimizer_step_time
+from autopar.cost_model.compute import host_optimizer_step_time, node_time, optimizer_step_time
 from autopar.options import Optimizer, SearchOptions
 from autopar.passes.analyze import NodeInfo
 from autopar.passes.blocks import Block
@@ -410,20 +412,21 @@ def trade_terms(
                 grads_full[b] += gbytes
             step_elems_host += elems * (4 if trades.precision.mixed else _item(info.dtype))
     d = math.prod(mesh[a] for a in axis_parts) if axis_parts else 1
-    # the host's optimizer step, tensor by tensor as on the device (each tensor's own overhead)
-    host_step = sum(
-        len(members[v])
-        * optimizer_step_time(
-            piece_elems(infos[v], tables.strategies[v][i].out, mesh)
-            * (4 if trades.precision.mixed else _item(infos[v].dtype))
-            / (d if z else 1),
-            optimizer.value,
-            cluster.device,
-            optimizer.name,
-        )
-        for v, i in choice.items()
-        if infos[v].role is Role.PARAM and infos[v].requires_grad
-    )
+    # the host's optimizer step, tensor by tensor (each tensor's own overhead), in host memory; never
+    # faster than the device's own step (on CPU ranks the host is the device)
+    host_step = 0.0
+    for v, i in choice.items():
+        if infos[v].role is Role.PARAM and infos[v].requires_grad:
+            nbytes = piece_elems(infos[v], tables.strategies[v][i].out, mesh) * (
+                4 if trades.precision.mixed else _item(infos[v].dtype)
+            )
+            nbytes /= d if z else 1
+            host_step += len(members[v]) * max(
+                host_optimizer_step_time(
+                    nbytes, optimizer.value, cluster.host_step_bandwidth, optimizer.name
+                ),
+                optimizer_step_time(nbytes, optimizer.value, cluster.device, optimizer.name),
+            )
 
     def ag(nbytes: float) -> float:
         return sum(comm.time(Collective.ALL_GATHER, nbytes, a) for a in axis_parts)
@@ -468,8 +471,6 @@ def trade_terms(
         shard = step_elems_host / (d if z else 1)  # bytes of the master pieces this device steps
         link = cluster.host_link
         traffic = 2 * shard  # gradients down, parameters up
-        # host memory is slower, never faster: on CPU devices the "host" is the device's own RAM
-        host_step *= max(1.0, cluster.device.memory_bandwidth / max(link.bandwidth, 1.0))
         terms.seconds["offload"] = traffic / link.bandwidth + link.latency + host_step
         terms.host_bytes = shard * (optimizer.value + 2)  # the master shards, gradients and state
         terms.bytes_saved["offload"] = terms.host_bytes

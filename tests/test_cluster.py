@@ -567,3 +567,19 @@ def test_contention_errors_name_the_field():
     d["device"]["contention"] = 3
     with pytest.raises(ClusterSpecError, match="contention"):
         ClusterSpec.from_dict(d)
+
+
+def test_host_memory_bandwidth_is_shared_by_the_nodes_devices():
+    """An offloaded optimizer steps in host memory, which the node's devices share; files written
+    before the field load as "unknown" (priced at the host link's bandwidth)."""
+    node = ClusterSpec.preset("h100-sxm")
+    assert node.host_step_bandwidth == pytest.approx(node.host_memory_bandwidth / 8)
+    one = ClusterSpec.preset("h100-sxm", devices_per_node=1)
+    assert one.host_step_bandwidth == pytest.approx(8 * node.host_step_bandwidth)
+    assert ClusterSpec.from_dict(node.to_dict()) == node
+    old = node.to_dict()
+    del old["host_memory_bandwidth"]
+    loaded = ClusterSpec.from_dict(old)
+    assert loaded.host_memory_bandwidth is None and loaded.host_step_bandwidth == node.host_link.bandwidth
+    with pytest.raises(ClusterSpecError, match="host_memory_bandwidth"):
+        node.with_overrides(host_memory_bandwidth=0)
