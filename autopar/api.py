@@ -121,7 +121,7 @@ def reprice(
             )
     profiler = resolve_profiler(profile, cluster, None)
     trades = plan.trades
-    cinfos = half_infos(infos, trades.precision)  # as the search priced it (passes/trades.py)
+    cinfos = half_infos(tg, infos, trades.precision)  # as the search priced it (passes/trades.py)
     base = build_costs(
         tg, cinfos, strats, cluster, mesh, optimizer, profiler=profiler, outputs=outputs,
         overlap_matmuls=plan.overlap_matmuls,

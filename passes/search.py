@@ -208,7 +208,7 @@ def search(
     classes = coarsen_stage(tg, infos, options, st)
     blocks = find_blocks(tg)
     precision = options.precision or auto_precision(infos)
-    cinfos = half_infos(infos, precision)  # what the cost model prices: activations as computed
+    cinfos = half_infos(tg, infos, precision)  # what the cost model prices: activations as computed
     batch = batch_size(tg, infos)
     limit = cluster.memory_limit(options.memory_limit_bytes)
     # found once, shared by every pass: the data-parallel solution of one axis, by size, and the

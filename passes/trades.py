@@ -69,10 +69,12 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import operator
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
+import torch.fx as fx
 
 from autopar.cluster import ClusterSpec
 from autopar.cost_model.comm import CommModel
@@ -81,6 +83,7 @@ from autopar.options import Optimizer, SearchOptions
 from autopar.passes.analyze import NodeInfo
 from autopar.passes.blocks import Block
 from autopar.passes.costs import CostTables
+from autopar.passes.rules import tensor_inputs
 from autopar.passes.trace import Role, TracedGraph
 from autopar.placement import is_replicate, is_shard, volume_factor
 from autopar.reshard import Collective
@@ -114,21 +117,87 @@ def auto_precision(infos: dict[str, NodeInfo]) -> Precision:
     return Precision.BF16 if dtypes and dtypes <= {torch.bfloat16, torch.float16} else Precision.PARAM
 
 
-def half_infos(infos: dict[str, NodeInfo], precision: Precision) -> dict[str, NodeInfo]:
-    """Under mixed precision, an fp32 model's floating activations as the half type computes them
-    (bytes halved, ``dtype`` the half type: matmuls at its peak). Parameters keep their dtype here
-    (``apply_trades`` prices masters and copies)."""
+# CUDA autocast's op lists (torch's "Autocast Op Reference"), as a traced graph names them
+# (overload packets): ops that run in the half type, and ops that run in fp32 whatever their inputs
+AUTOCAST_HALF = frozenset(
+    f"aten.{op}"
+    for op in (
+        "mm", "addmm", "bmm", "baddbmm", "addbmm", "matmul", "linear", "mv", "addmv", "addr", "prelu",
+        "convolution", "_convolution", "conv1d", "conv2d", "conv3d", "conv_transpose1d", "conv_transpose2d",
+        "conv_transpose3d", "scaled_dot_product_attention", "_scaled_dot_product_flash_attention",
+        "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention",
+        "_scaled_dot_product_flash_attention_for_cpu",
+    )
+)  # fmt: skip
+AUTOCAST_FP32 = frozenset(
+    f"aten.{op}"
+    for op in (
+        "pow", "rsqrt", "reciprocal", "exp", "expm1", "log", "log1p", "log2", "log10", "acos", "asin", "cosh",
+        "sinh", "tan", "erfinv", "softplus", "softmax", "_softmax", "log_softmax", "_log_softmax", "sum", "prod",
+        "cumsum", "cumprod", "layer_norm", "native_layer_norm", "group_norm", "native_group_norm", "norm",
+        "linalg_vector_norm", "renorm", "dist", "cdist", "cross_entropy_loss", "nll_loss", "nll_loss_forward",
+        "nll_loss2d_forward", "mse_loss", "l1_loss", "smooth_l1_loss", "kl_div", "binary_cross_entropy_with_logits",
+    )
+)  # fmt: skip
+_CASTS = frozenset({"aten.to", "aten._to_copy", "prims.convert_element_type", "aten.type_as"})
+
+
+def _packet(target: str) -> str:
+    return ".".join(str(target).split(".")[:2])
+
+
+def half_infos(tg: TracedGraph, infos: dict[str, NodeInfo], precision: Precision) -> dict[str, NodeInfo]:
+    """Under mixed precision, every floating value in the dtype it runs in: the parameters are fp32
+    masters and the graph runs under ``torch.autocast`` (``codegen/zero.py``), so, op by op, as
+    CUDA's autocast does: its half-type ops (matmuls, attention) give the half type, its fp32 ops
+    (``pow``, ``rsqrt``, softmax, sums, losses, ...) fp32, explicit casts what they cast to, and the
+    rest the widest floating dtype among their inputs (a residual stream fed by an fp32 embedding
+    stays fp32). Bytes (moved, kept, temporaries) follow the dtype. Parameters keep their traced
+    dtype here (``apply_trades`` prices masters and copies). Halving every fp32 value, as this did
+    before, priced a Llama's activations on an H200 at 7.9 GiB where a forward kept 11.2 GiB
+    (``benchmarks/bench_gpu_trades.py``)."""
     if not precision.mixed:
         return infos
     half = half_dtype(precision)
-    out = {}
-    for k, i in infos.items():
-        if i.role is Role.PARAM or i.dtype != torch.float32:
-            out[k] = i
+    runtime: dict[str, torch.dtype | None] = {}
+    out = dict(infos)
+    for node in tg.graph.nodes:
+        info = infos.get(node.name)
+        if info is None:
             continue
-        out[k] = dataclasses.replace(
-            i, dtype=half, bytes=i.bytes // 2, saved_temp_bytes=i.saved_temp_bytes // 2,
-            grad_temp_bytes=i.grad_temp_bytes // 2,
+        traced = info.dtype
+        if traced is None or not traced.is_floating_point:
+            runtime[node.name] = traced
+            continue
+        if node.op == "placeholder":
+            rt = torch.float32 if info.role is Role.PARAM else traced
+        elif node.op != "call_function":
+            rt = traced
+        elif node.target is operator.getitem:  # an output of a multi-output op: as that op ran
+            src = node.args[0]
+            same = isinstance(src, fx.Node) and getattr(infos.get(src.name), "dtype", None) == traced
+            rt = runtime.get(src.name) or traced if same else traced
+        else:
+            op = _packet(info.target)
+            ins = [a for a in tensor_inputs(node) if runtime.get(a.name) is not None]
+            # type promotion: tensors with dimensions decide over 0-dim ones
+            ranked = [a for a in ins if infos[a.name].shape] or ins
+            floats = {runtime[a.name] for a in ranked if runtime[a.name].is_floating_point}
+            if op in AUTOCAST_HALF:
+                rt = half
+            elif op in AUTOCAST_FP32:
+                rt = torch.float32
+            elif op in _CASTS or not floats:
+                rt = traced  # cast to what the trace says, or made from no floating input
+            else:
+                rt = max(floats, key=lambda d: (d.itemsize, d == traced))
+        runtime[node.name] = rt
+        if info.role is Role.PARAM or rt == traced:
+            continue
+        r = rt.itemsize / traced.itemsize
+        out[node.name] = dataclasses.replace(
+            info, dtype=rt, bytes=int(info.bytes * r), saved_temp_bytes=int(info.saved_temp_bytes * r),
+            grad_temp_bytes=int(info.grad_temp_bytes * r),
         )  # fmt: skip
     return out
 
