@@ -299,6 +299,7 @@ def _explore(
         bounds: dict = {}
         short: list[Trades] = []  # rungs of this candidate the ILP found no plan on
         over: list[Trades] = []  # rungs whose memory lower bound passes the limit
+        slow: list[Trades] = []  # rungs whose time lower bound is no better than the best
         # what a micro-batch must still split over: the data axes; with none, any axis may split the
         # batch: the search's own micro-batches keep it divisible by every device (the solution is
         # checked either way, ``micro_batch_ok``)
@@ -321,6 +322,8 @@ def _explore(
                 continue
             if any(relieves_no_more(trades, t) for t in short + over):
                 continue  # a rung with at least this much room each way had no plan
+            if any(costs_no_less(trades, t) for t in slow):
+                continue  # its bound is at least a pruned rung's, and the best only falls
             traded = apply_trades(tables, tg, cinfos, trades, cluster, options.optimizer, blocks)
             needed = lower_bound_bytes(traded)
             if needed > limit:  # cheap: no solve, no entry
@@ -354,6 +357,8 @@ def _explore(
             candidates.append(outcome.entry)
             if outcome.solved is None and outcome.entry.get("status") == "infeasible":
                 short.append(trades)
+            if outcome.entry.get("status") == "pruned" and "lp_bound" not in outcome.entry:
+                slow.append(trades)
             if outcome.fitted:  # a plan that fits, no better than the best: as a solved rung
                 fitted += 1
                 if fitted >= RUNGS_SOLVED:
@@ -970,6 +975,21 @@ def relieves_no_more(a: Trades, b: Trades) -> bool:
         and _RECOMPUTE_ORDER[a.recompute.value] <= _RECOMPUTE_ORDER[b.recompute.value]
         and a.micro_batches <= b.micro_batches
         and (a.offload.value == "none" or b.offload.value != "none")
+    )
+
+
+def costs_no_less(a: Trades, b: Trades) -> bool:
+    """Rung ``a``'s time lower bound is at least ``b``'s: the same ZeRO stage, offload and
+    precision, and at least as much recomputation (forwards run again) and as many micro-batches
+    (each pays its collectives' latency, and ZeRO-3 its gathers); so where ``b`` was pruned by its
+    bound, so is ``a`` (``tests/test_search_prune.py`` checks the bounds are so ordered)."""
+    return (
+        a.zero_stage == b.zero_stage
+        and a.offload is b.offload
+        and a.precision is b.precision
+        and a.data_axes == b.data_axes
+        and _RECOMPUTE_ORDER[a.recompute.value] >= _RECOMPUTE_ORDER[b.recompute.value]
+        and a.micro_batches >= b.micro_batches
     )
 
 

@@ -1,0 +1,96 @@
+"""The search's cheap prunes keep the optimum: a rung of the trades ladder skipped because a rung it
+"costs no less than" was pruned by its time lower bound (``passes/search.py:costs_no_less``) has a
+bound at least that rung's, computed here for every rung of the ladder, on a CPU cluster and on a
+GPU preset; and the search with the skip plans what it plans with every bound computed."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+import autopar
+from autopar.examples import gpt2_tiny, llama, llama_tiny
+from autopar.options import AxisRole, Optimizer, SearchOptions
+from autopar.passes import search as search_mod
+from autopar.passes.analyze import analyze
+from autopar.passes.blocks import find_blocks
+from autopar.passes.costs import build_costs
+from autopar.passes.search import costs_no_less
+from autopar.passes.solver import fold_followers, lower_bound
+from autopar.passes.strategies import build_strategies
+from autopar.passes.trace import trace
+from autopar.passes.trades import apply_trades, auto_precision, half_infos, ladder
+
+
+def _bounds(model, inputs, cluster, mesh):
+    tg = trace(model, inputs)
+    infos = analyze(tg)
+    precision = auto_precision(infos)
+    cinfos = half_infos(tg, infos, precision)
+    roles = (AxisRole.DATA,) + (AxisRole.AUTO,) * (len(mesh) - 1)
+    strats = build_strategies(tg, infos, mesh, roles)
+    tables = build_costs(tg, cinfos, strats, cluster, mesh, Optimizer.ADAM, roles)
+    blocks = find_blocks(tg)
+    batch = next(iter(inputs.values())).shape[0]
+    out = {}
+    for t in ladder(SearchOptions(), (0,), precision, batch, bool(blocks)):
+        traded = apply_trades(tables, tg, cinfos, t, cluster, Optimizer.ADAM, blocks)
+        out[t] = lower_bound(traded, fold_followers(traded, exact=True))
+    return out
+
+
+CASES = {
+    "llama-cpu4": lambda: (
+        *llama_tiny(batch=8, seq=32),
+        autopar.ClusterSpec.preset("cpu", devices_per_node=4),
+        (4,),
+    ),
+    "gpt2-cpu2x2": lambda: (
+        *gpt2_tiny(batch=8, seq=32),
+        autopar.ClusterSpec.preset("cpu", devices_per_node=4),
+        (2, 2),
+    ),
+}
+
+
+def _meta_llama():
+    with torch.device("meta"):
+        model, inputs = llama(
+            layers=4, hidden=512, ffn=1024, heads=8, kv_heads=2, vocab=2048, batch=16, seq=256
+        )
+    return model, inputs, autopar.ClusterSpec.preset("h100-sxm", devices_per_node=8), (8,)
+
+
+CASES["llama-bf16-h100x8"] = _meta_llama
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_rungs_that_cost_no_less_have_no_lower_bound(case):
+    model, inputs, cluster, mesh = CASES[case]()
+    bounds = _bounds(model, inputs, cluster, mesh)
+    assert len(bounds) > 20
+    pairs = 0
+    for a, b in itertools.permutations(bounds, 2):
+        if costs_no_less(a, b):
+            pairs += 1
+            assert bounds[a] >= bounds[b] * (1 - 1e-9), (a.describe(), b.describe(), bounds[a], bounds[b])
+    assert pairs > 20
+
+
+def test_the_skip_keeps_the_plan(monkeypatch):
+    """A bf16 Llama on 16 H100s: once the first mesh's plan is the best, the other meshes' ladders
+    are pruned rung after rung; the plan is the same with the skip and with every bound computed."""
+    with torch.device("meta"):
+        model, inputs = llama(
+            layers=4, hidden=512, ffn=1024, heads=8, kv_heads=2, vocab=2048, batch=64, seq=512
+        )
+    cluster = autopar.ClusterSpec.preset("h100-sxm", nodes=2, devices_per_node=8)
+    local = dict(outputs=autopar.Outputs.LOCAL)
+    with_skip = autopar.plan(model, cluster, inputs, **local)
+    monkeypatch.setattr(search_mod, "costs_no_less", lambda a, b: False)
+    without = autopar.plan(model, cluster, inputs, **local)
+    assert with_skip.trades == without.trades and with_skip.mesh_shape == without.mesh_shape
+    assert with_skip.predicted.step_time_s == pytest.approx(without.predicted.step_time_s, rel=1e-9)
+    assert len(with_skip.solver.candidates) < len(without.solver.candidates)  # the skip acted
