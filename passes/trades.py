@@ -154,7 +154,7 @@ def half_infos(tg: TracedGraph, infos: dict[str, NodeInfo], precision: Precision
     rest the widest floating dtype among their inputs (a residual stream fed by an fp32 embedding
     stays fp32). Bytes (moved, kept, temporaries) follow the dtype. Parameters keep their traced
     dtype here (``apply_trades`` prices masters and copies). Halving every fp32 value, as this did
-    before, priced a Llama's activations on an H200 at 7.9 GiB where a forward kept 11.2 GiB
+    before, priced a Llama's activations on an H200 at 7.7 GiB where a forward kept 11.2 GiB
     (``benchmarks/bench_gpu_trades.py``)."""
     if not precision.mixed:
         return infos

@@ -47,10 +47,10 @@ CASES = {
         autopar.ClusterSpec.preset("cpu", devices_per_node=4),
         (4,),
     ),
-    "gpt2-cpu2x2": lambda: (
+    "gpt2-cpu2": lambda: (
         *gpt2_tiny(batch=8, seq=32),
-        autopar.ClusterSpec.preset("cpu", devices_per_node=4),
-        (2, 2),
+        autopar.ClusterSpec.preset("cpu", devices_per_node=2),
+        (2,),
     ),
 }
 
