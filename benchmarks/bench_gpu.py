@@ -66,6 +66,18 @@ def _models(size: str):
     return {"gpt2": gpt2, "llama": llama, "palm": palm}
 
 
+def init_world_one() -> tuple[torch.device, str]:
+    """A process group of one rank (NCCL on the first GPU, gloo on the CPU): (device, card name)."""
+    cuda = torch.cuda.is_available()
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", str(free_port()))
+    store = tempfile.mktemp(prefix="bench_gpu_")
+    if cuda:
+        torch.cuda.set_device(0)
+    dist.init_process_group("nccl" if cuda else "gloo", init_method=f"file://{store}", rank=0, world_size=1)
+    return (torch.device("cuda", 0), torch.cuda.get_device_name(0)) if cuda else (torch.device("cpu"), "cpu")
+
+
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize()
@@ -154,14 +166,7 @@ def main() -> None:
     args = ap.parse_args()
     cuda = torch.cuda.is_available()
     args.size = args.size or ("medium" if cuda else "small")
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", str(free_port()))
-    store = tempfile.mktemp(prefix="bench_gpu_")
-    if cuda:
-        torch.cuda.set_device(0)
-    dist.init_process_group("nccl" if cuda else "gloo", init_method=f"file://{store}", rank=0, world_size=1)
-    device = torch.device("cuda", 0) if cuda else torch.device("cpu")
-    card = torch.cuda.get_device_name(0) if cuda else "cpu"
+    device, card = init_world_one()
     print(
         f"{card}, torch {torch.__version__}, size {args.size} {SIZES[args.size]}, bf16 mixed precision, world 1"
     )

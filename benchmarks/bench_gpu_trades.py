@@ -34,7 +34,6 @@ import gc
 import os
 import statistics
 import sys
-import tempfile
 import time
 
 import torch
@@ -42,11 +41,10 @@ import torch.distributed as dist
 
 import autopar
 from autopar import AxisRole, Offload, Recompute
-from autopar.launch import free_port
 from autopar.tools.measure import LiveTensorTracker
 
 sys.path.insert(0, os.path.dirname(__file__))
-from bench_gpu import SIZES, _models, _sync  # noqa: E402  (the same models and sizes)
+from bench_gpu import SIZES, _models, _sync, init_world_one  # noqa: E402  (the same models and sizes)
 
 TRADES = {
     "none": dict(recompute=Recompute.NONE, micro_batches=1, zero_stage=0, offload=Offload.NONE),
@@ -134,14 +132,7 @@ def main() -> None:
     args = ap.parse_args()
     cuda = torch.cuda.is_available()
     args.size = args.size or ("medium" if cuda else "small")
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", str(free_port()))
-    store = tempfile.mktemp(prefix="bench_gpu_trades_")
-    if cuda:
-        torch.cuda.set_device(0)
-    dist.init_process_group("nccl" if cuda else "gloo", init_method=f"file://{store}", rank=0, world_size=1)
-    device = torch.device("cuda", 0) if cuda else torch.device("cpu")
-    card = torch.cuda.get_device_name(0) if cuda else "cpu"
+    device, card = init_world_one()
     print(
         f"{card}, torch {torch.__version__}, {args.model} {args.size} {SIZES[args.size]}, bf16, Adam, world 1"
     )
