@@ -36,7 +36,7 @@ from autopar.passes.search import search as _search
 from autopar.passes.solver import Solution, objective_s
 from autopar.passes.strategies import Strategy, build_strategies
 from autopar.passes.trace import TracedGraph, keep_loss_only, normalize_inputs, trace
-from autopar.passes.trades import apply_trades, half_infos, trade_terms
+from autopar.passes.trades import apply_trades, autocast_device, half_infos, trade_terms
 from autopar.placement import Outputs, own_rows_axes, spec_from_str, via_from_str
 from autopar.plan import Plan
 from autopar.tools.profiler import OpProfiler, resolve_profiler
@@ -121,7 +121,9 @@ def reprice(
             )
     profiler = resolve_profiler(profile, cluster, None)
     trades = plan.trades
-    cinfos = half_infos(tg, infos, trades.precision)  # as the search priced it (passes/trades.py)
+    cinfos = half_infos(
+        tg, infos, trades.precision, autocast_device(cluster)
+    )  # as the search priced it (passes/trades.py)
     base = build_costs(
         tg, cinfos, strats, cluster, mesh, optimizer, profiler=profiler, outputs=outputs,
         overlap_matmuls=plan.overlap_matmuls,

@@ -81,6 +81,7 @@ from autopar.passes.trades import (
     TradeTerms,
     apply_trades,
     auto_precision,
+    autocast_device,
     batch_size,
     half_infos,
     ladder,
@@ -208,7 +209,9 @@ def search(
     classes = coarsen_stage(tg, infos, options, st)
     blocks = find_blocks(tg)
     precision = options.precision or auto_precision(infos)
-    cinfos = half_infos(tg, infos, precision)  # what the cost model prices: activations as computed
+    cinfos = half_infos(
+        tg, infos, precision, autocast_device(cluster)
+    )  # what the cost model prices: activations as computed
     batch = batch_size(tg, infos)
     limit = cluster.memory_limit(options.memory_limit_bytes)
     # found once, shared by every pass: the data-parallel solution of one axis, by size, and the

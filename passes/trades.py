@@ -139,18 +139,36 @@ AUTOCAST_FP32 = frozenset(
         "nll_loss2d_forward", "mse_loss", "l1_loss", "smooth_l1_loss", "kl_div", "binary_cross_entropy_with_logits",
     )
 )  # fmt: skip
+# CPU autocast's fp32 ops (its own list: losses and a few reductions; ``pow``, softmax and the like
+# keep their input's dtype there)
+AUTOCAST_FP32_CPU = frozenset(
+    f"aten.{op}"
+    for op in (
+        "prod", "cdist", "cross_entropy_loss", "nll_loss", "nll_loss_forward", "nll_loss2d_forward", "mse_loss",
+        "l1_loss", "smooth_l1_loss", "huber_loss", "kl_div", "binary_cross_entropy",
+        "binary_cross_entropy_with_logits", "margin_ranking_loss", "soft_margin_loss", "poisson_nll_loss",
+    )
+)  # fmt: skip
 _CASTS = frozenset({"aten.to", "aten._to_copy", "prims.convert_element_type", "aten.type_as"})
+
+
+def autocast_device(cluster: ClusterSpec) -> str:
+    """The autocast the generated module runs under on ``cluster``'s devices: "cpu" or "cuda"."""
+    return "cpu" if cluster.device.name.lower().startswith("cpu") else "cuda"
 
 
 def _packet(target: str) -> str:
     return ".".join(str(target).split(".")[:2])
 
 
-def half_infos(tg: TracedGraph, infos: dict[str, NodeInfo], precision: Precision) -> dict[str, NodeInfo]:
+def half_infos(
+    tg: TracedGraph, infos: dict[str, NodeInfo], precision: Precision, device: str = "cuda"
+) -> dict[str, NodeInfo]:
     """Under mixed precision, every floating value in the dtype it runs in: the parameters are fp32
     masters and the graph runs under ``torch.autocast`` (``codegen/zero.py``), so, op by op, as
-    CUDA's autocast does: its half-type ops (matmuls, attention) give the half type, its fp32 ops
-    (``pow``, ``rsqrt``, softmax, sums, losses, ...) fp32, explicit casts what they cast to, and the
+    ``device``'s autocast does ("cuda" or "cpu": ``autocast_device``): its half-type ops (matmuls,
+    attention) give the half type, its fp32 ops (CUDA's: ``pow``, ``rsqrt``, softmax, sums, losses,
+    ...; the CPU's: losses) fp32, explicit casts what they cast to, and the
     rest the widest floating dtype among their inputs (a residual stream fed by an fp32 embedding
     stays fp32). Bytes (moved, kept, temporaries) follow the dtype. Parameters keep their traced
     dtype here (``apply_trades`` prices masters and copies). Halving every fp32 value, as this did
@@ -159,6 +177,7 @@ def half_infos(tg: TracedGraph, infos: dict[str, NodeInfo], precision: Precision
     if not precision.mixed:
         return infos
     half = half_dtype(precision)
+    fp32_ops = AUTOCAST_FP32_CPU if device == "cpu" else AUTOCAST_FP32
     runtime: dict[str, torch.dtype | None] = {}
     out = dict(infos)
     for node in tg.graph.nodes:
@@ -185,7 +204,7 @@ def half_infos(tg: TracedGraph, infos: dict[str, NodeInfo], precision: Precision
             floats = {runtime[a.name] for a in ranked if runtime[a.name].is_floating_point}
             if op in AUTOCAST_HALF:
                 rt = half
-            elif op in AUTOCAST_FP32:
+            elif op in fp32_ops:
                 rt = torch.float32
             elif op in _CASTS or not floats:
                 rt = traced  # cast to what the trace says, or made from no floating input

@@ -21,14 +21,14 @@ from autopar.passes.search import costs_no_less
 from autopar.passes.solver import fold_followers, lower_bound
 from autopar.passes.strategies import build_strategies
 from autopar.passes.trace import trace
-from autopar.passes.trades import apply_trades, auto_precision, half_infos, ladder
+from autopar.passes.trades import apply_trades, auto_precision, autocast_device, half_infos, ladder
 
 
 def _bounds(model, inputs, cluster, mesh):
     tg = trace(model, inputs)
     infos = analyze(tg)
     precision = auto_precision(infos)
-    cinfos = half_infos(tg, infos, precision)
+    cinfos = half_infos(tg, infos, precision, autocast_device(cluster))
     roles = (AxisRole.DATA,) + (AxisRole.AUTO,) * (len(mesh) - 1)
     strats = build_strategies(tg, infos, mesh, roles)
     tables = build_costs(tg, cinfos, strats, cluster, mesh, Optimizer.ADAM, roles)

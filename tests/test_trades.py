@@ -21,7 +21,7 @@ from autopar.examples import gpt2_tiny, llama, llama_tiny
 from autopar.options import Optimizer, SearchOptions
 from autopar.passes.analyze import analyze
 from autopar.passes.trace import Role, trace
-from autopar.passes.trades import AUTOCAST_FP32, auto_precision, half_infos, ladder, state_bytes
+from autopar.passes.trades import AUTOCAST_FP32, _packet, auto_precision, half_infos, ladder, state_bytes
 from autopar.plan import Plan
 
 CPU2 = autopar.ClusterSpec.preset("cpu", devices_per_node=2)
@@ -204,17 +204,19 @@ def test_one_device_offloads_its_optimizer_only_when_short():
     assert squeezed.trade_costs["offload"]["bytes_saved"] > 0
 
 
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
 @pytest.mark.parametrize("name", ["llama", "gpt2"])
-def test_mixed_precision_values_have_the_dtypes_autocast_gives_them(name):
+def test_mixed_precision_values_have_the_dtypes_autocast_gives_them(name, device):
     """Every value of the traced graph as the search prices it under bf16 mixed precision has the
     dtype it has when the graph runs as the generated module runs it: fp32 master parameters,
-    under autocast. CPU autocast runs the graph here; CUDA's fp32 ops (``AUTOCAST_FP32``: ``pow``,
-    softmax, ... which CPU autocast leaves alone) get their inputs in fp32, as CUDA's autocast does."""
+    under the device's autocast. CPU autocast runs the graph here; for CUDA's, its fp32 ops
+    (``AUTOCAST_FP32``: ``pow``, softmax, ... which CPU autocast leaves alone) get their inputs in
+    fp32, as CUDA's autocast does."""
     model, inputs = (llama_tiny if name == "llama" else gpt2_tiny)(batch=2, seq=16)
     model = model.to(torch.bfloat16)
     tg = trace(model, inputs)
     infos = analyze(tg)
-    priced = half_infos(tg, infos, Precision.BF16)
+    priced = half_infos(tg, infos, Precision.BF16, device)
     roles = {p.name: p for p in tg.placeholders}
     args = []
     for n in tg.graph.nodes:
@@ -224,12 +226,12 @@ def test_mixed_precision_values_have_the_dtypes_autocast_gives_them(name):
             args.append(value.detach().float() if p.role is Role.PARAM else value)
     ran: dict[str, torch.dtype] = {}
 
+    def fp32_op(n) -> bool:
+        return device == "cuda" and n.op == "call_function" and _packet(infos[n.name].target) in AUTOCAST_FP32
+
     class Autocast(torch.fx.Interpreter):
         def run_node(self, n):
-            if (
-                n.op == "call_function"
-                and ".".join(str(infos[n.name].target).split(".")[:2]) in AUTOCAST_FP32
-            ):
+            if fp32_op(n):
                 args, kwargs = self.fetch_args_kwargs_from_env(n)
                 up = lambda t: t.float() if isinstance(t, torch.Tensor) and t.is_floating_point() else t  # noqa: E731
                 args, kwargs = torch.utils._pytree.tree_map(up, (args, kwargs))
