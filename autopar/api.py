@@ -121,9 +121,8 @@ def reprice(
             )
     profiler = resolve_profiler(profile, cluster, None)
     trades = plan.trades
-    cinfos = half_infos(
-        tg, infos, trades.precision, autocast_device(cluster)
-    )  # as the search priced it (passes/trades.py)
+    # as the search priced it (passes/trades.py)
+    cinfos = half_infos(tg, infos, trades.precision, autocast_device(cluster))
     base = build_costs(
         tg, cinfos, strats, cluster, mesh, optimizer, profiler=profiler, outputs=outputs,
         overlap_matmuls=plan.overlap_matmuls,

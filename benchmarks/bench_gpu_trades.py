@@ -74,7 +74,8 @@ def _state_home(opt) -> str:
 
 
 def _run(name, build, device, args):
-    """(median step s, peak bytes, losses of the first --check steps, state home, plan)."""
+    """(median step s, peak bytes, losses of the first --check steps, state home, plan, and on CUDA
+    (bytes between steps, bytes a forward keeps or None), else None)."""
     model, batch = build()
     kw = TRADES[name]
     pmodel = autopar.autoparallelize(
@@ -110,7 +111,7 @@ def _run(name, build, device, args):
             del out
         else:
             kept = None
-        args.rest = (at_rest, kept)
+        rest = (at_rest, kept)
     else:
         with LiveTensorTracker() as tracker:
             for _ in range(args.steps):
@@ -118,8 +119,8 @@ def _run(name, build, device, args):
                 step()
                 times.append(time.perf_counter() - t0)
         peak = tracker.peak
-        args.rest = None
-    return statistics.median(times), peak, losses, _state_home(opt), pmodel.plan
+        rest = None
+    return statistics.median(times), peak, losses, _state_home(opt), pmodel.plan, rest
 
 
 def main() -> None:
@@ -145,7 +146,7 @@ def main() -> None:
     ref = None
     for name in args.trades.split(","):
         try:
-            t, peak, losses, home, plan = _run(name, build, device, args)
+            t, peak, losses, home, plan, rest = _run(name, build, device, args)
         except Exception as e:  # one trade's failure is a row, not the end of the run
             print(f"{name:<9} FAILED: {type(e).__name__}: {str(e)[:300]}", flush=True)
             continue
@@ -171,8 +172,8 @@ def main() -> None:
             f"          plan: {plan.trades.describe()}; losses {', '.join(f'{x:.4f}' for x in losses)}",
             flush=True,
         )
-        if args.rest is not None:  # measured (CUDA) against the plan's parts
-            at_rest, kept = args.rest
+        if rest is not None:  # measured (CUDA) against the plan's parts
+            at_rest, kept = rest
             print(
                 f"          MiB between steps {at_rest / mib:.1f} (predicted parameters + optimizer "
                 f"{(p.param_bytes + p.optimizer_bytes) / mib:.1f}); kept by a forward "

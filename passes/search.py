@@ -209,9 +209,8 @@ def search(
     classes = coarsen_stage(tg, infos, options, st)
     blocks = find_blocks(tg)
     precision = options.precision or auto_precision(infos)
-    cinfos = half_infos(
-        tg, infos, precision, autocast_device(cluster)
-    )  # what the cost model prices: activations as computed
+    # what the cost model prices: values in the dtypes they are computed in
+    cinfos = half_infos(tg, infos, precision, autocast_device(cluster))
     batch = batch_size(tg, infos)
     limit = cluster.memory_limit(options.memory_limit_bytes)
     # found once, shared by every pass: the data-parallel solution of one axis, by size, and the
@@ -353,7 +352,7 @@ def _explore(
                         for t in ladder(options, zaxes, precision, batch, bool(blocks), one_device)
                         if t.micro_batches == 1
                     ]
-                    bounds, short, over = {}, [], []
+                    bounds, short, over, slow = {}, [], [], []
                     continue
             min_needed = min(min_needed, outcome.mem_needed)
             refused_at_full_peak |= outcome.refused_at_full_peak

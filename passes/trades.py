@@ -56,8 +56,9 @@ parameter's):
   collectives keep their total (less efficient small GEMMs are not priced); each activation
   collective pays its latency ``k`` times; ZeRO-3 gathers run per micro-batch; gradients are
   reduced once.
-* mixed precision: an fp32 model's activations are analyzed in the half type (bytes halved,
-  matmuls at the half type's peak: ``half_infos``); masters, gradients and optimizer state fp32.
+* mixed precision: every value in the dtype the device's autocast gives it (matmuls and attention
+  in the half type, at its peak; fp32 masters make an embedding's output, and what it feeds, fp32:
+  ``half_infos``); masters, gradients and optimizer state fp32.
 * offload: the gradients go to host and the updated parameters come back over
   ``ClusterSpec.host_link`` (``(L_grad + L_param) / bw``), and the optimizer step runs on the host,
   tensor by tensor, its memory traffic at the host memory's bandwidth shared by the node's devices
@@ -482,14 +483,18 @@ def trade_terms(
     grads_full = {b.index: 0.0 for b in blocks}  # a block's whole gradient before its reduce-scatter
     grads_out = 0.0
     step_elems_host = 0.0
+    # under offload, the host's optimizer step, tensor by tensor (each tensor's own overhead), in
+    # host memory; never faster than the device's own step (on CPU ranks the host is the device)
+    host_step = 0.0
     axis_parts = [a for a in trades.data_axes if mesh[a] > 1]
+    d = math.prod(mesh[a] for a in axis_parts) if axis_parts else 1
     for v, i in choice.items():
         info = infos[v]
         if info.role is not Role.PARAM or not info.requires_grad:
             continue
         elems = piece_elems(info, tables.strategies[v][i].out, mesh)
         cbytes = elems * (2 if trades.precision.mixed else _item(info.dtype))
-        gbytes = elems * (4 if trades.precision.mixed else _item(info.dtype))
+        gbytes = elems * (4 if trades.precision.mixed else _item(info.dtype))  # the masters' too
         for m in members[v]:
             b = next((blk.index for blk in blocks if m in blk.params), None)
             if b is None:
@@ -498,22 +503,12 @@ def trade_terms(
             else:
                 gather[b] += cbytes
                 grads_full[b] += gbytes
-            step_elems_host += elems * (4 if trades.precision.mixed else _item(info.dtype))
-    d = math.prod(mesh[a] for a in axis_parts) if axis_parts else 1
-    # the host's optimizer step, tensor by tensor (each tensor's own overhead), in host memory; never
-    # faster than the device's own step (on CPU ranks the host is the device)
-    host_step = 0.0
-    for v, i in choice.items():
-        if infos[v].role is Role.PARAM and infos[v].requires_grad:
-            nbytes = piece_elems(infos[v], tables.strategies[v][i].out, mesh) * (
-                4 if trades.precision.mixed else _item(infos[v].dtype)
-            )
-            nbytes /= d if z else 1
+            step_elems_host += gbytes
+        if trades.offload is Offload.OPTIMIZER:
+            shard = gbytes / (d if z else 1)
             host_step += len(members[v]) * max(
-                host_optimizer_step_time(
-                    nbytes, optimizer.value, cluster.host_step_bandwidth, optimizer.name
-                ),
-                optimizer_step_time(nbytes, optimizer.value, cluster.device, optimizer.name),
+                host_optimizer_step_time(shard, optimizer.value, cluster.host_step_bandwidth, optimizer.name),
+                optimizer_step_time(shard, optimizer.value, cluster.device, optimizer.name),
             )
 
     def ag(nbytes: float) -> float:
