@@ -55,9 +55,9 @@ SDPA_ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "sc
 EVAL_BUDGET_BYTES = 4 * 2**30
 
 
-def rewrite_causal_masks(gm: fx.GraphModule) -> int:
+def rewrite_causal_masks(gm: fx.GraphModule, recompile: bool = True) -> int:
     """Rewrite every SDPA call of ``gm``'s graph whose mask is proven causal (module docstring);
-    return how many were rewritten."""
+    return how many were rewritten. ``recompile=False``: the caller regenerates ``gm``'s code."""
     values: dict[fx.Node, torch.Tensor | None] = {}  # one evaluation per mask (every layer shares it)
     verdicts: dict[tuple[fx.Node, tuple[int, int]], bool] = {}
     rewritten = 0
@@ -89,7 +89,8 @@ def rewrite_causal_masks(gm: fx.GraphModule) -> int:
     if rewritten:
         _erase_dead(set(values))
         gm.graph.lint()
-        gm.recompile()
+        if recompile:
+            gm.recompile()
     return rewritten
 
 

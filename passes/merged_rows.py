@@ -49,9 +49,10 @@ def _row_wise(node: fx.Node, rows_input: fx.Node) -> bool:
     return node.target is aten.linear.default or not others
 
 
-def unmerge_row_reshapes(gm: fx.GraphModule) -> int:
+def unmerge_row_reshapes(gm: fx.GraphModule, recompile: bool = True) -> int:
     """Undo every merge of leading dims that only a chain of row-wise ops sees before a view puts
-    the same leading dims back (module docstring); return how many were undone."""
+    the same leading dims back (module docstring); return how many were undone.
+    ``recompile=False``: the caller regenerates ``gm``'s code."""
     undone = 0
     for first in list(gm.graph.nodes):
         if first.op != "call_function" or first.target not in RESHAPES:
@@ -98,6 +99,6 @@ def unmerge_row_reshapes(gm: fx.GraphModule) -> int:
                 n.meta["val"] = v
             continue
         undone += 1
-    if undone:
+    if undone and recompile:
         gm.recompile()
     return undone

@@ -535,8 +535,9 @@ def _edge_vars(prob: Model, e: Edge, x: dict, tables: CostTables, by_key: bool =
     for a in range(n_src):
         rows.setdefault(tuple(tuple(t[a]) for t in tabs) + ((e.have[a],) if by_key else ()), []).append(a)
     cols: dict[tuple, list[int]] = {}
+    columns = [list(zip(*t)) if n_src else [()] * n_dst for t in tabs]  # each table transposed
     for b in range(n_dst):
-        sig = tuple(tuple(t[a][b] for a in range(n_src)) for t in tabs)
+        sig = tuple(c[b] for c in columns)
         cols.setdefault(sig + ((e.need[b],) if by_key else ()), []).append(b)
     row_groups, col_groups = list(rows.values()), list(cols.values())
     ys = {}
