@@ -66,6 +66,7 @@ from autopar.cost_model.compute import (
 from autopar.cost_model.memory import reshard_transient
 from autopar.options import Optimizer
 from autopar.passes.analyze import NodeInfo, tensor_vals
+from autopar.passes.background import checkpoint
 from autopar.passes.coarsen import Classes
 from autopar.passes.collective_matmul import LINEAR, fused_steps, overlap_saving_s, sole_use
 from autopar.passes.rules import tensor_inputs, writes_inputs
@@ -244,6 +245,7 @@ def build_costs(
             tables.keep_positions[rep] = (*tables.keep_positions.get(rep, ()), order[base])
     uses = grad_uses(tg, infos)
     for name, ns in strats.items():
+        checkpoint()  # on a search's worker thread: only while the search waits (passes/background.py)
         info = infos[name]
         n = classes.count(name)
         members = classes.members[name]
@@ -337,6 +339,7 @@ def build_costs(
     matmul_s = tables.matmul_s if overlap_matmuls else None
     memo: dict = {}
     for (src, dst, i, _, _, orig, owner), (inp, count, user) in groups.items():
+        checkpoint()
         pinned = _pinned_axes(infos[src], axis_roles)
         e = _edge(src, dst, i, inp, infos, strats, comm, pinned, orig, owner, grad_total, data_axes, memo)
         if matmul_s is not None:

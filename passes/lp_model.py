@@ -24,6 +24,7 @@ import numpy as np
 import pulp
 
 from autopar.errors import SolverError
+from autopar.passes.background import owner_idle
 
 
 class Var:
@@ -204,7 +205,8 @@ class Model:
             n, m, nz, int(highspy.MatrixFormat.kColwise), int(highspy.ObjSense.kMinimize), offset, cost, lower,
             upper, row_lower, row_upper, start, index, value, kinds,
         )  # fmt: skip
-        h.run()
+        with owner_idle():  # HiGHS releases the GIL: a search's worker builds tables meanwhile
+            h.run()
         values = np.empty(n)
         values[order] = np.asarray(h.getSolution().col_value, dtype=np.float64)
         objective = h.getObjectiveValue()

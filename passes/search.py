@@ -27,13 +27,18 @@ the search obeys are one frozen ``autopar.options.SearchOptions``.
 
 from __future__ import annotations
 
+import collections
+import concurrent.futures
+import contextlib
 import dataclasses
+import gc
 import json
 import logging
 import math
 import os
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -44,6 +49,7 @@ from autopar.cost_model.comm import axis_link
 from autopar.errors import NoPlanFitsError
 from autopar.options import AxisRole, Optimizer, SearchOptions
 from autopar.passes.analyze import NodeInfo, analyze
+from autopar.passes.background import Gate, owning, working
 from autopar.passes.blocks import Block, find_blocks
 from autopar.passes.coarsen import Classes, find_classes
 from autopar.passes.costs import CostTables, NodeTimer, build_costs
@@ -202,7 +208,40 @@ def search(
     ``profiler``: prices ops by running them (``autopar.tools.profiler``), else the roofline."""
     options = options or SearchOptions()
     st = _Stages(progress, dump_dir)
+    with _young_garbage_only() as freeze:
+        return _search(model, cluster, example_inputs, options, profiler, st, freeze)
+
+
+# the search allocates millions of short-lived objects (ILP rows, cost tables); at CPython's
+# default gen-0 threshold (700) the collector runs every few hundred of them and, every hundred
+# runs, walks every object alive (the traced graph, the model, torch's own): a fifth of the
+# search's time on the 8B-on-64 plan (benchmarks/bench_plan.py)
+GC_GEN0_THRESHOLD = 20_000
+
+
+@contextlib.contextmanager
+def _young_garbage_only():
+    """During the search: the collector run less often, and a ``freeze`` that takes what is alive
+    once the model is traced (the model, its graph, torch's state) out of its full passes; on
+    exit its settings as they were and those objects handed back (``gc.unfreeze``). Where the
+    caller keeps objects frozen itself, nothing is frozen (unfreezing would take its own too).
+    The search's own cycles are still collected."""
+    was = gc.get_threshold()
+    ours = gc.get_freeze_count() == 0
+    gc.set_threshold(max(was[0], GC_GEN0_THRESHOLD), *was[1:])
+    try:
+        yield gc.freeze if ours else (lambda: None)
+    finally:
+        gc.set_threshold(*was)
+        if ours:
+            gc.unfreeze()
+
+
+def _search(
+    model, cluster, example_inputs, options: SearchOptions, profiler, st: _Stages, freeze: Callable[[], None]
+) -> SearchResult:
     tg = trace_stage(model, example_inputs, st)
+    freeze()  # what is alive now lives through the search: out of the collector's full passes
     micro = MicroBatchCheck(model, example_inputs, tg, options.micro_batches, st.say)
     fuse_stage(tg, cluster, options, st)
     infos = analyze_stage(tg, st)
@@ -215,17 +254,17 @@ def search(
     limit = cluster.memory_limit(options.memory_limit_bytes)
     # found once, shared by every pass: the data-parallel solution of one axis, by size, and the
     # data-parallel regions by ranks on the data axis (or why there is none)
-    data_axis: dict[int, dict[str, Strategy] | NoPlanFitsError] = {}
-    regions: dict[int, DataRegion | str] = {}
-    args = (tg, infos, cinfos, classes, blocks, cluster, options, precision, batch, limit, profiler, st)
-    rest = (micro, data_axis, model, example_inputs, regions)
-    found = _explore(*args, *rest)
+    pb = _Problem(
+        tg, infos, cinfos, classes, blocks, cluster, options, precision, batch, limit, profiler, st, micro,
+        {}, model, example_inputs, {},
+    )  # fmt: skip
+    found = _explore(pb)
     # one-row micro-batches are explored unchecked (tracing the model on one row costs as much as
     # the first trace); only where a plan with them wins is the model traced on one row. Where its
     # graph changes there, the search runs again without them: that plan may have pruned others
     while found.best is not None and not micro.allows(batch, _micro_batches_of(found.best)):
         st.say("search: again, without one-row micro-batches")
-        found = _explore(*args, *rest)
+        found = _explore(pb)
     best, candidates = found.best, found.candidates
     best = select_stage(
         best, candidates, cluster, limit, found.min_needed, found.refused_at_full_peak, found.unplaceable, st,
@@ -248,142 +287,318 @@ class _Found:
     unplaceable: list[str] = field(default_factory=list)
 
 
-def _explore(
-    tg: TracedGraph,
-    infos: dict[str, NodeInfo],
-    cinfos: dict[str, NodeInfo],
-    classes: Classes | None,
-    blocks: list[Block],
-    cluster: ClusterSpec,
-    options: SearchOptions,
-    precision,
-    batch: int | None,
-    limit: float,
-    profiler: NodeTimer | None,
-    st: _Stages,
-    micro: MicroBatchCheck,
-    data_axis: dict,
-    model: torch.nn.Module,
-    example_inputs,
-    regions: dict,
-) -> _Found:
+@dataclass(frozen=True)
+class _Problem:
+    """What every candidate of one search shares: the traced model and its analyses, the cluster,
+    options and limits, and the caches filled as candidates are tried (``data_axis``: the
+    data-parallel solution of one axis by its size; ``regions``: data-parallel regions by the
+    ranks of the data axis, or why there is none)."""
+
+    tg: TracedGraph
+    infos: dict[str, NodeInfo]
+    cinfos: dict[str, NodeInfo]  # as the cost model prices them (``half_infos``)
+    classes: Classes | None
+    blocks: list[Block]
+    cluster: ClusterSpec
+    options: SearchOptions
+    precision: object
+    batch: int | None
+    limit: float
+    profiler: NodeTimer | None
+    st: _Stages
+    micro: MicroBatchCheck
+    data_axis: dict[int, dict[str, Strategy] | NoPlanFitsError]
+    model: torch.nn.Module
+    example_inputs: object
+    regions: dict[int, DataRegion | str]
+
+
+# HiGHS releases the GIL while it solves, and the cost tables are Python: the next candidate's
+# tables are built on a worker thread while this one's ILPs solve (``_Tables``). False: all on the
+# search's thread (the plan is the same either way: tests/test_search_prune.py)
+PREFETCH_TABLES = True
+# candidates built ahead of the one the search takes: 3 instead of 1 planned the 70B on 1024 H100s
+# in 20.9 s against 19.1 s (the worker then competes more for the idle time), 8B on 64 alike
+TABLES_AHEAD = 1
+
+
+@dataclass
+class _Prepared:
+    """One candidate's pinned axes (``pinned_axes``), strategies and cost tables (None where it is
+    skipped), and what building them said, dumped and recorded, for the search to replay in order."""
+
+    fixed: dict | None | NoPlanFitsError
+    strats: dict[str, NodeStrategies] | None
+    tables: CostTables | None
+    said: list[str]
+    writes: list[tuple[str, str]]
+    candidates: list[dict]
+    unplaceable: list[str]
+
+
+class _Recorder(_Stages):
+    """A ``_Stages`` that keeps its lines and dumps (``_Prepared``) instead of passing them on."""
+
+    def __init__(self, dump: Path | None):
+        self.dump, self.said, self.writes = dump, [], []
+
+    def say(self, msg: str) -> None:
+        self.said.append(msg)
+
+    def write(self, name: str, text: str) -> None:
+        if self.dump:
+            self.writes.append((name, text))
+
+
+def prepare_candidate(pb: _Problem, run: MeshRun, cluster: ClusterSpec) -> _Prepared:
+    """The tables of candidate ``run`` on ``cluster`` (the whole one, or one pipeline stage's)."""
+    rec = _Recorder(pb.st.dump)
+    candidates: list[dict] = []
+    unplaceable: list[str] = []
+    strats = tables = None
+    fixed = pinned_axes(pb.tg, pb.infos, cluster, run, pb.options, pb.classes, pb.profiler, pb.data_axis)
+    if isinstance(fixed, NoPlanFitsError):  # e.g. a batch of one: no data parallelism at all
+        _skip(run, fixed, candidates, unplaceable, rec)
+    else:
+        strats = strategies_stage(
+            pb.tg,
+            pb.infos,
+            run,
+            pb.classes,
+            fixed,
+            candidates,
+            unplaceable,
+            rec,
+            pb.options.sequence_attention,
+        )
+        if strats is not None:
+            tables = cost_stage(
+                pb.tg, pb.cinfos, strats, cluster, run, pb.options, pb.classes, pb.profiler, rec
+            )
+    return _Prepared(fixed, strats, tables, rec.said, rec.writes, candidates, unplaceable)
+
+
+class _Tables:
+    """Each candidate's ``prepare_candidate``, built one candidate ahead on a worker thread while
+    the search solves the one before (``PREFETCH_TABLES``): the worker runs only while the search's
+    thread waits on HiGHS or on the worker (``passes/background.py``). It takes candidates in
+    ``order``, the order the search asks for them; what building one said, dumped and recorded is
+    replayed when the search takes it, so the search's lines, dumps and entries come as without the
+    thread. A candidate asked for out of that order is built on the spot. Not threaded with a
+    profiler: its timings would share the core. A context manager: on exit the worker ends."""
+
+    def __init__(self, pb: _Problem, order: Iterator[tuple[MeshRun, ClusterSpec]], threaded: bool):
+        self.pb, self.order = pb, order
+        self.pool = ThreadPoolExecutor(1, thread_name_prefix="autopar-tables") if threaded else None
+        self.gate = Gate()
+        self._owning = owning(self.gate) if threaded else contextlib.nullcontext()
+        self.ahead: collections.deque[tuple[tuple[MeshRun, ClusterSpec], Future]] = collections.deque()
+
+    def __enter__(self) -> _Tables:
+        self._owning.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.gate.release()  # a worker waiting at a checkpoint finishes, and is not waited for long
+        if self.pool is not None:
+            self.pool.shutdown(wait=True, cancel_futures=True)
+            self.pool = None
+        self._owning.__exit__(*exc)
+
+    def _feed(self) -> None:
+        """One candidate queued on the worker beyond those the search has taken."""
+        while self.pool is not None and len(self.ahead) < TABLES_AHEAD:
+            try:
+                key = next(self.order)
+            except Exception:  # noqa: BLE001 - StopIteration, or an error the search meets itself, in turn
+                self.pool.shutdown(wait=False)
+                self.pool = None
+                return
+            self.ahead.append((key, self.pool.submit(self._work, *key)))
+
+    def _work(self, run: MeshRun, cluster: ClusterSpec) -> _Prepared:
+        with working(self.gate):  # on the worker: its checkpoints wait for the search to be idle
+            return prepare_candidate(self.pb, run, cluster)
+
+    def take(
+        self, run: MeshRun, cluster: ClusterSpec, candidates: list[dict], unplaceable: list[str]
+    ) -> _Prepared:
+        """Candidate ``run``'s tables; what building them said and recorded passed on."""
+        self._feed()
+        got = None
+        while self.ahead and got is None:
+            key, future = self.ahead.popleft()
+            if key == (run, cluster):
+                with self.gate.idle():
+                    got = future.result()
+            else:  # the search went another way than ``order``: that one is not needed
+                future.cancel()
+                with self.gate.idle():  # if it started, let it end
+                    concurrent.futures.wait([future])
+        self._feed()  # the next candidate's tables build while this one's ILPs solve
+        if got is None:
+            got = prepare_candidate(self.pb, run, cluster)
+        for msg in got.said:
+            self.pb.st.say(msg)
+        for name, text in got.writes:
+            self.pb.st.write(name, text)
+        candidates.extend(got.candidates)
+        unplaceable.extend(got.unplaceable)
+        return got
+
+
+def _spmd_runs(cluster: ClusterSpec, options: SearchOptions) -> Iterator[tuple[MeshRun, tuple | None]]:
+    """The SPMD candidates (``mesh_runs``; none where the options force pipeline stages), each with
+    the mesh it permutes (``_mirror_key``: the same problem, solved once) or None."""
+    if options.pipeline_stages is not None and options.pipeline_stages != 1:
+        return
+    mirrors: dict[tuple, tuple] = {}
+    for run in mesh_runs(cluster, options):
+        key = _mirror_key(cluster, run)
+        yield run, mirrors.get(key)
+        mirrors.setdefault(key, run.mesh)
+
+
+def _stage_runs(
+    cluster: ClusterSpec, options: SearchOptions, stages: int
+) -> tuple[ClusterSpec | None, list, str]:
+    """The cluster one of ``stages`` pipeline stages sees and its candidates (``stage_mesh_runs``),
+    or (None, [], why there are none)."""
+    sub = stage_cluster(cluster, stages)
+    if sub is None:
+        return None, [], f"pipeline: {stages} stages would split a node's devices unevenly: skipped"
+    if options.zero_stage is not None and options.zero_stage >= ZeroStage.GRADIENTS:
+        why = f"ZeRO-{int(options.zero_stage)} does not run with pipeline stages"
+        return None, [], f"pipeline: {stages} stages: {why}: skipped"
+    return sub, stage_mesh_runs(sub, options, stages), ""
+
+
+def _table_order(pb: _Problem) -> Iterator[tuple[MeshRun, ClusterSpec]]:
+    """The candidates whose tables ``_explore`` takes, in its order: the SPMD meshes, then each
+    stage count's stage meshes."""
+    for run, mirror in _spmd_runs(pb.cluster, pb.options):
+        if mirror is None:
+            yield run, pb.cluster
+    for stages in stage_counts(pb.cluster.world_size, len(pb.blocks), pb.options):
+        sub, runs, _ = _stage_runs(pb.cluster, pb.options, stages)
+        for run in runs:
+            yield run, sub
+
+
+def _explore(pb: _Problem) -> _Found:
     """Every candidate: the SPMD meshes (``mesh_runs``), each down its ladder of trades, then each
     pipeline stage count (``pipeline_candidates``), pruned against the fastest plan so far."""
+    tg, cinfos, blocks, cluster, options, st = pb.tg, pb.cinfos, pb.blocks, pb.cluster, pb.options, pb.st
+    precision, batch, limit, micro = pb.precision, pb.batch, pb.limit, pb.micro
     found = _Found()
     candidates, unplaceable = found.candidates, found.unplaceable
     best: Solved | None = None
     best_objective = math.inf
     min_needed = math.inf
     refused_at_full_peak = False
-    mirrors: dict[tuple, tuple] = {}
-    spmd = options.pipeline_stages is None or options.pipeline_stages == 1
-    for run in mesh_runs(cluster, options) if spmd else ():
-        key = _mirror_key(cluster, run)
-        if key in mirrors:
-            candidates.append(
-                {"mesh_shape": list(run.mesh), "status": f"same as {mirrors[key]}", "objective": None}
-            )
-            st.say(f"solve: mesh {run.label}: the same problem as mesh {mirrors[key]} (axes permuted)")
-            continue
-        mirrors[key] = run.mesh
-        fixed = pinned_axes(tg, infos, cluster, run, options, classes, profiler, data_axis)
-        if isinstance(fixed, NoPlanFitsError):  # e.g. a batch of one: no data parallelism at all
-            _skip(run, fixed, candidates, unplaceable, st)
-            continue
-        strats = strategies_stage(
-            tg, infos, run, classes, fixed, candidates, unplaceable, st, options.sequence_attention
-        )
-        if strats is None:
-            continue
-        tables = cost_stage(tg, cinfos, strats, cluster, run, options, classes, profiler, st)
-        data_axes = tuple(a for a, r in enumerate(run.roles or ()) if r is AxisRole.DATA and run.mesh[a] > 1)
-        fitted = 0
-        bounds: dict = {}
-        short: list[Trades] = []  # rungs of this candidate the ILP found no plan on
-        over: list[Trades] = []  # rungs whose memory lower bound passes the limit
-        slow: list[Trades] = []  # rungs whose time lower bound is no better than the best
-        # what a micro-batch must still split over: the data axes; with none, any axis may split the
-        # batch: the search's own micro-batches keep it divisible by every device (the solution is
-        # checked either way, ``micro_batch_ok``)
-        if data_axes:
-            parts = math.prod(run.mesh[a] for a in data_axes)
-        else:
-            parts = math.prod(run.mesh) if options.micro_batches is None else 1
-        zaxes, one_device = zero_axes(run.mesh, data_axes), math.prod(run.mesh) == 1
-        rungs = list(ladder(options, zaxes, precision, batch, bool(blocks), one_device))
-        # a region is looked for only where the user forced the data role: the automatic search
-        # has other layouts, and finding one costs a trace on fewer rows and the region's check
-        tried_region = (
-            options.axis_roles is None or fixed is not None or region_parts(run.mesh, data_axes) is None
-        )
-        while rungs:
-            trades = rungs.pop(0)
-            if trades.micro_batches > 1 and (batch is None or (batch // trades.micro_batches) % parts):
-                continue
-            if not micro.allows(batch, trades.micro_batches, trace=False):
-                continue
-            if any(relieves_no_more(trades, t) for t in short + over):
-                continue  # a rung with at least this much room each way had no plan
-            if any(costs_no_less(trades, t) for t in slow):
-                continue  # its bound is at least a pruned rung's, and the best only falls
-            traded = apply_trades(tables, tg, cinfos, trades, cluster, options.optimizer, blocks)
-            needed = lower_bound_bytes(traded)
-            if needed > limit:  # cheap: no solve, no entry
-                min_needed = min(min_needed, needed)
-                over.append(trades)
-                continue
-            if len(short) >= MAX_EMPTY_RUNGS and not any(relieves_more(trades, t) for t in short):
-                continue
-            ctx = TradeContext(trades, tables, blocks, cinfos, bounds)
-            outcome = solve_mesh(tg, cinfos, traded, cluster, run, options, limit, best_objective, st, ctx)
-            if outcome.entry.get("blocked") and not tried_region:
-                # an op the data role cannot split: the ops around it as one region run on each
-                # rank's own rows (passes/data_region.py), where that holds; then this candidate again
-                tried_region = True
-                got = region_stage(model, example_inputs, tg, infos, cinfos, run, classes, cluster, options,
-                                   profiler, st, regions)  # fmt: skip
-                if isinstance(got, str):
-                    outcome.entry["blocked"] += f"; as a data-parallel region: {got}"
-                else:
-                    strats, tables = got
-                    # micro-batches would run the region on other sizes than those it was checked on
-                    rungs = [
-                        t
-                        for t in ladder(options, zaxes, precision, batch, bool(blocks), one_device)
-                        if t.micro_batches == 1
-                    ]
-                    bounds, short, over, slow = {}, [], [], []
-                    continue
-            min_needed = min(min_needed, outcome.mem_needed)
-            refused_at_full_peak |= outcome.refused_at_full_peak
-            candidates.append(outcome.entry)
-            if outcome.solved is None and outcome.entry.get("status") == "infeasible":
-                short.append(trades)
-            if outcome.entry.get("status") == "pruned" and "lp_bound" not in outcome.entry:
-                slow.append(trades)
-            if outcome.fitted:  # a plan that fits, no better than the best: as a solved rung
-                fitted += 1
-                if fitted >= RUNGS_SOLVED:
-                    break
-            if outcome.solved is not None:
-                best_objective = min(
-                    best_objective, outcome.solved.sol.objective + outcome.solved.terms.total_s
+    with _Tables(pb, _table_order(pb), threaded=PREFETCH_TABLES and pb.profiler is None) as prepared:
+        for run, mirror in _spmd_runs(cluster, options):
+            if mirror is not None:
+                candidates.append(
+                    {"mesh_shape": list(run.mesh), "status": f"same as {mirror}", "objective": None}
                 )
-                if best is None or outcome.solved.t_step < best.t_step - 1e-12:
-                    best = outcome.solved
-                fitted += 1
-                if fitted >= RUNGS_SOLVED:
-                    break  # later rungs tend to add time (passes/trades.py:ladder)
-    for stages in stage_counts(cluster.world_size, len(blocks), options):
-        got = pipeline_candidates(
-            tg, infos, cinfos, classes, blocks, cluster, options, stages, precision, batch, limit,
-            profiler, st, candidates, unplaceable, data_axis, best_objective, micro,
-        )  # fmt: skip
-        min_needed = min(min_needed, got.mem_needed)
-        if got.solved is not None:
-            best_objective = min(best_objective, got.solved.t_step)
-            if best is None or got.solved.t_step < best.t_step - 1e-12:
-                best = got.solved
+                st.say(f"solve: mesh {run.label}: the same problem as mesh {mirror} (axes permuted)")
+                continue
+            got = prepared.take(run, cluster, candidates, unplaceable)
+            if got.tables is None:  # e.g. a batch of one: no data parallelism at all
+                continue
+            tables = got.tables
+            data_axes = tuple(
+                a for a, r in enumerate(run.roles or ()) if r is AxisRole.DATA and run.mesh[a] > 1
+            )
+            fitted = 0
+            bounds: dict = {}
+            short: list[Trades] = []  # rungs of this candidate the ILP found no plan on
+            over: list[Trades] = []  # rungs whose memory lower bound passes the limit
+            slow: list[Trades] = []  # rungs whose time lower bound is no better than the best
+            # what a micro-batch must still split over: the data axes; with none, any axis may split the
+            # batch: the search's own micro-batches keep it divisible by every device (the solution is
+            # checked either way, ``micro_batch_ok``)
+            if data_axes:
+                parts = math.prod(run.mesh[a] for a in data_axes)
+            else:
+                parts = math.prod(run.mesh) if options.micro_batches is None else 1
+            zaxes, one_device = zero_axes(run.mesh, data_axes), math.prod(run.mesh) == 1
+            rungs = list(ladder(options, zaxes, precision, batch, bool(blocks), one_device))
+            # a region is looked for only where the user forced the data role: the automatic search
+            # has other layouts, and finding one costs a trace on fewer rows and the region's check
+            tried_region = (
+                options.axis_roles is None
+                or got.fixed is not None
+                or region_parts(run.mesh, data_axes) is None
+            )
+            while rungs:
+                trades = rungs.pop(0)
+                if trades.micro_batches > 1 and (batch is None or (batch // trades.micro_batches) % parts):
+                    continue
+                if not micro.allows(batch, trades.micro_batches, trace=False):
+                    continue
+                if any(relieves_no_more(trades, t) for t in short + over):
+                    continue  # a rung with at least this much room each way had no plan
+                if any(costs_no_less(trades, t) for t in slow):
+                    continue  # its bound is at least a pruned rung's, and the best only falls
+                traded = apply_trades(tables, tg, cinfos, trades, cluster, options.optimizer, blocks)
+                needed = lower_bound_bytes(traded)
+                if needed > limit:  # cheap: no solve, no entry
+                    min_needed = min(min_needed, needed)
+                    over.append(trades)
+                    continue
+                if len(short) >= MAX_EMPTY_RUNGS and not any(relieves_more(trades, t) for t in short):
+                    continue
+                ctx = TradeContext(trades, tables, blocks, cinfos, bounds)
+                outcome = solve_mesh(
+                    tg, cinfos, traded, cluster, run, options, limit, best_objective, st, ctx
+                )
+                if outcome.entry.get("blocked") and not tried_region:
+                    # an op the data role cannot split: the ops around it as one region run on each
+                    # rank's own rows (passes/data_region.py), where that holds; then this candidate again
+                    tried_region = True
+                    region = region_stage(pb.model, pb.example_inputs, tg, pb.infos, cinfos, run, pb.classes,
+                                          cluster, options, pb.profiler, st, pb.regions)  # fmt: skip
+                    if isinstance(region, str):
+                        outcome.entry["blocked"] += f"; as a data-parallel region: {region}"
+                    else:
+                        _, tables = region
+                        # micro-batches would run the region on other sizes than those it was checked on
+                        rungs = [
+                            t
+                            for t in ladder(options, zaxes, precision, batch, bool(blocks), one_device)
+                            if t.micro_batches == 1
+                        ]
+                        bounds, short, over, slow = {}, [], [], []
+                        continue
+                min_needed = min(min_needed, outcome.mem_needed)
+                refused_at_full_peak |= outcome.refused_at_full_peak
+                candidates.append(outcome.entry)
+                if outcome.solved is None and outcome.entry.get("status") == "infeasible":
+                    short.append(trades)
+                if outcome.entry.get("status") == "pruned" and "lp_bound" not in outcome.entry:
+                    slow.append(trades)
+                if outcome.fitted:  # a plan that fits, no better than the best: as a solved rung
+                    fitted += 1
+                    if fitted >= RUNGS_SOLVED:
+                        break
+                if outcome.solved is not None:
+                    best_objective = min(
+                        best_objective, outcome.solved.sol.objective + outcome.solved.terms.total_s
+                    )
+                    if best is None or outcome.solved.t_step < best.t_step - 1e-12:
+                        best = outcome.solved
+                    fitted += 1
+                    if fitted >= RUNGS_SOLVED:
+                        break  # later rungs tend to add time (passes/trades.py:ladder)
+        for stages in stage_counts(cluster.world_size, len(blocks), options):
+            got = pipeline_candidates(pb, stages, candidates, unplaceable, best_objective, prepared)
+            min_needed = min(min_needed, got.mem_needed)
+            if got.solved is not None:
+                best_objective = min(best_objective, got.solved.t_step)
+                if best is None or got.solved.t_step < best.t_step - 1e-12:
+                    best = got.solved
     found.best, found.min_needed, found.refused_at_full_peak = best, min_needed, refused_at_full_peak
     return found
 
@@ -787,53 +1002,31 @@ def stage_mesh_runs(sub: ClusterSpec, options: SearchOptions, stages: int) -> li
 
 
 def pipeline_candidates(
-    tg: TracedGraph,
-    infos: dict[str, NodeInfo],
-    cinfos: dict[str, NodeInfo],
-    classes: Classes | None,
-    blocks: list[Block],
-    cluster: ClusterSpec,
-    options: SearchOptions,
+    pb: _Problem,
     stages: int,
-    precision,
-    batch: int | None,
-    limit: float,
-    profiler: NodeTimer | None,
-    st: _Stages,
     candidates: list[dict],
     unplaceable: list[str],
-    data_axis: dict,
     best_objective: float,
-    micro: MicroBatchCheck,
+    prepared: _Tables,
 ) -> MeshOutcome:
     """The best plan with ``stages`` pipeline stages (``passes/pipeline.py``): per stage mesh
     (``stage_mesh_runs``), the ladder of trades at the pipeline's micro-batches (ZeRO 0-1: FSDP2's
     groups do not run under torch's schedules here), each rung one ILP on the rows of the stage
     that holds the most, then the cut, schedule and chunks per rank priced on the solution. The
     entries join ``candidates``; the outcome carries the fastest that fits."""
-    sub = stage_cluster(cluster, stages)
+    tg, cinfos, blocks, options, st = pb.tg, pb.cinfos, pb.blocks, pb.options, pb.st
+    cluster, precision, batch, limit, micro = pb.cluster, pb.precision, pb.batch, pb.limit, pb.micro
     found = MeshOutcome({}, math.inf)
+    sub, runs, why = _stage_runs(cluster, options, stages)
     if sub is None:
-        st.say(f"pipeline: {stages} stages would split a node's devices unevenly: skipped")
-        return found
-    if options.zero_stage is not None and options.zero_stage >= ZeroStage.GRADIENTS:
-        st.say(
-            f"pipeline: {stages} stages: ZeRO-{int(options.zero_stage)} does not run with pipeline stages: skipped"
-        )
+        st.say(why)
         return found
     regions = Regions.of(tg, blocks)
     schedule = options.schedule or Schedule.ONE_F_ONE_B
-    for run in stage_mesh_runs(sub, options, stages):
-        fixed = pinned_axes(tg, infos, sub, run, options, classes, profiler, data_axis)
-        if isinstance(fixed, NoPlanFitsError):
-            _skip(run, fixed, candidates, unplaceable, st)
+    for run in runs:
+        tables = prepared.take(run, sub, candidates, unplaceable).tables
+        if tables is None:
             continue
-        strats = strategies_stage(
-            tg, infos, run, classes, fixed, candidates, unplaceable, st, options.sequence_attention
-        )
-        if strats is None:
-            continue
-        tables = cost_stage(tg, cinfos, strats, sub, run, options, classes, profiler, st)
         data_axes = tuple(a for a, r in enumerate(run.roles or ()) if r is AxisRole.DATA and run.mesh[a] > 1)
         # what a micro-batch must split over: the data axes (a solution that splits the batch on
         # another axis too gets fewer micro-batches, below)

@@ -36,6 +36,7 @@ from torch.distributed.tensor.placement_types import Replicate, Shard
 from autopar.errors import NoPlanFitsError
 from autopar.options import AxisRole
 from autopar.passes.analyze import NodeInfo
+from autopar.passes.background import checkpoint
 from autopar.passes.rules import RULES, VIEW_OPS, AxisOption, make_ctx, tensor_inputs, written_inputs
 from autopar.passes.rules.dtensor import options as dtensor_options
 from autopar.passes.trace import Role, TracedGraph
@@ -204,6 +205,7 @@ def build_strategies(
     result: dict[str, NodeStrategies] = {}
     mutated = mutated_views(tg)
     for node in tg.graph.nodes:
+        checkpoint()  # on a search's worker thread: only while the search waits (passes/background.py)
         if only is not None and node.name not in only:
             continue
         info = infos[node.name]
