@@ -273,6 +273,15 @@ def _fully_shard(applied: AppliedTrades, gm: fx.GraphModule, tg: TracedGraph, de
         load(m)
         _upcast(applied, m)
         for (owner, leaf), p in _param_owners(m, skip=applied.fsdp_modules).items():
+            if (
+                isinstance(p, DTensor)
+                and mesh.size(axis) == 1
+                and not isinstance(p.placements[axis], Replicate)
+            ):
+                # a shard over one device is the whole tensor (the ILP breaks ties between such
+                # placements either way): FSDP2 takes it, as whole, to offload it
+                p = _whole_on(p, axis)
+                owner.register_parameter(leaf, p)
             if leaf in keep or (isinstance(p, DTensor) and not isinstance(p.placements[axis], Replicate)):
                 ignored.add(p)  # FSDP2 shards over the data axis what is whole on it
             elif not SPMD_FSDP and isinstance(p, DTensor):
@@ -292,6 +301,15 @@ def _fully_shard(applied: AppliedTrades, gm: fx.GraphModule, tg: TracedGraph, de
         m.set_gradient_divide_factor(1.0)  # the graph's gradients are partial sums: reduce by SUM
         m.set_force_sum_reduction_for_comms(True)
         applied.fsdp_modules.append(m)
+
+
+def _whole_on(p: DTensor, axis: int) -> torch.nn.Parameter:
+    """Parameter ``p`` (its local tensor shared) replicated on mesh axis ``axis`` of one device."""
+    placements = [Replicate() if a == axis else pl for a, pl in enumerate(p.placements)]
+    whole = DTensor.from_local(
+        p._local_tensor, p.device_mesh, placements, run_check=False, shape=p.shape, stride=p.stride()
+    )
+    return torch.nn.Parameter(whole, requires_grad=p.requires_grad)
 
 
 def _param_owners(gm: torch.nn.Module, skip=()) -> dict[tuple[torch.nn.Module, str], torch.nn.Parameter]:

@@ -21,6 +21,7 @@ import os
 import pytest
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import Shard
 
 import autopar
 from autopar import examples
@@ -93,17 +94,23 @@ def _autopar(model, batch, device: str, home: str | None = None, **kw):
     for _ in range(STEPS):
         loss = pmodel.step(**batch)  # a CPU batch: the module moves it to its device
         losses.append(loss.detach().float().cpu())
-        where = {_local(p).device.type for p in pmodel.parameters()}
-        where |= {_local(p.grad).device.type for p in pmodel.parameters() if p.grad is not None}
+        params = dict(pmodel.named_parameters())
+        where = [(n, _local(p)) for n, p in params.items()]
+        where += [(f"{n}.grad", _local(p.grad)) for n, p in params.items() if p.grad is not None]
         opt.step()
-        where |= {
-            _local(v).device.type
-            for s in opt.state.values()
-            for v in s.values()
+        names = {id(p): n for n, p in params.items()}
+        where += [
+            (f"{names.get(id(p), '?')}.{k}", _local(v))
+            for p, s in opt.state.items()
+            for k, v in s.items()
             if torch.is_tensor(v) and v.dim()
-        }
+        ]
         opt.zero_grad()
-        assert where == {home or device}, f"state off {home or device}: {where}"
+        off = [f"{n} on {t.device}" for n, t in where if t.device.type != (home or device)]
+        assert not off, f"{len(off)} of {len(where)} tensors off {home or device}: {off[:6]}"
+        if kw.get("zero_stage", 0) >= 2:  # FSDP2 holds every parameter (its dim-0 shard of the device)
+            mine = [n for n, p in params.items() if getattr(p, "placements", None) != (Shard(0),)]
+            assert not mine, f"parameters FSDP2 does not hold: {mine[:6]}"
         if home == "cpu" and device == "cuda":
             assert all(_local(p).is_pinned() for p in pmodel.parameters()), "host parameters not pinned"
     state = {k: v.float().cpu() for k, v in pmodel.full_state_dict().items()}
