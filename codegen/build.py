@@ -149,10 +149,39 @@ def device_mesh(device_type: str, shape: tuple[int, ...], names: tuple[str, ...]
     output placements by value, so a ``DTensor`` made on a second, equal mesh object comes back
     from any op (``nn.Parameter``'s ``detach`` is one) on the first; FSDP2 then refuses parameters
     whose mesh is not the very object it is given."""
-    key = (id(dist.group.WORLD), device_type, tuple(shape), tuple(names))
+    world = dist.group.WORLD
+    key = (id(world), device_type, tuple(shape), tuple(names))
     if key not in _MESHES:
+        if any(k[0] != id(world) for k in _MESHES):
+            _forget_meshes()
         _MESHES[key] = init_device_mesh(device_type, tuple(shape), mesh_dim_names=tuple(names))
     return _MESHES[key]
+
+
+def _forget_meshes() -> None:
+    """The process group the cached meshes were made on is gone (a new one was initialized in
+    this process): drop them, and DTensor's caches keyed by mesh *value*. Those would hand a
+    ``DTensor`` made on the new, equal mesh back on an old one (its sharding propagation caches
+    specs by an equality that ignores the process group), which FSDP2 refuses ("Expected param's
+    DTensor mesh to be the same mesh passed to fully_shard")."""
+    from torch.distributed.tensor import DTensor, _redistribute
+
+    _MESHES.clear()
+    propagator = getattr(getattr(DTensor, "_op_dispatcher", None), "sharding_propagator", None)
+    caches = (
+        getattr(propagator, "propagate_op_sharding", None),
+        getattr(propagator, "_propagate_tensor_meta_cached", None),
+        getattr(_redistribute, "_gen_transform_infos", None),
+    )
+    for cache in caches:
+        if hasattr(cache, "cache_clear"):
+            cache.cache_clear()
+    for clear in (
+        getattr(_redistribute, "clear_redistribute_planner_cache", None),
+        getattr(torch._C, "_clear_DTensor_sharding_propagator_cache", None),  # the C++ fast path's
+    ):
+        if clear is not None:
+            clear()
 
 
 def axis_names(n: int) -> tuple[str, ...]:
