@@ -215,7 +215,7 @@ def search(
 # the search allocates millions of short-lived objects (ILP rows, cost tables); at CPython's
 # default gen-0 threshold (700) the collector runs every few hundred of them and, every hundred
 # runs, walks every object alive (the traced graph, the model, torch's own): a fifth of the
-# search's time on the 8B-on-64 plan (benchmarks/bench_plan.py)
+# search's time on the 8B-on-64 plan (benchmarks/README.md, "Planning time again")
 GC_GEN0_THRESHOLD = 20_000
 
 
@@ -315,7 +315,7 @@ class _Problem:
 
 # HiGHS releases the GIL while it solves, and the cost tables are Python: the next candidate's
 # tables are built on a worker thread while this one's ILPs solve (``_Tables``). False: all on the
-# search's thread (the plan is the same either way: tests/test_search_prune.py)
+# search's thread (the plan is the same either way: tests/test_search_threads.py)
 PREFETCH_TABLES = True
 # candidates built ahead of the one the search takes: 3 instead of 1 planned the 70B on 1024 H100s
 # in 20.9 s against 19.1 s (the worker then competes more for the idle time), 8B on 64 alike
@@ -324,11 +324,10 @@ TABLES_AHEAD = 1
 
 @dataclass
 class _Prepared:
-    """One candidate's pinned axes (``pinned_axes``), strategies and cost tables (None where it is
-    skipped), and what building them said, dumped and recorded, for the search to replay in order."""
+    """One candidate's pinned axes (``pinned_axes``) and cost tables (None where it is skipped),
+    and what building them said, dumped and recorded, for the search to replay in order."""
 
     fixed: dict | None | NoPlanFitsError
-    strats: dict[str, NodeStrategies] | None
     tables: CostTables | None
     said: list[str]
     writes: list[tuple[str, str]]
@@ -355,7 +354,7 @@ def prepare_candidate(pb: _Problem, run: MeshRun, cluster: ClusterSpec) -> _Prep
     rec = _Recorder(pb.st.dump)
     candidates: list[dict] = []
     unplaceable: list[str] = []
-    strats = tables = None
+    tables = None
     fixed = pinned_axes(pb.tg, pb.infos, cluster, run, pb.options, pb.classes, pb.profiler, pb.data_axis)
     if isinstance(fixed, NoPlanFitsError):  # e.g. a batch of one: no data parallelism at all
         _skip(run, fixed, candidates, unplaceable, rec)
@@ -375,7 +374,7 @@ def prepare_candidate(pb: _Problem, run: MeshRun, cluster: ClusterSpec) -> _Prep
             tables = cost_stage(
                 pb.tg, pb.cinfos, strats, cluster, run, pb.options, pb.classes, pb.profiler, rec
             )
-    return _Prepared(fixed, strats, tables, rec.said, rec.writes, candidates, unplaceable)
+    return _Prepared(fixed, tables, rec.said, rec.writes, candidates, unplaceable)
 
 
 class _Tables:
@@ -406,7 +405,7 @@ class _Tables:
         self._owning.__exit__(*exc)
 
     def _feed(self) -> None:
-        """One candidate queued on the worker beyond those the search has taken."""
+        """``TABLES_AHEAD`` candidates queued on the worker beyond those the search has taken."""
         while self.pool is not None and len(self.ahead) < TABLES_AHEAD:
             try:
                 key = next(self.order)

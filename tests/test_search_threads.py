@@ -41,7 +41,8 @@ def _plan(tmp_path, name):
     # seconds measured on the way (tracing, each solve, the whole) are the only lines that differ
     said = [re.sub(r"\d+\.\d+ s\b", "T s", line) for line in lines]
     dumps = {
-        p.name: re.sub(r'"solve_time_s": [\d.e-]+', "", p.read_text()) for p in sorted((tmp_path / name).iterdir())
+        p.name: re.sub(r'"solve_time_s": [\d.e-]+', "", p.read_text())
+        for p in sorted((tmp_path / name).iterdir())
     }
     return d, said, dumps
 
@@ -97,20 +98,28 @@ def test_the_collector_is_left_as_found():
         gc.unfreeze()
 
 
-def test_a_worker_runs_only_while_the_owner_is_idle():
-    background.checkpoint()  # no gate: nothing to wait for
-    passed = threading.Event()
-    gate = background.Gate()
+def _at_checkpoint(gate: background.Gate) -> tuple[threading.Thread, threading.Event]:
+    """A worker thread of ``gate`` that has reached a checkpoint, and the event it sets past it."""
+    arrived, passed = threading.Event(), threading.Event()
 
-    def worker():
+    def body():
         with background.working(gate):
+            arrived.set()
             background.checkpoint()
         passed.set()
 
+    t = threading.Thread(target=body)
+    t.start()
+    arrived.wait()
+    return t, passed
+
+
+def test_a_worker_runs_only_while_the_owner_is_idle():
+    background.checkpoint()  # no gate: nothing to wait for
+    gate = background.Gate()
     with background.owning(gate):
         background.checkpoint()  # the owner's own thread never waits
-        t = threading.Thread(target=worker)
-        t.start()
+        t, passed = _at_checkpoint(gate)
         t.join(0.2)
         assert t.is_alive() and not passed.is_set()  # held at its checkpoint while the owner works
         with background.owner_idle():
@@ -118,15 +127,7 @@ def test_a_worker_runs_only_while_the_owner_is_idle():
         t.join()
         # another search's worker waits on its own gate, opened by its own owner's idle time only
         other = background.Gate()
-        done = threading.Event()
-
-        def other_worker():
-            with background.working(other):
-                background.checkpoint()
-            done.set()
-
-        t2 = threading.Thread(target=other_worker)
-        t2.start()
+        t2, done = _at_checkpoint(other)
         with background.owner_idle():  # this thread's idle time opens this thread's gate alone
             t2.join(0.2)
             assert not done.is_set()
@@ -134,6 +135,6 @@ def test_a_worker_runs_only_while_the_owner_is_idle():
         t2.join()
         assert done.is_set()
     # released on exit: a worker arriving late does not wait
-    late = threading.Thread(target=lambda: background.working(gate).__enter__() or background.checkpoint())
-    late.start()
+    late, passed = _at_checkpoint(gate)
     late.join()
+    assert passed.is_set()
