@@ -138,29 +138,33 @@ def _module_kwargs(tg: TracedGraph, plan, choice: dict[str, Strategy], inputs, o
     )
 
 
-# one DeviceMesh object per (process group, device type, shape, axis names) in a process
+# one DeviceMesh object per (device type, shape, axis names) in a process, all on the process
+# group ``_MESH_WORLD`` holds (held, so that a later group cannot take its id)
 _MESHES: dict[tuple, DeviceMesh] = {}
+_MESH_WORLD: list = [None]
 
 
 def device_mesh(device_type: str, shape: tuple[int, ...], names: tuple[str, ...]) -> DeviceMesh:
-    """The mesh of ``shape`` with axes ``names``, made once per process (collective the first time).
+    """The mesh of ``shape`` with axes ``names``, made once per process group (collective the first
+    time).
 
     Modules built on equal meshes share one object: DTensor's sharding propagation caches its
     output placements by value, so a ``DTensor`` made on a second, equal mesh object comes back
     from any op (``nn.Parameter``'s ``detach`` is one) on the first; FSDP2 then refuses parameters
     whose mesh is not the very object it is given."""
     world = dist.group.WORLD
-    key = (id(world), device_type, tuple(shape), tuple(names))
+    if _MESH_WORLD[0] is not world:
+        _forget_meshes()
+        _MESH_WORLD[0] = world
+    key = (device_type, tuple(shape), tuple(names))
     if key not in _MESHES:
-        if any(k[0] != id(world) for k in _MESHES):
-            _forget_meshes()
         _MESHES[key] = init_device_mesh(device_type, tuple(shape), mesh_dim_names=tuple(names))
     return _MESHES[key]
 
 
 def _forget_meshes() -> None:
-    """The process group the cached meshes were made on is gone (a new one was initialized in
-    this process): drop them, and DTensor's caches keyed by mesh *value*. Those would hand a
+    """The process group the cached meshes were made on is not the world's (a new one was
+    initialized in this process, or none was made yet): drop them, and DTensor's caches keyed by mesh *value*. Those would hand a
     ``DTensor`` made on the new, equal mesh back on an old one (its sharding propagation caches
     specs by an equality that ignores the process group), which FSDP2 refuses ("Expected param's
     DTensor mesh to be the same mesh passed to fully_shard")."""
