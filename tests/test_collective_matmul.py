@@ -39,6 +39,21 @@ def _randn(*shape, seed: int) -> torch.Tensor:
     return torch.randn(*shape, generator=_gen(seed))
 
 
+def _sum_length(x_full: torch.Tensor, out_total: int) -> int:
+    """The longest sum behind any compared value: a weight's gradient sums over the input's rows,
+    the output over its features, the input's gradient over the output's."""
+    return max(x_full.numel() // x_full.shape[-1], x_full.shape[-1], out_total)
+
+
+def _off(got: torch.Tensor, ref: torch.Tensor, k: int) -> float:
+    """``got``'s largest error against ``ref`` in units of float32 rounding over a sum of ``k``
+    terms of ``ref``'s size (``k * eps * max|ref|``): the two sum in different orders, so they
+    may differ by that much and no more; a wrong block or a missing reduction is off by about
+    ``1 / (k * eps)`` of these units."""
+    bound = k * torch.finfo(torch.float32).eps * max(ref.abs().max().item(), torch.finfo(torch.float32).tiny)
+    return (got - ref).abs().max().item() / bound
+
+
 def _gather_case(group, dim: int, split_weight: bool, keep: bool) -> dict[str, float]:
     import torch.distributed as dist
 
@@ -71,12 +86,13 @@ def _gather_case(group, dim: int, split_weight: bool, keep: bool) -> dict[str, f
     if keep:
         loss = loss + (2 * gathered * h_full[r if split_weight else 0]).sum()
     loss.backward()
+    k = _sum_length(x_full, out_total)
     return {
-        "out": (y - blk(Y.detach())).abs().max().item(),
-        "grad x": (x.grad - X.grad.chunk(n, dim)[r]).abs().max().item(),
-        "grad w": (w.grad - (W.grad.chunk(n, 0)[r] if split_weight else W.grad)).abs().max().item(),
-        "grad b": (b.grad - blk(Bb.grad)).abs().max().item(),
-        **({"gathered": (gathered - x_full).abs().max().item()} if keep else {}),
+        "out": _off(y, blk(Y.detach()), k),
+        "grad x": _off(x.grad, X.grad.chunk(n, dim)[r], k),
+        "grad w": _off(w.grad, W.grad.chunk(n, 0)[r] if split_weight else W.grad, k),
+        "grad b": _off(b.grad, blk(Bb.grad), k),
+        **({"gathered": _off(gathered, x_full, k)} if keep else {}),
     }
 
 
@@ -100,11 +116,12 @@ def _scatter_case(group, dim: int) -> dict[str, float]:
     b = (b_full if r == 0 else torch.zeros_like(b_full)).clone().requires_grad_()
     y = linear_reduce_scatter(x, w, b, dim, group)
     (y * g_full.chunk(n, dim)[r]).sum().backward()
+    k = _sum_length(x_full, out_total)
     return {
-        "out": (y - Y.detach().chunk(n, dim)[r]).abs().max().item(),
-        "grad x": (x.grad - X.grad.chunk(n, -1)[r]).abs().max().item(),
-        "grad w": (w.grad - W.grad.chunk(n, 1)[r]).abs().max().item(),
-        "grad b": (b.grad - Bb.grad).abs().max().item(),
+        "out": _off(y, Y.detach().chunk(n, dim)[r], k),
+        "grad x": _off(x.grad, X.grad.chunk(n, -1)[r], k),
+        "grad w": _off(w.grad, W.grad.chunk(n, 1)[r], k),
+        "grad b": _off(b.grad, Bb.grad, k),
     }
 
 
@@ -162,7 +179,8 @@ def test_collective_matmuls_equal_the_unfused_collectives(kernel_runs):
         assert len(results) == (1 if world == 2 else 3) * 11
         for case, errs in results.items():
             for what, err in errs.items():
-                assert err < 1e-5, f"world {world} rank {rank} {case}: {what} off by {err}"
+                # within the rounding of the sums (``_off``): at most 4 units
+                assert err <= 4.0, f"world {world} rank {rank} {case}: {what} off by {err:.3g} rounding units"
 
 
 def test_collective_matmuls_refuse_what_they_cannot_cut(kernel_runs):
