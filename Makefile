@@ -21,7 +21,8 @@ demo: $(STAMP)
 
 # two pytest workers (the CI machine's cores), whole files each so that a module's fixtures run
 # once: the suite spends about half its time in one process (planning, tracing, the single-device
-# references), where a second worker uses the other core; 1183 s -> 926 s on the 2-core dev VM
+# references), where a second worker uses the other core (measured on the 2-core dev VM: 926 s
+# with two workers, 1183 s in one process)
 test: $(STAMP)
 	$(BIN)/python -m pytest -q -p no:cacheprovider -n 2 --dist loadfile tests
 

@@ -21,7 +21,7 @@ _SHARD_RE = re.compile(r"^S\((-?\d+)\)$")
 
 
 # ``isinstance`` against DTensor's placement classes goes through a metaclass hook that is slow on a
-# miss (a third of planning time was spent there); the exact-type test decides the common cases.
+# miss (with it alone, a third of planning time went there); the exact-type test decides the common cases.
 def is_shard(p: object) -> bool:
     t = type(p)
     return t is Shard or (t is not Replicate and t is not Partial and isinstance(p, Shard))

@@ -93,18 +93,17 @@ _H100_FLOPS = {
 # memory bandwidth (below).
 _H100_ACHIEVED_BW = 2.96e12  # [H100-OPS] t = L + B / bw over elementwise ops: 2.96 TB/s of the 3.35 [H100-DS]
 _H100_FITTED = dict(
-    # [H100-OPS] the launch floor L of the same fit (an elementwise op of 64 Ki elements: ~5 us);
-    # 5 us [CUDA-LAUNCH] before
+    # [H100-OPS] the launch floor L of the same fit (an elementwise op of 64 Ki elements: ~5 us)
     kernel_launch_s=5.04e-6,
     # [H100-OPS] matmuls at the datasheet peak x EFF_MAX: the smallest GEMM size of half speed
     # (matmul_dim_half) and the fixed cost per GEMM beyond the launch (matmul_overhead_s) of least
-    # squared relative error over the bf16 and fp32 mm rows; 0 and 0 (no loss) before
+    # squared relative error over the bf16 and fp32 mm rows
     matmul_dim_half=16.0,
     matmul_overhead_s=0.0,
     # [H100-OPS] seconds per element (forward, backward) of ops slower than their bytes at the
     # achieved bandwidth, fitted on rows of >= 2^24 elements: layer_norm / rms_norm ~2.1 TB/s,
     # softmax ~1.3 TB/s in bf16, cross-entropy (log-softmax + gather) ~0.6 TB/s in bf16; backward
-    # 0: the roofline (only cross-entropy's was measured). None before (the roofline)
+    # 0: the roofline (only cross-entropy's was measured)
     pointwise_s={
         "aten.cross_entropy_loss.default": (2.61e-12, 2.62e-12),
         "aten.layer_norm.default": (1.73e-12, 0.0),
@@ -112,7 +111,7 @@ _H100_FITTED = dict(
         "aten.softmax.int": (3.18e-12, 0.0),
     },
     # [H100-OPS] Adam (torch's default foreach step) per parameter tensor of 2^22 elements beyond
-    # its bytes at the achieved bandwidth; one launch (5 us) before
+    # its bytes at the achieved bandwidth
     optimizer_param_s={"ADAM": 1.13e-5},
 )
 
@@ -153,7 +152,7 @@ _DEVICES: dict[str, DeviceSpec] = {
         name="NVIDIA H100 80GB HBM3",
         peak_flops=_H100_FLOPS,
         memory_bytes=80 * GiB,  # [H100-DS] 80 GB HBM3
-        memory_bandwidth=_H100_ACHIEVED_BW,  # [H100-OPS] achieved; 3.35 TB/s [H100-DS] before
+        memory_bandwidth=_H100_ACHIEVED_BW,  # [H100-OPS] achieved; the datasheet's 3.35 TB/s [H100-DS]
         comm_overlap=_GPU_OVERLAP,  # [OVERLAP]
         **_H100_FITTED,  # [H100-OPS]
     ),
@@ -162,7 +161,7 @@ _DEVICES: dict[str, DeviceSpec] = {
         peak_flops=_H100_FLOPS,  # [H200-DS] same compute as H100 SXM
         memory_bytes=141 * GiB,  # [H200-DS] 141 GB HBM3e
         # [H200-DS] 4.8 TB/s x the fraction of its datasheet the H100 achieved, 2.96 / 3.35 [H100-OPS]
-        # (no H200 was measured); 4.8 TB/s before
+        # (no H200 was measured)
         memory_bandwidth=4.24e12,
         comm_overlap=_GPU_OVERLAP,  # [OVERLAP]
         **_H100_FITTED,  # [H100-OPS] the H100's SMs and clocks [H200-DS]

@@ -1,4 +1,4 @@
-"""Any model, as a new user would try it (issue 26): 16 model families no test names, each built tiny
+"""Any model, as a new user would try it: 16 model families no test names, each built tiny
 from its config (no downloads), planned on the ``cpu`` preset and run on gloo ranks.
 
 For each model, world size (2, 4) and mode:

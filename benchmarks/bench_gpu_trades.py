@@ -1,6 +1,5 @@
 """The memory-for-time trades on one device, run for real: does each free the memory its plan says,
-at the time it says, with the same losses? (Issue 22, item 8's "the device-memory saving itself
-shows on GPUs".)
+at the time it says, with the same losses?
 
 One process, world 1 (NCCL on a GPU, gloo on the CPU), one bf16 Llama (``--size``, as
 ``bench_gpu.py``), planned on a mesh of one data-parallel device with each trade forced (``--trades``):

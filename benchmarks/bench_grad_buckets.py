@@ -3,7 +3,7 @@
 For each model, one data-parallel plan (``AxisRole.DATA``: every weight's gradient is
 all-reduced after backward). Every rank builds it twice: with ``passes/grad_sync.BUCKET_BYTES`` at its default
 (DistributedDataParallel's 25 MiB: one flat all-reduce per bucket) and at 1 byte (each parameter
-its own bucket: one all-reduce per parameter, what codegen ran before buckets). The two are timed
+its own bucket: one all-reduce per parameter). The two are timed
 in interleaved rounds (the slowest rank's step, median over rounds), and each is priced on the
 calibrated cluster with the same cap (``autopar.reprice``).
 

@@ -6,7 +6,7 @@ per-tensor figures (``autopar/tools/calibrate_compute.py``), then time ``step()`
 momentum and Adam (PyTorch's defaults) over parameters of each size and print the measured time
 against ``cost_model.compute.optimizer_step_time``, and against what a fused step would move
 (read the parameter, gradient and states, write them back: ``2 + 2 c + 1`` passes at the
-fresh-tensor bandwidth, the model before ``OPTIMIZER_TRAFFIC``).
+fresh-tensor bandwidth, where ``OPTIMIZER_TRAFFIC`` counts PyTorch's kernels' passes).
 
     .venv/bin/python benchmarks/bench_optimizer_step.py
 """

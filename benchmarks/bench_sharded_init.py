@@ -3,8 +3,8 @@
 A Llama of ``--hidden`` x ``--layers`` (vocabulary ``--vocab``) is saved once as a safetensors
 checkpoint; ``--world`` gloo ranks then build a tensor-parallel module from the model on the meta
 device, the weights coming from each source (``--sources``: the checkpoint ``file``, rank 0's
-state dict ``rank0``, the model's initializers ``init``); before sharded initialization every rank
-built the model whole (the ``whole`` figure printed). Per rank, while
+state dict ``rank0``, the model's initializers ``init``; the whole model's bytes, ``whole``, printed
+for scale). Per rank, while
 ``autoparallelize`` runs:
 
 * ``pieces``: the bytes of the rank's parameters and buffers once built (its shards);

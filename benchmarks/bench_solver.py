@@ -1,4 +1,4 @@
-"""Planning time = trace on the meta device + strategies + costs + ILP, for the sizes of issue 5.
+"""Planning time = trace on the meta device + strategies + costs + ILP, at three model sizes.
 
     .venv/bin/python benchmarks/bench_solver.py [--case NAME ...] [--outputs full|local]
 

@@ -1,6 +1,6 @@
-"""Real-timing checks of the measuring code: what tests/ checked against the wall clock until the
-tests moved to injected clocks (tests/fake_clock.py), run here where a busy machine is a result,
-not a failure. Each check prints its figures and PASS/FAIL against its tolerance:
+"""Real-timing checks of the measuring code, which tests/ checks with injected clocks
+(tests/fake_clock.py): run here against the wall clock, where a busy machine is a result, not a
+failure. Each check prints its figures and PASS/FAIL against its tolerance:
 
 * profiler: ``OpProfiler``'s 192x192 matmul figures against a direct ``perf_counter`` timing of
   the same op (forward and forward+backward within 3x), backward about twice the forward;

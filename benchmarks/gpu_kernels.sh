@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 25's GPU checks in one command, for a GPU machine lent for a few minutes (one GPU, world 1
+# The fused kernels' GPU checks in one command, for a GPU machine lent for a few minutes (one GPU, world 1
 # on NCCL; ../shared/GPU.md says what those machines have):
 #
 #   1. benchmarks/bench_kernels.py: each fused kernel against eager and torch.compile at Llama-3-8B

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 22's GPU checks in one command, for a GPU machine lent for a few minutes (one GPU, world 1
+# The memory-for-time trades' GPU checks in one command, for a GPU machine lent for a few minutes (one GPU, world 1
 # on NCCL; ../shared/GPU.md says what those machines have):
 #
 #   1. tests/test_one_device.py -k trades: recomputation with micro-batches, ZeRO-3 over the one

@@ -16,7 +16,7 @@ come from, in this order:
      holds its pieces plus one whole tensor at a time;
 
    a tensor is found under any of its names (tied weights: a checkpoint keeps one of them);
-2. the model's own tensors, where they are real (a model built on every rank, as before);
+2. the model's own tensors, where they are real (a model built on every rank);
 3. the model's own initializers, for a model on the meta device (``Initializer``).
 
 ``StateLoader.load`` makes a group of tensors at a time: all of them for plans without ZeRO-2/3;

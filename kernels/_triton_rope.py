@@ -8,15 +8,15 @@ transposed ``[B, S, H, D] -> [B, H, S, D]`` input needs no copy; ``cos`` and ``s
 to ``x``'s shape as stride-0 views (no copy either). The row index is split into ``(i0, i1, i2)``
 once per row, as a vector, in int32; offsets are int64. The output is contiguous. fp32 inside.
 
-Why tiles: one program per row (as before) gave Llama-3-8B's q ``[2, 32, 4096, 128]`` 262,144
+Why tiles: one program per row gives Llama-3-8B's q ``[2, 32, 4096, 128]`` 262,144
 programs of 64 half-pairs at one warp each, each paying three int64 divisions and six dependent
 128-byte loads before it stores: latency-bound, ~1.1 ms for the backward of q and k on an H100
-where the bytes need a tenth of that. Now: 32 rows x 64 half-columns, 4 warps, 8,192 programs for
+where the bytes need a tenth of that. Here: 32 rows x 64 half-columns, 4 warps, 8,192 programs for
 q and 2,048 for k (``[2, 8, 4096, 128]``), 128-bit loads and stores where the last dim is unit
 stride (checked in the PTX for sm_90). Bytes per call, q and k together in bf16, forward or
 backward: read x (or grad) 84 MB, write 84 MB, cos/sin ``[2, 1, 4096, 128]`` 2 MB each from HBM
 (each row reused by every head, from L2): ~172 MB, ~0.06 ms at ~3 TB/s, the floor to aim at
-(was 0.26 ms forward, ~1.1 ms backward).
+(one program per row measured 0.26 ms forward, ~1.1 ms backward).
 
 Forward, halves ``1`` and ``2``: ``o1 = x1 c1 - x2 s1``, ``o2 = x2 c2 + x1 s2``.
 Backward (``BACKWARD``, the transpose): ``d1 = g1 c1 + g2 s2``, ``d2 = g2 c2 - g1 s1``.

@@ -54,8 +54,9 @@ cast to ``h.dtype`` at the end. Backward working set, above the inputs:
 and at the end ``4 N H + V H e + N H e`` (the cast ``grad_h``). On an H100, N = 8192, H = 4096,
 V = 128256, bf16 (``Vb`` = 32768, 4 blocks): 512 MiB + 128 MiB + 1002 MiB (+ 64 MiB) = 1.60 GiB
 (1.67 GiB), the backward's, above the forward's 2092-row chunk (512 MiB): expected peak 1.6-1.7 GiB
-against eager's 11.74 GiB (7x; not yet measured there). Before (row chunks, an fp32 ``[V, H]``
-accumulator for ``grad_weight``): 3.46 GiB, 54.6 ms against eager's 51.1 ms. The alternative
+against eager's 11.74 GiB (7x; measured 1642 MiB against 12024 MiB: ``benchmarks/bench_kernels.py``
+in benchmarks/README.md). Row chunks with an fp32 ``[V, H]`` accumulator for ``grad_weight``
+instead hold 3.46 GiB and take 54.6 ms against eager's 51.1 ms. The alternative
 (Liger-kernel's: both gradients computed during the forward and kept) holds ``N H e + 4 V H``
 bytes from forward to backward, a weight's worth per loss, to save the recomputing matmul.
 

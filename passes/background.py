@@ -3,7 +3,8 @@
 The search's own thread spends a fifth of its time in HiGHS, which releases the GIL while it
 solves; building the next candidate's cost tables is Python. A worker thread that simply ran
 beside the search would take the GIL half the time from the search's own Python (CPython switches
-every few milliseconds), and win little: the 8B-on-64 plan went from 7.03 to 6.83 s. Here the
+every few milliseconds), and win little (the 8B-on-64 plan on the 2-core dev VM: 6.83 s against
+7.03 s without a worker; benchmarks/README.md, "Planning time at scale"). Here the
 worker runs only while the search's thread is idle: inside a native call (``owner_idle``, around
 HiGHS's ``run``) or waiting for the worker's result (``Gate.idle``). Between those it stops at its
 next ``checkpoint`` (one per node or edge of the tables it builds).

@@ -6,8 +6,7 @@ forbidden pairs alone leave some node no strategy, the ILP is infeasible at any 
 "no plan fits" would blame memory. ``blocked`` finds the node by arc consistency: a strategy of a
 node stays only while every edge into or out of it has a finite pair with a strategy still left at
 the other end; the first node left with none is named, with the tensor whose placements it could not
-take, so the error says which op stops the roles (issue 26: "the error names the op that prevents
-it").
+take, so the error says which op stops the roles.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 The ILP of ``passes/solver.py`` has tens of thousands of variables on a large mesh. Built as PuLP
 objects (an ``LpVariable`` per variable, an ``LpAffineExpression`` dict per row), which PuLP's
 HiGHS interface then re-reads one column and one row at a time (``addCol``, ``addRow``), the model
-cost more than HiGHS's solve of it (benchmarks/README.md, issue 22's planning time). Here a
+cost more than HiGHS's solve of it (benchmarks/README.md, "Planning time at scale"). Here a
 variable is an index, a row a list of (index, coefficient) pairs, and HiGHS receives the whole
 model in one ``passModel`` call as compressed columns. PuLP stays for CBC (always installed, with
 PuLP's bundled binary) where highspy is not.

@@ -167,7 +167,7 @@ def solve(
     ``cutoff`` [s] (HiGHS only): where the ILP has a plan but its LP relaxation already proves its
     optimum above the cutoff, ``Pruned`` instead of the optimum (the search passes its best step so
     far: such a candidate cannot beat it). The relaxation costs a tenth of the ILP on a large
-    mesh (benchmarks/README.md, issue 22's planning time); whether there is a plan at all is
+    mesh (benchmarks/README.md, "Planning time at scale"); whether there is a plan at all is
     still decided (its first solution found), so what a candidate with no plan gets is unchanged."""
     sol = None
     if merge_followers:
@@ -202,18 +202,15 @@ def solve(
 
 # the search folds only dominant followers (exact) up to this many edge strategy pairs, every
 # follower (heuristic) above. The heuristic fold fixes a follower's answer before its consumers
-# choose, and that loses: GPT-2 small on 8 H100s (23,642 pairs on 2 x 4) was planned at 40.5 ms
-# per step, exactly at 29.8 ms; gpt2_tiny's tensor-parallel plan on 2 gloo ranks gathered four
-# tiny masks it could have built whole (1.2 ms each). Exact folding keeps more variables: a
-# LLaMA-70B on (128, 8) solves in 16 s instead of 6 s for a plan 3% faster, which would take its
-# planning past issue 5's 60 s; a 2048-wide llama on 2 x 4 (64,786 pairs) gains 0.2%
-# (benchmarks/bench_solver.py). Exact folding is used for the lower bound in any case (a
-# heuristic fold gives no valid bound). That was with PuLP's model building; since the ILP goes to
-# HiGHS whole (passes/lp_model.py) and a candidate is pruned by its LP relaxation, exact folding
-# everywhere plans issue 22's Llama-3-8B on 64 H100s in 29.0 s against 33.3 s, the 70B on 1024 in
-# 62.1 s against 64.1 s, the same plans, while the heuristic lost plan quality on small tables:
-# llama_tiny's automatic plan on a 2 x 2 cpu mesh (~60,000 pairs) was 12.45 ms per step, exactly
-# 7.68 ms (2026-11-26, the 2-core dev VM). The heuristic stays for tables past this many pairs.
+# choose, and that loses plan quality: GPT-2 small on 8 H100s (23,642 pairs on 2 x 4) plans at
+# 40.5 ms per step with it, 29.8 ms exactly; llama_tiny's automatic plan on a 2 x 2 cpu mesh
+# (~60,000 pairs) at 12.45 ms, 7.68 ms exactly. With the ILP passed to HiGHS whole
+# (passes/lp_model.py) and candidates pruned by their LP relaxation, exact folding costs no
+# planning time at scale: Llama-3-8B on 64 H100s plans in 29.0 s (33.3 s with the heuristic fold
+# above 30,000 pairs), the 70B on 1024 in 62.1 s (64.1 s), the same plans (measured on the 2-core
+# dev VM, 2026-11-26: benchmarks/README.md, "Planning time at scale"). Exact folding is used for
+# the lower bound in any case (a heuristic fold gives no valid bound). The heuristic stays for
+# tables past this many pairs.
 EXACT_FOLD_MAX_PAIRS = 3_000_000
 
 

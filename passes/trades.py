@@ -7,7 +7,7 @@ same ILP on transformed tables (``apply_trades``), solved by ``passes/search.py:
 what a trade costs that the tables cannot see until the placements are chosen (gathers exposed
 behind compute, one block recomputed at a time) is priced on the solution (``trade_terms``). An
 ILP with the trades as variables would need products of trade and placement variables in every
-memory row; the ladder keeps rows linear and the solve as fast as before.
+memory row; the ladder keeps rows linear and each rung's solve as fast as the untraded one.
 
 **The ladder** (``ladder``): rungs in order of the time they add, the first whose plan fits is
 taken (a forced trade fixes its dimension):
@@ -62,8 +62,9 @@ parameter's):
 * offload: the gradients go to host and the updated parameters come back over
   ``ClusterSpec.host_link`` (``(L_grad + L_param) / bw``), and the optimizer step runs on the host,
   tensor by tensor, its memory traffic at the host memory's bandwidth shared by the node's devices
-  (``ClusterSpec.host_step_bandwidth``; exposed). On one H200 the step this priced at 834 ms ran
-  in 269 ms (``benchmarks/bench_gpu_trades.py``) when the host step was priced at the PCIe link's.
+  (``ClusterSpec.host_step_bandwidth``; exposed). On one H200 such a step ran in 269 ms
+  (``benchmarks/bench_gpu_trades.py``); its host step priced at the PCIe link's bandwidth instead
+  would make it 834 ms.
 """
 
 from __future__ import annotations
@@ -172,8 +173,8 @@ def half_infos(
     ...; the CPU's: losses) fp32, explicit casts what they cast to, and the
     rest the widest floating dtype among their inputs (a residual stream fed by an fp32 embedding
     stays fp32). Bytes (moved, kept, temporaries) follow the dtype. Parameters keep their traced
-    dtype here (``apply_trades`` prices masters and copies). Halving every fp32 value, as this did
-    before, priced a Llama's activations on an H200 at 7.7 GiB where a forward kept 11.2 GiB
+    dtype here (``apply_trades`` prices masters and copies). Halving every fp32 value instead
+    prices a Llama's activations on an H200 at 7.7 GiB where a forward keeps 11.2 GiB
     (``benchmarks/bench_gpu_trades.py``)."""
     if not precision.mixed:
         return infos

@@ -359,7 +359,7 @@ def test_hierarchical_collectives_on_an_axis_spanning_whole_nodes():
 
 def test_split_mean_cross_entropy_pays_its_all_reduces_on_every_split_axis():
     """The lowering all-reduces loss sum and token count (one collective) on each axis the batch is split over; the
-    price must follow, whichever axis that is (it once looked at axis 0 only)."""
+    price must follow, whichever axis that is (not axis 0's alone)."""
     import torch
     from torch.distributed.tensor.placement_types import Shard
 
@@ -376,7 +376,7 @@ def test_split_mean_cross_entropy_pays_its_all_reduces_on_every_split_axis():
         by_split[tuple(isinstance(p, Shard) for p in s.ins[0])] = lowering_collectives(node, s, comm)
     assert by_split[(False, False)] == []
     assert [(_names([c]), t) for c, t in by_split[(True, False)]] == [(["all_reduce@0"], approx(per_axis))]
-    # the case that was free
+    # split on axis 1 only: priced on axis 1
     assert [(_names([c]), t) for c, t in by_split[(False, True)]] == [(["all_reduce@1"], approx(per_axis))]
 
 

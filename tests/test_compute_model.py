@@ -399,7 +399,7 @@ def test_a_skinny_local_gemm_is_priced_at_its_smallest_size():
 )
 def test_a_gemm_pays_its_fixed_cost_forward_and_once_per_backward_gemm(overhead, flops, grads, gemm):
     """``matmul_overhead_s`` is added to a matmul's forward and to each of its (at most two)
-    backward GEMMs; any other op is priced as before."""
+    backward GEMMs; any other op's price does not change."""
     dev = dataclasses.replace(CPU, matmul_overhead_s=overhead)
     min_dim = 64 if gemm else None
     args = (flops, 0.0, torch.float32)
@@ -442,7 +442,7 @@ def test_fit_matmul_keeps_a_fixed_cost_non_negative_and_weighs_shapes_alike():
     """Samples whose small shapes ran faster than a line through the large ones allows (noise:
     a slow spell on a large shape) fit ``c = 0``, not a negative fixed cost; and one large shape
     timed 30% slow moves the rate and the fixed cost by a few percent (a least-squares line in
-    seconds, which the largest shapes decide, had moved the rate 13% and made ``c`` negative)."""
+    seconds, which the largest shapes decide, moves the rate 13% and makes ``c`` negative)."""
     rate, c = 8e10, 1e-4
     clean = [((m, k, n), 6.0 * m * k * n, 6.0 * m * k * n / rate + c) for m, k, n in MATMUL_SHAPES]
     fast_small = [(s, f, t * 0.5 if f < 3e7 else t) for s, f, t in clean]

@@ -121,7 +121,7 @@ def test_sequence_parallel_plans_split_attention_over_query_rows(world2):
             # so the plain op runs on local rows
             assert all(d.inputs[3] == "S(2)" for d in attn)
         else:
-            # the decoders' traced causal mask became is_causal=True (passes/causal_mask.py): local
+            # the decoders' traced causal mask is rewritten to is_causal=True (passes/causal_mask.py): local
             # rows need the mask of global positions (codegen/local_ops.py), and the outputs and
             # trained weights checked above show it is right
             assert all(len(d.inputs) == 3 for d in attn), attn

@@ -299,7 +299,7 @@ def _two_adam_steps(module, inputs) -> list[torch.Tensor]:
 
 @pytest.mark.slow
 def test_data_parallel_batch_norm_and_per_sample_indexing_train_as_one_device(tmp_path):
-    """Forced data parallelism on ops that used to have no rule for a split batch: batch norm
+    """Forced data parallelism on ops with their own rules for a split batch: batch norm
     (statistics all-reduced, running statistics the whole batch's on every rank), ``h[arange(B),
     last]`` (each rank indexes its own rows), an in-place add into an activation, and
     ``nn.MultiheadAttention`` (its rows merged with the batch inner, kept apart). Losses and the

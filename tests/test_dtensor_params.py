@@ -7,8 +7,8 @@ is its sequence piece's, summed after backward), sharded by ZeRO-3 (FSDP2's shar
 the data axis of a 2 x 2 data x tensor mesh) and by ZeRO-1 (the optimizer's shares):
 
 * ``torch.nn.utils.clip_grad_norm_(pmodel.parameters(), max_norm)`` returns the single-device
-  model's total norm and clips as it does (without ``DTensor`` parameters each rank's norm was its
-  own shard's: 0.986 where the whole model's is 1.961); ``pmodel.clip_grad_norm_`` agrees;
+  model's total norm and clips as it does (without ``DTensor`` parameters each rank's norm would
+  be its own shard's: 0.986 where the whole model's is 1.961); ``pmodel.clip_grad_norm_`` agrees;
 * Adam, foreach and fused, steps the clipped gradients to the single-device model's weights;
 * the parameters' placements are the plan's.
 """

@@ -428,7 +428,7 @@ def test_the_least_peak_of_a_few_steps_is_the_lean_steps_peak():
 def test_the_caller_holds_the_outputs_through_backward(tmp_path):
     """GPT-2 with a batch of 16, data parallel: the step peaks early in backward, the gathered
     logits still held by the caller. They are counted there, though made after every position
-    backward has yet to reach (they were counted from where they were made: 3% short)."""
+    backward has yet to reach (counted from where they are made, the peak is 3% short)."""
     spec = "autopar.examples:gpt2_tiny(batch=16, seq=64, hidden=128, vocab=256)"
     cluster = autopar.ClusterSpec.preset("cpu", devices_per_node=2)
     model, inputs = load_model_spec(spec)

@@ -3,8 +3,8 @@
 On 2 gloo ranks, a tensor-parallel module (weights sharded, outputs returned as pieces): its
 ``full_state_dict`` called on every rank equals the single-device model's state; called on rank 0
 alone (the "save on rank 0" habit: ``if rank == 0: torch.save(pmodel.full_state_dict(), ...)``),
-it raises ``CollectiveCallError`` on rank 0, naming the call and the fix, where gloo aborted
-("Received data size doesn't match expected size") or hung, and rank 1 goes on untouched;
+it raises ``CollectiveCallError`` on rank 0, naming the call and the fix, where gloo alone would
+abort ("Received data size doesn't match expected size") or hang, and rank 1 goes on untouched;
 ``full_output`` likewise. After those failures, calls on every rank work again: rank 1, which never
 came to the calls rank 0 gave up on, skips them and joins rank 0's next.
 """
@@ -91,6 +91,6 @@ def test_a_call_on_rank_0_only_raises_there_and_leaves_rank_1_alone(results, key
     assert call in msg and "rank(s) [1]" in msg and "call it on every rank" in msg, msg
     if call == "full_state_dict":
         assert "rank0_only=True" in msg, msg
-    else:  # the logits are pieces: without the check, the gather was gloo's to fail
+    else:  # the logits are pieces: without the check, the gather would be gloo's to fail
         assert not is_replicated(results[0]["logits spec"])
     assert results[1][key] is None  # rank 1 never called it, and finished (results came back)

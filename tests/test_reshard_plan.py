@@ -215,7 +215,7 @@ def test_the_generated_reshard_moves_the_values_to_the_target_placement(case):
 def test_a_dim_moving_to_another_axis_is_gathered_before_it_is_sliced_again():
     """(S(3), S(1)) -> (S(1), S(2)) on a 2 x 2 mesh: axis 0 wants dim 1, which axis 1 holds until
     its own step gathers it; the steps run axis 1 first (a Llama key's rotary product on a free
-    link planned this, and the old per-axis order sliced a dim of one row into two)."""
+    link plans this; axis 0 first would slice a dim of one row into two)."""
     S1, S2, S3 = Shard(1), Shard(2), Shard(3)
     plan = reshard_plan((S3, S1), (S1, S2), (2, 2), 4 * 2 * 16 * 8 * 4.0)
     assert [(s.kind.value, s.axis, s.dim) for s in plan.steps] == [

@@ -65,7 +65,7 @@ def test_meta_device_model_plans_without_memory():
 
 
 def test_tracing_works_on_a_torch_without_the_stack_trace_switch(monkeypatch):
-    """torch 2.11 has no ``torch.fx.config.do_not_emit_stack_traces`` (issue 24): tracing must not
+    """torch 2.11 has no ``torch.fx.config.do_not_emit_stack_traces``: tracing must not
     need it."""
     import torch.fx.config
 

@@ -3,8 +3,8 @@ test suite, a job that restarts its group) builds ZeRO's FSDP2 modules on the ne
 first. DTensor caches its sharding propagation by mesh *value*, and a mesh of the new group equals
 the old one's: without ``codegen/build.py:_forget_meshes`` a parameter came back from an op on the
 old mesh object and FSDP2 refused it ("Expected param's DTensor mesh to be the same mesh passed to
-fully_shard"; found when ``tests/test_trades_memory.py`` ran before ``tests/test_one_device.py``
-in one process)."""
+fully_shard"), as when ``tests/test_trades_memory.py`` runs before ``tests/test_one_device.py``
+in one process."""
 
 from __future__ import annotations
 

@@ -64,7 +64,7 @@ time faster than a step runs them):
   engine's start and the optimizer's Python around its per-tensor work.
 
 What these figures came to on the development machine: ``benchmarks/README.md`` ("Readings of
-the development VM" and the accuracy sessions).
+the development VM" and "Cost-model accuracy").
 """
 
 from __future__ import annotations

@@ -135,7 +135,7 @@ def time_interleaved(
     The untimed steps and the order are for what a training loop sees, one entry over and over:
     the first step after another entry runs on the caches (and allocator state) that entry left,
     and a fixed order would charge that to the same entry every round (how much that moved one
-    plan's figure on the development VM: benchmarks/README.md, tenth session, "Interleaved rounds")."""
+    plan's figure on the development VM: benchmarks/README.md, "Readings of the development VM")."""
     import random
 
     import torch.distributed as dist

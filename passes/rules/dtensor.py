@@ -29,7 +29,7 @@ random ops (the validator cannot check them), ops with no tensor input, and ops 
 DTensor's dispatcher rewrites (its tables of shape and size arguments: views, factories).
 ``DENY`` lists ops whose derived options the validator (``autopar/tools/validate.py``) found wrong;
 ``tests/test_dtensor_rules.py`` checks the ops users' models contain. Anything torch raises means no
-options (logged once per op): a torch without some of these internals plans as before, replicated.
+options (logged once per op): a torch without some of these internals plans those ops replicated.
 Results are cached per (op, axis size, tensor shapes / strides / dtypes, other arguments): the
 search asks per node per mesh.
 
