@@ -5,7 +5,7 @@ plan = autopar.plan(model, cluster_spec, example_inputs)                # offlin
 """
 
 from autopar.api import autoparallelize, plan, reprice, search
-from autopar.cluster import ClusterSpec, DeviceSpec, LinkSpec
+from autopar.cluster import ClusterSpec, DeviceKind, DeviceSpec, LinkSpec
 from autopar.codegen.weights import Rank0Weights, WeightsError
 from autopar.coverage import OpCoverage, coverage
 from autopar.errors import (
@@ -18,6 +18,7 @@ from autopar.errors import (
     PlanFormatError,
     PlanMismatchError,
     TraceError,
+    UnsupportedDeviceKindError,
 )
 from autopar.fusion import Kernel, KernelUse
 from autopar.options import AxisRole, Optimizer, SearchOptions, SearchOptionsError
@@ -33,6 +34,7 @@ __all__ = [
     "Collective",
     "ClusterSpecError",
     "CollectiveCallError",
+    "DeviceKind",
     "DeviceSpec",
     "CrossRankMismatchError",
     "DistributedSetupError",
@@ -64,6 +66,7 @@ __all__ = [
     "SearchOptionsError",
     "Site",
     "TraceError",
+    "UnsupportedDeviceKindError",
     "WeightsError",
     "autoparallelize",
     "coverage",

@@ -13,7 +13,9 @@ presets and the sources of their numbers: ``autopar/presets.py``.
 * ``name``: free text (presets use the preset name).
 * ``nodes``: number of hosts (>= 1); ``devices_per_node``: devices per host (>= 1);
   ``world_size = nodes * devices_per_node``.
-* ``device``: the (homogeneous) :class:`DeviceSpec`.
+* ``device``: the (homogeneous) :class:`DeviceSpec`; its ``kind`` (:class:`DeviceKind`) is what
+  the planning reads to know what the devices are. Spec files written before devices had a kind
+  load with one inferred from the device's name (:func:`_legacy_kind`, the only place that does).
 * ``intra_node``: link between devices of one host (NVLink/NVSwitch; loopback for ``cpu``).
 * ``inter_node``: link between hosts, per device (InfiniBand / Ethernet).
 * ``host_memory_bytes``: host (CPU) RAM per node in B, shared by the node's devices (offload budget).
@@ -50,6 +52,7 @@ from autopar.errors import ClusterSpecError
 from autopar.hardware import (
     _CONTENTION_KEYS,
     DEFAULT_KERNEL_LAUNCH_S,
+    DeviceKind,
     DeviceSpec,
     HostContention,
     LinkSpec,
@@ -61,6 +64,7 @@ from autopar.presets import _DEVICES, _NODES, PRESET_NAMES, _cpu_device, _gpu_de
 
 __all__ = [
     "LinkSpec",
+    "DeviceKind",
     "DeviceSpec",
     "HostContention",
     "ClusterSpec",
@@ -88,6 +92,7 @@ _CLUSTER_OPTIONAL = ("memory_reserve", "host_memory_bandwidth")
 # fraction of device memory a plan leaves free by default (see the module docstring for what it holds)
 DEFAULT_MEMORY_RESERVE = 0.1
 _DEVICE_OPTIONAL = (
+    "kind",  # required in code; files written before it existed lack it (_legacy_kind)
     "kernel_launch_s",
     "comm_overlap",
     "pointwise_s",
@@ -189,6 +194,17 @@ def _contention_from_dict(where: str, d: Mapping[str, Any]) -> HostContention | 
     return None if c is None and contention.neutral else contention
 
 
+def _legacy_kind(name: Any) -> DeviceKind:
+    """The kind of a device read from a spec file written before ``DeviceSpec.kind`` existed (no
+    ``"kind"`` key), for such old files only: every file the code writes now names its kind.
+    ``CPU`` where the name starts with "cpu" (the ``cpu`` preset's, which ``ClusterSpec.local()``
+    on gloo and ``autopar calibrate`` on CPU ranks kept), else ``CUDA`` (the GPU presets'
+    names, and the real GPU's name from ``ClusterSpec.local()``): the rule the planning applied
+    to device names before devices had a kind, so an old file plans as it did."""
+    cpu = isinstance(name, str) and name.strip().lower().startswith("cpu")
+    return DeviceKind.CPU if cpu else DeviceKind.CUDA
+
+
 def _device_from_dict(where: str, d: Any) -> DeviceSpec:
     _check_keys(where, d, _DEVICE_KEYS, (*_DEVICE_OPTIONAL, *_LEGACY_CONTENTION_KEYS))
     pf = d["peak_flops"]
@@ -196,11 +212,14 @@ def _device_from_dict(where: str, d: Any) -> DeviceSpec:
         pf = {k: _coerce_number(v) for k, v in pf.items()}
     kw: dict[str, Any] = {
         "name": d["name"],
+        "kind": d["kind"] if "kind" in d else _legacy_kind(d["name"]),
         "peak_flops": pf,
         "memory_bytes": _coerce_number(d["memory_bytes"]),
         "memory_bandwidth": _coerce_number(d["memory_bandwidth"]),
     }
     for key in _DEVICE_OPTIONAL:
+        if key == "kind":
+            continue
         if key == "contention":
             kw[key] = _contention_from_dict(where, d)
         elif key in d:
@@ -214,6 +233,12 @@ def _device_from_dict(where: str, d: Any) -> DeviceSpec:
         return DeviceSpec(**kw)
     except ClusterSpecError as e:
         raise ClusterSpecError(f"{where}: {e}") from None
+
+
+def _host_bandwidth(device: DeviceSpec, node_bandwidth: float | None) -> float | None:
+    """A preset node's ``host_memory_bandwidth``: a CPU device's host is the device itself (its
+    ``memory_bandwidth``), an accelerator's the node's figure."""
+    return device.memory_bandwidth if device.kind is DeviceKind.CPU else node_bandwidth
 
 
 def _deep_merge(base: dict[str, Any], over: Mapping[str, Any]) -> dict[str, Any]:
@@ -324,7 +349,8 @@ class ClusterSpec:
         if key not in _DEVICES:
             raise ClusterSpecError(f"preset: unknown preset {name!r}; known presets are {list(PRESET_NAMES)}")
         intra, inter, host_mem, host_link, default_dpn, host_bw = _NODES[key]
-        device = _cpu_device() if key == "cpu" else _DEVICES[key]  # cpu: this host's cores
+        # CPU ranks: this host's cores
+        device = _cpu_device() if _DEVICES[key].kind is DeviceKind.CPU else _DEVICES[key]
         return cls(
             name=key,
             nodes=nodes,
@@ -334,7 +360,7 @@ class ClusterSpec:
             inter_node=inter,
             host_memory_bytes=host_mem,
             host_link=host_link,
-            host_memory_bandwidth=device.memory_bandwidth if key == "cpu" else host_bw,
+            host_memory_bandwidth=_host_bandwidth(device, host_bw),
         )
 
     # ---------------------------------------------------------------- (de)serialization
@@ -357,7 +383,9 @@ class ClusterSpec:
     def from_dict(cls, d: Mapping[str, Any]) -> ClusterSpec:
         """Inverse of ``to_dict``; unknown or missing keys raise ClusterSpecError naming them.
         Files written before ``DeviceSpec.contention`` (flat ``host_cores``, ``sync_wait`` and
-        ``sync_wait_kinds`` device keys) load too, those keys into ``contention``."""
+        ``sync_wait_kinds`` device keys) load too, those keys into ``contention``; so do those
+        written before ``DeviceSpec.kind`` (no ``"kind"`` device key), with the kind
+        :func:`_legacy_kind` infers from the device's name."""
         _check_keys("cluster", d, _CLUSTER_KEYS, _CLUSTER_OPTIONAL)
         device = _device_from_dict("cluster.device", d["device"])
         links = {f: _link_from_dict(f"cluster.{f}", d[f]) for f in ("intra_node", "inter_node", "host_link")}
@@ -496,5 +524,5 @@ class ClusterSpec:
             inter_node=inter,
             host_memory_bytes=host_mem,
             host_link=host_link,
-            host_memory_bandwidth=device.memory_bandwidth if preset == "cpu" else host_bw,
+            host_memory_bandwidth=_host_bandwidth(device, host_bw),
         )

@@ -11,6 +11,11 @@ class ClusterSpecError(AutoparError, ValueError):
     """A cluster description is invalid: the message names the field and the allowed values."""
 
 
+class UnsupportedDeviceKindError(AutoparError, ValueError):
+    """Something needed per device kind (autocast's fp32 ops, default kernels, ...) has no entry for
+    the cluster's ``DeviceSpec.kind``: the message names the table to extend."""
+
+
 class TraceError(AutoparError):
     """The model could not be captured as a graph: the message names the failing construct."""
 

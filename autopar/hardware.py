@@ -19,7 +19,9 @@ Fields
 
 :class:`DeviceSpec` -- one accelerator (or one CPU process for the ``cpu`` preset):
 
-* ``name``: free text, e.g. ``"NVIDIA H100 80GB HBM3"``.
+* ``name``: free text, e.g. ``"NVIDIA H100 80GB HBM3"``; nothing is decided from it.
+* ``kind``: a :class:`DeviceKind` (``CPU``, ``CUDA``), given explicitly (keyword-only, no
+  default): what the code that prices, fuses and profiles for the device reads, never the name.
 * ``peak_flops``: dense (no sparsity) peak FLOP/s per torch dtype name (``"float32"``, ``"bfloat16"``,
   ``"float16"``, ``"float8_e4m3fn"``...). Accepts a dict, stored as a sorted tuple of pairs.
   A dtype that is not listed is priced at the ``"float32"`` peak (see :meth:`DeviceSpec.peak_flops_for`).
@@ -77,6 +79,7 @@ development VM"). Where preset figures come from: ``autopar/presets.py``.
 from __future__ import annotations
 
 import dataclasses
+import enum
 import math
 import os
 from collections.abc import Mapping
@@ -85,9 +88,17 @@ from typing import Any
 
 import torch
 
-from autopar.errors import ClusterSpecError
+from autopar.errors import ClusterSpecError, UnsupportedDeviceKindError
 
-__all__ = ["LinkSpec", "DeviceSpec", "HostContention", "DEFAULT_KERNEL_LAUNCH_S", "usable_cores"]
+__all__ = [
+    "LinkSpec",
+    "DeviceKind",
+    "DeviceSpec",
+    "HostContention",
+    "DEFAULT_KERNEL_LAUNCH_S",
+    "per_kind",
+    "usable_cores",
+]
 
 GiB = 2**30
 TiB = 2**40
@@ -150,6 +161,60 @@ def _dtype_name(field: str, key: Any) -> str:
         f"{field}: got dtype {key!r}; must be a torch.dtype or a torch dtype name such as "
         f"{', '.join(repr(n) for n in _KNOWN_DTYPE_NAMES)}"
     )
+
+
+# --------------------------------------------------------------------------------------------------
+# device kinds
+# --------------------------------------------------------------------------------------------------
+
+
+class DeviceKind(enum.Enum):
+    """What a device is, for the code that plans for it: each value is the torch device type its
+    ranks run on (``torch.device(kind.value)``, ``torch.autocast(kind.value)``).
+
+    Code that needs to know something per kind reads it from a table keyed by kind through
+    :func:`per_kind`, which raises :class:`autopar.errors.UnsupportedDeviceKindError` naming the
+    table for a kind it lacks (never another kind's entry). Adding a kind (an XPU, say) is a member
+    here, valued as its torch device type, and its entry in each place that knows kinds:
+
+    * ``passes/trades.py`` ``AUTOCAST_BY_KIND``: the ops its autocast runs in the half type and
+      in fp32 (pricing mixed precision);
+    * ``passes/fuse.py`` ``AUTO_KERNELS``: the fused kernels a search uses there by default;
+    * ``autopar/tools/profiler.py`` ``profile_device_for``: the local device that measures for it
+      (ProfilerDeviceError without one);
+    * where the kind of the machine the code runs on is learnt from the process group's backend
+      (``ClusterSpec.local()``, ``autopar calibrate``, ``codegen/build.py``'s run device);
+    * a preset in ``autopar/presets.py``, where it has one."""
+
+    CPU = "cpu"
+    CUDA = "cuda"
+
+    @classmethod
+    def parse(cls, value: Any, field: str = "DeviceSpec.kind") -> DeviceKind:
+        """A ``DeviceKind``, or the kind whose value is the string ``value`` (any case);
+        ClusterSpecError naming ``field`` otherwise."""
+        if isinstance(value, cls):
+            return value
+        if isinstance(value, str):
+            for kind in cls:
+                if kind.value == value.strip().lower():
+                    return kind
+        raise ClusterSpecError(
+            f"{field}: got {value!r}; must be a DeviceKind or one of {[k.value for k in cls]} "
+            f"(a new kind is added as DeviceKind's docstring says)"
+        )
+
+
+def per_kind(table: Mapping[DeviceKind, Any], kind: DeviceKind, what: str, where: str) -> Any:
+    """``table[kind]``: the entry of a per-kind table (``what`` it holds, defined ``where``);
+    UnsupportedDeviceKindError naming the table where ``kind`` has none."""
+    if kind not in table:
+        known = ", ".join(k.name for k in table)
+        raise UnsupportedDeviceKindError(
+            f"no {what} for device kind {kind.name} (known for: {known}); add an entry for "
+            f"DeviceKind.{kind.name} to {where}, or plan for a cluster whose DeviceSpec.kind is one of these"
+        )
+    return table[kind]
 
 
 # --------------------------------------------------------------------------------------------------
@@ -318,7 +383,9 @@ _CONTENTION_KEYS = tuple(f.name for f in dataclasses.fields(HostContention))
 
 @dataclass(frozen=True)
 class DeviceSpec:
-    """One device: dense peak FLOP/s per dtype name, memory (B), memory bandwidth (B/s), launch cost (s).
+    """One device of a ``kind``: dense peak FLOP/s per dtype name, memory (B), memory bandwidth
+    (B/s), launch cost (s). ``kind`` is keyword-only and required; a string naming a kind's value
+    (``"cuda"``) is accepted and stored as the :class:`DeviceKind`.
 
     Optional, measured by ``autopar calibrate`` (see ``cost_model/compute.py`` for how they price),
     per op name (``str`` of the aten overload), the seconds of its forward and of its backward:
@@ -341,9 +408,11 @@ class DeviceSpec:
     matmul_dim_half: float = 0.0
     matmul_overhead_s: float = 0.0
     contention: HostContention | None = None
+    kind: DeviceKind = dataclasses.field(kw_only=True)
 
     def __post_init__(self) -> None:
         _check_name("DeviceSpec.name", self.name)
+        object.__setattr__(self, "kind", DeviceKind.parse(self.kind))
         for name in (
             "kernel_launch_s",
             "step_overhead_s",
@@ -453,6 +522,7 @@ class DeviceSpec:
     def to_dict(self) -> dict[str, Any]:
         return {
             "name": self.name,
+            "kind": self.kind.value,
             "peak_flops": dict(self.peak_flops),
             "memory_bytes": self.memory_bytes,
             "memory_bandwidth": self.memory_bandwidth,

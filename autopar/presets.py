@@ -1,6 +1,7 @@
 """Preset devices and nodes (``ClusterSpec.preset``), each number with its source.
 
-Presets (``ClusterSpec.preset``): ``a100-40gb``, ``a100-80gb``, ``h100-sxm``, ``h200``, ``cpu``.
+Presets (``ClusterSpec.preset``): ``a100-40gb``, ``a100-80gb``, ``h100-sxm``, ``h200`` (each of
+``DeviceKind.CUDA``), ``cpu`` (``DeviceKind.CPU``).
 
 Sources (numbers are repeated with their source next to each value below)
 -------------------------------------------------------------------------
@@ -56,6 +57,7 @@ import dataclasses
 
 from autopar.hardware import (
     DEFAULT_KERNEL_LAUNCH_S,
+    DeviceKind,
     DeviceSpec,
     GiB,
     HostContention,
@@ -134,6 +136,7 @@ _PCIE5 = LinkSpec(bandwidth=50e9, latency=_PCIE_LATENCY)
 _DEVICES: dict[str, DeviceSpec] = {
     "a100-40gb": DeviceSpec(
         name="NVIDIA A100-SXM4-40GB",
+        kind=DeviceKind.CUDA,
         peak_flops=_A100_FLOPS,
         memory_bytes=40 * GiB,  # [A100-DS] 40 GB HBM2
         memory_bandwidth=1555e9,  # [A100-DS] 1,555 GB/s
@@ -142,6 +145,7 @@ _DEVICES: dict[str, DeviceSpec] = {
     ),
     "a100-80gb": DeviceSpec(
         name="NVIDIA A100-SXM4-80GB",
+        kind=DeviceKind.CUDA,
         peak_flops=_A100_FLOPS,
         memory_bytes=80 * GiB,  # [A100-DS] 80 GB HBM2e
         memory_bandwidth=2039e9,  # [A100-DS] 2,039 GB/s
@@ -150,6 +154,7 @@ _DEVICES: dict[str, DeviceSpec] = {
     ),
     "h100-sxm": DeviceSpec(
         name="NVIDIA H100 80GB HBM3",
+        kind=DeviceKind.CUDA,
         peak_flops=_H100_FLOPS,
         memory_bytes=80 * GiB,  # [H100-DS] 80 GB HBM3
         memory_bandwidth=_H100_ACHIEVED_BW,  # [H100-OPS] achieved; the datasheet's 3.35 TB/s [H100-DS]
@@ -158,6 +163,7 @@ _DEVICES: dict[str, DeviceSpec] = {
     ),
     "h200": DeviceSpec(
         name="NVIDIA H200",
+        kind=DeviceKind.CUDA,
         peak_flops=_H100_FLOPS,  # [H200-DS] same compute as H100 SXM
         memory_bytes=141 * GiB,  # [H200-DS] 141 GB HBM3e
         # [H200-DS] 4.8 TB/s x the fraction of its datasheet the H100 achieved, 2.96 / 3.35 [H100-OPS]
@@ -168,6 +174,7 @@ _DEVICES: dict[str, DeviceSpec] = {
     ),
     "cpu": DeviceSpec(
         name="cpu",
+        kind=DeviceKind.CPU,
         peak_flops={"float32": 50e9},  # conservative: one process on one core, ~50 GFLOP/s fp32
         memory_bytes=8 * GiB,  # RAM budget per process
         memory_bandwidth=20e9,  # conservative share of a DDR4/DDR5 socket's bandwidth

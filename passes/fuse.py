@@ -37,6 +37,7 @@ import torch.fx as fx
 from torch._guards import detect_fake_mode
 
 from autopar.fusion import Kernel, KernelUse
+from autopar.hardware import DeviceKind, per_kind
 from autopar.kernels import ops as kernel_ops
 from autopar.passes.trace import TracedGraph
 
@@ -424,13 +425,22 @@ def _rewrite(g: fx.Graph, kernel: Kernel, m: _Match) -> KernelUse | None:
 # -- which kernels, and a plan's kernels again -------------------------------------------------------
 
 
-def chosen_kernels(device_name: str, requested: frozenset[Kernel] | None) -> frozenset[Kernel]:
-    """The kernels a search fuses: those requested (``SearchOptions.kernels``), else (auto) every
-    kernel on accelerators and none on CPUs (``device_name``: ``DeviceSpec.name``, "cpu..." for
-    CPU ranks), where the fallbacks run the same arithmetic as the aten ops they replace."""
+# per device kind, the kernels a search fuses when ``SearchOptions.kernels`` does not say: every
+# kernel on accelerators (Triton runs there), none on CPUs, where the torch fallbacks would run
+# the same arithmetic as the aten ops they replace
+AUTO_KERNELS: dict[DeviceKind, frozenset[Kernel]] = {
+    DeviceKind.CUDA: frozenset(Kernel),
+    DeviceKind.CPU: frozenset(),
+}
+
+
+def chosen_kernels(kind: DeviceKind, requested: frozenset[Kernel] | None) -> frozenset[Kernel]:
+    """The kernels a search fuses on devices of ``kind`` (``DeviceSpec.kind``): those requested
+    (``SearchOptions.kernels``), else (auto) ``AUTO_KERNELS``'s (UnsupportedDeviceKindError for a
+    kind it lacks)."""
     if requested is not None:
         return requested
-    return frozenset() if device_name.lower().startswith("cpu") else frozenset(Kernel)
+    return per_kind(AUTO_KERNELS, kind, "default fused kernels", "passes/fuse.py AUTO_KERNELS")
 
 
 def fuse_as_planned(tg: TracedGraph, planned: tuple[KernelUse, ...]) -> None:

@@ -614,7 +614,7 @@ def fuse_stage(tg: TracedGraph, cluster: ClusterSpec, options: SearchOptions, st
     substituted (``passes/fuse.py``); the graph dumped again where anything changed."""
     if options.outputs is Outputs.LOSS:
         keep_loss_only(tg)
-    tg.kernels = fuse(tg, chosen_kernels(cluster.device.name, options.kernels))
+    tg.kernels = fuse(tg, chosen_kernels(cluster.device.kind, options.kernels))
     if tg.kernels:
         counts: dict[str, int] = {}
         for u in tg.kernels:

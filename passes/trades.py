@@ -81,6 +81,7 @@ import torch.fx as fx
 from autopar.cluster import ClusterSpec
 from autopar.cost_model.comm import CommModel
 from autopar.cost_model.compute import host_optimizer_step_time, node_time, optimizer_step_time
+from autopar.hardware import DeviceKind, per_kind
 from autopar.options import Optimizer, SearchOptions
 from autopar.passes.analyze import NodeInfo
 from autopar.passes.blocks import Block
@@ -154,9 +155,19 @@ AUTOCAST_FP32_CPU = frozenset(
 _CASTS = frozenset({"aten.to", "aten._to_copy", "prims.convert_element_type", "aten.type_as"})
 
 
-def autocast_device(cluster: ClusterSpec) -> str:
-    """The autocast the generated module runs under on ``cluster``'s devices: "cpu" or "cuda"."""
-    return "cpu" if cluster.device.name.lower().startswith("cpu") else "cuda"
+# per device kind, its autocast's (half-type ops, fp32 ops): how ``torch.autocast(kind.value)``
+# runs a traced graph's ops, which ``half_infos`` prices. A kind without an entry cannot be priced
+# under mixed precision (UnsupportedDeviceKindError), never with another kind's lists.
+AUTOCAST_BY_KIND: dict[DeviceKind, tuple[frozenset[str], frozenset[str]]] = {
+    DeviceKind.CUDA: (AUTOCAST_HALF, AUTOCAST_FP32),
+    DeviceKind.CPU: (AUTOCAST_HALF, AUTOCAST_FP32_CPU),
+}
+
+
+def autocast_device(cluster: ClusterSpec) -> DeviceKind:
+    """The kind of device whose autocast the generated module runs under on ``cluster``
+    (``cluster.device.kind``; ``codegen/zero.py`` autocasts on the runtime device's type)."""
+    return cluster.device.kind
 
 
 def _packet(target: str) -> str:
@@ -164,13 +175,14 @@ def _packet(target: str) -> str:
 
 
 def half_infos(
-    tg: TracedGraph, infos: dict[str, NodeInfo], precision: Precision, device: str = "cuda"
+    tg: TracedGraph, infos: dict[str, NodeInfo], precision: Precision, kind: DeviceKind
 ) -> dict[str, NodeInfo]:
     """Under mixed precision, every floating value in the dtype it runs in: the parameters are fp32
     masters and the graph runs under ``torch.autocast`` (``codegen/zero.py``), so, op by op, as
-    ``device``'s autocast does ("cuda" or "cpu": ``autocast_device``): its half-type ops (matmuls,
-    attention) give the half type, its fp32 ops (CUDA's: ``pow``, ``rsqrt``, softmax, sums, losses,
-    ...; the CPU's: losses) fp32, explicit casts what they cast to, and the
+    the autocast of devices of ``kind`` does (``autocast_device``; its lists: ``AUTOCAST_BY_KIND``,
+    UnsupportedDeviceKindError for a kind it lacks): its half-type ops (matmuls, attention) give
+    the half type, its fp32 ops (CUDA's: ``pow``, ``rsqrt``, softmax, sums, losses, ...; the
+    CPU's: losses) fp32, explicit casts what they cast to, and the
     rest the widest floating dtype among their inputs (a residual stream fed by an fp32 embedding
     stays fp32). Bytes (moved, kept, temporaries) follow the dtype. Parameters keep their traced
     dtype here (``apply_trades`` prices masters and copies). Halving every fp32 value instead
@@ -179,7 +191,8 @@ def half_infos(
     if not precision.mixed:
         return infos
     half = half_dtype(precision)
-    fp32_ops = AUTOCAST_FP32_CPU if device == "cpu" else AUTOCAST_FP32
+    where = "passes/trades.py AUTOCAST_BY_KIND"
+    half_ops, fp32_ops = per_kind(AUTOCAST_BY_KIND, kind, "autocast op lists", where)
     runtime: dict[str, torch.dtype | None] = {}
     out = dict(infos)
     for node in tg.graph.nodes:
@@ -204,7 +217,7 @@ def half_infos(
             # type promotion: tensors with dimensions decide over 0-dim ones
             ranked = [a for a in ins if infos[a.name].shape] or ins
             floats = {runtime[a.name] for a in ranked if runtime[a.name].is_floating_point}
-            if op in AUTOCAST_HALF:
+            if op in half_ops:
                 rt = half
             elif op in fp32_ops:
                 rt = torch.float32

@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from autopar.cli import main
-from autopar.cluster import ClusterSpec, LinkSpec
+from autopar.cluster import ClusterSpec, DeviceKind, LinkSpec
 from autopar.cost_model.comm import Collective, collective_time
 from autopar.tools.calibrate import (
     Sample,
@@ -153,6 +153,7 @@ def test_quick_calibration_on_two_processes_and_cli(tmp_path, capsys):
     assert all(0 < v < math.inf for v in (dev.peak_flops_for("float32"), dev.memory_bandwidth))
     assert 0 < dev.kernel_launch_s < math.inf
     assert 0.0 <= dev.comm_overlap <= 1.0
+    assert dev.kind is DeviceKind.CPU  # measured on gloo ranks
     assert 0.0 <= dev.contention.sync_wait < math.inf and 0 < dev.step_overhead_s < math.inf
     # each kind a step synchronizes with; gloo's reduce-scatter is an all-reduce
     waits = dict(dev.contention.sync_wait_kinds)

@@ -13,7 +13,15 @@ import yaml
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from autopar.cluster import PRESET_NAMES, ClusterSpec, DeviceSpec, HostContention, LinkSpec, _gpu_device
+from autopar.cluster import (
+    PRESET_NAMES,
+    ClusterSpec,
+    DeviceKind,
+    DeviceSpec,
+    HostContention,
+    LinkSpec,
+    _gpu_device,
+)
 from autopar.errors import ClusterSpecError
 
 GiB = 2**30
@@ -93,13 +101,13 @@ def test_world_size_and_hashable():
 
 
 def test_peak_flops_accepts_dict_and_sorts():
-    d = DeviceSpec("x", {"float16": 2.0, torch.float32: 1.0}, 10, 1.0)
+    d = DeviceSpec("x", {"float16": 2.0, torch.float32: 1.0}, 10, 1.0, kind=DeviceKind.CPU)
     assert d.peak_flops == (("float16", 2.0), ("float32", 1.0))
     assert d.peak_flops_for(torch.float64) == 1.0
 
 
 def test_peak_flops_for_without_float32_raises():
-    d = DeviceSpec("x", {"bfloat16": 2.0}, 10, 1.0)
+    d = DeviceSpec("x", {"bfloat16": 2.0}, 10, 1.0, kind=DeviceKind.CPU)
     assert d.peak_flops_for("bfloat16") == 2.0
     with pytest.raises(ClusterSpecError, match="float32"):
         d.peak_flops_for(torch.float16)
@@ -235,17 +243,17 @@ def test_unknown_preset_lists_names():
 
 def test_bad_device_fields():
     with pytest.raises(ClusterSpecError, match="memory_bytes"):
-        DeviceSpec("x", {"float32": 1.0}, 0, 1.0)
+        DeviceSpec("x", {"float32": 1.0}, 0, 1.0, kind=DeviceKind.CPU)
     with pytest.raises(ClusterSpecError, match="peak_flops"):
-        DeviceSpec("x", {"not_a_dtype": 1.0}, 1, 1.0)
+        DeviceSpec("x", {"not_a_dtype": 1.0}, 1, 1.0, kind=DeviceKind.CPU)
     with pytest.raises(ClusterSpecError, match="peak_flops"):
-        DeviceSpec("x", {"float32": 0.0}, 1, 1.0)
+        DeviceSpec("x", {"float32": 0.0}, 1, 1.0, kind=DeviceKind.CPU)
     with pytest.raises(ClusterSpecError, match="peak_flops"):
-        DeviceSpec("x", {}, 1, 1.0)
+        DeviceSpec("x", {}, 1, 1.0, kind=DeviceKind.CPU)
     with pytest.raises(ClusterSpecError, match="memory_bandwidth"):
-        DeviceSpec("x", {"float32": 1.0}, 1, -5.0)
+        DeviceSpec("x", {"float32": 1.0}, 1, -5.0, kind=DeviceKind.CPU)
     with pytest.raises(ClusterSpecError, match="name"):
-        DeviceSpec("", {"float32": 1.0}, 1, 1.0)
+        DeviceSpec("", {"float32": 1.0}, 1, 1.0, kind=DeviceKind.CPU)
 
 
 def test_from_dict_unknown_and_missing_keys():

@@ -13,8 +13,9 @@ from autopar.tools import calibrate as cal
 from autopar.tools.calibrate import Sample
 
 
-def _results(host_cores: int | None, waits: dict[str, float] | None, points: dict) -> list[dict]:
-    """One rank's ``_measure_rank`` result, made up: collectives of 1 ms + B / 1 GB/s."""
+def _results(host_cores: int | None, waits: dict[str, float] | None, points: dict, kind: str) -> list[dict]:
+    """One rank's ``_measure_rank`` result on a ``kind`` of device, made up: collectives of 1 ms +
+    B / 1 GB/s."""
     samples = [
         Sample(kind, nbytes, 2, 1e-3 + nbytes / 1e9)
         for kind in ("all_reduce", "all_gather")
@@ -42,6 +43,7 @@ def _results(host_cores: int | None, waits: dict[str, float] | None, points: dic
             "sync_wait": sync_wait,
             "compute": compute,
             "host_cores": host_cores,
+            "kind": kind,
             "overlap": {
                 "efficiency": 0.2,
                 "nbytes": 2**20,
@@ -57,7 +59,7 @@ def _results(host_cores: int | None, waits: dict[str, float] | None, points: dic
 def test_calibrate_writes_contention_for_cpu_ranks_only(backend, monkeypatch, tmp_path):
     waits = {"all_reduce": 0.05, "all_gather": 0.03, "reduce_scatter": 0.05}
     points = {k: [(1e-3, 2e-3), (4e-3, 3e-3)] for k in waits}
-    results = _results(2, waits, points) if backend == "gloo" else _results(None, None, {})
+    results = _results(2, waits, points, "cpu") if backend == "gloo" else _results(None, None, {}, "cuda")
     monkeypatch.setattr(autopar.launch, "run_on_ranks", lambda *a, **k: results)
     path = tmp_path / "cluster.json"
     base = ClusterSpec.preset("cpu" if backend == "gloo" else "h100-sxm", devices_per_node=4)
@@ -73,4 +75,5 @@ def test_calibrate_writes_contention_for_cpu_ranks_only(backend, monkeypatch, tm
         assert got.device.contention is None and got.compute_slowdown == 1.0
         assert "contention" not in written
     assert ClusterSpec.from_file(path) == got
+    assert written["kind"] == ("cpu" if backend == "gloo" else "cuda")  # the device measured on
     assert ("sync wait" in calibration.table()) == (backend == "gloo")

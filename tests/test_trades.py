@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 import autopar
 from autopar import AxisRole, Offload, Precision, Recompute, Trades, ZeroStage
 from autopar.examples import gpt2_tiny, llama, llama_tiny
+from autopar.hardware import DeviceKind
 from autopar.options import Optimizer, SearchOptions
 from autopar.passes.analyze import analyze
 from autopar.passes.trace import Role, trace
@@ -216,7 +217,7 @@ def test_mixed_precision_values_have_the_dtypes_autocast_gives_them(name, device
     model = model.to(torch.bfloat16)
     tg = trace(model, inputs)
     infos = analyze(tg)
-    priced = half_infos(tg, infos, Precision.BF16, device)
+    priced = half_infos(tg, infos, Precision.BF16, DeviceKind(device))
     roles = {p.name: p for p in tg.placeholders}
     args = []
     for n in tg.graph.nodes:

@@ -107,7 +107,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from autopar.cluster import ClusterSpec, HostContention, LinkSpec, usable_cores
+from autopar.cluster import ClusterSpec, DeviceKind, HostContention, LinkSpec, usable_cores
 from autopar.cost_model.comm import group_ranges
 from autopar.cost_model.sync import REFERENCE_GAP_S, SYNC_GAPS_S, SYNC_KINDS
 from autopar.tools.calibrate_compute import (
@@ -749,6 +749,7 @@ def _measure_rank(sizes: Sequence[int], kinds: Sequence[str], repeats: int, quic
         "compute": compute,
         "host_cores": None if backend == "nccl" else usable_cores(),
         "overlap": overlap,
+        "kind": device.type,  # the torch device type measured on: the spec's DeviceSpec.kind
     }
 
 
@@ -845,6 +846,7 @@ def run_calibration(
         step_overhead_s=compute["step_overhead_s"],
         comm_overlap=results[0]["overlap"]["efficiency"],
         contention=contention,
+        kind=DeviceKind.parse(results[0]["kind"], "calibrate: the device measured on"),
     )
     over = {"device": device, "intra_node": link}
     if cluster.nodes == 1:
@@ -878,7 +880,9 @@ def calibrate(
     on ``world_size`` (default 2) local gloo processes. ``base`` defaults to
     ``ClusterSpec.preset("cpu", devices_per_node=world_size)``; its ``intra_node`` (and, on one
     node, ``inter_node``) link and its device's float32 peak FLOP/s, memory bandwidth and
-    ``kernel_launch_s`` are replaced by the measured values. Saved as JSON to ``out_path`` if given.
+    ``kernel_launch_s`` are replaced by the measured values, its ``kind`` by the kind of device
+    measured on (the CUDA device of an NCCL group, else the CPU). Saved as JSON to ``out_path``
+    if given.
     """
     return run_calibration(
         world_size, base, out_path, sizes_bytes=sizes_bytes, repeats=repeats, quick=quick

@@ -65,7 +65,7 @@ import torch.fx as fx
 import torch.nn.functional as F
 
 import autopar.cost_model
-from autopar.cluster import DeviceSpec
+from autopar.cluster import DeviceKind, DeviceSpec
 from autopar.cost_model.compute import EFF_MAX, OPTIMIZER_TRAFFIC, T_HALF, gemm_min_dim, optimizer_step_time
 from autopar.errors import ReferenceDataError
 from autopar.passes.analyze import NodeInfo, analyze
@@ -463,7 +463,7 @@ def fit_figures(samples: Iterable[Sample], peaks: Mapping[str, float]) -> Figure
     half, overhead, _ = _matmul_fit(graphs, peaks, launch, free_efficiency=False)
     device = DeviceSpec(
         "fit", dict(peaks), 1, bandwidth, kernel_launch_s=launch,
-        matmul_dim_half=half, matmul_overhead_s=round_sig(overhead),
+        matmul_dim_half=half, matmul_overhead_s=round_sig(overhead), kind=DeviceKind.CUDA,
     )  # fmt: skip
     pointwise = _pointwise(samples, graphs, device)
     device = dataclasses.replace(device, pointwise_s=pointwise)

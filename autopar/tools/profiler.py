@@ -61,7 +61,7 @@ import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
 
-from autopar.cluster import ClusterSpec, DeviceSpec
+from autopar.cluster import ClusterSpec, DeviceKind, DeviceSpec
 from autopar.errors import ProfilerDeviceError
 from autopar.passes.rules import tensor_inputs
 from autopar.passes.rules.elementwise import UNARY_LINEAR, UNARY_NONLINEAR
@@ -174,10 +174,6 @@ class ProfileStats:
         )
 
 
-def _is_cpu(device: DeviceSpec) -> bool:
-    return "cpu" in device.name.lower()
-
-
 _GPU_FAMILIES = ("GB200", "B200", "H200", "H100", "A100", "L40S", "A10G", "V100", "MI300X", "MI250")
 
 
@@ -193,8 +189,13 @@ def profile_device_for(device: DeviceSpec) -> torch.device:
         "file `autopar calibrate` writes), run the planning on a machine with that device, or drop "
         "profile=True / --profile to use the analytical compute model"
     )
-    if _is_cpu(device):
+    if device.kind is DeviceKind.CPU:
         return torch.device("cpu")
+    if device.kind is not DeviceKind.CUDA:
+        raise ProfilerDeviceError(
+            f"profiling has no local device for device kind {device.kind.name} ({device.name!r}): "
+            f"add one to profile_device_for (autopar/tools/profiler.py), or {fix}"
+        )
     if not torch.cuda.is_available():
         raise ProfilerDeviceError(
             f"profiling measures ops on this machine, which has no GPU (cpu: {cpu_name()}), but the cluster's "
