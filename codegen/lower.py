@@ -8,8 +8,12 @@ For every node, in order:
    uses of one tensor that need the same reshard take the one the first of them made
    (``passes/grad_sync.py:reshard_key``), so q, k and v reduce their input's gradient once;
 2. the op runs on local pieces: the same aten op, except for *lowerings* (``LOWERINGS``) that
-   rewrite arguments that refer to global sizes (views, expands), rescale a mean over a sharded
-   dim, or reduce a batch-sharded cross-entropy with explicit all-reduces; an op of a
+   rewrite arguments that refer to global sizes (views, expands), or run the op the way its
+   registered lowering says (``autopar/lowerings``: a mean over split rows, ring or all-to-all
+   attention, vocabulary-parallel losses and embeddings, batch-norm statistics): the emitters
+   below take which lowering runs and over which axes from its description, and issue exactly
+   the collectives it describes, which the cost tables price
+   (``tests/test_lowering_registry.py`` checks the two agree, call for call); an op of a
    data-parallel region (``OwnRows``, ``passes/data_region.py``) runs with its arguments as traced
    on one rank's rows (``local_call``), no lowering, no collective; with
    ``overlap_matmuls``, a linear whose input's reshard ends with an all-gather runs it as
@@ -41,18 +45,21 @@ from autopar.codegen import collectives as C
 from autopar.codegen import context_parallel as CP
 from autopar.codegen import local_ops as L
 from autopar.kernels import ops as kernel_ops
+from autopar.lowerings import lowering_of
+from autopar.lowerings.attention import ALL_TO_ALL, RING, SDPA_ARGS, is_causal, query_rows_axis
+from autopar.lowerings.batch_norm import BATCH_NORM
+from autopar.lowerings.local import EMBEDDING, INDEX, MEAN, MSE, mean_dims
+from autopar.lowerings.loss import CROSS_ENTROPY_MEAN, LINEAR_CROSS_ENTROPY, fused_axes
 from autopar.passes.collective_matmul import LINEAR, gather_step, scatter_step, sole_use
 from autopar.passes.grad_sync import emitted_f_axes, plan_uses, reshard_key
 from autopar.passes.local_rows import local_call
-from autopar.passes.rules import map_args, norm_dim
-from autopar.passes.rules.nn import batch_norm_split_axes
+from autopar.passes.rules import map_args
 from autopar.passes.rules.shape import arange_range
 from autopar.passes.strategies import Strategy
 from autopar.passes.trace import AUTOCAST_REGION, Role, TracedGraph, retarget_region
 from autopar.placement import (
     Outputs,
     R,
-    SeqAttention,
     Spec,
     is_shard,
     local_shape,
@@ -177,6 +184,8 @@ def _lower_index(g, node, args, kwargs, s, mesh_shape):
     """An indexed dim of ``x`` split (``passes/rules/shape.py``: its index is the identity over it,
     split alike): each rank's index values are global rows of its own block, made local."""
     x, indices = args[0], list(args[1] if len(args) > 1 else kwargs["indices"])
+    if INDEX.describe(node, s, tuple(mesh_shape)) is None:
+        return g.call_function(node.target, args, kwargs)
     src = node.args[0].meta["val"].shape
     for a, p in enumerate(s.ins[0]):
         if is_shard(p) and p.dim < len(indices) and indices[p.dim] is not None and mesh_shape[a] > 1:
@@ -195,9 +204,10 @@ def _lower_batch_norm(g, node, args, kwargs, s, mesh_shape):
     batch's statistics and updates its running statistics alike. torch's SyncBatchNorm does this
     on CUDA only (its stats kernels have no CPU form), hence by hand. Forward all-reduces, and
     Megatron's "f" on each sum all-reduces its gradient's per-rank parts backward."""
-    split = batch_norm_split_axes(node, s.ins[0], mesh_shape)
-    if not split:
+    plan = BATCH_NORM.describe(node, s, tuple(mesh_shape))
+    if plan is None:
         return g.call_function(node.target, args, kwargs)
+    split = plan.axes()
     names = ["input", "weight", "bias", "running_mean", "running_var", "training", "momentum", "eps"]
     bound = dict(zip(names, args)) | {k: v for k, v in kwargs.items() if k in names}
     x = bound["input"]
@@ -219,9 +229,9 @@ def _lower_batch_norm(g, node, args, kwargs, s, mesh_shape):
 @lowering(aten.mean.dim, aten.mean.default)
 def _lower_mean(g, node, args, kwargs, s, mesh_shape):
     out = g.call_function(node.target, args, kwargs)
-    nd = len(node.args[0].meta["val"].shape)
-    dims = args[1] if node.target is aten.mean.dim and len(args) > 1 and args[1] else list(range(nd))
-    reduced = {norm_dim(d, nd) for d in dims}
+    if MEAN.describe(node, s, tuple(mesh_shape)) is None:
+        return out
+    reduced = mean_dims(node)
     k = 1
     for a, p in enumerate(s.ins[0]):
         if is_shard(p) and p.dim in reduced:
@@ -248,49 +258,40 @@ def _axis_sharding(spec, dim: int) -> int | None:
 @lowering(aten.mse_loss.default)
 def _lower_mse_loss(g, node, args, kwargs, s, mesh_shape):
     out = g.call_function(node.target, args, kwargs)
-    reduction = args[2] if len(args) > 2 else kwargs.get("reduction", 1)
+    if MSE.describe(node, s, tuple(mesh_shape)) is None:
+        return out
     k = math.prod(mesh_shape[a] for a, p in enumerate(s.ins[0]) if is_shard(p))
     # a mean of k equal pieces: the sum over ranks of (local mean / k) is the global mean
-    return g.call_function(aten.div.Tensor, (out, k)) if reduction == 1 and k > 1 else out
+    return g.call_function(aten.div.Tensor, (out, k))
 
 
 @lowering(aten.embedding.default)
 def _lower_embedding(g, node, args, kwargs, s, mesh_shape):
-    a = _axis_sharding(s.ins[0], 0)
-    if a is None or mesh_shape[a] == 1:  # table not cut by rows: the plain lookup
+    if EMBEDDING.describe(node, s, tuple(mesh_shape)) is None:  # table not cut by rows: the plain lookup
         return g.call_function(node.target, args, kwargs)
+    a = _axis_sharding(s.ins[0], 0)
     padding_idx = args[2] if len(args) > 2 else kwargs.get("padding_idx", -1)
     coord = g.call_function(C.coordinate, (a,))
     return g.call_function(L.vocab_parallel_embedding, (args[0], args[1], coord, padding_idx))
 
 
-_SDPA_ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
-
-
 @lowering(aten.scaled_dot_product_attention.default)
 def _lower_sdpa(g, node, args, kwargs, s, mesh_shape):
-    nd = len(node.args[0].meta["val"].shape)
-    a = _axis_sharding(s.ins[0], nd - 2)  # query rows sharded: sequence parallel attention
-    causal = node.args[5] if len(node.args) > 5 else node.kwargs.get("is_causal", False)
-    full = dict(zip(_SDPA_ARGS, args))
+    """Attention with its query rows split on the sequence, as its lowering
+    (``autopar/lowerings/attention.py``) says: a ring, all-to-alls, or this rank's causal rows."""
+    how = lowering_of(node, s, mesh_shape)
+    if how is None:
+        return g.call_function(node.target, args, kwargs)
+    a = query_rows_axis(node, s, mesh_shape)
+    full = dict(zip(SDPA_ARGS, args))
     full.update(kwargs)
-    if a is not None and mesh_shape[a] > 1 and s.via_axis(SeqAttention.RING) == a:
+    if how is RING:
         return g.call_function(
             CP.ring_attention,
-            (
-                full["query"],
-                full["key"],
-                full["value"],
-                full.get("attn_mask"),
-                a,
-                bool(causal),
-                full.get("scale"),
-            ),
-        )
-    if a is not None and mesh_shape[a] > 1 and s.via_axis(SeqAttention.ALL_TO_ALL) == a:
+            (full["query"], full["key"], full["value"], full.get("attn_mask"), a, is_causal(node), full.get("scale")),
+        )  # fmt: skip
+    if how is ALL_TO_ALL:
         return _lower_ulysses(g, node, full, a)
-    if a is None or mesh_shape[a] == 1 or not causal:
-        return g.call_function(node.target, args, kwargs)
     coord = g.call_function(C.coordinate, (a,))
     return g.call_function(
         L.causal_attention_rows,
@@ -311,16 +312,15 @@ def _lower_ulysses(g, node, full: dict, a: int):
         else g.call_function(C.all_to_all, (full[x], 1, 2, a))
         for x in ("key", "value")
     )
-    rest = {x: full[x] for x in _SDPA_ARGS[3:] if x in full}
+    rest = {x: full[x] for x in SDPA_ARGS[3:] if x in full}
     out = g.call_function(aten.scaled_dot_product_attention.default, (q, k, v), rest)
     return g.call_function(C.all_to_all, (out, 2, 1, a))
 
 
 @lowering(aten.cross_entropy_loss.default)
 def _lower_cross_entropy(g, node, args, kwargs, s, mesh_shape):
-    split = [a for a, sp in enumerate(s.split_axes()) if sp and mesh_shape[a] > 1]
-    reduction = node.args[3] if len(node.args) > 3 else node.kwargs.get("reduction", 1)
-    if not split or reduction != 1:
+    plan = CROSS_ENTROPY_MEAN.describe(node, s, tuple(mesh_shape))
+    if plan is None:
         return g.call_function(node.target, args, kwargs)
     logits, target = args[0], args[1]
     ignore = node.args[4] if len(node.args) > 4 else node.kwargs.get("ignore_index", -100)
@@ -329,7 +329,7 @@ def _lower_cross_entropy(g, node, args, kwargs, s, mesh_shape):
     dtype = g.call_function(getattr, (logits, "dtype"))
     # the local loss sum and token count, all-reduced together: one collective per split axis
     pair = g.call_function(L.loss_sum_and_count, (logits, target, ignore))
-    for a in split:
+    for a in plan.axes():
         pair = g.call_function(C.all_reduce, (pair, a))
     return g.call_function(L.mean_of_sum_and_count, (pair, dtype))
 
@@ -341,20 +341,18 @@ def _lower_linear_cross_entropy(g, node, args, kwargs, s, mesh_shape):
     as for ``cross_entropy_loss``; the vocabulary split is the vocabulary-parallel form, whose
     collectives run inside the op."""
     h, w, target, ignore, reduction, chunk = args
-    live = [a for a, n in enumerate(mesh_shape) if n > 1]
-    rows = tuple(a for a in live if is_shard(s.ins[0][a]))
-    vocab = tuple(a for a in live if is_shard(s.ins[1][a]))
+    if LINEAR_CROSS_ENTROPY.describe(node, s, tuple(mesh_shape)) is None:
+        return g.call_function(node.target, args, kwargs)
+    rows, vocab = fused_axes(s, mesh_shape)
     if rows and reduction == "mean":
         pair = g.call_function(L.fused_loss_sum_and_count, (h, w, target, ignore, chunk, vocab))
         for a in rows:
             pair = g.call_function(C.all_reduce, (pair, a))
         loss = g.call_function(L.mean_of_sum_and_count, (pair, torch.float32))
-    elif vocab:
+    else:
         loss = g.call_function(
             C.vocab_parallel_cross_entropy, (h, w, target, ignore, reduction, chunk, vocab)
         )
-    else:
-        return g.call_function(node.target, args, kwargs)
     return g.call_function(L.loss_alone, (loss,)) if isinstance(node.meta["val"], tuple) else loss
 
 

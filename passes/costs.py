@@ -5,7 +5,9 @@
   profiler is given; either times ``ClusterSpec.compute_slowdown`` when CPU ranks share too few
   cores) plus the sum backward makes of its output's gradients when several ops use it
   (``cost_model.compute.accumulate_time``; for a parameter, with its optimizer step) plus
-  collectives inside a lowering (the all-reduces of a batch-sharded mean cross-entropy);
+  the collectives its lowering issues inside the op, exactly the calls its registered description
+  lists (``autopar/lowerings``: e.g. the all-reduces of a batch-sharded mean cross-entropy, a
+  ring's hops less what they hide), and the bytes that lowering keeps for backward (in ``m``);
 * node memory ``m[v, s]`` (B per device): parameters (+ optimizer states) for parameter
   placeholders, buffers and inputs; for activations, what autograd keeps until backward and the
   edges do not pay for (``Kept``): the output when the op itself saves it, plus tensors the op
@@ -64,25 +66,24 @@ from autopar.cost_model.compute import (
     optimizer_step_time,
 )
 from autopar.cost_model.memory import reshard_transient
+from autopar.lowerings import describe, price_calls
 from autopar.options import Optimizer
 from autopar.passes.analyze import NodeInfo, tensor_vals
 from autopar.passes.background import checkpoint
 from autopar.passes.coarsen import Classes
 from autopar.passes.collective_matmul import LINEAR, fused_steps, overlap_saving_s, sole_use
 from autopar.passes.rules import tensor_inputs, writes_inputs
-from autopar.passes.rules.nn import batch_norm_split_axes
 from autopar.passes.strategies import AxisRole, NodeStrategies, Strategy
 from autopar.passes.trace import Role, TracedGraph
 from autopar.placement import (
     Outputs,
-    SeqAttention,
     is_replicate,
     is_shard,
     local_shapes,
     output_placement,
     volume_factor,
 )
-from autopar.reshard import Collective, CollectiveCall, Phase, reshard_plan
+from autopar.reshard import Collective, CollectiveCall, reshard_plan
 
 
 class NodeTimer(Protocol):
@@ -760,144 +761,17 @@ def _local_gemm_min_dim(
 def lowering_collectives(
     node: fx.Node, s: Strategy, comm: CommModel, compute_s: float = 0.0
 ) -> list[tuple[CollectiveCall, float]]:
-    """Each collective that the lowering of ``node`` under ``s`` runs inside the op, after its own
-    forward compute (codegen/lower.py), with its seconds: what it adds to the step beyond the op's
-    own compute ``compute_s`` (forward + backward, per rank), which a ring's hops overlap."""
-    if any(isinstance(v, SeqAttention) for v in s.via):
-        return _sequence_attention_collectives(node, s, comm, compute_s)
-    if node.target is FUSED_CROSS_ENTROPY:
-        return _fused_cross_entropy_collectives(node, s, comm)
-    if node.target is aten.batch_norm.default:
-        # the per-channel sum and squared deviations, all-reduced forward and (their "f") backward
-        # on each axis splitting the batch, as codegen/lower.py emits them
-        channels = node.args[0].meta["val"].shape[1]
-        nbytes = 4 * int(channels)
-        return [
-            (
-                CollectiveCall(Collective.ALL_REDUCE, a, nbytes, phase),
-                comm.time(Collective.ALL_REDUCE, nbytes, a),
-            )
-            for a in batch_norm_split_axes(node, s.ins[0], comm.mesh_shape)
-            for phase in (Phase.FORWARD, Phase.FORWARD, Phase.BACKWARD, Phase.BACKWARD)
-        ]
-    if node.target is aten.cross_entropy_loss.default and all(is_replicate(p) for p in s.out):
-        # a mean over a split batch: one all-reduce of the local loss sum and token count (two
-        # float32) on every split axis, exactly as codegen/lower.py emits it (a sum or 'none'
-        # needs none)
-        return [
-            (
-                CollectiveCall(Collective.ALL_REDUCE, a, 8, Phase.FORWARD),
-                comm.time(Collective.ALL_REDUCE, 8, a),
-            )
-            for a, split in enumerate(s.split_axes())
-            if split and comm.mesh_shape[a] > 1
-        ]
-    return []
-
-
-FUSED_CROSS_ENTROPY = torch.ops.autopar.linear_cross_entropy.default
-
-
-def _fused_cross_entropy_collectives(node: fx.Node, s: Strategy, comm: CommModel) -> list:
-    """What ``codegen/lower.py`` runs around the fused output projection + loss: over each split
-    rows axis, for a mean, the all-reduce of ``[sum, count]`` (8 B); over each vocabulary axis, per
-    row of this rank three float32 all-reduces (row max, sum of exponentials, target logit: 12 B a
-    row, ``kernels/cross_entropy.py``) forward. (``h``'s gradient, each rank's vocabulary slice's
-    share, is summed by the Megatron "f" codegen puts on ``h``, priced with the reshards.)"""
-    h = node.args[0].meta["val"]
-    reduction = node.args[4] if len(node.args) > 4 else "mean"
-    mesh = comm.mesh_shape
-    live = [a for a, n in enumerate(mesh) if n > 1]
-    rows = [a for a in live if is_shard(s.ins[0][a])]
-    local_rows = h.shape[0] // math.prod(mesh[a] for a in rows)
-    out = []
-    for a in live:
-        if a in rows and reduction == "mean":
-            out.append(
-                (
-                    CollectiveCall(Collective.ALL_REDUCE, a, 8, Phase.FORWARD),
-                    comm.time(Collective.ALL_REDUCE, 8, a),
-                )
-            )
-        if is_shard(s.ins[1][a]):
-            fwd = 12 * local_rows
-            out.append(
-                (
-                    CollectiveCall(Collective.ALL_REDUCE, a, fwd, Phase.FORWARD),
-                    comm.time(Collective.ALL_REDUCE, fwd, a),
-                )
-            )
-    return out
+    """Each collective that the lowering of ``node`` under ``s`` issues inside the op
+    (``autopar/lowerings``: the calls codegen's code issues), with its seconds: what it adds to the
+    step beyond the op's own compute ``compute_s`` (forward + backward, per rank), which calls in an
+    overlap window hide behind (``lowerings.price_calls``)."""
+    calls = describe(node, s, comm.mesh_shape).calls
+    if not calls:
+        return []
+    return price_calls(calls, lambda c: comm.time(c.kind, c.nbytes, c.axis), compute_s)
 
 
 def lowering_saved_bytes(node: fx.Node, s: Strategy, mesh_shape: Sequence[int]) -> float:
-    """Bytes a lowering makes that the op then keeps for backward, beyond what the traced op keeps
-    (``analyze``): causal attention on this rank's query rows against gathered keys
-    (``local_ops.causal_attention_rows``) builds its mask from global positions, ``[rows, keys]``,
-    which SDPA turns into an additive mask of the queries' dtype and saves."""
-    if node.target is not aten.scaled_dot_product_attention.default or s.via:
-        return 0.0
-    causal = node.args[5] if len(node.args) > 5 else node.kwargs.get("is_causal", False)
-    q, k = node.args[0].meta["val"], node.args[1].meta["val"]
-    seq = q.dim() - 2
-    for a, p in enumerate(s.ins[0]):
-        if causal and is_shard(p) and p.dim == seq and mesh_shape[a] > 1:
-            return q.shape[-2] // mesh_shape[a] * k.shape[-2] * q.element_size()
-    return 0.0
-
-
-def _sequence_attention_collectives(
-    node: fx.Node, s: Strategy, comm: CommModel, compute_s: float
-) -> list[tuple[CollectiveCall, float]]:
-    """Attention with Q, K, V split on the sequence over an axis (``codegen/context_parallel.py``,
-    ``codegen/lower.py:_lower_ulysses``).
-
-    Ring on an axis of ``n``: forward sends the local K/V block ``n - 1`` hops, each behind one
-    block's compute (a third of the op's time, over ``n`` blocks: the slowest rank computes every
-    block, causal or not); backward sends K/V ``n - 1`` hops and the float32 K/V gradient
-    accumulators ``n`` hops, each step's pair behind one block's backward (the other two thirds),
-    the last accumulator hop behind nothing. A hop costs what it does not hide.
-
-    All-to-all: Q, K, V and the output re-cut once each way, forward and backward (its bytes: the
-    local tensor, of which ``(n-1)/n`` leaves), none hidden; a single K/V head is all-gathered
-    (backward: reduce-scattered) instead."""
-    mesh = comm.mesh_shape
-    q, k, v = (a.meta["val"] for a in node.args[:3])
-    ring = s.via_axis(SeqAttention.RING)
-    if ring is not None:
-        n = mesh[ring]
-        kv_local = (k.numel() * k.element_size() + v.numel() * v.element_size()) / volume_factor(
-            s.ins[1], mesh
-        )
-        grad_local = kv_local * max(1.0, 4 / k.element_size())  # the accumulators are float32 at least
-        hop = comm.time(Collective.SEND_RECV, kv_local, ring)
-        ghop = comm.time(Collective.SEND_RECV, grad_local, ring)
-        fwd_step, bwd_step = compute_s / 3 / n, 2 * compute_s / 3 / n
-        fwd = (n - 1) * max(0.0, hop - fwd_step)
-        bwd = (n - 1) * max(0.0, hop + ghop - bwd_step) + ghop
-        return [
-            (CollectiveCall(Collective.SEND_RECV, ring, kv_local, Phase.FORWARD), fwd),
-            (CollectiveCall(Collective.SEND_RECV, ring, kv_local + grad_local, Phase.BACKWARD), bwd),
-        ]
-    a = s.via_axis(SeqAttention.ALL_TO_ALL)
-    if a is None:
-        return []
-    out: list[tuple[CollectiveCall, float]] = []
-
-    def call(kind: Collective, nbytes: float, phase: Phase) -> None:
-        out.append((CollectiveCall(kind, a, nbytes, phase), comm.time(kind, nbytes, a)))
-
-    def local_bytes(t: torch.Tensor, spec) -> float:
-        return t.numel() * t.element_size() / volume_factor(spec, mesh)
-
-    one_kv_head = k.shape[1] == 1
-    for phase in (Phase.FORWARD, Phase.BACKWARD):
-        call(Collective.ALL_TO_ALL, local_bytes(q, s.ins[0]), phase)  # Q in, the output's gradient in
-        call(Collective.ALL_TO_ALL, local_bytes(q, s.out), phase)  # the output back, Q's gradient back
-        for t, spec in ((k, s.ins[1]), (v, s.ins[2])):
-            if one_kv_head:
-                kind = Collective.ALL_GATHER if phase is Phase.FORWARD else Collective.REDUCE_SCATTER
-                call(kind, local_bytes(t, spec) * mesh[a], phase)
-            else:
-                call(Collective.ALL_TO_ALL, local_bytes(t, spec), phase)
-    return out
+    """Bytes the lowering of ``node`` under ``s`` keeps for backward beyond what the traced op keeps
+    (``analyze``): ``LoweringPlan.saved_bytes`` of ``autopar/lowerings``."""
+    return describe(node, s, mesh_shape).saved_bytes

@@ -42,6 +42,7 @@ LAYERS = {
     "autopar.model_spec": 0,
     "autopar.trades": 0,
     "autopar.fusion": 0,
+    "autopar.lowerings": 1,  # read by the cost tables (1) and codegen (3); reads the rules and kernels
     "autopar.passes.trades": 2,
     "autopar.passes.pipeline": 2,
     "autopar.passes": 1,

@@ -1,0 +1,189 @@
+"""The lowering registry: one description of each way an op runs that does more than run the op
+on local tensors.
+
+A *lowering* rewrites one traced op into rank-local code that issues collectives inside the op
+(a mean loss over split rows, ring attention, ...) or keeps bytes for backward that the traced op
+does not. Each is declared once, in a module of this package, as a :class:`Lowering`: the ops and
+strategy marks (``via``) it serves and a function that, for one node under one strategy on a mesh,
+returns its :class:`LoweringPlan`:
+
+* ``calls``: every collective the generated code issues inside the op, in the order it issues
+  them, forward then backward, as typed :class:`LoweringCall` records (kind, mesh axis, bytes,
+  phase, and the share of the op's compute it can hide behind);
+* ``saved_bytes``: what the lowering keeps for backward beyond what the traced op keeps.
+
+Three readers, one source:
+
+* ``codegen/lower.py`` emits the op's code from the plan (the axes and the order of its
+  collectives) and the kernels it calls issue the rest;
+* the cost tables (``passes/costs.py:lowering_collectives``) price exactly ``calls``
+  (:func:`price_calls`: a call's seconds less what its overlap window hides);
+* the memory model (``passes/costs.py``) adds ``saved_bytes`` to what the node keeps.
+
+``tests/test_lowering_registry.py`` runs the generated code of every registered lowering on a fake
+process group (hypothesis over shapes and meshes of 1-3 axes) and checks that the collectives it
+issues, forward and backward, equal ``calls`` one for one.
+
+Byte convention: a call's ``nbytes`` is what the comm model prices it at
+(``autopar/reshard.py:CollectiveCall``): the full tensor over the axis for a gather or
+reduce-scatter, the local tensor for an all-reduce or all-to-all, the bytes one rank sends for a
+point-to-point hop (``SEND_RECV``: one send to the next rank and one receive from the previous).
+
+Overlap: calls that share a ``window`` run while the same slice of the op's compute runs; together
+they cost ``max(0, sum of their seconds - hides * compute_s)``, with ``compute_s`` the op's own
+compute (forward + backward, per rank) and ``hides`` the window's share of it. A call with no
+window hides behind nothing.
+
+Adding a lowering: a module here declaring its :class:`Lowering` (and imported below), its
+emission in ``codegen/lower.py``, its sharding rule in ``passes/rules``, and example ops for the
+property test (which fails for a registered lowering it has no examples of).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch.fx as fx
+
+from autopar.reshard import Collective, CollectiveCall, Phase
+
+__all__ = [
+    "Collective",
+    "LOWERINGS",
+    "Lowering",
+    "LoweringCall",
+    "LoweringPlan",
+    "Phase",
+    "describe",
+    "price_calls",
+    "register",
+]
+
+
+@dataclass(frozen=True)
+class LoweringCall:
+    """One collective a lowering issues inside its op: ``kind`` on mesh axis ``axis``, priced at
+    ``nbytes`` (module docstring), in ``phase``; ``window``: calls that share it overlap the same
+    ``hides`` share of the op's compute (None: it hides behind nothing)."""
+
+    kind: Collective
+    axis: int
+    nbytes: float
+    phase: Phase
+    window: int | None = None
+    hides: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.axis < 0 or self.nbytes < 0:
+            raise ValueError(f"bad lowering call {self}: axis and bytes must be >= 0")
+        if not 0.0 <= self.hides <= 1.0:
+            raise ValueError(f"bad lowering call {self}: hides is a share of the op's compute, in [0, 1]")
+        if self.hides and self.window is None:
+            raise ValueError(f"bad lowering call {self}: a call that hides needs a window")
+
+    def collective(self) -> CollectiveCall:
+        return CollectiveCall(self.kind, self.axis, self.nbytes, self.phase)
+
+
+@dataclass(frozen=True)
+class LoweringPlan:
+    """What one node's lowering issues (``calls``, in order) and keeps for backward (bytes per
+    rank, beyond what the traced op keeps)."""
+
+    calls: tuple[LoweringCall, ...] = ()
+    saved_bytes: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.saved_bytes < 0:
+            raise ValueError(f"a lowering keeps {self.saved_bytes} bytes: must be >= 0")
+        hides: dict[int, float] = {}
+        for c in self.calls:
+            if c.window is not None and hides.setdefault(c.window, c.hides) != c.hides:
+                raise ValueError(f"window {c.window}'s calls disagree on the share of compute they hide")
+
+    def axes(self, phase: Phase = Phase.FORWARD) -> tuple[int, ...]:
+        """The mesh axes of the calls of ``phase``, in order of first use."""
+        return tuple(dict.fromkeys(c.axis for c in self.calls if c.phase is phase))
+
+
+NONE = LoweringPlan()
+
+# describe(node, strategy, mesh_shape) -> the plan, or None where this lowering does not apply
+Describe = Callable[[fx.Node, object, Sequence[int]], "LoweringPlan | None"]
+
+
+@dataclass(frozen=True)
+class Lowering:
+    """One way an op runs: ``name``; the ops it serves; ``describe``, its plan for one node under
+    one strategy (None where it does not apply: the next lowering of the op is asked)."""
+
+    name: str
+    ops: tuple
+    describe: Describe
+
+
+LOWERINGS: dict[str, Lowering] = {}
+_BY_OP: dict[object, list[Lowering]] = {}
+
+
+def register(lowering: Lowering) -> Lowering:
+    """Add ``lowering`` to the registry (its name must be new)."""
+    if lowering.name in LOWERINGS:
+        raise ValueError(f"lowering {lowering.name!r} is registered twice")
+    LOWERINGS[lowering.name] = lowering
+    for op in lowering.ops:
+        _BY_OP.setdefault(op, []).append(lowering)
+    return lowering
+
+
+def describe(node: fx.Node, s, mesh_shape: Sequence[int]) -> LoweringPlan:
+    """The plan of the first registered lowering of ``node``'s op that applies under strategy
+    ``s`` on a mesh of ``mesh_shape``; no calls and no bytes where none does."""
+    if node.op != "call_function":
+        return NONE
+    for lw in _BY_OP.get(node.target, ()):
+        plan = lw.describe(node, s, tuple(mesh_shape))
+        if plan is not None:
+            return plan
+    return NONE
+
+
+def lowering_of(node: fx.Node, s, mesh_shape: Sequence[int]) -> Lowering | None:
+    """The registered lowering that runs ``node`` under ``s`` (None: the op runs as traced)."""
+    if node.op != "call_function":
+        return None
+    for lw in _BY_OP.get(node.target, ()):
+        if lw.describe(node, s, tuple(mesh_shape)) is not None:
+            return lw
+    return None
+
+
+def price_calls(
+    calls: Sequence[LoweringCall], seconds: Callable[[LoweringCall], float], compute_s: float
+) -> list[tuple[CollectiveCall, float]]:
+    """Each call with what it adds to the step: ``seconds(call)`` (the comm model's price), less
+    what its window hides of ``compute_s`` (the op's own compute, forward + backward per rank),
+    a window's saving shared out in proportion to its calls' seconds."""
+    raw = [seconds(c) for c in calls]
+    totals: dict[int, float] = {}
+    for c, t in zip(calls, raw):
+        if c.window is not None:
+            totals[c.window] = totals.get(c.window, 0.0) + t
+    out = []
+    for c, t in zip(calls, raw):
+        if c.window is None:
+            out.append((c.collective(), t))
+            continue
+        total = totals[c.window]
+        left = max(0.0, total - c.hides * compute_s)
+        out.append((c.collective(), t * left / total if total > 0 else 0.0))
+    return out
+
+
+def _load() -> None:
+    # the lowerings' modules register themselves on import
+    from autopar.lowerings import attention, batch_norm, local, loss  # noqa: F401
+
+
+_load()

@@ -1,0 +1,376 @@
+"""Every registered lowering's generated code issues exactly the collectives its description prices.
+
+For each lowering of ``autopar/lowerings`` (hypothesis over shapes, meshes of 1-3 axes, the rank,
+and the strategies under which the lowering runs), the rank-local code ``codegen/lower.py`` emits
+for one op, inputs already in their placements, runs forward and backward on a *fake* process group
+(``torch.testing._internal.distributed.fake_pg``: every collective a no-op of the right shape, one
+process standing for any rank of any world). A dispatch mode records each ``c10d`` collective the
+code issues: its kind, the mesh axis of its group, its bytes, and whether it ran in forward or in
+backward. They must equal ``describe(node, s, mesh).calls`` one for one: in order forward (the
+code's order), as a multiset backward (autograd picks the order).
+
+The recorded bytes follow the comm model's convention (``autopar/reshard.py``): an all-gather at its
+gathered output, an all-reduce and an all-to-all at the tensor they send, a reduce-scatter at its
+whole input (on gloo and the fake backend the code reduce-scatters as an all-reduce and a slice:
+recorded as the reduce-scatter it stands for), a ring hop (a send and a receive) at the bytes sent.
+
+``test_a_wrong_description_fails`` mutates each family's description (a call dropped, an axis or a
+byte count changed) and checks that the comparison catches it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import itertools
+import math
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.fx as fx
+import torch.utils._pytree as pytree
+from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import strategies as st
+from torch.distributed.device_mesh import init_device_mesh
+from torch.testing._internal.distributed.fake_pg import FakeStore
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from autopar import lowerings
+from autopar.codegen import collectives as C
+from autopar.codegen.lower import LOWERINGS as EMITTERS
+from autopar.lowerings import LOWERINGS, Collective, Phase, lowering_of
+from autopar.passes.rules import map_args, tensor_inputs
+from autopar.placement import is_shard
+from autopar.tools.validate import node_strategies, one_node_graph
+
+aten = torch.ops.aten
+SDPA = aten.scaled_dot_product_attention.default
+
+MESHES = [(1,), (2,), (4,), (2, 2), (1, 2), (2, 1, 2), (2, 2, 2), (4, 2)]
+
+
+# -- the ops each lowering runs, as (op, args, kwargs) for a mesh of m ranks in all; k scales the ---
+# -- sizes and the bits of `pick` choose the variant -------------------------------------------------
+
+
+def _randn(*shape):
+    return torch.randn(*shape, dtype=torch.float32)
+
+
+def _cross_entropy(m, k, pick):
+    n, c = m * k * 2, m * 3
+    return aten.cross_entropy_loss.default, (_randn(n, c), torch.randint(0, c, (n,))), {}
+
+
+def _linear_cross_entropy(m, k, pick):
+    n, d, v = m * k * 2, 4, m * 3
+    reduction = ("mean", "sum")[pick & 1]
+    chunk = (pick >> 1) % 4  # several chunks per rank where small (0: the kernel's own size)
+    args = (_randn(n, d), _randn(v, d), torch.randint(0, v, (n,)), -100, reduction, chunk)
+    return torch.ops.autopar.linear_cross_entropy.default, args, {}
+
+
+def _batch_norm(m, k, pick):
+    n, c, h = m * k, 3, m
+    args = (_randn(n, c, h), _randn(c), _randn(c), torch.zeros(c), torch.ones(c), True, 0.1, 1e-5, False)
+    return aten.batch_norm.default, args, {}
+
+
+def _sdpa(m, k, pick):
+    b, h, seq, e = m, (m, 1)[pick & 1], m * k * 2, 4
+    kv_heads = (h, 1)[(pick >> 1) & 1]  # grouped queries, or a single K/V head
+    gqa = kv_heads != h
+    q, key, v = _randn(b, h, seq, e), _randn(b, kv_heads, seq, e), _randn(b, kv_heads, seq, e)
+    causal = not (pick >> 2) & 1
+    return SDPA, (q, key, v, None, 0.0, causal), {"enable_gqa": gqa}
+
+
+def _embedding(m, k, pick):
+    return aten.embedding.default, (_randn(m * 3, 4), torch.randint(0, m * 3, (m * k, 2))), {}
+
+
+def _index(m, k, pick):
+    """``x[arange(n)]``: the index is the identity over x's rows (what lets the rows stay split),
+    which the rule reads from the index's producer: a graph of two nodes."""
+    n = m * k
+    x, ids = _randn(n, 3), torch.arange(n)
+    g = fx.Graph()
+    ph = g.placeholder("x")
+    ph.meta["val"] = x.to("meta")
+    rng = g.call_function(aten.arange.default, (n,), {"dtype": torch.int64, "device": torch.device("cpu")})
+    rng.meta["val"] = ids.to("meta")
+    node = g.call_function(aten.index.Tensor, (ph, [rng]))
+    node.meta["val"] = x.to("meta")
+    g.output(node)
+    return node, [x, ids]
+
+
+def _mean(m, k, pick):
+    dims = ([0], [1], [0, 1], [-1])[pick % 4]
+    return aten.mean.dim, (_randn(m * k, m * 2), dims), {}
+
+
+def _mse(m, k, pick):
+    return aten.mse_loss.default, (_randn(m * k, m), _randn(m * k, m)), {}
+
+
+EXAMPLES = {
+    "cross_entropy_mean": _cross_entropy,
+    "linear_cross_entropy": _linear_cross_entropy,
+    "batch_norm_statistics": _batch_norm,
+    "ring_attention": _sdpa,
+    "sequence_all_to_all": _sdpa,
+    "causal_attention_rows": _sdpa,
+    "vocab_parallel_embedding": _embedding,
+    "local_index": _index,
+    "split_mean": _mean,
+    "split_mse_loss": _mse,
+}
+
+
+def test_every_lowering_has_examples():
+    """A lowering added to the registry without examples here would go unchecked."""
+    assert set(EXAMPLES) == set(LOWERINGS)
+
+
+# -- one op's generated code on a fake process group ------------------------------------------------
+
+
+@contextlib.contextmanager
+def _fake_world(mesh_shape, rank: int):
+    if dist.is_initialized():
+        raise RuntimeError("a process group is already set up in this process: this test needs its own")
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=math.prod(mesh_shape))
+    try:
+        yield init_device_mesh("cpu", tuple(mesh_shape))
+    finally:
+        dist.destroy_process_group()
+
+
+_KINDS = {
+    "allreduce_": Collective.ALL_REDUCE,
+    "_allgather_base_": Collective.ALL_GATHER,
+    "allgather_": Collective.ALL_GATHER,
+    "alltoall_base_": Collective.ALL_TO_ALL,
+    "_reduce_scatter_base_": Collective.REDUCE_SCATTER,
+    "reduce_scatter_tensor_coalesced_": Collective.REDUCE_SCATTER,
+    "send": Collective.SEND_RECV,
+}
+
+
+def _nbytes(t) -> int:
+    return sum(x.numel() * x.element_size() for x in pytree.tree_leaves(t) if isinstance(x, torch.Tensor))
+
+
+class _Recorder(TorchDispatchMode):
+    """Records ``(kind, axis, bytes, phase)`` of each c10d collective (a receive is the other half
+    of its hop's send; a reduce-scatter is recorded by ``_reduce_scatter`` as one call)."""
+
+    def __init__(self, mesh):
+        super().__init__()
+        self.groups = [mesh.get_group(a) for a in range(mesh.ndim)]
+        self.phase = Phase.FORWARD
+        self.calls: list[tuple] = []
+        self.paused = False
+
+    def axis(self, args) -> int:
+        for a in args:
+            if isinstance(a, torch.ScriptObject):
+                try:
+                    pg = dist.ProcessGroup.unbox(a)
+                except RuntimeError:  # a ReduceOp
+                    continue
+                return next(i for i, g in enumerate(self.groups) if g is pg)
+        raise AssertionError("a collective without a process group")
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func._opname if hasattr(func, "_opname") else str(func)
+        if func.namespace == "c10d" and not self.paused and name != "recv_":
+            kind = _KINDS[name]
+            if kind is Collective.ALL_GATHER:
+                nbytes = _nbytes(args[0])  # the gathered output (a list of parts, or one tensor)
+            else:
+                nbytes = _nbytes(args[0] if kind is not Collective.ALL_TO_ALL else args[1])
+            self.calls.append((kind, self.axis(args), nbytes, self.phase))
+        return func(*args, **(kwargs or {}))
+
+
+@contextlib.contextmanager
+def _reduce_scatters_recorded(rec: _Recorder):
+    orig = C._reduce_scatter
+
+    def recorded(x, dim, mesh, axis):
+        rec.calls.append((Collective.REDUCE_SCATTER, axis, _nbytes(x), rec.phase))
+        rec.paused = True
+        try:
+            return orig(x, dim, mesh, axis)
+        finally:
+            rec.paused = False
+
+    C._reduce_scatter = recorded
+    try:
+        yield
+    finally:
+        C._reduce_scatter = orig
+
+
+def _local_code(node: fx.Node, s, mesh_shape) -> fx.GraphModule:
+    """The code ``codegen/lower.py`` emits for ``node`` under ``s``, its inputs already in place (no
+    reshard, no Megatron "f": those are priced and checked as reshards)."""
+    g = fx.Graph()
+    phs = []
+    for k, src in enumerate(tensor_inputs(node)):
+        ph = g.placeholder(f"in{k}")
+        ph.meta = dict(src.meta)
+        phs.append(ph)
+    ins = iter(phs)
+    args, kwargs = map_args(node, lambda k, leaf: next(ins), lambda leaf: leaf.meta["val"])
+    g.output(EMITTERS[node.target](g, node, args, kwargs, s, mesh_shape))
+    return fx.GraphModule(torch.nn.Module(), g)
+
+
+def _local_inputs(values, s, mesh_shape, rank: int) -> list[torch.Tensor]:
+    """``rank``'s pieces of ``values`` under ``s`` (a Partial input: the whole value, one summand
+    as good as another here); floating ones need a gradient."""
+    coords = list(itertools.product(*[range(n) for n in mesh_shape]))[rank]
+    out = []
+    for v, spec in zip(values, s.ins):
+        for a, p in enumerate(spec):
+            if is_shard(p):
+                v = v.chunk(mesh_shape[a], p.dim)[coords[a]]
+        v = v.clone()
+        out.append(v.requires_grad_() if v.dtype.is_floating_point else v)
+    return out
+
+
+def issued(node, values, s, mesh_shape, rank: int) -> list[tuple]:
+    """The collectives the generated code of ``node`` under ``s`` issues on ``rank``."""
+    code = _local_code(node, s, mesh_shape)
+    with _fake_world(mesh_shape, rank) as mesh:
+        ins = _local_inputs(values, s, mesh_shape, rank)
+        rec = _Recorder(mesh)
+        with C.bound_mesh(mesh), rec, _reduce_scatters_recorded(rec):
+            outs = [o for o in pytree.tree_leaves(code(*ins)) if isinstance(o, torch.Tensor)]
+            loss = sum(o.float().sum() for o in outs if o.requires_grad)
+            if isinstance(loss, torch.Tensor):
+                rec.phase = Phase.BACKWARD
+                loss.backward()
+    return rec.calls
+
+
+def described(node, s, mesh_shape) -> list[tuple]:
+    return [(c.kind, c.axis, c.nbytes, c.phase) for c in lowerings.describe(node, s, mesh_shape).calls]
+
+
+def same_calls(got: list[tuple], want: list[tuple]) -> bool:
+    """Forward in order, backward as a multiset; bytes to float rounding."""
+
+    def key(c):
+        return (c[0].value, c[1], round(float(c[2]), 6), c[3].value)
+
+    fwd = [key(c) for c in got if c[3] is Phase.FORWARD], [key(c) for c in want if c[3] is Phase.FORWARD]
+    bwd = (
+        sorted(key(c) for c in got if c[3] is Phase.BACKWARD),
+        sorted(key(c) for c in want if c[3] is Phase.BACKWARD),
+    )
+    return fwd[0] == fwd[1] and bwd[0] == bwd[1]
+
+
+def build(name: str, m: int, k: int, pick: int):
+    """The node of ``name``'s example and its input values (``rules.tensor_inputs`` order)."""
+    made = EXAMPLES[name](m, k, pick)
+    return made if isinstance(made[0], fx.Node) else one_node_graph(*made)
+
+
+def _case(name: str, data):
+    """An op of lowering ``name`` on a drawn mesh, a strategy under which ``name`` runs it (None
+    where no strategy of this example does), the rank."""
+    mesh_shape = data.draw(st.sampled_from(MESHES), label="mesh")
+    m = math.prod(mesh_shape)
+    k, pick = data.draw(st.integers(1, 2), label="k"), data.draw(st.integers(0, 7), label="pick")
+    node, values = build(name, m, k, pick)
+    mine = [
+        s for s in node_strategies(node, mesh_shape) if lowering_of(node, s, mesh_shape) is LOWERINGS[name]
+    ]
+    if not mine:
+        return None
+    s = data.draw(st.sampled_from(mine), label="strategy")
+    return node, values, s, mesh_shape, data.draw(st.integers(0, m - 1), label="rank")
+
+
+@pytest.mark.parametrize("name", sorted(EXAMPLES))
+@settings(
+    max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much]
+)
+@given(data=st.data())
+def test_generated_code_issues_what_the_lowering_describes(name, data):
+    case = _case(name, data)
+    assume(case is not None)  # a mesh or an example under which this lowering never runs
+    node, values, s, mesh_shape, rank = case
+    got, want = issued(node, values, s, mesh_shape, rank), described(node, s, mesh_shape)
+    assert same_calls(got, want), (
+        f"{name} on {mesh_shape} rank {rank} under {s}:\nissued {got}\npriced {want}"
+    )
+
+
+def _on_2x2(name: str):
+    """Every (node, values, strategy) of ``name``'s examples under which it runs on a 2 x 2 mesh."""
+    for k in (1, 2):
+        for pick in range(8):
+            node, values = build(name, 4, k, pick)
+            for s in node_strategies(node, (2, 2)):
+                if lowering_of(node, s, (2, 2)) is LOWERINGS[name]:
+                    yield node, values, s
+
+
+# -- the comparison catches a wrong description -----------------------------------------------------
+
+
+def _mutations(want: list[tuple]) -> list[list[tuple]]:
+    out = [want[:-1]] if want else [[(Collective.ALL_REDUCE, 0, 8.0, Phase.FORWARD)]]
+    if want:
+        kind, axis, nbytes, phase = want[0]
+        out.append([(kind, axis, nbytes * 2 + 4, phase)] + want[1:])
+        out.append([(kind, axis + 1, nbytes, phase)] + want[1:])
+    return out
+
+
+@pytest.mark.parametrize("name", sorted(EXAMPLES))
+def test_a_wrong_description_fails(name):
+    """On a 2 x 2 mesh, under the first strategy of each variant of the example that runs ``name``
+    (so the property above is never vacuous for it): the code issues what is described, and
+    dropping a call, changing its bytes or moving it to another axis fails the comparison (for the
+    lowerings that issue nothing, so does a call the code does not issue)."""
+    cases, seen = [], set()
+    for node, values, s in _on_2x2(name):
+        key = (str(node.args[1:]), tuple(str(x) for x in node.args[0].meta["val"].shape))
+        if key not in seen:
+            seen.add(key)
+            cases.append((node, values, s))
+    assert cases, f"no example of {name} runs under a strategy of a 2 x 2 mesh"
+    for node, values, s in cases:
+        got, want = issued(node, values, s, (2, 2), 1), described(node, s, (2, 2))
+        assert same_calls(got, want), f"{name} under {s}: issued {got}, priced {want}"
+        for bad in _mutations(want):
+            assert not same_calls(got, bad), f"{name}: {bad} passed for {got}"
+
+
+def test_the_ring_is_priced_hop_by_hop():
+    """Ring attention on 4 ranks: 3 K/V hops forward; backward 3 K/V hops and 4 gradient hops,
+    the last hidden by nothing; the rest hide in windows of a third (forward) and two thirds
+    (backward) of the op's compute over the ring."""
+    node, _ = build("ring_attention", 4, 1, 0)
+    s = next(
+        s for s in node_strategies(node, (4,)) if lowering_of(node, s, (4,)) is LOWERINGS["ring_attention"]
+    )
+    calls = lowerings.describe(node, s, (4,)).calls
+    fwd = [c for c in calls if c.phase is Phase.FORWARD]
+    bwd = [c for c in calls if c.phase is Phase.BACKWARD]
+    assert len(fwd) == 3 and len(bwd) == 7
+    assert {c.hides for c in fwd} == {1 / 12} and [c.window for c in bwd].count(None) == 1
+    priced = lowerings.price_calls(calls, lambda c: 1.0, 0.0)
+    assert sum(t for _, t in priced) == len(calls)  # nothing to hide behind: every hop whole
+    hidden = lowerings.price_calls(calls, lambda c: 1.0, 1e9)
+    assert sum(t for _, t in hidden) == 1.0  # everything hides but the last gradient hop
+    assert dataclasses.replace(calls[0], hides=0.5) != calls[0]
