@@ -40,24 +40,9 @@ loop's added cost is what a step's wall is made of (``benchmarks/bench_step_time
 far the call's own time and the added cost lay apart on the development machine:
 ``benchmarks/README.md``, "Readings of the development VM").
 
-Fit (``fit_link``): the ring alpha-beta formulas of ``cost_model/comm.py``
-
-    t(B, n) = f(n) * B / bw + g(n) * lat                                          [s]
-
-with ``B`` in bytes, ``bw`` the link's bus bandwidth in B/s and ``lat`` its latency in s:
-
-* all-reduce:                  f = 2 (n-1)/n,  g = 2 (n-1)
-* all-gather / reduce-scatter: f =   (n-1)/n,  g =   (n-1)
-
-are linear in the unknowns ``x = (1/bw, lat)``. ``fit_link`` solves the least-squares problem in
-*relative* terms, minimising ``sum_i ((f_i B_i x_0 + g_i x_1) / t_i - 1)^2``, so small (latency-
-bound) and large (bandwidth-bound) messages weigh the same; the solution is clamped to
-``bw <= 1e15 B/s`` and ``lat >= 1e-9 s`` (when the unconstrained optimum is not positive the other
-unknown is refitted alone). ``fit_errors`` gives each sample's relative error
-``(predicted - measured) / measured``. ``calibrate`` fits one link to the all-reduce and
-all-gather samples together, and one (bandwidth, latency) per collective and size range between
-neighbouring sample sizes (``fit_ranges``, ``LinkSpec.ranges``), which the cost model uses:
-transports change regime with message size and implement each collective their own way.
+Fit (``autopar/tools/calibrate_fit.py``): the ring formulas of ``cost_model/comm.py``, in
+relative least squares; ``calibrate`` fits one link to the all-reduce and all-gather samples
+together, and one (bandwidth, latency) per collective and size range (``fit_ranges``).
 Gloo's reduce-scatter is an all-reduce + slice, i.e. about twice what the reduce-scatter formula
 says: its samples are left out of the one-line link but have their own ranges.
 
@@ -113,10 +98,19 @@ from autopar.cost_model.sync import REFERENCE_GAP_S, SYNC_GAPS_S, SYNC_KINDS
 from autopar.tools.calibrate_compute import (
     Lockstep,
     lockstep,
-    matmul_figures,
     measure_compute,
+    median_compute,
     sync,
     trimmed_mean,
+)
+from autopar.tools.calibrate_fit import (
+    KINDS,
+    Sample,
+    fit_errors,
+    fit_link,
+    fit_ranges,
+    predict_time,
+    ring_coefficients,
 )
 from autopar.tools.overlap import measure_overlap
 
@@ -134,12 +128,12 @@ __all__ = [
     "fit_errors",
     "predict_time",
     "measure_compute",
+    "median_compute",
     "measure_sync_wait",
     "run_calibration",
     "calibrate",
 ]
 
-KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_reduce_queued")
 QUEUE_DEPTH = 8  # all_reduce_queued: a burst of this many async all-reduces, priced per call
 BURST = 3  # iterations of (compute + collective) per timed loop of measure_collectives
 _SAME = object()  # measure_added's lockstep_group default: the group itself
@@ -152,36 +146,6 @@ QUICK_REPEATS = 5
 SYNC_LOOP_STEPS = 30  # iterations per timed loop of measure_sync_wait: ranks settle into a step's drift
 SYNC_BYTES = 2**16  # bytes of each collective measure_sync_wait times: an activation's, small
 COMPUTE_ROUNDS = 3  # rounds of compute figures, spread over a calibration (1 when quick)
-_MAX_BANDWIDTH = 1e15  # B/s: clamp for a fit whose bandwidth term vanishes
-_MIN_LATENCY = 1e-9  # s
-
-
-@dataclass(frozen=True)
-class Sample:
-    """One measured collective: ``kind`` over ``n`` ranks on a tensor of ``nbytes`` (full size), ``seconds``."""
-
-    kind: str
-    nbytes: int
-    n: int
-    seconds: float
-
-
-def ring_coefficients(kind: str, n: int) -> tuple[float, float]:
-    """``(f, g)`` of ``t = f * B / bw + g * lat`` for ``kind`` over ``n`` ranks (as cost_model/comm.py)."""
-    if kind in ("all_reduce", "all_reduce_queued"):
-        return 2 * (n - 1) / n, 2.0 * (n - 1)
-    if kind in ("all_gather", "reduce_scatter", "all_to_all"):
-        return (n - 1) / n, float(n - 1)
-    if kind == "send_recv":
-        return 1.0, 1.0
-    raise ValueError(f"unknown collective kind {kind!r}; known: {KINDS + ('all_to_all', 'send_recv')}")
-
-
-def predict_time(sample: Sample, link: LinkSpec, ranges: str | None = None) -> float:
-    """``link``'s seconds for ``sample``, with the ranges named ``ranges`` (default: its kind's)."""
-    f, g = ring_coefficients(sample.kind, sample.n)
-    bw, lat = link.at(sample.nbytes, ranges or sample.kind)
-    return f * sample.nbytes / bw + g * lat
 
 
 # --------------------------------------------------------------------------------------------------
@@ -543,55 +507,6 @@ def _sqrt_slope(points: Sequence[tuple[float, float]]) -> float:
     return max(0.0, statistics.median(slopes)) if slopes else 0.0
 
 
-def fit_ranges(samples: Sequence[Sample]) -> tuple[tuple[str, float, float, float], ...]:
-    """One (bandwidth, latency) per collective and size range: ``fit_link`` on each collective's
-    samples at two neighbouring sizes, applying up to the larger size (``LinkSpec.ranges``).
-    Transports change regime with message size and implement each collective their own way
-    (gloo's small all-reduce costs several times its all-gather), which one line per link cannot
-    follow."""
-    ranges = []
-    for kind in dict.fromkeys(s.kind for s in samples):
-        mine = [s for s in samples if s.kind == kind]
-        sizes = sorted({s.nbytes for s in mine})
-        for lo, hi in zip(sizes, sizes[1:]):
-            link = fit_link([s for s in mine if s.nbytes in (lo, hi)], kind)
-            ranges.append((kind, float(hi), link.bandwidth, link.latency))
-    return tuple(ranges)
-
-
-def fit_link(samples: Sequence[Sample], kind: str | None = None) -> LinkSpec:
-    """Least-squares (relative error) fit of ``t = f(n) B / bw + g(n) lat`` to ``samples``.
-
-    ``kind`` selects the samples of one collective (their formula); ``None`` fits all samples
-    together, each with its own kind's ``f`` and ``g``. Returns a LinkSpec with positive, finite
-    bandwidth (<= 1e15 B/s) and latency (>= 1e-9 s).
-    """
-    rows = [s for s in samples if (kind is None or s.kind == kind) and s.n > 1 and s.seconds > 0]
-    if not rows:
-        raise ValueError(f"fit_link: no usable samples (kind={kind!r}, n > 1, seconds > 0)")
-    coeffs = [ring_coefficients(s.kind, s.n) for s in rows]
-    a = torch.tensor(
-        [[f * s.nbytes / s.seconds, g / s.seconds] for s, (f, g) in zip(rows, coeffs)], dtype=torch.float64
-    )
-    y = torch.ones(len(rows), dtype=torch.float64)
-    x = torch.linalg.lstsq(a, y.unsqueeze(1)).solution.squeeze(1)
-    inv_bw, lat = float(x[0]), float(x[1])
-    if not (inv_bw > 0 and lat > 0):  # non-negative least squares in 2 unknowns: refit one alone
-        col_bw, col_lat = a[:, 0], a[:, 1]
-        if inv_bw <= 0:
-            inv_bw, lat = 0.0, float(col_lat @ y / (col_lat @ col_lat))
-        else:
-            inv_bw, lat = float(col_bw @ y / (col_bw @ col_bw)), 0.0
-    bandwidth = _MAX_BANDWIDTH if inv_bw <= 1 / _MAX_BANDWIDTH else 1.0 / inv_bw
-    latency = max(lat, _MIN_LATENCY) if math.isfinite(lat) else _MIN_LATENCY
-    return LinkSpec(bandwidth=bandwidth, latency=latency)
-
-
-def fit_errors(samples: Sequence[Sample], link: LinkSpec) -> list[float]:
-    """Relative error ``(predicted - measured) / measured`` of ``link`` on each sample."""
-    return [(predict_time(s, link) - s.seconds) / s.seconds for s in samples]
-
-
 # --------------------------------------------------------------------------------------------------
 # compute
 # --------------------------------------------------------------------------------------------------
@@ -751,31 +666,6 @@ def _measure_rank(sizes: Sequence[int], kinds: Sequence[str], repeats: int, quic
         "overlap": overlap,
         "kind": device.type,  # the torch device type measured on: the spec's DeviceSpec.kind
     }
-
-
-def median_compute(figures: Sequence[dict]) -> dict:
-    """One ``measure_compute`` result from several ranks': the median of each number and of each
-    entry of the per-op tables; the matmul figures fitted once to each shape's median time (the
-    fit's rate, intercept and ``D`` trade off, so their medians need not fit together)."""
-    out = dict(figures[0])
-    for key, value in figures[0].items():
-        if isinstance(value, (int, float)):
-            out[key] = statistics.median(f[key] for f in figures)
-        elif isinstance(value, dict):
-            out[key] = {
-                op: [statistics.median(f[key][op][i] for f in figures) for i in range(len(v))]
-                if isinstance(v, (list, tuple))
-                else statistics.median(f[key][op] for f in figures)
-                for op, v in value.items()
-            }
-    if all(f.get("matmul") for f in figures):
-        shapes = [(p[0], p[1]) for p in figures[0]["matmul"]]
-        pooled = [
-            (mkn, fl, statistics.median(f["matmul"][i][2] for f in figures))
-            for i, (mkn, fl) in enumerate(shapes)
-        ]
-        out.update(matmul_figures(pooled, out["kernel_launch_s"]))
-    return out
 
 
 def _rank_entry(rank: int, world: int, sizes, kinds, repeats, quick) -> dict:

@@ -550,3 +550,28 @@ def fit_matmul(points: list) -> tuple[float, float, float]:
     if best is None:  # degenerate fits (noise): the largest matmul's rate, no skinny loss
         return float(fl[-1] / ts[-1]), 0.0, 0.0
     return best[1], best[2], best[3]
+
+
+def median_compute(figures: Sequence[dict]) -> dict:
+    """One ``measure_compute`` result from several ranks': the median of each number and of each
+    entry of the per-op tables; the matmul figures fitted once to each shape's median time (the
+    fit's rate, intercept and ``D`` trade off, so their medians need not fit together)."""
+    out = dict(figures[0])
+    for key, value in figures[0].items():
+        if isinstance(value, (int, float)):
+            out[key] = statistics.median(f[key] for f in figures)
+        elif isinstance(value, dict):
+            out[key] = {
+                op: [statistics.median(f[key][op][i] for f in figures) for i in range(len(v))]
+                if isinstance(v, (list, tuple))
+                else statistics.median(f[key][op] for f in figures)
+                for op, v in value.items()
+            }
+    if all(f.get("matmul") for f in figures):
+        shapes = [(p[0], p[1]) for p in figures[0]["matmul"]]
+        pooled = [
+            (mkn, fl, statistics.median(f["matmul"][i][2] for f in figures))
+            for i, (mkn, fl) in enumerate(shapes)
+        ]
+        out.update(matmul_figures(pooled, out["kernel_launch_s"]))
+    return out
