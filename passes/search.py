@@ -62,6 +62,7 @@ from autopar.passes.memory_row import lower_bound_bytes
 from autopar.passes.micro_batch_check import MicroBatchCheck
 from autopar.passes.pipeline import (
     PipelinePrice,
+    PipelineProblem,
     Regions,
     in_flight,
     micro_batch_counts,
@@ -1097,8 +1098,11 @@ def pipeline_candidates(
             solved = dataclasses.replace(solved, gs=gs, terms=terms, trades=trades)
             why: list[str] = []
             price = price_pipeline(
-                tg, cinfos, tables, traded, solved.sol.choice, solved.choice, blocks, trades, stages, cluster,
-                options, limit, gs.adjustment_s + terms.total_s, terms.transient, why=why,
+                PipelineProblem(
+                    tg, cinfos, tables, traded, solved.sol.choice, solved.choice, blocks, trades, stages, cluster,
+                    options, limit, gs.adjustment_s + terms.total_s, terms.transient,
+                ),
+                why=why,
             )  # fmt: skip
             entry = {**outcome.entry, "pipeline_stages": stages}
             if price is None:
