@@ -29,7 +29,7 @@ from autopar.passes.costs import build_costs
 from autopar.passes.data_region import plan_region
 from autopar.passes.fuse import fuse_as_planned
 from autopar.passes.local_rows import trace_rows
-from autopar.passes.pipeline import price_pipeline, stage_cluster
+from autopar.passes.pipeline import PipelineProblem, price_pipeline, stage_cluster
 from autopar.passes.price import expanded_choice, grad_sync_cost, price_plan
 from autopar.passes.search import MeshRun, SearchResult, Solved, with_pipeline, with_trades
 from autopar.passes.search import search as _search
@@ -147,9 +147,11 @@ def reprice(
     if not plan.pipeline.enabled:
         return repriced
     pipe = price_pipeline(
-        tg, cinfos, base, tables, picks, choice, blocks, trades, plan.pipeline.stages, whole,
-        SearchOptions(optimizer=optimizer), math.inf, gs.adjustment_s + terms.total_s, terms.transient,
-        fixed=plan.pipeline,
+        PipelineProblem(
+            tg, cinfos, base, tables, picks, choice, blocks, trades, plan.pipeline.stages, whole,
+            SearchOptions(optimizer=optimizer), math.inf, gs.adjustment_s + terms.total_s, terms.transient,
+            fixed=plan.pipeline,
+        )
     )  # fmt: skip
     return with_pipeline(repriced, pipe, whole)
 

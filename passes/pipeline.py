@@ -52,7 +52,7 @@ from dataclasses import dataclass, replace
 from autopar.cluster import ClusterSpec
 from autopar.cost_model.comm import CommModel
 from autopar.cost_model.pipeline import ScheduleError, schedule_figures
-from autopar.options import Optimizer, SearchOptions
+from autopar.options import SearchOptions
 from autopar.passes.analyze import NodeInfo
 from autopar.passes.blocks import Block, between_blocks
 from autopar.passes.costs import CostTables
@@ -287,13 +287,11 @@ class _Region:
     fixed: float = 0.0  # paid by every micro-batch, forward and forward + backward
 
 
-def _regions_costs(
-    tg: TracedGraph, infos: dict[str, NodeInfo], base: CostTables, tables: CostTables, picks: dict[str, int],
-    choice: dict[str, Strategy], regions: Regions, blocks: Sequence[Block], trades: Trades, optimizer: Optimizer,
-    cluster: ClusterSpec,
-) -> dict[int | str, _Region]:  # fmt: skip
+def _regions_costs(p: PipelineProblem, regions: Regions) -> dict[int | str, _Region]:
+    """Per block and per region outside the blocks: its seconds, bytes and state (``_Region``)."""
+    infos, base, tables, picks, choice, trades = p.infos, p.base, p.tables, p.picks, p.choice, p.trades
     mesh = tables.mesh_shape
-    device, slow = cluster.device, cluster.compute_slowdown
+    device, slow = p.cluster.device, p.cluster.compute_slowdown
     members = tables.classes.members if tables.classes else {v: [v] for v in tables.strategies}
     out: dict[int | str, _Region] = {r: _Region() for r in [PRO, EPI, *range(regions.blocks)]}
     for v, i in picks.items():
@@ -305,7 +303,7 @@ def _regions_costs(
                 for r in where:
                     out[r].once += tables.node_cost[v][i] / len(ms) / len(where)
                 if info.role is Role.PARAM and info.dtype and m in choice:
-                    sb = param_state(infos[m], choice[m].out, mesh, trades, optimizer)
+                    sb = param_state(infos[m], choice[m].out, mesh, trades, p.options.optimizer)
                     for r in where:  # a parameter several regions read: a copy where each runs
                         out[r].param += sb.param
                         out[r].grad += sb.grad
@@ -341,7 +339,7 @@ def _regions_costs(
                 r.fwd += cost0 / len(ms)
                 r.total += cost / len(ms)
                 r.act += mem / len(ms)
-    for blk in blocks:
+    for blk in p.blocks:
         for x in blk.inputs:
             info = infos.get(x)
             if info is None or not info.requires_grad or x not in choice or not info.dtype:
@@ -394,44 +392,51 @@ def cut(costs: Sequence[float], pro: float, epi: float, chunks: int) -> tuple[in
     return got if got is not None else best
 
 
-def price_pipeline(
-    tg: TracedGraph,
-    infos: dict[str, NodeInfo],
-    base: CostTables,
-    tables: CostTables,
-    picks: dict[str, int],
-    choice: dict[str, Strategy],
-    blocks: Sequence[Block],
-    trades: Trades,
-    stages: int,
-    cluster: ClusterSpec,
-    options: SearchOptions,
-    limit: float,
-    extra_s: float,
-    transient: float,
-    fixed: Pipeline | None = None,
-    why: list[str] | None = None,
-) -> PipelinePrice | None:
-    """The fastest pipeline of ``stages`` stages on the solution ``picks`` that fits ``limit``
-    per device (module docstring), or None. ``tables``: the traded tables (``trades``, at its
-    micro-batches); ``extra_s``: seconds the whole-model step adds beyond the tables (gradient
-    buckets' adjustment, trade terms), divided among the stages; ``transient``: bytes added to
-    every rank's peak. ``fixed``: price this pipeline (its schedule, chunks and cuts) as it is,
-    whatever its memory (``autopar.reprice``). ``why``: where given, what ruled each pipeline
-    out is appended to it."""
-    regions = Regions.of(tg, blocks)
-    costs = _regions_costs(
-        tg, infos, base, tables, picks, choice, regions, blocks, trades, options.optimizer, cluster
-    )  # fmt: skip
+@dataclass(frozen=True)
+class PipelineProblem:
+    """A solution to price pipelines of ``stages`` stages on (``price_pipeline``): the graph and
+    its nodes as the cost model priced them (``infos``), the tables without trades (``base``) and
+    with them (``tables``: ``trades``, at its micro-batches, on one stage's devices), the ILP's
+    picks and every node's strategy (``choice``), the model's repeated blocks, the whole
+    ``cluster`` and the ``options``, ``limit`` bytes per device, ``extra_s`` the seconds the
+    whole-model step adds beyond the tables (gradient buckets' adjustment, trade terms), divided
+    among the stages, and ``transient`` the bytes added to every rank's peak. ``fixed``: price
+    this pipeline (its schedule, chunks and cuts) as it is, whatever its memory
+    (``autopar.reprice``)."""
+
+    tg: TracedGraph
+    infos: dict[str, NodeInfo]
+    base: CostTables
+    tables: CostTables
+    picks: dict[str, int]
+    choice: dict[str, Strategy]
+    blocks: Sequence[Block]
+    trades: Trades
+    stages: int
+    cluster: ClusterSpec
+    options: SearchOptions
+    limit: float
+    extra_s: float
+    transient: float
+    fixed: Pipeline | None = None
+
+
+def price_pipeline(p: PipelineProblem, why: list[str] | None = None) -> PipelinePrice | None:
+    """The fastest pipeline of ``p.stages`` stages on the solution ``p.picks`` that fits
+    ``p.limit`` per device (module docstring), or None; ``p.fixed`` priced as it is. ``why``:
+    where given, what ruled each pipeline out is appended to it."""
+    tables, picks, trades, stages, limit, fixed = p.tables, p.picks, p.trades, p.stages, p.limit, p.fixed
+    regions = Regions.of(p.tg, p.blocks)
+    costs = _regions_costs(p, regions)
     k = trades.micro_batches
     mesh = tables.mesh_shape
-    comm = CommModel(cluster, (stages, *mesh))
-    top = max((p[picks[v]] for v, p in tables.node_peak.items() if v in picks), default=0.0) + transient
+    comm = CommModel(p.cluster, (stages, *mesh))
+    top = max((row[picks[v]] for v, row in tables.node_peak.items() if v in picks), default=0.0) + p.transient
     n = regions.blocks
     best: PipelinePrice | None = None
     why = why if why is not None else []
     pairs = (
-        [(fixed.schedule, fixed.virtual_stages)] if fixed is not None else schedules(options, stages, n, k)
+        [(fixed.schedule, fixed.virtual_stages)] if fixed is not None else schedules(p.options, stages, n, k)
     )
     if not pairs:
         why.append(
@@ -482,7 +487,7 @@ def price_pipeline(
         except ScheduleError as e:  # torch's schedule does not run these counts (e.g. 1F1B with k < S)
             why.append(str(e))
             continue
-        step = timeline.makespan + max(once) + extra_s / stages
+        step = timeline.makespan + max(once) + p.extra_s / stages
         peak = tuple(state[r] + timeline.peak_bytes[r] + top for r in range(stages))
         compute = max(timeline.busy)
         pipe = Pipeline(stages, schedule, v, cuts)

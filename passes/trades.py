@@ -3,7 +3,7 @@ r"""Pricing the memory-for-time trades (``autopar/trades.py``) and the ladder th
 Where they are decided: an **outer search around the ILP**, per mesh candidate. Each trade is one
 choice for the whole step (not per op), there are few combinations, and each changes the
 coefficients of the cost tables, not their structure: so every rung of the ladder below is the
-same ILP on transformed tables (``apply_trades``), solved by ``passes/search.py:solve_mesh``, and
+same ILP on transformed tables (``apply_trades``), solved by ``passes/mesh_solve.py:solve_mesh``, and
 what a trade costs that the tables cannot see until the placements are chosen (gathers exposed
 behind compute, one block recomputed at a time) is priced on the solution (``trade_terms``). An
 ILP with the trades as variables would need products of trade and placement variables in every

@@ -1,5 +1,5 @@
 """The search's cheap prunes keep the optimum: a rung of the trades ladder skipped because a rung it
-"costs no less than" was pruned by its time lower bound (``passes/search.py:costs_no_less``) has a
+"costs no less than" was pruned by its time lower bound (``passes/ladder.py:costs_no_less``) has a
 bound at least that rung's, computed here for every rung of the ladder, on a CPU cluster and on a
 GPU preset; and the search with the skip plans what it plans with every bound computed."""
 
@@ -13,11 +13,11 @@ import torch
 import autopar
 from autopar.examples import gpt2_tiny, llama, llama_tiny
 from autopar.options import AxisRole, Optimizer, SearchOptions
-from autopar.passes import search as search_mod
+from autopar.passes import ladder as ladder_mod
 from autopar.passes.analyze import analyze
 from autopar.passes.blocks import find_blocks
 from autopar.passes.costs import build_costs
-from autopar.passes.search import costs_no_less
+from autopar.passes.ladder import costs_no_less
 from autopar.passes.solver import fold_followers, lower_bound
 from autopar.passes.strategies import build_strategies
 from autopar.passes.trace import trace
@@ -89,7 +89,7 @@ def test_the_skip_keeps_the_plan(monkeypatch):
     cluster = autopar.ClusterSpec.preset("h100-sxm", nodes=2, devices_per_node=8)
     local = dict(outputs=autopar.Outputs.LOCAL)
     with_skip = autopar.plan(model, cluster, inputs, **local)
-    monkeypatch.setattr(search_mod, "costs_no_less", lambda a, b: False)
+    monkeypatch.setattr(ladder_mod, "costs_no_less", lambda a, b: False)
     without = autopar.plan(model, cluster, inputs, **local)
     assert with_skip.trades == without.trades and with_skip.mesh_shape == without.mesh_shape
     assert with_skip.predicted.step_time_s == pytest.approx(without.predicted.step_time_s, rel=1e-9)

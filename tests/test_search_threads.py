@@ -1,5 +1,5 @@
 """What the search does for time alone changes nothing else: the cost tables built on a worker
-thread while HiGHS solves (``passes/search.py:_Tables``, ``passes/background.py``) give the plan,
+thread while HiGHS solves (``passes/prefetch.py:Prefetcher``, ``passes/background.py``) give the plan,
 candidates, progress lines and dumps of the search on one thread, also where the worker's order
 is not the search's; the collector settings the search sets (``_young_garbage_only``) are put back,
 when it raises too, and a caller's own frozen objects stay frozen."""
@@ -16,8 +16,7 @@ import torch
 import autopar
 from autopar.errors import NoPlanFitsError
 from autopar.examples import llama, llama_tiny
-from autopar.passes import background
-from autopar.passes import search as search_mod
+from autopar.passes import background, prefetch
 
 
 def _model():
@@ -51,7 +50,7 @@ def test_tables_built_on_a_worker_plan_as_on_one_thread(tmp_path, monkeypatch):
     threaded = _plan(tmp_path, "threaded")
     assert any("pipeline stages" in line for line in threaded[1])  # pipeline candidates were taken too
     assert any("skipped" in line for line in threaded[1])  # and candidates with no placement
-    monkeypatch.setattr(search_mod, "PREFETCH_TABLES", False)
+    monkeypatch.setattr(prefetch, "PREFETCH_TABLES", False)
     alone = _plan(tmp_path, "alone")
     assert threaded[0] == alone[0]
     assert threaded[1] == alone[1]
@@ -62,16 +61,16 @@ def test_tables_built_on_a_worker_plan_as_on_one_thread(tmp_path, monkeypatch):
 def test_a_worker_out_of_the_search_order_is_not_waited_on(tmp_path, monkeypatch):
     """The worker's order reversed: every candidate the search asks for is built on the spot."""
     alone = _plan(tmp_path, "in_order")
-    order = search_mod._table_order
-    monkeypatch.setattr(search_mod, "_table_order", lambda pb: iter(reversed(list(order(pb)))))
+    order = prefetch.table_order
+    monkeypatch.setattr(prefetch, "table_order", lambda pb: iter(reversed(list(order(pb)))))
     built: list[str] = []
-    prepare = search_mod.prepare_candidate
+    prepare = prefetch.prepare_candidate
 
     def counted(pb, run, cluster):
         built.append(threading.current_thread().name)
         return prepare(pb, run, cluster)
 
-    monkeypatch.setattr(search_mod, "prepare_candidate", counted)
+    monkeypatch.setattr(prefetch, "prepare_candidate", counted)
     assert _plan(tmp_path, "reversed") == alone
     assert any(name == threading.current_thread().name for name in built)  # built on the spot
 

@@ -1,0 +1,186 @@
+"""One candidate down its ladder of trades (``climb``), for SPMD and pipeline candidates alike.
+
+The rungs (``passes/trades.py:ladder``: ZeRO stage, recomputation, micro-batches, offload, at the
+plan's precision) come cheapest first; each is one ILP on the candidate's tables transformed by
+its trades. How a rung's tables are made and how it is priced is the candidate's (a ``Pricer``:
+``passes/rungs.py``); what the ladder does with each is the same for every candidate:
+
+* a rung the pricer does not admit (its micro-batches do not split the batch) is skipped;
+* so is a rung that relieves no more memory in any trade than one that had no plan or passed the
+  limit (``relieves_no_more``), and one whose time bound is at least that of a rung pruned by its
+  bound (``costs_no_less``);
+* a rung whose memory lower bound passes the limit is skipped without a solve;
+* after ``MAX_EMPTY_RUNGS`` rungs with no plan, only rungs with more room every way than one of
+  them are solved (``relieves_more``);
+* the rest are priced; each priced rung's ``Lesson`` says what it teaches about the rungs after
+  it, and the climb ends after ``RUNGS_SOLVED`` rungs that fit (or have a plan no better than the
+  best) or at a rung after which none can win.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from autopar.passes.costs import CostTables
+from autopar.passes.memory_row import lower_bound_bytes
+from autopar.passes.mesh_solve import Solved
+from autopar.passes.outcome import Entry
+from autopar.trades import Trades
+
+# per candidate mesh, how many trades rungs that fit are solved before the next mesh: the ladder
+# puts the cheapest first (a later one can win where the first fits only with a worse placement,
+# rarely: each solve of a large mesh costs seconds)
+RUNGS_SOLVED = 1
+# after this many rungs of one candidate had no plan, only rungs with more room every way than one
+# of them are solved (each empty rung of a large mesh is a solve of seconds)
+MAX_EMPTY_RUNGS = 4
+
+
+class Lesson(enum.Enum):
+    """What a priced rung teaches the ladder about the rungs after it."""
+
+    FITS = "fits"  # a plan that fits: counts toward RUNGS_SOLVED
+    BEATEN = "beaten"  # it has a plan, no better than the best: counts toward RUNGS_SOLVED too
+    SLOW = "slow"  # its time lower bound passes the best: rungs that cost no less are skipped
+    LAST = "last"  # no later rung can win: the climb ends
+    NO_PLAN = "no plan"  # the ILP found none: rungs that relieve no more are skipped
+    TOO_BIG = "too big"  # past the memory limit: rungs that relieve no more are skipped
+    NOTHING = "nothing"  # nothing learnt: the next rung
+
+
+@dataclass(frozen=True)
+class RungTables:
+    """A rung's tables: the candidate's transformed by the rung's trades (``traded``), and the
+    rows the ILP solves (``ilp``: the same, or a pipeline stage's rows of them)."""
+
+    traded: CostTables
+    ilp: CostTables
+
+
+@dataclass(frozen=True)
+class Rung:
+    """A priced rung: what it teaches, its entry in the candidate list (None: none), the memory it
+    needs at least, its plan where one fits and the objective later candidates are then pruned
+    against. ``about``: the trades the lesson is about where the pricer changed the rung's (its
+    micro-batches); ``restart``: the candidate again from these rungs (its tables changed)."""
+
+    lesson: Lesson
+    entry: Entry | None = None
+    mem_needed: float = math.inf
+    solved: Solved | None = None
+    objective: float = math.inf
+    refused_at_full_peak: bool = False
+    about: Trades | None = None
+    restart: tuple[Trades, ...] | None = None
+
+
+class Pricer(Protocol):
+    """How one candidate's rungs are tabled and priced (``passes/rungs.py``)."""
+
+    def admits(self, trades: Trades) -> bool: ...
+
+    def tables(self, trades: Trades) -> RungTables: ...
+
+    def price(self, trades: Trades, tables: RungTables, best_objective: float) -> Rung: ...
+
+
+@dataclass
+class Climb:
+    """What one candidate's climb found: its entries, its plans that fit (in order), the least
+    memory a rung needed, whether a plan failed at its full peak, and the best objective after it."""
+
+    objective: float
+    entries: list[Entry] = field(default_factory=list)
+    solved: list[Solved] = field(default_factory=list)
+    mem_needed: float = math.inf
+    refused_at_full_peak: bool = False
+
+
+def climb(rungs: Iterable[Trades], pricer: Pricer, limit: float, best_objective: float) -> Climb:
+    """Down the ladder ``rungs`` of one candidate (module docstring), pruned against
+    ``best_objective`` and the plans it finds."""
+    out = Climb(best_objective)
+    todo = list(rungs)
+    short: list[Trades] = []  # rungs the ILP found no plan on
+    over: list[Trades] = []  # rungs past the memory limit
+    slow: list[Trades] = []  # rungs whose time lower bound is no better than the best
+    solved = 0
+    while todo:
+        trades = todo.pop(0)
+        if not pricer.admits(trades):
+            continue
+        if any(relieves_no_more(trades, t) for t in short + over):
+            continue  # a rung with at least this much room each way had no plan
+        if any(costs_no_less(trades, t) for t in slow):
+            continue  # its bound is at least a pruned rung's, and the best only falls
+        tables = pricer.tables(trades)
+        needed = lower_bound_bytes(tables.ilp)
+        if needed > limit:  # cheap: no solve, no entry
+            out.mem_needed = min(out.mem_needed, needed)
+            over.append(trades)
+            continue
+        if len(short) >= MAX_EMPTY_RUNGS and not any(relieves_more(trades, t) for t in short):
+            continue
+        rung = pricer.price(trades, tables, out.objective)
+        if rung.restart is not None:
+            todo, short, over, slow = list(rung.restart), [], [], []
+            continue
+        out.mem_needed = min(out.mem_needed, rung.mem_needed)
+        out.refused_at_full_peak |= rung.refused_at_full_peak
+        if rung.entry is not None:
+            out.entries.append(rung.entry)
+        about = rung.about if rung.about is not None else trades
+        if rung.lesson is Lesson.NO_PLAN:
+            short.append(about)
+        elif rung.lesson is Lesson.TOO_BIG:
+            over.append(about)
+        elif rung.lesson is Lesson.SLOW:
+            slow.append(about)
+        elif rung.lesson is Lesson.LAST:
+            break
+        elif rung.lesson is Lesson.FITS or rung.lesson is Lesson.BEATEN:
+            if rung.lesson is Lesson.FITS:
+                out.objective = min(out.objective, rung.objective)
+                out.solved.append(rung.solved)
+            solved += 1
+            if solved >= RUNGS_SOLVED:
+                break  # later rungs tend to add time (passes/trades.py:ladder)
+    return out
+
+
+def relieves_no_more(a: Trades, b: Trades) -> bool:
+    """Rung ``a`` frees no more memory than ``b`` in any trade (so where ``b`` has no plan, nor
+    has ``a``: each trade's bytes only fall as it climbs, ZeRO-3's gathered blocks aside)."""
+    return (
+        a.zero_stage <= b.zero_stage
+        and _RECOMPUTE_ORDER[a.recompute.value] <= _RECOMPUTE_ORDER[b.recompute.value]
+        and a.micro_batches <= b.micro_batches
+        and (a.offload.value == "none" or b.offload.value != "none")
+    )
+
+
+def costs_no_less(a: Trades, b: Trades) -> bool:
+    """Rung ``a``'s time lower bound is at least ``b``'s: the same ZeRO stage, offload and
+    precision, and at least as much recomputation (forwards run again) and as many micro-batches
+    (each pays its collectives' latency, and ZeRO-3 its gathers); so where ``b`` was pruned by its
+    bound, so is ``a`` (``tests/test_search_prune.py`` checks the bounds are so ordered)."""
+    return (
+        a.zero_stage == b.zero_stage
+        and a.offload is b.offload
+        and a.precision is b.precision
+        and a.data_axes == b.data_axes
+        and _RECOMPUTE_ORDER[a.recompute.value] >= _RECOMPUTE_ORDER[b.recompute.value]
+        and a.micro_batches >= b.micro_batches
+    )
+
+
+def relieves_more(a: Trades, b: Trades) -> bool:
+    """Rung ``a`` frees at least as much as ``b`` in every trade and more in one."""
+    return relieves_no_more(b, a) and a != b
+
+
+_RECOMPUTE_ORDER = {"none": 0, "selective": 1, "full": 2}

@@ -1,0 +1,223 @@
+"""Solving one candidate of the outer search at one rung of its trades ladder (``solve_mesh``).
+
+In order, each step cheaper than the next and skipping the rest where it decides:
+
+1. the memory lower bound (``passes/memory_row.py:lower_bound_bytes``) against the limit;
+2. the time lower bound (``passes/solver.py:lower_bound`` on the exactly folded tables, kept per
+   candidate in ``TradeContext.bounds``) against the best objective so far;
+3. the ILP (``passes/solver.py:solve``), the best so far as its cutoff: pruned where its LP
+   relaxation already passes it;
+4. on the chosen solution: the gradient buckets (``passes/price.py:grad_sync_cost``) and the
+   trades' terms (``passes/trades.py:trade_terms``), the full peak against the limit (solving
+   again, once, with as much less room as that peak passes it: the buckets' flattening and the
+   optimizer step's temporaries are not in the ILP's rows), the micro-batches' split of the batch
+   and the host memory offload needs.
+
+The outcome is typed (``MeshOutcome``: its ``Entry`` and ``Verdict``, ``passes/outcome.py``).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field, replace
+
+from autopar.cluster import ClusterSpec
+from autopar.options import SearchOptions
+from autopar.passes.analyze import NodeInfo
+from autopar.passes.blocks import Block
+from autopar.passes.candidates import MeshRun
+from autopar.passes.costs import CostTables
+from autopar.passes.dumps import Recorder, Stages, size_text
+from autopar.passes.grad_sync import GradSyncCost
+from autopar.passes.infeasible import blocked
+from autopar.passes.memory_row import lower_bound_bytes
+from autopar.passes.outcome import Entry, Verdict
+from autopar.passes.pipeline import PipelinePrice
+from autopar.passes.price import expanded_choice, grad_sync_cost, plan_peak
+from autopar.passes.solver import (
+    EXACT_FOLD_MAX_PAIRS,
+    Pruned,
+    Solution,
+    edge_pairs,
+    fold_followers,
+    lower_bound,
+    solve,
+)
+from autopar.passes.strategies import Strategy
+from autopar.passes.trace import TracedGraph
+from autopar.passes.trades import TradeTerms, micro_batch_ok, trade_terms
+from autopar.trades import Trades
+
+
+@dataclass(frozen=True)
+class Solved:
+    """A candidate the ILP solved: its predicted step (the tables' objective plus the gradient
+    buckets' adjustment and the trades' terms) and what pricing it needs."""
+
+    t_step: float
+    run: MeshRun
+    sol: Solution
+    tables: CostTables
+    bound: float
+    gs: GradSyncCost
+    choice: dict[str, Strategy]
+    trades: Trades = Trades()
+    terms: TradeTerms | None = None
+    pipe: PipelinePrice | None = None  # pipeline stages: their price (t_step is its step)
+    cluster: ClusterSpec | None = None  # what the tables were priced on (one stage's devices)
+
+
+@dataclass(frozen=True)
+class TradeContext:
+    """What ``solve_mesh`` needs to price a rung of the trades ladder on a solution: the rung, the
+    tables without trades, the blocks and the infos the tables were built from."""
+
+    trades: Trades
+    base: CostTables
+    blocks: list[Block]
+    infos: dict[str, NodeInfo]
+    # the candidate's time lower bounds by the trades that change table times (micro-batches
+    # change only bytes there): rungs that differ in micro-batches share one fold and bound
+    bounds: dict = field(default_factory=dict)
+
+    @property
+    def bound_key(self) -> tuple:
+        t = self.trades
+        return (t.zero_stage, t.recompute, t.offload, t.precision)
+
+
+@dataclass(frozen=True)
+class MeshProblem:
+    """One ILP of the outer search: candidate ``run`` on ``tables`` (the rung's, priced on
+    ``cluster``: the whole one, or one pipeline stage's devices) for the graph ``tg`` whose nodes
+    ``infos`` describe as the cost model priced them, under ``options`` and ``limit`` bytes per
+    device. ``trade``: the rung of the trades ladder (None: no trades); ``check_micro_batches``:
+    refuse a solution that splits the batch over more devices than its micro-batches allow."""
+
+    tg: TracedGraph
+    infos: dict[str, NodeInfo]
+    tables: CostTables
+    cluster: ClusterSpec
+    run: MeshRun
+    options: SearchOptions
+    limit: float
+    trade: TradeContext | None = None
+    check_micro_batches: bool = True
+
+
+@dataclass(frozen=True)
+class MeshOutcome:
+    """What solving one candidate gave: its entry, the memory it needs at least, the solution when
+    one fits, and whether a plan that fit the ILP's rows failed at its full peak."""
+
+    entry: Entry
+    mem_needed: float
+    solved: Solved | None = None
+    refused_at_full_peak: bool = False
+
+    @property
+    def fitted(self) -> bool:
+        """Pruned by the ILP's LP relaxation: it has a plan, no better than the best (a rung that
+        fits, as far as the trades ladder is concerned: the ILP would have solved it, and lost)."""
+        return self.entry.verdict is Verdict.LP_PRUNED
+
+
+def solve_mesh(p: MeshProblem, best_objective: float = math.inf, st: Stages | None = None) -> MeshOutcome:
+    """Solve one candidate (module docstring): skipped where its memory lower bound passes the
+    limit or its time lower bound is no better than ``best_objective``; else the ILP, then the
+    chosen solution's full price. ``st``: where its lines and dumps go (None: nowhere)."""
+    st = st if st is not None else Recorder()
+    tables, run, options, limit, ctx = p.tables, p.run, p.options, p.limit, p.trade
+    label = run.label
+    trades = ctx.trades if ctx else Trades()
+    if not trades.is_default:
+        label = f"{label} [{trades.describe()}]"
+    mem_needed = lower_bound_bytes(tables)
+    exact = None
+    if ctx is not None and ctx.bound_key in ctx.bounds:
+        bound = ctx.bounds[ctx.bound_key]
+    else:
+        exact = fold_followers(tables, exact=True)  # keeps the optimum: the bound is valid on it
+        bound = lower_bound(tables, exact)
+        if ctx is not None:
+            ctx.bounds[ctx.bound_key] = bound
+    entry = Entry(run.mesh, Verdict.INFEASIBLE, run.roles, lower_bound=bound, trades=trades)
+
+    def ended(verdict: Verdict, refused: bool = False, **more) -> MeshOutcome:
+        return MeshOutcome(replace(entry, verdict=verdict, **more), mem_needed, None, refused)
+
+    if mem_needed > limit:
+        st.say(f"solve: mesh {label}: needs >= {mem_needed / 2**30:.2f} GiB per device: skipped")
+        return ended(Verdict.INFEASIBLE)
+    # pruning compares the tables' totals (the bound is one of those); the overlap adjustment
+    # below re-ranks the meshes that get solved
+    if bound >= best_objective:
+        st.say(f"solve: mesh {label}: lower bound {bound * 1e3:.3f} ms >= best: pruned")
+        return ended(Verdict.BOUND_PRUNED)
+    # the ILP's tables: only meshes that get solved pay for this fold
+    small = edge_pairs(tables) <= EXACT_FOLD_MAX_PAIRS
+    folded = exact if small and exact is not None else fold_followers(tables, exact=small)
+    # the best so far as a cutoff: where the ILP's LP relaxation already passes it, the ILP itself
+    # is not solved (only whether it has a plan: a candidate with none is reported as before)
+    sol = solve(tables, limit, options.time_limit_s, folded=folded, cutoff=best_objective)
+    if isinstance(sol, Pruned):
+        st.say(f"solve: mesh {label}: LP relaxation {sol.bound * 1e3:.3f} ms >= best: pruned")
+        return ended(Verdict.LP_PRUNED, lp_bound=sol.bound)
+    if sol is None:
+        why = blocked(tables, {n.name: n for n in p.tg.graph.nodes})
+        if why is not None:  # no choice at all, whatever the memory: name the op
+            st.say(f"solve: mesh {label}: no plan under its axis roles: {why}")
+            return ended(Verdict.BLOCKED, blocked=why)
+        st.say(f"solve: mesh {label}: no plan fits {limit / 2**30:.2f} GiB per device")
+        return ended(Verdict.INFEASIBLE)
+    # the full price of the choice (solve evaluates it), with the gradient all-reduces as they run:
+    # once per parameter, partly behind backward compute (passes/grad_sync.py)
+    choice, gs, terms = _priced(p, sol)
+    over = plan_peak(tables, sol, gs) + terms.transient - limit
+    if over > 0:
+        sol = solve(tables, limit - over, options.time_limit_s, folded=folded)
+        if sol is not None:
+            choice, gs, terms = _priced(p, sol)
+        if sol is None or plan_peak(tables, sol, gs) + terms.transient > limit:
+            st.say(
+                f"solve: mesh {label}: no plan fits {limit / 2**30:.2f} GiB per device "
+                "with its gradient buckets' flattening and its optimizer step's temporaries"
+            )
+            return ended(Verdict.INFEASIBLE, refused=True)
+    if p.check_micro_batches and not micro_batch_ok(p.tg, p.infos, sol.choice, tables, trades.micro_batches):
+        st.say(f"solve: mesh {label}: the batch does not split into its micro-batches as the plan splits it")
+        return ended(Verdict.INFEASIBLE)
+    host_limit = p.cluster.host_memory_bytes / max(p.cluster.devices_per_node, 1)
+    if terms.host_bytes > host_limit:
+        st.say(
+            f"solve: mesh {label}: offloaded state needs {size_text(terms.host_bytes)} of host memory per device"
+        )
+        return ended(Verdict.INFEASIBLE)
+    t_step = sol.objective + gs.adjustment_s + terms.total_s
+    st.say(
+        f"solve: mesh {label}: {sol.status}, predicted step {t_step * 1e3:.3f} ms "
+        f"({sol.num_variables} variables, {sol.solve_time_s:.2f} s)"
+    )
+    st.write(
+        f"4_solve_{run.tag}.json",
+        json.dumps({"status": sol.status, "objective": t_step, "choice": sol.choice}, indent=0),
+    )
+    return MeshOutcome(
+        replace(entry, verdict=Verdict.SOLVED, objective=t_step, solver_status=sol.status),
+        mem_needed,
+        Solved(t_step, run, sol, tables, bound, gs, choice, trades, terms),
+    )
+
+
+def _priced(p: MeshProblem, sol: Solution) -> tuple[dict[str, Strategy], GradSyncCost, TradeTerms]:
+    """A solution's placements of every node, its gradient sync and its trades' terms."""
+    choice = expanded_choice(p.tg, p.tables, sol)
+    gs = grad_sync_cost(p.tg, p.infos, p.tables, sol, choice, p.cluster, p.run.mesh, p.options.outputs)
+    ctx = p.trade
+    if ctx is None:
+        return choice, gs, TradeTerms()
+    terms = trade_terms(
+        ctx.base, p.tables, sol.choice, ctx.infos, ctx.trades, p.cluster, p.options.optimizer, ctx.blocks
+    )
+    return choice, gs, terms
