@@ -21,7 +21,7 @@ mix; a call its ranks gave up on is skipped by a rank that comes to it later, wh
 next one instead: after a failed call, one on every rank works again.
 
 ``solve_once`` runs the search on rank 0 only and broadcasts the plan (or rank 0's error) to the
-others: planning time no longer grows with the number of ranks.
+others: planning time does not grow with the number of ranks.
 """
 
 from __future__ import annotations

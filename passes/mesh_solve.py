@@ -159,7 +159,7 @@ def solve_mesh(p: MeshProblem, best_objective: float = math.inf, st: Stages | No
     small = edge_pairs(tables) <= EXACT_FOLD_MAX_PAIRS
     folded = exact if small and exact is not None else fold_followers(tables, exact=small)
     # the best so far as a cutoff: where the ILP's LP relaxation already passes it, the ILP itself
-    # is not solved (only whether it has a plan: a candidate with none is reported as before)
+    # is not solved (only whether it has a plan: a candidate with none is reported as without the cutoff)
     sol = solve(tables, limit, options.time_limit_s, folded=folded, cutoff=best_objective)
     if isinstance(sol, Pruned):
         st.say(f"solve: mesh {label}: LP relaxation {sol.bound * 1e3:.3f} ms >= best: pruned")

@@ -23,8 +23,9 @@ from autopar.passes.search_problem import Problem
 
 # False: every candidate's tables built on the search's thread (the plan is the same either way)
 PREFETCH_TABLES = True
-# candidates built ahead of the one the search takes: 3 instead of 1 planned the 70B on 1024 H100s
-# in 20.9 s against 19.1 s (the worker then competes more for the idle time), 8B on 64 alike
+# candidates built ahead of the one the search takes: more than 1 is slower (the worker then competes
+# more for the search's idle time; with 3, the 70B on 1024 H100s planned in 20.9 s against 19.1 s
+# with 1, on the 2-core dev VM, 2026-11-27; the 8B on 64 alike)
 TABLES_AHEAD = 1
 
 

@@ -110,7 +110,7 @@ def search(
 # the search allocates millions of short-lived objects (ILP rows, cost tables); at CPython's
 # default gen-0 threshold (700) the collector runs every few hundred of them and, every hundred
 # runs, walks every object alive (the traced graph, the model, torch's own): a fifth of the
-# search's time on the 8B-on-64 plan (benchmarks/README.md, "Planning time again")
+# search's time on the 8B-on-64 plan (benchmarks/README.md, "Planning time at scale")
 GC_GEN0_THRESHOLD = 20_000
 
 
