@@ -17,27 +17,23 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 import torch.utils._pytree as pytree
-from torch.distributed.tensor.placement_types import Replicate
 
 from autopar.cluster import ClusterSpec
 from autopar.codegen.agree import agree, solve_once
 from autopar.errors import DistributedSetupError, PlanFormatError, PlanMismatchError
-from autopar.options import AxisRole, Optimizer, SearchOptions
+from autopar.options import Optimizer, SearchOptions
 from autopar.passes.analyze import analyze
 from autopar.passes.blocks import find_blocks
 from autopar.passes.costs import build_costs
-from autopar.passes.data_region import plan_region
-from autopar.passes.fuse import fuse_as_planned
-from autopar.passes.local_rows import trace_rows
 from autopar.passes.pipeline import PipelineProblem, price_pipeline, stage_cluster
 from autopar.passes.price import expanded_choice, grad_sync_cost, price_plan
+from autopar.passes.replay import choice_from_plan, plan_regions, plan_strategies, traced_as_planned
 from autopar.passes.search import MeshRun, SearchResult, Solved, with_pipeline, with_trades
 from autopar.passes.search import search as _search
 from autopar.passes.solver import Solution, objective_s
-from autopar.passes.strategies import Strategy, build_strategies
-from autopar.passes.trace import TracedGraph, keep_loss_only, normalize_inputs, trace
+from autopar.passes.trace import TracedGraph, normalize_inputs
 from autopar.passes.trades import apply_trades, autocast_device, half_infos, trade_terms
-from autopar.placement import Outputs, own_rows_axes, spec_from_str, via_from_str
+from autopar.placement import Outputs
 from autopar.plan import Plan
 from autopar.tools.profiler import OpProfiler, resolve_profiler
 
@@ -111,7 +107,7 @@ def reprice(
     mesh = tuple(plan.mesh_shape)
     outputs = Outputs(plan.outputs)
     regions = plan_regions(model, tg, plan, example_inputs)
-    strats = build_strategies(tg, infos, mesh, regions[0] or None, regions=regions[1])
+    strats = plan_strategies(tg, infos, plan, regions)
     whole = cluster
     if plan.pipeline.enabled:  # the tables price one stage's mesh (passes/pipeline.py)
         cluster = stage_cluster(cluster, plan.pipeline.stages)
@@ -129,7 +125,7 @@ def reprice(
     )  # fmt: skip
     blocks = find_blocks(tg)
     tables = apply_trades(base, tg, cinfos, trades, cluster, optimizer, blocks)
-    wanted = choice_from_plan(tg, plan, regions)
+    wanted = choice_from_plan(tg, plan, regions, allowed=strats)
     picks = {v: ss.index(wanted[v]) for v, ss in tables.strategies.items()}
     t = objective_s(tables, picks)
     sol = Solution(picks, t, "Repriced", 0.0, plan.solver.name, 0, 0)
@@ -232,16 +228,6 @@ def autoparallelize(
     return build_parallel_module(model, tg, the_plan, choice, inputs, weights=weights)
 
 
-def traced_as_planned(model, example_inputs, plan: Plan) -> TracedGraph:
-    """The model traced and rewritten as the plan's search rewrote it: the outputs it does not
-    return dropped (``Outputs.LOSS``), its fused kernels substituted at the same nodes."""
-    tg = trace(model, example_inputs)
-    if plan.outputs == Outputs.LOSS.value:
-        keep_loss_only(tg)
-    fuse_as_planned(tg, plan.kernels)
-    return tg
-
-
 def _named_leaves(example_inputs) -> list[tuple[str, object]]:
     args, kwargs = normalize_inputs(example_inputs)
     return [(f"input {i}", leaf) for i, leaf in enumerate(pytree.tree_leaves((args, kwargs)))]
@@ -272,72 +258,3 @@ def _module_graph(model, tg: TracedGraph, plan: Plan, example_inputs):
             f"the plan's placements do not fit micro-batches of 1/{k} of the batch: {e}. Use a larger batch "
             "or fewer micro-batches"
         ) from e
-
-
-def plan_regions(model, tg: TracedGraph, plan: Plan, example_inputs) -> tuple[tuple, dict]:
-    """``(axis_roles, regions)`` for ``build_strategies``: where the plan runs a data-parallel region
-    (``passes/data_region.py``: decisions via ``OwnRows``), the data role on its axis and the region
-    nodes' options, read off the model traced again on one rank's rows of ``example_inputs`` (their
-    local arguments stored for codegen); ``((), {})`` where it runs none."""
-    names = [d.name for d in plan.decisions if own_rows_axes(via_from_str(d.via))]
-    if not names:
-        return (), {}
-    axes = {a for d in plan.decisions for a in own_rows_axes(via_from_str(d.via))}
-    if len(axes) != 1:
-        raise PlanFormatError(f"the plan runs data-parallel regions on mesh axes {sorted(axes)}; one at most")
-    (axis,) = axes
-    parts = plan.mesh_shape[axis]
-
-    def rewrite(other: TracedGraph) -> None:  # as traced_as_planned rewrites tg
-        if plan.outputs == Outputs.LOSS.value:
-            keep_loss_only(other)
-        fuse_as_planned(other, plan.kernels)
-
-    local = trace_rows(model, example_inputs, tg, parts, rewrite)
-    if not isinstance(local, str):
-        local = plan_region(tg, local, names)
-    if isinstance(local, str):
-        raise PlanMismatchError(
-            f"the plan's data-parallel region cannot run on one rank's rows: {local}; re-plan"
-        )
-    roles = tuple(AxisRole.DATA if a == axis else AxisRole.AUTO for a in range(len(plan.mesh_shape)))
-    return roles, local
-
-
-def choice_from_plan(
-    tg: TracedGraph, plan: Plan, regions: tuple[tuple, dict] = ((), {})
-) -> dict[str, Strategy]:
-    """Read every node's strategy back from the plan, refusing any the rules would not allow
-    (``regions``: ``plan_regions``' for a plan with a data-parallel region)."""
-    infos = analyze(tg)
-    roles, options = regions
-    allowed = build_strategies(tg, infos, plan.mesh_shape, roles or None, regions=options)
-    choice = {}
-    single = [n == 1 for n in plan.mesh_shape]
-
-    def same_on_mesh(s: Strategy) -> tuple:
-        # a placement on an axis of one device is no cut: on a micro-batch of one row the rules
-        # offer only Replicate where the plan (made for the whole batch) says Shard(0)
-        def canon(spec):
-            return tuple(Replicate() if one else p for p, one in zip(spec, single))
-
-        return canon(s.out), tuple(canon(x) for x in s.ins), s.via
-
-    for d in plan.decisions:
-        s = Strategy(spec_from_str(d.output), tuple(spec_from_str(x) for x in d.inputs), via_from_str(d.via))
-        if (
-            d.name in allowed
-            and s not in allowed[d.name].strategies
-            and same_on_mesh(s) not in {same_on_mesh(x) for x in allowed[d.name].strategies}
-        ):
-            raise PlanFormatError(
-                f"node {d.name} ({d.op}): placement out={d.output} in={list(d.inputs)} is not a valid strategy on "
-                f"mesh {plan.mesh_shape}; re-plan instead of editing the plan by hand"
-            )
-        choice[d.name] = s
-    missing = [
-        n.name for n in tg.graph.nodes if n.op in ("placeholder", "call_function") and n.name not in choice
-    ]
-    if missing:
-        raise PlanFormatError(f"the plan has no decision for nodes {missing[:5]}; re-plan for this model")
-    return choice

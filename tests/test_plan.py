@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 import autopar
 import autopar.examples
-from autopar.api import choice_from_plan
+from autopar.passes.replay import choice_from_plan
 from autopar.errors import PlanFormatError
 from autopar.passes.trace import trace
 from autopar.placement import Outputs, spec_from_str
