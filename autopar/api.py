@@ -8,9 +8,7 @@ one ``SearchOptions``, resolves the op profiler, and builds the rank-local modul
 
 from __future__ import annotations
 
-import dataclasses
 import json
-import math
 import os
 from collections.abc import Callable
 
@@ -20,20 +18,13 @@ import torch.utils._pytree as pytree
 
 from autopar.cluster import ClusterSpec
 from autopar.codegen.agree import agree, solve_once
-from autopar.errors import DistributedSetupError, PlanFormatError, PlanMismatchError
+from autopar.errors import DistributedSetupError, PlanFormatError
 from autopar.options import Optimizer, SearchOptions
-from autopar.passes.analyze import analyze
-from autopar.passes.blocks import find_blocks
-from autopar.passes.costs import build_costs
-from autopar.passes.pipeline import PipelineProblem, price_pipeline, stage_cluster
-from autopar.passes.price import expanded_choice, grad_sync_cost, price_plan
-from autopar.passes.replay import choice_from_plan, plan_regions, plan_strategies, traced_as_planned
-from autopar.passes.search import MeshRun, SearchResult, Solved, with_pipeline, with_trades
+from autopar.passes.replay import choice_from_plan, plan_regions, traced_as_planned
+from autopar.passes.reprice import given_choice, price_choice
+from autopar.passes.search import SearchResult
 from autopar.passes.search import search as _search
-from autopar.passes.solver import Solution, objective_s
 from autopar.passes.trace import TracedGraph, normalize_inputs
-from autopar.passes.trades import apply_trades, autocast_device, half_infos, trade_terms
-from autopar.placement import Outputs
 from autopar.plan import Plan
 from autopar.tools.profiler import OpProfiler, resolve_profiler
 
@@ -97,59 +88,12 @@ def reprice(
     predicted step and memory are wanted where it runs. ``optimizer``: the one the run uses (a plan
     does not record it); ``profile``: as for ``search``. The plan's trades (``autopar/trades.py``)
     are priced as the search prices them, and so is its pipeline (``passes/pipeline.py``: its
-    schedule and cuts as the plan has them). The result's solver status is "Repriced"; its objective,
-    the cost tables' total on ``cluster``."""
+    schedule and cuts as the plan has them): ``passes/reprice.py``. The result's solver status is
+    "Repriced"; its objective, the cost tables' total on ``cluster``."""
     if isinstance(plan, (str, os.PathLike)):
         plan = Plan.load(plan)
-    tg = traced_as_planned(model, example_inputs, plan)
-    plan.check_matches(tg.fingerprint(), cluster.world_size)
-    infos = analyze(tg)
-    mesh = tuple(plan.mesh_shape)
-    outputs = Outputs(plan.outputs)
-    regions = plan_regions(model, tg, plan, example_inputs)
-    strats = plan_strategies(tg, infos, plan, regions)
-    whole = cluster
-    if plan.pipeline.enabled:  # the tables price one stage's mesh (passes/pipeline.py)
-        cluster = stage_cluster(cluster, plan.pipeline.stages)
-        if cluster is None:
-            raise PlanMismatchError(
-                f"{plan.pipeline.stages} pipeline stages split the nodes of {whole.name} unevenly; re-plan for it"
-            )
     profiler = resolve_profiler(profile, cluster, None)
-    trades = plan.trades
-    # as the search priced it (passes/trades.py)
-    cinfos = half_infos(tg, infos, trades.precision, autocast_device(cluster))
-    base = build_costs(
-        tg, cinfos, strats, cluster, mesh, optimizer, profiler=profiler, outputs=outputs,
-        overlap_matmuls=plan.overlap_matmuls,
-    )  # fmt: skip
-    blocks = find_blocks(tg)
-    tables = apply_trades(base, tg, cinfos, trades, cluster, optimizer, blocks)
-    wanted = choice_from_plan(tg, plan, regions, allowed=strats)
-    picks = {v: ss.index(wanted[v]) for v, ss in tables.strategies.items()}
-    t = objective_s(tables, picks)
-    sol = Solution(picks, t, "Repriced", 0.0, plan.solver.name, 0, 0)
-    choice = expanded_choice(tg, tables, sol)
-    gs = grad_sync_cost(tg, cinfos, tables, sol, choice, cluster, mesh, outputs)
-    terms = trade_terms(base, tables, picks, cinfos, trades, cluster, optimizer, blocks)
-    priced = price_plan(
-        tg, cinfos, tables, sol, choice, cluster, mesh, optimizer, plan.solver.candidates, 0.0, gs, outputs
-    )
-    run = MeshRun(mesh, None)
-    solved = Solved(priced.predicted.step_time_s, run, sol, tables, 0.0, gs, choice, trades, terms)
-    repriced = dataclasses.replace(
-        with_trades(priced, tg, cinfos, solved, SearchOptions(optimizer=optimizer)), kernels=tg.kernels
-    )
-    if not plan.pipeline.enabled:
-        return repriced
-    pipe = price_pipeline(
-        PipelineProblem(
-            tg, cinfos, base, tables, picks, choice, blocks, trades, plan.pipeline.stages, whole,
-            SearchOptions(optimizer=optimizer), math.inf, gs.adjustment_s + terms.total_s, terms.transient,
-            fixed=plan.pipeline,
-        )
-    )  # fmt: skip
-    return with_pipeline(repriced, pipe, whole)
+    return price_choice(given_choice(model, cluster, example_inputs, plan, optimizer, profiler))
 
 
 def autoparallelize(

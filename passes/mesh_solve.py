@@ -173,12 +173,12 @@ def solve_mesh(p: MeshProblem, best_objective: float = math.inf, st: Stages | No
         return ended(Verdict.INFEASIBLE)
     # the full price of the choice (solve evaluates it), with the gradient all-reduces as they run:
     # once per parameter, partly behind backward compute (passes/grad_sync.py)
-    choice, gs, terms = _priced(p, sol)
+    choice, gs, terms = priced_solution(p, sol)
     over = plan_peak(tables, sol, gs) + terms.transient - limit
     if over > 0:
         sol = solve(tables, limit - over, options.time_limit_s, folded=folded)
         if sol is not None:
-            choice, gs, terms = _priced(p, sol)
+            choice, gs, terms = priced_solution(p, sol)
         if sol is None or plan_peak(tables, sol, gs) + terms.transient > limit:
             st.say(
                 f"solve: mesh {label}: no plan fits {limit / 2**30:.2f} GiB per device "
@@ -210,7 +210,7 @@ def solve_mesh(p: MeshProblem, best_objective: float = math.inf, st: Stages | No
     )
 
 
-def _priced(p: MeshProblem, sol: Solution) -> tuple[dict[str, Strategy], GradSyncCost, TradeTerms]:
+def priced_solution(p: MeshProblem, sol: Solution) -> tuple[dict[str, Strategy], GradSyncCost, TradeTerms]:
     """A solution's placements of every node, its gradient sync and its trades' terms."""
     choice = expanded_choice(p.tg, p.tables, sol)
     gs = grad_sync_cost(p.tg, p.infos, p.tables, sol, choice, p.cluster, p.run.mesh, p.options.outputs)

@@ -60,6 +60,7 @@ LAYERS = {
     "autopar.passes.dumps": 2,
     "autopar.passes.solved_plan": 2,
     "autopar.passes.price": 2,
+    "autopar.passes.reprice": 2,
     "autopar.codegen": 3,
     "autopar.kernels": 1,  # the fused ops passes/fuse.py rewrites into: part of the op vocabulary
     "autopar.launch": 3,
