@@ -1,30 +1,31 @@
-"""Public API: ``plan`` (offline search), ``reprice`` and ``autoparallelize`` (search or apply, then run).
+"""Public API: ``search`` and ``plan`` (offline search), ``reprice`` (a plan priced without a search)
+and ``autoparallelize`` (search or apply, then run).
 
-The search itself is ``passes/search.py`` (trace -> analyze -> coarsen -> strategies -> cost ->
-solve per mesh candidate -> select -> price; each stage dumpable with ``dump_dir=...`` or the
-``AUTOPAR_DUMP_DIR`` environment variable); this module turns the user's keyword arguments into
-one ``SearchOptions``, resolves the op profiler, and builds the rank-local module from a plan.
+Each is a few named steps of the layers below: the search (``passes/search.py``: trace -> analyze
+-> coarsen -> strategies -> cost -> solve per mesh candidate -> select -> price; each stage dumpable
+with ``dump_dir=...`` or the ``AUTOPAR_DUMP_DIR`` environment variable), a plan replayed on the
+model (``passes/replay.py``) and priced there (``passes/reprice.py``), what every rank must share
+(``codegen/agree.py``) and the rank-local module (``codegen/build.py``). This module turns the
+user's keyword arguments into one ``SearchOptions`` and resolves the op profiler.
 """
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
-import torch.utils._pytree as pytree
 
 from autopar.cluster import ClusterSpec
-from autopar.codegen.agree import agree, solve_once
-from autopar.errors import DistributedSetupError, PlanFormatError
+from autopar.codegen.agree import agree_on_model, agree_on_plan, solve_once
+from autopar.codegen.build import build_parallel_module, module_graph
+from autopar.errors import DistributedSetupError
 from autopar.options import Optimizer, SearchOptions
-from autopar.passes.replay import choice_from_plan, plan_regions, traced_as_planned
+from autopar.passes.replay import traced_as_planned
 from autopar.passes.reprice import given_choice, price_choice
 from autopar.passes.search import SearchResult
 from autopar.passes.search import search as _search
-from autopar.passes.trace import TracedGraph, normalize_inputs
 from autopar.plan import Plan
 from autopar.tools.profiler import OpProfiler, resolve_profiler
 
@@ -118,12 +119,12 @@ def autoparallelize(
     Every rank must pass the same model (same weights) and, at run time, the same full global
     batch: the module slices its own part. Both are checked across ranks, the weights and example
     inputs here and the batch at the module's first call (``CrossRankMismatchError`` on every rank,
-    ``codegen/agree.py``). Without a ``plan``, rank 0 searches and sends the plan to the others. Gradients and optimizer steps are ordinary PyTorch.
+    ``codegen/agree.py``). Without a ``plan``, rank 0 searches, builds its module from the search's
+    own result and sends the plan to the others, which replay it (``passes/replay.py``): the same
+    module on every rank. Gradients and optimizer steps are ordinary PyTorch.
     With ``plan.trades.micro_batches = k > 1`` the module is generated for one micro-batch (``1/k``
     of the example batch): train with ``pmodel.step(**global_batch)`` (``codegen/module.py``).
     """
-    from autopar.codegen.build import build_parallel_module
-
     if not dist.is_available() or not dist.is_initialized():
         raise DistributedSetupError(
             "autoparallelize needs an initialized process group: launch with torchrun and call "
@@ -137,68 +138,24 @@ def autoparallelize(
             f"the cluster spec describes {cluster.world_size} devices but the process group has {world}; "
             f"pass a spec of {world} devices (e.g. ClusterSpec.local())"
         )
-    # what every rank must share, checked before anything is solved or built (codegen/agree.py)
-    agree(
-        "the model's weights", model.state_dict().items(),
-        "every rank must build the same weights: call torch.manual_seed(...) with the same seed before building "
-        "the model, or load the same checkpoint on every rank",
-    )  # fmt: skip
-    agree(
-        "the example inputs", _named_leaves(example_inputs),
-        "pass the same full global batch on every rank: autopar slices each rank's part itself (do not give "
-        "each rank its own shard, as DistributedDataParallel wants)",
-    )  # fmt: skip
+    agree_on_model(model, example_inputs)  # before anything is solved or built (codegen/agree.py)
     if isinstance(plan, (str, os.PathLike)):
         plan = Plan.load(plan)
-    if plan is None:  # solved on rank 0 only, the plan sent to the others
-
-        def run():
-            result = search(model, cluster, example_inputs, options, **search_kwargs)
-            return result.traced, result.plan
-
-        tg, the_plan = solve_once(run)
-        if tg is None:
-            tg = traced_as_planned(model, example_inputs, the_plan)
+    choice = None
+    if plan is None:  # solved on rank 0 only, which builds from its own result; the others replay the plan
+        found, plan = solve_once(lambda: _searched(model, cluster, example_inputs, options, search_kwargs))
+        if found is not None:
+            tg, choice = found.traced, found.choice
+        else:
+            tg = traced_as_planned(model, example_inputs, plan)
     else:
-        agree(
-            "the plans",
-            [("plan", json.dumps(plan.to_dict(), sort_keys=True))],
-            "load the same plan on every rank",
-        )
+        agree_on_plan(plan)
         tg = traced_as_planned(model, example_inputs, plan)
         plan.check_matches(tg.fingerprint(), world)
-        the_plan = plan
-    tg, inputs, choice = _module_graph(model, tg, the_plan, example_inputs)
-    return build_parallel_module(model, tg, the_plan, choice, inputs, weights=weights)
+    graph = module_graph(model, example_inputs, plan, tg, choice)
+    return build_parallel_module(model, graph.traced, plan, graph.choice, graph.inputs, weights=weights)
 
 
-def _named_leaves(example_inputs) -> list[tuple[str, object]]:
-    args, kwargs = normalize_inputs(example_inputs)
-    return [(f"input {i}", leaf) for i, leaf in enumerate(pytree.tree_leaves((args, kwargs)))]
-
-
-def _module_graph(model, tg: TracedGraph, plan: Plan, example_inputs):
-    """The graph the module is generated from, its example inputs and its per-node strategies:
-    the global batch's (``tg``, whose fingerprint the plan matched) or, with
-    ``plan.trades.micro_batches = k > 1``, one micro-batch's: the model traced again on the first
-    ``B / k`` rows of every input, the same nodes as ``tg`` (``codegen/micro_batches.py``)."""
-    from autopar.codegen.micro_batches import MicroBatchError, check_same_graph, micro_batch_inputs
-
-    inputs = normalize_inputs(example_inputs)
-    k = plan.trades.micro_batches
-    if k == 1:
-        return tg, inputs, choice_from_plan(tg, plan, plan_regions(model, tg, plan, example_inputs))
-    micro = micro_batch_inputs(example_inputs, plan)
-    mtg = traced_as_planned(model, micro, plan)
-    check_same_graph(tg, mtg, k)
-    try:
-        return (
-            mtg,
-            normalize_inputs(micro),
-            choice_from_plan(mtg, plan, plan_regions(model, mtg, plan, micro)),
-        )
-    except PlanFormatError as e:
-        raise MicroBatchError(
-            f"the plan's placements do not fit micro-batches of 1/{k} of the batch: {e}. Use a larger batch "
-            "or fewer micro-batches"
-        ) from e
+def _searched(model, cluster, example_inputs, options, search_kwargs: dict) -> tuple[SearchResult, Plan]:
+    result = search(model, cluster, example_inputs, options, **search_kwargs)
+    return result, result.plan

@@ -20,13 +20,15 @@ as they were. Calls are numbered per process (per call name and mesh), so repeat
 mix; a call its ranks gave up on is skipped by a rank that comes to it later, which joins the
 next one instead: after a failed call, one on every rank works again.
 
-``solve_once`` runs the search on rank 0 only and broadcasts the plan (or rank 0's error) to the
-others: planning time does not grow with the number of ranks.
+``agree_on_model`` checks the model's weights and the example inputs, ``agree_on_plan`` a plan
+each rank loaded; ``solve_once`` runs the search on rank 0 only and broadcasts the plan (or rank
+0's error) to the others: planning time does not grow with the number of ranks.
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
 from collections.abc import Callable, Iterable, Sequence
 from datetime import timedelta
 
@@ -35,6 +37,7 @@ import torch.distributed as dist
 import torch.utils._pytree as pytree
 
 from autopar.errors import AutoparError, CollectiveCallError, CrossRankMismatchError, DistributedSetupError
+from autopar.passes.trace import normalize_inputs
 
 ENTRY_TIMEOUT_S = 60.0  # how long a rank waits in ``all_entered`` for the others, by default
 _next_call: dict[str, int] = {}  # this process's number of its next call, per call name and mesh
@@ -90,6 +93,31 @@ def agree(what: str, named: Iterable[tuple[str, object]], fix: str, group=None, 
     )
 
 
+def agree_on_model(model: torch.nn.Module, example_inputs) -> None:
+    """``agree`` on what every rank must share before anything is solved or built: the model's
+    weights and the example inputs (the full global batch)."""
+    agree(
+        "the model's weights", model.state_dict().items(),
+        "every rank must build the same weights: call torch.manual_seed(...) with the same seed before building "
+        "the model, or load the same checkpoint on every rank",
+    )  # fmt: skip
+    args, kwargs = normalize_inputs(example_inputs)
+    agree(
+        "the example inputs", [(f"input {i}", leaf) for i, leaf in enumerate(pytree.tree_leaves((args, kwargs)))],
+        "pass the same full global batch on every rank: autopar slices each rank's part itself (do not give "
+        "each rank its own shard, as DistributedDataParallel wants)",
+    )  # fmt: skip
+
+
+def agree_on_plan(plan) -> None:
+    """``agree`` on a plan every rank loaded itself (a plan file, or a ``Plan`` passed in)."""
+    agree(
+        "the plans",
+        [("plan", json.dumps(plan.to_dict(), sort_keys=True))],
+        "load the same plan on every rank",
+    )
+
+
 def all_entered(call: str, ranks: Sequence[int], fix: str, timeout_s: float = ENTRY_TIMEOUT_S) -> None:
     """Return once every rank of ``ranks`` (global ranks, e.g. a mesh's) has entered ``call``; on
     the ranks that entered it, raise ``CollectiveCallError`` naming ``call``, the ranks that did
@@ -140,8 +168,9 @@ def all_entered(call: str, ranks: Sequence[int], fix: str, timeout_s: float = EN
 
 def solve_once(search: Callable[[], tuple], group=None) -> tuple:
     """``search()`` on rank 0 of ``group`` (the default group) only, its plan (``search()[1]``)
-    sent to every rank; returns ``(traced graph or None, plan)``: None on the other ranks, which
-    trace the model themselves. An error of rank 0's search is raised on every rank."""
+    sent to every rank; returns ``(search()[0] or None, plan)``: the search's own result on rank 0,
+    None on the other ranks, which replay the plan. An error of rank 0's search is raised on every
+    rank."""
     from autopar.plan import Plan
 
     if not dist.is_initialized() or dist.get_world_size(group) == 1:
@@ -149,11 +178,11 @@ def solve_once(search: Callable[[], tuple], group=None) -> tuple:
     src = dist.get_global_rank(group, 0) if group is not None else 0
     mine = dist.get_rank() == src
     payload: list = [None]
-    traced = None
+    found = None
     failure: BaseException | None = None
     if mine:
         try:
-            traced, plan = search()
+            found, plan = search()
             payload = [("plan", plan.to_dict())]
         except Exception as e:  # every rank must hear of it, or they wait for the plan forever
             failure = e
@@ -167,4 +196,4 @@ def solve_once(search: Callable[[], tuple], group=None) -> tuple:
         if cls is None:
             raise DistributedSetupError(f"rank 0's search failed ({msg}); its traceback is on rank 0")
         raise cls(msg)
-    return traced, Plan.from_dict(rest[0])
+    return found, Plan.from_dict(rest[0])

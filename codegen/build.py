@@ -9,6 +9,7 @@ coexist in one process.
 from __future__ import annotations
 
 import operator
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -19,15 +20,23 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from autopar.codegen.blocks import apply_recompute, split_blocks
 from autopar.codegen.grad_sync import GradSync
 from autopar.codegen.lower import batch_axis, lower, mangle
+from autopar.codegen.micro_batches import MicroBatchError, check_same_graph, micro_batch_inputs
 from autopar.codegen.module import ParallelModule
 from autopar.codegen.weights import StandIns
 from autopar.codegen.zero import apply_trades
-from autopar.errors import DistributedSetupError
+from autopar.errors import DistributedSetupError, PlanFormatError
 from autopar.passes.blocks import find_blocks
 from autopar.passes.costs import resolve_source
 from autopar.passes.grad_sync import deferred_grad_axes, grad_buckets
+from autopar.passes.replay import (
+    check_choice,
+    choice_from_plan,
+    in_graph_order,
+    plan_regions,
+    traced_as_planned,
+)
 from autopar.passes.strategies import Strategy
-from autopar.passes.trace import Role, TracedGraph
+from autopar.passes.trace import Role, TracedGraph, normalize_inputs
 from autopar.placement import Outputs, output_placement
 from autopar.trades import Recompute, Trades, ZeroStage
 
@@ -36,6 +45,53 @@ def _device() -> torch.device:
     if dist.get_backend() == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
+
+
+@dataclass(frozen=True)
+class ModuleGraph:
+    """What a rank-local module is generated from: the traced graph, the example inputs it was
+    traced on (``(args, kwargs)``) and every node's strategy."""
+
+    traced: TracedGraph
+    inputs: tuple[tuple, dict]
+    choice: dict[str, Strategy]
+
+
+def module_graph(
+    model, example_inputs, plan, traced: TracedGraph, choice: dict[str, Strategy] | None = None
+) -> ModuleGraph:
+    """The graph the module of ``plan`` is generated from: ``traced`` (the model traced as planned,
+    on the global batch, whose fingerprint the plan matched) or, with ``plan.trades.micro_batches =
+    k > 1``, one micro-batch's: the model traced again on the first ``B / k`` rows of every input,
+    the same nodes as ``traced`` (``codegen/micro_batches.py``). ``choice``: the search's own, where
+    this process searched the plan, else read from the plan (``passes/replay.py``); either way the
+    same strategies, checked against the rules on a micro-batch's graph."""
+    k = plan.trades.micro_batches
+    if k == 1:
+        # also stores the region nodes' arguments on the plan's rows: a searched graph may hold
+        # those of another candidate's data axis
+        regions = plan_regions(model, traced, plan, example_inputs)
+        if choice is None:
+            choice = choice_from_plan(traced, plan, regions)
+        else:  # as the plan lists its decisions
+            choice = in_graph_order(traced, choice)
+        return ModuleGraph(traced, normalize_inputs(example_inputs), choice)
+    micro = micro_batch_inputs(example_inputs, plan)
+    mtg = traced_as_planned(model, micro, plan)
+    check_same_graph(traced, mtg, k)
+    try:
+        regions = plan_regions(model, mtg, plan, micro)
+        if choice is None:
+            choice = choice_from_plan(mtg, plan, regions)
+        else:
+            check_choice(mtg, plan.mesh_shape, choice, regions)
+            choice = in_graph_order(mtg, choice)
+    except PlanFormatError as e:
+        raise MicroBatchError(
+            f"the plan's placements do not fit micro-batches of 1/{k} of the batch: {e}. Use a larger batch "
+            "or fewer micro-batches"
+        ) from e
+    return ModuleGraph(mtg, normalize_inputs(micro), choice)
 
 
 def build_parallel_module(
