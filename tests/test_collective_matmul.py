@@ -300,9 +300,9 @@ def test_sequence_parallel_trains_as_one_device(sequence_parallel_runs, name, on
 def _lowered(model, inputs, plan):
     """The rank-local graph codegen emits for ``plan``, lowered on meta-device shards (no process
     group), and the traced graph."""
-    from autopar.passes.replay import choice_from_plan
     from autopar.codegen.lower import lower, mangle
     from autopar.passes.grad_sync import deferred_grad_axes
+    from autopar.passes.replay import choice_from_plan
     from autopar.passes.trace import Role, trace
     from autopar.placement import Outputs, local_shape
 

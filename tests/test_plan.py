@@ -11,8 +11,8 @@ from hypothesis import strategies as st
 
 import autopar
 import autopar.examples
-from autopar.passes.replay import choice_from_plan
 from autopar.errors import PlanFormatError
+from autopar.passes.replay import choice_from_plan
 from autopar.passes.trace import trace
 from autopar.placement import Outputs, spec_from_str
 from autopar.plan import SCHEMA_VERSION, NodeDecision, Plan, PlannedCollective, Predicted, Site, SolverInfo
