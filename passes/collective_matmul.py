@@ -15,7 +15,7 @@ of an op ``user``, taking tensor ``inp`` through the steps of its reshard plan
   reshard (the first of the uses that share it, ``passes/grad_sync.py:reshard_key``), and hands
   the gathered input to the others; the tables price every use as if it ran it, and the plan's
   pricing takes the duplicates back out (``shared_reshards_s``), so what remains is the price of
-  the use that runs it, fused or not, as codegen emits it.
+  the one use that runs it, fused or not (``fused_steps`` decides both).
 * **scatter** (``Fusion.SCATTER``, ``linear_reduce_scatter``): ``inp`` is the output of an
   ``aten.linear``, its only use is this one (``sole_use``: one op takes it, once; not the graph's
   output), and the plan's *first* step is a reduce-scatter (its output is ``Partial`` on that
