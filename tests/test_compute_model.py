@@ -245,6 +245,18 @@ def test_the_optimizer_traffic_is_the_bytes_pytorchs_step_kernels_move(kind):
     assert (counter.inplace, counter.fresh, counter.most) == OPTIMIZER_TRAFFIC[name]
 
 
+def _glibc_defaults() -> None:
+    """glibc's documented starting thresholds (``mallopt(3)``: 128 KiB each), set, so that the
+    process frees as a fresh one does whatever it allocated before: glibc raises both thresholds
+    on its own after large frees, and how far depends on what the imports allocated (a process
+    that imported more kept its freed memory without the setting, and the comparison meant
+    nothing)."""
+    import ctypes
+
+    libc = ctypes.CDLL("libc.so.6")
+    assert libc.mallopt(-3, 128 * 1024) and libc.mallopt(-1, 128 * 1024)  # M_MMAP_THRESHOLD, M_TRIM_THRESHOLD
+
+
 def _faults_of_steps(keep: bool) -> int:
     """Page faults of 4 "steps" after a first one, each making 40 activations of 1 MiB and
     freeing them (glibc trims the freed top of its heap, and the next step faults it back in)."""
@@ -252,6 +264,8 @@ def _faults_of_steps(keep: bool) -> int:
 
     if keep:
         assert keep_freed_memory()
+    else:
+        _glibc_defaults()
 
     def step():
         xs = [torch.ones(2**18) for _ in range(40)]
