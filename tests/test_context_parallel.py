@@ -21,6 +21,7 @@ from harness import (
     S,
     adam_rank,
     adam_reference,
+    assert_adam_state_close,
     free_link_cpu,
     labelled,
     padded,
@@ -149,9 +150,7 @@ def test_sequence_parallel_attention_trains_as_one_device(world, name, mesh, rol
         )
         assert set(state) == set(ref_state)
         for k in ref_state:
-            torch.testing.assert_close(
-                state[k], ref_state[k], rtol=1e-4, atol=1e-5, msg=labelled(f"rank {rank} {k}")
-            )
+            assert_adam_state_close(state[k], ref_state[k], LR, STEPS, f"rank {rank} {k}")
 
 
 def _saved_bytes_rank(rank, world, paths):

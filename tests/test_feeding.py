@@ -15,7 +15,7 @@ import dataclasses
 
 import pytest
 import torch
-from harness import D, T, adam_reference, free_link_cpu, labelled
+from harness import D, T, adam_reference, assert_adam_state_close, free_link_cpu
 
 import autopar
 from autopar.examples import llama_tiny
@@ -23,9 +23,6 @@ from autopar.launch import run_on_ranks
 from autopar.trades import Trades
 
 LR = 1e-3  # Adam normalizes each gradient: a larger rate magnifies rounding in near-zero ones
-# weights after Adam steps: a gradient near Adam's eps moves its weight by a fraction of LR that
-# rounding in the parallel sums changes; a few such elements differ by up to ~LR / 50
-ADAM_STATE = dict(rtol=1e-4, atol=LR / 20)
 STEPS = 2
 
 
@@ -86,7 +83,5 @@ def test_ranks_fed_their_own_slices_train_as_the_whole_batch(tmp_path):
             assert (data_rank, data_world) == (rank // 2, 2), f"rank {rank}: data coordinates"
             assert losses == pytest.approx(ref_losses, rel=1e-5), f"rank {rank}: {name}"
             for k, v in ref_state.items():
-                torch.testing.assert_close(
-                    state[k], v, **ADAM_STATE, msg=labelled(f"rank {rank}: {name}: {k}")
-                )
+                assert_adam_state_close(state[k], v, LR, STEPS, f"rank {rank}: {name}: {k}")
         assert res["mismatch"] is not None and "data_rank" in res["mismatch"], res["mismatch"]

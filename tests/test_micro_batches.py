@@ -7,7 +7,8 @@ Each plan is made offline for the global batch (``autopar.plan``), the trade set
 them all (``autoparallelize(..., plan=path)``) and runs two Adam steps of ``pmodel.step(**batch)``.
 Compared with the single-device model (fp32, rtol 1e-4, atol 1e-5 as in tests/harness.py): the
 loss of both steps, the full gradient of the first (exact scale: Adam alone would hide a gradient
-reduced twice or not divided by ``k``) and the full state after both. Adam's ``eps`` is 1e-5, above
+reduced twice or not divided by ``k``) and the full state after both (a few elements may take a
+share of Adam's step: ``harness.assert_adam_state_close``). Adam's ``eps`` is 1e-5, above
 the rounding noise of the gradients: Adam divides each gradient by its own magnitude, so an
 element whose gradient is pure rounding noise (~1e-9) would take a step of ``lr`` with a random
 sign and the comparison would see that noise, not the gradients.
@@ -33,7 +34,7 @@ import traceback
 
 import pytest
 import torch
-from harness import D, T, collective_axes, parallel_axes
+from harness import D, T, assert_adam_state_close, collective_axes, parallel_axes
 from torch.distributed.tensor import DTensor
 
 import autopar
@@ -262,7 +263,7 @@ def test_step_over_micro_batches_trains_as_the_whole_batch(world, name, mode, k,
             torch.testing.assert_close(res["grads"][n], g, **tol, msg=f"rank {rank} gradient of {n}")
         assert set(res["state"]) == set(ref_state)
         for n, v in ref_state.items():
-            torch.testing.assert_close(res["state"][n], v, **tol, msg=f"rank {rank} {n} after {STEPS} steps")
+            assert_adam_state_close(res["state"][n], v, LR, STEPS, f"rank {rank} {n} after {STEPS} steps")
         # every bucket reduced once per step, however many micro-batches ran
         assert res["reductions"] == [res["buckets"]] * STEPS, f"rank {rank}: {res['reductions']}"
 

@@ -20,33 +20,40 @@ from autopar.examples import gpt2_tiny
 from autopar.launch import run_on_ranks
 from autopar.placement import Outputs, is_replicated
 
-# how long rank 0 waits for rank 1 before it raises (the default, 60 s, is for real jobs); rank 1,
-# which goes on to the next calls while rank 0 waits out the ones it called alone, waits longer
-ENTRY_TIMEOUT_S = {0: 2.0, 1: 120.0}
+# how long a rank waits for the other in a call both make (the default, 60 s, is for real jobs): a
+# busy 2-core machine may hold one rank back for seconds, and a wait that ran out there would make
+# rank 0 raise in a call rank 1 then joins late, out of step; rank 0 waits ALONE_S in the calls it
+# makes alone (rank 1 never comes: the forward's collectives keep it from reaching a later call first)
+ENTRY_TIMEOUT_S, ALONE_S = 120.0, 2.0
 
 
 def _build():
     return gpt2_tiny(batch=4, seq=16, hidden=32, vocab=128)  # seeded: the same weights each time
 
 
-def _outcome(fn):
+def _alone(pmodel, fn):
+    """``fn()`` called on rank 0 alone, waiting ``ALONE_S`` for rank 1: ("ok", "") or ("error", msg)."""
+    pmodel.entry_timeout_s = ALONE_S
     try:
         fn()
         return ("ok", "")
     except autopar.CollectiveCallError as e:
         return ("error", str(e))
+    finally:
+        pmodel.entry_timeout_s = ENTRY_TIMEOUT_S
 
 
 def _rank(rank, world, plan_path):
     model, inputs = _build()
     pmodel = autopar.autoparallelize(model, free_link_cpu(world), inputs, plan=plan_path)
-    pmodel.entry_timeout_s = ENTRY_TIMEOUT_S[rank]
+    pmodel.entry_timeout_s = ENTRY_TIMEOUT_S
     out = {"state": pmodel.full_state_dict()}
-    out["state, rank 0 only"] = _outcome(pmodel.full_state_dict) if rank == 0 else None
+    out["state, rank 0 only"] = _alone(pmodel, pmodel.full_state_dict) if rank == 0 else None
     logits = pmodel(**inputs).logits.detach()  # the second output: (loss, logits, ...)
     index = [i for i, s in enumerate(pmodel.output_specs) if s is not None][1]
     out["logits spec"] = pmodel.output_specs[index]
-    out["output, rank 0 only"] = _outcome(lambda: pmodel.full_output(logits, index)) if rank == 0 else None
+    gather = lambda: pmodel.full_output(logits, index)  # noqa: E731
+    out["output, rank 0 only"] = _alone(pmodel, gather) if rank == 0 else None
     out["state again"] = pmodel.full_state_dict()
     out["output"] = pmodel.full_output(logits, index)
     return out

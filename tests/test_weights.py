@@ -19,7 +19,7 @@ import math
 
 import pytest
 import torch
-from harness import D, T, adam_reference, free_link_cpu, labelled
+from harness import D, T, adam_reference, assert_adam_state_close, free_link_cpu
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -32,9 +32,6 @@ from autopar.tools.measure import LiveTensorTracker
 from autopar.trades import ZeroStage
 
 LR = 1e-3  # Adam normalizes each gradient: a larger rate magnifies rounding in near-zero ones
-# weights after Adam steps: a gradient near Adam's eps moves its weight by a fraction of LR that
-# rounding in the parallel sums changes; a few such elements differ by up to ~LR / 50
-ADAM_STATE = dict(rtol=1e-4, atol=LR / 20)
 STEPS = 2
 # name -> (mesh, roles, ZeRO stage, where the weights come from)
 CASES = {
@@ -155,7 +152,7 @@ def test_a_meta_model_is_built_shard_by_shard_from_each_source(tmp_path):
             losses, state = (ref_losses, ref_state) if src else (init_losses, init_state)
             assert got["losses"] == pytest.approx(losses, rel=1e-5), where
             for k, v in state.items():
-                torch.testing.assert_close(got["state"][k], v, **ADAM_STATE, msg=labelled(f"{where}: {k}"))
+                assert_adam_state_close(got["state"][k], v, LR, STEPS, f"{where}: {k}")
             assert got["held"] <= 0.55 * whole, f"{where}: holds {got['held']} of the model's {whole} bytes"
             if src is not None:  # its own pieces plus one whole tensor (ZeRO-3: or one group) at most
                 extra = max(biggest, got["group"])
