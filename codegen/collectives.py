@@ -312,8 +312,9 @@ def vocab_parallel_cross_entropy(
     ``axes`` (in mesh-axis order, the first outermost, as DTensor nests shards):
     ``kernels/cross_entropy.py``'s vocabulary-parallel form, on those axes' groups. ``h`` and
     ``target`` are whole on ``axes``; the loss comes out whole, and ``h``'s gradient summed."""
-    from autopar.kernels.cross_entropy import vocab_parallel_linear_cross_entropy
+    from autopar.kernels.cross_entropy import autocast_operands, vocab_parallel_linear_cross_entropy
 
+    h, weight = autocast_operands(h, weight)  # both matmuls in the half type under autocast
     mesh = current_mesh()
     piece = 0
     for a in axes:

@@ -101,6 +101,22 @@ def loss_sum_and_count(logits: torch.Tensor, target: torch.Tensor, ignore_index:
     return torch.stack([per_token.sum(dtype=acc), count])
 
 
+def linear_cross_entropy(
+    h: torch.Tensor,
+    weight: torch.Tensor,
+    target: torch.Tensor,
+    ignore_index: int,
+    reduction: str,
+    chunk_rows: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The fused output projection + loss (``torch.ops.autopar.linear_cross_entropy``) on its
+    operands as autocast casts a linear's (``kernels/cross_entropy.py:autocast_operands``)."""
+    from autopar.kernels.cross_entropy import autocast_operands
+
+    h, weight = autocast_operands(h, weight)
+    return torch.ops.autopar.linear_cross_entropy(h, weight, target, ignore_index, reduction, chunk_rows)
+
+
 def fused_loss_sum_and_count(
     h: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, ignore_index: int, chunk_rows: int, axes=()
 ) -> torch.Tensor:
@@ -113,8 +129,7 @@ def fused_loss_sum_and_count(
 
         loss = vocab_parallel_cross_entropy(h, weight, target, ignore_index, "sum", chunk_rows, axes)
     else:
-        loss = torch.ops.autopar.linear_cross_entropy(h, weight, target, ignore_index, "sum", chunk_rows)
-        loss = loss[0] if isinstance(loss, tuple) else loss  # (loss, per-row logsumexp)
+        loss = linear_cross_entropy(h, weight, target, ignore_index, "sum", chunk_rows)[0]
     count = (target != ignore_index).sum(dtype=loss.dtype)
     return torch.stack([loss, count])
 

@@ -341,8 +341,8 @@ def _lower_linear_cross_entropy(g, node, args, kwargs, s, mesh_shape):
     as for ``cross_entropy_loss``; the vocabulary split is the vocabulary-parallel form, whose
     collectives run inside the op."""
     h, w, target, ignore, reduction, chunk = args
-    if LINEAR_CROSS_ENTROPY.describe(node, s, tuple(mesh_shape)) is None:
-        return g.call_function(node.target, args, kwargs)
+    if LINEAR_CROSS_ENTROPY.describe(node, s, tuple(mesh_shape)) is None:  # whole here: autocast's operands
+        return g.call_function(L.linear_cross_entropy, (h, w, target, ignore, reduction, chunk))
     rows, vocab = fused_axes(s, mesh_shape)
     if rows and reduction == "mean":
         pair = g.call_function(L.fused_loss_sum_and_count, (h, w, target, ignore, chunk, vocab))

@@ -112,6 +112,20 @@ def chunk_rows_for(n: int, v: int, chunk_rows: int) -> int:
     return max(1, min(rows, n))
 
 
+def autocast_operands(h: Tensor, weight: Tensor) -> tuple[Tensor, Tensor]:
+    """``h`` and ``weight`` in the dtype autocast runs a linear in, where autocast is on for their
+    device; as they are elsewhere. The fused op is a custom op and its backward an autograd
+    function's, which autocast does not reach: called on fp32 masters under autocast its forward's
+    matmuls would run in the half type and its backward's in fp32. Cast first, as eager's
+    ``F.linear`` under autocast casts them, both run in the half type (the logits reduced in fp32
+    either way), and the casts' backward hands fp32 gradients to the masters."""
+    dev = h.device.type
+    if torch.is_autocast_enabled(dev):
+        dtype = torch.get_autocast_dtype(dev)
+        return h.to(dtype), weight.to(dtype)
+    return h, weight
+
+
 def _chunks(n: int, rows: int) -> Iterator[tuple[int, int]]:
     for start in range(0, n, rows):
         yield start, min(start + rows, n)

@@ -26,7 +26,9 @@ block's inputs that need gradients, as the plan places them). Then, for every sc
 allow (GPipe, 1F1B, interleaved 1F1B and zero bubble with ``v`` chunks per rank):
 
 * the cut: blocks into ``S v`` contiguous chunks minimizing the slowest chunk (the embeddings in
-  the first, the head in the last; bisection over the bottleneck with a greedy fill);
+  the first, the head in the last; bisection over the bottleneck with a greedy fill), and with
+  several chunks per rank also the cut that balances the ranks and each rank's chunks
+  (``rank_balanced_cut``), the faster of the two taken;
 * the step: ``cost_model/pipeline.py:simulate`` of the schedule's order, with per micro-batch a
   chunk's forward one third of its seconds (of its seconds before recomputation) and the backward
   the rest (zero bubble: half of it the input gradients, half the weights'), the activations sent over the pipeline axis's link (``SEND_RECV``) both ways; plus what
@@ -392,6 +394,51 @@ def cut(costs: Sequence[float], pro: float, epi: float, chunks: int) -> tuple[in
     return got if got is not None else best
 
 
+def _level(extras: Sequence[float], budget: float) -> list[float]:
+    """Water-filling: shares ``b_i = max(level - extras[i], 0)`` of ``budget`` (the shares of the
+    lightest first), so that ``extras[i] + b_i`` is one level wherever ``b_i > 0``."""
+    order = sorted(range(len(extras)), key=extras.__getitem__)
+    level = 0.0
+    for m in range(len(order), 0, -1):
+        level = (budget + sum(extras[i] for i in order[:m])) / m
+        if level >= extras[order[m - 1]]:
+            break
+    return [max(level - e, 0.0) for e in extras]
+
+
+def rank_balanced_cut(costs: Sequence[float], pro: float, epi: float, stages: int, v: int) -> tuple[int, ...]:
+    """Cuts of blocks of ``costs`` seconds into ``stages * v`` contiguous non-empty chunks, chunk
+    ``c`` on rank ``c % stages`` (the first chunk also runs ``pro``, the last ``epi``), that give
+    every rank the same work and, within a rank, its chunks the same: the blocks' seconds shared
+    out by water-filling over the ranks (``pro`` and ``epi`` count on their ranks), then over each
+    rank's chunks, and each cut placed where the blocks' running sum is nearest its chunk's share.
+
+    With several chunks per rank the steady state runs at the busiest rank's pace and the bubble
+    scales with the chunks' time (Narayanan et al. 2021, section 2.2.2): ``cut``'s slowest chunk can
+    be the head's whatever the other chunks hold, and its greedy fill then packs the first chunks
+    full and leaves the rest one block each, which no interleaved schedule runs well."""
+    n, chunks = len(costs), stages * v
+    extra = [0.0] * chunks
+    extra[0] += pro
+    extra[-1] += epi
+    per_rank = _level([sum(extra[r::stages]) for r in range(stages)], sum(costs))
+    share = [0.0] * chunks
+    for r in range(stages):
+        mine = list(range(r, chunks, stages))
+        for c, b in zip(mine, _level([extra[c] for c in mine], per_rank[r])):
+            share[c] = b
+    cuts, target, at = [], 0.0, 0
+    prefix = [0.0]
+    for t in costs:
+        prefix.append(prefix[-1] + t)
+    for c in range(chunks - 1):
+        target += share[c]
+        lo, hi = at + 1, n - (chunks - 1 - c)  # a block for this chunk and each one after it
+        at = min(range(lo, hi + 1), key=lambda i: (abs(prefix[i] - target), i))
+        cuts.append(at)
+    return tuple(cuts)
+
+
 @dataclass(frozen=True)
 class PipelineProblem:
     """A solution to price pipelines of ``stages`` stages on (``price_pipeline``): the graph and
@@ -425,7 +472,7 @@ def price_pipeline(p: PipelineProblem, why: list[str] | None = None) -> Pipeline
     """The fastest pipeline of ``p.stages`` stages on the solution ``p.picks`` that fits
     ``p.limit`` per device (module docstring), or None; ``p.fixed`` priced as it is. ``why``:
     where given, what ruled each pipeline out is appended to it."""
-    tables, picks, trades, stages, limit, fixed = p.tables, p.picks, p.trades, p.stages, p.limit, p.fixed
+    tables, picks, trades, stages, fixed = p.tables, p.picks, p.trades, p.stages, p.fixed
     regions = Regions.of(p.tg, p.blocks)
     costs = _regions_costs(p, regions)
     k = trades.micro_batches
@@ -448,71 +495,84 @@ def price_pipeline(p: PipelineProblem, why: list[str] | None = None) -> Pipeline
         if chunks > n:
             continue
         block_t = [costs[b].total for b in range(n)]
-        cuts = fixed.cuts if fixed is not None else cut(block_t, costs[PRO].total, costs[EPI].total, chunks)
-        bounds = [0, *cuts, n]
-        spans = [list(range(bounds[c], bounds[c + 1])) for c in range(chunks)]
-        regs = [
-            [*spans[c], *([PRO] if c == 0 else []), *([EPI] if c == chunks - 1 else [])]
-            for c in range(chunks)
-        ]
-        # per micro-batch: the size-proportional part 1/k, the fixed part whole
-        fixed_f = [sum(costs[r].fixed_f for r in rs) for rs in regs]
-        fixed_s = [sum(costs[r].fixed for r in rs) for rs in regs]
-        fwd = [max(sum(costs[r].fwd for r in rs) / 3 - ff, 0.0) / k + ff for rs, ff in zip(regs, fixed_f)]
-        bwd = [
-            max(sum(costs[r].total for r in rs) - fx, 0.0) / k + fx - f
-            for rs, fx, f in zip(regs, fixed_s, fwd)
-        ]
-        fwd = [f + PIPELINE_ACTION_S for f in fwd]
-        bwd = [b + PIPELINE_ACTION_S for b in bwd]
-        act = [sum(costs[r].act for r in rs) for rs in regs]
-        p2p = [comm.time(Collective.SEND_RECV, costs[bounds[c + 1]].recv / k, 0) for c in range(chunks - 1)]
-        once = [0.0] * stages
-        parts = [[0.0, 0.0, 0.0] for _ in range(stages)]  # per rank: parameters, gradients, optimizer
-        for c, rs in enumerate(regs):
-            rank = c % stages
-            once[rank] += sum(costs[r].once for r in rs)
-            for r in rs:
-                parts[rank][0] += costs[r].param
-                parts[rank][1] += costs[r].grad
-                parts[rank][2] += costs[r].opt
-        state = [sum(x) for x in parts]
-        if schedule is Schedule.GPIPE and fixed is None:  # every micro-batch in flight: no need to simulate
-            held = [k * sum(act[c] for c in range(r, chunks, stages)) for r in range(stages)]
-            if max(state[r] + held[r] + top for r in range(stages)) > limit:
-                why.append(f"{stages} stages, gpipe: its {k} micro-batches in flight pass the limit")
-                continue
-        try:
-            timeline = price_schedule(schedule, stages, v, k, fwd, bwd, p2p, act)
-        except ScheduleError as e:  # torch's schedule does not run these counts (e.g. 1F1B with k < S)
-            why.append(str(e))
-            continue
-        step = timeline.makespan + max(once) + p.extra_s / stages
-        peak = tuple(state[r] + timeline.peak_bytes[r] + top for r in range(stages))
-        compute = max(timeline.busy)
-        pipe = Pipeline(stages, schedule, v, cuts)
-        fits = max(peak) <= limit or fixed is not None  # a given pipeline is priced as it is
-        if not fits:
-            why.append(f"{pipe.describe()}: its fullest rank needs {max(peak) / 2**30:.2f} GiB")
-        if not fits or (best is not None and step >= best.step_s):
-            continue
-        stage_costs = tuple(
-            {
-                "chunk": c,
-                "rank": c % stages,
-                "blocks": [bounds[c], bounds[c + 1]],
-                "forward_s": fwd[c],
-                "backward_s": bwd[c],
-                "send_s": p2p[c] if c < chunks - 1 else 0.0,
-                "activation_bytes": act[c],
-                "state_bytes": sum(costs[r].param + costs[r].grad + costs[r].opt for r in regs[c]),
-                "peak_memory_bytes": peak[c % stages],
-            }
-            for c in range(chunks)
-        )
-        worst = max(range(stages), key=peak.__getitem__)
-        best = PipelinePrice(
-            pipe, k, step, compute, timeline.makespan - compute, peak, tuple(state), stage_costs, timeline,
-            tuple(parts[worst]), timeline.peak_bytes[worst],
-        )  # fmt: skip
+        if fixed is not None:
+            options = [fixed.cuts]
+        else:  # the least slowest chunk; with several chunks per rank, also the ranks balanced
+            options = [cut(block_t, costs[PRO].total, costs[EPI].total, chunks)]
+            if v > 1:
+                options.append(rank_balanced_cut(block_t, costs[PRO].total, costs[EPI].total, stages, v))
+        for cuts in dict.fromkeys(options):
+            best = _priced_cut(p, costs, regions, comm, top, schedule, v, k, cuts, best, why)
+    return best
+
+
+def _priced_cut(p, costs, regions, comm, top, schedule, v, k, cuts, best, why):
+    """``best``, or the pipeline of ``schedule`` with ``v`` chunks per rank cut at ``cuts`` where it
+    fits and is faster (``price_pipeline``)."""
+    stages, limit, fixed = p.stages, p.limit, p.fixed
+    n, chunks = regions.blocks, p.stages * v
+    bounds = [0, *cuts, n]
+    spans = [list(range(bounds[c], bounds[c + 1])) for c in range(chunks)]
+    regs = [
+        [*spans[c], *([PRO] if c == 0 else []), *([EPI] if c == chunks - 1 else [])] for c in range(chunks)
+    ]
+    # per micro-batch: the size-proportional part 1/k, the fixed part whole
+    fixed_f = [sum(costs[r].fixed_f for r in rs) for rs in regs]
+    fixed_s = [sum(costs[r].fixed for r in rs) for rs in regs]
+    fwd = [max(sum(costs[r].fwd for r in rs) / 3 - ff, 0.0) / k + ff for rs, ff in zip(regs, fixed_f)]
+    bwd = [
+        max(sum(costs[r].total for r in rs) - fx, 0.0) / k + fx - f for rs, fx, f in zip(regs, fixed_s, fwd)
+    ]
+    fwd = [f + PIPELINE_ACTION_S for f in fwd]
+    bwd = [b + PIPELINE_ACTION_S for b in bwd]
+    act = [sum(costs[r].act for r in rs) for rs in regs]
+    p2p = [comm.time(Collective.SEND_RECV, costs[bounds[c + 1]].recv / k, 0) for c in range(chunks - 1)]
+    once = [0.0] * stages
+    parts = [[0.0, 0.0, 0.0] for _ in range(stages)]  # per rank: parameters, gradients, optimizer
+    for c, rs in enumerate(regs):
+        rank = c % stages
+        once[rank] += sum(costs[r].once for r in rs)
+        for r in rs:
+            parts[rank][0] += costs[r].param
+            parts[rank][1] += costs[r].grad
+            parts[rank][2] += costs[r].opt
+    state = [sum(x) for x in parts]
+    if schedule is Schedule.GPIPE and fixed is None:  # every micro-batch in flight: no need to simulate
+        held = [k * sum(act[c] for c in range(r, chunks, stages)) for r in range(stages)]
+        if max(state[r] + held[r] + top for r in range(stages)) > limit:
+            why.append(f"{stages} stages, gpipe: its {k} micro-batches in flight pass the limit")
+            return best
+    try:
+        timeline = price_schedule(schedule, stages, v, k, fwd, bwd, p2p, act)
+    except ScheduleError as e:  # torch's schedule does not run these counts (e.g. 1F1B with k < S)
+        why.append(str(e))
+        return best
+    step = timeline.makespan + max(once) + p.extra_s / stages
+    peak = tuple(state[r] + timeline.peak_bytes[r] + top for r in range(stages))
+    compute = max(timeline.busy)
+    pipe = Pipeline(stages, schedule, v, cuts)
+    fits = max(peak) <= limit or fixed is not None  # a given pipeline is priced as it is
+    if not fits:
+        why.append(f"{pipe.describe()}: its fullest rank needs {max(peak) / 2**30:.2f} GiB")
+    if not fits or (best is not None and step >= best.step_s):
+        return best
+    stage_costs = tuple(
+        {
+            "chunk": c,
+            "rank": c % stages,
+            "blocks": [bounds[c], bounds[c + 1]],
+            "forward_s": fwd[c],
+            "backward_s": bwd[c],
+            "send_s": p2p[c] if c < chunks - 1 else 0.0,
+            "activation_bytes": act[c],
+            "state_bytes": sum(costs[r].param + costs[r].grad + costs[r].opt for r in regs[c]),
+            "peak_memory_bytes": peak[c % stages],
+        }
+        for c in range(chunks)
+    )
+    worst = max(range(stages), key=peak.__getitem__)
+    best = PipelinePrice(
+        pipe, k, step, compute, timeline.makespan - compute, peak, tuple(state), stage_costs, timeline,
+        tuple(parts[worst]), timeline.peak_bytes[worst],
+    )  # fmt: skip
     return best

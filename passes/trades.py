@@ -132,6 +132,9 @@ AUTOCAST_HALF = frozenset(
         "_scaled_dot_product_flash_attention_for_cpu",
     )
 )  # fmt: skip
+# the fused output projection + loss: the generated code casts its operands as autocast casts a
+# linear's (kernels/cross_entropy.py:autocast_operands), so its matmuls run in the half type
+AUTOCAST_HALF = AUTOCAST_HALF | {"autopar.linear_cross_entropy"}
 AUTOCAST_FP32 = frozenset(
     f"aten.{op}"
     for op in (

@@ -419,3 +419,34 @@ def test_cuda_compiled_triton_matches_eager(reduction, monkeypatch):
     loss, _ = torch.ops.autopar.linear_cross_entropy(hg, wg, labels, IGNORE, reduction, 700)
     got = (loss.detach(), *torch.autograd.grad(loss, [hg, wg]))
     _assert_matches(got, _eager(h, w, labels, reduction), torch.bfloat16, f"cuda {reduction}")
+
+
+def test_under_autocast_both_passes_project_in_the_half_type_as_eager_does(monkeypatch):
+    """The generated code's fused loss under ``torch.autocast`` (fp32 masters, as the module runs
+    mixed precision): its forward's and its backward's projections run in bf16, as eager's
+    ``F.linear`` under autocast does, and loss and gradients (fp32, to the masters) equal eager's at
+    bf16's precision. Without the operands' cast the backward, which autocast does not reach,
+    projected in fp32."""
+    from autopar.codegen import local_ops as L
+
+    seen = []
+    project = CE._project
+
+    def recording(h_chunk, weight, triton):
+        seen.append((h_chunk.dtype, weight.dtype))
+        return project(h_chunk, weight, triton)
+
+    monkeypatch.setattr(CE, "_project", recording)
+    h, w, labels = _inputs(24, 16, 40)
+    h1, w1 = h.clone().requires_grad_(), w.clone().requires_grad_()
+    h2, w2 = h.clone().requires_grad_(), w.clone().requires_grad_()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = L.linear_cross_entropy(h1, w1, labels, IGNORE, "mean", 5)[0]
+        want = F.cross_entropy(F.linear(h2, w2).float(), labels, ignore_index=IGNORE)
+    got.backward()
+    want.backward()
+    assert seen and set(seen) == {(torch.bfloat16, torch.bfloat16)}, seen
+    assert h1.grad.dtype == w1.grad.dtype == torch.float32
+    rtol, atol = TOL[torch.bfloat16]
+    for a, b in ((got, want), (h1.grad, h2.grad), (w1.grad, w2.grad)):
+        torch.testing.assert_close(a, b, rtol=rtol, atol=atol * b.abs().max().item())

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 import autopar
 from autopar import AxisRole, Schedule
 from autopar.examples import gpt, gpt2_tiny
-from autopar.passes.pipeline import cut, micro_batch_counts, stage_cluster, stage_counts
+from autopar.passes.pipeline import cut, micro_batch_counts, rank_balanced_cut, stage_cluster, stage_counts
 from autopar.trades import Pipeline, TradesError
 
 
@@ -45,6 +45,62 @@ def test_cut_is_the_best_contiguous_split(costs, pro, epi, data):
         _bottleneck(costs, pro, epi, c) for c in itertools.combinations(range(1, len(costs)), chunks - 1)
     )
     assert _bottleneck(costs, pro, epi, cuts) == pytest.approx(best, rel=1e-5)
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    costs=st.lists(st.floats(0.01, 10.0), min_size=2, max_size=24),
+    pro=st.floats(0.0, 30.0),
+    epi=st.floats(0.0, 30.0),
+    data=st.data(),
+)
+def test_rank_balanced_cut_is_a_cut(costs, pro, epi, data):
+    """Any blocks, any head and embeddings: ``stages * v`` contiguous non-empty chunks."""
+    stages = data.draw(st.integers(1, max(1, len(costs) // 2)))
+    v = data.draw(st.integers(1, len(costs) // stages))
+    cuts = rank_balanced_cut(costs, pro, epi, stages, v)
+    assert (
+        len(cuts) == stages * v - 1
+        and list(cuts) == sorted(set(cuts))
+        and all(0 < c < len(costs) for c in cuts)
+    )
+
+
+def _makespan(schedule, stages, v, k, costs, pro, epi, cuts):
+    from autopar.cost_model.pipeline import schedule_figures
+
+    b = [0, *cuts, len(costs)]
+    t = [sum(costs[b[c] : b[c + 1]]) for c in range(len(b) - 1)]
+    t[0] += pro
+    t[-1] += epi
+    return schedule_figures(schedule, stages, v, k, [x / 3 for x in t], [2 * x / 3 for x in t])[0]
+
+
+def test_interleaving_halves_the_bubble_and_survives_a_head():
+    """80 equal blocks on 8 stages, 32 micro-batches (the 70B-on-512 layout): 1F1B's bubble is
+    (S - 1) / k of the work, 2 chunks per rank halve it (Narayanan et al. 2021, eq. 2). With a head
+    on the last chunk, cutting for the slowest chunk alone fills the first chunks and leaves the
+    rest one block each: the rank-balanced cut is faster, and with a head of 3 blocks' work
+    interleaving stays faster than 1F1B; with one of 9 (the 70B's fp32 head) neither interleaved
+    cut beats 1F1B, which the search then takes."""
+    S, k, blocks = 8, 32, [1.0] * 80
+    work = k * 80 / S
+    one = _makespan(Schedule.ONE_F_ONE_B, S, 1, k, blocks, 0.0, 0.0, cut(blocks, 0.0, 0.0, S))
+    two = _makespan(
+        Schedule.INTERLEAVED_1F1B, S, 2, k, blocks, 0.0, 0.0, rank_balanced_cut(blocks, 0.0, 0.0, S, 2)
+    )
+    assert one / work - 1 == pytest.approx((S - 1) / k, rel=0.02)
+    assert two / work - 1 == pytest.approx((S - 1) / (2 * k), rel=0.15)
+    for head, wins in ((3.0, True), (9.0, False)):
+        one = _makespan(Schedule.ONE_F_ONE_B, S, 1, k, blocks, 0.2, head, cut(blocks, 0.2, head, S))
+        greedy = _makespan(
+            Schedule.INTERLEAVED_1F1B, S, 2, k, blocks, 0.2, head, cut(blocks, 0.2, head, 2 * S)
+        )
+        balanced = _makespan(
+            Schedule.INTERLEAVED_1F1B, S, 2, k, blocks, 0.2, head, rank_balanced_cut(blocks, 0.2, head, S, 2)
+        )
+        assert balanced < greedy
+        assert (balanced < one) is wins
 
 
 def test_candidates():
