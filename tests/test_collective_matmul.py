@@ -21,7 +21,7 @@ import functools
 import pytest
 import torch
 import torch.nn.functional as F
-from harness import T, adam_rank, adam_reference, labelled, parallel_axes
+from harness import T, adam_rank, adam_reference, assert_adam_state_close, labelled, parallel_axes
 
 import autopar
 from autopar.launch import run_on_ranks
@@ -292,9 +292,7 @@ def test_sequence_parallel_trains_as_one_device(sequence_parallel_runs, name, on
         )  # fmt: skip
         assert set(state) == set(ref_state)
         for k in ref_state:
-            torch.testing.assert_close(
-                state[k], ref_state[k], rtol=1e-4, atol=1e-5, msg=labelled(f"rank {rank} {k}")
-            )
+            assert_adam_state_close(state[k], ref_state[k], LR, STEPS, f"rank {rank} {k}")
 
 
 def _lowered(model, inputs, plan):
