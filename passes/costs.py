@@ -66,7 +66,7 @@ from autopar.cost_model.compute import (
     optimizer_step_time,
 )
 from autopar.cost_model.memory import reshard_transient
-from autopar.lowerings import describe, price_calls
+from autopar.lowerings import LoweringPlan, describe, price_calls
 from autopar.options import Optimizer
 from autopar.passes.analyze import NodeInfo, tensor_vals
 from autopar.passes.background import checkpoint
@@ -287,7 +287,8 @@ def build_costs(
             t *= slow
             if overlap_matmuls and ns.node.target is LINEAR:
                 tables.matmul_s.setdefault(name, []).append(t)
-            calls = lowering_collectives(ns.node, s, comm, t)
+            lowered = describe(ns.node, s, mesh_shape)
+            calls = priced_calls(lowered, comm, t)
             t_in = sum(sec for _, sec in calls)
             inside.append(t_in)
             has_inside |= bool(calls)
@@ -297,7 +298,7 @@ def build_costs(
             # log-probabilities follow the logits, not the scalar output)
             work_vol = max([vol] + [volume_factor(x, mesh_shape) for x in s.ins])
             saved = (info.out_bytes if name in kept.at_node else 0) / vol + info.saved_temp_bytes / work_vol
-            saved += lowering_saved_bytes(ns.node, s, mesh_shape)
+            saved += lowered.saved_bytes  # what the op's lowering keeps beyond the traced op
             mems.append(n * saved)
             if info.requires_grad:  # its output's gradient, the new input gradients, internal temporaries
                 new = info.grad_new or (True,) * len(s.ins)
@@ -762,16 +763,16 @@ def lowering_collectives(
     node: fx.Node, s: Strategy, comm: CommModel, compute_s: float = 0.0
 ) -> list[tuple[CollectiveCall, float]]:
     """Each collective that the lowering of ``node`` under ``s`` issues inside the op
-    (``autopar/lowerings``: the calls codegen's code issues), with its seconds: what it adds to the
-    step beyond the op's own compute ``compute_s`` (forward + backward, per rank), which calls in an
-    overlap window hide behind (``lowerings.price_calls``)."""
-    calls = describe(node, s, comm.mesh_shape).calls
-    if not calls:
+    (``autopar/lowerings``: the calls codegen's code issues), with its seconds (``priced_calls``)."""
+    return priced_calls(describe(node, s, comm.mesh_shape), comm, compute_s)
+
+
+def priced_calls(
+    lowered: LoweringPlan, comm: CommModel, compute_s: float
+) -> list[tuple[CollectiveCall, float]]:
+    """The calls of a lowering's plan with their seconds: what each adds to the step beyond the
+    op's own compute ``compute_s`` (forward + backward, per rank), which calls in an overlap window
+    hide behind (``lowerings.price_calls``)."""
+    if not lowered.calls:
         return []
-    return price_calls(calls, lambda c: comm.time(c.kind, c.nbytes, c.axis), compute_s)
-
-
-def lowering_saved_bytes(node: fx.Node, s: Strategy, mesh_shape: Sequence[int]) -> float:
-    """Bytes the lowering of ``node`` under ``s`` keeps for backward beyond what the traced op keeps
-    (``analyze``): ``LoweringPlan.saved_bytes`` of ``autopar/lowerings``."""
-    return describe(node, s, mesh_shape).saved_bytes
+    return price_calls(lowered.calls, lambda c: comm.time(c.kind, c.nbytes, c.axis), compute_s)

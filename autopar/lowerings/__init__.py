@@ -18,7 +18,7 @@ Three readers, one source:
   collectives) and the kernels it calls issue the rest;
 * the cost tables (``passes/costs.py:lowering_collectives``) price exactly ``calls``
   (:func:`price_calls`: a call's seconds less what its overlap window hides);
-* the memory model (``passes/costs.py``) adds ``saved_bytes`` to what the node keeps.
+* the memory rows (``passes/costs.py:build_costs``) add ``saved_bytes`` to what the node keeps.
 
 ``tests/test_lowering_registry.py`` runs the generated code of every registered lowering on a fake
 process group (hypothesis over shapes and meshes of 1-3 axes) and checks that the collectives it
@@ -137,26 +137,25 @@ def register(lowering: Lowering) -> Lowering:
     return lowering
 
 
+def _first(node: fx.Node, s, mesh_shape: Sequence[int]) -> tuple[Lowering | None, LoweringPlan]:
+    """The first registered lowering of ``node``'s op that applies under ``s``, and its plan."""
+    if node.op == "call_function":
+        for lw in _BY_OP.get(node.target, ()):
+            plan = lw.describe(node, s, tuple(mesh_shape))
+            if plan is not None:
+                return lw, plan
+    return None, NONE
+
+
 def describe(node: fx.Node, s, mesh_shape: Sequence[int]) -> LoweringPlan:
     """The plan of the first registered lowering of ``node``'s op that applies under strategy
     ``s`` on a mesh of ``mesh_shape``; no calls and no bytes where none does."""
-    if node.op != "call_function":
-        return NONE
-    for lw in _BY_OP.get(node.target, ()):
-        plan = lw.describe(node, s, tuple(mesh_shape))
-        if plan is not None:
-            return plan
-    return NONE
+    return _first(node, s, mesh_shape)[1]
 
 
 def lowering_of(node: fx.Node, s, mesh_shape: Sequence[int]) -> Lowering | None:
     """The registered lowering that runs ``node`` under ``s`` (None: the op runs as traced)."""
-    if node.op != "call_function":
-        return None
-    for lw in _BY_OP.get(node.target, ()):
-        if lw.describe(node, s, tuple(mesh_shape)) is not None:
-            return lw
-    return None
+    return _first(node, s, mesh_shape)[0]
 
 
 def price_calls(
