@@ -472,7 +472,7 @@ def price_pipeline(p: PipelineProblem, why: list[str] | None = None) -> Pipeline
     """The fastest pipeline of ``p.stages`` stages on the solution ``p.picks`` that fits
     ``p.limit`` per device (module docstring), or None; ``p.fixed`` priced as it is. ``why``:
     where given, what ruled each pipeline out is appended to it."""
-    tables, picks, trades, stages, fixed = p.tables, p.picks, p.trades, p.stages, p.fixed
+    tables, picks, trades, stages, limit, fixed = p.tables, p.picks, p.trades, p.stages, p.limit, p.fixed
     regions = Regions.of(p.tg, p.blocks)
     costs = _regions_costs(p, regions)
     k = trades.micro_batches
@@ -490,11 +490,84 @@ def price_pipeline(p: PipelineProblem, why: list[str] | None = None) -> Pipeline
             f"no schedule runs {k} micro-batches on {stages} stages of {n} blocks (the interleaved ones need a "
             "multiple of the stages and two chunks of blocks per rank or more)"
         )
+
+    def consider(schedule: Schedule, v: int, cuts: tuple[int, ...]) -> None:
+        """``best`` becomes the pipeline of ``schedule`` with ``v`` chunks per rank cut at ``cuts``
+        where it fits and is faster."""
+        nonlocal best
+        chunks = stages * v
+        bounds = [0, *cuts, n]
+        spans = [list(range(bounds[c], bounds[c + 1])) for c in range(chunks)]
+        regs = [
+            [*spans[c], *([PRO] if c == 0 else []), *([EPI] if c == chunks - 1 else [])]
+            for c in range(chunks)
+        ]
+        # per micro-batch: the size-proportional part 1/k, the fixed part whole
+        fixed_f = [sum(costs[r].fixed_f for r in rs) for rs in regs]
+        fixed_s = [sum(costs[r].fixed for r in rs) for rs in regs]
+        fwd = [max(sum(costs[r].fwd for r in rs) / 3 - ff, 0.0) / k + ff for rs, ff in zip(regs, fixed_f)]
+        bwd = [
+            max(sum(costs[r].total for r in rs) - fx, 0.0) / k + fx - f
+            for rs, fx, f in zip(regs, fixed_s, fwd)
+        ]
+        fwd = [f + PIPELINE_ACTION_S for f in fwd]
+        bwd = [b + PIPELINE_ACTION_S for b in bwd]
+        act = [sum(costs[r].act for r in rs) for rs in regs]
+        p2p = [comm.time(Collective.SEND_RECV, costs[bounds[c + 1]].recv / k, 0) for c in range(chunks - 1)]
+        once = [0.0] * stages
+        parts = [[0.0, 0.0, 0.0] for _ in range(stages)]  # per rank: parameters, gradients, optimizer
+        for c, rs in enumerate(regs):
+            rank = c % stages
+            once[rank] += sum(costs[r].once for r in rs)
+            for r in rs:
+                parts[rank][0] += costs[r].param
+                parts[rank][1] += costs[r].grad
+                parts[rank][2] += costs[r].opt
+        state = [sum(x) for x in parts]
+        if schedule is Schedule.GPIPE and fixed is None:  # every micro-batch in flight: no need to simulate
+            held = [k * sum(act[c] for c in range(r, chunks, stages)) for r in range(stages)]
+            if max(state[r] + held[r] + top for r in range(stages)) > limit:
+                why.append(f"{stages} stages, gpipe: its {k} micro-batches in flight pass the limit")
+                return
+        try:
+            timeline = price_schedule(schedule, stages, v, k, fwd, bwd, p2p, act)
+        except ScheduleError as e:  # torch's schedule does not run these counts (e.g. 1F1B with k < S)
+            why.append(str(e))
+            return
+        step = timeline.makespan + max(once) + p.extra_s / stages
+        peak = tuple(state[r] + timeline.peak_bytes[r] + top for r in range(stages))
+        compute = max(timeline.busy)
+        pipe = Pipeline(stages, schedule, v, cuts)
+        fits = max(peak) <= limit or fixed is not None  # a given pipeline is priced as it is
+        if not fits:
+            why.append(f"{pipe.describe()}: its fullest rank needs {max(peak) / 2**30:.2f} GiB")
+        if not fits or (best is not None and step >= best.step_s):
+            return
+        stage_costs = tuple(
+            {
+                "chunk": c,
+                "rank": c % stages,
+                "blocks": [bounds[c], bounds[c + 1]],
+                "forward_s": fwd[c],
+                "backward_s": bwd[c],
+                "send_s": p2p[c] if c < chunks - 1 else 0.0,
+                "activation_bytes": act[c],
+                "state_bytes": sum(costs[r].param + costs[r].grad + costs[r].opt for r in regs[c]),
+                "peak_memory_bytes": peak[c % stages],
+            }
+            for c in range(chunks)
+        )
+        worst = max(range(stages), key=peak.__getitem__)
+        best = PipelinePrice(
+            pipe, k, step, compute, timeline.makespan - compute, peak, tuple(state), stage_costs, timeline,
+            tuple(parts[worst]), timeline.peak_bytes[worst],
+        )  # fmt: skip
+
+    block_t = [costs[b].total for b in range(n)]
     for schedule, v in pairs:
         chunks = stages * v
         if chunks > n:
             continue
-        block_t = [costs[b].total for b in range(n)]
         if fixed is not None:
             options = [fixed.cuts]
         else:  # the least slowest chunk; with several chunks per rank, also the ranks balanced
@@ -502,77 +575,5 @@ def price_pipeline(p: PipelineProblem, why: list[str] | None = None) -> Pipeline
             if v > 1:
                 options.append(rank_balanced_cut(block_t, costs[PRO].total, costs[EPI].total, stages, v))
         for cuts in dict.fromkeys(options):
-            best = _priced_cut(p, costs, regions, comm, top, schedule, v, k, cuts, best, why)
-    return best
-
-
-def _priced_cut(p, costs, regions, comm, top, schedule, v, k, cuts, best, why):
-    """``best``, or the pipeline of ``schedule`` with ``v`` chunks per rank cut at ``cuts`` where it
-    fits and is faster (``price_pipeline``)."""
-    stages, limit, fixed = p.stages, p.limit, p.fixed
-    n, chunks = regions.blocks, p.stages * v
-    bounds = [0, *cuts, n]
-    spans = [list(range(bounds[c], bounds[c + 1])) for c in range(chunks)]
-    regs = [
-        [*spans[c], *([PRO] if c == 0 else []), *([EPI] if c == chunks - 1 else [])] for c in range(chunks)
-    ]
-    # per micro-batch: the size-proportional part 1/k, the fixed part whole
-    fixed_f = [sum(costs[r].fixed_f for r in rs) for rs in regs]
-    fixed_s = [sum(costs[r].fixed for r in rs) for rs in regs]
-    fwd = [max(sum(costs[r].fwd for r in rs) / 3 - ff, 0.0) / k + ff for rs, ff in zip(regs, fixed_f)]
-    bwd = [
-        max(sum(costs[r].total for r in rs) - fx, 0.0) / k + fx - f for rs, fx, f in zip(regs, fixed_s, fwd)
-    ]
-    fwd = [f + PIPELINE_ACTION_S for f in fwd]
-    bwd = [b + PIPELINE_ACTION_S for b in bwd]
-    act = [sum(costs[r].act for r in rs) for rs in regs]
-    p2p = [comm.time(Collective.SEND_RECV, costs[bounds[c + 1]].recv / k, 0) for c in range(chunks - 1)]
-    once = [0.0] * stages
-    parts = [[0.0, 0.0, 0.0] for _ in range(stages)]  # per rank: parameters, gradients, optimizer
-    for c, rs in enumerate(regs):
-        rank = c % stages
-        once[rank] += sum(costs[r].once for r in rs)
-        for r in rs:
-            parts[rank][0] += costs[r].param
-            parts[rank][1] += costs[r].grad
-            parts[rank][2] += costs[r].opt
-    state = [sum(x) for x in parts]
-    if schedule is Schedule.GPIPE and fixed is None:  # every micro-batch in flight: no need to simulate
-        held = [k * sum(act[c] for c in range(r, chunks, stages)) for r in range(stages)]
-        if max(state[r] + held[r] + top for r in range(stages)) > limit:
-            why.append(f"{stages} stages, gpipe: its {k} micro-batches in flight pass the limit")
-            return best
-    try:
-        timeline = price_schedule(schedule, stages, v, k, fwd, bwd, p2p, act)
-    except ScheduleError as e:  # torch's schedule does not run these counts (e.g. 1F1B with k < S)
-        why.append(str(e))
-        return best
-    step = timeline.makespan + max(once) + p.extra_s / stages
-    peak = tuple(state[r] + timeline.peak_bytes[r] + top for r in range(stages))
-    compute = max(timeline.busy)
-    pipe = Pipeline(stages, schedule, v, cuts)
-    fits = max(peak) <= limit or fixed is not None  # a given pipeline is priced as it is
-    if not fits:
-        why.append(f"{pipe.describe()}: its fullest rank needs {max(peak) / 2**30:.2f} GiB")
-    if not fits or (best is not None and step >= best.step_s):
-        return best
-    stage_costs = tuple(
-        {
-            "chunk": c,
-            "rank": c % stages,
-            "blocks": [bounds[c], bounds[c + 1]],
-            "forward_s": fwd[c],
-            "backward_s": bwd[c],
-            "send_s": p2p[c] if c < chunks - 1 else 0.0,
-            "activation_bytes": act[c],
-            "state_bytes": sum(costs[r].param + costs[r].grad + costs[r].opt for r in regs[c]),
-            "peak_memory_bytes": peak[c % stages],
-        }
-        for c in range(chunks)
-    )
-    worst = max(range(stages), key=peak.__getitem__)
-    best = PipelinePrice(
-        pipe, k, step, compute, timeline.makespan - compute, peak, tuple(state), stage_costs, timeline,
-        tuple(parts[worst]), timeline.peak_bytes[worst],
-    )  # fmt: skip
+            consider(schedule, v, cuts)
     return best
