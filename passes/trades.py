@@ -121,7 +121,9 @@ def auto_precision(infos: dict[str, NodeInfo]) -> Precision:
 
 
 # CUDA autocast's op lists (torch's "Autocast Op Reference"), as a traced graph names them
-# (overload packets): ops that run in the half type, and ops that run in fp32 whatever their inputs
+# (overload packets): ops that run in the half type, and ops that run in fp32 whatever their inputs.
+# The half type's also holds the fused output projection + loss: the generated code casts its
+# operands as autocast casts a linear's (kernels/cross_entropy.py:autocast_operands)
 AUTOCAST_HALF = frozenset(
     f"aten.{op}"
     for op in (
@@ -131,10 +133,7 @@ AUTOCAST_HALF = frozenset(
         "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention",
         "_scaled_dot_product_flash_attention_for_cpu",
     )
-)  # fmt: skip
-# the fused output projection + loss: the generated code casts its operands as autocast casts a
-# linear's (kernels/cross_entropy.py:autocast_operands), so its matmuls run in the half type
-AUTOCAST_HALF = AUTOCAST_HALF | {"autopar.linear_cross_entropy"}
+) | {"autopar.linear_cross_entropy"}  # fmt: skip
 AUTOCAST_FP32 = frozenset(
     f"aten.{op}"
     for op in (
