@@ -196,6 +196,8 @@ class Predicted:
     activation_bytes: int
     # seconds of gradient all-reduce hidden behind backward compute (already out of step_time_s)
     grad_sync_hidden_s: float = 0.0
+    # a pipelined plan's fullest rank's idle seconds in its schedule (the bubble; 0: no pipeline)
+    bubble_s: float = 0.0
 
     def __post_init__(self) -> None:
         if self.step_time_s < 0 or self.peak_memory_bytes < 0:

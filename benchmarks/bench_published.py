@@ -36,6 +36,7 @@ from published_runs import BY_NAME, FLOP_COUNTS, MEASURES, RUNS, Run
 import autopar
 from autopar import AxisRole, Outputs, Precision
 from autopar.examples import gpt, llama
+from autopar.report.parts import step_parts
 
 
 def build(run: Run):
@@ -153,6 +154,7 @@ def run_row(run: Run, quick: bool, outputs: Outputs = Outputs.LOSS) -> dict:
         row["peak"] = p.peak_memory_bytes / 2**30
         row["forced_plan"] = describe(plan)
         row["forced_parts"] = (p.step_time_s, p.compute_s, p.comm_s)
+        row["parts"] = step_parts(plan).describe()
     if not quick:
         own, row["t_search"], own_why = plan_one(
             model, inputs, cluster, outputs=outputs, precision=precision(run)
@@ -179,6 +181,7 @@ def report(row: dict) -> None:
             f"{row['peak']:.1f} GiB; {row['forced_plan']}; {row['t_forced']:.1f} s",
             flush=True,
         )
+        print(f"  parts per device: {row['parts']}", flush=True)
     if row.get("search_plan"):
         print(
             f"  autopar: {fmt(run, row['search'])}; {row['search_plan']}; {row['t_search']:.1f} s", flush=True

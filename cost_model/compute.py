@@ -140,6 +140,9 @@ _GEMMS = {
     "autopar.linear_cross_entropy.default": lambda h, w, *_: (h[0], h[1], w[0]),
 }
 
+# the matmul-family ops, as a plan's decisions name them (``autopar/report/parts.py`` reads them)
+GEMM_OPS = frozenset(_GEMMS)
+
 # ops whose backward runs more GEMMs of the forward's size than the two of a matmul: the fused
 # cross-entropy recomputes each chunk's logits before its two gradient GEMMs (it keeps no logits)
 BACKWARD_GEMMS = {"autopar.linear_cross_entropy.default": 3}

@@ -83,6 +83,7 @@ def with_pipeline(plan: Plan, price: PipelinePrice, cluster: ClusterSpec) -> Pla
         step_time_s=price.step_s,
         compute_s=price.compute_s,
         comm_s=max(price.step_s - price.compute_s - price.bubble_s, 0.0),
+        bubble_s=price.bubble_s,
         peak_memory_bytes=int(max(price.peak)),
         param_bytes=int(param),
         grad_bytes=int(grad),
