@@ -30,7 +30,8 @@ presets and the sources of their numbers: ``autopar/presets.py``.
   error (within +-10% of the measured live tensor bytes in ``benchmarks/bench_cost_accuracy.py``).
   Optional in spec files.
 
-Presets (``ClusterSpec.preset``): ``a100-40gb``, ``a100-80gb``, ``h100-sxm``, ``h200``, ``cpu``.
+Presets (``ClusterSpec.preset``): ``a100-40gb``, ``a100-80gb``, ``h100-sxm``, ``h100-96gb``, ``h200``,
+``b200``, ``cpu``.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Preset devices and nodes (``ClusterSpec.preset``), each number with its source.
 
-Presets (``ClusterSpec.preset``): ``a100-40gb``, ``a100-80gb``, ``h100-sxm``, ``h200`` (each of
-``DeviceKind.CUDA``), ``cpu`` (``DeviceKind.CPU``).
+Presets (``ClusterSpec.preset``): ``a100-40gb``, ``a100-80gb``, ``h100-sxm``, ``h100-96gb``,
+``h200``, ``b200`` (each of ``DeviceKind.CUDA``), ``cpu`` (``DeviceKind.CPU``).
 
 Sources (numbers are repeated with their source next to each value below)
 -------------------------------------------------------------------------
@@ -13,6 +13,18 @@ Sources (numbers are repeated with their source next to each value below)
   80 GB HBM3 at 3.35 TB/s, NVLink (4th gen) 900 GB/s, PCIe Gen5 128 GB/s (64 GB/s per direction).
 * [H200-DS] NVIDIA H200 product page / datasheet, nvidia.com/h200: same Tensor Core throughput as
   H100 SXM, 141 GB HBM3e at 4.8 TB/s, NVLink 900 GB/s, PCIe Gen5.
+* [GT-H100] torchtitan's ``docs/performance.md`` (pytorch/torchtitan), the Grand Teton platform its
+  H100 benchmarks ran on: 8 H100 per host fully connected with NVLink, each with 96 GB of HBM2e at
+  2.4 TB/s peak, 400 Gb/s of RDMA per GPU between hosts, at the default 500 W power limit (the
+  SXM's TDP is 700 W). The same H100 with HBM2e is measured at 94 GiB and 2.41 TB/s in "Architectural
+  and Power-Capping Trade-offs in NVIDIA H100 and H200 GPUs" (arXiv 2604.11391). No datasheet gives
+  the tensor-core rate at 500 W: the preset keeps the SXM's [H100-DS] peaks, so a power-capped run
+  is priced fast by however much the cap slows its GEMMs.
+* [B200-DS] NVIDIA DGX B200 datasheet and HGX B200 specifications (nvidia.com/dgx-b200): per GPU
+  (the 8-GPU figures divided by 8) 180 GB of HBM3e (1,440 GB) at 8 TB/s (64 TB/s), FP8 Tensor Core
+  9 PFLOPS with sparsity (72) = 4.5 dense, FP16/BF16 4.5 PFLOPS with sparsity (36) = 2.25 dense,
+  FP32 75 TFLOPS (600), fifth-generation NVLink 1.8 TB/s per GPU (14.4 TB/s), 8 single-port
+  ConnectX-7 at 400 Gb/s, 2 TB of system memory (up to 4), PCIe Gen5.
 * [NCCL-TESTS] github.com/NVIDIA/nccl-tests (doc/PERFORMANCE.md defines "bus bandwidth"); published
   all_reduce_perf runs on 8-GPU DGX A100 reach ~230-240 GB/s busbw, on DGX H100 ~360-480 GB/s.
 * [IB] InfiniBand HDR = 200 Gb/s = 25 GB/s per port, NDR = 400 Gb/s = 50 GB/s per port; DGX A100
@@ -93,6 +105,7 @@ _H100_FLOPS = {
 # [H100-OPS] figures fitted to one H100's measured ops (torch 2.11+cu130; see the module docstring).
 # The H200 has the H100 SXM's SMs and clocks [H200-DS], so it takes the same figures, all but its
 # memory bandwidth (below).
+_ACHIEVED_BW_FRACTION = 2.96 / 3.35  # [H100-OPS] of [H100-DS]: what elementwise ops reach of a datasheet
 _H100_ACHIEVED_BW = 2.96e12  # [H100-OPS] t = L + B / bw over elementwise ops: 2.96 TB/s of the 3.35 [H100-DS]
 _H100_FITTED = dict(
     # [H100-OPS] the launch floor L of the same fit (an elementwise op of 64 Ki elements: ~5 us)
@@ -128,6 +141,9 @@ _PCIE4 = LinkSpec(bandwidth=25e9, latency=_PCIE_LATENCY)
 # H100/H200 nodes (DGX H100/H200): NVLink4 900 GB/s total per GPU [H100-DS]; nccl-tests all-reduce
 # bus bandwidth on 8x H100 is ~360-480 GB/s [NCCL-TESTS] -> 450e9 B/s.
 _H100_NVLINK = LinkSpec(bandwidth=450e9, latency=_NVLINK_LATENCY)
+# B200 nodes (DGX B200): NVLink5 1.8 TB/s per GPU [B200-DS]; no nccl-tests figure here: the bus
+# bandwidth the H100 reaches of its NVLink, 450 / 900 [NCCL-TESTS], of the B200's -> 900e9 B/s.
+_B200_NVLINK = LinkSpec(bandwidth=900e9, latency=_NVLINK_LATENCY)
 # InfiniBand NDR 400 Gb/s per GPU = 50e9 B/s [IB].
 _NDR_IB = LinkSpec(bandwidth=50e9, latency=_IB_LATENCY)
 # PCIe Gen5 x16: 64 GB/s per direction theoretical [H100-DS], ~50 GB/s achievable.
@@ -172,6 +188,34 @@ _DEVICES: dict[str, DeviceSpec] = {
         comm_overlap=_GPU_OVERLAP,  # [OVERLAP]
         **_H100_FITTED,  # [H100-OPS] the H100's SMs and clocks [H200-DS]
     ),
+    "h100-96gb": DeviceSpec(
+        name="NVIDIA H100 96GB HBM2e",
+        kind=DeviceKind.CUDA,
+        peak_flops=_H100_FLOPS,  # [GT-H100] the SXM's peaks [H100-DS]; its 500 W cap is not priced
+        memory_bytes=94 * GiB,  # [GT-H100] 96 GB HBM2e, 94 GiB as measured
+        # [GT-H100] 2.4 TB/s x the fraction of its datasheet the H100 achieved [H100-OPS]
+        memory_bandwidth=2.4e12 * _ACHIEVED_BW_FRACTION,
+        comm_overlap=_GPU_OVERLAP,  # [OVERLAP]
+        **_H100_FITTED,  # [H100-OPS] the H100's SMs and clocks
+    ),
+    "b200": DeviceSpec(
+        name="NVIDIA B200",
+        kind=DeviceKind.CUDA,
+        peak_flops={
+            "float32": 75e12,  # [B200-DS] FP32 600 TFLOPS per 8 GPUs
+            "bfloat16": 2250e12,  # [B200-DS] BF16 4.5 PFLOPS with sparsity -> 2.25 dense
+            "float16": 2250e12,  # [B200-DS] FP16 likewise
+            "float8_e4m3fn": 4500e12,  # [B200-DS] FP8 9 PFLOPS with sparsity -> 4.5 dense
+        },
+        memory_bytes=180 * GiB,  # [B200-DS] 1,440 GB per 8 GPUs
+        # [B200-DS] 8 TB/s x the fraction of its datasheet the H100 achieved [H100-OPS] (no B200 was
+        # measured)
+        memory_bandwidth=8e12 * _ACHIEVED_BW_FRACTION,
+        comm_overlap=_GPU_OVERLAP,  # [OVERLAP]
+        # [H100-OPS] no B200 was measured: the H100's launch floor, GEMM shape losses and per-element
+        # figures, as the nearest card measured
+        **_H100_FITTED,
+    ),
     "cpu": DeviceSpec(
         name="cpu",
         kind=DeviceKind.CPU,
@@ -196,6 +240,11 @@ _NODES: dict[str, tuple[LinkSpec, LinkSpec, int, LinkSpec, int, float | None]] =
     # [DGX] DGX H100/H200: 2 x Xeon Platinum 8480C, 8 channels of DDR5-4800 each (2 x 307 GB/s peak)
     "h100-sxm": (_H100_NVLINK, _NDR_IB, 2 * TiB, _PCIE5, 8, 460e9),  # [DGX] DGX H100: 2 TB RAM
     "h200": (_H100_NVLINK, _NDR_IB, 2 * TiB, _PCIE5, 8, 460e9),  # [DGX] DGX H200: 2 TB RAM
+    # [GT-H100] Grand Teton: NVLink within the host, 400 Gb/s RDMA per GPU between hosts (its
+    # host memory and CPUs are not given there: a DGX H100's)
+    "h100-96gb": (_H100_NVLINK, _NDR_IB, 2 * TiB, _PCIE5, 8, 460e9),
+    # [B200-DS] DGX B200: 2 x Xeon Platinum 8570, 2 TB RAM, 400 Gb/s ConnectX-7 per GPU, PCIe Gen5
+    "b200": (_B200_NVLINK, _NDR_IB, 2 * TiB, _PCIE5, 8, 460e9),
     "cpu": (
         # gloo over loopback TCP: about a GB/s and a millisecond per collective, the order
         # `autopar calibrate` fits for a few ranks on one host (runs: benchmarks/README.md)
@@ -222,8 +271,11 @@ def _gpu_preset_for(gpu_name: str, total_memory: int) -> str:
     upper = gpu_name.upper()
     if "H200" in upper:
         return "h200"
+    if "B200" in upper:
+        return "b200"
     if "H100" in upper:
-        return "h100-sxm"
+        # the 96 GB HBM2e part (Grand Teton's), not the NVL's 94 GB of HBM3
+        return "h100-96gb" if total_memory >= 90 * GiB and "NVL" not in upper else "h100-sxm"
     if "A100" in upper:
         return "a100-80gb" if total_memory > 60 * GiB else "a100-40gb"
     return "h100-sxm"  # unknown GPU: modern-GPU numbers, with the real memory size

@@ -31,7 +31,7 @@ GiB = 2**30
 
 
 def test_preset_names():
-    assert set(PRESET_NAMES) == {"a100-40gb", "a100-80gb", "h100-sxm", "h200", "cpu"}
+    assert set(PRESET_NAMES) == {"a100-40gb", "a100-80gb", "h100-sxm", "h100-96gb", "h200", "b200", "cpu"}
     for name in PRESET_NAMES:
         spec = ClusterSpec.preset(name)
         assert spec.name == name
@@ -52,6 +52,24 @@ def test_h100_numbers():
     assert c.inter_node.bandwidth == 50e9
     assert c.host_link.bandwidth == 50e9
     assert 360e9 <= c.intra_node.bandwidth <= 480e9
+
+
+def test_h100_96gb_and_b200_numbers():
+    """The Grand Teton H100 (torchtitan's benchmarks) and the B200: their datasheets' figures, the
+    bandwidth at the share of its datasheet the measured H100 reached (presets.py sources)."""
+    h100, gt, b200 = (ClusterSpec.preset(n) for n in ("h100-sxm", "h100-96gb", "b200"))
+    assert gt.device.peak_flops == h100.device.peak_flops  # the SXM's chip; its power cap unpriced
+    assert gt.device.memory_bytes == 94 * GiB
+    assert gt.device.memory_bandwidth == pytest.approx(2.4e12 * 2.96 / 3.35)
+    assert gt.inter_node == h100.inter_node and gt.intra_node == h100.intra_node
+    assert b200.device.peak_flops_for(torch.bfloat16) == 2250e12
+    assert b200.device.peak_flops_for(torch.float8_e4m3fn) == 4500e12
+    assert b200.device.memory_bytes == 180 * GiB
+    assert b200.device.memory_bandwidth == pytest.approx(8e12 * 2.96 / 3.35)
+    # NVLink5 doubles NVLink4 per GPU [B200-DS]; the same NDR rail per GPU between nodes
+    assert b200.intra_node.bandwidth == 2 * h100.intra_node.bandwidth
+    assert b200.inter_node == h100.inter_node
+    assert ClusterSpec.parse("b200:2x8").world_size == 16
 
 
 def test_a100_numbers():
@@ -591,3 +609,20 @@ def test_host_memory_bandwidth_is_shared_by_the_nodes_devices():
     assert loaded.host_memory_bandwidth is None and loaded.host_step_bandwidth == node.host_link.bandwidth
     with pytest.raises(ClusterSpecError, match="host_memory_bandwidth"):
         node.with_overrides(host_memory_bandwidth=0)
+
+
+@pytest.mark.parametrize(
+    "name, memory, preset",
+    [
+        ("NVIDIA H100 80GB HBM3", 80 * GiB, "h100-sxm"),
+        ("NVIDIA H100", 94 * GiB, "h100-96gb"),  # Grand Teton's 96 GB HBM2e part
+        ("NVIDIA H100 NVL", 94 * GiB, "h100-sxm"),  # 94 GB of HBM3: the SXM's figures
+        ("NVIDIA H200", 141 * GiB, "h200"),
+        ("NVIDIA B200", 180 * GiB, "b200"),
+        ("NVIDIA A100-SXM4-40GB", 40 * GiB, "a100-40gb"),
+    ],
+)
+def test_a_gpu_is_priced_as_its_nearest_preset(name, memory, preset):
+    from autopar.presets import _gpu_preset_for
+
+    assert _gpu_preset_for(name, memory) == preset
