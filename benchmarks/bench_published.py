@@ -9,8 +9,9 @@ rank's piece of every output), and
 
 * **forced**: the published layout as search options (mesh of DP x CP x TP axes with those roles,
   pipeline stages, schedule, chunks per rank, micro-batches = global batch / (DP x micro-batch
-  size), recomputation, ZeRO stage, precision); what the source does not give is left to the
-  search and shown as "search". Its predicted step is converted to the source's own measure,
+  size), recomputation, ZeRO stage, precision, the fused kernels where the run had none); what the
+  source does not give is left to the search and shown as "search"; priced with no memory
+  reserve (``ClusterSpec.memory_reserve`` 0: the run fitted). Its predicted step is converted to the source's own measure,
   counting FLOPs as the source counts them (``published_runs.FLOP_COUNTS``), and set against
   the measured figure: error = predicted / measured - 1 (positive: autopar prices the run faster
   than it ran);
@@ -25,6 +26,7 @@ with the machine and the command, are recorded in benchmarks/README.md.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import platform
 import statistics
 import time
@@ -34,18 +36,21 @@ from bench_plan_quality import describe
 from published_runs import BY_NAME, FLOP_COUNTS, MEASURES, RUNS, Run
 
 import autopar
-from autopar import AxisRole, Outputs, Precision
-from autopar.examples import gpt, llama
+from autopar import AxisRole, Offload, Outputs, Precision
+from autopar.examples import gpt3, llama
 from autopar.report.parts import step_parts
 
 
 def build(run: Run):
-    """The run's model on the meta device and its example inputs (the global batch)."""
+    """The run's model on the meta device and its example inputs (the global batch): a Llama, or
+    for the GPT rows (Megatron's GPT, MPT) ``examples.gpt3``: per-head Q/K/V and one-op GELU as
+    those implementations run them (GPT-2's [q | k | v] projection and seven-op GELU priced tensor
+    parallel layouts 5-10% slower with reshuffles and elementwise work they never ran)."""
     dtype = "bfloat16"
     with torch.device("meta"):
         if run.family == "llama":
             return llama(**run.model, batch=run.batch, seq=run.seq, dtype=dtype)
-        return gpt(**run.model, batch=run.batch, seq=run.seq, dtype=dtype)
+        return gpt3(**run.model, batch=run.batch, seq=run.seq, dtype=dtype, attention=run.attention)
 
 
 def precision(run: Run) -> Precision:
@@ -70,6 +75,9 @@ def forced_options(run: Run) -> dict:
         opts["recompute"] = run.recompute
     if run.zero is not None:
         opts["zero_stage"] = run.zero
+    opts["offload"] = Offload.NONE  # no published run here offloaded
+    if run.kernels is not None:
+        opts["kernels"] = run.kernels
     return opts
 
 
@@ -122,7 +130,8 @@ def layout(run: Run) -> str:
     prec = "bf16 params" if run.bf16_params else run.precision.value
     parts = [f"TP{run.tp}", pipe, f"DP{run.dp}", f"CP{run.cp}", mb,
              f"recompute {known(run.recompute, run.recompute.value if run.recompute else '')}",
-             f"ZeRO-{known(run.zero, int(run.zero) if run.zero is not None else '')}", sp, prec]  # fmt: skip
+             f"ZeRO-{known(run.zero, int(run.zero) if run.zero is not None else '')}", sp, prec,
+             f"kernels {run.kernels}" if run.kernels else ""]  # fmt: skip
     return ", ".join(p for p in parts if p)
 
 
@@ -144,7 +153,10 @@ def run_row(run: Run, quick: bool, outputs: Outputs = Outputs.LOSS) -> dict:
     model, inputs = build(run)
     cluster = autopar.ClusterSpec.parse(run.cluster)
     f = flops(run, model)
-    plan, row["t_forced"], why = plan_one(model, inputs, cluster, outputs=outputs, **forced_options(run))
+    # the layout ran, so it fits: priced without the margin a plan keeps for what it cannot see
+    # (``ClusterSpec.memory_reserve``), which the search's own plan below keeps
+    ran = dataclasses.replace(cluster, memory_reserve=0.0)
+    plan, row["t_forced"], why = plan_one(model, inputs, ran, outputs=outputs, **forced_options(run))
     if plan is None:
         row["why"] = f"refused: {why}"
     else:

@@ -40,7 +40,9 @@ Sources (read in the files named; the paper figures were checked against these c
   8B, FSDP, bf16, selective "op" activation checkpointing, tokens/s per GPU, memory) and
   ``benchmarks/asyncTP_llama3_h100_2025-06_torchtitan.md`` (bf16 vanilla-TP rows), with each run's
   ``train_configs/llama3_{8b,70b}.toml`` at the commit it names (seq 8192). Grand Teton hosts:
-  H100 96GB HBM2e at 500 W, 400 Gb/s RDMA per GPU (priced here as ``h100-sxm``, 80 GB HBM3).
+  H100 96GB HBM2e at 500 W, 400 Gb/s RDMA per GPU (``docs/performance.md``): priced on the
+  ``h100-96gb`` preset (its bandwidth and memory; the 500 W cap is not priced). The eager rows
+  ran torch's unfused ops: priced with no fused kernels (``kernels="none"``).
   ``benchmarks/llama3-8b_h200_202506_trainy-whitefiber.md``: Llama 3.1 8B on H200, Float8.
 * [MPT] mosaicml/llm-foundry ``scripts/train/benchmarking/README.md`` (commit 49521837, 2024-04):
   MPT on A100 and H100, FSDP sharding strategy, activation checkpointing, micro-batch, gradient
@@ -74,7 +76,7 @@ FLOP_COUNTS = {
 
 @dataclass(frozen=True)
 class Run:
-    """One published run. ``model``: keyword arguments of ``autopar.examples.gpt`` or ``llama``
+    """One published run. ``model``: keyword arguments of ``autopar.examples.gpt3`` or ``llama``
     (``family``) less batch and sequence; ``batch``: global batch in sequences. Layout fields
     None: not given by the source (the search chooses). ``measured`` in ``measure``
     (``MEASURES``), counted as ``flops`` says (``FLOP_COUNTS``). ``memory_gib``: the published
@@ -105,6 +107,12 @@ class Run:
     unpriceable: str | None = None
     notes: str = ""
     bf16_params: bool = field(default=False)  # "pure" bf16: parameters and optimizer state in bf16
+    # the fused kernels the run's implementation had, as ``autopar.plan``'s ``kernels`` ("none": an
+    # eager run of torch's own ops); None: autopar's choice (every kernel on a GPU)
+    kernels: str | None = None
+    # how the run computed attention: "sdpa" (FlashAttention, fused) or "eager" (the s^2 scores
+    # materialized, as Megatron-LM did before FlashAttention)
+    attention: str = "sdpa"
 
 
 F16, B16 = Precision.FP16, Precision.BF16
@@ -121,6 +129,7 @@ def _sc21(size, hidden, layers, heads, tp, pp, mbs, gbs, gpus, tflops, virtual=N
         dict(layers=layers, hidden=hidden, heads=heads, vocab=51200), 2048, gbs, F16, tflops, "tflops", "sc21",
         tp=tp, pp=pp, dp=gpus // (tp * pp), schedule=(SI if virtual else S1) if pp > 1 else None,
         virtual=virtual if pp > 1 else None, mbs=mbs, recompute=FULL, zero=Z0, sp=False,
+        attention="eager",
     )  # fmt: skip
 
 
@@ -132,6 +141,7 @@ def _sar(size, hidden, layers, heads, pp, gbs, mbs, gpus, mfu, virtual=None):
         tp=8, pp=pp, dp=1, schedule=(SI if virtual else S1) if pp > 1 else None, virtual=virtual, mbs=mbs,
         recompute=SEL, zero=Z0, sp=True,
         notes="mixed precision (type not stated; bf16 priced, fp16 is priced the same)",
+        attention="eager",
     )  # fmt: skip
 
 
@@ -192,16 +202,16 @@ RUNS: tuple[Run, ...] = (
     _mcore("177b", 96, 12288, 96, 8, 6, 2304, 1152, 432.8),
     _mcore("462b", 144, 18432, 112, 8, 16, 6144, 3072, 459.9),
     # [TT] torchtitan, Llama 3.1 on H100 (Grand Teton), bf16, seq 8192
-    Run("tt-llama3-8b-8xh100", "[TT] llama3_h100_202412 Table 1 (FSDP, eager)", "h100-sxm:1x8", "llama", L8B,
+    Run("tt-llama3-8b-8xh100", "[TT] llama3_h100_202412 Table 1 (FSDP, eager)", "h100-96gb:1x8", "llama", L8B,
         8192, 16, B16, 5762, "tokens", "tokens", dp=8, mbs=2, recompute=SEL, zero=Z3, memory_gib=82.4,
-        notes="torchtitan's op-level selective checkpointing priced as Megatron-selective"),
-    Run("tt-llama3-8b-128xh100", "[TT] llama3_h100_202412 Table 3 (FSDP, eager)", "h100-sxm:16x8", "llama", L8B,
+        kernels="none", notes="torchtitan's op-level selective checkpointing priced as Megatron-selective"),
+    Run("tt-llama3-8b-128xh100", "[TT] llama3_h100_202412 Table 3 (FSDP, eager)", "h100-96gb:16x8", "llama", L8B,
         8192, 256, B16, 5605, "tokens", "tokens", dp=128, mbs=2, recompute=SEL, zero=Z3, memory_gib=67.0,
-        notes="torchtitan's op-level selective checkpointing priced as Megatron-selective"),
-    Run("tt-llama3-8b-64xh100", "[TT] asyncTP_llama3_h100_2025-06 (bf16, vanilla TP)", "h100-sxm:8x8", "llama", L8B,
+        kernels="none", notes="torchtitan's op-level selective checkpointing priced as Megatron-selective"),
+    Run("tt-llama3-8b-64xh100", "[TT] asyncTP_llama3_h100_2025-06 (bf16, vanilla TP)", "h100-96gb:8x8", "llama", L8B,
         8192, 96, B16, 4378, "tokens", "tokens", tp=8, dp=8, mbs=12, recompute=SEL, zero=Z3,
         notes="torch.compile; per-op SAC priced as Megatron-selective"),
-    Run("tt-llama3-70b-256xh100", "[TT] asyncTP_llama3_h100_2025-06 (bf16, vanilla TP)", "h100-sxm:32x8", "llama",
+    Run("tt-llama3-70b-256xh100", "[TT] asyncTP_llama3_h100_2025-06 (bf16, vanilla TP)", "h100-96gb:32x8", "llama",
         L70B, 8192, 512, B16, 597.3, "tokens", "tokens", tp=8, dp=32, mbs=16, recompute=FULL, zero=Z3,
         notes="torch.compile"),
     # [LLAMA3] Table 4 (H100 80GB, 700 W)

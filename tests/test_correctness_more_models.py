@@ -1,6 +1,6 @@
 """More models: a plain-torch PaLM (multi-query attention, RoPE, SwiGLU, parallel block), Hugging Face
-T5 (encoder-decoder, relative position buckets) and ViT (conv2d patch embedding) on 2 and 4 gloo
-processes.
+T5 (encoder-decoder, relative position buckets), ViT (conv2d patch embedding) and the Megatron-style
+GPT-3 of ``autopar.examples.gpt3`` (OPT: per-head Q/K/V, one-op GELU) on 2 and 4 gloo processes.
 
 2 ranks: DP, TP and the solver's plan; 4 ranks: TP on mesh (4,), the solver's plan on mesh (2, 2). Planned, run and compared with the single-device model by tests/harness.py.
 
@@ -17,7 +17,8 @@ import pytest
 import torch
 from harness import FREE_LINK, SQUEEZED, D, T, check_run, reference, run_world
 
-from autopar.examples import palm_tiny, t5_tiny, vit_tiny
+import autopar
+from autopar.examples import gpt2_tiny, gpt3, palm_tiny, t5_tiny, vit_tiny
 from autopar.models.palm import PalmOutput
 from autopar.passes.rules import RULES
 from autopar.passes.trace import trace
@@ -29,6 +30,7 @@ MODELS = {
     "palm": lambda: palm_tiny(batch=4, seq=16, hidden=32, heads=4, vocab=128),
     "t5": lambda: t5_tiny(batch=4, seq=16, hidden=32, heads=4, vocab=128),
     "vit": lambda: vit_tiny(batch=4, hidden=32, heads=4),
+    "gpt3": lambda: gpt3(layers=2, hidden=32, heads=4, vocab=128, batch=4, seq=16, dtype="float32"),
 }
 # world size -> mode -> (mesh shape, axis roles[, how]); roles None lets the solver choose every
 # placement, in a setting where parallelism pays on a toy model (tests/harness.py).
@@ -96,6 +98,27 @@ def test_palm_tp_shards_query_heads_and_keeps_one_kv_head(world2):
 # Ops of the PaLM graph that may stay without a sharding rule. None today: every op has a rule.
 # (``operator.getitem`` is not an op: it takes its producer's placement, see strategies.py.)
 PALM_REPLICATE_ONLY: set = set()
+
+
+def test_gpt3_splits_heads_over_a_tensor_axis_without_reshuffling():
+    """What ``examples.gpt3`` is for: its per-head projections let a tensor axis split attention by
+    heads with no collective at the head views; GPT-2's [q | k | v] projection leaves attention
+    whole on every rank, its views resharded (what bench_published prices Megatron's GPT with)."""
+    cluster = autopar.ClusterSpec.preset("h100-sxm", devices_per_node=2)
+
+    def attention_and_views(model, inputs):
+        plan = autopar.plan(model, cluster, inputs, mesh_shape=(2,), axis_roles=(T,), kernels="none")
+        sdpa = [d for d in plan.decisions if "scaled_dot_product" in d.op]
+        views = [
+            d for d in plan.decisions if any(k in d.op for k in (".view", ".transpose", ".reshape", ".split"))
+        ]
+        return sdpa, sum(d.comm_s for d in views)
+
+    sdpa, view_comm = attention_and_views(*gpt3(layers=2, hidden=32, heads=4, vocab=128, batch=4, seq=16))
+    assert sdpa and all(d.inputs[:3] == ("S(1)",) * 3 for d in sdpa)  # [batch, heads, seq, dim]: heads split
+    assert view_comm == 0.0
+    sdpa2, view_comm2 = attention_and_views(*gpt2_tiny(batch=4, seq=16, layers=2, hidden=32, vocab=128))
+    assert all(d.inputs[:3] == ("R",) * 3 for d in sdpa2) and view_comm2 > 0
 
 
 def test_palm_traces_with_a_rule_for_every_op():
