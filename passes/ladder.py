@@ -14,7 +14,11 @@ its trades. How a rung's tables are made and how it is priced is the candidate's
   them are solved (``relieves_more``);
 * the rest are priced; each priced rung's ``Lesson`` says what it teaches about the rungs after
   it, and the climb ends after ``RUNGS_SOLVED`` rungs that fit (or have a plan no better than the
-  best) or at a rung after which none can win.
+  best) or at a rung after which none can win; but while the best plan that fit came within
+  ``TIGHT`` of the memory limit, up to ``RUNGS_SOLVED_TIGHT``: its placement may be the one that
+  fits rather than the fastest, and a later rung, with more room, can place the ops faster
+  (Megatron's 32B layout on 384 H100: the first rung's 1.51 s plan fits at 91% of the memory with
+  every linear row-parallel; four micro-batches leave room for the column-parallel one, 1.36 s).
 """
 
 from __future__ import annotations
@@ -35,6 +39,12 @@ from autopar.trades import Trades
 # puts the cheapest first (a later one can win where the first fits only with a worse placement,
 # rarely: each solve of a large mesh costs seconds)
 RUNGS_SOLVED = 1
+# a plan whose peak is within this fraction of the memory limit may have been bent by the limit
+# (the ILP's memory row counts the tables' liveness; a solution whose full peak, with its buckets'
+# flattening and its optimizer's temporaries, passed the limit is solved again under a lower row,
+# passes/mesh_solve.py): the climb goes on to up to RUNGS_SOLVED_TIGHT plans that fit
+TIGHT = 0.85
+RUNGS_SOLVED_TIGHT = 4
 # after this many rungs of one candidate had no plan, only rungs with more room every way than one
 # of them are solved (each empty rung of a large mesh is a solve of seconds)
 MAX_EMPTY_RUNGS = 4
@@ -76,6 +86,7 @@ class Rung:
     refused_at_full_peak: bool = False
     about: Trades | None = None
     restart: tuple[Trades, ...] | None = None
+    peak: float = 0.0  # a plan's predicted peak bytes per device (where one fits)
 
 
 class Pricer(Protocol):
@@ -109,6 +120,7 @@ def climb(rungs: Iterable[Trades], pricer: Pricer, limit: float, best_objective:
     over: list[Trades] = []  # rungs past the memory limit
     slow: list[Trades] = []  # rungs whose time lower bound is no better than the best
     solved = 0
+    tight = False  # the best plan that fit came within TIGHT of the limit
     while todo:
         trades = todo.pop(0)
         if not pricer.admits(trades):
@@ -144,10 +156,12 @@ def climb(rungs: Iterable[Trades], pricer: Pricer, limit: float, best_objective:
             break
         elif rung.lesson is Lesson.FITS or rung.lesson is Lesson.BEATEN:
             if rung.lesson is Lesson.FITS:
+                if rung.objective < out.objective:
+                    tight = rung.peak >= TIGHT * limit
                 out.objective = min(out.objective, rung.objective)
                 out.solved.append(rung.solved)
             solved += 1
-            if solved >= RUNGS_SOLVED:
+            if solved >= (RUNGS_SOLVED_TIGHT if tight else RUNGS_SOLVED):
                 break  # later rungs tend to add time (passes/trades.py:ladder)
     return out
 

@@ -35,7 +35,7 @@ from autopar.passes.pipeline import (
     price_pipeline,
     stage_tables,
 )
-from autopar.passes.price import grad_sync_cost
+from autopar.passes.price import grad_sync_cost, plan_peak
 from autopar.passes.search_problem import Problem
 from autopar.passes.trace import Role, TracedGraph
 from autopar.passes.trades import apply_trades, ladder, micro_batch_ok, trade_terms, zero_axes
@@ -98,15 +98,18 @@ class SpmdRungs:
                 _, self.base = region
                 self.bounds = {}
                 return Rung(Lesson.NOTHING, restart=tuple(t for t in self.rungs if t.micro_batches == 1))
-        solved = outcome.solved
+        solved, peak = outcome.solved, 0.0
         if solved is not None:
             lesson, objective = Lesson.FITS, solved.sol.objective + solved.terms.total_s
+            peak = plan_peak(solved.tables, solved.sol, solved.gs) + solved.terms.transient
         else:
             objective = math.inf
             lesson = {Verdict.BOUND_PRUNED: Lesson.SLOW, Verdict.LP_PRUNED: Lesson.BEATEN}.get(
                 entry.verdict, Lesson.NO_PLAN if entry.verdict.infeasible else Lesson.NOTHING
             )
-        return Rung(lesson, entry, outcome.mem_needed, solved, objective, outcome.refused_at_full_peak)
+        return Rung(
+            lesson, entry, outcome.mem_needed, solved, objective, outcome.refused_at_full_peak, peak=peak
+        )
 
 
 def spmd_climb(pb: Problem, run: MeshRun, got: Prepared, best_objective: float) -> Climb:
@@ -196,7 +199,7 @@ class PipelineRungs:
             f"predicted step {price.step_s * 1e3:.3f} ms"
         )
         got = dataclasses.replace(solved, t_step=price.step_s, pipe=price, cluster=sub)
-        return Rung(Lesson.FITS, entry, needed, got, got.t_step)
+        return Rung(Lesson.FITS, entry, needed, got, got.t_step, peak=max(price.peak))
 
 
 def pipeline_climb(

@@ -6,6 +6,7 @@ GPU preset; and the search with the skip plans what it plans with every bound co
 from __future__ import annotations
 
 import itertools
+import math
 
 import pytest
 import torch
@@ -94,3 +95,56 @@ def test_the_skip_keeps_the_plan(monkeypatch):
     assert with_skip.trades == without.trades and with_skip.mesh_shape == without.mesh_shape
     assert with_skip.predicted.step_time_s == pytest.approx(without.predicted.step_time_s, rel=1e-9)
     assert len(with_skip.solver.candidates) < len(without.solver.candidates)  # the skip acted
+
+
+class _ScriptedRungs:
+    """A candidate whose rungs price as scripted: trades -> (objective, peak bytes); None: no plan."""
+
+    def __init__(self, script):
+        self.script, self.priced = script, []
+
+    def admits(self, trades):
+        return True
+
+    def tables(self, trades):
+        from autopar.passes.ladder import RungTables
+
+        return RungTables(None, None)  # the memory bound is stubbed: nothing reads them
+
+    def price(self, trades, tables, best_objective):
+        from autopar.passes.ladder import Lesson, Rung
+
+        self.priced.append(trades.micro_batches)
+        got = self.script[trades.micro_batches]
+        if got is None:
+            return Rung(Lesson.NO_PLAN)
+        objective, peak = got
+        return Rung(Lesson.FITS, None, peak, object(), objective, peak=peak)
+
+
+@pytest.mark.parametrize(
+    "script, priced, best",
+    [
+        # the first plan fits with room: later rungs only add time, the climb ends there
+        ({1: (10.0, 50.0), 2: (8.0, 40.0), 4: (7.0, 30.0), 8: (6.0, 20.0)}, [1], 10.0),
+        # the first fits at 95% of the limit, its placement maybe bent by it: later rungs are
+        # solved while the best is that tight, a worse one with room does not end the climb
+        ({1: (10.0, 95.0), 2: (12.0, 60.0), 4: (7.0, 50.0), 8: (6.0, 40.0)}, [1, 2, 4], 7.0),
+        # at most RUNGS_SOLVED_TIGHT plans that fit, however tight
+        (
+            {1: (10.0, 99.0), 2: (9.0, 99.0), 4: (8.0, 99.0), 8: (7.0, 99.0), 16: (6.0, 99.0)},
+            [1, 2, 4, 8],
+            7.0,
+        ),
+    ],
+)
+def test_climb_goes_on_while_the_best_plan_is_tight(monkeypatch, script, priced, best):
+    from autopar.trades import Trades
+
+    monkeypatch.setattr(ladder_mod, "lower_bound_bytes", lambda tables: 0.0)
+    assert ladder_mod.RUNGS_SOLVED_TIGHT == 4
+    rungs = [Trades(micro_batches=k) for k in script]
+    pricer = _ScriptedRungs(script)
+    out = ladder_mod.climb(rungs, pricer, limit=100.0, best_objective=math.inf)
+    assert pricer.priced == priced
+    assert out.objective == best
