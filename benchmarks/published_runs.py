@@ -111,7 +111,10 @@ class Run:
     # eager run of torch's own ops); None: autopar's choice (every kernel on a GPU)
     kernels: str | None = None
     # how the run computed attention: "sdpa" (FlashAttention, fused) or "eager" (the s^2 scores
-    # materialized, as Megatron-LM did before FlashAttention)
+    # materialized, as Megatron-LM did before FlashAttention: [SC21]). [SAR]'s runs materialized them
+    # too, but its selective recomputation recomputes exactly that core, keeping no s^2 tensor;
+    # autopar's SELECTIVE keeps every matmul's output, the scores included, so those rows take
+    # "sdpa", which keeps none either (eager: the 530B row does not fit)
     attention: str = "sdpa"
 
 
@@ -141,7 +144,6 @@ def _sar(size, hidden, layers, heads, pp, gbs, mbs, gpus, mfu, virtual=None):
         tp=8, pp=pp, dp=1, schedule=(SI if virtual else S1) if pp > 1 else None, virtual=virtual, mbs=mbs,
         recompute=SEL, zero=Z0, sp=True,
         notes="mixed precision (type not stated; bf16 priced, fp16 is priced the same)",
-        attention="eager",
     )  # fmt: skip
 
 
