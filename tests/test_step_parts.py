@@ -89,3 +89,20 @@ def test_pipeline_bubble_is_the_schedules_idle_time(pipelined_plan):
 )
 def test_op_family(op, role, family):
     assert op_family(op, role) == family
+
+
+def test_recomputation_is_counted_once():
+    """Recomputation's forwards are in the traded tables' node costs: the op families hold them,
+    and the trade's own row says so instead of adding them again."""
+    model, inputs = llama_tiny(batch=8, seq=32, layers=2, hidden=64, vocab=256)
+    cluster = autopar.ClusterSpec.preset("h100-sxm", nodes=1, devices_per_node=4)
+    kw = dict(mesh_shape=(2, 2), axis_roles=(autopar.AxisRole.DATA, autopar.AxisRole.TENSOR), kernels="none")
+    full = autopar.plan(model, cluster, inputs, recompute=autopar.Recompute.FULL, **kw)
+    none = autopar.plan(model, cluster, inputs, recompute=autopar.Recompute.NONE, **kw)
+    a, b = step_parts(full), step_parts(none)
+    extra = sum(a.compute.values()) - sum(b.compute.values())
+    assert a.trades["recompute"] > 0 and extra > 0
+    # the forwards run again are the families' growth (the collectives run again, the rest of the
+    # trade's seconds, are the exposed communication's; the plans' placements may differ a little)
+    assert math.isclose(extra, a.trades["recompute"], rel_tol=0.1)
+    assert ("trade: recompute (in the parts above)", a.trades["recompute"]) in a.rows()

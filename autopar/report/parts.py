@@ -12,8 +12,10 @@ one by one (issue 42: Narayanan et al. 2021's compute, communication and bubble 
 * the collectives as priced before any overlap (``NodeDecision.comm_s``): **tensor and sequence
   parallel** (those of activations: resharding between ops and the collectives inside a lowering)
   and **data parallel** (those of parameters: gradient reduction, ZeRO's gathers);
-* the trades' seconds (``Plan.trade_costs``: recomputation, ZeRO's gathers and scatters, offload,
-  micro-batches), the pipeline's **bubble** (``Predicted.bubble_s``), the communication left
+* the trades' seconds (``Plan.trade_costs``: ZeRO's gathers and scatters, offload, micro-batches,
+  recomputation; recomputation's are already in the parts above, ``IN_PARTS``: the forwards it
+  runs again are in their ops' compute, the collectives it runs again in the exposed
+  communication), the pipeline's **bubble** (``Predicted.bubble_s``), the communication left
   **exposed** after overlap (``Predicted.comm_s``) and the gradient reduction **hidden** behind
   backward (``Predicted.grad_sync_hidden_s``).
 
@@ -47,6 +49,9 @@ def op_family(op: str, role: str = "activation") -> str:
 
 
 FAMILIES = ("matmuls", "attention", "loss", "norms and elementwise", "per-parameter work")
+# trades whose seconds the cost tables hold, so the op families above already count them
+# (``passes/trades.py:TradeTerms.in_tables``)
+IN_PARTS = frozenset({"recompute"})
 
 
 @dataclass(frozen=True)
@@ -70,7 +75,10 @@ class StepParts:
             ("collectives: tensor / sequence parallel (before overlap)", self.tensor_comm_s),
             ("collectives: data parallel (before overlap)", self.data_comm_s),
         ]
-        out += [(f"trade: {k}", v) for k, v in self.trades.items()]
+        out += [
+            (f"trade: {k}" + (" (in the parts above)" if k in IN_PARTS else ""), v)
+            for k, v in self.trades.items()
+        ]
         out += [
             ("pipeline bubble", self.bubble_s),
             ("communication exposed", self.exposed_comm_s),
