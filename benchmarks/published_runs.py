@@ -232,7 +232,7 @@ RUNS: tuple[Run, ...] = (
         unpriceable="Float8 linears (torchao): autopar's Precision has no fp8"),
     Run("bridge-llama3-8b-8xb200", "[BRIDGE] 25.11, DGX-B200", "b200:1x8", "llama", L8B, 8192, 128, B16, 30624,
         "tokens", "tokens", dp=8, mbs=2, zero=Z0,
-        unpriceable="FP8 (current scaling) and no b200 preset (presets: a100-40gb, a100-80gb, h100-sxm, h200)"),
+        unpriceable="FP8 (current scaling): autopar's Precision has no fp8"),
 )  # fmt: skip
 
 BY_NAME = {r.name: r for r in RUNS}

@@ -148,3 +148,46 @@ def test_climb_goes_on_while_the_best_plan_is_tight(monkeypatch, script, priced,
     out = ladder_mod.climb(rungs, pricer, limit=100.0, best_objective=math.inf)
     assert pricer.priced == priced
     assert out.objective == best
+
+
+def test_climb_solves_the_sharded_step_siblings_of_its_last_plan(monkeypatch):
+    """ZeRO-1 and ZeRO-2 of the rung that fit are solved before the climb ends: they can be faster
+    (the optimizer steps 1/d of the state); other rungs after it are not (they add time)."""
+    from autopar.passes.ladder import Lesson, Rung, RungTables
+    from autopar.trades import Recompute, Trades, ZeroStage
+
+    monkeypatch.setattr(ladder_mod, "lower_bound_bytes", lambda tables: 0.0)
+    Z0, Z1, Z2 = ZeroStage.NONE, ZeroStage.OPTIMIZER, ZeroStage.GRADIENTS
+    script = {
+        (Z0, Recompute.NONE): None,  # no plan
+        (Z0, Recompute.SELECTIVE): 10.0,  # fits with room: the climb would end here
+        (Z1, Recompute.SELECTIVE): 9.0,  # ZeRO-1 of it: faster
+        (Z2, Recompute.SELECTIVE): 9.5,
+        (Z0, Recompute.FULL): 5.0,  # a later rung: not solved
+        (Z1, Recompute.FULL): 4.0,
+    }
+    priced = []
+
+    class Pricer:
+        def admits(self, trades):
+            return True
+
+        def tables(self, trades):
+            return RungTables(None, None)
+
+        def price(self, trades, tables, best_objective):
+            key = (trades.zero_stage, trades.recompute)
+            priced.append(key)
+            if script[key] is None:
+                return Rung(Lesson.NO_PLAN)
+            return Rung(Lesson.FITS, None, 1.0, type("S", (), {"trades": trades})(), script[key], peak=1.0)
+
+    rungs = [Trades(recompute=r, zero_stage=z, data_axes=(0,) if z else ()) for z, r in script]
+    out = ladder_mod.climb(rungs, Pricer(), limit=100.0, best_objective=math.inf)
+    assert priced == [
+        (Z0, Recompute.NONE),
+        (Z0, Recompute.SELECTIVE),
+        (Z1, Recompute.SELECTIVE),
+        (Z2, Recompute.SELECTIVE),
+    ]
+    assert out.objective == 9.0
