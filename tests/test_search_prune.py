@@ -150,6 +150,22 @@ def test_climb_goes_on_while_the_best_plan_is_tight(monkeypatch, script, priced,
     assert out.objective == best
 
 
+def test_sharded_step_siblings():
+    from autopar.passes.ladder import sharded_step_sibling
+    from autopar.trades import Recompute, Trades, ZeroStage
+
+    def t(z, r=Recompute.NONE, k=1):
+        return Trades(recompute=r, micro_batches=k, zero_stage=z, data_axes=(0,) if z else ())
+
+    Z0, Z1, Z2, Z3 = ZeroStage.NONE, ZeroStage.OPTIMIZER, ZeroStage.GRADIENTS, ZeroStage.PARAMETERS
+    assert sharded_step_sibling(t(Z1), t(Z0)) and sharded_step_sibling(t(Z2), t(Z0))
+    assert sharded_step_sibling(t(Z2), t(Z1)) and not sharded_step_sibling(t(Z1), t(Z2))
+    assert not sharded_step_sibling(t(Z3), t(Z0))  # ZeRO-3 gathers in every forward and backward
+    assert not sharded_step_sibling(t(Z1, k=2), t(Z0)) and not sharded_step_sibling(
+        t(Z1, Recompute.FULL), t(Z0)
+    )
+
+
 def test_climb_solves_the_sharded_step_siblings_of_its_last_plan(monkeypatch):
     """ZeRO-1 and ZeRO-2 of the rung that fit are solved before the climb ends: they can be faster
     (the optimizer steps 1/d of the state); other rungs after it are not (they add time)."""
