@@ -201,7 +201,12 @@ def _plan(model, inputs, world: int, mesh, roles, how):
     if how == SQUEEZED:
         free = autopar.plan(model, cluster, inputs, mesh_shape=mesh, axis_roles=roles)
         limit = SQUEEZE * free.predicted.peak_memory_bytes / (1 - cluster.memory_reserve)
-    plan = autopar.plan(model, cluster, inputs, mesh_shape=mesh, axis_roles=roles, memory_limit_bytes=limit)
+    # squeezed: the limit is to bend the placements, so the step stays one batch (micro-batches would
+    # relieve it too: the trades ladder tries them where a plan fits tightly, passes/ladder.py)
+    more = {"micro_batches": 1} if how == SQUEEZED else {}
+    plan = autopar.plan(
+        model, cluster, inputs, mesh_shape=mesh, axis_roles=roles, memory_limit_bytes=limit, **more
+    )
     if limit is not None:
         assert plan.predicted.peak_memory_bytes <= SQUEEZE * free.predicted.peak_memory_bytes * (1 + 1e-9)
     return plan
