@@ -11,8 +11,8 @@ rank's piece of every output), and
   pipeline stages, schedule, chunks per rank, micro-batches = global batch / (DP x micro-batch
   size), recomputation, ZeRO stage, precision, the fused kernels where the run had none); what the
   source does not give is left to the search and shown as "search"; priced with no memory
-  reserve (``ClusterSpec.memory_reserve`` 0: the run fitted). Its predicted step is converted to the source's own measure,
-  counting FLOPs as the source counts them (``published_runs.FLOP_COUNTS``), and set against
+  reserve (``ClusterSpec.memory_reserve`` 0: the run fitted). Its predicted step is converted to
+  the source's own measure, counting FLOPs as the source counts them (``published_runs.FLOP_COUNTS``), and set against
   the measured figure: error = predicted / measured - 1 (positive: autopar prices the run faster
   than it ran);
 * **autopar**: the search's own plan for the same model, batch, cluster and precision, in the same
@@ -44,8 +44,8 @@ from autopar.report.parts import step_parts
 def build(run: Run):
     """The run's model on the meta device and its example inputs (the global batch): a Llama, or
     for the GPT rows (Megatron's GPT, MPT) ``examples.gpt3``: per-head Q/K/V and one-op GELU as
-    those implementations run them (GPT-2's [q | k | v] projection and seven-op GELU priced tensor
-    parallel layouts 5-10% slower with reshuffles and elementwise work they never ran)."""
+    those implementations run them (GPT-2's [q | k | v] projection and seven-op GELU priced the
+    rows 4-30% slower with reshuffles and elementwise work they never ran)."""
     dtype = "bfloat16"
     with torch.device("meta"):
         if run.family == "llama":
