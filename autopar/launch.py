@@ -132,6 +132,12 @@ def _worker(
             world_size=world,
             timeout=timedelta(seconds=timeout_s),
         )
+    except BaseException as e:  # noqa: BLE001 - reported to the parent
+        # ``None``: the port was taken between ``free_port`` and the store's bind (the parent
+        # starts again on another); ``fn`` has not run anywhere, as no rank got past this call
+        queue.put((rank, None if port_taken(e) else False, traceback.format_exc()))
+        return
+    try:
         result = fn(rank, world, *args)
         buf = io.BytesIO()
         torch.save(result, buf)  # plain bytes: no shared-memory handles that die with this process
@@ -148,6 +154,18 @@ def _worker(
 
 class RankFailed(RuntimeError):
     pass
+
+
+def port_taken(e: BaseException) -> bool:
+    """Whether ``init_process_group`` failed because its TCP store's port is in use (c10d's
+    "EADDRINUSE ... address already in use")."""
+    text = str(e).lower()
+    return "eaddrinuse" in text or "address already in use" in text
+
+
+# ``free_port`` asks the OS for a free port and closes it; another process (a parallel test's
+# ranks) can bind it before rank 0's store does: then the ranks start again on a new one
+PORT_TRIES = 3
 
 
 def _next_result(queue, processes, deadline: float):
@@ -178,7 +196,24 @@ def run_on_ranks(
     fn: Callable, world_size: int, *args, timeout_s: float = 300.0, pin_cores: bool = True
 ) -> list:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo processes; return every rank's
-    result. ``pin_cores``: bind each rank to a core (``pin_to_core``)."""
+    result. ``pin_cores``: bind each rank to a core (``pin_to_core``). Where the port picked for
+    the process group is taken before rank 0 binds it, the ranks start again on another (up to
+    ``PORT_TRIES`` ports)."""
+    for attempt in range(PORT_TRIES):
+        try:
+            return _run_once(fn, world_size, args, timeout_s, pin_cores)
+        except _PortTaken as e:
+            if attempt == PORT_TRIES - 1:
+                raise RankFailed(f"the process group's port was taken {PORT_TRIES} times:\n{e}") from None
+            log.warning("the process group's port was taken before rank 0 bound it: starting again")
+    raise AssertionError("unreachable")
+
+
+class _PortTaken(Exception):
+    pass
+
+
+def _run_once(fn: Callable, world_size: int, args: tuple, timeout_s: float, pin_cores: bool) -> list:
     method = _start_method()
     queue = mp.get_context(method).Queue()
     port = free_port()
@@ -191,6 +226,7 @@ def run_on_ranks(
     )
     results: dict[int, object] = {}
     errors = []
+    taken = False  # a rank reported its port taken (``_worker``)
     deadline = time.monotonic() + timeout_s + 60.0  # + spawn and import time
     for _ in range(world_size):
         got = _next_result(queue, procs.processes, deadline)
@@ -202,11 +238,16 @@ def run_on_ranks(
             results[rank] = torch.load(io.BytesIO(value), weights_only=False)
         else:
             errors.append(f"rank {rank} failed:\n{value}")
+            taken = ok is None
             break
     if errors:
         for p in procs.processes:
             if p.is_alive():
                 p.terminate()
+        for p in procs.processes:
+            p.join(10.0)
+        if taken:
+            raise _PortTaken("\n".join(errors))
         raise RankFailed("\n".join(errors))
     # every rank has reported: a rank that then dies in gloo's teardown (a C++ thread destroyed
     # while joinable aborts the process, rarely) has lost nothing, so it is logged, not raised

@@ -33,6 +33,37 @@ def test_a_rank_that_dies_after_reporting_loses_nothing_and_a_failing_rank_is_na
         run_on_ranks(_rank_fails, 2)
 
 
+def _ranks_ran(rank: int, world: int) -> int:
+    return rank + 100 * world
+
+
+@pytest.mark.slow
+def test_a_port_taken_before_rank_0_binds_it_starts_the_ranks_again(monkeypatch, caplog):
+    """The race ``free_port`` leaves (another process binds the port before rank 0's store does):
+    here the first port is held by a listening socket; the ranks start again on another, once, and
+    a run whose every port is taken says so."""
+    import socket
+
+    from autopar import launch
+
+    held = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    held.bind(("127.0.0.1", 0))
+    held.listen()
+    try:
+        taken = held.getsockname()[1]
+        ports = iter([taken])
+        real = launch.free_port
+        monkeypatch.setattr(launch, "free_port", lambda: next(ports, None) or real())
+        with caplog.at_level("WARNING", logger="autopar.launch"):
+            assert run_on_ranks(_ranks_ran, 2) == [200, 201]
+        assert caplog.text.count("port was taken") == 1
+        monkeypatch.setattr(launch, "free_port", lambda: taken)
+        with pytest.raises(RankFailed, match=f"port was taken {launch.PORT_TRIES} times"):
+            run_on_ranks(_ranks_ran, 2, timeout_s=30.0)
+    finally:
+        held.close()
+
+
 def _affinity(rank: int, world: int) -> tuple[list[int], int]:
     from autopar.cluster import usable_cores
 
