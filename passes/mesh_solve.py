@@ -66,6 +66,7 @@ class Solved:
     terms: TradeTerms | None = None
     pipe: PipelinePrice | None = None  # pipeline stages: their price (t_step is its step)
     cluster: ClusterSpec | None = None  # what the tables were priced on (one stage's devices)
+    peak: float = 0.0  # the full peak bytes per device solve_mesh held to the limit (0: not priced)
 
 
 @dataclass(frozen=True)
@@ -174,12 +175,13 @@ def solve_mesh(p: MeshProblem, best_objective: float = math.inf, st: Stages | No
     # the full price of the choice (solve evaluates it), with the gradient all-reduces as they run:
     # once per parameter, partly behind backward compute (passes/grad_sync.py)
     choice, gs, terms = priced_solution(p, sol)
-    over = plan_peak(tables, sol, gs) + terms.transient - limit
-    if over > 0:
-        sol = solve(tables, limit - over, options.time_limit_s, folded=folded)
+    peak = plan_peak(tables, sol, gs) + terms.transient
+    if peak > limit:
+        sol = solve(tables, limit - (peak - limit), options.time_limit_s, folded=folded)
         if sol is not None:
             choice, gs, terms = priced_solution(p, sol)
-        if sol is None or plan_peak(tables, sol, gs) + terms.transient > limit:
+            peak = plan_peak(tables, sol, gs) + terms.transient
+        if sol is None or peak > limit:
             st.say(
                 f"solve: mesh {label}: no plan fits {limit / 2**30:.2f} GiB per device "
                 "with its gradient buckets' flattening and its optimizer step's temporaries"
@@ -206,7 +208,7 @@ def solve_mesh(p: MeshProblem, best_objective: float = math.inf, st: Stages | No
     return MeshOutcome(
         replace(entry, verdict=Verdict.SOLVED, objective=t_step, solver_status=sol.status),
         mem_needed,
-        Solved(t_step, run, sol, tables, bound, gs, choice, trades, terms),
+        Solved(t_step, run, sol, tables, bound, gs, choice, trades, terms, peak=peak),
     )
 
 

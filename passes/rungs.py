@@ -35,7 +35,7 @@ from autopar.passes.pipeline import (
     price_pipeline,
     stage_tables,
 )
-from autopar.passes.price import grad_sync_cost, plan_peak
+from autopar.passes.price import grad_sync_cost
 from autopar.passes.search_problem import Problem
 from autopar.passes.trace import Role, TracedGraph
 from autopar.passes.trades import apply_trades, ladder, micro_batch_ok, trade_terms, zero_axes
@@ -98,18 +98,18 @@ class SpmdRungs:
                 _, self.base = region
                 self.bounds = {}
                 return Rung(Lesson.NOTHING, restart=tuple(t for t in self.rungs if t.micro_batches == 1))
-        solved, peak = outcome.solved, 0.0
+        solved = outcome.solved
         if solved is not None:
             lesson, objective = Lesson.FITS, solved.sol.objective + solved.terms.total_s
-            peak = plan_peak(solved.tables, solved.sol, solved.gs) + solved.terms.transient
         else:
             objective = math.inf
             lesson = {Verdict.BOUND_PRUNED: Lesson.SLOW, Verdict.LP_PRUNED: Lesson.BEATEN}.get(
                 entry.verdict, Lesson.NO_PLAN if entry.verdict.infeasible else Lesson.NOTHING
             )
         return Rung(
-            lesson, entry, outcome.mem_needed, solved, objective, outcome.refused_at_full_peak, peak=peak
-        )
+            lesson, entry, outcome.mem_needed, solved, objective, outcome.refused_at_full_peak,
+            peak=solved.peak if solved is not None else 0.0,
+        )  # fmt: skip
 
 
 def spmd_climb(pb: Problem, run: MeshRun, got: Prepared, best_objective: float) -> Climb:
