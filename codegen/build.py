@@ -8,6 +8,7 @@ coexist in one process.
 
 from __future__ import annotations
 
+import inspect
 import operator
 from dataclasses import dataclass
 
@@ -130,7 +131,7 @@ def build_parallel_module(
         tg, choice, plan.mesh_shape, state.attrs, deferred, outputs, getattr(plan, "overlap_matmuls", False)
     )
     trades = getattr(plan, "trades", Trades())
-    common = _module_kwargs(tg, plan, choice, inputs, outputs) | dict(
+    common = _module_kwargs(model, tg, plan, choice, inputs, outputs) | dict(
         mesh=mesh, state_specs=state_specs, aliases=aliases, extra_state=extra, device=device
     )
     if full_mesh is not None:
@@ -170,9 +171,11 @@ def _pipeline_targets(tg: TracedGraph, plan, gm: fx.GraphModule, full_mesh) -> s
     }
 
 
-def _module_kwargs(tg: TracedGraph, plan, choice: dict[str, Strategy], inputs, outputs: Outputs) -> dict:
+def _module_kwargs(
+    model, tg: TracedGraph, plan, choice: dict[str, Strategy], inputs, outputs: Outputs
+) -> dict:
     """What every rank-local module is built with from the traced graph and the plan: the inputs'
-    structure, shapes and batch-splitting axes, the outputs' structure and placements."""
+    structure, names, shapes and batch-splitting axes, the outputs' structure and placements."""
     out_node = next(n for n in tg.graph.nodes if n.op == "output")
     output_specs = tuple(
         output_placement(choice[resolve_source(leaf).name].out, outputs)
@@ -185,6 +188,7 @@ def _module_kwargs(tg: TracedGraph, plan, choice: dict[str, Strategy], inputs, o
         in_spec=tg.in_spec,
         kwarg_order=list(kwargs),
         input_shapes=[tuple(t.shape) for t in pytree.tree_leaves((args, kwargs))],
+        arg_names=input_names(model, args, kwargs),
         batch_axes=[
             batch_axis(choice[p.name].out, plan.mesh_shape) for p in tg.placeholders if p.role is Role.INPUT
         ],
@@ -192,6 +196,26 @@ def _module_kwargs(tg: TracedGraph, plan, choice: dict[str, Strategy], inputs, o
         plan=plan,
         output_specs=output_specs,
     )
+
+
+def input_names(model, args: tuple, kwargs: dict) -> list[str]:
+    """The name of each input leaf, in ``pytree`` order, as a user calls the model: a positional
+    argument's parameter name in ``model.forward`` ("input_ids"; ``args[i]`` past the named ones), a
+    keyword argument's key ("labels"), then the path inside a nested one ("batch['ids']")."""
+    try:
+        params = inspect.signature(model.forward).parameters.values()
+    except (TypeError, ValueError):  # a forward without a signature Python can read
+        params = ()
+    positional = [p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    names = []
+    for path, _ in pytree.tree_flatten_with_path((args, kwargs))[0]:
+        where, key, rest = path[0], path[1], path[2:]
+        if where.idx == 0:
+            base = positional[key.idx] if key.idx < len(positional) else f"args[{key.idx}]"
+        else:
+            base = str(key.key)
+        names.append(base + pytree.keystr(rest))
+    return names
 
 
 # one DeviceMesh object per (device type, shape, axis names) in a process, all on the process

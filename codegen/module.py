@@ -9,6 +9,14 @@ full global batch on every rank, or each data-parallel rank's slice of it: ``dat
 keyed by the original model's names, sharded (for ``torch.distributed.checkpoint``,
 ``codegen/state.py``); ``full_state_dict()`` gathers the full, unsharded state under them.
 
+Feeding data. Every input that carries the batch (its dim 0 has the global batch's rows) may be
+given whole on every rank, or as this rank's slice, ``1 / data_world`` of the rows (the data axis
+is the first mesh axis that splits an input's batch); all inputs one way, on every rank. The
+generated graph slices the whole batch itself (``collectives.batch_slice``); where each rank was
+fed its slice, the inputs that the plan keeps whole, or splits on another axis, are first gathered
+over the data axis (``_whole_where_needed``). Errors about the inputs name them as the call does
+(``build.input_names``: the forward's parameter names, the keyword arguments' keys).
+
 The module owns its DeviceMesh (``self.mesh``). ``forward`` runs the generated graph inside
 ``collectives.bound_mesh(self.mesh)``: each collective the graph calls runs on this mesh and keeps
 it in its autograd context for backward (``codegen/collectives.py``), so several parallel modules
@@ -88,6 +96,7 @@ class ParallelModule(torch.nn.Module):
         output_specs: Sequence[Spec | None] = (),
         zero: AppliedTrades | None = None,
         batch_axes: Sequence[int | None] = (),
+        arg_names: Sequence[str] = (),
     ):
         super().__init__()
         self.local = local
@@ -111,22 +120,33 @@ class ParallelModule(torch.nn.Module):
         # per input leaf: the mesh axis that splits its batch (dim 0), or None; the first such
         # axis is the data-parallel one a loader feeds (data_rank, data_world)
         self._batch_axes = list(batch_axes) or [None] * len(self._input_shapes)
+        # per input leaf: its name in the call, as errors give it ("labels", "x", "batch['ids']")
+        self._arg_names = list(arg_names) or [f"input {i}" for i in range(len(self._input_shapes))]
         axis = next((a for a in self._batch_axes if a is not None), None)
+        self._data_axis = axis
         self._data = (mesh.get_local_rank(axis), mesh.size(axis)) if axis is not None else (0, 1)
+        # per input leaf: whether it carries the batch, so that a rank may be fed its slice of it:
+        # the data axis splits its rows, or it has as many rows as an input the data axis splits
+        # (the plan keeps it whole, or splits it otherwise: the module gathers the slices first)
+        rows = next((s[0] for s, a in zip(self._input_shapes, self._batch_axes) if a == axis and s), None)
+        self._carries_batch = [
+            axis is not None and bool(s) and (a == axis or s[0] == rows)
+            for s, a in zip(self._input_shapes, self._batch_axes)
+        ]
 
     @property
     def code(self) -> str:
         """The generated rank-local code."""
         return self.local.code
 
-    def _flat_inputs(self, args, kwargs, rows: int | None = None) -> tuple[list, int]:
+    def _flat_inputs(self, args, kwargs, k: int = 1) -> tuple[list, int]:
         """The call's arguments flattened as the example inputs were (keyword arguments in their
-        order; TypeError when they are structured otherwise), and how many slices of the batch
-        they are: 1 for the whole batch on every rank, ``data_world`` for this rank's slice
-        (``data_rank``). ``rows``: the whole batch's rows, where not the plan's (``step``'s global
-        batch of micro-batches)."""
-        kwargs = {k: kwargs[k] for k in self._kwarg_order if k in kwargs} | {
-            k: v for k, v in kwargs.items() if k not in self._kwarg_order
+        order; TypeError when they are structured otherwise), checked against the plan's shapes,
+        and how many slices of the batch they are: 1 for the whole batch on every rank,
+        ``data_world`` for this rank's slice (``data_rank``). ``k``: how many of the plan's
+        batches they hold (``step``'s global batch of ``k`` micro-batches)."""
+        kwargs = {key: kwargs[key] for key in self._kwarg_order if key in kwargs} | {
+            key: v for key, v in kwargs.items() if key not in self._kwarg_order
         }
         flat, spec = pytree.tree_flatten((args, kwargs))
         if spec != self._in_spec:
@@ -134,9 +154,16 @@ class ParallelModule(torch.nn.Module):
                 f"the parallel module was planned for inputs structured as {self._in_spec}, got {spec}; "
                 "call it with the same positional/keyword arguments as the example inputs"
             )
-        sliced = self._slices(flat, rows)
+        sliced = self._slices(flat, k)
+        self._check_shapes(flat, sliced, k)
         if not self._batch_checked:  # the first call: ranks fed alike hold the same batch
-            named = [(f"input {i}", t) for i, t in enumerate(flat)]
+            named = list(zip(self._arg_names, flat))
+            if self.data_world > 1:
+                agree(
+                    "the ways ranks are fed", [("fed", "slices" if sliced > 1 else "the whole batch")],
+                    "feed every rank the whole global batch, or every rank its own slice (pmodel.data_rank, "
+                    "pmodel.data_world)",
+                )  # fmt: skip
             if sliced == 1:
                 agree(
                     "the batches", named,
@@ -154,61 +181,100 @@ class ParallelModule(torch.nn.Module):
             self._batch_checked = True
         return flat, sliced
 
-    def _slices(self, flat, rows: int | None) -> int:
-        """1 when every batch-split input holds the whole batch, ``data_world`` when each holds
-        this rank's slice; ValueError for a mix or other sizes (``_flat_inputs``)."""
-        seen = set()
-        for i, (t, shape, axis) in enumerate(zip(flat, self._input_shapes, self._batch_axes)):
-            if axis is None or not isinstance(t, torch.Tensor) or t.dim() == 0:
+    def _slices(self, flat, k: int) -> int:
+        """1 when every input that carries the batch holds the whole batch, ``data_world`` when
+        each holds this rank's slice; ValueError, naming the inputs, for a mix or other sizes."""
+        n = self.data_world
+        whole, sliced = [], []
+        for name, t, shape, carries in zip(self._arg_names, flat, self._input_shapes, self._carries_batch):
+            if not carries or not isinstance(t, torch.Tensor) or t.dim() == 0:
                 continue
-            whole = rows if rows is not None else shape[0]
-            n = self.mesh.size(axis)
-            if t.shape[0] == whole:
-                seen.add(1)
-            elif t.shape[0] * n == whole:
-                seen.add(n)
-            elif (
-                rows is None
-                and self.micro_batches > 1
-                and t.shape[0] in (whole * self.micro_batches, whole * self.micro_batches // n)
-            ):
-                k = self.micro_batches
-                raise ValueError(
-                    f"input {i} has {t.shape[0]} rows, the global batch's, but this module runs the plan's {k} "
-                    f"micro-batches: forward takes one micro-batch, {shape}. Call pmodel.step(...) with the global batch "
-                    "to train (it runs every micro-batch and the backward)"
-                )
+            rows = shape[0] * k
+            if t.shape[0] == rows:
+                whole.append(name)
+            elif t.shape[0] * n == rows:
+                sliced.append(name)
+            elif k == 1 and self._global_rows(t, shape):
+                raise ValueError(self._micro_batch_error(name, t, shape))
             else:
                 raise ValueError(
-                    f"input {i} has {t.shape[0]} rows: the plan takes the whole batch of {whole} rows on every rank, "
-                    f"or each rank's slice of {whole // n} (pmodel.data_world = {n}); re-plan for another batch size"
+                    f"{name} has {t.shape[0]} rows; the plan takes {self._accepted(shape, k, True)}: plans are "
+                    "specialized to the example inputs' shapes, re-plan for another batch size"
                 )
-        if len(seen) > 1:
+        if whole and sliced:
             raise ValueError(
-                "some inputs hold the whole batch and others this rank's slice: pass all of them one way"
+                f"{', '.join(whole)} {'holds' if len(whole) == 1 else 'hold'} the whole batch but {', '.join(sliced)} "
+                f"{'holds' if len(sliced) == 1 else 'hold'} this rank's slice: pass every input that carries the "
+                f"batch whole, or every one as this rank's slice (pmodel.data_world = {n})"
             )
-        return seen.pop() if seen else 1
+        return n if sliced else 1
+
+    def _check_shapes(self, flat, sliced: int, k: int) -> None:
+        """ValueError, naming the input and the shapes it may have, unless every input has the
+        plan's shape (``k`` of its batches; this rank's slice of those that carry the batch where
+        ``sliced`` > 1)."""
+        for name, t, shape, carries in zip(self._arg_names, flat, self._input_shapes, self._carries_batch):
+            if not isinstance(t, torch.Tensor):
+                continue
+            want = _rows(shape, shape[0] * k // (sliced if carries else 1)) if shape else shape
+            if tuple(t.shape) == want:
+                continue
+            if k == 1 and self._global_rows(t, shape) and tuple(t.shape[1:]) == shape[1:]:
+                raise ValueError(self._micro_batch_error(name, t, shape))
+            raise ValueError(
+                f"{name} has shape {tuple(t.shape)}; the plan takes {self._accepted(shape, k, carries)}: plans are "
+                "specialized to the example inputs' shapes, re-plan for this shape"
+            )
+
+    def _accepted(self, shape: tuple[int, ...], k: int, carries: bool) -> str:
+        """The shapes an input of the plan's ``shape`` may have in a call of ``k`` of its batches."""
+        whole = _rows(shape, shape[0] * k) if shape else shape
+        if not carries or self.data_world == 1:
+            return f"{whole} on every rank"
+        n = self.data_world
+        return f"{whole}, the whole batch, or {_rows(shape, shape[0] * k // n)}, this rank's slice (pmodel.data_world = {n})"
+
+    def _global_rows(self, t: torch.Tensor, shape: tuple[int, ...]) -> bool:
+        """Whether ``t``, given to ``forward`` of a module of several micro-batches whose plan takes
+        ``shape``, holds the rows of the global batch (or this rank's slice of it): ``step``'s."""
+        k = self.micro_batches
+        return (
+            k > 1
+            and bool(shape)
+            and t.dim() > 0
+            and t.shape[0] in (shape[0] * k, shape[0] * k // self.data_world)
+        )
+
+    def _micro_batch_error(self, name: str, t: torch.Tensor, shape: tuple[int, ...]) -> str:
+        return (
+            f"{name} has {t.shape[0]} rows, the global batch's, but this module runs the plan's "
+            f"{self.micro_batches} micro-batches: forward takes one micro-batch, {shape} (or this rank's slice of "
+            "it). Call pmodel.step(...) with the global batch to train (it runs every micro-batch and the backward)"
+        )
+
+    def _whole_where_needed(self, flat: list, sliced: int, k: int = 1) -> list:
+        """The inputs as the generated graph takes them: where each rank was fed its slice, those
+        the plan keeps whole or splits on another axis than the data axis are gathered whole over
+        the data axis (an all-gather of dim 0; its backward keeps this rank's rows), the slices in
+        ``data_rank`` order; with ``k`` micro-batches to come (a pipeline's schedule splits them
+        after), in the order that makes micro-batch ``i`` the slices' micro-batches ``i``. Run
+        inside ``C.bound_mesh(self.mesh)``."""
+        if sliced == 1:
+            return flat
+        out = []
+        for t, carries, axis in zip(flat, self._carries_batch, self._batch_axes):
+            if carries and axis != self._data_axis:
+                t = C.all_gather(t, 0, self._data_axis)
+                if k > 1:
+                    t = t.unflatten(0, (sliced, k, -1)).transpose(0, 1).flatten(0, 2)
+            out.append(t)
+        return out
 
     def forward(self, *args, **kwargs):
         flat, sliced = self._flat_inputs(args, kwargs)
-        k = self.micro_batches
-        for i, (t, shape, axis) in enumerate(zip(flat, self._input_shapes, self._batch_axes)):
-            if axis is not None and sliced > 1:
-                shape = (shape[0] // sliced, *shape[1:])
-            if k > 1 and tuple(t.shape) == (shape[0] * k, *shape[1:]):
-                raise ValueError(
-                    f"input {i} has the global batch's shape {tuple(t.shape)}, but this module runs the plan's "
-                    f"{k} micro-batches: forward takes one micro-batch, {shape}. Call pmodel.step(...) with the "
-                    "global batch to train (it runs every micro-batch and the backward)"
-                )
-            if tuple(t.shape) != shape:
-                raise ValueError(
-                    f"input {i} has shape {tuple(t.shape)} but the plan was made for {shape}: plans are specialized "
-                    "to the example inputs' shapes; re-plan for this shape"
-                )
         flat = [t.to(self._device) if isinstance(t, torch.Tensor) else t for t in flat]
         with C.bound_mesh(self.mesh), self.zero.autocast(self._device.type):
-            outs = self.local(*flat)
+            outs = self.local(*self._whole_where_needed(flat, sliced))
         return pytree.tree_unflatten(list(outs), self._out_spec)
 
     @property
@@ -242,7 +308,7 @@ class ParallelModule(torch.nn.Module):
                     f"or this rank's slice of it; got {batch}; plans are specialized to the example inputs' shapes: "
                     "re-plan for this batch"
                 )
-            self._flat_inputs(args, kwargs, rows=micro * k)  # checked (and compared across ranks) whole
+            self._flat_inputs(args, kwargs, k)  # checked (and compared across ranks) whole
             parts = split_batch((args, kwargs), k)
         else:
             parts = [(args, kwargs)]
@@ -398,8 +464,8 @@ class ParallelModule(torch.nn.Module):
     @property
     def data_rank(self) -> int:
         """This rank's coordinate among the data-parallel ranks (the plan's batch-splitting axis;
-        0 without one): a loader gives each rank rows ``data_rank::data_world`` of a batch, or
-        any split in that order (module docstring, "Feeding data")."""
+        0 without one): a loader gives each rank rows ``data_rank::data_world`` of every input that
+        carries the batch, or any split in that order (module docstring, "Feeding data")."""
         return self._data[0]
 
     @property
@@ -420,6 +486,10 @@ def full_tensor(t: torch.Tensor, spec: Spec, mesh: DeviceMesh) -> torch.Tensor:
         whole = t.full_tensor()
         return whole if t.device_mesh == mesh else C.gather_full(whole, spec, mesh)
     return C.gather_full(t, spec, mesh)
+
+
+def _rows(shape: tuple[int, ...], rows: int) -> tuple[int, ...]:
+    return (rows, *shape[1:])
 
 
 def _loss_of(out, loss_fn: Callable[[Any], torch.Tensor] | None) -> torch.Tensor:

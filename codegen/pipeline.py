@@ -336,19 +336,11 @@ class PipelinedModule(ParallelModule):
         """Forward and backward of one step on the GLOBAL batch through the pipeline (module
         docstring); returns the mean loss over the micro-batches on every rank."""
         k = self.micro_batches
-        flat, sliced = self._flat_inputs(args, kwargs, rows=self._input_shapes[0][0] * k)
-        for i, (t, shape, axis) in enumerate(zip(flat, self._input_shapes, self._batch_axes)):
-            want = (shape[0] * k // (sliced if axis is not None else 1), *shape[1:])
-            if tuple(t.shape) != want:
-                raise ValueError(
-                    f"input {i} has shape {tuple(t.shape)}; step takes the global batch, {want} ({k} micro-batches "
-                    f"of {shape}), or this rank's slice of it: plans are specialized to the example inputs' shapes, "
-                    "re-plan for this shape"
-                )
-        named = {
-            INPUT_PREFIX + name: (t.to(self._device) if isinstance(t, torch.Tensor) else t)
-            for name, t in zip(self._input_names, flat)
-        }
+        flat, sliced = self._flat_inputs(args, kwargs, k)  # of the global batch: k micro-batches
+        flat = [t.to(self._device) if isinstance(t, torch.Tensor) else t for t in flat]
+        with C.bound_mesh(self.mesh):
+            flat = self._whole_where_needed(flat, sliced, k)
+        named = {INPUT_PREFIX + name: t for name, t in zip(self._input_names, flat)}
         self._step_loss_fn = loss_fn
         losses: list[torch.Tensor] = []
         if self.grad_sync is not None:
