@@ -8,7 +8,6 @@ coexist in one process.
 
 from __future__ import annotations
 
-import inspect
 import operator
 from dataclasses import dataclass
 
@@ -19,6 +18,7 @@ import torch.utils._pytree as pytree
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from autopar.codegen.blocks import apply_recompute, split_blocks
+from autopar.codegen.feeding import input_names
 from autopar.codegen.grad_sync import GradSync
 from autopar.codegen.lower import batch_axis, lower, mangle
 from autopar.codegen.micro_batches import MicroBatchError, check_same_graph, micro_batch_inputs
@@ -196,26 +196,6 @@ def _module_kwargs(
         plan=plan,
         output_specs=output_specs,
     )
-
-
-def input_names(model, args: tuple, kwargs: dict) -> list[str]:
-    """The name of each input leaf, in ``pytree`` order, as a user calls the model: a positional
-    argument's parameter name in ``model.forward`` ("input_ids"; ``args[i]`` past the named ones), a
-    keyword argument's key ("labels"), then the path inside a nested one ("batch['ids']")."""
-    try:
-        params = inspect.signature(model.forward).parameters.values()
-    except (TypeError, ValueError):  # a forward without a signature Python can read
-        params = ()
-    positional = [p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
-    names = []
-    for path, _ in pytree.tree_flatten_with_path((args, kwargs))[0]:
-        where, key, rest = path[0], path[1], path[2:]
-        if where.idx == 0:
-            base = positional[key.idx] if key.idx < len(positional) else f"args[{key.idx}]"
-        else:
-            base = str(key.key)
-        names.append(base + pytree.keystr(rest))
-    return names
 
 
 # one DeviceMesh object per (device type, shape, axis names) in a process, all on the process

@@ -9,13 +9,10 @@ full global batch on every rank, or each data-parallel rank's slice of it: ``dat
 keyed by the original model's names, sharded (for ``torch.distributed.checkpoint``,
 ``codegen/state.py``); ``full_state_dict()`` gathers the full, unsharded state under them.
 
-Feeding data. Every input that carries the batch (its dim 0 has the global batch's rows) may be
-given whole on every rank, or as this rank's slice, ``1 / data_world`` of the rows (the data axis
-is the first mesh axis that splits an input's batch); all inputs one way, on every rank. The
-generated graph slices the whole batch itself (``collectives.batch_slice``); where each rank was
-fed its slice, the inputs that the plan keeps whole, or splits on another axis, are first gathered
-over the data axis (``_whole_where_needed``). Errors about the inputs name them as the call does
-(``build.input_names``: the forward's parameter names, the keyword arguments' keys).
+Feeding data (``codegen/feeding.py``): every input that carries the batch may be given whole on
+every rank or as this rank's slice (``data_rank`` of ``data_world``), whatever the plan does with
+it; where the ranks were fed slices, the inputs the plan keeps whole are gathered first. Errors
+name the inputs as the call does ("labels").
 
 The module owns its DeviceMesh (``self.mesh``). ``forward`` runs the generated graph inside
 ``collectives.bound_mesh(self.mesh)``: each collective the graph calls runs on this mesh and keeps
@@ -68,6 +65,7 @@ from torch.distributed.tensor import DTensor
 from autopar.codegen import collectives as C
 from autopar.codegen import state as S
 from autopar.codegen.agree import ENTRY_TIMEOUT_S, agree, all_entered
+from autopar.codegen.feeding import Feeding
 from autopar.codegen.micro_batches import batch_size, split_batch
 from autopar.codegen.zero import AppliedTrades
 from autopar.placement import Spec
@@ -120,19 +118,16 @@ class ParallelModule(torch.nn.Module):
         # per input leaf: the mesh axis that splits its batch (dim 0), or None; the first such
         # axis is the data-parallel one a loader feeds (data_rank, data_world)
         self._batch_axes = list(batch_axes) or [None] * len(self._input_shapes)
-        # per input leaf: its name in the call, as errors give it ("labels", "x", "batch['ids']")
-        self._arg_names = list(arg_names) or [f"input {i}" for i in range(len(self._input_shapes))]
         axis = next((a for a in self._batch_axes if a is not None), None)
-        self._data_axis = axis
         self._data = (mesh.get_local_rank(axis), mesh.size(axis)) if axis is not None else (0, 1)
-        # per input leaf: whether it carries the batch, so that a rank may be fed its slice of it:
-        # the data axis splits its rows, or it has as many rows as an input the data axis splits
-        # (the plan keeps it whole, or splits it otherwise: the module gathers the slices first)
-        rows = next((s[0] for s, a in zip(self._input_shapes, self._batch_axes) if a == axis and s), None)
-        self._carries_batch = [
-            axis is not None and bool(s) and (a == axis or s[0] == rows)
-            for s, a in zip(self._input_shapes, self._batch_axes)
-        ]
+        # the inputs a call may give (each input's name, the whole batch or this rank's slice)
+        self.feeding = Feeding(
+            tuple(arg_names) or tuple(f"input {i}" for i in range(len(self._input_shapes))),
+            tuple(self._input_shapes),
+            tuple(self._batch_axes),
+            self._data[1],
+            self.micro_batches,
+        )
 
     @property
     def code(self) -> str:
@@ -154,10 +149,10 @@ class ParallelModule(torch.nn.Module):
                 f"the parallel module was planned for inputs structured as {self._in_spec}, got {spec}; "
                 "call it with the same positional/keyword arguments as the example inputs"
             )
-        sliced = self._slices(flat, k)
-        self._check_shapes(flat, sliced, k)
+        sliced = self.feeding.slices(flat, k)
+        self.feeding.check_shapes(flat, sliced, k)
         if not self._batch_checked:  # the first call: ranks fed alike hold the same batch
-            named = list(zip(self._arg_names, flat))
+            named = list(zip(self.feeding.names, flat))
             if self.data_world > 1:
                 agree(
                     "the ways ranks are fed", [("fed", "slices" if sliced > 1 else "the whole batch")],
@@ -181,100 +176,11 @@ class ParallelModule(torch.nn.Module):
             self._batch_checked = True
         return flat, sliced
 
-    def _slices(self, flat, k: int) -> int:
-        """1 when every input that carries the batch holds the whole batch, ``data_world`` when
-        each holds this rank's slice; ValueError, naming the inputs, for a mix or other sizes."""
-        n = self.data_world
-        whole, sliced = [], []
-        for name, t, shape, carries in zip(self._arg_names, flat, self._input_shapes, self._carries_batch):
-            if not carries or not isinstance(t, torch.Tensor) or t.dim() == 0:
-                continue
-            rows = shape[0] * k
-            if t.shape[0] == rows:
-                whole.append(name)
-            elif t.shape[0] * n == rows:
-                sliced.append(name)
-            elif k == 1 and self._global_rows(t, shape):
-                raise ValueError(self._micro_batch_error(name, t, shape))
-            else:
-                raise ValueError(
-                    f"{name} has {t.shape[0]} rows; the plan takes {self._accepted(shape, k, True)}: plans are "
-                    "specialized to the example inputs' shapes, re-plan for another batch size"
-                )
-        if whole and sliced:
-            raise ValueError(
-                f"{', '.join(whole)} {'holds' if len(whole) == 1 else 'hold'} the whole batch but {', '.join(sliced)} "
-                f"{'holds' if len(sliced) == 1 else 'hold'} this rank's slice: pass every input that carries the "
-                f"batch whole, or every one as this rank's slice (pmodel.data_world = {n})"
-            )
-        return n if sliced else 1
-
-    def _check_shapes(self, flat, sliced: int, k: int) -> None:
-        """ValueError, naming the input and the shapes it may have, unless every input has the
-        plan's shape (``k`` of its batches; this rank's slice of those that carry the batch where
-        ``sliced`` > 1)."""
-        for name, t, shape, carries in zip(self._arg_names, flat, self._input_shapes, self._carries_batch):
-            if not isinstance(t, torch.Tensor):
-                continue
-            want = _rows(shape, shape[0] * k // (sliced if carries else 1)) if shape else shape
-            if tuple(t.shape) == want:
-                continue
-            if k == 1 and self._global_rows(t, shape) and tuple(t.shape[1:]) == shape[1:]:
-                raise ValueError(self._micro_batch_error(name, t, shape))
-            raise ValueError(
-                f"{name} has shape {tuple(t.shape)}; the plan takes {self._accepted(shape, k, carries)}: plans are "
-                "specialized to the example inputs' shapes, re-plan for this shape"
-            )
-
-    def _accepted(self, shape: tuple[int, ...], k: int, carries: bool) -> str:
-        """The shapes an input of the plan's ``shape`` may have in a call of ``k`` of its batches."""
-        whole = _rows(shape, shape[0] * k) if shape else shape
-        if not carries or self.data_world == 1:
-            return f"{whole} on every rank"
-        n = self.data_world
-        return f"{whole}, the whole batch, or {_rows(shape, shape[0] * k // n)}, this rank's slice (pmodel.data_world = {n})"
-
-    def _global_rows(self, t: torch.Tensor, shape: tuple[int, ...]) -> bool:
-        """Whether ``t``, given to ``forward`` of a module of several micro-batches whose plan takes
-        ``shape``, holds the rows of the global batch (or this rank's slice of it): ``step``'s."""
-        k = self.micro_batches
-        return (
-            k > 1
-            and bool(shape)
-            and t.dim() > 0
-            and t.shape[0] in (shape[0] * k, shape[0] * k // self.data_world)
-        )
-
-    def _micro_batch_error(self, name: str, t: torch.Tensor, shape: tuple[int, ...]) -> str:
-        return (
-            f"{name} has {t.shape[0]} rows, the global batch's, but this module runs the plan's "
-            f"{self.micro_batches} micro-batches: forward takes one micro-batch, {shape} (or this rank's slice of "
-            "it). Call pmodel.step(...) with the global batch to train (it runs every micro-batch and the backward)"
-        )
-
-    def _whole_where_needed(self, flat: list, sliced: int, k: int = 1) -> list:
-        """The inputs as the generated graph takes them: where each rank was fed its slice, those
-        the plan keeps whole or splits on another axis than the data axis are gathered whole over
-        the data axis (an all-gather of dim 0; its backward keeps this rank's rows), the slices in
-        ``data_rank`` order; with ``k`` micro-batches to come (a pipeline's schedule splits them
-        after), in the order that makes micro-batch ``i`` the slices' micro-batches ``i``. Run
-        inside ``C.bound_mesh(self.mesh)``."""
-        if sliced == 1:
-            return flat
-        out = []
-        for t, carries, axis in zip(flat, self._carries_batch, self._batch_axes):
-            if carries and axis != self._data_axis:
-                t = C.all_gather(t, 0, self._data_axis)
-                if k > 1:
-                    t = t.unflatten(0, (sliced, k, -1)).transpose(0, 1).flatten(0, 2)
-            out.append(t)
-        return out
-
     def forward(self, *args, **kwargs):
         flat, sliced = self._flat_inputs(args, kwargs)
         flat = [t.to(self._device) if isinstance(t, torch.Tensor) else t for t in flat]
         with C.bound_mesh(self.mesh), self.zero.autocast(self._device.type):
-            outs = self.local(*self._whole_where_needed(flat, sliced))
+            outs = self.local(*self.feeding.to_graph(flat, sliced))
         return pytree.tree_unflatten(list(outs), self._out_spec)
 
     @property
@@ -486,10 +392,6 @@ def full_tensor(t: torch.Tensor, spec: Spec, mesh: DeviceMesh) -> torch.Tensor:
         whole = t.full_tensor()
         return whole if t.device_mesh == mesh else C.gather_full(whole, spec, mesh)
     return C.gather_full(t, spec, mesh)
-
-
-def _rows(shape: tuple[int, ...], rows: int) -> tuple[int, ...]:
-    return (rows, *shape[1:])
 
 
 def _loss_of(out, loss_fn: Callable[[Any], torch.Tensor] | None) -> torch.Tensor:

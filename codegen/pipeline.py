@@ -339,7 +339,7 @@ class PipelinedModule(ParallelModule):
         flat, sliced = self._flat_inputs(args, kwargs, k)  # of the global batch: k micro-batches
         flat = [t.to(self._device) if isinstance(t, torch.Tensor) else t for t in flat]
         with C.bound_mesh(self.mesh):
-            flat = self._whole_where_needed(flat, sliced, k)
+            flat = self.feeding.to_graph(flat, sliced, k)
         named = {INPUT_PREFIX + name: t for name, t in zip(self._input_names, flat)}
         self._step_loss_fn = loss_fn
         losses: list[torch.Tensor] = []
