@@ -7,7 +7,9 @@ generated graph runs. On 2 gloo ranks, plans edited so that one input is replica
 picks such plans where it prices them cheaper, e.g. under load) train as the single-device model
 does, fed slices and fed the whole batch: the loss, the outputs and every gradient, with and
 without micro-batches. Errors about the inputs name them as the call does ("labels", "target") and
-say which shapes are accepted.
+say which shapes are accepted; ranks fed different ways all raise. On 4 ranks (a data axis inside
+each of 2 pipeline stages, 2 micro-batches) the gathered labels are cut into the same micro-batches
+as the sliced ids.
 """
 
 from __future__ import annotations
@@ -16,7 +18,8 @@ import dataclasses
 
 import pytest
 import torch
-from harness import D, free_link_cpu, labelled
+from harness import D, assert_adam_state_close, free_link_cpu, labelled
+from test_pipeline_dist import _stack  # a small model of 4 blocks: 2 pipeline stages
 
 import autopar
 from autopar.examples import llama_tiny, mlp
@@ -86,6 +89,10 @@ def _rank(rank, world, plans):
             pmodel(*args)
         except ValueError as e:
             errors[case] = str(e)
+    try:  # rank 0 fed the whole batch, rank 1 its slice: both raise, neither waits in a gather
+        pmodel(x, target) if rank == 0 else pmodel(x[4:], target[4:])
+    except autopar.CrossRankMismatchError as e:
+        errors["ways"] = str(e)
     model, inputs = _llama()
     pmodel = autopar.autoparallelize(model, free_link_cpu(world), inputs, plan=plans["llama", "labels whole"])
     try:
@@ -147,6 +154,58 @@ def test_slices_and_the_whole_batch_train_as_one_device_whatever_the_plan_keeps_
         assert errors["columns"].startswith(
             "target has shape (4, 8); the plan takes (8, 16), the whole batch, or (4, 16), this rank's slice"
         ), errors["columns"]
+        assert errors["ways"].startswith("the ways ranks are fed differ between ranks"), errors["ways"]
         assert errors["llama"].startswith(
             "labels has shape (4, 8); the plan takes (8, 16), the whole batch, or (4, 16), this rank's slice"
         ), errors["llama"]
+
+
+def _pipeline_rank(rank, world, path):
+    out = {}
+    for fed in ("slices", "whole"):
+        model, inputs = _stack()
+        pmodel = autopar.autoparallelize(
+            model, autopar.ClusterSpec.preset("cpu", devices_per_node=world), inputs, plan=path
+        )
+        n, r = pmodel.data_world, pmodel.data_rank
+        batch = {k: v[r::n] for k, v in inputs.items()} if fed == "slices" else inputs
+        opt = pmodel.optimizer(torch.optim.Adam, lr=PIPE_LR)
+        losses = []
+        for _ in range(PIPE_STEPS):
+            losses.append(pmodel.step(**batch).item())
+            opt.step()
+            opt.zero_grad()
+        out[fed] = (n, pmodel.feeding.batch_axes, losses, pmodel.full_state_dict())
+    return out
+
+
+PIPE_LR, PIPE_STEPS = 1e-3, 2
+
+
+@pytest.mark.slow
+def test_a_pipeline_fed_slices_gathers_the_input_its_stages_keep_whole(tmp_path):
+    """PP2 x DP2, 2 micro-batches, labels kept whole: each rank fed its slice gathers the labels so
+    that micro-batch i of them holds the rows of every slice's micro-batch i, as the ids' do."""
+    model, inputs = _stack()
+    plan = autopar.plan(
+        model, autopar.ClusterSpec.preset("cpu", devices_per_node=4), inputs, pipeline_stages=2,
+        schedule=autopar.Schedule.ONE_F_ONE_B, micro_batches=2, mesh_shape=(2,), axis_roles=(D,),
+    )  # fmt: skip
+    path = tmp_path / "pp.json"
+    _whole(plan, "labels").save(path)
+    opt = torch.optim.Adam(model.parameters(), lr=PIPE_LR)
+    ref_losses = []
+    for _ in range(PIPE_STEPS):
+        loss = model(**inputs)
+        loss.backward()
+        ref_losses.append(loss.item())
+        opt.step()
+        opt.zero_grad()
+    ref_state = model.state_dict()
+    for rank, out in enumerate(run_on_ranks(_pipeline_rank, 4, str(path), timeout_s=600)):
+        for fed, (data_world, batch_axes, losses, state) in out.items():
+            what = f"rank {rank}, fed {fed}"
+            assert (data_world, batch_axes) == (2, (0, None)), what  # ids split, labels whole
+            assert losses == pytest.approx(ref_losses, rel=1e-5), what
+            for k, v in ref_state.items():
+                assert_adam_state_close(state[k], v, PIPE_LR, PIPE_STEPS, f"{what}: {k}")
