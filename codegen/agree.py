@@ -36,6 +36,7 @@ import torch
 import torch.distributed as dist
 import torch.utils._pytree as pytree
 
+from autopar.codegen.feeding import input_names
 from autopar.errors import AutoparError, CollectiveCallError, CrossRankMismatchError, DistributedSetupError
 from autopar.passes.trace import normalize_inputs
 
@@ -103,7 +104,7 @@ def agree_on_model(model: torch.nn.Module, example_inputs) -> None:
     )  # fmt: skip
     args, kwargs = normalize_inputs(example_inputs)
     agree(
-        "the example inputs", [(f"input {i}", leaf) for i, leaf in enumerate(pytree.tree_leaves((args, kwargs)))],
+        "the example inputs", zip(input_names(model, args, kwargs), pytree.tree_leaves((args, kwargs))),
         "pass the same full global batch on every rank: autopar slices each rank's part itself (do not give "
         "each rank its own shard, as DistributedDataParallel wants)",
     )  # fmt: skip

@@ -93,6 +93,13 @@ def _rank(rank, world, plans):
         pmodel(x, target) if rank == 0 else pmodel(x[4:], target[4:])
     except autopar.CrossRankMismatchError as e:
         errors["ways"] = str(e)
+    model, (x, target) = _mlp()
+    try:  # example inputs that differ in target alone
+        autopar.autoparallelize(
+            model, free_link_cpu(world), (x, target + rank), plan=plans["mlp", "target whole"]
+        )
+    except autopar.CrossRankMismatchError as e:
+        errors["example"] = str(e)
     model, inputs = _llama()
     pmodel = autopar.autoparallelize(model, free_link_cpu(world), inputs, plan=plans["llama", "labels whole"])
     try:
@@ -155,6 +162,8 @@ def test_slices_and_the_whole_batch_train_as_one_device_whatever_the_plan_keeps_
             "target has shape (4, 8); the plan takes (8, 16), the whole batch, or (4, 16), this rank's slice"
         ), errors["columns"]
         assert errors["ways"].startswith("the ways ranks are fed differ between ranks"), errors["ways"]
+        assert errors["example"].startswith("the example inputs differ between ranks"), errors["example"]
+        assert "(first: ['target'])" in errors["example"], errors["example"]
         assert errors["llama"].startswith(
             "labels has shape (4, 8); the plan takes (8, 16), the whole batch, or (4, 16), this rank's slice"
         ), errors["llama"]
