@@ -6,6 +6,7 @@ plan = autopar.plan(model, cluster_spec, example_inputs)                # offlin
 
 from autopar.api import autoparallelize, plan, reprice, search
 from autopar.cluster import ClusterSpec, DeviceKind, DeviceSpec, LinkSpec
+from autopar.codegen.feeding import InputsError
 from autopar.codegen.weights import Rank0Weights, WeightsError
 from autopar.coverage import OpCoverage, coverage
 from autopar.errors import (
@@ -38,6 +39,7 @@ __all__ = [
     "DeviceSpec",
     "CrossRankMismatchError",
     "DistributedSetupError",
+    "InputsError",
     "LinkSpec",
     "NoPlanFitsError",
     "NodeDecision",

@@ -27,6 +27,12 @@ import torch
 import torch.utils._pytree as pytree
 
 from autopar.codegen import collectives as C
+from autopar.errors import AutoparError
+
+
+class InputsError(AutoparError, ValueError):
+    """A call's inputs do not fit the plan (their rows, their shapes, some whole and some sliced):
+    the message names each input as the call does and the shapes it may have."""
 
 
 def input_names(model: torch.nn.Module, args: tuple, kwargs: dict) -> list[str]:
@@ -80,7 +86,7 @@ class Feeding:
 
     def slices(self, flat: Sequence, k: int = 1) -> int:
         """How many slices of the batch the inputs ``flat`` (``k`` of the plan's batches: ``step``'s
-        micro-batches) are: 1 for the whole batch, ``data_world`` for this rank's slice. ValueError,
+        micro-batches) are: 1 for the whole batch, ``data_world`` for this rank's slice. InputsError,
         naming the inputs, unless every input that carries the batch is one or the other, and all
         the same one."""
         n = self.data_world
@@ -94,14 +100,14 @@ class Feeding:
             elif t.shape[0] * n == rows:
                 sliced.append(name)
             elif k == 1 and self._global_rows(t, shape):
-                raise ValueError(self._micro_batch_error(name, t, shape))
+                raise InputsError(self._micro_batch_error(name, t, shape))
             else:
-                raise ValueError(
+                raise InputsError(
                     f"{name} has {t.shape[0]} rows; the plan takes {self.accepted(shape, k, True)}: plans are "
                     "specialized to the example inputs' shapes, re-plan for another batch size"
                 )
         if whole and sliced:
-            raise ValueError(
+            raise InputsError(
                 f"{', '.join(whole)} {_verb(whole)} the whole batch but {', '.join(sliced)} {_verb(sliced)} this "
                 f"rank's slice: pass every input that carries the batch whole, or every one as this rank's slice "
                 f"(pmodel.data_world = {n})"
@@ -109,7 +115,7 @@ class Feeding:
         return n if sliced else 1
 
     def check_shapes(self, flat: Sequence, sliced: int, k: int = 1) -> None:
-        """ValueError, naming the input and the shapes it may have, unless every input of ``flat``
+        """InputsError, naming the input and the shapes it may have, unless every input of ``flat``
         has the plan's shape: ``k`` of its batches, this rank's slice of those that carry the
         batch where ``sliced`` > 1."""
         for name, t, shape, carries in zip(self.names, flat, self.shapes, self.carries):
@@ -119,8 +125,8 @@ class Feeding:
             if tuple(t.shape) == want:
                 continue
             if k == 1 and self._global_rows(t, shape) and tuple(t.shape[1:]) == shape[1:]:
-                raise ValueError(self._micro_batch_error(name, t, shape))
-            raise ValueError(
+                raise InputsError(self._micro_batch_error(name, t, shape))
+            raise InputsError(
                 f"{name} has shape {tuple(t.shape)}; the plan takes {self.accepted(shape, k, carries)}: plans are "
                 "specialized to the example inputs' shapes, re-plan for this shape"
             )

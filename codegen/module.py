@@ -65,7 +65,7 @@ from torch.distributed.tensor import DTensor
 from autopar.codegen import collectives as C
 from autopar.codegen import state as S
 from autopar.codegen.agree import ENTRY_TIMEOUT_S, agree, all_entered
-from autopar.codegen.feeding import Feeding
+from autopar.codegen.feeding import Feeding, InputsError
 from autopar.codegen.micro_batches import batch_size, split_batch
 from autopar.codegen.zero import AppliedTrades
 from autopar.placement import Spec
@@ -209,7 +209,7 @@ class ParallelModule(torch.nn.Module):
         if k > 1:
             batch, micro = batch_size((args, kwargs), 1), self._input_shapes[0][0]
             if batch not in (micro * k, micro * k // self.data_world):
-                raise ValueError(
+                raise InputsError(
                     f"step takes the global batch, {micro * k} rows ({k} micro-batches of {micro}, the plan's), "
                     f"or this rank's slice of it; got {batch}; plans are specialized to the example inputs' shapes: "
                     "re-plan for this batch"

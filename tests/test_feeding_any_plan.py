@@ -87,7 +87,7 @@ def _rank(rank, world, plans):
     }.items():
         try:
             pmodel(*args)
-        except ValueError as e:
+        except autopar.InputsError as e:
             errors[case] = str(e)
     try:  # rank 0 fed the whole batch, rank 1 its slice: both raise, neither waits in a gather
         pmodel(x, target) if rank == 0 else pmodel(x[4:], target[4:])
@@ -104,7 +104,7 @@ def _rank(rank, world, plans):
     pmodel = autopar.autoparallelize(model, free_link_cpu(world), inputs, plan=plans["llama", "labels whole"])
     try:
         pmodel(input_ids=inputs["input_ids"][:4], labels=inputs["labels"][:4, :8])
-    except ValueError as e:
+    except autopar.InputsError as e:
         errors["llama"] = str(e)
     return out, errors
 

@@ -287,7 +287,7 @@ def test_gradients_reduce_once_per_step_and_one_micro_batch_is_live(tmp_path_fac
 def test_a_micro_batched_module_called_wrong_says_what_to_do(tmp_path_factory):
     for res in _result(2, "gpt2", "dp2", 4, tmp_path_factory):
         errors = res["errors"]
-        assert errors["forward"].startswith("ValueError") and "pmodel.step(" in errors["forward"]
+        assert errors["forward"].startswith("InputsError") and "pmodel.step(" in errors["forward"]
         assert "step takes the global batch, 8 rows (4 micro-batches of 2" in errors["step"], errors["step"]
         assert errors["indivisible"].startswith("MicroBatchError"), errors["indivisible"]
         assert "do not split over the 2 ranks" in errors["indivisible"]
