@@ -2,9 +2,10 @@
 or the whole batch, whatever placements the plan gives the inputs.
 
 A plan may split one input's batch over the data axis and keep another whole (or split it on
-another axis): the module then gathers the slices of that one over the data axis before the
-generated graph runs. On 2 gloo ranks, plans edited so that one input is replicated (the search
-picks such plans where it prices them cheaper, e.g. under load) train as the single-device model
+another axis or dim): the module then gathers the slices of that one over the data axis before
+the generated graph runs. On 2 gloo ranks, plans edited so that one input is replicated, or split
+on its sequence instead of its batch (the search picks such plans where it prices them cheaper,
+e.g. under load: the README's train.py model on a busy machine), train as the single-device model
 does, fed slices and fed the whole batch: the loss, the outputs and every gradient, with and
 without micro-batches. Errors about the inputs name them as the call does ("labels", "target") and
 say which shapes are accepted; ranks fed different ways all raise. On 4 ranks (a data axis inside
@@ -40,10 +41,11 @@ def _llama():
 BUILDS = {"mlp": _mlp, "llama": _llama}
 
 
-def _whole(plan, name: str):
-    """``plan`` with input ``name`` kept whole on every rank (its users reshard it as they need)."""
+def _whole(plan, name: str, output: str = "R"):
+    """``plan`` with input ``name`` placed ``output`` (kept whole by default) instead of split on
+    the batch (its users reshard it as they need)."""
     decisions = tuple(
-        dataclasses.replace(d, output="R") if d.role == "input" and d.target == name else d
+        dataclasses.replace(d, output=output) if d.role == "input" and d.target == name else d
         for d in plan.decisions
     )
     return dataclasses.replace(plan, decisions=decisions)
@@ -121,13 +123,15 @@ def _reference(model_name):
 
 
 @pytest.mark.slow
-def test_slices_and_the_whole_batch_train_as_one_device_whatever_the_plan_keeps_whole(tmp_path):
+def test_slices_and_the_whole_batch_train_as_one_device_whatever_the_plan_does_with_an_input(tmp_path):
     plans = {}
     for model_name, kept in (("mlp", "target"), ("mlp", "x"), ("llama", "labels")):
         model, inputs = BUILDS[model_name]()
         base = autopar.plan(model, free_link_cpu(WORLD), inputs, mesh_shape=(WORLD,), axis_roles=(D,))
         assert all(d.output == "S(0)" for d in base.decisions if d.role == "input"), "a data-parallel plan"
         edited = {f"{kept} whole": _whole(base, kept)}
+        if model_name == "llama":  # split on another dim: gathered, then cut as the plan cuts it
+            edited[f"{kept} split on the sequence"] = _whole(base, kept, "S(1)")
         if model_name == "mlp" and kept == "target":
             edited[f"{kept} whole, 2 micro-batches"] = dataclasses.replace(
                 edited[f"{kept} whole"], trades=Trades(micro_batches=2)
