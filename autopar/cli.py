@@ -7,6 +7,7 @@
                  [--sequence-attention gather|ring|all_to_all] [--kernels auto|all|none|K1,K2]
                  [--overlap-matmuls auto|on|off]
                  [--profile [--profile-cache PATH] [--profile-threads N]]
+    autopar report PLAN.json [--out report.html] [--title TEXT]
     autopar calibrate [--world-size N] [--out cluster.json] [--quick]
     autopar coverage MODEL_SPEC [--json]
 
@@ -174,6 +175,11 @@ def _build_parser() -> argparse.ArgumentParser:
         help="intra-op threads while profiling on CPU (default: 1, as CPU ranks run)",
     )
 
+    rp = sub.add_parser("report", help="render a saved plan's HTML report again")
+    rp.add_argument("plan", metavar="PLAN.json", help="a plan written by `autopar plan` or Plan.save")
+    rp.add_argument("--out", default="report.html", help="where to write the report (default: report.html)")
+    rp.add_argument("--title", default=None, help="the page's title (default: autopar plan: MODEL)")
+
     ca = sub.add_parser(
         "calibrate", help="measure links and device on local gloo processes; write a spec file"
     )
@@ -271,6 +277,19 @@ def _cmd_plan(args) -> int:
     return 0
 
 
+def _cmd_report(args) -> int:
+    import autopar
+    from autopar.report import write_report
+
+    try:
+        plan = autopar.Plan.load(args.plan)
+    except OSError as e:
+        print(f"autopar: error: cannot read the plan {args.plan}: {e.strerror or e}", file=sys.stderr)
+        return 2
+    print(f"wrote {write_report(plan, args.out, title=args.title)}")
+    return 0
+
+
 def _cmd_coverage(args) -> int:
     import json
 
@@ -302,6 +321,8 @@ def main(argv: list[str] | None = None) -> int:
             return _cmd_plan(args)
         if args.cmd == "calibrate":
             return _cmd_calibrate(args)
+        if args.cmd == "report":
+            return _cmd_report(args)
         if args.cmd == "coverage":
             return _cmd_coverage(args)
     except AutoparError as e:
@@ -313,7 +334,7 @@ def main(argv: list[str] | None = None) -> int:
 # commands whose process has nothing left to do once ``main`` returns: their files are written and
 # closed, their output printed. The interpreter's teardown would walk every object torch and the
 # search left alive (1.5 s after planning an 8B Llama, a seventh of the command: benchmarks/README.md)
-QUICK_EXIT = ("plan", "coverage")
+QUICK_EXIT = ("plan", "report", "coverage")
 
 
 def run() -> None:

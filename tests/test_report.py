@@ -499,3 +499,17 @@ def test_long_labels_are_cut_from_the_head_and_charts_widen_for_them():
     assert len(shown) == NODE_LABEL_CHARS and shown.startswith("…") and shown.endswith("block_39 · mm")
     # the label column holds it: it ends at the column's edge and starts inside the chart
     assert float(label.get("x")) - text_width(shown) >= 0
+
+
+def test_a_section_whose_data_the_plan_lacks_says_so_and_the_rest_renders():
+    """A hand-edited plan file: one candidate not a record, pipeline chunks without their costs."""
+    import dataclasses
+
+    plan = dataclasses.replace(_plan(), solver=dataclasses.replace(_plan().solver, candidates=("(2)",)))
+    doc = render_report(plan)
+    section = _section(doc, "Candidate mesh shapes")
+    assert "This section is missing: the plan lacks the data it needs (AttributeError" in section
+    text = " ".join(_parse(doc).text)
+    for heading in ("Summary", "Mesh axes", "Parameter placements", "All decisions (7)"):
+        assert heading in text, heading
+    assert text.count("This section is missing") == 1

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import os
 import pathlib
+from collections.abc import Callable
 from html import escape
 from typing import Any
 
@@ -211,7 +212,7 @@ def chosen_candidate(plan: Plan) -> int | None:
     pipe = plan.pipeline.to_dict()
     matches = [
         i for i, c in enumerate(cands)
-        if _mesh_key(c.get("mesh_shape")) == chosen and c.get("trades", trades) == trades
+        if isinstance(c, dict) and _mesh_key(c.get("mesh_shape")) == chosen and c.get("trades", trades) == trades
         and c.get("pipeline", pipe) == pipe and finite(c.get("objective"))
     ]  # fmt: skip
     return min(matches, key=lambda i: cands[i]["objective"], default=None)
@@ -431,8 +432,21 @@ def placement_legend(plan: Plan) -> str:
     return text + html_table(["notation", "meaning"], rows)
 
 
-def render_report(plan: Plan, *, measured: dict | None = None, title: str | None = None) -> str:
-    """The report as one HTML string."""
+def _guarded(heading: str, draw: Callable[[], list[str]]) -> list[str]:
+    """A section's HTML parts from ``draw``; where the plan lacks what it needs (a hand-edited or
+    older plan file), its heading and a line naming what is missing instead, so the rest of the
+    report still renders."""
+    try:
+        return draw()
+    except Exception as e:  # noqa: BLE001 -- any gap in the plan's data costs one section, not the page
+        why = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
+        return [
+            f"<h2>{escape(heading)}</h2>",
+            f'<p class="bad">This section is missing: the plan lacks the data it needs ({escape(why)}).</p>',
+        ]
+
+
+def _head_table(plan: Plan) -> str:
     c = plan.cluster if isinstance(plan.cluster, dict) else {}
     nodes, per = c.get("nodes"), c.get("devices_per_node")
     if is_num(nodes) and is_num(per):
@@ -442,8 +456,7 @@ def render_report(plan: Plan, *, measured: dict | None = None, title: str | None
     else:
         size = "size unknown"
     s = plan.solver
-    title = title or f"autopar plan: {plan.model}"
-    head = html_table(
+    return html_table(
         ["model", "cluster", "mesh", "solver", "fingerprint"],
         [
             [
@@ -457,7 +470,10 @@ def render_report(plan: Plan, *, measured: dict | None = None, title: str | None
             ]
         ],
     )
-    params = html_table(
+
+
+def _params_table(plan: Plan) -> str:
+    return html_table(
         ["parameter", "shape", "placement"],
         [
             [
@@ -469,7 +485,10 @@ def render_report(plan: Plan, *, measured: dict | None = None, title: str | None
             if d.role == "param"
         ],
     )
-    decisions = html_table(
+
+
+def _decisions_table(plan: Plan) -> str:
+    return html_table(
         ["name", "module", "op", "role", "shape", "output", "inputs", "compute", "comm", "collectives"],
         [
             [
@@ -491,46 +510,61 @@ def render_report(plan: Plan, *, measured: dict | None = None, title: str | None
             for d in plan.decisions
         ],
     )
+
+
+def _candidates_parts(plan: Plan) -> list[str]:
+    cands = plan.solver.candidates
+    if not cands:
+        return []
+    piped = any(int((c.get("pipeline") or {}).get("stages", 1)) > 1 for c in cands)
+    return [
+        "<h2>Candidate mesh shapes</h2>",
+        candidates_svg(plan),
+        "<p>Letters under a mesh: each axis's role in its search (D data parallel, A any placement, "
+        "T tensor, S sequence) and the trades of that rung ("
+        + ("P<i>n</i> <i>n</i> pipeline stages of that mesh, " if piped else "")
+        + "Z<i>n</i> ZeRO stage <i>n</i>, Rs / Rf "
+        "selective / full recomputation, k<i>n</i> micro-batches, off optimizer offload).</p>",
+    ]
+
+
+def render_report(plan: Plan, *, measured: dict | None = None, title: str | None = None) -> str:
+    """The report as one HTML string. A section whose data the plan lacks (a hand-edited or older
+    plan file) says so in its place; the others render."""
+    title = title or f"autopar plan: {plan.model}"
+    sections: list[tuple[str, Callable[[], list[str]]]] = [
+        ("Plan", lambda: [_head_table(plan)]),
+        ("Summary", lambda: ["<h2>Summary</h2>", _summary_table(plan, measured)]),
+        ("Mesh axes", lambda: ["<h2>Mesh axes</h2>", axes_table(plan)]),
+        ("Placement notation", lambda: ["<h2>Placement notation</h2>", placement_legend(plan)]),
+        ("Memory-for-time trades", lambda: ["<h2>Memory-for-time trades</h2>", trades_table(plan)]),
+        ("Pipeline", lambda: pipeline_section(plan) if plan.pipeline.enabled else []),
+        ("Predicted memory per device", lambda: ["<h2>Predicted memory per device</h2>", memory_svg(plan)]),
+        (
+            "Top nodes by predicted time",
+            lambda: [
+                f"<h2>Top {min(TOP_NODES, len(plan.decisions))} nodes by predicted time</h2>",
+                nodes_svg(plan),
+                "<p>Each node named by the module it runs in and its op (its graph name in the tooltip); "
+                "a parameter by its name.</p>",
+            ],
+        ),
+        ("Candidate mesh shapes", lambda: _candidates_parts(plan)),
+        ("Parameter placements", lambda: ["<h2>Parameter placements</h2>", _params_table(plan)]),
+        (
+            "All decisions",
+            lambda: [f"<h2>All decisions ({len(plan.decisions)})</h2>", _decisions_table(plan)],
+        ),
+    ]
     parts = [
         "<!DOCTYPE html>",
         '<html lang="en"><head><meta charset="utf-8">',
         f"<title>{escape(title)}</title><style>{_CSS}</style></head><body>",
         f"<h1>{escape(title)}</h1>",
-        head,
-        "<h2>Summary</h2>",
-        _summary_table(plan, measured),
-        "<h2>Mesh axes</h2>",
-        axes_table(plan),
-        "<h2>Placement notation</h2>",
-        placement_legend(plan),
-        "<h2>Memory-for-time trades</h2>",
-        trades_table(plan),
-        *(pipeline_section(plan) if plan.pipeline.enabled else ()),
-        "<h2>Predicted memory per device</h2>",
-        memory_svg(plan),
-        f"<h2>Top {min(TOP_NODES, len(plan.decisions))} nodes by predicted time</h2>",
-        nodes_svg(plan),
-        "<p>Each node named by the module it runs in and its op (its graph name in the tooltip); "
-        "a parameter by its name.</p>",
     ]
-    if s.candidates:
-        piped = any(int((c.get("pipeline") or {}).get("stages", 1)) > 1 for c in s.candidates)
-        parts += [
-            "<h2>Candidate mesh shapes</h2>",
-            candidates_svg(plan),
-            "<p>Letters under a mesh: each axis's role in its search (D data parallel, A any placement, "
-            "T tensor, S sequence) and the trades of that rung ("
-            + ("P<i>n</i> <i>n</i> pipeline stages of that mesh, " if piped else "")
-            + "Z<i>n</i> ZeRO stage <i>n</i>, Rs / Rf "
-            "selective / full recomputation, k<i>n</i> micro-batches, off optimizer offload).</p>",
-        ]
-    parts += [
-        "<h2>Parameter placements</h2>",
-        params,
-        f"<h2>All decisions ({len(plan.decisions)})</h2>",
-        decisions,
-        "</body></html>",
-    ]
+    for heading, draw in sections:
+        parts += _guarded(heading, draw)
+    parts.append("</body></html>")
     return "\n".join(parts) + "\n"
 
 
