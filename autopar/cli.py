@@ -2,7 +2,7 @@
 
     autopar demo [--out DIR] [--model MODEL_SPEC] [--world-size N] [--cluster SPEC_FILE]
     autopar plan MODEL_SPEC --cluster PRESET[:NODESxDEVICES] | SPEC_FILE --out plan.json [--report r.html]
-                 [--mesh AxB] [--recompute ..] [--micro-batches K] [--zero-stage ..] [--offload ..]
+                 [--mesh AxB] [--axis-roles data,tensor] [--recompute ..] [--micro-batches K] [--zero-stage ..] [--offload ..]
                  [--precision ..] [--pipeline-stages N] [--schedule ..] [--virtual-stages N]
                  [--sequence-attention gather|ring|all_to_all] [--kernels auto|all|none|K1,K2]
                  [--overlap-matmuls auto|on|off]
@@ -25,6 +25,7 @@ import sys
 from autopar.demo import DEMO_MODEL
 from autopar.errors import AutoparError
 from autopar.fusion import Kernel, KernelsError, coerce_kernels
+from autopar.options import AxisRole
 from autopar.placement import Outputs, SeqAttention
 from autopar.trades import Schedule
 
@@ -34,6 +35,19 @@ def _mesh(text: str) -> tuple[int, ...]:
         return tuple(int(x) for x in text.lower().split("x"))
     except ValueError:
         raise argparse.ArgumentTypeError(f"bad mesh {text!r}: use e.g. 4 or 2x2") from None
+
+
+def _axis_roles(text: str) -> tuple[AxisRole, ...]:
+    """``data,tensor`` -> (AxisRole.DATA, AxisRole.TENSOR): one role per mesh axis, outermost first."""
+    names = [x.strip().lower() for x in text.split(",")]
+    valid = [r.value for r in AxisRole]
+    bad = [n for n in names if n not in valid]
+    if bad:
+        raise argparse.ArgumentTypeError(
+            f"bad axis role{'s' if len(bad) > 1 else ''} {', '.join(repr(b) for b in bad)} in {text!r}: "
+            f"give one of {', '.join(valid)} per mesh axis, comma separated (e.g. data,tensor for --mesh 2x4)"
+        )
+    return tuple(AxisRole(n) for n in names)
 
 
 def _build_parser() -> argparse.ArgumentParser:
@@ -70,6 +84,15 @@ def _build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--out", default="plan.json", help="where to write the plan (default: plan.json)")
     pl.add_argument("--report", default=None, help="also write an HTML report here")
     pl.add_argument("--mesh", type=_mesh, default=None, help="fix the mesh shape, e.g. 2x4 (default: search)")
+    pl.add_argument(
+        "--axis-roles",
+        type=_axis_roles,
+        default=None,
+        metavar="R1,R2",
+        help="what each mesh axis is for, outermost first, one of "
+        f"{', '.join(r.value for r in AxisRole)} per axis (e.g. data,tensor with --mesh 2x4; "
+        "default: the search chooses)",
+    )
     pl.add_argument(
         "--memory-limit-gib",
         type=float,
@@ -261,6 +284,7 @@ def _cmd_plan(args) -> int:
         offload=auto(args.offload),
         precision=auto(args.precision),
         mesh_shape=args.mesh,
+        axis_roles=args.axis_roles,
         memory_limit_bytes=args.memory_limit_gib * 2**30 if args.memory_limit_gib is not None else None,
         time_limit_s=args.time_limit,
         outputs=Outputs(args.outputs),
