@@ -702,7 +702,9 @@ def test_a_file_without_base_names_what_it_lacks_and_the_base_form(tmp_path):
     with pytest.raises(ClusterSpecError) as e:
         ClusterSpec.from_file(p)
     msg = str(e.value)
-    assert "missing key(s) ['devices_per_node', 'device', 'intra_node', 'inter_node', 'host_memory_bytes'" in msg
+    assert (
+        "missing key(s) ['devices_per_node', 'device', 'intra_node', 'inter_node', 'host_memory_bytes'" in msg
+    )
     assert 'start from a preset and give only what differs, e.g. {"base": "h100-sxm"' in msg
     # a device's keys as files write them: contention's own keys are not offered beside them
     d = ClusterSpec.preset("cpu").to_dict()
