@@ -76,7 +76,7 @@ def memory_parts(plan: Plan) -> MemoryParts:
 def who(plan: Plan, m: MemoryParts) -> str:
     """Which device the figures are: every device alike, or the fullest pipeline rank."""
     if not plan.pipeline.enabled:
-        return "each device (the plan's placements give every device of the mesh the same share)"
+        return "each device (the cost model prices every device of the mesh alike)"
     n = 1
     for s in plan.mesh_shape:
         n *= int(s)
