@@ -2,11 +2,12 @@
 
     autopar demo [--out DIR] [--model MODEL_SPEC] [--world-size N] [--cluster SPEC_FILE]
     autopar plan MODEL_SPEC --cluster PRESET[:NODESxDEVICES] | SPEC_FILE --out plan.json [--report r.html]
-                 [--mesh AxB] [--recompute ..] [--micro-batches K] [--zero-stage ..] [--offload ..]
+                 [--mesh AxB] [--axis-roles data,tensor] [--recompute ..] [--micro-batches K] [--zero-stage ..] [--offload ..]
                  [--precision ..] [--pipeline-stages N] [--schedule ..] [--virtual-stages N]
                  [--sequence-attention gather|ring|all_to_all] [--kernels auto|all|none|K1,K2]
                  [--overlap-matmuls auto|on|off]
                  [--profile [--profile-cache PATH] [--profile-threads N]]
+    autopar report PLAN.json [--out report.html] [--title TEXT]
     autopar calibrate [--world-size N] [--out cluster.json] [--quick]
     autopar coverage MODEL_SPEC [--json]
 
@@ -24,6 +25,7 @@ import sys
 from autopar.demo import DEMO_MODEL
 from autopar.errors import AutoparError
 from autopar.fusion import Kernel, KernelsError, coerce_kernels
+from autopar.options import AxisRole
 from autopar.placement import Outputs, SeqAttention
 from autopar.trades import Schedule
 
@@ -33,6 +35,19 @@ def _mesh(text: str) -> tuple[int, ...]:
         return tuple(int(x) for x in text.lower().split("x"))
     except ValueError:
         raise argparse.ArgumentTypeError(f"bad mesh {text!r}: use e.g. 4 or 2x2") from None
+
+
+def _axis_roles(text: str) -> tuple[AxisRole, ...]:
+    """``data,tensor`` -> (AxisRole.DATA, AxisRole.TENSOR): one role per mesh axis, outermost first."""
+    names = [x.strip().lower() for x in text.split(",")]
+    valid = [r.value for r in AxisRole]
+    bad = [n for n in names if n not in valid]
+    if bad:
+        raise argparse.ArgumentTypeError(
+            f"bad axis role{'s' if len(bad) > 1 else ''} {', '.join(repr(b) for b in bad)} in {text!r}: "
+            f"give one of {', '.join(valid)} per mesh axis, comma separated (e.g. data,tensor for --mesh 2x4)"
+        )
+    return tuple(AxisRole(n) for n in names)
 
 
 def _build_parser() -> argparse.ArgumentParser:
@@ -69,6 +84,15 @@ def _build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--out", default="plan.json", help="where to write the plan (default: plan.json)")
     pl.add_argument("--report", default=None, help="also write an HTML report here")
     pl.add_argument("--mesh", type=_mesh, default=None, help="fix the mesh shape, e.g. 2x4 (default: search)")
+    pl.add_argument(
+        "--axis-roles",
+        type=_axis_roles,
+        default=None,
+        metavar="R1,R2",
+        help="what each mesh axis is for, outermost first, one of "
+        f"{', '.join(r.value for r in AxisRole)} per axis (e.g. data,tensor with --mesh 2x4; "
+        "default: the search chooses)",
+    )
     pl.add_argument(
         "--memory-limit-gib",
         type=float,
@@ -174,6 +198,11 @@ def _build_parser() -> argparse.ArgumentParser:
         help="intra-op threads while profiling on CPU (default: 1, as CPU ranks run)",
     )
 
+    rp = sub.add_parser("report", help="render a saved plan's HTML report again")
+    rp.add_argument("plan", metavar="PLAN.json", help="a plan written by `autopar plan` or Plan.save")
+    rp.add_argument("--out", default="report.html", help="where to write the report (default: report.html)")
+    rp.add_argument("--title", default=None, help="the page's title (default: autopar plan: MODEL)")
+
     ca = sub.add_parser(
         "calibrate", help="measure links and device on local gloo processes; write a spec file"
     )
@@ -255,6 +284,7 @@ def _cmd_plan(args) -> int:
         offload=auto(args.offload),
         precision=auto(args.precision),
         mesh_shape=args.mesh,
+        axis_roles=args.axis_roles,
         memory_limit_bytes=args.memory_limit_gib * 2**30 if args.memory_limit_gib is not None else None,
         time_limit_s=args.time_limit,
         outputs=Outputs(args.outputs),
@@ -268,6 +298,19 @@ def _cmd_plan(args) -> int:
     print(f"wrote {args.out}")
     if args.report:
         print(f"wrote {write_report(plan, args.report)}")
+    return 0
+
+
+def _cmd_report(args) -> int:
+    import autopar
+    from autopar.report import write_report
+
+    try:
+        plan = autopar.Plan.load(args.plan)
+    except OSError as e:
+        print(f"autopar: error: cannot read the plan {args.plan}: {e.strerror or e}", file=sys.stderr)
+        return 2
+    print(f"wrote {write_report(plan, args.out, title=args.title)}")
     return 0
 
 
@@ -302,6 +345,8 @@ def main(argv: list[str] | None = None) -> int:
             return _cmd_plan(args)
         if args.cmd == "calibrate":
             return _cmd_calibrate(args)
+        if args.cmd == "report":
+            return _cmd_report(args)
         if args.cmd == "coverage":
             return _cmd_coverage(args)
     except AutoparError as e:
@@ -313,7 +358,7 @@ def main(argv: list[str] | None = None) -> int:
 # commands whose process has nothing left to do once ``main`` returns: their files are written and
 # closed, their output printed. The interpreter's teardown would walk every object torch and the
 # search left alive (1.5 s after planning an 8B Llama, a seventh of the command: benchmarks/README.md)
-QUICK_EXIT = ("plan", "coverage")
+QUICK_EXIT = ("plan", "report", "coverage")
 
 
 def run() -> None:

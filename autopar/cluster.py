@@ -32,16 +32,29 @@ presets and the sources of their numbers: ``autopar/presets.py``.
 
 Presets (``ClusterSpec.preset``): ``a100-40gb``, ``a100-80gb``, ``h100-sxm``, ``h100-96gb``, ``h200``,
 ``b200``, ``cpu``.
+
+Spec files (``ClusterSpec.from_file``, JSON or YAML) hold either a whole ``to_dict()`` or a preset
+and what differs from it::
+
+    {"base": "h100-sxm", "nodes": 2, "device": {"memory_bytes": 40e9},
+     "inter_node": {"bandwidth": 25e9}}
+
+``base`` names the preset (``preset`` is read too); ``nodes`` and ``devices_per_node`` size it as
+``ClusterSpec.preset`` does; every other key is a field of ``to_dict()``, a nested mapping merged
+key by key into the preset's (``device.peak_flops``, ``device.contention``, a link), so the file
+equals the preset with those fields replaced. An unknown key, at any level, is named with the
+nearest known one.
 """
 
 from __future__ import annotations
 
 import copy
 import dataclasses
+import difflib
 import json
 import os
 import re
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -108,14 +121,7 @@ _DEVICE_OPTIONAL = (
 # ``HostContention``'s fields as flat device keys: how spec files written before ``contention``
 # existed give them; still read (into ``contention``), never written
 _LEGACY_CONTENTION_KEYS = _CONTENTION_KEYS
-_DEVICE_KEYS = (
-    "name",
-    "peak_flops",
-    "memory_bytes",
-    "memory_bandwidth",
-    *_DEVICE_OPTIONAL,
-    *_LEGACY_CONTENTION_KEYS,
-)
+_DEVICE_KEYS = ("name", "peak_flops", "memory_bytes", "memory_bandwidth", *_DEVICE_OPTIONAL)
 _LINK_KEYS = ("bandwidth", "latency", "ranges")
 
 
@@ -129,20 +135,38 @@ def _coerce_number(v: Any) -> Any:
     return v
 
 
-def _check_keys(where: str, d: Any, required: tuple[str, ...], optional: tuple[str, ...] = ()) -> None:
-    if not isinstance(d, Mapping):
-        raise ClusterSpecError(
-            f"{where}: got {d!r} ({type(d).__name__}); must be a mapping with keys {list(required)}"
+def did_you_mean(word: Any, choices: Iterable[str]) -> str:
+    """`` (did you mean 'x'?)`` where ``word`` is close to one of ``choices`` (difflib), else ``""``."""
+    close = difflib.get_close_matches(str(word), list(choices), n=1, cutoff=0.6)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+def _check_keys(
+    where: str,
+    d: Any,
+    keys: tuple[str, ...],
+    optional: tuple[str, ...] = (),
+    unlisted: tuple[str, ...] = (),
+) -> None:
+    """``d`` is a mapping of ``keys`` (all but ``optional`` required) and of ``unlisted`` ones
+    (read, never written, so not offered in the message); an unknown key is named with the
+    nearest known one, a missing one with what is required and what is optional."""
+    required = [k for k in keys if k not in optional]
+    if not required:
+        listed = f"allowed keys {list(keys)}"
+    else:
+        listed = f"required keys {required}" + (
+            f", optional {[k for k in keys if k in optional]}" if optional else ""
         )
-    unknown = sorted(str(k) for k in d if k not in required)
-    missing = [k for k in required if k not in d and k not in optional]
+    if not isinstance(d, Mapping):
+        raise ClusterSpecError(f"{where}: got {d!r} ({type(d).__name__}); must be a mapping with {listed}")
+    unknown = sorted(str(k) for k in d if k not in keys and k not in unlisted)
+    missing = [k for k in required if k not in d]
     if unknown or missing:
-        parts = []
-        if unknown:
-            parts.append(f"unknown key(s) {unknown}")
+        parts = [f"unknown key {k!r}{did_you_mean(k, keys)}" for k in unknown]
         if missing:
             parts.append(f"missing key(s) {missing}")
-        raise ClusterSpecError(f"{where}: {' and '.join(parts)}; allowed keys are {list(required)}")
+        raise ClusterSpecError(f"{where}: {'; '.join(parts)}; {listed}")
 
 
 def _link_from_dict(where: str, d: Any) -> LinkSpec:
@@ -207,7 +231,7 @@ def _legacy_kind(name: Any) -> DeviceKind:
 
 
 def _device_from_dict(where: str, d: Any) -> DeviceSpec:
-    _check_keys(where, d, _DEVICE_KEYS, (*_DEVICE_OPTIONAL, *_LEGACY_CONTENTION_KEYS))
+    _check_keys(where, d, _DEVICE_KEYS, _DEVICE_OPTIONAL, _LEGACY_CONTENTION_KEYS)
     pf = d["peak_flops"]
     if isinstance(pf, Mapping):
         pf = {k: _coerce_number(v) for k, v in pf.items()}
@@ -250,6 +274,23 @@ def _deep_merge(base: dict[str, Any], over: Mapping[str, Any]) -> dict[str, Any]
         else:
             out[k] = copy.deepcopy(v)
     return out
+
+
+# the key of a spec file that starts from a preset (``"base": "h100-sxm"``); ``preset`` is read too
+BASE_KEYS = ("base", "preset")
+
+
+def _check_base_hint(data: Mapping[str, Any]) -> None:
+    """A file with neither a whole cluster nor a ``base``: its unknown keys named (with the nearest
+    known one), then what is missing, with the shorter form that starts from a preset."""
+    try:
+        _check_keys("cluster", data, _CLUSTER_KEYS, _CLUSTER_OPTIONAL)
+    except ClusterSpecError as e:
+        raise ClusterSpecError(
+            f"{e}; or start from a preset and give only what differs, e.g. "
+            '{"base": "h100-sxm", "nodes": 2, "device": {"memory_bytes": 40e9}} '
+            f"(presets are {list(PRESET_NAMES)})"
+        ) from None
 
 
 @dataclass(frozen=True)
@@ -405,17 +446,29 @@ class ClusterSpec:
 
     @classmethod
     def _from_data(cls, data: Any, where: str) -> ClusterSpec:
+        """A spec file's contents: a full ``to_dict()``, or a preset and the fields it overrides
+        (``BASE_KEYS``, module docstring)."""
         if not isinstance(data, Mapping):
             raise ClusterSpecError(f"{where}: expected a mapping at top level, got {type(data).__name__}")
-        if "preset" not in data:
+        given = [k for k in BASE_KEYS if k in data]
+        if not given:
+            if any(k not in data for k in _CLUSTER_KEYS if k not in _CLUSTER_OPTIONAL):
+                _check_base_hint(data)
             return cls.from_dict(data)
+        if len(given) > 1:
+            raise ClusterSpecError(f"cluster: give the preset once, as 'base' (got both {given})")
         over = dict(data)
-        preset = over.pop("preset")
-        if not isinstance(preset, str):
-            raise ClusterSpecError(f"{where}: preset: got {preset!r}; must be one of {list(PRESET_NAMES)}")
+        preset = over.pop(given[0])
+        key = preset.strip().lower() if isinstance(preset, str) else None
+        if key not in _DEVICES:
+            raise ClusterSpecError(
+                f"cluster.base: unknown preset {preset!r}{did_you_mean(key, PRESET_NAMES)}; "
+                f"presets are {list(PRESET_NAMES)}"
+            )
+        _check_keys("cluster", data, ("base", *_CLUSTER_KEYS), ("base", *_CLUSTER_KEYS), ("preset",))
         nodes = _coerce_number(over.pop("nodes", 1))
         dpn = over.pop("devices_per_node", None)
-        base = cls.preset(preset, nodes=nodes, devices_per_node=None if dpn is None else _coerce_number(dpn))
+        base = cls.preset(key, nodes=nodes, devices_per_node=None if dpn is None else _coerce_number(dpn))
         if not over:
             return base
         return cls.from_dict(_deep_merge(base.to_dict(), over))
@@ -435,7 +488,10 @@ class ClusterSpec:
 
     @classmethod
     def from_file(cls, path: str | os.PathLike[str]) -> ClusterSpec:
-        """Load a spec file (.json/.yaml/.yml): a full ``to_dict()`` or ``{"preset": ..., overrides}``."""
+        """Load a spec file (.json/.yaml/.yml): a full ``to_dict()``, or ``{"base": PRESET, ...}``:
+        the preset (``nodes`` and ``devices_per_node`` as ``preset()`` takes them) with the fields
+        given replaced, a nested mapping (``device``, a link, ``device.contention``) merged key by
+        key into the preset's."""
         p = Path(path)
         suffix = p.suffix.lower()
         if suffix not in _SPEC_SUFFIXES:

@@ -79,6 +79,7 @@ development VM"). Where preset figures come from: ``autopar/presets.py``.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import enum
 import math
 import os
@@ -157,9 +158,10 @@ def _dtype_name(field: str, key: Any) -> str:
         attr = getattr(torch, key.strip().removeprefix("torch."), None)
         if isinstance(attr, torch.dtype):
             return str(attr).removeprefix("torch.")
+    close = difflib.get_close_matches(str(key), _KNOWN_DTYPE_NAMES, n=1, cutoff=0.6)
     raise ClusterSpecError(
-        f"{field}: got dtype {key!r}; must be a torch.dtype or a torch dtype name such as "
-        f"{', '.join(repr(n) for n in _KNOWN_DTYPE_NAMES)}"
+        f"{field}: got dtype {key!r}{f' (did you mean {close[0]!r}?)' if close else ''}; must be a "
+        f"torch.dtype or a torch dtype name such as {', '.join(repr(n) for n in _KNOWN_DTYPE_NAMES)}"
     )
 
 

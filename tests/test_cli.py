@@ -136,3 +136,57 @@ def test_bad_pipeline_flags(tmp_path, capsys):
     assert "--virtual-stages must be a positive integer" in capsys.readouterr().err
     assert main(argv + ["--pipeline-stages", "0"]) == 2
     assert "pipeline_stages must be a positive integer" in capsys.readouterr().err
+
+
+def test_report_renders_a_saved_plan_as_plan_report_did(tmp_path, capsys):
+    """`autopar report PLAN.json` writes the page `autopar plan --report` wrote for the same plan."""
+    out, first, again = tmp_path / "p.json", tmp_path / "first.html", tmp_path / "again.html"
+    spec = "autopar.examples:gpt2_tiny(batch=8, seq=16, layers=4, hidden=32, vocab=128)"
+    argv = ["plan", spec, "--cluster", "cpu:1x4", "--mesh", "2", "--pipeline-stages", "2"]
+    assert main(argv + ["--out", str(out), "--report", str(first)]) == 0
+    assert main(["report", str(out), "--out", str(again)]) == 0
+    assert f"wrote {again}" in capsys.readouterr().out
+    assert again.read_text() == first.read_text()
+    assert "<h2>Pipeline</h2>" in again.read_text() and "This section is missing" not in again.read_text()
+    assert main(["report", str(out), "--out", str(again), "--title", "run 7"]) == 0
+    assert "<title>run 7</title>" in again.read_text()
+
+
+def test_report_of_a_missing_or_broken_plan_file_exits_2(tmp_path, capsys):
+    assert main(["report", str(tmp_path / "nope.json"), "--out", str(tmp_path / "r.html")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("autopar: error: cannot read the plan") and "nope.json" in err
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"schema_version": 1')
+    assert main(["report", str(bad), "--out", str(tmp_path / "r.html")]) == 2
+    assert "not a JSON plan file" in capsys.readouterr().err
+    assert not (tmp_path / "r.html").exists()
+
+
+def test_plan_takes_axis_roles(tmp_path):
+    out = tmp_path / "p.json"
+    spec = "autopar.examples:mlp(batch=8, hidden=16, ffn=32)"
+    argv = ["plan", spec, "--cluster", "cpu:1x4", "--mesh", "2x2", "--axis-roles", "data,tensor"]
+    assert main(argv + ["--out", str(out)]) == 0
+    plan = autopar.Plan.load(out)
+    assert plan.mesh_shape == (2, 2)
+    assert {tuple(c["axis_roles"]) for c in plan.solver.candidates} == {("data", "tensor")}
+    # axis 0 data parallel: the inputs split on the batch over it, every parameter whole over it
+    inputs = [d for d in plan.decisions if d.role == "input"]
+    assert inputs and all(d.output_spec[0].is_shard(0) for d in inputs)
+    assert all(not d.output_spec[0].is_shard() for d in plan.decisions if d.role == "param")
+    # axis 1 tensor parallel: every matrix sharded over it
+    matrices = [d for d in plan.decisions if d.role == "param" and len(d.shape) >= 2]
+    assert matrices and all(d.output_spec[1].is_shard() for d in matrices)
+
+
+def test_bad_axis_roles(tmp_path, capsys):
+    argv = ["plan", "autopar.examples:mlp", "--cluster", "cpu:1x4", "--out", str(tmp_path / "x.json")]
+    with pytest.raises(SystemExit) as e:
+        main(argv + ["--mesh", "2x2", "--axis-roles", "data,tensr"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "bad axis role 'tensr'" in err and "auto, data, tensor, sequence" in err
+    # as many roles as the mesh has axes
+    assert main(argv + ["--mesh", "2x2", "--axis-roles", "data"]) == 2
+    assert "axis_roles has 1 entries but mesh_shape (2, 2) has 2 axes" in capsys.readouterr().err

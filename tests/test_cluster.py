@@ -626,3 +626,91 @@ def test_a_gpu_is_priced_as_its_nearest_preset(name, memory, preset):
     from autopar.presets import _gpu_preset_for
 
     assert _gpu_preset_for(name, memory) == preset
+
+
+# ------------------------------------------------------------------------------------------ base: files
+
+
+@pytest.mark.parametrize("suffix", [".json", ".yaml"])
+def test_base_file_is_the_preset_with_its_fields_replaced(tmp_path, suffix):
+    """``{"base": PRESET, ...}``: the preset sized by nodes / devices_per_node, each field given
+    replaced (nested mappings key by key), the rest the preset's; and it saves and loads back."""
+    data = {
+        "base": "h100-sxm",
+        "nodes": 2,
+        "device": {"memory_bytes": 40e9, "peak_flops": {"bfloat16": 500e12}},
+        "inter_node": {"bandwidth": 25e9},
+        "memory_reserve": 0.2,
+    }
+    p = tmp_path / f"c{suffix}"
+    p.write_text(json.dumps(data) if suffix == ".json" else yaml.safe_dump(data))
+    loaded = ClusterSpec.from_file(p)
+    preset = ClusterSpec.preset("h100-sxm", nodes=2)
+    peak = {**preset.device.to_dict()["peak_flops"], "bfloat16": 500e12}
+    want = dataclasses.replace(
+        preset,
+        device=dataclasses.replace(preset.device, memory_bytes=int(40e9), peak_flops=peak),
+        inter_node=dataclasses.replace(preset.inter_node, bandwidth=25e9),
+        memory_reserve=0.2,
+    )
+    assert loaded == want
+    assert loaded.device.peak_flops_for("float32") == preset.device.peak_flops_for("float32")
+    assert loaded.world_size == 16 and loaded.name == "h100-sxm"
+    out = tmp_path / f"saved{suffix}"
+    loaded.save(out)
+    assert ClusterSpec.from_file(out) == loaded
+    # the older spelling of the key reads the same
+    p.write_text(json.dumps({"preset": "h100-sxm", "nodes": 2}))
+    assert ClusterSpec.from_file(p) == preset
+
+
+@pytest.mark.parametrize(
+    "data, message",
+    [
+        ({"base": "h100-sx"}, "cluster.base: unknown preset 'h100-sx' (did you mean 'h100-sxm'?)"),
+        ({"base": "h100-sxm", "node": 2}, "cluster: unknown key 'node' (did you mean 'nodes'?)"),
+        (
+            {"base": "h100-sxm", "device": {"memroy_bytes": 1}},
+            "cluster.device: unknown key 'memroy_bytes' (did you mean 'memory_bytes'?)",
+        ),
+        (
+            {"base": "cpu", "device": {"contention": {"host_core": 1}}},
+            "cluster.device.contention: unknown key 'host_core' (did you mean 'host_cores'?)",
+        ),
+        (
+            {"base": "h100-sxm", "intra_node": {"bandwith": 1e9}},
+            "cluster.intra_node: unknown key 'bandwith' (did you mean 'bandwidth'?)",
+        ),
+        (
+            {"base": "h100-sxm", "device": {"peak_flops": {"bfloat": 1e12}}},
+            "got dtype 'bfloat' (did you mean 'bfloat16'?)",
+        ),
+        ({"base": "h100-sxm", "preset": "cpu"}, "give the preset once, as 'base'"),
+    ],
+)
+def test_base_file_errors_say_did_you_mean(tmp_path, data, message):
+    p = tmp_path / "c.json"
+    p.write_text(json.dumps(data))
+    with pytest.raises(ClusterSpecError) as e:
+        ClusterSpec.from_file(p)
+    assert message in str(e.value)
+
+
+def test_a_file_without_base_names_what_it_lacks_and_the_base_form(tmp_path):
+    p = tmp_path / "c.json"
+    p.write_text(json.dumps({"name": "h100-sxm", "nodes": 2}))
+    with pytest.raises(ClusterSpecError) as e:
+        ClusterSpec.from_file(p)
+    msg = str(e.value)
+    assert (
+        "missing key(s) ['devices_per_node', 'device', 'intra_node', 'inter_node', 'host_memory_bytes'" in msg
+    )
+    assert 'start from a preset and give only what differs, e.g. {"base": "h100-sxm"' in msg
+    # a device's keys as files write them: contention's own keys are not offered beside them
+    d = ClusterSpec.preset("cpu").to_dict()
+    d["device"]["memory_byte"] = 1
+    with pytest.raises(ClusterSpecError) as e:
+        ClusterSpec.from_dict(d)
+    msg = str(e.value)
+    assert "unknown key 'memory_byte' (did you mean 'memory_bytes'?)" in msg
+    assert "'contention'" in msg and "'sync_wait'" not in msg and "'host_cores'" not in msg

@@ -119,7 +119,8 @@ def test_file_written_and_parses_with_svg_and_node_names(tmp_path):
     assert doc == render_report(_plan())
     p = _parse(doc)
     assert p.tags.count("svg") == 3  # memory, top nodes, candidates
-    assert "link" not in p.tags and "script" not in p.tags  # self-contained
+    # self-contained: no stylesheet or script from elsewhere, the decisions' filter inline
+    assert "link" not in p.tags and p.tags.count("script") == 1 and "<script>" in doc
     text = " ".join(p.text)
     for header in ("TinyNet", "test-cluster", "1 × 2 = 2 devices", "(2)", "PULP_CBC_CMD", "Optimal"):
         assert header in text, header
@@ -137,9 +138,9 @@ def test_file_written_and_parses_with_svg_and_node_names(tmp_path):
 
 def test_names_are_escaped(tmp_path):
     doc = write_report(_plan(evil_name=EVIL), tmp_path / "r.html", title=f"T {EVIL}").read_text()
-    assert "<script>" not in doc
+    assert EVIL not in doc
     p = _parse(doc)
-    assert "script" not in p.tags
+    assert p.tags.count("script") == 1  # the decisions' filter, no other
     assert EVIL in " ".join(p.text)  # shown, as text
     assert EVIL in " ".join(p.svg_text[1])  # and as a label in the node chart
 
@@ -476,9 +477,14 @@ def test_nodes_named_by_module_and_op_with_the_graph_name_in_the_tooltip():
     assert "model.layers.27.mlp.down_proj · linear" in chart
     assert "(node linear_2, aten.linear.default)" in chart  # the label's tooltip
     assert "embedding_1" in chart  # no module recorded: its graph name
-    rows = _table_rows(_section(doc, "All decisions (7)"))
-    assert ["linear_2", "model.layers.27.mlp.down_proj", "aten.linear.default"] == rows[4][:3]
-    assert rows[3][1] == "—"
+    section = _section(doc, "All decisions (7)")
+    block = section[section.index('data-names="model.layers.27"') :]
+    # in its block's group: named within the block, the op by its short name, the full one its tooltip
+    assert _table_rows(block)[0][:2] == ["linear_2", "mlp.down_proj · linear"]
+    assert 'title="aten.linear.default"' in block.split("</table>")[0]
+    model_rows = _table_rows(section)  # the model's own group first: its inputs, its module-less ops
+    assert [r[0] for r in model_rows] == ["w_embed", "w_proj", "x_in", "embedding_1", "add_evil", "loss_out"]
+    assert model_rows[3][1] == "embedding" and model_rows[0][1] == "embed.weight (param)"
 
 
 def test_long_labels_are_cut_from_the_head_and_charts_widen_for_them():
@@ -499,3 +505,197 @@ def test_long_labels_are_cut_from_the_head_and_charts_widen_for_them():
     assert len(shown) == NODE_LABEL_CHARS and shown.startswith("…") and shown.endswith("block_39 · mm")
     # the label column holds it: it ends at the column's edge and starts inside the chart
     assert float(label.get("x")) - text_width(shown) >= 0
+
+
+def test_a_section_whose_data_the_plan_lacks_says_so_and_the_rest_renders():
+    """A hand-edited plan file: one candidate not a record, pipeline chunks without their costs."""
+    import dataclasses
+
+    plan = dataclasses.replace(_plan(), solver=dataclasses.replace(_plan().solver, candidates=("(2)",)))
+    doc = render_report(plan)
+    section = _section(doc, "Candidate mesh shapes")
+    assert "This section is missing: the plan lacks the data it needs (AttributeError" in section
+    text = " ".join(_parse(doc).text)
+    for heading in ("Summary", "Mesh axes", "Parameter placements", "All decisions (7)"):
+        assert heading in text, heading
+    assert text.count("This section is missing") == 1
+
+
+# -- layout on real-sized plans: units, memory parts, the pipeline's step, the candidates, the decisions --
+@pytest.mark.parametrize(
+    "b, want",
+    [(512, "512 B"), (4096, "4.00 KiB"), (5 * 2**20, "5.00 MiB"), (184784386, "176 MiB"),
+     (1000 * 2**20, "0.977 GiB"), (1.2 * 2**30, "1.20 GiB"), (12345 * 2**20, "12.1 GiB"), (None, "—")],
+)  # fmt: skip
+def test_fmt_bytes_three_significant_digits(b, want):
+    from autopar.report.svg import fmt_bytes
+
+    assert fmt_bytes(b) == want
+
+
+def test_collectives_and_memory_in_binary_units():
+    import dataclasses
+
+    from autopar.plan import PlannedCollective, Site
+    from autopar.reshard import Collective, Phase
+
+    plan = _plan()
+    big = PlannedCollective(Collective.ALL_REDUCE, 0, 47_710_208.0, Phase.BACKWARD, Site.BUCKET, 31)
+    decisions = tuple(
+        dataclasses.replace(d, collectives=(big,)) if d.name == "linear_2" else d for d in plan.decisions
+    )
+    predicted = dataclasses.replace(
+        plan.predicted, peak_memory_bytes=12345 * 2**20, activation_bytes=12340 * 2**20
+    )
+    doc = render_report(dataclasses.replace(plan, decisions=decisions, predicted=predicted))
+    assert "all_reduce@0 backward (bucket 31) 45.5 MiB" in doc and "47710208" not in doc
+    summary = " ".join(_parse(_section(doc, "Summary")).text)
+    assert "12.1 GiB" in summary and "12345" not in summary
+
+
+def test_memory_parts_add_up_to_the_peak_and_name_the_rest():
+    import dataclasses
+
+    from autopar.report.memory import REST_PLAIN, memory_parts
+
+    plan = _plan()
+    predicted = dataclasses.replace(plan.predicted, peak_memory_bytes=9 * 2**20)  # 4 MiB beyond the parts
+    m = memory_parts(dataclasses.replace(plan, predicted=predicted))
+    assert sum(b for _, b, _ in m.parts) == m.peak == 9 * 2**20
+    assert m.parts[-1][:2] == (REST_PLAIN, 4 * 2**20) and m.rank is None
+    doc = render_report(dataclasses.replace(plan, predicted=predicted))
+    section = _section(doc, "Predicted memory per device")
+    assert f"{REST_PLAIN} 4.00 MiB" in " ".join(_parse(section).svg_text[0])
+    assert "each device" in section
+    summary = [r[:2] for r in _table_rows(_section(doc, "Summary"))]
+    assert [f"· {REST_PLAIN}", "4.00 MiB"] in summary
+
+
+def test_pipelined_memory_names_the_fullest_rank_and_its_working_memory(pipelined_plan):
+    from autopar.report.memory import REST_PIPELINE, memory_parts, pipeline_rank_peaks
+
+    plan = pipelined_plan
+    m = memory_parts(plan)
+    peaks = pipeline_rank_peaks(plan)
+    assert len(peaks) == 2 and max(peaks) == pytest.approx(plan.predicted.peak_memory_bytes, abs=1)
+    assert m.rank == peaks.index(max(peaks))
+    assert (
+        sum(b for _, b, _ in m.parts) == pytest.approx(m.peak) and m.peak == plan.predicted.peak_memory_bytes
+    )
+    assert [label for label, _, _ in m.parts][:4] == ["params", "grads", "optimizer", "activations"]
+    section = _section(render_report(plan), "Predicted memory per device")
+    text = " ".join(_parse(section).text)
+    per = plan.mesh_shape[0]
+    assert (
+        f"pipeline rank {m.rank} (global ranks {m.rank * per}..{m.rank * per + per - 1}), the fullest of the 2"
+        in text
+    )
+    if len(m.parts) == 5:
+        assert m.parts[4][0] == REST_PIPELINE
+    summary = _table_rows(_section(render_report(plan), "Summary"))
+    assert f"peak memory of pipeline rank {m.rank} (the fullest)" in [r[0] for r in summary]
+
+
+def test_the_pipelined_step_is_the_makespan_plus_what_runs_once(pipelined_plan):
+    import dataclasses
+
+    from autopar.report.pipeline import pipeline_timeline, step_from_makespan
+    from autopar.report.svg import fmt_ms
+
+    plan = pipelined_plan
+    t = pipeline_timeline(plan)
+    rest = plan.predicted.step_time_s - t.makespan
+    text = " ".join(_parse(_section(render_report(plan), "Pipeline")).text)
+    want = (
+        f"predicted step {fmt_ms(plan.predicted.step_time_s)} = the schedule's makespan {fmt_ms(t.makespan)}"
+    )
+    assert want in text and f"+ {fmt_ms(rest)} once per step" in text
+    # a step the whole model's adjustments made shorter than the makespan says so, and why
+    shorter = dataclasses.replace(
+        plan, predicted=dataclasses.replace(plan.predicted, step_time_s=t.makespan * 0.97)
+    )
+    line = step_from_makespan(shorter, t)
+    assert f"− {fmt_ms(t.makespan * 0.03)} once per step" in line
+    assert "the step is shorter than the makespan" in line and "reshards several ops share" in line
+
+
+def test_zero_stage_0_says_no_zero():
+    rows = _table_rows(_section(render_report(_plan()), "Memory-for-time trades"))
+    zero = next(r for r in rows if r[0] == "ZeRO")
+    assert zero[1].startswith("no ZeRO") and "stage 0" not in zero[1] and "—" not in zero[1]
+
+
+def test_many_candidates_wrap_into_rows_with_whole_labels():
+    from autopar.report import CHART_MAX_W
+
+    cands = tuple(
+        {"mesh_shape": [2, 2, 4], "status": "same as (2, 4, 2)" if i % 3 else "Optimal",
+         "objective": 0.01 * (i + 1) if not i % 3 else None, "axis_roles": ["data", "auto", "auto"],
+         "trades": {"zero_stage": 3, "recompute": "selective", "micro_batches": 16, "offload": "optimizer"},
+         "pipeline": {"stages": 8}}
+        for i in range(40)
+    )  # fmt: skip
+    doc = render_report(_plan(candidates=cands))
+    root, _ = _svg_root(_section(doc, "Candidate mesh shapes"))
+    assert float(root.get("width")) <= CHART_MAX_W
+    labels = [e.text for e in root.iter() if e.tag.endswith("text")]
+    assert labels.count("same as (2, 4, 2)") == 26 and labels.count("D/A/A P8 Z3 Rs k16 off") == 40
+    assert not any("…" in t for t in labels)
+
+
+def _block_plan(layers: int, odd: int | None = None) -> Plan:
+    """``_plan()`` with ``layers`` repeated blocks of a linear and its weight; block ``odd``'s
+    weight placed otherwise."""
+    import dataclasses
+
+    plan = _plan()
+    decisions = list(plan.decisions)
+    for i in range(layers):
+        spec = "S(0)" if i == odd else "R"
+        decisions += [
+            NodeDecision(f"p_layers_{i}_fc_weight", "placeholder", "param", f"model.layers.{i}.fc.weight", (16, 16),
+                         spec, (), 1e-6, 0.0, module=f"model.layers.{i}.fc"),
+            NodeDecision(f"linear_{10 + i}", "aten.linear.default", "activation", "", (8, 4, 16), "S(0)",
+                         ("S(0)", spec), 2e-6, 0.0, module=f"model.layers.{i}.fc"),
+        ]  # fmt: skip
+    return dataclasses.replace(plan, decisions=tuple(decisions))
+
+
+def test_decisions_grouped_alike_blocks_as_one_with_a_filter():
+    from autopar.report.decisions import decision_groups
+
+    plan = _block_plan(12, odd=5)
+    groups = decision_groups(plan)
+    assert [g.members for g in groups] == [
+        [""], ["model.layers.0", *(f"model.layers.{i}" for i in range(1, 5)), *(f"model.layers.{i}" for i in range(6, 12))],
+        ["model.layers.5"],
+    ]  # fmt: skip
+    assert sum(len(g.rows) * len(g.members) for g in groups) == len(plan.decisions)
+    section = _section(render_report(plan), f"All decisions ({len(plan.decisions)})")
+    text = " ".join(_parse(section).text)
+    assert "model.layers.{0..4, 6..11}: 11 blocks with the same decisions, model.layers.0's shown" in text
+    assert section.count('<details class="dg"') == 3 and '<details class="dg" open' not in section
+    assert 'id="decision-filter"' in section and "<script>" in section
+    # names break only between the names of a path, never inside one
+    assert "_<wbr>" not in render_report(plan)
+    rows = _table_rows(section[section.index('data-names="model.layers.5"') :])
+    assert rows[0][:2] == ["p_layers_5_fc_weight", "fc.weight (param)"] and rows[1][1] == "fc · linear"
+
+
+def test_decisions_of_a_pipelined_plan_say_which_chunk_and_rank(pipelined_plan):
+    from autopar.report.decisions import decision_groups
+
+    plan = pipelined_plan
+    (cut,) = plan.pipeline.cuts
+    groups = decision_groups(plan)
+    seen = set()
+    for g in groups:
+        blocks = [m for m in g.members if m.startswith("transformer.h.")]
+        want = {0 if int(m.rsplit(".", 1)[1]) < cut else 1 for m in blocks}
+        assert g.chunks == want or not blocks, (g.members, g.chunks)
+        seen |= set(blocks)
+    assert seen == {f"transformer.h.{i}" for i in range(4)}
+    assert groups[0].members == [""] and not groups[0].chunks  # the model's own nodes: no one chunk
+    assert "lm_head" in groups[-1].members[0] and groups[-1].chunks == {1}  # the head: with the last block
+    text = " ".join(_parse(render_report(plan)).text)
+    assert "chunk 1 on pipeline rank 1" in text

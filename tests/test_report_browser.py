@@ -189,3 +189,43 @@ def test_huge_pipeline_report_renders(browser, tmp_path):
     """64 pipeline ranks, 512 micro-batches (the timeline drawn in part, its long caption)."""
     plan = _synthetic(_plan(), 64, "1f1b", 1, 512)
     _render_and_check(browser, plan, tmp_path / "report.html")
+
+
+def test_opened_decisions_fit_the_page_and_the_filter_finds_rows(browser, two_node_plan, tmp_path):
+    """Every group of "All decisions" opened: no cell narrower than its text, the page no wider than
+    the window; typing in the filter keeps the matching rows and counts them."""
+    from selenium.webdriver.common.by import By
+
+    path = tmp_path / "report.html"
+    write_report(two_node_plan, path)
+    browser.get(path.as_uri())
+    groups = browser.execute_script("return document.querySelectorAll('details.dg').length")
+    assert 1 < groups < len(two_node_plan.decisions)
+    browser.execute_script("document.querySelectorAll('details').forEach(d => d.open = true)")
+    page = browser.execute_script(_MEASURE)
+    assert not page["cells"], page["cells"]
+    assert page["overflow"] <= 0, f"the page is {page['overflow']} px wider than the window"
+    box = browser.find_element(By.ID, "decision-filter")
+    box.send_keys("linear")
+    want = sum(1 for d in two_node_plan.decisions if d.op == "aten.linear.default")
+    shown = browser.execute_script(
+        "return Array.from(document.querySelectorAll('details.dg tbody tr'))"
+        ".filter(r => r.offsetParent !== null).map(r => r.cells[1].textContent)"
+    )
+    assert want > 0 and len(shown) >= want and all("linear" in t for t in shown), shown
+    count = browser.find_element(By.ID, "decision-count").text
+    assert count == f"{len(shown)} rows match"
+    severe = [e for e in browser.get_log("browser") if e.get("level") == "SEVERE"]
+    assert not severe, severe
+
+
+def test_many_candidates_fit_the_page(browser, tmp_path):
+    cands = tuple(
+        {"mesh_shape": [2, 2, 4], "status": "same as (2, 4, 2)" if i % 2 else "Optimal",
+         "objective": 0.01 * (i + 1) if not i % 2 else None, "axis_roles": ["data", "auto", "auto"],
+         "trades": {"zero_stage": 3, "recompute": "full", "micro_batches": 32}, "pipeline": {"stages": 8}}
+        for i in range(48)
+    )  # fmt: skip
+    page = _render_and_check(browser, _plan(candidates=cands), tmp_path / "report.html")
+    (chart,) = [s for s in page["svgs"] if s[0].startswith("predicted step time")]
+    assert chart[1] <= 1100

@@ -1,37 +1,44 @@
 """A self-contained HTML report of a :class:`~autopar.plan.Plan`.
 
-One file, no external scripts, styles or fonts: tables plus hand-made inline SVG charts (memory breakdown,
-the most expensive nodes, and predicted step time per candidate mesh shape; for a pipelined plan its
-chunks and its schedule's timeline, re-simulated from the plan), a table of the mesh's axes (size,
-role, whether its groups cross nodes) and a legend of the placement notation. Nodes are named by
-the module they run in and their op (``transformer.h.0.mlp.c_fc · addmm``), their graph name in
-the tooltip. No label is clipped: each chart sizes its label columns and width from its longest
-label, measured in a monospace font (every glyph 0.6 em), and cuts a label past its limit with an
-ellipsis (``tests/test_report_browser.py`` checks the rendered page in a headless browser). Pass
-``measured`` (e.g.
+One file, no external scripts, styles or fonts (one inline script: the decisions' filter): tables
+plus hand-made inline SVG charts (memory breakdown, the most expensive nodes, and predicted step
+time per candidate mesh shape; for a pipelined plan its chunks and its schedule's timeline,
+re-simulated from the plan), a table of the mesh's axes (size, role, whether its groups cross
+nodes), a legend of the placement notation, and every decision grouped by block. Nodes are named
+by the module they run in and their op (``transformer.h.0.mlp.c_fc · addmm``), their graph name
+in the tooltip; bytes in binary units to 3 significant digits. No label is clipped: each chart
+sizes its label columns and width from its longest label, measured in a monospace font (every
+glyph 0.6 em), and cuts a node label past its limit with an ellipsis; no chart is wider than
+``CHART_MAX_W`` (the candidates wrap into rows, their labels whole;
+``tests/test_report_browser.py`` checks the rendered page in a headless browser). Each section
+renders on its own: one whose data the plan lacks says so in its place. Pass ``measured`` (e.g.
 ``{"step_time_s": 0.012, "peak_memory_bytes": 3 << 30, "world_size": 8}``) to show measured values next to
 the predictions with their relative error.
 
 The drawing kit (number formatting, text width, SVG and table primitives) lives in
-:mod:`autopar.report.svg`, the pipeline section and its timeline in :mod:`autopar.report.pipeline`.
+:mod:`autopar.report.svg`, the pipeline section and its timeline in :mod:`autopar.report.pipeline`,
+the memory section in :mod:`autopar.report.memory`, the decisions in :mod:`autopar.report.decisions`.
 """
 
 from __future__ import annotations
 
 import os
 import pathlib
+from collections.abc import Callable
 from html import escape
 from typing import Any
 
 from autopar.cost_model.comm import crosses_nodes
 from autopar.placement import OwnRows, SeqAttention, is_shard
 from autopar.plan import NodeDecision, Plan
+from autopar.report.decisions import decisions_section, op_name
+from autopar.report.memory import memory_parts, memory_section
 from autopar.report.pipeline import pipeline_section
 from autopar.report.svg import (
     dotted_cell,
     finite,
+    fmt_bytes,
     fmt_err,
-    fmt_mib,
     fmt_ms,
     fmt_shape,
     fmt_time,
@@ -39,7 +46,6 @@ from autopar.report.svg import (
     is_num,
     num_cell,
     rel_error,
-    short,
     short_head,
     svg_doc,
     svg_legend,
@@ -54,13 +60,11 @@ COMPUTE_COLOUR = "#4c78a8"
 COMM_COLOUR = "#f58518"
 CHOSEN_COLOUR = "#e45756"
 OTHER_COLOUR = "#9ecae9"
-MEMORY_PARTS = (  # (label, Predicted attribute, colour)
-    ("params", "param_bytes", "#4c78a8"),
-    ("grads", "grad_bytes", "#72b7b2"),
-    ("optimizer", "optimizer_bytes", "#54a24b"),
-    ("activations", "activation_bytes", "#e45756"),
-)
 TOP_NODES = 20
+# the most parameter rows shown open; more are collapsed
+PARAMS_OPEN = 40
+# the widest a chart is drawn, in pixels: the page's body is at most 1,200 wide
+CHART_MAX_W = 1100
 # the longest node label drawn, in characters: longer module paths lose their head ("…layers.27.mlp")
 NODE_LABEL_CHARS = 64
 
@@ -70,17 +74,9 @@ h1{font-size:1.5em}h2{font-size:1.2em;margin-top:1.6em;border-bottom:1px solid #
 table{border-collapse:collapse;font-size:.9em;margin:.5em 0}
 th,td{border:1px solid #ddd;padding:3px 8px;text-align:left;vertical-align:top}
 th{background:#f3f3f3}td.num{text-align:right;font-variant-numeric:tabular-nums;white-space:nowrap}
-code{font-family:ui-monospace,monospace}.bad{color:#b00}svg{display:block;margin:.5em 0}
+code{font-family:ui-monospace,monospace}.bad{color:#b00}svg{display:block;margin:.5em 0;max-width:100%;height:auto}
+.nb{white-space:nowrap}details.dg{margin:.2em 0}details.dg summary{cursor:pointer;padding:2px 0}
 """
-
-
-def op_name(op: str) -> str:
-    """An op's short name: ``aten.linear.default`` -> ``linear``, ``<built-in function getitem>``
-    -> ``getitem``."""
-    if op.startswith("<built-in function ") and op.endswith(">"):
-        return op[len("<built-in function ") : -1]
-    parts = op.split(".")
-    return parts[-2] if len(parts) >= 3 else op
 
 
 def node_label(d: NodeDecision) -> str:
@@ -93,24 +89,6 @@ def node_label(d: NodeDecision) -> str:
 
 
 # -- charts ----------------------------------------------------------------------------------------------
-def memory_svg(plan: Plan) -> str:
-    """Stacked horizontal bar of params / grads / optimizer / activations per device."""
-    p = plan.predicted
-    parts = [(label, max(float(getattr(p, attr)), 0.0), colour) for label, attr, colour in MEMORY_PARTS]
-    total = sum(b for _, b, _ in parts)
-    width, x0, bar_w = 760, 10, 740
-    body = []
-    x = float(x0)
-    for label, b, colour in parts:
-        w = bar_w * b / total if total else 0.0
-        body.append(svg_rect(x, 10, w, 28, colour, f"{label}: {fmt_mib(b)}"))
-        x += w
-    if not total:
-        body.append(svg_text(x0 + bar_w / 2, 29, "no memory predicted", "middle"))
-    legend, end = svg_legend(x0, 58, [(f"{label} {fmt_mib(b)}", colour) for label, b, colour in parts])
-    return svg_doc(max(width, end + x0), 70, body + legend, "predicted memory per device")
-
-
 def nodes_svg(plan: Plan, top: int = TOP_NODES) -> str:
     """Horizontal bars of the ``top`` nodes by compute_s + comm_s, compute and communication stacked."""
     nodes = sorted(plan.decisions, key=lambda d: d.compute_s + d.comm_s, reverse=True)[:top]
@@ -153,8 +131,9 @@ def _mesh_key(shape: Any) -> tuple[int, ...] | None:
         return None
 
 
-def candidates_svg(plan: Plan) -> str:
-    """Vertical bars: predicted step time per candidate mesh shape; the chosen mesh highlighted."""
+def candidates_svg(plan: Plan, max_width: float = CHART_MAX_W) -> str:
+    """Vertical bars: predicted step time per candidate mesh shape, the chosen mesh highlighted; as
+    many columns a row as fit ``max_width``, the rows on one scale, every label whole."""
     cands = list(plan.solver.candidates)
     chosen_i = chosen_candidate(plan)
     objs = [c.get("objective") for c in cands]
@@ -172,18 +151,19 @@ def candidates_svg(plan: Plan) -> str:
         roles = c.get("axis_roles") or ()
         tag = "/".join(r[0].upper() for r in roles)  # e.g. a 3-axis mesh with its outer axis data parallel
         tag = (tag + " " + _trades_tag(c.get("trades"), c.get("pipeline"))).strip()
-        cols.append(
-            (label + (" ★" if i == chosen_i else ""), value, short(status, 14), short(tag, 16), label)
-        )
+        cols.append((label + (" ★" if i == chosen_i else ""), value, status, tag, label))
     col_w = max(
         [90.0] + [max(text_width(col[0]), *(text_width(t, 10) for t in col[1:4])) + 10 for col in cols]
     )
-    plot_h, top_pad, bottom = 160, 40, 56  # the legend sits above the tallest bar's label
+    per_row = max(1, int((max_width - 20) // col_w))
+    rows = max(1, -(-len(cands) // per_row))
+    plot_h, top_pad, bottom = 120, 40, 56  # the legend sits above the first row's tallest bar's label
+    pitch = 16 + plot_h + bottom  # a row: its tallest bar's label, the bars, the labels under them
     body, end = svg_legend(10, 14, [("chosen", CHOSEN_COLOUR), ("other", OTHER_COLOUR)])
-    width = max(col_w * len(cands) + 20, 300, end + 10)
-    base = top_pad + plot_h
+    width = max(col_w * min(per_row, max(len(cands), 1)) + 20, 300, end + 10)
     for i, (c, (mesh, value, status, tag, label)) in enumerate(zip(cands, cols)):
-        x = 10 + i * col_w
+        x = 10 + (i % per_row) * col_w
+        base = top_pad + (i // per_row) * pitch + plot_h
         obj = c.get("objective")
         if finite(obj) and biggest > 0:
             h = max(plot_h * obj / biggest, 1.0)
@@ -197,8 +177,11 @@ def candidates_svg(plan: Plan) -> str:
         body.append(svg_text(x + col_w / 2, base + 32, status, "middle", 10))
         if tag:
             body.append(svg_text(x + col_w / 2, base + 46, tag, "middle", 10))
-    body.append(f'<line x1="5" y1="{base}" x2="{width - 5:.1f}" y2="{base}" stroke="#888"/>')
-    return svg_doc(width, base + bottom, body, "predicted step time per candidate mesh shape")
+    for r in range(rows):
+        base = top_pad + r * pitch + plot_h
+        body.append(f'<line x1="5" y1="{base}" x2="{width - 5:.1f}" y2="{base}" stroke="#888"/>')
+    height = top_pad + (rows - 1) * pitch + plot_h + bottom
+    return svg_doc(width, height, body, "predicted step time per candidate mesh shape")
 
 
 def chosen_candidate(plan: Plan) -> int | None:
@@ -211,7 +194,7 @@ def chosen_candidate(plan: Plan) -> int | None:
     pipe = plan.pipeline.to_dict()
     matches = [
         i for i, c in enumerate(cands)
-        if _mesh_key(c.get("mesh_shape")) == chosen and c.get("trades", trades) == trades
+        if isinstance(c, dict) and _mesh_key(c.get("mesh_shape")) == chosen and c.get("trades", trades) == trades
         and c.get("pipeline", pipe) == pipe and finite(c.get("objective"))
     ]  # fmt: skip
     return min(matches, key=lambda i: cands[i]["objective"], default=None)
@@ -247,7 +230,8 @@ def trades_table(plan: Plan) -> str:
         ("micro-batches", f"{t.micro_batches} per step, gradients reduced once", "micro_batches"),
         ("precision", {"param": "the parameters' dtype", "bf16": "bf16 compute, fp32 masters and optimizer state",
                        "fp16": "fp16 compute, fp32 masters and optimizer state"}[t.precision.value], "precision"),
-        ("ZeRO", f"stage {int(t.zero_stage)} over {axes}", "zero"),
+        ("ZeRO", f"stage {int(t.zero_stage)} over {axes}" if int(t.zero_stage) else
+         "no ZeRO: every data-parallel device keeps whole gradients and optimizer state", "zero"),
         ("offload", {"none": "nothing", "optimizer": "optimizer state and masters in host memory"}[t.offload.value],
          "offload"),
     ]  # fmt: skip
@@ -257,7 +241,7 @@ def trades_table(plan: Plan) -> str:
         out.append([
             text_cell(label), text_cell(setting),
             num_cell(fmt_ms(c["seconds"]) if "seconds" in c else "—"),
-            num_cell(fmt_mib(c["bytes_saved"]) if "bytes_saved" in c else "—"),
+            num_cell(fmt_bytes(c["bytes_saved"]) if "bytes_saved" in c else "—"),
         ])  # fmt: skip
     return html_table(["trade", "setting", "step time added", "saved per device"], out)
 
@@ -271,10 +255,15 @@ def _summary_table(plan: Plan, measured: dict | None) -> str:
         ("· gradient all-reduce hidden behind backward", "ms", p.grad_sync_hidden_s, "grad_sync_hidden_s"),
         ("peak memory / device", "mib", p.peak_memory_bytes, "peak_memory_bytes"),
     ]
-    for label, attr, _ in MEMORY_PARTS:
-        rows.append((f"· {label}", "mib", getattr(p, attr), attr))
+    m = memory_parts(plan)
+    if m.rank is not None:
+        rows[-1] = (f"peak memory of pipeline rank {m.rank} (the fullest)", *rows[-1][1:])
+    keys = {"params": "param_bytes", "grads": "grad_bytes", "optimizer": "optimizer_bytes",
+            "activations": "activation_bytes"}  # fmt: skip
+    for label, b, _ in m.parts:
+        rows.append((f"· {label}", "mib", b, keys.get(label, "other_bytes")))
     rows.append(("world size", "int", plan.world_size, "world_size"))
-    fmt = {"ms": fmt_ms, "mib": fmt_mib, "int": lambda v: str(v) if is_num(v) else "—"}
+    fmt = {"ms": fmt_ms, "mib": fmt_bytes, "int": lambda v: str(v) if is_num(v) else "—"}
     headers = ["quantity", "predicted"] + (
         ["measured", "rel. error (pred − meas) / meas"] if measured else []
     )
@@ -431,8 +420,21 @@ def placement_legend(plan: Plan) -> str:
     return text + html_table(["notation", "meaning"], rows)
 
 
-def render_report(plan: Plan, *, measured: dict | None = None, title: str | None = None) -> str:
-    """The report as one HTML string."""
+def _guarded(heading: str, draw: Callable[[], list[str]]) -> list[str]:
+    """A section's HTML parts from ``draw``; where the plan lacks what it needs (a hand-edited or
+    older plan file), its heading and a line naming what is missing instead, so the rest of the
+    report still renders."""
+    try:
+        return draw()
+    except Exception as e:  # noqa: BLE001 -- any gap in the plan's data costs one section, not the page
+        why = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
+        return [
+            f"<h2>{escape(heading)}</h2>",
+            f'<p class="bad">This section is missing: the plan lacks the data it needs ({escape(why)}).</p>',
+        ]
+
+
+def _head_table(plan: Plan) -> str:
     c = plan.cluster if isinstance(plan.cluster, dict) else {}
     nodes, per = c.get("nodes"), c.get("devices_per_node")
     if is_num(nodes) and is_num(per):
@@ -442,8 +444,7 @@ def render_report(plan: Plan, *, measured: dict | None = None, title: str | None
     else:
         size = "size unknown"
     s = plan.solver
-    title = title or f"autopar plan: {plan.model}"
-    head = html_table(
+    return html_table(
         ["model", "cluster", "mesh", "solver", "fingerprint"],
         [
             [
@@ -457,80 +458,81 @@ def render_report(plan: Plan, *, measured: dict | None = None, title: str | None
             ]
         ],
     )
-    params = html_table(
+
+
+def _params_table(plan: Plan) -> str:
+    """Each parameter's placement; past ``PARAMS_OPEN`` rows, collapsed under a line that counts them."""
+    params = [d for d in plan.decisions if d.role == "param"]
+    table = html_table(
         ["parameter", "shape", "placement"],
         [
             [
-                text_cell(d.target),
+                dotted_cell(d.target),
                 unbroken_cell(fmt_shape(d.shape)),
                 (f"<code>{escape(d.output)}</code>", False),
             ]
-            for d in plan.decisions
-            if d.role == "param"
+            for d in params
         ],
     )
-    decisions = html_table(
-        ["name", "module", "op", "role", "shape", "output", "inputs", "compute", "comm", "collectives"],
-        [
-            [
-                dotted_cell(d.name),
-                dotted_cell(d.module or "—"),
-                dotted_cell(d.op),
-                text_cell(d.role),
-                unbroken_cell(fmt_shape(d.shape)),
-                (
-                    f"<code>{escape(d.output)}</code>"
-                    + (f"<br><code>via {escape(d.via)}</code>" if d.via else ""),
-                    False,
-                ),
-                ("<br>".join(f"<code>{escape(i)}</code>" for i in d.inputs), False),
-                num_cell(fmt_time(d.compute_s)),
-                num_cell(fmt_time(d.comm_s)),
-                ("<br>".join(escape(str(x)) for x in d.collectives), False),
-            ]
-            for d in plan.decisions
-        ],
+    if len(params) <= PARAMS_OPEN:
+        return table
+    placements = sorted({d.output for d in params})
+    return (
+        f"<details><summary>{len(params)} parameters, placed {', '.join(escape(x) for x in placements[:8])}"
+        f"{', …' if len(placements) > 8 else ''} (click to open)</summary>{table}</details>"
     )
+
+
+def _candidates_parts(plan: Plan) -> list[str]:
+    cands = plan.solver.candidates
+    if not cands:
+        return []
+    piped = any(int((c.get("pipeline") or {}).get("stages", 1)) > 1 for c in cands)
+    return [
+        "<h2>Candidate mesh shapes</h2>",
+        candidates_svg(plan),
+        "<p>Letters under a mesh: each axis's role in its search (D data parallel, A any placement, "
+        "T tensor, S sequence) and the trades of that rung ("
+        + ("P<i>n</i> <i>n</i> pipeline stages of that mesh, " if piped else "")
+        + "Z<i>n</i> ZeRO stage <i>n</i>, Rs / Rf "
+        "selective / full recomputation, k<i>n</i> micro-batches, off optimizer offload).</p>",
+    ]
+
+
+def render_report(plan: Plan, *, measured: dict | None = None, title: str | None = None) -> str:
+    """The report as one HTML string. A section whose data the plan lacks (a hand-edited or older
+    plan file) says so in its place; the others render."""
+    title = title or f"autopar plan: {plan.model}"
+    sections: list[tuple[str, Callable[[], list[str]]]] = [
+        ("Plan", lambda: [_head_table(plan)]),
+        ("Summary", lambda: ["<h2>Summary</h2>", _summary_table(plan, measured)]),
+        ("Mesh axes", lambda: ["<h2>Mesh axes</h2>", axes_table(plan)]),
+        ("Placement notation", lambda: ["<h2>Placement notation</h2>", placement_legend(plan)]),
+        ("Memory-for-time trades", lambda: ["<h2>Memory-for-time trades</h2>", trades_table(plan)]),
+        ("Pipeline", lambda: pipeline_section(plan) if plan.pipeline.enabled else []),
+        ("Predicted memory per device", lambda: memory_section(plan)),
+        (
+            "Top nodes by predicted time",
+            lambda: [
+                f"<h2>Top {min(TOP_NODES, len(plan.decisions))} nodes by predicted time</h2>",
+                nodes_svg(plan),
+                "<p>Each node named by the module it runs in and its op (its graph name in the tooltip); "
+                "a parameter by its name.</p>",
+            ],
+        ),
+        ("Candidate mesh shapes", lambda: _candidates_parts(plan)),
+        ("Parameter placements", lambda: ["<h2>Parameter placements</h2>", _params_table(plan)]),
+        ("All decisions", lambda: decisions_section(plan)),
+    ]
     parts = [
         "<!DOCTYPE html>",
         '<html lang="en"><head><meta charset="utf-8">',
         f"<title>{escape(title)}</title><style>{_CSS}</style></head><body>",
         f"<h1>{escape(title)}</h1>",
-        head,
-        "<h2>Summary</h2>",
-        _summary_table(plan, measured),
-        "<h2>Mesh axes</h2>",
-        axes_table(plan),
-        "<h2>Placement notation</h2>",
-        placement_legend(plan),
-        "<h2>Memory-for-time trades</h2>",
-        trades_table(plan),
-        *(pipeline_section(plan) if plan.pipeline.enabled else ()),
-        "<h2>Predicted memory per device</h2>",
-        memory_svg(plan),
-        f"<h2>Top {min(TOP_NODES, len(plan.decisions))} nodes by predicted time</h2>",
-        nodes_svg(plan),
-        "<p>Each node named by the module it runs in and its op (its graph name in the tooltip); "
-        "a parameter by its name.</p>",
     ]
-    if s.candidates:
-        piped = any(int((c.get("pipeline") or {}).get("stages", 1)) > 1 for c in s.candidates)
-        parts += [
-            "<h2>Candidate mesh shapes</h2>",
-            candidates_svg(plan),
-            "<p>Letters under a mesh: each axis's role in its search (D data parallel, A any placement, "
-            "T tensor, S sequence) and the trades of that rung ("
-            + ("P<i>n</i> <i>n</i> pipeline stages of that mesh, " if piped else "")
-            + "Z<i>n</i> ZeRO stage <i>n</i>, Rs / Rf "
-            "selective / full recomputation, k<i>n</i> micro-batches, off optimizer offload).</p>",
-        ]
-    parts += [
-        "<h2>Parameter placements</h2>",
-        params,
-        f"<h2>All decisions ({len(plan.decisions)})</h2>",
-        decisions,
-        "</body></html>",
-    ]
+    for heading, draw in sections:
+        parts += _guarded(heading, draw)
+    parts.append("</body></html>")
     return "\n".join(parts) + "\n"
 
 

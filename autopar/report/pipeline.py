@@ -11,7 +11,7 @@ from html import escape
 from autopar.cost_model.pipeline import ScheduleError, Timeline, simulate_schedule
 from autopar.plan import Plan
 from autopar.report.svg import (
-    fmt_mib,
+    fmt_bytes,
     fmt_ms,
     fmt_shape,
     fmt_time,
@@ -70,7 +70,7 @@ def timeline_svg(
         if r < len(timeline.peak_in_flight):
             note = f"{timeline.peak_in_flight[r]} in flight"
             if r < len(timeline.peak_bytes) and timeline.peak_bytes[r] > 0:
-                note += f", {fmt_mib(timeline.peak_bytes[r])}"
+                note += f", {fmt_bytes(timeline.peak_bytes[r])}"
         notes.append(note)
     label_w = 10 + text_width(f"rank {ranks - 1}") + 6
     plot_w, row_h = 760, 22
@@ -129,7 +129,7 @@ def timeline_svg(
         # the last tick's label, centred on the plot's right end, reaches half its width past it
         ticks_end = label_w + n * step * scale + text_width(fmt_time(n * step), 10) / 2
         caption = caption or (
-            f"makespan {fmt_time(timeline.makespan)}, bubble {timeline.bubble_fraction * 100:.1f}% "
+            f"schedule's makespan {fmt_time(timeline.makespan)}, bubble {timeline.bubble_fraction * 100:.1f}% "
             f"of the ranks' time idle"
         )
     else:
@@ -208,6 +208,30 @@ def _first_micro_batches(timeline: Timeline, micro_batches: int, most: int) -> t
     return Timeline(events, end, timeline.peak_bytes, timeline.peak_in_flight, busy), shown
 
 
+def step_from_makespan(plan: Plan, timeline: Timeline) -> str:
+    """How the predicted step follows from the schedule's makespan: the step is the makespan
+    (``passes/pipeline.py``) plus what runs once per step on the fullest rank (its optimizer step
+    and gradient reductions) and the whole model's terms divided among the stages (the trades'
+    seconds, the gradient buckets' adjustment: less the reduction hidden behind backward and the
+    reshards several ops share, which each chunk's price counts once per use). The last can take
+    off more than the rest adds: the step is then shorter than the makespan."""
+    step, makespan = plan.predicted.step_time_s, timeline.makespan
+    rest = step - makespan
+    sign = "+" if rest >= 0 else "−"
+    text = (
+        f"predicted step {fmt_ms(step)} = the schedule's makespan {fmt_ms(makespan)} (bubble "
+        f"{timeline.bubble_fraction * 100:.1f}% of the ranks' time idle) {sign} {fmt_ms(abs(rest))} once per step "
+        "(the optimizer, the gradient reductions and the trades' terms, less the gradient reduction hidden "
+        "behind backward and the reshards several ops share, which the chunks' prices count at every use)"
+    )
+    if rest < 0:
+        text += (
+            ": here what is taken off exceeds what is added, so the step is shorter than the makespan "
+            "of the chunks as priced"
+        )
+    return text
+
+
 def pipeline_section(plan: Plan, max_events: int = TIMELINE_MAX_EVENTS) -> list[str]:
     """The report's "Pipeline" section (HTML parts): one line on the pipeline, a table of its
     chunks, the schedule's timeline re-simulated from the plan (:func:`pipeline_timeline`; the
@@ -228,11 +252,7 @@ def pipeline_section(plan: Plan, max_events: int = TIMELINE_MAX_EVENTS) -> list[
         f"<i>p</i> holds global ranks <i>p</i>·{per_stage} .. <i>p</i>·{per_stage} + {per_stage - 1})"
     )
     if timeline is not None:
-        line += (
-            f"; the schedule's makespan {escape(fmt_ms(timeline.makespan))} of the predicted step "
-            f"{escape(fmt_ms(plan.predicted.step_time_s))}, bubble {timeline.bubble_fraction * 100:.1f}% "
-            "of the ranks' time idle"
-        )
+        line += "; " + escape(step_from_makespan(plan, timeline))
     rows = [
         [
             text_cell(c.get("chunk", "?")),
@@ -241,9 +261,9 @@ def pipeline_section(plan: Plan, max_events: int = TIMELINE_MAX_EVENTS) -> list[
             num_cell(fmt_ms(c.get("forward_s"))),
             num_cell(fmt_ms(c.get("backward_s"))),
             num_cell(fmt_ms(c.get("send_s")) if i < len(costs) - 1 else "—"),
-            num_cell(fmt_mib(c.get("activation_bytes"))),
-            num_cell(fmt_mib(c.get("state_bytes"))),
-            num_cell(fmt_mib(c.get("peak_memory_bytes"))),
+            num_cell(fmt_bytes(c.get("activation_bytes"))),
+            num_cell(fmt_bytes(c.get("state_bytes"))),
+            num_cell(fmt_bytes(c.get("peak_memory_bytes"))),
         ]
         for i, c in enumerate(costs)
     ]

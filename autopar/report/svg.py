@@ -51,9 +51,21 @@ def fmt_ms(s: Any) -> str:
     return f"{s * 1e3:.3f} ms" if finite(s) else fmt_time(s)
 
 
-def fmt_mib(b: Any) -> str:
-    """Bytes in MiB (``5.00 MiB``), ``—`` where not finite."""
-    return f"{b / 2**20:.2f} MiB" if finite(b) else "—"
+def fmt_bytes(b: Any) -> str:
+    """Bytes in a binary unit to 3 significant digits (``512 B``, ``4.00 KiB``, ``5.00 MiB``,
+    ``176 MiB``, ``0.977 GiB``, ``1.20 GiB``): the smallest unit that keeps 3 digits or fewer;
+    ``—`` where not finite."""
+    if not finite(b):
+        return "—"
+    if abs(b) < 999.5:
+        return f"{b:.0f} B"
+    for unit, scale in (("KiB", 2**10), ("MiB", 2**20), ("GiB", 2**30), ("TiB", 2**40)):
+        v = b / scale
+        if abs(v) < 999.5 or unit == "TiB":
+            break
+    a = abs(v)
+    digits = 3 if a < 0.9995 else 2 if a < 9.995 else 1 if a < 99.95 else 0
+    return f"{v:.{digits}f} {unit}"
 
 
 def rel_error(predicted: Any, measured: Any) -> float | None:
@@ -148,9 +160,9 @@ def num_cell(s: str) -> tuple[str, bool]:
 
 
 def dotted_cell(s: str) -> tuple[str, bool]:
-    """A dotted or underscored name (module path, op, graph name) that may wrap after each ``.``
-    and ``_``, so that a table of long ones fits the page."""
-    return escape(s).replace(".", ".<wbr>").replace("_", "_<wbr>"), False
+    """A dotted name (a module path) that may wrap after each ``.``, never inside a name, so that a
+    table of long ones fits the page."""
+    return escape(s).replace(".", ".<wbr>"), False
 
 
 def unbroken_cell(s: str) -> tuple[str, bool]:
