@@ -2,6 +2,7 @@
 
 pmodel = autopar.autoparallelize(model, cluster_spec, example_inputs)   # on every rank
 plan = autopar.plan(model, cluster_spec, example_inputs)                # offline, no GPU needed
+torch_plan = autopar.to_torch(plan, model, example_inputs)              # PyTorch's own TP/DP plan
 """
 
 from autopar.api import autoparallelize, plan, reprice, search
@@ -20,6 +21,7 @@ from autopar.errors import (
     TraceError,
     UnsupportedDeviceKindError,
 )
+from autopar.export import DataParallel, ExportError, TorchPlan, to_torch
 from autopar.fusion import Kernel, KernelUse
 from autopar.options import AxisRole, Optimizer, SearchOptions, SearchOptionsError
 from autopar.placement import Outputs, SeqAttention
@@ -36,6 +38,9 @@ __all__ = [
     "CollectiveCallError",
     "DeviceKind",
     "DeviceSpec",
+    "DataParallel",
+    "ExportError",
+    "TorchPlan",
     "CrossRankMismatchError",
     "DistributedSetupError",
     "LinkSpec",
@@ -73,4 +78,5 @@ __all__ = [
     "plan",
     "reprice",
     "search",
+    "to_torch",
 ]

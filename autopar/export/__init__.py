@@ -1,0 +1,222 @@
+"""A plan's data- and tensor-parallel part as PyTorch's own objects, for users who run their own loop.
+
+``to_torch(plan, model, example_inputs)`` returns a ``TorchPlan``: the device mesh (shape and dim
+names), a ``parallelize_module`` plan (module path -> ``ColwiseParallel`` / ``RowwiseParallel``
+from ``torch.distributed.tensor.parallel``) for the tensor-parallel mesh dim, and how to wrap the
+data-parallel dim (``replicate``, or FSDP2's ``fully_shard`` for the plan's ZeRO stage).
+``TorchPlan.apply`` does both on a model; the caller then trains it as any PyTorch module.
+
+How the plan is read, on the tensor-parallel axis ``t`` (the one mesh axis that splits parameters):
+
+* an ``nn.Linear`` whose weight is ``Shard(0)`` (bias ``Shard(0)``) is ``ColwiseParallel``, one
+  whose weight is ``Shard(1)`` (bias ``Replicate``) is ``RowwiseParallel``; an ``nn.Embedding``
+  with ``Shard(1)`` (hidden split) is colwise, with ``Shard(0)`` (vocabulary split) rowwise;
+* a styled module's ``input_layouts`` is the layout its input arrives in (its producer's placement
+  on ``t``), its ``output_layouts`` the placement every consumer of its output takes it in (the
+  graph's outputs: ``Replicate`` unless the plan returns local pieces);
+* every other op runs, in PyTorch, on the local tensors it is given. That computes what the plan
+  computes only where the plan runs it the same way: each input taken in the layout it arrives in
+  (no resharding), an output split only where an input is, never a pending sum (``Partial``). The
+  walk over the traced graph checks exactly that, node by node.
+
+On the data-parallel axis every parameter is whole and the batch split; the plan must not reshard
+there except to reduce the loss and the gradients (``DataParallel``): PyTorch's data parallelism
+runs each op on the rank's own rows and averages the gradients.
+
+What the plan decides and PyTorch's module plans cannot say raises ``ExportError`` naming it:
+pipeline stages, attention on a split sequence (ring or all-to-all), a second tensor-parallel
+axis, a parameter split on a module that is no ``nn.Linear`` / ``nn.Embedding``, a resharding
+between two ops inside a module's forward, a loss normalized over the whole batch (an all-reduce
+inside the op). What does not change the math or the layout but is the loop's own business
+(recomputation, micro-batches, mixed precision, fused kernels, overlapped matmuls) is listed in
+``TorchPlan.notes``.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+import torch
+from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
+
+from autopar.export.layouts import ExportError, seq_attention
+from autopar.export.tensor_axis import TensorWalk
+from autopar.passes.replay import traced_as_planned
+from autopar.placement import Outputs, SeqAttention, is_replicate, is_shard, via_from_str
+from autopar.plan import Plan, Site
+from autopar.trades import Offload, ZeroStage
+
+__all__ = ["DataParallel", "ExportError", "TorchPlan", "to_torch"]
+
+TENSOR = "tensor"
+DATA = "data"
+REPLICA = "replica"  # an axis on which every rank computes the same thing
+
+
+class DataParallel(enum.Enum):
+    """How the data-parallel mesh dim is wrapped: ``REPLICATE`` (DDP's ``replicate``, ZeRO 0) or
+    ``FULLY_SHARD`` (FSDP2, ZeRO 1-3: parameters resharded after forward for stage 3 only)."""
+
+    NONE = "none"
+    REPLICATE = "replicate"
+    FULLY_SHARD = "fully_shard"
+
+
+@dataclass(frozen=True)
+class TorchPlan:
+    """A plan's data- and tensor-parallel part in PyTorch's terms (module docstring)."""
+
+    mesh_shape: tuple[int, ...]
+    mesh_dim_names: tuple[str, ...]
+    parallelize_plan: dict[str, ParallelStyle] = field(default_factory=dict)
+    data_parallel: DataParallel = DataParallel.NONE
+    reshard_after_forward: bool = False
+    offload_optimizer: bool = False
+    notes: tuple[str, ...] = ()
+
+    @property
+    def tensor_dim(self) -> str | None:
+        return TENSOR if TENSOR in self.mesh_dim_names else None
+
+    @property
+    def data_dim(self) -> str | None:
+        return DATA if DATA in self.mesh_dim_names else None
+
+    def device_mesh(self, device_type: str = "cuda"):
+        """``init_device_mesh`` of this plan's shape and dim names (in an initialized process group)."""
+        from torch.distributed.device_mesh import init_device_mesh
+
+        return init_device_mesh(device_type, self.mesh_shape, mesh_dim_names=self.mesh_dim_names)
+
+    def apply(self, model: torch.nn.Module, mesh) -> torch.nn.Module:
+        """``parallelize_module`` on the tensor dim, then the data-parallel wrapping, in place;
+        returns ``model``. Feed each data-parallel rank its own rows of the batch."""
+        if self.parallelize_plan:
+            parallelize_module(model, mesh[TENSOR], self.parallelize_plan)
+        if self.data_parallel is DataParallel.REPLICATE:
+            from torch.distributed._composable.replicate_with_fsdp import replicate
+
+            replicate(model, mesh=mesh[DATA])
+        elif self.data_parallel is DataParallel.FULLY_SHARD:
+            from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
+
+            offload = CPUOffloadPolicy() if self.offload_optimizer else OffloadPolicy()
+            fully_shard(
+                model,
+                mesh=mesh[DATA],
+                reshard_after_forward=self.reshard_after_forward,
+                offload_policy=offload,
+            )
+        return model
+
+
+def to_torch(plan: Plan, model: torch.nn.Module, example_inputs) -> TorchPlan:
+    """The data- and tensor-parallel part of ``plan`` (made for ``model`` and ``example_inputs``)
+    as a ``TorchPlan``; ``ExportError`` where the plan decides what PyTorch's plan styles cannot
+    express (module docstring)."""
+    if plan.pipeline.enabled:
+        raise ExportError(
+            f"the plan runs {plan.pipeline.stages} pipeline stages ({plan.pipeline.describe()}); a "
+            "parallelize_module plan has none: run it with autoparallelize, or plan with pipeline_stages=1"
+        )
+    tg = traced_as_planned(model, example_inputs, plan)
+    plan.check_matches(tg.fingerprint(), plan.world_size)
+    names = _axis_names(plan)
+    styles: dict[str, ParallelStyle] = {}
+    notes = _notes(plan)
+    if TENSOR in names:
+        walk = TensorWalk(plan, model, tg.graph, names.index(TENSOR))
+        styles = walk.styles()
+        if walk.whole:
+            notes.append(
+                f"{len(walk.whole)} ops the plan splits on the tensor dim run whole under PyTorch's plan (the "
+                f"same values, more memory and compute): {', '.join(walk.whole[:8])}"
+                + (" ..." if len(walk.whole) > 8 else "")
+            )
+    dp = DataParallel.NONE
+    if DATA in names:
+        _check_data_axis(plan, names.index(DATA))
+        dp = DataParallel.REPLICATE if plan.trades.zero_stage is ZeroStage.NONE else DataParallel.FULLY_SHARD
+        notes.append(
+            "data parallel: feed each rank of the data dim its own rows of the batch; PyTorch averages the "
+            "gradients, which equals the plan's step where the loss is a mean over the batch"
+        )
+        if plan.trades.zero_stage is ZeroStage.OPTIMIZER:
+            notes.append(
+                "ZeRO-1 runs as FSDP2 with reshard_after_forward=False (it also shards the gradients)"
+            )
+    if REPLICA in names:
+        notes.append(f"mesh dim {REPLICA!r}: every rank of it computes the same step on the same batch")
+    return TorchPlan(
+        mesh_shape=tuple(plan.mesh_shape), mesh_dim_names=names, parallelize_plan=styles, data_parallel=dp,
+        reshard_after_forward=plan.trades.zero_stage is ZeroStage.PARAMETERS,
+        offload_optimizer=plan.trades.offload is Offload.OPTIMIZER, notes=tuple(notes),
+    )  # fmt: skip
+
+
+def _axis_names(plan: Plan) -> tuple[str, ...]:
+    """Per mesh axis: ``tensor`` where parameters are split, ``data`` where the batch is (or ZeRO
+    shards), ``replica`` where nothing is."""
+    n = len(plan.mesh_shape)
+    params = [d for d in plan.decisions if d.role == "param"]  # buffers are whole in PyTorch's plans
+    split = {a for d in params for a, p in enumerate(d.output_spec) if not is_replicate(p)}
+    batch = set(plan.trades.data_axes) | {
+        a for d in plan.decisions if d.role == "input" for a, p in enumerate(d.output_spec) if is_shard(p)
+    }
+    both = split & batch
+    if both:
+        a = min(both)
+        raise ExportError(
+            f"mesh axis {a} splits both parameters and the batch; PyTorch's plans split one or the other "
+            "per mesh dim: plan with axis_roles giving it AxisRole.DATA or AxisRole.TENSOR"
+        )
+    for what, axes in (("parameters", split), ("the batch", batch)):
+        if len(axes) > 1:
+            raise ExportError(
+                f"mesh axes {sorted(axes)} all split {what}; the export maps one mesh dim to each of tensor "
+                "and data parallelism: plan with axis_roles giving one axis AxisRole.TENSOR, one AxisRole.DATA"
+            )
+    return tuple(TENSOR if a in split else DATA if a in batch else REPLICA for a in range(n))
+
+
+def _notes(plan: Plan) -> list[str]:
+    t = plan.trades
+    notes = []
+    if t.recompute.value != "none":
+        notes.append(
+            f"recomputation {t.recompute.value}: wrap the blocks with activation checkpointing yourself"
+        )
+    if t.micro_batches > 1:
+        notes.append(f"{t.micro_batches} micro-batches: accumulate gradients over them in your loop")
+    if t.precision.mixed:
+        notes.append(f"mixed precision {t.precision.value}: run forward and backward under torch.autocast")
+    if plan.kernels:
+        kinds = sorted({u.kernel.value for u in plan.kernels})
+        notes.append(f"fused kernels {', '.join(kinds)} are not exported; PyTorch runs the aten ops")
+    if plan.overlap_matmuls:
+        notes.append("collective matmuls are not exported; PyTorch runs the collectives and matmuls apart")
+    if plan.outputs == Outputs.LOSS.value:
+        notes.append("the plan computes the loss alone; PyTorch computes every output")
+    return notes
+
+
+def _check_data_axis(plan: Plan, axis: int) -> None:
+    """No resharding on the data axis but the loss's and the gradients' reductions."""
+    for d in plan.decisions:
+        via = via_from_str(d.via)
+        if axis < len(via) and isinstance(via[axis], SeqAttention):
+            raise seq_attention(d, axis)
+        for c in d.collectives:
+            if c.axis != axis or c.site in (Site.BUCKET, Site.OUTPUTS):
+                continue
+            where = (
+                "inside the op (a loss normalized over the whole batch)"
+                if c.site is Site.INSIDE
+                else "into it"
+            )
+            raise ExportError(
+                f"the plan runs {c.kind.value} on the data axis {axis} {where} at node {d.name} ({d.op}"
+                f"{', module ' + d.module if d.module else ''}); PyTorch's data parallelism runs every op on "
+                "the rank's own rows and averages gradients: run this plan with autoparallelize"
+            )

@@ -1,0 +1,220 @@
+"""``autopar.to_torch``: a plan's data- and tensor-parallel part as PyTorch's own ``DeviceMesh`` and
+``parallelize_module`` plan, and the round trip: the exported plan, applied by PyTorch, trains one
+SGD step to the same loss and weights as autopar's module and as one device."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from harness import D, T
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+from torch.distributed.tensor.placement_types import Replicate, Shard
+
+import autopar
+from autopar.examples import llama_tiny, mlp
+from autopar.export import DataParallel, ExportError, to_torch
+from autopar.launch import run_on_ranks
+
+LR = 0.1
+MODELS = {
+    "mlp": lambda: mlp(batch=8, hidden=16, ffn=32),
+    "llama": lambda: llama_tiny(batch=4, seq=16, hidden=32, vocab=128, layers=2),
+}
+
+
+def _cpu(world: int) -> autopar.ClusterSpec:
+    return autopar.ClusterSpec.preset("cpu", devices_per_node=world)
+
+
+def _plan(name: str, mesh, roles, **kw) -> autopar.Plan:
+    model, inputs = MODELS[name]()
+    world = 1
+    for n in mesh:
+        world *= n
+    return autopar.plan(model, _cpu(world), inputs, mesh_shape=mesh, axis_roles=roles, **kw)
+
+
+def _style(style) -> tuple:
+    return type(style).__name__, style.input_layouts, style.output_layouts
+
+
+def test_a_tensor_parallel_mlp_is_colwise_then_rowwise():
+    model, inputs = MODELS["mlp"]()
+    tp = to_torch(_plan("mlp", (2,), (T,)), model, inputs)
+    assert tp.mesh_shape == (2,) and tp.mesh_dim_names == ("tensor",) and tp.tensor_dim == "tensor"
+    assert tp.data_dim is None and tp.data_parallel is DataParallel.NONE
+    assert {k: _style(v) for k, v in tp.parallelize_plan.items()} == {
+        "up": ("ColwiseParallel", (Replicate(),), (Shard(-1),)),
+        "down": ("RowwiseParallel", (Shard(-1),), (Replicate(),)),
+    }
+
+
+def test_a_tensor_parallel_llama_exports_megatron_s_layout():
+    model, inputs = MODELS["llama"]()
+    tp = to_torch(_plan("llama", (2,), (T,)), model, inputs)
+    styles = tp.parallelize_plan
+    for i in range(2):
+        block = f"model.layers.{i}"
+        for leaf in (
+            "self_attn.q_proj",
+            "self_attn.k_proj",
+            "self_attn.v_proj",
+            "mlp.gate_proj",
+            "mlp.up_proj",
+        ):
+            assert _style(styles[f"{block}.{leaf}"]) == ("ColwiseParallel", (Replicate(),), (Shard(-1),)), (
+                leaf
+            )
+        for leaf in ("self_attn.o_proj", "mlp.down_proj"):
+            assert _style(styles[f"{block}.{leaf}"]) == ("RowwiseParallel", (Shard(-1),), (Replicate(),)), (
+                leaf
+            )
+    # the embedding's hidden split is gathered before the first norm; the head's logits before the loss
+    assert isinstance(styles["model.embed_tokens"], ColwiseParallel)
+    assert styles["model.embed_tokens"].output_layouts == (Replicate(),)
+    assert isinstance(styles["lm_head"], ColwiseParallel) and styles["lm_head"].output_layouts == (
+        Replicate(),
+    )
+    assert len(styles) == 2 * 7 + 2
+    assert not any(
+        isinstance(s, RowwiseParallel) and s.output_layouts != (Replicate(),) for s in styles.values()
+    )
+
+
+def test_a_data_parallel_plan_is_replicate_and_zero_3_is_fully_shard():
+    model, inputs = MODELS["mlp"]()
+    tp = to_torch(_plan("mlp", (2,), (D,)), model, inputs)
+    assert tp.mesh_dim_names == ("data",) and tp.parallelize_plan == {}
+    assert tp.data_parallel is DataParallel.REPLICATE
+    z3 = to_torch(_plan("mlp", (2,), (D,), zero_stage=3), model, inputs)
+    assert z3.data_parallel is DataParallel.FULLY_SHARD and z3.reshard_after_forward
+
+
+def test_what_pytorch_s_plans_cannot_say_is_refused_by_name():
+    model, inputs = MODELS["llama"]()
+    # the loss is a mean over the whole batch's tokens (an all-reduce of the count inside the op):
+    # averaging the ranks' means, as DDP does, is another number where ranks count other tokens
+    with pytest.raises(ExportError, match=r"inside the op .* cross_entropy_loss"):
+        to_torch(_plan("llama", (2,), (D,)), model, inputs)
+    pipelined = autopar.plan(model, _cpu(2), inputs, mesh_shape=(1,), pipeline_stages=2)
+    with pytest.raises(ExportError, match="2 pipeline stages"):
+        to_torch(pipelined, model, inputs)
+
+
+def test_a_plan_for_another_model_is_refused_before_anything_is_exported():
+    model, inputs = MODELS["mlp"]()
+    other, other_inputs = mlp(batch=8, hidden=16, ffn=64)
+    plan = _plan("mlp", (2,), (T,))
+    with pytest.raises(autopar.PlanMismatchError):
+        to_torch(plan, other, other_inputs)
+
+
+# -- the round trip on gloo ranks -----------------------------------------------------------------
+
+
+def _loss(out):
+    return out.loss if hasattr(out, "loss") else out[0]
+
+
+def _call(model, inputs):
+    return model(**inputs) if isinstance(inputs, dict) else model(*inputs)
+
+
+def _rows(inputs, rank: int, parts: int):
+    cut = lambda t: t.chunk(parts)[rank]  # noqa: E731
+    return {k: cut(v) for k, v in inputs.items()} if isinstance(inputs, dict) else tuple(map(cut, inputs))
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def _round_trip_rank(rank, world, cases):
+    """Per case: one SGD step with autopar's module and one with the exported plan applied by
+    PyTorch; each gives (loss, full weights)."""
+    import torch.distributed as dist
+
+    results = {}
+    for key, (name, path) in cases.items():
+        model, inputs = MODELS[name]()
+        plan = autopar.Plan.load(path)
+        pm = autopar.autoparallelize(copy.deepcopy(model), _cpu(world), inputs, plan=plan)
+        opt = torch.optim.SGD(pm.parameters(), lr=LR)
+        loss = _loss(_call(pm, inputs))
+        loss.backward()
+        opt.step()
+        ours = (loss.detach(), {k: v.detach() for k, v in pm.full_state_dict().items()})
+
+        tp = to_torch(plan, model, inputs)
+        mesh = tp.device_mesh("cpu")
+        tm = tp.apply(copy.deepcopy(model), mesh)
+        opt = torch.optim.SGD(tm.parameters(), lr=LR)
+        feed = inputs
+        if tp.data_dim is not None:
+            dp = mesh[tp.data_dim]
+            feed = _rows(inputs, dp.get_local_rank(), dp.size())
+        loss = _loss(_call(tm, feed))
+        loss.backward()
+        opt.step()
+        loss = loss.detach().clone()
+        if tp.data_dim is not None:  # each data-parallel rank's mean over its rows: their mean is the batch's
+            dist.all_reduce(loss, group=mesh[tp.data_dim].get_group())
+            loss /= mesh[tp.data_dim].size()
+        theirs = (loss, {k: _full(v).detach() for k, v in tm.state_dict().items()})
+        # how PyTorch holds each parameter: proof that the plan was applied, not a whole model trained
+        held = {k: tuple(v.placements) for k, v in tm.named_parameters() if isinstance(v, DTensor)}
+        results[key] = (ours, theirs, held, tp.data_parallel)
+    return results
+
+
+def _one_device(name: str):
+    model, inputs = MODELS[name]()
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    loss = _loss(_call(model, inputs))
+    loss.backward()
+    opt.step()
+    return loss.detach(), {k: v.detach() for k, v in model.state_dict().items()}
+
+
+def _check(results, key: str, name: str):
+    ref_loss, ref_weights = _one_device(name)
+    for rank, per_rank in enumerate(results):
+        ours, theirs, styles, dp = per_rank[key]
+        for who, (loss, weights) in (("autopar", ours), ("exported", theirs)):
+            label = f"{key} rank {rank} {who}"
+            torch.testing.assert_close(
+                loss, ref_loss, rtol=1e-5, atol=1e-6, msg=lambda m, label=label: f"{label}: {m}"
+            )
+            assert set(weights) >= set(dict(copy.deepcopy(MODELS[name]()[0]).named_parameters())), label
+            for k, w in weights.items():
+                if k in ref_weights:
+                    torch.testing.assert_close(w, ref_weights[k], rtol=1e-4, atol=1e-5,
+                                               msg=lambda m, label=label, k=k: f"{label} {k}: {m}")  # fmt: skip
+        # the two steps also agree with each other to rounding
+        for k, w in theirs[1].items():
+            torch.testing.assert_close(w, ours[1][k], rtol=1e-5, atol=1e-6)
+    return results[0][key]
+
+
+@pytest.mark.slow
+def test_the_exported_plans_train_as_autopar_and_one_device_on_2_ranks(tmp_path):
+    cases = {"mlp tp": ("mlp", (2,), (T,)), "llama tp": ("llama", (2,), (T,)), "mlp dp": ("mlp", (2,), (D,))}
+    paths = {}
+    for key, (name, mesh, roles) in cases.items():
+        path = tmp_path / f"{key.replace(' ', '_')}.json"
+        _plan(name, mesh, roles).save(path)
+        paths[key] = (name, str(path))
+    results = run_on_ranks(_round_trip_rank, 2, paths, timeout_s=300)
+    _, _, held, dp = _check(results, "mlp tp", "mlp")
+    assert held == {"up.weight": (Shard(0),), "up.bias": (Shard(0),), "down.weight": (Shard(1),),
+                    "down.bias": (Replicate(),)} and dp is DataParallel.NONE  # fmt: skip
+    _, _, held, _ = _check(results, "llama tp", "llama")
+    assert held["model.layers.1.self_attn.q_proj.weight"] == (Shard(0),)
+    assert held["model.layers.1.mlp.down_proj.weight"] == (Shard(1),)
+    assert held["model.embed_tokens.weight"] == (Shard(1),) and held["lm_head.weight"] == (Shard(0),)
+    assert "model.norm.weight" not in held  # no style: a plain parameter, whole on every rank
+    _, _, held, dp = _check(results, "mlp dp", "mlp")
+    assert dp is DataParallel.REPLICATE and set(held.values()) == {(Replicate(),)} and len(held) == 4
