@@ -156,14 +156,27 @@ def to_torch(plan: Plan, model: torch.nn.Module, example_inputs) -> TorchPlan:
 
 
 def _axis_names(plan: Plan) -> tuple[str, ...]:
-    """Per mesh axis: ``tensor`` where parameters are split, ``data`` where the batch is (or ZeRO
-    shards), ``replica`` where nothing is."""
+    """Per mesh axis: ``tensor`` where parameters are split; ``data`` where the batch is (inputs
+    split on their first dim and the step's values with them) or ZeRO shards; ``replica`` where
+    nothing is (inputs the plan gathers at once included)."""
     n = len(plan.mesh_shape)
     params = [d for d in plan.decisions if d.role == "param"]  # buffers are whole in PyTorch's plans
     split = {a for d in params for a, p in enumerate(d.output_spec) if not is_replicate(p)}
-    batch = set(plan.trades.data_axes) | {
-        a for d in plan.decisions if d.role == "input" for a, p in enumerate(d.output_spec) if is_shard(p)
-    }
+    computed = {a for d in plan.decisions if d.role == "activation" for a, p in enumerate(d.output_spec)
+                if not is_replicate(p)}  # fmt: skip
+    batch = set(plan.trades.data_axes)
+    for d in plan.decisions:
+        if d.role != "input":
+            continue
+        for a, p in enumerate(d.output_spec):
+            if is_shard(p) and p.dim % max(len(d.shape), 1) != 0 and a not in split:
+                raise ExportError(
+                    f"the plan splits input {d.target or d.name} on its dim {p.dim} over mesh axis {a} "
+                    "(sequence or context parallelism), which a parallelize_module plan cannot express: "
+                    "plan with AxisRole.DATA or AxisRole.TENSOR on that axis"
+                )
+            if is_shard(p) and a in computed:
+                batch.add(a)
     both = split & batch
     if both:
         a = min(both)
@@ -177,6 +190,13 @@ def _axis_names(plan: Plan) -> tuple[str, ...]:
                 f"mesh axes {sorted(axes)} all split {what}; the export maps one mesh dim to each of tensor "
                 "and data parallelism: plan with axis_roles giving one axis AxisRole.TENSOR, one AxisRole.DATA"
             )
+    for a in sorted(computed - split - batch):
+        d = next(d for d in plan.decisions if d.role == "activation" and not is_replicate(d.output_spec[a]))
+        raise ExportError(
+            f"the plan splits values over mesh axis {a} (node {d.name}, {d.module or d.op}: {d.output}) with "
+            "every parameter and input whole there (sequence or context parallelism), which a "
+            "parallelize_module plan cannot express: plan with AxisRole.DATA or AxisRole.TENSOR on that axis"
+        )
     return tuple(TENSOR if a in split else DATA if a in batch else REPLICA for a in range(n))
 
 
