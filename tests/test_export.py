@@ -8,13 +8,13 @@ import copy
 
 import pytest
 import torch
-from harness import D, T
+from harness import D, S, T
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 from torch.distributed.tensor.placement_types import Replicate, Shard
 
 import autopar
-from autopar.examples import llama_tiny, mlp
+from autopar.examples import gpt2_tiny, llama_tiny, mlp
 from autopar.export import DataParallel, ExportError, to_torch
 from autopar.launch import run_on_ranks
 
@@ -86,6 +86,9 @@ def test_a_tensor_parallel_llama_exports_megatron_s_layout():
         Replicate(),
     )
     assert len(styles) == 2 * 7 + 2
+    # where the plan gathers the embedding's split output (inside the first norm, after a cast), the
+    # exported plan gathers it at the embedding's output and says which ops then run whole
+    assert any("run whole under PyTorch's plan" in n and "to_" in n for n in tp.notes), tp.notes
     assert not any(
         isinstance(s, RowwiseParallel) and s.output_layouts != (Replicate(),) for s in styles.values()
     )
@@ -106,9 +109,42 @@ def test_what_pytorch_s_plans_cannot_say_is_refused_by_name():
     # averaging the ranks' means, as DDP does, is another number where ranks count other tokens
     with pytest.raises(ExportError, match=r"inside the op .* cross_entropy_loss"):
         to_torch(_plan("llama", (2,), (D,)), model, inputs)
+    with pytest.raises(
+        ExportError, match=r"splits input input_ids on its dim 1 .*\(sequence or context parallelism\)"
+    ):
+        to_torch(_plan("llama", (2,), (S,)), model, inputs)
+    gpt2, gpt2_inputs = gpt2_tiny(batch=4, seq=16, hidden=32, vocab=128, layers=1)
+    tied = autopar.plan(gpt2, _cpu(2), gpt2_inputs, mesh_shape=(2,), axis_roles=(T,))
+    with pytest.raises(ExportError, match=r"transformer.wte.weight is used by .*tied weights"):
+        to_torch(tied, gpt2, gpt2_inputs)
     pipelined = autopar.plan(model, _cpu(2), inputs, mesh_shape=(1,), pipeline_stages=2)
     with pytest.raises(ExportError, match="2 pipeline stages"):
         to_torch(pipelined, model, inputs)
+
+
+class _Gated(torch.nn.Module):
+    """An MLP whose hidden values are scaled by one learned gain: with the hidden split, the gain's
+    gradient is a sum over the ranks."""
+
+    def __init__(self):
+        super().__init__()
+        self.up = torch.nn.Linear(16, 32)
+        self.gain = torch.nn.Parameter(torch.ones(1))
+        self.down = torch.nn.Linear(32, 16)
+
+    def forward(self, x):
+        return self.down(self.up(x) * self.gain).square().mean()
+
+
+def test_a_whole_parameter_meeting_split_values_is_refused():
+    """Under PyTorch's plan ``gain`` stays a plain tensor: its gradient would be one rank's part of
+    the sum the plan all-reduces."""
+    torch.manual_seed(0)
+    model, inputs = _Gated(), (torch.randn(8, 16),)
+    plan = autopar.plan(model, _cpu(2), inputs, mesh_shape=(2,), axis_roles=(T,))
+    assert plan.parameter_placements["gain"] == "R" and plan.decision("mul").inputs == ("S(1)", "R")
+    with pytest.raises(ExportError, match=r"node mul \(aten.mul.Tensor\) uses gain whole with values split"):
+        to_torch(plan, model, inputs)
 
 
 def test_a_plan_for_another_model_is_refused_before_anything_is_exported():

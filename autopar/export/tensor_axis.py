@@ -33,6 +33,9 @@ class TensorWalk:
         # per split value, the styled op nodes whose split output it comes from
         self.origin: dict[fx.Node, frozenset[fx.Node]] = {}
         self.gather: set[fx.Node] = set()  # styled op nodes that give their output whole
+        # per whole value, the plain (unstyled) parameters it is computed from: their gradients
+        # are whole only while every value they meet is
+        self.params: dict[fx.Node, frozenset[str]] = {}
 
     def styles(self) -> dict[str, ParallelStyle]:
         """The styles; where the plan gathers a styled module's split output only further on, inside
@@ -40,7 +43,7 @@ class TensorWalk:
         again (the values are the same; the ops between run whole)."""
         styled = self._styled_ops()
         while True:
-            self.layout, self.origin, self.whole = {}, {}, []
+            self.layout, self.origin, self.params, self.whole = {}, {}, {}, []
             try:
                 return self._walk(styled)
             except _GatherEarlier as e:
@@ -163,6 +166,8 @@ class TensorWalk:
             )
         # a buffer stays whole under PyTorch's styles; the walk then sees where the plan splits it
         self.layout[n] = Replicate() if d.role == "buffer" else p
+        if d.role == "param" and is_replicate(p):
+            self.params[n] = frozenset((d.target,))
 
     def _generic(self, n: fx.Node) -> None:
         d = self.plan.decision(n.name)
@@ -176,7 +181,15 @@ class TensorWalk:
                 raise self._partial(a)
         need = [s[self.t] for s in d.input_specs]
         out = d.output_spec[self.t]
+        carried = frozenset().union(*(self.params.get(a, ()) for a in ins))
         if all(same(h, w, _ndim(a)) for a, h, w in zip(ins, have, need)):
+            if carried and any(is_shard(h) for h in have):
+                raise ExportError(
+                    f"node {n.name} ({d.op}{', module ' + d.module if d.module else ''}) uses "
+                    f"{', '.join(sorted(carried))} whole with values split on tensor axis {self.t}: the plan sums "
+                    "its gradient over the ranks; under PyTorch's plan it is a plain parameter (no style makes it "
+                    "a DTensor) and would keep one rank's part: run the plan with autoparallelize"
+                )
             if is_partial(out):
                 raise self._partial(n)
             if is_shard(out) and not any(is_shard(h) for h in have):
@@ -186,6 +199,7 @@ class TensorWalk:
                     "whole tensors: run the plan with autoparallelize"
                 )
             self.layout[n] = out
+            self.params[n] = carried if is_replicate(out) else frozenset()
             self.origin[n] = (
                 frozenset().union(*(self.origin.get(a, ()) for a in ins)) if is_shard(out) else frozenset()
             )
@@ -193,6 +207,7 @@ class TensorWalk:
         if all(is_replicate(h) for h in have):
             self.whole.append(n.name)  # the plan splits it; PyTorch computes it whole (the same values)
             self.layout[n] = Replicate()
+            self.params[n] = carried
             return
         i = next(i for i, (a, h, w) in enumerate(zip(ins, have, need)) if not same(h, w, _ndim(a)))
         split = frozenset().union(*(self.origin.get(a, ()) for a, h in zip(ins, have) if is_shard(h)))
