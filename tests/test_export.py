@@ -61,7 +61,8 @@ def test_a_tensor_parallel_mlp_is_colwise_then_rowwise():
 
 def test_a_tensor_parallel_llama_exports_megatron_s_layout():
     model, inputs = MODELS["llama"]()
-    tp = to_torch(_plan("llama", (2,), (T,)), model, inputs)
+    plan = _plan("llama", (2,), (T,))
+    tp = to_torch(plan, model, inputs)
     styles = tp.parallelize_plan
     for i in range(2):
         block = f"model.layers.{i}"
@@ -86,9 +87,11 @@ def test_a_tensor_parallel_llama_exports_megatron_s_layout():
         Replicate(),
     )
     assert len(styles) == 2 * 7 + 2
-    # where the plan gathers the embedding's split output (inside the first norm, after a cast), the
-    # exported plan gathers it at the embedding's output and says which ops then run whole
-    assert any("run whole under PyTorch's plan" in n and "to_" in n for n in tp.notes), tp.notes
+    # the residual adds the plan takes as pending sums (the all-reduce after them) run on the
+    # reduced values under PyTorch's plan, and the notes say so
+    partial_adds = [d.name for d in plan.decisions if d.op == "aten.add.Tensor" and d.output == "P"]
+    (note,) = [n for n in tp.notes if "run whole under PyTorch's plan" in n]
+    assert partial_adds and all(name in note for name in partial_adds), (partial_adds, note)
     assert not any(
         isinstance(s, RowwiseParallel) and s.output_layouts != (Replicate(),) for s in styles.values()
     )

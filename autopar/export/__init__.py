@@ -130,8 +130,8 @@ def to_torch(plan: Plan, model: torch.nn.Module, example_inputs) -> TorchPlan:
         styles = walk.styles()
         if walk.whole:
             notes.append(
-                f"{len(walk.whole)} ops the plan splits on the tensor dim run whole under PyTorch's plan (the "
-                f"same values, more memory and compute): {', '.join(walk.whole[:8])}"
+                f"{len(walk.whole)} ops the plan computes split or as pending sums on the tensor dim run whole "
+                f"under PyTorch's plan (the same values): {', '.join(walk.whole[:8])}"
                 + (" ..." if len(walk.whole) > 8 else "")
             )
     dp = DataParallel.NONE
