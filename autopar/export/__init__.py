@@ -38,13 +38,15 @@ import enum
 from dataclasses import dataclass, field
 
 import torch
+from torch import fx
 from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
 
-from autopar.export.layouts import ExportError, seq_attention
+from autopar.export.layouts import ExportError, same, seq_attention, text
 from autopar.export.tensor_axis import TensorWalk
 from autopar.passes.replay import traced_as_planned
+from autopar.passes.rules import tensor_inputs
 from autopar.placement import Outputs, SeqAttention, is_replicate, is_shard, via_from_str
-from autopar.plan import Plan, Site
+from autopar.plan import NodeDecision, Plan, Site
 from autopar.trades import Offload, ZeroStage
 
 __all__ = ["DataParallel", "ExportError", "TorchPlan", "to_torch"]
@@ -136,7 +138,7 @@ def to_torch(plan: Plan, model: torch.nn.Module, example_inputs) -> TorchPlan:
             )
     dp = DataParallel.NONE
     if DATA in names:
-        _check_data_axis(plan, names.index(DATA))
+        _check_data_axis(plan, tg.graph, names.index(DATA))
         dp = DataParallel.REPLICATE if plan.trades.zero_stage is ZeroStage.NONE else DataParallel.FULLY_SHARD
         notes.append(
             "data parallel: feed each rank of the data dim its own rows of the batch; PyTorch averages the "
@@ -221,22 +223,38 @@ def _notes(plan: Plan) -> list[str]:
     return notes
 
 
-def _check_data_axis(plan: Plan, axis: int) -> None:
-    """No resharding on the data axis but the loss's and the gradients' reductions."""
+def _check_data_axis(plan: Plan, graph: fx.Graph, axis: int) -> None:
+    """No resharding on the data axis but the loss's and the gradients' reductions: every op takes
+    each value as it comes (the rank's own rows, or whole), and no op reduces over the whole batch
+    inside itself (a collective of its own)."""
     for d in plan.decisions:
         via = via_from_str(d.via)
         if axis < len(via) and isinstance(via[axis], SeqAttention):
             raise seq_attention(d, axis)
         for c in d.collectives:
-            if c.axis != axis or c.site in (Site.BUCKET, Site.OUTPUTS):
-                continue
-            where = (
-                "inside the op (a loss normalized over the whole batch)"
-                if c.site is Site.INSIDE
-                else "into it"
-            )
-            raise ExportError(
-                f"the plan runs {c.kind.value} on the data axis {axis} {where} at node {d.name} ({d.op}"
-                f"{', module ' + d.module if d.module else ''}); PyTorch's data parallelism runs every op on "
-                "the rank's own rows and averages gradients: run this plan with autoparallelize"
-            )
+            if c.axis == axis and c.site is Site.INSIDE:
+                what = f"runs {c.kind.value} inside the op (a loss normalized over the whole batch)"
+                raise _not_data_parallel(d, axis, what)
+    for n in graph.nodes:
+        if n.op != "call_function":
+            continue
+        d = plan.decision(n.name)
+        for i, a in enumerate(tensor_inputs(n)):
+            have, need = plan.decision(a.name).output_spec[axis], d.input_specs[i][axis]
+            if not is_replicate(have) and not same(have, need, _ndim(a)):
+                raise _not_data_parallel(
+                    d, axis, f"takes its input {a.name} as {text(need)} where it is {text(have)}"
+                )
+
+
+def _not_data_parallel(d: NodeDecision, axis: int, what: str) -> ExportError:
+    return ExportError(
+        f"on the data axis {axis}, node {d.name} ({d.op}{', module ' + d.module if d.module else ''}) {what}; "
+        "PyTorch's data parallelism runs every op on the rank's own rows and averages the gradients: run "
+        "this plan with autoparallelize"
+    )
+
+
+def _ndim(n: fx.Node) -> int:
+    v = n.meta.get("val")
+    return v.dim() if isinstance(v, torch.Tensor) else 0

@@ -69,15 +69,20 @@ class TensorWalk:
         """Op node -> (module path, module type) of every module with a parameter split on the axis."""
         placeholders = {n.name: n for n in self.graph.nodes if n.op == "placeholder"}
         out: dict[fx.Node, tuple[str, type]] = {}
+        weights = {
+            d.target.rpartition(".")[0]: d.output_spec[self.t]
+            for d in self.plan.decisions
+            if d.role == "param" and d.target.endswith(".weight")
+        }
         for d in self.plan.decisions:
             if d.role != "param" or is_replicate(d.output_spec[self.t]):
                 continue
             fqn, _, leaf = d.target.rpartition(".")
             mod = self.model.get_submodule(fqn)
             kind = type(mod) if type(mod) in _OPS else None
+            if kind is torch.nn.Linear and leaf == "bias" and not is_replicate(weights.get(fqn, Replicate())):
+                continue  # checked with its weight (``_style``)
             if kind is None or leaf != "weight":
-                if kind is not None and leaf == "bias":
-                    continue  # checked with its weight
                 raise ExportError(
                     f"the plan splits {d.target} ({type(mod).__name__}) as {d.output} on tensor axis {self.t}; "
                     "PyTorch's plan styles split only nn.Linear and nn.Embedding weights: plan with this "
