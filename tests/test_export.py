@@ -110,7 +110,9 @@ def test_what_pytorch_s_plans_cannot_say_is_refused_by_name():
     model, inputs = MODELS["llama"]()
     # the loss is a mean over the whole batch's tokens (an all-reduce of the count inside the op):
     # averaging the ranks' means, as DDP does, is another number where ranks count other tokens
-    with pytest.raises(ExportError, match=r"node cross_entropy_loss .* inside the op"):
+    with pytest.raises(
+        ExportError, match=r"node cross_entropy_loss .* reduces over the whole batch inside the op"
+    ):
         to_torch(_plan("llama", (2,), (D,)), model, inputs)
     with pytest.raises(
         ExportError, match=r"splits input input_ids on its dim 1 .*\(sequence or context parallelism\)"
@@ -147,6 +149,27 @@ def test_a_whole_parameter_meeting_split_values_is_refused():
     plan = autopar.plan(model, _cpu(2), inputs, mesh_shape=(2,), axis_roles=(T,))
     assert plan.parameter_placements["gain"] == "R" and plan.decision("mul").inputs == ("S(1)", "R")
     with pytest.raises(ExportError, match=r"node mul \(aten.mul.Tensor\) uses gain whole with values split"):
+        to_torch(plan, model, inputs)
+
+
+class _Normed(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(16, 16)
+        self.bn = torch.nn.BatchNorm1d(16)
+
+    def forward(self, x, y):
+        return torch.nn.functional.mse_loss(self.bn(self.lin(x)), y)
+
+
+def test_batch_statistics_over_the_whole_batch_are_refused_on_the_data_axis():
+    """The plan's batch norm is synchronized over the data axis; DDP's would use each rank's rows."""
+    torch.manual_seed(0)
+    model, inputs = _Normed(), (torch.randn(8, 16), torch.randn(8, 16))
+    plan = autopar.plan(model, _cpu(2), inputs, mesh_shape=(2,), axis_roles=(D,))
+    with pytest.raises(
+        ExportError, match=r"node batch_norm \(aten.batch_norm.default, module bn\) reduces over"
+    ):
         to_torch(plan, model, inputs)
 
 

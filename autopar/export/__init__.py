@@ -233,7 +233,7 @@ def _check_data_axis(plan: Plan, graph: fx.Graph, axis: int) -> None:
             raise seq_attention(d, axis)
         for c in d.collectives:
             if c.axis == axis and c.site is Site.INSIDE:
-                what = f"runs {c.kind.value} inside the op (a loss normalized over the whole batch)"
+                what = f"reduces over the whole batch inside the op ({c.kind.value}: a mean over all tokens, batch norm)"
                 raise _not_data_parallel(d, axis, what)
     for n in graph.nodes:
         if n.op != "call_function":
