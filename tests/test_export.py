@@ -25,6 +25,7 @@ MODELS = {
     # the loss taken by the loop from the logits: the model's own normalizes over the whole batch's
     # tokens, which data parallelism in PyTorch does not (``test_what_pytorch_s_plans_cannot_say...``)
     "llama logits": lambda: _logits_only(*llama_tiny(batch=4, seq=16, hidden=32, vocab=128, layers=2)),
+    "llama long": lambda: llama_tiny(batch=2, seq=64, hidden=32, vocab=128, layers=1),
 }
 
 
@@ -280,6 +281,12 @@ def test_the_exported_plans_train_as_autopar_and_one_device_on_2_ranks(tmp_path)
         path = tmp_path / f"{key.replace(' ', '_')}.json"
         _plan(name, mesh, roles).save(path)
         paths[key] = (name, str(path))
+    # planned for H100s, where the search picks another layout than Megatron's (and fused kernels,
+    # which the export leaves to PyTorch's aten ops): whatever it is, the export must run it alike
+    model, inputs = MODELS["llama long"]()
+    h100 = autopar.ClusterSpec.preset("h100-sxm", devices_per_node=2)
+    autopar.plan(model, h100, inputs, mesh_shape=(2,), axis_roles=(T,)).save(tmp_path / "h100.json")
+    paths["llama h100 tp"] = ("llama long", str(tmp_path / "h100.json"))
     results = run_on_ranks(_round_trip_rank, 2, paths, timeout_s=300)
     _, _, held, dp = _check(results, "mlp tp", "mlp")
     assert held == {"up.weight": (Shard(0),), "up.bias": (Shard(0),), "down.weight": (Shard(1),),
@@ -291,6 +298,8 @@ def test_the_exported_plans_train_as_autopar_and_one_device_on_2_ranks(tmp_path)
     assert "model.norm.weight" not in held  # no style: a plain parameter, whole on every rank
     _, _, held, dp = _check(results, "mlp dp", "mlp")
     assert dp is DataParallel.REPLICATE and set(held.values()) == {(Replicate(),)} and len(held) == 4
+    _, _, held, _ = _check(results, "llama h100 tp", "llama long")
+    assert held and all(p != (Replicate(),) for p in held.values())
 
 
 @pytest.mark.slow
