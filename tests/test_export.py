@@ -58,6 +58,9 @@ def test_a_tensor_parallel_mlp_is_colwise_then_rowwise():
         "up": ("ColwiseParallel", (Replicate(),), (Shard(-1),)),
         "down": ("RowwiseParallel", (Shard(-1),), (Replicate(),)),
     }
+    # an axis of one rank holds nothing split (whatever the plan writes there): a replica dim
+    one = to_torch(_plan("mlp", (1, 2), (autopar.AxisRole.AUTO, T)), model, inputs)
+    assert one.mesh_dim_names == ("replica", "tensor") and one.parallelize_plan.keys() == {"up", "down"}
 
 
 def test_a_tensor_parallel_llama_exports_megatron_s_layout():

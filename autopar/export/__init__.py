@@ -148,8 +148,9 @@ def to_torch(plan: Plan, model: torch.nn.Module, example_inputs) -> TorchPlan:
             notes.append(
                 "ZeRO-1 runs as FSDP2 with reshard_after_forward=False (it also shards the gradients)"
             )
-    if REPLICA in names:
-        notes.append(f"mesh dim {REPLICA!r}: every rank of it computes the same step on the same batch")
+    for name, size in zip(names, plan.mesh_shape):
+        if name.startswith(REPLICA) and size > 1:
+            notes.append(f"mesh dim {name!r}: every rank of it computes the same step on the same batch")
     return TorchPlan(
         mesh_shape=tuple(plan.mesh_shape), mesh_dim_names=names, parallelize_plan=styles, data_parallel=dp,
         reshard_after_forward=plan.trades.zero_stage is ZeroStage.PARAMETERS,
@@ -160,17 +161,21 @@ def to_torch(plan: Plan, model: torch.nn.Module, example_inputs) -> TorchPlan:
 def _axis_names(plan: Plan) -> tuple[str, ...]:
     """Per mesh axis: ``tensor`` where parameters are split; ``data`` where the batch is (inputs
     split on their first dim and the step's values with them) or ZeRO shards; ``replica`` where
-    nothing is (inputs the plan gathers at once included)."""
+    nothing is (inputs the plan gathers at once included, and every axis of one rank; a second
+    such axis is ``replica<axis>``)."""
     n = len(plan.mesh_shape)
+    live = {a for a in range(n) if plan.mesh_shape[a] > 1}  # on one rank every placement is the same
     params = [d for d in plan.decisions if d.role == "param"]  # buffers are whole in PyTorch's plans
-    split = {a for d in params for a, p in enumerate(d.output_spec) if not is_replicate(p)}
+    split = {a for d in params for a, p in enumerate(d.output_spec) if not is_replicate(p)} & live
     computed = {a for d in plan.decisions if d.role == "activation" for a, p in enumerate(d.output_spec)
-                if not is_replicate(p)}  # fmt: skip
-    batch = set(plan.trades.data_axes)
+                if not is_replicate(p)} & live  # fmt: skip
+    batch = set(plan.trades.data_axes) & live
     for d in plan.decisions:
         if d.role != "input":
             continue
         for a, p in enumerate(d.output_spec):
+            if a not in live:
+                continue
             if is_shard(p) and p.dim % max(len(d.shape), 1) != 0 and a not in split:
                 raise ExportError(
                     f"the plan splits input {d.target or d.name} on its dim {p.dim} over mesh axis {a} "
@@ -199,7 +204,11 @@ def _axis_names(plan: Plan) -> tuple[str, ...]:
             "every parameter and input whole there (sequence or context parallelism), which a "
             "parallelize_module plan cannot express: plan with AxisRole.DATA or AxisRole.TENSOR on that axis"
         )
-    return tuple(TENSOR if a in split else DATA if a in batch else REPLICA for a in range(n))
+    names = [TENSOR if a in split else DATA if a in batch else REPLICA for a in range(n)]
+    replicas = [a for a in range(n) if names[a] == REPLICA]
+    for a in replicas[1:]:
+        names[a] = f"{REPLICA}{a}"
+    return tuple(names)
 
 
 def _notes(plan: Plan) -> list[str]:
