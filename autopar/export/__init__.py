@@ -6,30 +6,38 @@ from ``torch.distributed.tensor.parallel``) for the tensor-parallel mesh dim, an
 data-parallel dim (``replicate``, or FSDP2's ``fully_shard`` for the plan's ZeRO stage).
 ``TorchPlan.apply`` does both on a model; the caller then trains it as any PyTorch module.
 
-How the plan is read, on the tensor-parallel axis ``t`` (the one mesh axis that splits parameters):
+How the plan is read. Each mesh axis of more than one rank is ``tensor`` (parameters split),
+``data`` (inputs split on their first dim, values with them) or ``replica`` (nothing split: every
+rank computes the same step); one of each at most. On the tensor axis ``t``
+(``tensor_axis.py`` walks the traced graph in order):
 
 * an ``nn.Linear`` whose weight is ``Shard(0)`` (bias ``Shard(0)``) is ``ColwiseParallel``, one
   whose weight is ``Shard(1)`` (bias ``Replicate``) is ``RowwiseParallel``; an ``nn.Embedding``
   with ``Shard(1)`` (hidden split) is colwise, with ``Shard(0)`` (vocabulary split) rowwise;
-* a styled module's ``input_layouts`` is the layout its input arrives in (its producer's placement
-  on ``t``), its ``output_layouts`` the placement every consumer of its output takes it in (the
-  graph's outputs: ``Replicate`` unless the plan returns local pieces);
+* a styled module's ``input_layouts`` is the layout its input arrives in, its ``output_layouts``
+  the placement its consumers take its output in (the graph's outputs: ``Replicate`` unless the
+  plan returns local pieces; a pending sum is reduced there). Where the consumers disagree, or the
+  plan gathers the split output only further on inside another module's forward, the module
+  gives its output whole and the ops between run on whole values (the same values; ``notes``);
 * every other op runs, in PyTorch, on the local tensors it is given. That computes what the plan
-  computes only where the plan runs it the same way: each input taken in the layout it arrives in
-  (no resharding), an output split only where an input is, never a pending sum (``Partial``). The
-  walk over the traced graph checks exactly that, node by node.
+  computes where each input comes in the layout the plan takes it in (no resharding between), an
+  output is split only where an input is and never a pending sum, and no plain parameter meets a
+  split value (its gradient would be one rank's part of the sum the plan all-reduces), or where
+  every input is whole (the op then runs whole). The walk checks exactly that, node by node.
 
-On the data-parallel axis every parameter is whole and the batch split; the plan must not reshard
-there except to reduce the loss and the gradients (``DataParallel``): PyTorch's data parallelism
-runs each op on the rank's own rows and averages the gradients.
+On the data axis every parameter is whole, each op takes its inputs in the layout they come in
+(the rank's rows) and none reduces over the whole batch inside itself: PyTorch's data parallelism
+runs each op on the rank's own rows and averages the gradients (the plan's step where the loss is
+a mean over the batch). ZeRO 0 is wrapped with FSDP2's ``replicate``, 1-3 with ``fully_shard``.
 
-What the plan decides and PyTorch's module plans cannot say raises ``ExportError`` naming it:
-pipeline stages, attention on a split sequence (ring or all-to-all), a second tensor-parallel
-axis, a parameter split on a module that is no ``nn.Linear`` / ``nn.Embedding``, a resharding
-between two ops inside a module's forward, a loss normalized over the whole batch (an all-reduce
-inside the op). What does not change the math or the layout but is the loop's own business
-(recomputation, micro-batches, mixed precision, fused kernels, overlapped matmuls) is listed in
-``TorchPlan.notes``.
+What PyTorch's module plans cannot say raises ``ExportError`` naming the node, module or axis:
+pipeline stages; inputs split off their first dim or values split with whole parameters and
+inputs (sequence or context parallelism); two axes splitting parameters, or the batch; a split
+parameter of a module that is no ``nn.Linear`` / ``nn.Embedding``, or a weight used by more than
+its module's one op (tied weights, fused kernels); any check above that fails; a batch statistic
+synchronized over the data axis (batch norm, a mean over all tokens). What the loop does itself
+without changing the math (recomputation, micro-batches, mixed precision's autocast, fused
+kernels, collective matmuls, the outputs a loss-only plan skips) is listed in ``TorchPlan.notes``.
 """
 
 from __future__ import annotations
@@ -57,8 +65,9 @@ REPLICA = "replica"  # an axis on which every rank computes the same thing
 
 
 class DataParallel(enum.Enum):
-    """How the data-parallel mesh dim is wrapped: ``REPLICATE`` (DDP's ``replicate``, ZeRO 0) or
-    ``FULLY_SHARD`` (FSDP2, ZeRO 1-3: parameters resharded after forward for stage 3 only)."""
+    """How the data-parallel mesh dim is wrapped: ``REPLICATE`` (ZeRO 0: FSDP2's ``replicate``,
+    DDP's math on the machinery that composes with tensor-parallel DTensors) or ``FULLY_SHARD``
+    (FSDP2, ZeRO 1-3: parameters resharded after forward for stage 3 only)."""
 
     NONE = "none"
     REPLICATE = "replicate"

@@ -23,17 +23,21 @@ def seq_attention(d: NodeDecision, axis: int) -> ExportError:
 
 
 def same(a: Placement, b: Placement, ndim: int) -> bool:
+    """Whether ``a`` and ``b`` place a tensor of ``ndim`` dims alike (``Shard(-1)`` is its last dim)."""
     if is_shard(a) and is_shard(b):
-        return a.dim % max(ndim, 1) == b.dim % max(ndim, 1)
+        return a.dim % ndim == b.dim % ndim if ndim > 0 else a.dim == b.dim
     return type(a) is type(b)
 
 
 def torch_layout(p: Placement, ndim: int) -> Placement:
     """``p`` as a style's layout: ``Shard(-1)`` for the last dim (what PyTorch's styles default to)."""
-    if is_shard(p) and p.dim % max(ndim, 1) == ndim - 1:
-        return Shard(-1)
-    return Shard(p.dim % ndim) if is_shard(p) else Replicate()
+    if not is_shard(p):
+        return Replicate()
+    if ndim <= 0:
+        return Shard(p.dim)
+    return Shard(-1) if p.dim % ndim == ndim - 1 else Shard(p.dim % ndim)
 
 
 def text(p: Placement) -> str:
+    """The plan's text of one placement (``R``, ``S(d)``, ``P``)."""
     return f"S({p.dim})" if is_shard(p) else "R" if is_replicate(p) else "P"

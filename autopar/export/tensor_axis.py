@@ -123,7 +123,7 @@ class TensorWalk:
         if is_partial(arrives):
             raise self._partial(x)
         if kind is torch.nn.Embedding and not is_replicate(arrives):
-            raise self._reshard(n, 0, arrives, Replicate(), ndim_x)
+            raise self._reshard(n, _DATA_ARG[kind], arrives, Replicate(), ndim_x)
         want = d.input_specs[_DATA_ARG[kind]][self.t]
         takes = Shard(-1) if rowwise and kind is torch.nn.Linear else Replicate()
         if not same(want, takes, ndim_x):
@@ -227,6 +227,8 @@ class TensorWalk:
                 continue
             want = self._returned_as(self.plan.decision(a.name))
             if not same(p, want, _ndim(a)):
+                if is_shard(p) and self.origin.get(a, frozenset()) - self.gather:
+                    raise _GatherEarlier(self.origin[a])
                 raise ExportError(
                     f"output {a.name} is {text(p)} on tensor axis {self.t} under PyTorch's plan and "
                     f"returned {text(want)} by the plan: run the plan with autoparallelize"
@@ -265,5 +267,8 @@ class _GatherEarlier(Exception):
 
 
 def _ndim(n: fx.Node) -> int:
+    """Dims of ``n``'s value (of its first tensor where it returns several, as plans place it)."""
     v = n.meta.get("val")
+    if isinstance(v, (tuple, list)):
+        v = next((t for t in v if isinstance(t, torch.Tensor)), None)
     return v.dim() if isinstance(v, torch.Tensor) else 0
