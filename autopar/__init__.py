@@ -2,6 +2,7 @@
 
 pmodel = autopar.autoparallelize(model, cluster_spec, example_inputs)   # on every rank
 plan = autopar.plan(model, cluster_spec, example_inputs)                # offline, no GPU needed
+torch_plan = autopar.to_torch(plan, model, example_inputs)              # PyTorch's own TP/DP plan
 """
 
 from autopar.api import autoparallelize, plan, reprice, search
@@ -21,6 +22,7 @@ from autopar.errors import (
     TraceError,
     UnsupportedDeviceKindError,
 )
+from autopar.export import DataParallel, ExportError, TorchPlan, to_torch
 from autopar.fusion import Kernel, KernelUse
 from autopar.options import AxisRole, Optimizer, SearchOptions, SearchOptionsError
 from autopar.placement import Outputs, SeqAttention
@@ -37,6 +39,9 @@ __all__ = [
     "CollectiveCallError",
     "DeviceKind",
     "DeviceSpec",
+    "DataParallel",
+    "ExportError",
+    "TorchPlan",
     "CrossRankMismatchError",
     "DistributedSetupError",
     "InputsError",
@@ -75,4 +80,5 @@ __all__ = [
     "plan",
     "reprice",
     "search",
+    "to_torch",
 ]
