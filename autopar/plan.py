@@ -53,6 +53,7 @@ from typing import Any
 from autopar.errors import PlanFormatError, PlanMismatchError
 from autopar.fusion import KernelUse
 from autopar.placement import Outputs, OwnRows, SeqAttention, Spec, is_shard, spec_from_str, via_from_str
+from autopar.plan_axes import axis_lines, replicated_line
 from autopar.reshard import Collective, CollectiveCall, Phase
 from autopar.trades import Pipeline, Trades
 
@@ -306,6 +307,7 @@ class Plan:
         lines = [
             f"plan for {self.model} on mesh {tuple(self.mesh_shape)} ({self.world_size} devices, "
             f"{self.cluster.get('name', '?')})",
+            *self._axis_lines(),
             f"  predicted step time {p.step_time_s * 1e3:.3f} ms (compute {p.compute_s * 1e3:.3f} ms, "
             f"communication {p.comm_s * 1e3:.3f} ms exposed, "
             f"{p.grad_sync_hidden_s * 1e3:.3f} ms of gradient all-reduce hidden behind backward)",
@@ -331,6 +333,13 @@ class Plan:
         if len(params) > max_rows:
             lines.append(f"    ... {len(params) - max_rows} more")
         return "\n".join(lines)
+
+    def _axis_lines(self) -> list[str]:
+        """What the plan does on each mesh axis, and where it splits nothing, why
+        (``autopar/plan_axes.py``)."""
+        lines = [f"  {line}" for line in axis_lines(self)]
+        why = replicated_line(self)
+        return lines + ([f"  {why}"] if why else [])
 
     def _overlap_lines(self) -> list[str]:
         if not self.overlap_matmuls:

@@ -35,6 +35,7 @@ LAYERS = {
     "autopar.placement": 0,
     "autopar.reshard": 0,
     "autopar.plan": 0,
+    "autopar.plan_axes": 0,
     "autopar.options": 0,
     "autopar.hardware": 0,
     "autopar.presets": 0,
