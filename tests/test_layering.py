@@ -58,6 +58,7 @@ LAYERS = {
     "autopar.passes.rungs": 2,
     "autopar.passes.mesh_solve": 2,
     "autopar.passes.outcome": 2,
+    "autopar.passes.no_fit": 2,
     "autopar.passes.dumps": 2,
     "autopar.passes.solved_plan": 2,
     "autopar.passes.price": 2,
