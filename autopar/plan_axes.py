@@ -12,7 +12,11 @@ parameters, buffers and inputs):
 * an op is *batch split* where its output is sharded on dim 0, or it runs on its own rows;
 * a norm (an op whose name says ``norm``) is *sequence parallel* where its output, of three or
   more dims, is sharded on dim 1, on an axis with tensor-parallel matmuls;
-* parameters are *sharded* where their stored placement is ``Shard`` on ``a``.
+* parameters are *sharded* where their stored placement is ``Shard`` on ``a`` (on an axis
+  with no tensor-parallel matmul they are gathered whole for the matmuls that read them).
+
+The axis is *data parallel* where an input is split on dim 0 and some op is batch split, and
+*sequence parallel* where (not data parallel) an input is split on dim 1.
 
 An axis where no op is split and no parameter sharded splits nothing: every rank runs the whole
 step there, whatever the inputs' placements say (an input split on the batch that every consumer
@@ -120,18 +124,25 @@ def axis_line(plan: Plan, a: int) -> str:
     batch = [d for d in split if _batch_split(d, a)]
     norms = [d for d in ops if "norm" in d.op]
     seq_norms = [d for d in norms if _seq_norm(d, a)] if tp else []
-    inputs_batch = any(
-        d.role == "input"
-        and d.shape
-        and is_shard(d.output_spec[a])
-        and _dim(d.output_spec[a], len(d.shape)) == 0
+    input_dims = {
+        _dim(d.output_spec[a], len(d.shape))
         for d in plan.decisions
-    )
-    data = bool(batch) and inputs_batch
+        if d.role == "input" and d.shape and is_shard(d.output_spec[a])
+    }
+    data = bool(batch) and 0 in input_dims
+    seq = 1 in input_dims and not data
     if tp:
-        what = "data and tensor parallel" if data else "tensor parallel"
+        what = (
+            "data and tensor parallel"
+            if data
+            else "tensor and sequence parallel"
+            if seq
+            else "tensor parallel"
+        )
     elif data:
         what = "data parallel"
+    elif seq:
+        what = "sequence parallel"
     elif split:
         what = f"splits {len(split)} of {len(ops)} ops"
     else:
@@ -139,13 +150,18 @@ def axis_line(plan: Plan, a: int) -> str:
     parts = []
     if tp:
         parts.append(f"{len(tp)} of {len(mms)} matmuls split on their weights")
+    if seq:
+        parts.append(f"the inputs' sequence split, {len(split)} of {len(ops)} ops split")
     if batch:
         parts.append(f"batch split on {len(batch)} of {len(ops)} ops")
     if seq_norms:
         parts.append(f"sequence parallel norms ({len(seq_norms)} of {len(norms)})")
-    if params:
-        parts.append(f"{len(sharded)} of {len(params)} parameters sharded" if sharded else "parameters whole")
-    if data and len(sharded) < len(params):
+    if sharded:
+        gathered = ", gathered whole for the matmuls" if mms and not tp else ""
+        parts.append(f"{len(sharded)} of {len(params)} parameters sharded{gathered}")
+    elif params:
+        parts.append("parameters whole")
+    if (data or seq) and len(sharded) < len(params):
         parts.append("gradients reduce-scattered" if zero >= 2 else "gradients all-reduced")
     return f"{head}: {what}: {', '.join(parts)}{zero_text}"
 

@@ -5,7 +5,8 @@ small Llama; a plan that splits nothing says so and why, and its module's ``data
 from __future__ import annotations
 
 import pytest
-from harness import D, T
+from harness import D, S, T
+from torch.distributed.tensor.placement_types import Shard
 
 import autopar
 from autopar.examples import llama_tiny
@@ -80,6 +81,19 @@ def test_a_tensor_parallel_axis_counts_the_matmuls_split_on_their_weights(tensor
     assert f"{len(sharded)} of {len(params)} parameters sharded" in line
     assert "gradients" not in line  # the inputs are whole on a tensor axis: no batch to reduce over
     assert f"  {line}\n" in tensor_plan.summary()
+
+
+def test_a_sequence_parallel_axis_counts_its_split_ops(llama):
+    model, inputs = llama
+    plan = autopar.plan(model, H100x4, inputs, mesh_shape=(4,), axis_roles=(S,))
+    assert all(d.output_spec[0] == Shard(1) for d in plan.decisions if d.role == "input")
+    ops = _ops(plan)
+    split = [d for d in ops if _split(d, 0)]
+    line = axis_line(plan, 0)
+    assert line.startswith("axis 0 (size 4): sequence parallel: the inputs' sequence split, ")
+    assert f"{len(split)} of {len(ops)} ops split" in line
+    whole = not any(is_shard(p.output_spec[0]) for p in _params(plan))
+    assert ("parameters whole, gradients all-reduced" in line) is whole, line
 
 
 def test_a_plan_that_splits_nothing_says_so_and_why(readme_plan):
