@@ -150,6 +150,7 @@ def autoparallelize(
             tg = traced_as_planned(model, example_inputs, plan)
     else:
         agree_on_plan(plan)
+        plan.check_world(world)  # before tracing: the likelier mistake, and the cheaper check
         tg = traced_as_planned(model, example_inputs, plan)
         plan.check_matches(tg.fingerprint(), world)
     graph = module_graph(model, example_inputs, plan, tg, choice)

@@ -53,6 +53,7 @@ from typing import Any
 from autopar.errors import PlanFormatError, PlanMismatchError
 from autopar.fusion import KernelUse
 from autopar.placement import Outputs, OwnRows, SeqAttention, Spec, is_shard, spec_from_str, via_from_str
+from autopar.plan_axes import axis_lines, replicated_line
 from autopar.reshard import Collective, CollectiveCall, Phase
 from autopar.trades import Pipeline, Trades
 
@@ -306,6 +307,7 @@ class Plan:
         lines = [
             f"plan for {self.model} on mesh {tuple(self.mesh_shape)} ({self.world_size} devices, "
             f"{self.cluster.get('name', '?')})",
+            *self._axis_lines(),
             f"  predicted step time {p.step_time_s * 1e3:.3f} ms (compute {p.compute_s * 1e3:.3f} ms, "
             f"communication {p.comm_s * 1e3:.3f} ms exposed, "
             f"{p.grad_sync_hidden_s * 1e3:.3f} ms of gradient all-reduce hidden behind backward)",
@@ -331,6 +333,13 @@ class Plan:
         if len(params) > max_rows:
             lines.append(f"    ... {len(params) - max_rows} more")
         return "\n".join(lines)
+
+    def _axis_lines(self) -> list[str]:
+        """What the plan does on each mesh axis, and where it splits nothing, why
+        (``autopar/plan_axes.py``)."""
+        lines = [f"  {line}" for line in axis_lines(self)]
+        why = replicated_line(self)
+        return lines + ([f"  {why}"] if why else [])
 
     def _overlap_lines(self) -> list[str]:
         if not self.overlap_matmuls:
@@ -503,15 +512,62 @@ class Plan:
             raise PlanFormatError(f"{path}: not a JSON plan file ({e})") from e
         return cls.from_dict(data)
 
+    def check_world(self, world_size: int) -> None:
+        """Raise PlanMismatchError unless this plan was made for ``world_size`` devices."""
+        if world_size != self.world_size:
+            mesh = tuple(self.mesh_shape)
+            stages = f" x {self.pipeline.stages} pipeline stages" if self.pipeline.enabled else ""
+            raise PlanMismatchError(
+                f"this plan was made for {self.world_size} devices (mesh {mesh}{stages}), this job has {world_size}; "
+                f"re-plan for {world_size} devices (autopar.plan(...) with a cluster of {world_size}) or launch "
+                f"{self.world_size} processes"
+            )
+
+    def check_model(
+        self, model: str, params: dict[str, tuple[int, ...]], inputs: dict[str, tuple[int, ...]]
+    ) -> None:
+        """Raise PlanMismatchError unless this plan was made for this model (its class name and its
+        parameters by name and shape) and these inputs (by name and shape): read off the model as
+        traced, before anything rewrites its graph as the plan's search did (inputs of one of the
+        plan's micro-batches, as codegen traces them, match too)."""
+        ours = {d.target: tuple(d.shape) for d in self.decisions if d.role == "param"}
+        if model != self.model or ours != params:
+            raise PlanMismatchError(
+                f"this plan was made for another model: {self.model} with {len(ours)} parameters, this is {model} "
+                f"with {len(params)} ({_first_difference('parameter', ours, params)}); re-plan with "
+                "autopar.plan(...) for this model"
+            )
+        given = {d.target: tuple(d.shape) for d in self.decisions if d.role == "input"}
+        k = self.trades.micro_batches  # codegen traces one micro-batch: 1/k of the plan's rows
+
+        def same(a: tuple | None, b: tuple | None) -> bool:
+            return a == b or (k > 1 and bool(a) and bool(b) and a[1:] == b[1:] and b[0] * k == a[0])
+
+        if given.keys() != inputs.keys() or not all(same(given[n], inputs[n]) for n in given):
+            raise PlanMismatchError(
+                f"this plan was made for other inputs ({_first_difference('input', given, inputs)}); re-plan with "
+                "autopar.plan(...) for these inputs, or pass the example inputs it was made for"
+            )
+
     def check_matches(self, fingerprint: str, world_size: int) -> None:
-        """Raise PlanMismatchError unless this plan was made for this graph and this many devices."""
+        """Raise PlanMismatchError unless this plan was made for this many devices and this graph
+        (the devices first: the cheaper and likelier mistake)."""
+        self.check_world(world_size)
         if fingerprint != self.fingerprint:
             raise PlanMismatchError(
                 f"this plan was made for a different model or input shapes (plan fingerprint {self.fingerprint[:12]}, "
                 f"traced graph {fingerprint[:12]}); re-plan with autopar.plan(...) for this model and these inputs"
             )
-        if world_size != self.world_size:
-            raise PlanMismatchError(
-                f"this plan is for {self.world_size} devices (mesh {tuple(self.mesh_shape)}) but the process group has "
-                f"{world_size}; re-plan for this cluster or launch {self.world_size} processes"
-            )
+
+
+def _first_difference(what: str, planned: dict, got: dict) -> str:
+    """The first name whose shape differs between ``planned`` and ``got``, or that only one has."""
+    for name in list(planned) + [n for n in got if n not in planned]:
+        a, b = planned.get(name), got.get(name)
+        if a != b:
+            if a is None:
+                return f"{what} {name!r} {b} is not in the plan"
+            if b is None:
+                return f"the plan's {what} {name!r} {a} is not in this one"
+            return f"{what} {name!r}: {a} in the plan, {b} here"
+    return "the same names and shapes"

@@ -69,6 +69,7 @@ from autopar.codegen.feeding import Feeding, InputsError
 from autopar.codegen.micro_batches import batch_size, split_batch
 from autopar.codegen.zero import AppliedTrades
 from autopar.placement import Spec
+from autopar.plan_axes import split_axes
 
 
 class ParallelModule(torch.nn.Module):
@@ -116,9 +117,12 @@ class ParallelModule(torch.nn.Module):
         self.output_specs = tuple(output_specs)
         self._batch_checked = False  # the batch is compared across ranks at the first call
         # per input leaf: the mesh axis that splits its batch (dim 0), or None; the first such
-        # axis is the data-parallel one a loader feeds (data_rank, data_world)
+        # axis on which the plan splits some op is the data-parallel one a loader feeds (data_rank,
+        # data_world). On an axis that splits nothing an input split on the batch is gathered
+        # whole before any op reads it: every rank there runs the whole batch (plan_axes.split_axes)
         self._batch_axes = list(batch_axes) or [None] * len(self._input_shapes)
-        axis = next((a for a in self._batch_axes if a is not None), None)
+        split = split_axes(plan)
+        axis = next((a for a in self._batch_axes if a is not None and a in split), None)
         self._data = (mesh.get_local_rank(axis), mesh.size(axis)) if axis is not None else (0, 1)
         # the inputs a call may give (each input's name, the whole batch or this rank's slice)
         self.feeding = Feeding(

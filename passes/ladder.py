@@ -84,6 +84,7 @@ class Rung:
     solved: Solved | None = None
     objective: float = math.inf
     refused_at_full_peak: bool = False
+    refused_peak: float = math.inf  # the full peak of a plan refused at it (inf: none)
     about: Trades | None = None
     restart: tuple[Trades, ...] | None = None
     peak: float = 0.0  # a plan's predicted peak bytes per device (where one fits)
@@ -102,13 +103,17 @@ class Pricer(Protocol):
 @dataclass
 class Climb:
     """What one candidate's climb found: its entries, its plans that fit (in order), the least
-    memory a rung needed, whether a plan failed at its full peak, and the best objective after it."""
+    memory a rung needed, whether a plan failed at its full peak (and the least such peak), the
+    rungs it considered (each the pricer admits: solved, bounded or shown no better than one that
+    was), and the best objective after it."""
 
     objective: float
     entries: list[Entry] = field(default_factory=list)
     solved: list[Solved] = field(default_factory=list)
     mem_needed: float = math.inf
     refused_at_full_peak: bool = False
+    refused_peak: float = math.inf
+    tried: list[Trades] = field(default_factory=list)
 
 
 def climb(rungs: Iterable[Trades], pricer: Pricer, limit: float, best_objective: float) -> Climb:
@@ -126,6 +131,7 @@ def climb(rungs: Iterable[Trades], pricer: Pricer, limit: float, best_objective:
         trades = todo.pop(0)
         if not pricer.admits(trades):
             continue
+        out.tried.append(trades)
         if any(relieves_no_more(trades, t) for t in short + over):
             continue  # a rung with at least this much room each way had no plan
         if any(costs_no_less(trades, t) for t in slow):
@@ -144,6 +150,7 @@ def climb(rungs: Iterable[Trades], pricer: Pricer, limit: float, best_objective:
             continue
         out.mem_needed = min(out.mem_needed, rung.mem_needed)
         out.refused_at_full_peak |= rung.refused_at_full_peak
+        out.refused_peak = min(out.refused_peak, rung.refused_peak)
         if rung.entry is not None:
             out.entries.append(rung.entry)
         about = rung.about if rung.about is not None else trades

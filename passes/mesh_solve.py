@@ -116,6 +116,7 @@ class MeshOutcome:
     mem_needed: float
     solved: Solved | None = None
     refused_at_full_peak: bool = False
+    refused_peak: float = math.inf  # the full peak of the plan refused at it (inf: none was)
 
     @property
     def fitted(self) -> bool:
@@ -145,8 +146,10 @@ def solve_mesh(p: MeshProblem, best_objective: float = math.inf, st: Stages | No
             ctx.bounds[ctx.bound_key] = bound
     entry = Entry(run.mesh, Verdict.INFEASIBLE, run.roles, lower_bound=bound, trades=trades)
 
-    def ended(verdict: Verdict, refused: bool = False, **more) -> MeshOutcome:
-        return MeshOutcome(replace(entry, verdict=verdict, **more), mem_needed, None, refused)
+    def ended(verdict: Verdict, refused: float = math.inf, **more) -> MeshOutcome:
+        return MeshOutcome(
+            replace(entry, verdict=verdict, **more), mem_needed, None, refused < math.inf, refused
+        )
 
     if mem_needed > limit:
         st.say(f"solve: mesh {label}: needs >= {mem_needed / 2**30:.2f} GiB per device: skipped")
@@ -186,7 +189,7 @@ def solve_mesh(p: MeshProblem, best_objective: float = math.inf, st: Stages | No
                 f"solve: mesh {label}: no plan fits {limit / 2**30:.2f} GiB per device "
                 "with its gradient buckets' flattening and its optimizer step's temporaries"
             )
-            return ended(Verdict.INFEASIBLE, refused=True)
+            return ended(Verdict.INFEASIBLE, refused=peak)
     if p.check_micro_batches and not micro_batch_ok(p.tg, p.infos, sol.choice, tables, trades.micro_batches):
         st.say(f"solve: mesh {label}: the batch does not split into its micro-batches as the plan splits it")
         return ended(Verdict.INFEASIBLE)

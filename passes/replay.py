@@ -29,7 +29,7 @@ from autopar.passes.fuse import fuse_as_planned
 from autopar.passes.local_rows import trace_rows
 from autopar.passes.rules import AxisOption
 from autopar.passes.strategies import NodeStrategies, Strategy, build_strategies
-from autopar.passes.trace import TracedGraph, keep_loss_only, trace
+from autopar.passes.trace import Role, TracedGraph, keep_loss_only, trace
 from autopar.placement import Outputs, own_rows_axes, spec_from_str, spec_to_str, via_from_str
 from autopar.plan import Plan
 
@@ -56,10 +56,24 @@ def rewrite_as_planned(tg: TracedGraph, plan: Plan) -> None:
 
 
 def traced_as_planned(model, example_inputs, plan: Plan) -> TracedGraph:
-    """The model traced and rewritten as the plan's search rewrote it (``rewrite_as_planned``)."""
+    """The model traced and rewritten as the plan's search rewrote it (``rewrite_as_planned``);
+    PlanMismatchError first where the plan was made for another model or other inputs
+    (``Plan.check_model``: a rewrite would fail on it with less to say)."""
     tg = trace(model, example_inputs)
+    plan.check_model(tg.model_name, *placeholder_shapes(tg))
     rewrite_as_planned(tg, plan)
     return tg
+
+
+def placeholder_shapes(tg: TracedGraph) -> tuple[dict[str, tuple[int, ...]], dict[str, tuple[int, ...]]]:
+    """The traced parameters' and inputs' shapes by name (``Plan.check_model``)."""
+    nodes = {n.name: n for n in tg.graph.nodes if n.op == "placeholder"}
+    out: dict[Role, dict[str, tuple[int, ...]]] = {Role.PARAM: {}, Role.INPUT: {}}
+    for p in tg.placeholders:
+        if p.role in out:
+            val = nodes[p.name].meta.get("val")
+            out[p.role][p.target] = tuple(val.shape) if hasattr(val, "shape") else ()
+    return out[Role.PARAM], out[Role.INPUT]
 
 
 def plan_regions(model, tg: TracedGraph, plan: Plan, example_inputs) -> PlanRegions:

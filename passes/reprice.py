@@ -70,6 +70,7 @@ def given_choice(
     PlanMismatchError where the plan was made for another model or number of devices, or its
     pipeline stages split the cluster's nodes unevenly. ``optimizer``: the one the run uses (a plan
     does not record it); ``profiler``: prices ops by running them, else the roofline."""
+    plan.check_world(cluster.world_size)
     tg = traced_as_planned(model, example_inputs, plan)
     plan.check_matches(tg.fingerprint(), cluster.world_size)
     infos = analyze(tg)

@@ -52,10 +52,11 @@ from autopar.passes.candidate_tables import data_parallel_axis
 from autopar.passes.candidates import MeshRun, spmd_runs, stage_runs
 from autopar.passes.coarsen import find_classes
 from autopar.passes.costs import NodeTimer
-from autopar.passes.dumps import Stages, classes_tsv, infos_tsv, size_text
+from autopar.passes.dumps import Stages, classes_tsv, infos_tsv
 from autopar.passes.fuse import chosen_kernels, fuse
 from autopar.passes.mesh_solve import Solved
 from autopar.passes.micro_batch_check import MicroBatchCheck
+from autopar.passes.no_fit import no_fit_message
 from autopar.passes.outcome import Entry, Verdict
 from autopar.passes.pipeline import stage_counts
 from autopar.passes.prefetch import Prefetcher
@@ -266,54 +267,8 @@ def select_stage(found: Found, pb: Problem) -> Solved:
             + "; use AxisRole.AUTO on that axis (or another role), or change the model's op"
         )
     if found.best is None:
-        raise NoPlanFitsError(
-            no_fit_message(pb.cluster, pb.limit, found.min_needed, found.refused_at_full_peak, pb.options)
-        )
+        raise NoPlanFitsError(no_fit_message(pb, found))
     return found.best
-
-
-def no_fit_message(
-    cluster: ClusterSpec,
-    limit: float,
-    min_needed: float,
-    refused_at_full_peak: bool,
-    options: SearchOptions | None,
-) -> str:
-    """Why no plan fits, with the figure that shows it and what would bring a plan under the limit:
-    the least memory any candidate's bound proves it needs when that passes the limit, else that the
-    plans the solver could build all pass it (a bound under the limit is no figure to quote); then
-    the trades the options forbid, more devices, a smaller batch."""
-    options = options or SearchOptions()
-    where = (
-        f"({cluster.device.name}, {cluster.world_size} devices, {cluster.memory_reserve:.0%} of "
-        "memory held in reserve)"
-    )
-    if min_needed > limit and math.isfinite(min_needed):
-        head = (
-            f"no plan fits: every candidate needs at least {size_text(min_needed)} per device, the limit "
-            f"is {size_text(limit)} {where}"
-        )
-    else:
-        head = f"no plan fits in {size_text(limit)} per device {where}: every plan the solver found passes it"
-    if refused_at_full_peak:
-        head += "; a plan that fit did not with its gradient buckets flattened and its optimizer step"
-    tries = []
-    if options.zero_stage is not None and options.zero_stage < 3:
-        tries.append("zero_stage=3 (or None: auto)")
-    if options.axis_roles is None or not any(r.value == "data" for r in options.axis_roles):
-        tries.append("axis_roles with AxisRole.DATA (ZeRO shards over data-parallel axes)")
-    if options.recompute is not None and options.recompute.value != "full":
-        tries.append("recompute=Recompute.FULL (or None)")
-    if options.micro_batches is not None:
-        tries.append("more micro_batches (or None)")
-    if options.offload is not None and options.offload.value == "none":
-        tries.append("offload=Offload.OPTIMIZER (or None)")
-    if options.precision is not None and options.precision.value == "param":
-        tries.append("precision=Precision.BF16")
-    if options.pipeline_stages == 1 or options.mesh_shape is not None or options.axis_roles is not None:
-        tries.append("pipeline stages (pipeline_stages=None: auto, or a count)")
-    tries += ["more devices", "a smaller batch or sequence", "a larger memory_limit_bytes"]
-    return f"{head}; try " + ", ".join(tries)
 
 
 def price_stage(pb: Problem, best: Solved, candidates: list[Entry]) -> Plan:

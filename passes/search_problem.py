@@ -23,7 +23,7 @@ from autopar.passes.micro_batch_check import MicroBatchCheck
 from autopar.passes.outcome import Entry
 from autopar.passes.strategies import Strategy
 from autopar.passes.trace import TracedGraph
-from autopar.trades import Precision
+from autopar.trades import Precision, Trades
 
 
 @dataclass(frozen=True)
@@ -64,6 +64,8 @@ class Found:
     objective: float = math.inf
     min_needed: float = math.inf
     refused_at_full_peak: bool = False
+    refused_peak: float = math.inf  # the least full peak of the plans refused at it
+    tried: list[Trades] = field(default_factory=list)  # the rungs of the trades ladder considered
     # candidates whose roles no placement of some tensor satisfies, and why
     unplaceable: list[str] = field(default_factory=list)
 
@@ -72,6 +74,8 @@ class Found:
         self.candidates.extend(climb.entries)
         self.min_needed = min(self.min_needed, climb.mem_needed)
         self.refused_at_full_peak |= climb.refused_at_full_peak
+        self.refused_peak = min(self.refused_peak, climb.refused_peak)
+        self.tried.extend(climb.tried)
         self.objective = climb.objective
 
     def offer(self, solved: Solved) -> None:

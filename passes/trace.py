@@ -20,7 +20,6 @@ from __future__ import annotations
 import enum
 import hashlib
 import itertools
-import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -32,6 +31,7 @@ import torch.utils._pytree as pytree
 from autopar.errors import TraceError
 from autopar.passes.causal_mask import rewrite_causal_masks
 from autopar.passes.merged_rows import unmerge_row_reshapes
+from autopar.passes.trace_errors import no_partial_graphs, untraceable
 
 
 class Role(enum.Enum):
@@ -114,19 +114,6 @@ def normalize_inputs(example_inputs) -> tuple[tuple, dict]:
     )
 
 
-def _describe_failure(exc: BaseException) -> str:
-    """Name the failing construct: the innermost frame of user (non-torch) code plus the error."""
-    frames = traceback.extract_tb(exc.__traceback__)
-    user = [f for f in frames if "/torch/" not in f.filename and "/autopar/" not in f.filename]
-    where = (
-        f"{user[-1].filename}:{user[-1].lineno} in {user[-1].name}: {user[-1].line}"
-        if user
-        else "unknown location"
-    )
-    first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-    return f"{type(exc).__name__}: {first_line} (at {where})"
-
-
 def trace(
     model: torch.nn.Module, example_inputs, stack_traces: bool = False, causal_masks: bool = True
 ) -> TracedGraph:
@@ -170,20 +157,14 @@ def _trace(model: torch.nn.Module, args, kwargs) -> TracedGraph:
         try:
             return _trace_make_fx(model, args, kwargs)
         except Exception as fx_exc:  # noqa: BLE001
-            raise TraceError(
-                f"could not trace {type(model).__name__}.\n"
-                f"  torch.export (non-strict) failed: {_describe_failure(export_exc)}\n"
-                f"  make_fx fallback failed: {_describe_failure(fx_exc)}\n"
-                "  Make the failing construct traceable (no data-dependent Python control flow on tensor values, "
-                "no .item() / .tolist() in forward), or pass inputs that avoid it (e.g. use_cache=False for "
-                "Hugging Face models)."
-            ) from export_exc
+            raise TraceError(untraceable(model, export_exc, fx_exc)) from export_exc
 
 
 def _trace_export(model, args, kwargs) -> TracedGraph:
     from torch.export.graph_signature import InputKind, OutputKind
 
-    ep = torch.export.export(model, args, kwargs, strict=False)
+    with no_partial_graphs():
+        ep = torch.export.export(model, args, kwargs, strict=False)
     sig = ep.graph_signature
     bad_outputs = [o for o in sig.output_specs if o.kind != OutputKind.USER_OUTPUT]
     if bad_outputs:

@@ -432,9 +432,9 @@ def test_axes_table_roles_and_what_each_axis_splits():
     doc = render_report(_mesh_plan((2, 2), 2, 2, roles=("data", "tensor")))
     rows = _table_rows(_section(doc, "Mesh axes"))
     assert rows[0][2].startswith("data — data parallel") and rows[1][2].startswith("tensor — tensor parallel")
-    # lin.weight is S(0) on axis 0 only; the input is whole
-    assert rows[0][4] == "inputs whole; 1 of 2 parameters sharded"
-    assert rows[1][4] == "inputs whole; 0 of 2 parameters sharded"
+    # lin.weight is S(0) on axis 0 only; the input is whole; no op reads them
+    assert rows[0][4] == "splits no op: 1 of 2 parameters sharded"
+    assert rows[1][4] == "splits nothing — every rank runs the whole step"
     # no roles recorded (older plans, a free search): auto; no cluster size: unknown
     plan = _mesh_plan((2,), 1, 2)
     import dataclasses

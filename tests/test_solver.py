@@ -321,7 +321,7 @@ def test_no_plan_fits_says_what_is_needed():
     scale = {"B": 1, "KiB": 2**10, "MiB": 2**20}
     assert float(m[1]) * scale[m[2]] > float(m[3]) * scale[m[4]]
     assert "0.00 GiB" not in msg and "zero_stage" not in msg and "micro_batches" not in msg
-    assert "try" in msg and "more devices" in msg
+    assert "Try: " in msg and "more devices" in msg
 
 
 def _llama_block_model(layers=2, hidden=2048, ffn=8192, heads=16, vocab=32000):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import inspect
+
 import pytest
 import torch
 
@@ -22,12 +24,23 @@ class DataDependent(torch.nn.Module):
         return y
 
 
-def test_untraceable_model_names_the_construct():
+def test_untraceable_model_names_the_construct(capfd):
     with pytest.raises(autopar.TraceError) as e:
         trace(DataDependent(), (torch.randn(2, 4),))
-    msg = str(e.value)
-    assert "DataDependent" in msg
-    assert "test_trace.py" in msg and "y.sum().item()" in msg  # file, line and source of the culprit
+    lines = str(e.value).splitlines()
+    # the user's line first (file:line, function, its source), then why, then what to do
+    line = inspect.getsourcelines(DataDependent.forward)[1] + 2
+    assert lines[0] == "could not trace DataDependent:"
+    assert lines[1] == f"  at {__file__}:{line} in forward", lines
+    assert lines[2].strip() == "if y.sum().item() > 0:  # data-dependent Python control flow: not traceable"
+    assert lines[3].startswith(
+        "  Python control flow or .item() on a tensor's value, which a trace cannot follow"
+    )
+    assert lines[4].startswith("  Make that line traceable") and len(lines) == 5
+    # and nothing else on the terminal: none of the partial graphs torch.export prints as it fails
+    err = capfd.readouterr().err
+    assert "def forward" not in err and "torch.ops.aten" not in err, err
+    assert "Unable to find user code" not in err, err
 
 
 def test_tied_weights_stay_one_parameter():

@@ -29,8 +29,9 @@ from html import escape
 from typing import Any
 
 from autopar.cost_model.comm import crosses_nodes
-from autopar.placement import OwnRows, SeqAttention, is_shard
+from autopar.placement import OwnRows, SeqAttention
 from autopar.plan import NodeDecision, Plan
+from autopar.plan_axes import axis_line, replicated_line
 from autopar.report.decisions import decisions_section, op_name
 from autopar.report.memory import memory_parts, memory_section
 from autopar.report.pipeline import pipeline_section
@@ -319,25 +320,8 @@ def axis_roles(plan: Plan) -> list[str]:
 
 
 def _what_it_splits(plan: Plan, axis: int) -> str:
-    """What the plan splits on mesh ``axis``, read off its placements: the inputs' dims and how
-    many parameters are sharded."""
-    params = [d for d in plan.decisions if d.role == "param"]
-    sharded = sum(1 for d in params if is_shard(d.output_spec[axis]))
-    dims = sorted(
-        {
-            d.output_spec[axis].dim
-            for d in plan.decisions
-            if d.role == "input" and is_shard(d.output_spec[axis])
-        }
-    )
-    out = []
-    if dims:
-        out.append("inputs split on dim " + ", ".join(str(x) for x in dims))
-    elif any(d.role == "input" for d in plan.decisions):
-        out.append("inputs whole")
-    if params:
-        out.append(f"{sharded} of {len(params)} parameters sharded")
-    return "; ".join(out) or "—"
+    """What the plan does on mesh ``axis``, read off its placements (``autopar/plan_axes.py``)."""
+    return axis_line(plan, axis).split(": ", 1)[1]
 
 
 def _crosses(plan: Plan, mesh: tuple[int, ...], axis: int) -> str:
@@ -506,7 +490,14 @@ def render_report(plan: Plan, *, measured: dict | None = None, title: str | None
     sections: list[tuple[str, Callable[[], list[str]]]] = [
         ("Plan", lambda: [_head_table(plan)]),
         ("Summary", lambda: ["<h2>Summary</h2>", _summary_table(plan, measured)]),
-        ("Mesh axes", lambda: ["<h2>Mesh axes</h2>", axes_table(plan)]),
+        (
+            "Mesh axes",
+            lambda: [
+                "<h2>Mesh axes</h2>",
+                axes_table(plan),
+                *([f"<p>{escape(why[0].upper() + why[1:])}.</p>"] if (why := replicated_line(plan)) else []),
+            ],
+        ),
         ("Placement notation", lambda: ["<h2>Placement notation</h2>", placement_legend(plan)]),
         ("Memory-for-time trades", lambda: ["<h2>Memory-for-time trades</h2>", trades_table(plan)]),
         ("Pipeline", lambda: pipeline_section(plan) if plan.pipeline.enabled else []),
