@@ -20,8 +20,9 @@ as they were. Calls are numbered per process (per call name and mesh), so repeat
 mix; a call its ranks gave up on is skipped by a rank that comes to it later, which joins the
 next one instead: after a failed call, one on every rank works again.
 
-``agree_on_model`` checks the model's weights and the example inputs, ``agree_on_plan`` a plan
-each rank loaded; ``solve_once`` runs the search on rank 0 only and broadcasts the plan (or rank
+``agree_on_model`` checks the model's weights and the example inputs, ``agree_on_plan`` the
+decisions of a plan each rank loaded or searched itself (``Plan.decision_parts``: not the seconds
+or predicted figures of its search); ``solve_once`` runs the search on rank 0 only and broadcasts the plan (or rank
 0's error) to the others: planning time does not grow with the number of ranks.
 """
 
@@ -110,11 +111,40 @@ def agree_on_model(model: torch.nn.Module, example_inputs) -> None:
 
 
 def agree_on_plan(plan) -> None:
-    """``agree`` on a plan every rank loaded itself (a plan file, or a ``Plan`` passed in)."""
-    agree(
-        "the plans",
-        [("plan", json.dumps(plan.to_dict(), sort_keys=True))],
-        "load the same plan on every rank",
+    """Raise ``CrossRankMismatchError`` on every rank unless every rank's plan (a plan file each
+    loaded, or a ``Plan`` each searched or passed in) takes rank 0's decisions
+    (``Plan.decision_parts``: what the search measured or predicted, such as its seconds, may
+    differ). The message names the first parts that differ and shows both ranks' values."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return
+    parts = plan.decision_parts()
+    texts = {k: json.dumps(v, sort_keys=True) for k, v in parts.items()}
+    digests = {k: hashlib.sha256(t.encode()).hexdigest()[:16] for k, t in texts.items()}
+    gathered: list = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, (plan.decisions_fingerprint(), list(digests.items())))
+    bad = [r for r, g in enumerate(gathered) if g[0] != gathered[0][0]]
+    if not bad:
+        return
+    ref, first = dict(gathered[0][1]), dict(gathered[bad[0]][1])
+    order = [k for k, _ in gathered[0][1]] + [k for k, _ in gathered[bad[0]][1] if k not in ref]
+    names = [k for k in order if ref.get(k) != first.get(k)]
+    # every rank computed the same names from the same digests: one more gather shows the values
+    shown: list = [None] * dist.get_world_size()
+    dist.all_gather_object(shown, [texts.get(k, "(none)") for k in names[:3]])
+
+    def clip(text: str) -> str:
+        return text if len(text) <= 120 else text[:117] + "..."
+
+    each = "; ".join(
+        f"{k}: rank 0 {clip(shown[0][i])}, rank {bad[0]} {clip(shown[bad[0]][i])}"
+        for i, k in enumerate(names[:3])
+    )
+    more = f" (and {len(names) - 3} more)" if len(names) > 3 else ""
+    raise CrossRankMismatchError(
+        f"the plans differ between ranks: rank(s) {bad} take other decisions than rank 0 in "
+        f"{len(names)} part(s){more}: {each}; load the same plan on every rank, or search with the same "
+        "model, cluster and options on every rank (or let autoparallelize search: rank 0 searches and sends "
+        "its plan)"
     )
 
 
