@@ -43,10 +43,8 @@ _GONE = "rank 0's process exited (the process group's store, which it serves, is
 
 _state = threading.local()  # depth: how many collective sections this thread is inside
 _failure: list[str] = []  # the failure this process raised or learned of; its groups are aborted
-_kept_store: list = []
-_rank: list[
-    int
-] = []  # this process's rank in the groups it aborted  # the store of the groups this process aborted (its server must outlive them)
+_kept_store: list = []  # the store of the groups this process aborted (its server must outlive them)
+_rank: list[int] = []  # this process's rank in the groups it aborted
 
 
 def _store():
