@@ -235,7 +235,7 @@ FORWARD_FIX = (
 
 def collective_section(call: str, fix: str = FORWARD_FIX) -> Callable:
     """Decorate a method of the parallel module that issues collectives (``forward``, ``step``):
-    where ``self.issues_collectives`` and it is not called inside another section, every rank
+    where ``self.check_calls`` and ``self.issues_collectives`` and it is not called inside another section, every rank
     must enter it together (``all_entered``, over ``self._collective_mesh()``, waiting
     ``self.entry_timeout_s``), so that a rank never blocks in a collective its peers will not
     join; where a peer's failure broke one of its collectives, ``PeerFailedError`` replaces the
@@ -244,7 +244,7 @@ def collective_section(call: str, fix: str = FORWARD_FIX) -> Callable:
     def wrap(fn: Callable) -> Callable:
         @functools.wraps(fn)
         def run(self, *args, **kwargs):
-            if failures.section_depth() == 0 and self.issues_collectives:
+            if failures.section_depth() == 0 and self.check_calls and self.issues_collectives:
                 all_entered(call, self._collective_mesh().mesh.flatten().tolist(), fix, self.entry_timeout_s)
             return failures.run_section(call, fn, self, *args, **kwargs)
 
@@ -259,7 +259,12 @@ def enter_backward(module, outs: list) -> None:
     each output that requires grad, the first to run entering for all (the outputs are left as
     they are: a user may still modify them in place). Not inside a section (``step`` entered
     already), nor where the module issues no collectives."""
-    if failures.section_depth() > 1 or not module.issues_collectives or not torch.is_grad_enabled():
+    if (
+        failures.section_depth() > 1
+        or not module.check_calls
+        or not module.issues_collectives
+        or not torch.is_grad_enabled()
+    ):
         return
     nodes = {id(t.grad_fn): t.grad_fn for t in outs if isinstance(t, torch.Tensor) and t.grad_fn is not None}
     if not nodes:

@@ -20,8 +20,9 @@ Collective methods called on one rank. ``full_state_dict``, ``full_output`` and 
 gather over every rank of the mesh, whatever the plan (so a loop that works under one plan works
 under every other): ``if rank == 0: torch.save(pmodel.full_state_dict(), ...)`` cannot work.
 These, ``forward``, ``step`` and a backward through the forward's outputs are the module's
-collective calls: where the plan issues collectives, every rank of the mesh enters each together
-(``agree.all_entered``, through the store: no collective; a few round trips per call). Ranks that
+collective calls. With ``check_calls`` (off by default: a few round trips to the store per call
+from every rank), where the plan issues collectives, every rank of the mesh enters each together
+(``agree.all_entered``, through the store: no collective). Ranks that
 make different calls at the same point raise ``CollectiveCallError`` at once, naming the calls;
 where some ranks do not come within ``entry_timeout_s`` seconds, those that came raise it; every
 other rank of the job then raises ``PeerFailedError`` (``codegen/failures.py``), rather than
@@ -49,6 +50,7 @@ the same ``step``, ``optimizer`` and ``full_state_dict``, run by torch's pipelin
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -72,6 +74,14 @@ class ParallelModule(torch.nn.Module):
     # mesh to call them before raising ``CollectiveCallError`` (module docstring); ranks that
     # legitimately reach them far apart (one evaluates alone first) need it longer
     entry_timeout_s: float = ENTRY_TIMEOUT_S
+    # whether ``forward``, ``step`` and a backward through the forward's outputs are entered by
+    # every rank together (a few round trips to rank 0's store per call, from every rank: a
+    # debugging aid, as PyTorch's TORCH_DISTRIBUTED_DEBUG=DETAIL checks of collectives are, not a
+    # default a job of thousands of ranks can afford). Off, a rank that made another collective call
+    # still raises: the failed rank aborts its groups, and its peers' blocked collectives break when
+    # its process exits, as ``PeerFailedError`` (``codegen/failures.py``). ``AUTOPAR_CHECK_CALLS=1``
+    # turns it on for every module.
+    check_calls: bool = os.environ.get("AUTOPAR_CHECK_CALLS", "") not in ("", "0")
 
     def __init__(
         self,
@@ -219,7 +229,8 @@ class ParallelModule(torch.nn.Module):
     def issues_collectives(self) -> bool:
         """Whether a step of this module runs collectives across ranks (the plan places a
         collective, or its trades or pipeline do): then ``forward``, ``step`` and a backward
-        through the forward's outputs are entered by every rank together (``agree.collective_section``)."""
+        through the forward's outputs can be entered by every rank together (``check_calls``,
+        ``agree.collective_section``)."""
         plan = self.plan
         if self.__dict__.get("_issues_collectives") is None:
             self.__dict__["_issues_collectives"] = bool(

@@ -42,10 +42,11 @@ def _outcome(fn):
         return (type(e).__name__, str(e))
 
 
-def _rank(rank, world, plan_path, case):
+def _rank(rank, world, plan_path, case, check_calls=True):
     model, inputs = _build()
     pmodel = autopar.autoparallelize(model, free_link_cpu(world), inputs, plan=plan_path)
     pmodel.entry_timeout_s = ENTRY_TIMEOUT_S
+    pmodel.check_calls = check_calls
     store = torch.distributed.distributed_c10d._get_default_store()
     out = {"state": pmodel.full_state_dict()}
     result = pmodel(**inputs)
@@ -126,3 +127,18 @@ def test_a_call_on_rank_0_only_raises_on_every_rank(plan_path, case):
     for rank in range(2):
         kind, msg = results[rank]["next"]
         assert kind == "PeerFailedError" and call in msg, (rank, msg)
+
+
+@pytest.mark.slow
+def test_without_checked_calls_the_peer_raises_when_the_failed_rank_exits(plan_path):
+    """``check_calls`` off (the default): rank 1's step enters its collectives unchecked and
+    blocks there; rank 0's lone ``full_state_dict`` times out, aborts its groups and returns, and
+    its process's exit breaks rank 1's collective, which raises ``PeerFailedError`` instead of
+    hanging (a hang fails through ``run_on_ranks``' timeout)."""
+    results = run_on_ranks(_rank, 2, plan_path, "full_state_dict, step", False, timeout_s=300)
+    kind, msg = results[0]["alone"]
+    assert kind == "CollectiveCallError" and "full_state_dict is a collective" in msg, msg
+    kind, msg = results[1]["alone"]
+    assert kind == "PeerFailedError" and "step stopped on rank 1" in msg, msg
+    for rank in range(2):
+        assert results[rank]["next"][0] == "PeerFailedError", (rank, results[rank]["next"])
