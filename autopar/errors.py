@@ -63,10 +63,18 @@ class CrossRankMismatchError(DistributedSetupError):
 
 
 class CollectiveCallError(AutoparError, RuntimeError):
-    """A collective method of the parallel module (``full_state_dict``, ``full_output``,
-    ``full_grads``) was entered by some ranks of its mesh and not by the others in time (the "save
-    on rank 0" habit): raised on the ranks that called it, naming the call, the ranks that did not
-    come and the fix, instead of a backend abort or a hang in the gather."""
+    """A collective call of the parallel module (``full_state_dict``, ``full_output``,
+    ``full_grads``, and ``forward``, ``step``, backward where the plan issues collectives) was
+    entered by some ranks of its mesh while the others made another call at that point, or did
+    not come in time (the "save on rank 0" habit): raised on the ranks that came, naming the
+    calls, the ranks and the fix, instead of a backend abort or a hang in a collective."""
+
+
+class PeerFailedError(CollectiveCallError):
+    """Another rank of the job failed in a collective call (``CollectiveCallError``) and aborted its
+    process groups: raised on every other rank at its next collective call, or in place of the
+    backend's error in the collective that rank left unjoined, naming the rank and what it raised
+    (``codegen/failures.py``), instead of a hang."""
 
 
 class ReferenceDataError(AutoparError, ValueError):

@@ -32,7 +32,8 @@ JSON layout (schema_version 4; 3 is the same without "pipeline", 2 also without 
       "stage_costs": [{"chunk": 0, "blocks": [0, 3], "forward_s": ..., "backward_s": ...,
                        "peak_memory_bytes": ...}, ...],   (what the search priced per chunk)
       "solver": {"name": "PULP_CBC_CMD", "status": "Optimal", "objective": ..., "solve_time_s": ...,
-                 "num_variables": ..., "num_constraints": ..., "candidates": [...mesh shapes tried...]}
+                 "num_variables": ..., "num_constraints": ..., "candidates": [...mesh shapes tried...],
+                 "time_limit_s": null}   (the ILP's time limit the search ran under; absent: none)
     }
 
 Placements are written as text (``R``, ``S(d)``, ``P``), one per mesh axis, comma separated.
@@ -44,6 +45,7 @@ same, with collectives written as text such as ``"all_reduce(bwd)@1"``) still lo
 from __future__ import annotations
 
 import enum
+import hashlib
 import json
 import os
 import re
@@ -216,6 +218,35 @@ class SolverInfo:
     # one entry per mesh shape tried: {"mesh_shape", "status", "objective", "lower_bound"}
     candidates: tuple[dict, ...] = ()
     lower_bound_s: float = 0.0  # no plan on the chosen mesh is faster: every op at its cheapest, free edges
+    # the ILP's time limit per mesh the search ran under (``SearchOptions.time_limit_s``); None:
+    # none, and the plan depends only on the model, the cluster and the options
+    time_limit_s: float | None = None
+
+    @property
+    def time_limited(self) -> tuple[tuple[int, ...], ...]:
+        """The meshes (of ``candidates``, and the chosen one) whose ILP the time limit stopped."""
+        cut = [
+            tuple(c.get("mesh_shape", ()))
+            for c in self.candidates
+            if "time limit" in str(c.get("status", ""))
+        ]
+        return tuple(dict.fromkeys(cut))
+
+    def time_limit_line(self) -> str | None:
+        """What the time limit means for the plan, for ``Plan.summary``; None without one."""
+        if self.time_limit_s is None:
+            return None
+        cut = self.time_limited
+        stopped = (
+            f"it stopped the ILP of mesh(es) {', '.join(str(m) for m in cut[:4])}{' ...' if len(cut) > 4 else ''}"
+            if cut or "time limit" in self.status
+            else "no ILP reported hitting it"
+        )
+        return (
+            f"  time limit: {self.time_limit_s:g} s per mesh ({stopped}); a search a time limit stops depends on "
+            "the machine's speed and load, so another run can choose another plan: leave time_limit_s unset "
+            "for a plan that depends only on the model, cluster and options"
+        )
 
     @property
     def bound_gap(self) -> float:
@@ -325,6 +356,7 @@ class Plan:
             *self._pipeline_lines(),
             f"  solver {self.solver.name}: {self.solver.status}, {self.solver.solve_time_s:.2f} s; lower bound "
             f"{self.solver.lower_bound_s * 1e3:.3f} ms; optimality gap {self.solver.gap:.1%}",
+            *filter(None, [self.solver.time_limit_line()]),
             "  parameter placements:",
         ]
         params = [d for d in self.decisions if d.role == "param"]
@@ -423,6 +455,47 @@ class Plan:
                     f"{peaks[top] / div:.2f} {unit} (rank {top})"
                 )
         return lines
+
+    # -- decisions ---------------------------------------------------------------------------------
+    def decision_parts(self) -> dict[str, Any]:
+        """What this plan decides, part by part (name -> plain JSON-able value): everything that
+        changes what the ranks run (the graph it was made for, the cluster, the mesh, each node's
+        placements, collectives and algorithms, the outputs, collective matmuls, trades, pipeline,
+        fused kernels), none of what the search measured or predicted (seconds, bytes, solver
+        status, candidates, where in the model a node runs). Two plans with equal parts build the
+        same module. Nodes are named ``node <name>``, in graph order."""
+        parts: dict[str, Any] = {
+            "model": self.fingerprint,
+            "cluster": self.cluster,
+            "mesh_shape": list(self.mesh_shape),
+            "outputs": self.outputs,
+            "overlap_matmuls": self.overlap_matmuls,
+            "trades": self.trades.to_dict(),
+            "pipeline": self.pipeline.to_dict(),
+            "kernels": [u.to_dict() for u in self.kernels],
+        }
+        for d in self.decisions:
+            parts[f"node {d.name}"] = {
+                "op": d.op, "role": d.role, "target": d.target, "shape": list(d.shape), "output": d.output,
+                "inputs": list(d.inputs), "via": d.via,
+                "collectives": [
+                    [c.kind.value, c.axis, c.phase.value, c.site.value, c.bucket] for c in d.collectives
+                ],
+            }  # fmt: skip
+        return parts
+
+    def decisions_fingerprint(self) -> str:
+        """A digest of ``decision_parts``: equal for plans that build the same module, whatever
+        the search's timings, status or predicted figures."""
+        text = json.dumps(self.decision_parts(), sort_keys=True)
+        return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+    def decision_differences(self, other: Plan) -> list[str]:
+        """The names of the ``decision_parts`` in which ``other`` differs from this plan, in this
+        plan's order (the parts only ``other`` has last); empty: the same decisions."""
+        mine, theirs = self.decision_parts(), other.decision_parts()
+        names = list(mine) + [k for k in theirs if k not in mine]
+        return [k for k in names if mine.get(k) != theirs.get(k)]
 
     # -- (de)serialization -------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:

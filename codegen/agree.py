@@ -15,18 +15,21 @@ each rank that enters one checks in through torch.distributed's store (the key-v
 backend, gloo and NCCL alike, starts from: no collective, so nothing is left half-sent when a rank
 never comes) and waits, for at most a timeout, for every rank of the mesh. The ranks that came
 raise ``CollectiveCallError`` naming the call and the fix, instead of the backend's abort
-("Received data size doesn't match expected size") or a hang; the ranks that never came are left
-as they were. Calls are numbered per process (per call name and mesh), so repeated calls do not
-mix; a call its ranks gave up on is skipped by a rank that comes to it later, which joins the
-next one instead: after a failed call, one on every rank works again.
+("Received data size doesn't match expected size") or a hang; before raising they post the
+failure and abort their process groups, so that every other rank raises ``PeerFailedError`` too,
+at its next collective call or in the collective it waits in (``codegen/failures.py``): no rank is
+left waiting for a call its peers will never make. Calls are numbered per process (per call name
+and mesh), so repeated calls do not mix.
 
-``agree_on_model`` checks the model's weights and the example inputs, ``agree_on_plan`` a plan
-each rank loaded; ``solve_once`` runs the search on rank 0 only and broadcasts the plan (or rank
+``agree_on_model`` checks the model's weights and the example inputs, ``agree_on_plan`` the
+decisions of a plan each rank loaded or searched itself (``Plan.decision_parts``: not the seconds
+or predicted figures of its search); ``solve_once`` runs the search on rank 0 only and broadcasts the plan (or rank
 0's error) to the others: planning time does not grow with the number of ranks.
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 from collections.abc import Callable, Iterable, Sequence
@@ -36,6 +39,7 @@ import torch
 import torch.distributed as dist
 import torch.utils._pytree as pytree
 
+from autopar.codegen import failures
 from autopar.codegen.feeding import input_names
 from autopar.errors import AutoparError, CollectiveCallError, CrossRankMismatchError, DistributedSetupError
 from autopar.passes.trace import normalize_inputs
@@ -111,60 +115,171 @@ def agree_on_model(model: torch.nn.Module, example_inputs) -> None:
 
 
 def agree_on_plan(plan) -> None:
-    """``agree`` on a plan every rank loaded itself (a plan file, or a ``Plan`` passed in)."""
-    agree(
-        "the plans",
-        [("plan", json.dumps(plan.to_dict(), sort_keys=True))],
-        "load the same plan on every rank",
+    """Raise ``CrossRankMismatchError`` on every rank unless every rank's plan (a plan file each
+    loaded, or a ``Plan`` each searched or passed in) takes rank 0's decisions
+    (``Plan.decision_parts``: what the search measured or predicted, such as its seconds, may
+    differ). The message names the first parts that differ and shows both ranks' values."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return
+    parts = plan.decision_parts()
+    texts = {k: json.dumps(v, sort_keys=True) for k, v in parts.items()}
+    digests = {k: hashlib.sha256(t.encode()).hexdigest()[:16] for k, t in texts.items()}
+    gathered: list = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, (plan.decisions_fingerprint(), list(digests.items())))
+    bad = [r for r, g in enumerate(gathered) if g[0] != gathered[0][0]]
+    if not bad:
+        return
+    ref, first = dict(gathered[0][1]), dict(gathered[bad[0]][1])
+    order = [k for k, _ in gathered[0][1]] + [k for k, _ in gathered[bad[0]][1] if k not in ref]
+    names = [k for k in order if ref.get(k) != first.get(k)]
+    # every rank computed the same names from the same digests: one more gather shows the values
+    shown: list = [None] * dist.get_world_size()
+    dist.all_gather_object(shown, [texts.get(k, "(none)") for k in names[:3]])
+
+    def clip(text: str) -> str:
+        return text if len(text) <= 120 else text[:117] + "..."
+
+    each = "; ".join(
+        f"{k}: rank 0 {clip(shown[0][i])}, rank {bad[0]} {clip(shown[bad[0]][i])}"
+        for i, k in enumerate(names[:3])
+    )
+    more = f" (and {len(names) - 3} more)" if len(names) > 3 else ""
+    raise CrossRankMismatchError(
+        f"the plans differ between ranks: rank(s) {bad} take other decisions than rank 0 in "
+        f"{len(names)} part(s){more}: {each}; load the same plan on every rank, or search with the same "
+        "model, cluster and options on every rank (or let autoparallelize search: rank 0 searches and sends "
+        "its plan)"
     )
 
 
 def all_entered(call: str, ranks: Sequence[int], fix: str, timeout_s: float = ENTRY_TIMEOUT_S) -> None:
-    """Return once every rank of ``ranks`` (global ranks, e.g. a mesh's) has entered ``call``; on
-    the ranks that entered it, raise ``CollectiveCallError`` naming ``call``, the ranks that did
-    not come within ``timeout_s`` seconds, and ``fix`` (module docstring). Cost when all come: a
-    few round trips to the store per rank, and a wait for the last to arrive (which the gather
-    that follows would wait for anyway).
+    """Return once every rank of ``ranks`` (global ranks, e.g. a mesh's) has made its next
+    collective call, and all made ``call``. Where some made another call at that point, raise
+    ``CollectiveCallError`` on every rank, naming the calls and the ranks that made each; where
+    some did not come within ``timeout_s`` seconds, raise it on the ranks that came, naming the
+    others; ``fix`` says how to call ``call``. Either way the failure is posted and this process's
+    groups aborted (``failures.fail_together``); a rank that comes to a call the others gave up
+    on, or that waits while a rank fails elsewhere, raises ``PeerFailedError``. Cost when all
+    come: a few round trips to the store per rank, and a wait for the last to arrive (which the
+    collectives that follow would wait for anyway).
 
-    Keys under ``autopar/entered/<call>/<mesh>/<number>``: ``ranks`` (who came), ``n`` (how
-    many: the rank that makes it ``len(ranks)`` decides "go"), ``go`` (the decision, "go" or
-    "abandoned", set once: by that rank, or by the first that timed out); the rank that decides
-    "go" deletes the previous call's keys, which every rank has left by then."""
-    if not dist.is_initialized() or len(ranks) < 2:
+    The calls over one set of ranks are numbered in one sequence per process. Keys under
+    ``autopar/entered/<ranks>/<number>``: ``calls`` ("rank=call;" per rank that came), ``n`` (how
+    many came), ``go`` (the decision, set once: "go" or "mismatch" by the rank that makes ``n``
+    ``len(ranks)``, "abandoned" by the first that timed out, "failed" by a rank that failed
+    elsewhere); the rank that decides "go" deletes the previous call's keys, which every rank has
+    left by then."""
+    if not failures.failed_here() and (not dist.is_initialized() or len(ranks) < 2):
         return
+    if failures.failed_here():
+        raise failures.peer_failed(call, failures.peer_failure() or "")
     store = dist.distributed_c10d._get_default_store()
-    mesh = hashlib.sha256(repr(sorted(ranks)).encode()).hexdigest()[:12]
-    scope = f"autopar/entered/{call}/{mesh}"
+    me = dist.get_rank()
+    scope = "autopar/entered/" + hashlib.sha256(repr(sorted(ranks)).encode()).hexdigest()[:12]
     seq = _next_call.get(scope, 0)
-    while store.check([f"{scope}/{seq}/go"]) and store.get(f"{scope}/{seq}/go") == b"abandoned":
-        seq += 1  # the others gave up on this call before this rank came: theirs is the next one
     _next_call[scope] = seq + 1
     key = f"{scope}/{seq}"
-    store.append(f"{key}/ranks", f"{dist.get_rank()},")
+    store.append(f"{key}/calls", f"{me}={call};")
     arrived = store.add(f"{key}/n", 1)
-    if arrived < len(ranks):
+    if arrived >= len(ranks):
+        made = _calls(store.get(f"{key}/calls"))
+        decided = store.compare_set(f"{key}/go", "", "go" if set(made.values()) == {call} else "mismatch")
+    else:
+        failures.waiting_on(f"{key}/go")
         try:
             store.wait([f"{key}/go"], timedelta(seconds=timeout_s))
         except RuntimeError:  # DistStoreError (FileStore's: RuntimeError): not every rank came
             pass
-    decided = store.compare_set(f"{key}/go", "", "go" if arrived >= len(ranks) else "abandoned")
+        decided = store.compare_set(f"{key}/go", "", "abandoned")
     if decided == b"go":
         if arrived == len(ranks) and seq > 0:
-            for k in ("ranks", "n", "go"):
+            for k in ("calls", "n", "go"):
                 store.delete_key(f"{scope}/{seq - 1}/{k}")
         return
-    came = {int(r) for r in store.get(f"{key}/ranks").decode().split(",") if r}
-    missing = [r for r in ranks if r not in came]
-    who = (
-        f"rank(s) {missing[:8]}{' ...' if len(missing) > 8 else ''} of its mesh did not call it within "
-        f"{timeout_s:g} s of rank(s) {sorted(came)[:8]}"
-        if missing
-        else f"its ranks did not all call it within {timeout_s:g} s of each other"
-    )
+    if decided == b"failed" or (decided == b"abandoned" and arrived >= len(ranks)):
+        # a rank failed elsewhere, or gave up on this call before this rank came
+        raise failures.peer_failed(call, failures.peer_failure() or "")
+    made = _calls(store.get(f"{key}/calls"))
+    if decided == b"mismatch":
+        each = "; ".join(
+            f"{c} on rank(s) {sorted(r for r in made if made[r] == c)[:8]}"
+            for c in dict.fromkeys(made.values())
+        )
+        what = f"the ranks of its mesh made different collective calls at the same point ({each})"
+        failures.fail_together(f"{call}: {what}", wait_for_peers=False)
+    else:
+        missing = [r for r in ranks if r not in made]
+        what = (
+            f"rank(s) {missing[:8]}{' ...' if len(missing) > 8 else ''} of its mesh did not call it within "
+            f"{timeout_s:g} s of rank(s) {sorted(made)[:8]}"
+            if missing
+            else f"its ranks did not all call it within {timeout_s:g} s of each other"
+        )
+        failures.fail_together(f"{call}: {what}")
     raise CollectiveCallError(
-        f"{call} is a collective over every rank of the module's mesh ({len(ranks)} ranks), but {who}: "
-        f"{fix} (pmodel.entry_timeout_s sets how long the ranks wait for each other)"
+        f"{call} is a collective over every rank of the module's mesh ({len(ranks)} ranks), but {what}: "
+        f"{fix} (pmodel.entry_timeout_s sets how long the ranks wait for each other; every rank of the job "
+        "raises, and this process's groups are aborted)"
     )
+
+
+def _calls(text: bytes) -> dict[int, str]:
+    """``calls``' "rank=call;" entries as {rank: call}."""
+    return {int(r): c for r, c in (e.split("=", 1) for e in text.decode().split(";") if e)}
+
+
+FORWARD_FIX = (
+    "every rank must run the module's forward, step and collective methods (full_state_dict, "
+    "full_output, full_grads) in the same order"
+)
+
+
+def collective_section(call: str, fix: str = FORWARD_FIX) -> Callable:
+    """Decorate a method of the parallel module that issues collectives (``forward``, ``step``):
+    where ``self.check_calls`` and ``self.issues_collectives`` and it is not called inside another section, every rank
+    must enter it together (``all_entered``, over ``self._collective_mesh()``, waiting
+    ``self.entry_timeout_s``), so that a rank never blocks in a collective its peers will not
+    join; where a peer's failure broke one of its collectives, ``PeerFailedError`` replaces the
+    backend's error (``failures.run_section``)."""
+
+    def wrap(fn: Callable) -> Callable:
+        @functools.wraps(fn)
+        def run(self, *args, **kwargs):
+            if failures.section_depth() == 0 and self.check_calls and self.issues_collectives:
+                all_entered(call, self._collective_mesh().mesh.flatten().tolist(), fix, self.entry_timeout_s)
+            return failures.run_section(call, fn, self, *args, **kwargs)
+
+        return run
+
+    return wrap
+
+
+def enter_backward(module, outs: list) -> None:
+    """Make a backward through ``outs`` (a forward's flat outputs) enter "backward" on every rank
+    (``all_entered``) before the backward's collectives run: a pre-hook on the autograd node of
+    each output that requires grad, the first to run entering for all (the outputs are left as
+    they are: a user may still modify them in place). Not inside a section (``step`` entered
+    already), nor where the module issues no collectives."""
+    if (
+        failures.section_depth() > 1
+        or not module.check_calls
+        or not module.issues_collectives
+        or not torch.is_grad_enabled()
+    ):
+        return
+    nodes = {id(t.grad_fn): t.grad_fn for t in outs if isinstance(t, torch.Tensor) and t.grad_fn is not None}
+    if not nodes:
+        return
+    entered = []
+
+    def enter(grad_outputs):
+        if not entered and failures.section_depth() == 0:
+            entered.append(True)
+            ranks = module._collective_mesh().mesh.flatten().tolist()
+            all_entered("backward", ranks, FORWARD_FIX, module.entry_timeout_s)
+
+    for node in nodes.values():
+        node.register_prehook(enter)
 
 
 def solve_once(search: Callable[[], tuple], group=None) -> tuple:

@@ -24,11 +24,14 @@ stays bound after a call. ``full_output`` and ``full_state_dict`` pass ``self.me
 Collective methods called on one rank. ``full_state_dict``, ``full_output`` and ``full_grads``
 gather over every rank of the mesh, whatever the plan (so a loop that works under one plan works
 under every other): ``if rank == 0: torch.save(pmodel.full_state_dict(), ...)`` cannot work.
-Before gathering, each checks that every rank of the mesh entered it (``agree.all_entered``,
-through the store: no collective); where not all did within ``entry_timeout_s`` seconds, the ranks
-that called it raise ``CollectiveCallError`` naming the call and the fix, rather than abort in the
-backend or hang, and the ranks that did not are left as they were (their next call of it joins
-the others' next one).
+These, ``forward``, ``step`` and a backward through the forward's outputs are the module's
+collective calls. With ``check_calls`` (off by default: a few round trips to the store per call
+from every rank), where the plan issues collectives, every rank of the mesh enters each together
+(``agree.all_entered``, through the store: no collective). Ranks that
+make different calls at the same point raise ``CollectiveCallError`` at once, naming the calls;
+where some ranks do not come within ``entry_timeout_s`` seconds, those that came raise it; every
+other rank of the job then raises ``PeerFailedError`` (``codegen/failures.py``), rather than
+abort in the backend or hang.
 
 Training loop. ``step(**batch)`` runs one step's forward and backward on the global batch and
 returns its loss; the optimizer steps as usual::
@@ -52,6 +55,7 @@ the same ``step``, ``optimizer`` and ``full_state_dict``, run by torch's pipelin
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -64,7 +68,7 @@ from torch.distributed.tensor import DTensor
 
 from autopar.codegen import collectives as C
 from autopar.codegen import state as S
-from autopar.codegen.agree import ENTRY_TIMEOUT_S, agree, all_entered
+from autopar.codegen.agree import ENTRY_TIMEOUT_S, agree, all_entered, collective_section, enter_backward
 from autopar.codegen.feeding import Feeding, InputsError
 from autopar.codegen.micro_batches import batch_size, split_batch
 from autopar.codegen.zero import AppliedTrades
@@ -77,6 +81,14 @@ class ParallelModule(torch.nn.Module):
     # mesh to call them before raising ``CollectiveCallError`` (module docstring); ranks that
     # legitimately reach them far apart (one evaluates alone first) need it longer
     entry_timeout_s: float = ENTRY_TIMEOUT_S
+    # whether ``forward``, ``step`` and a backward through the forward's outputs are entered by
+    # every rank together (a few round trips to rank 0's store per call, from every rank: a
+    # debugging aid, as PyTorch's TORCH_DISTRIBUTED_DEBUG=DETAIL checks of collectives are, not a
+    # default a job of thousands of ranks can afford). Off, a rank that made another collective call
+    # still raises: the failed rank aborts its groups, and its peers' blocked collectives break when
+    # its process exits, as ``PeerFailedError`` (``codegen/failures.py``). ``AUTOPAR_CHECK_CALLS=1``
+    # turns it on for every module.
+    check_calls: bool = os.environ.get("AUTOPAR_CHECK_CALLS", "") not in ("", "0")
 
     def __init__(
         self,
@@ -180,12 +192,30 @@ class ParallelModule(torch.nn.Module):
             self._batch_checked = True
         return flat, sliced
 
+    @collective_section("forward")
     def forward(self, *args, **kwargs):
         flat, sliced = self._flat_inputs(args, kwargs)
         flat = [t.to(self._device) if isinstance(t, torch.Tensor) else t for t in flat]
         with C.bound_mesh(self.mesh), self.zero.autocast(self._device.type):
             outs = self.local(*self.feeding.to_graph(flat, sliced))
+        enter_backward(self, list(outs))
         return pytree.tree_unflatten(list(outs), self._out_spec)
+
+    @property
+    def issues_collectives(self) -> bool:
+        """Whether a step of this module runs collectives across ranks (the plan places a
+        collective, or its trades or pipeline do): then ``forward``, ``step`` and a backward
+        through the forward's outputs can be entered by every rank together (``check_calls``,
+        ``agree.collective_section``)."""
+        plan = self.plan
+        if self.__dict__.get("_issues_collectives") is None:
+            self.__dict__["_issues_collectives"] = bool(
+                any(d.collectives for d in plan.decisions)
+                or int(plan.trades.zero_stage) > 0
+                or plan.pipeline.enabled
+                or self.grad_sync is not None
+            )
+        return self.__dict__["_issues_collectives"]
 
     @property
     def micro_batches(self) -> int:
@@ -193,6 +223,7 @@ class ParallelModule(torch.nn.Module):
         trades = getattr(self.plan, "trades", None)
         return trades.micro_batches if trades is not None else 1
 
+    @collective_section("step")
     def step(self, *args, loss_fn: Callable[[Any], torch.Tensor] | None = None, **kwargs) -> torch.Tensor:
         """Forward and backward of one training step on the GLOBAL batch (the arguments ``forward``
         takes, with the full batch); returns the step's loss, detached. The optimizer step is the

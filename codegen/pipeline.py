@@ -55,6 +55,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from autopar.codegen import collectives as C
+from autopar.codegen.agree import collective_section
 from autopar.codegen.blocks import _COMPUTE, _set_attr, origins
 from autopar.codegen.module import FULL_STATE_FIX, ParallelModule, _loss_of, full_tensor
 from autopar.errors import AutoparError
@@ -332,6 +333,7 @@ class PipelinedModule(ParallelModule):
             "batch (it returns the loss); forward alone has nothing to return on most ranks"
         )
 
+    @collective_section("step")
     def step(self, *args, loss_fn: Callable[[Any], torch.Tensor] | None = None, **kwargs) -> torch.Tensor:
         """Forward and backward of one step on the GLOBAL batch through the pipeline (module
         docstring); returns the mean loss over the micro-batches on every rank."""

@@ -30,12 +30,17 @@ def price_solved(
 ) -> Plan:
     """The plan of ``solved`` on ``cluster`` (the whole one: a pipeline's tables were priced on
     one stage's devices, ``solved.cluster``), its nodes priced as ``infos`` say, with its trades,
-    its pipeline, the kernels fused into ``tg``, and ``candidates`` as the meshes the search tried."""
+    its pipeline, the kernels fused into ``tg``, ``candidates`` as the meshes the search tried, and
+    the solver's time limit (``options.time_limit_s``, which ``Plan.summary`` names where set)."""
     plan = price_plan(
         tg, infos, solved.tables, solved.sol, solved.choice, solved.cluster or cluster, solved.run.mesh,
         options.optimizer, candidates, solved.bound, solved.gs, options.outputs,
     )  # fmt: skip
-    plan = dataclasses.replace(with_trades(plan, tg, infos, solved, options), kernels=tg.kernels)
+    plan = dataclasses.replace(
+        with_trades(plan, tg, infos, solved, options),
+        kernels=tg.kernels,
+        solver=dataclasses.replace(plan.solver, time_limit_s=options.time_limit_s),
+    )
     if solved.pipe is not None:
         plan = with_pipeline(plan, solved.pipe, cluster)
     return plan

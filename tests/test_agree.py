@@ -88,6 +88,8 @@ def test_ranks_agree_and_one_rank_solves(tmp_path):
             assert what in msg and "rank(s) [1]" in msg, msg
     assert "manual_seed" in results[0]["weights"][1]
     assert "same full global batch" in results[0]["batch"][1]
+    # the plans' message names the decision that differs, with both ranks' values
+    assert 'outputs: rank 0 "full", rank 1 "local"' in results[0]["plans"][1], results[0]["plans"][1]
 
 
 def test_fingerprints_see_what_differs():
