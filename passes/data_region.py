@@ -31,8 +31,10 @@ Finding it (``find_region``), from the graph's structure only:
    input reaches (``arange(B * S)``: a factory is sized by the batch; on a rank it is the model's on
    ``B / n`` rows, not a slice of the whole batch's);
 3. check (``check``): the region's subgraph is run on inputs of the traced shapes (weights as
-   they are; random values, and once with each rank's rows larger than the next rank's, which any
-   op that orders rows reorders) and once per rank on that rank's slices with its ``B / n``
+   they are; random values, integers that index a tensor of the region below the size of the dim
+   they index, a rank's share of it where that dim has rows (``passes/index_bounds.py``: a
+   ``scatter_`` over one group takes only 0), and once with each rank's rows larger than the next
+   rank's, which any op that orders rows reorders) and once per rank on that rank's slices with its ``B / n``
    arguments; every output must equal the rank's rows of the whole run's (bit-exact for integers,
    ``RTOL``/``ATOL`` for floats). An output that does not is not a slice of the batch: the ops that
    read it join the region (those of the first such outputs: a later one may be wrong only through
