@@ -135,3 +135,45 @@ def test_index_bounds_come_from_the_size_of_the_dim_indexed():
     assert index_bound(n["x"]) is None
     # only the users named count
     assert index_bound(n["ids"], within=()) is None
+
+
+def _sgd(model, x, y) -> list[torch.Tensor]:
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    losses = []
+    for _ in range(2):
+        loss = model(x, y)
+        loss.backward()
+        losses.append(loss.detach())
+        opt.step()
+        opt.zero_grad()
+    return losses
+
+
+def _router():
+    torch.manual_seed(0)
+    gen = torch.Generator().manual_seed(1)
+    return Router(), (torch.randn(8, 8, generator=gen), torch.randn(8, generator=gen))
+
+
+def _router_rank(rank, world, path):
+    model, (x, y) = _router()
+    pm = autopar.autoparallelize(model, _cpu(world), (x, y), plan=path)
+    return _sgd(pm, x, y), pm.full_state_dict()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("role", [D, autopar.AxisRole.TENSOR, autopar.AxisRole.AUTO])
+def test_a_router_normalized_in_place_trains_as_one_device(role, tmp_path):
+    """Whatever the plan makes of the in-place division (the batch split, or whole), two SGD steps
+    on 2 gloo ranks give the single-device losses and weights."""
+    from autopar.launch import run_on_ranks
+
+    model, (x, y) = _router()
+    path = tmp_path / "plan.json"
+    autopar.plan(model, _cpu(), (x, y), mesh_shape=(2,), axis_roles=(role,)).save(path)
+    ref = _sgd(model, x, y)
+    for losses, state in run_on_ranks(_router_rank, 2, str(path)):
+        for a, b in zip(losses, ref):
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+        for k, v in model.state_dict().items():
+            torch.testing.assert_close(state[k], v, rtol=1e-4, atol=1e-5, msg=k)
