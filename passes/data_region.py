@@ -31,8 +31,10 @@ Finding it (``find_region``), from the graph's structure only:
    input reaches (``arange(B * S)``: a factory is sized by the batch; on a rank it is the model's on
    ``B / n`` rows, not a slice of the whole batch's);
 3. check (``check``): the region's subgraph is run on inputs of the traced shapes (weights as
-   they are; random values, and once with each rank's rows larger than the next rank's, which any
-   op that orders rows reorders) and once per rank on that rank's slices with its ``B / n``
+   they are; random values, integers that index a tensor of the region below the size of the dim
+   they index, a rank's share of it where that dim has rows (``passes/index_bounds.py``: a
+   ``scatter_`` over one group takes only 0), and once with each rank's rows larger than the next
+   rank's, which any op that orders rows reorders) and once per rank on that rank's slices with its ``B / n``
    arguments; every output must equal the rank's rows of the whole run's (bit-exact for integers,
    ``RTOL``/``ATOL`` for floats). An output that does not is not a slice of the batch: the ops that
    read it join the region (those of the first such outputs: a later one may be wrong only through
@@ -63,6 +65,7 @@ from torch.distributed.tensor.placement_types import Replicate, Shard
 from autopar.passes.analyze import NodeInfo, tensor_nbytes, tensor_vals
 from autopar.passes.coarsen import Classes
 from autopar.passes.costs import data_role_takes
+from autopar.passes.index_bounds import index_bound
 from autopar.passes.local_rows import ODD, Rows, local_call, localize, row_dims, tensors
 from autopar.passes.rules import AxisOption, tensor_inputs, writes_inputs
 from autopar.passes.strategies import NodeStrategies
@@ -285,12 +288,14 @@ def _subgraph(
     return fx.GraphModule(gm, g)
 
 
-def _value(tg: TracedGraph, node: fx.Node, dim, parts: int, trial: int, gen: torch.Generator) -> torch.Tensor:
+def _value(
+    tg: TracedGraph, node: fx.Node, dim, parts: int, trial: int, gen: torch.Generator, high: int = 2
+) -> torch.Tensor:
     """A value for an input of the region in check ``trial``: a weight or buffer as it is, else of
-    its traced shape and dtype, random (integers in [0, 2): valid ids, indices and labels), and in
-    the ``DESCENDING`` trial larger on each rank's rows than on the next rank's (a sort, or
-    anything that orders the rows, moves the last rank's rows to the front: on a few rows, random
-    keys may already be in order)."""
+    its traced shape and dtype, random (integers in [0, ``high``): valid ids, labels, and indices
+    below the size of the dim they index, ``index_bounds``), and in the ``DESCENDING`` trial
+    larger on each rank's rows than on the next rank's (a sort, or anything that orders the rows,
+    moves the last rank's rows to the front: on a few rows, random keys may already be in order)."""
     t = _in_memory(tg, node)
     if t is not None:
         return t.detach()  # read, never written: no training op writes into a weight
@@ -300,7 +305,7 @@ def _value(tg: TracedGraph, node: fx.Node, dim, parts: int, trial: int, gen: tor
     if v.dtype.is_floating_point:
         x = torch.randn(v.shape, generator=gen)
     else:
-        x = torch.randint(0, 2, v.shape, generator=gen)
+        x = torch.randint(0, high, v.shape, generator=gen)
     if trial == DESCENDING and isinstance(dim, int):
         shape = [1] * len(v.shape)
         shape[dim] = int(v.shape[dim])
@@ -308,7 +313,7 @@ def _value(tg: TracedGraph, node: fx.Node, dim, parts: int, trial: int, gen: tor
         if v.dtype.is_floating_point:
             x = x + 4.0 * (parts - 1 - rank).view(shape)
         else:
-            x = (rank < (parts + 1) // 2).to(x.dtype).view(shape).expand(v.shape).clone()
+            x = (rank < (parts + 1) // 2).to(x.dtype).view(shape).expand(v.shape).clone() * min(1, high - 1)
     return x.to(v.dtype)
 
 
@@ -352,6 +357,8 @@ def check(tg: TracedGraph, region: set[str], dims: dict, parts: int, seed: int =
     whole = _subgraph(tg.graph_module, order, inputs, outputs, lambda n: (n.args, n.kwargs))
     mine = _subgraph(tg.graph_module, order, inputs, outputs, local_call)
     weights = {p.name for p in tg.placeholders if p.role is not Role.INPUT}
+    # an integer input that indexes a tensor of the region is drawn below the size it indexes
+    high = {a.name: max(1, index_bound(a, region, dims, parts) or 2) for a in inputs}
 
     def fresh(a, v):  # an in-place op of the region may write into an activation it reads
         return v if a.name in weights else v.clone()
@@ -359,7 +366,11 @@ def check(tg: TracedGraph, region: set[str], dims: dict, parts: int, seed: int =
     bad: list[str] = []
     for trial in range(TRIALS):
         gen = torch.Generator().manual_seed(seed + trial)
-        fed = [(a, _value(tg, a, dims[a.name], parts, trial, gen)) for a in inputs if a.op != "get_attr"]
+        fed = [
+            (a, _value(tg, a, dims[a.name], parts, trial, gen, high[a.name]))
+            for a in inputs
+            if a.op != "get_attr"
+        ]
         try:
             with torch.no_grad():
                 want = whole(*[fresh(a, v) for a, v in fed])

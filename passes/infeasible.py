@@ -16,6 +16,7 @@ import math
 import torch.fx as fx
 
 from autopar.passes.costs import CostTables
+from autopar.passes.strategies import written_in_place
 from autopar.placement import spec_to_str
 
 
@@ -46,9 +47,33 @@ def _reason(tables: CostTables, e, src: set[int], dst: set[int], nodes: dict[str
     have = sorted({spec_to_str(tables.strategies[e.src][i].out) for i in src})
     tensor = e.tensor or e.src
     need = sorted({spec_to_str(e.need[j][0]) for j in dst}) if e.need else []
+    written = _written(node)
+    if written is not None:
+        writer, reader = written
+        return (
+            f"{writer.target} (node {writer.name}) writes in place into {e.dst}, which "
+            f"{reader.target} (node {reader.name}) reads after the write: {op} (node {e.dst}) and the "
+            f"in-place op therefore stay whole (a reshard would copy the value and lose the write), "
+            f"so {op} cannot take {tensor} as the axis roles leave it ({' or '.join(have)}); the roles "
+            "forbid that move (a data axis never gathers a split activation); write it out of place "
+            "(`y = x.mul(s)`, not `x.mul_(s)`)"
+        )
     return (
         f"{op} (node {e.dst}) has no strategy that takes {tensor} as the axis roles leave it "
         f"({' or '.join(have)}); it takes it only as {' or '.join(need) or 'nothing'}, and the roles "
         "forbid that move (a data axis never gathers a split activation; parameters and inputs keep "
         "their role's placement)"
+    )
+
+
+def _written(node: fx.Node | None) -> tuple[fx.Node, fx.Node] | None:
+    """(the in-place op, an op that sees its write) where ``node`` is replicated because an
+    in-place op writes into it (``strategies.mutated_views``) or is that op; else None."""
+    if node is None or node.op != "call_function":
+        return None
+    written = written_in_place(node.graph)
+    if node.name in written:
+        return written[node.name]
+    return next(
+        (written[a.name] for a in node.all_input_nodes if written.get(a.name, (None,))[0] is node), None
     )

@@ -156,6 +156,11 @@ def solve_mesh(p: MeshProblem, best_objective: float = math.inf, st: Stages | No
         return ended(Verdict.INFEASIBLE)
     # pruning compares the tables' totals (the bound is one of those); the overlap adjustment
     # below re-ranks the meshes that get solved
+    if bound == math.inf:  # some node has no finite choice: no plan at any memory, name the op
+        why = blocked(tables, {n.name: n for n in p.tg.graph.nodes})
+        if why is not None:
+            st.say(f"solve: mesh {label}: no plan under its axis roles: {why}")
+            return ended(Verdict.BLOCKED, blocked=why)
     if bound >= best_objective:
         st.say(f"solve: mesh {label}: lower bound {bound * 1e3:.3f} ms >= best: pruned")
         return ended(Verdict.BOUND_PRUNED)

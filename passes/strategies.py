@@ -37,7 +37,16 @@ from autopar.errors import NoPlanFitsError
 from autopar.options import AxisRole
 from autopar.passes.analyze import NodeInfo
 from autopar.passes.background import checkpoint
-from autopar.passes.rules import RULES, VIEW_OPS, AxisOption, make_ctx, tensor_inputs, written_inputs
+from autopar.passes.rules import (
+    ALIASING_OPS,
+    RULES,
+    VIEW_OPS,
+    AxisOption,
+    in_place_options,
+    make_ctx,
+    tensor_inputs,
+    written_inputs,
+)
 from autopar.passes.rules.dtensor import options as dtensor_options
 from autopar.passes.trace import Role, TracedGraph
 from autopar.placement import SeqAttention, Spec, Via, is_partial, is_replicate, is_shard
@@ -173,10 +182,15 @@ def _splits_fit(
 def axis_options(node: fx.Node, mesh_shape: Sequence[int]) -> list[AxisOption]:
     """A call_function node's per-axis options: its rule's (``RULES``) where autopar has one, else
     those derived from PyTorch's DTensor strategies for the axis sizes of ``mesh_shape``
-    (``rules/dtensor.py``, each checked by the validator's tests), else none (replicated)."""
+    (``rules/dtensor.py``, each checked by the validator's tests), else none (replicated). An
+    in-place op without a rule of its own takes its out-of-place twin's that keep ``self`` as the
+    output is (``rules.in_place_options``)."""
     rule = RULES.get(node.target)
     if rule is not None:
         return rule(make_ctx(node))
+    twin = in_place_options(make_ctx(node)) if written_inputs(node) else None
+    if twin is not None:
+        return twin
     return dtensor_options(node, mesh_shape)
 
 
@@ -242,8 +256,10 @@ def build_strategies(
                 if name not in _warned_fallback:
                     _warned_fallback.add(name)
                     log.info("no sharding rule or DTensor strategy for %s: replicated", name)
-            if node.name in mutated:
-                options = []  # stays replicated: a reshard would copy it and the mutation would be lost
+            if node.name in mutated or any(a.name in mutated for a in written_inputs(node)):
+                # stays replicated, and the op writing into it takes it so: a reshard would copy
+                # it and the mutation would be lost
+                options = []
             strategies = expand(options, len(ins), info.shapes, in_shapes, mesh_shape, pinned)
             if node.target is SDPA:
                 strategies = _attention_strategies(
@@ -297,15 +313,26 @@ def _attention_is(s: Strategy, in_shapes, mesh_shape: Sequence[int], kind: SeqAt
     return True
 
 
-def mutated_views(tg: TracedGraph) -> set[str]:
-    """Nodes an in-place op writes into, and the views between them and their base.
+def mutated_views(tg: TracedGraph) -> dict[str, tuple[fx.Node, fx.Node]]:
+    """Nodes an in-place op writes into, and the views between them and their base, where some
+    other op sees the write: each with (the in-place op, an op that sees its write).
 
     e.g. ``z = new_zeros(...); z[:, 1:].copy_(x)`` (T5's shift-right): ``z`` and the slice must be
-    one storage for the copy to land in ``z``. A chain that only the in-place op reads is not
-    counted: whatever it is resharded into, the op's result is what later ops read. Placeholders are excluded: they are never resharded
-    in place (they are parameters, buffers or inputs, which in-place ops do not touch in training)."""
-    out: set[str] = set()
-    for node in tg.graph.nodes:
+    one storage for the copy to land in ``z``. A chain whose write no other op sees is not counted:
+    whatever it is resharded into, the op's result is what later ops read. Another op sees it where
+    it reads a link of the chain after the write, or takes a view of one (a view may be read later);
+    one that reads a link before the write does not (a router's ``w = gather(...)`` summed, then
+    ``w.div_(sum)``: Falcon's ``matmul(...).add_(attention)`` has no other reader at all).
+    Placeholders are excluded: they are never resharded in place (they are parameters, buffers or
+    inputs, which in-place ops do not touch in training)."""
+    return written_in_place(tg.graph)
+
+
+def written_in_place(graph: fx.Graph) -> dict[str, tuple[fx.Node, fx.Node]]:
+    """``mutated_views`` of the nodes of ``graph``."""
+    pos = {n: i for i, n in enumerate(graph.nodes)}
+    out: dict[str, tuple[fx.Node, fx.Node]] = {}
+    for node in graph.nodes:
         if node.op != "call_function":
             continue
         for arg in written_inputs(node):
@@ -315,10 +342,15 @@ def mutated_views(tg: TracedGraph) -> set[str]:
                 if arg.target not in VIEW_OPS:
                     break
                 arg = arg.args[0]
-            # a write that no other reader sees (each link read only by the next, the last by
-            # the in-place op: Falcon's ``matmul(...).add_(attention)``) is lost by no reshard
-            if any(len(n.users) > 1 for n in chain):
-                out.update(n.name for n in chain)
+            links = {node, *chain}
+            sees = [
+                u
+                for n in chain
+                for u in n.users
+                if u not in links and (pos[u] > pos[node] or u.target in ALIASING_OPS)
+            ]
+            if sees:
+                out.update((n.name, (node, sees[0])) for n in chain)
     return out
 
 

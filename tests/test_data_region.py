@@ -183,10 +183,26 @@ def _qwen3_moe():
     return tf.Qwen3MoeForCausalLM(cfg)
 
 
+def _deepseek_v3():
+    """DeepSeek-V3 as a tiny config builds it: MLA attention, one dense layer, then routed experts
+    with a shared one; grouped routing over one group (``n_group=1``: a ``scatter_`` over a dim of
+    size 1) and top-k weights normalized in place after a ``gather``."""
+    tf = pytest.importorskip("transformers")
+    cfg = tf.DeepseekV3Config(
+        num_hidden_layers=2, hidden_size=32, intermediate_size=64, moe_intermediate_size=32,
+        num_attention_heads=4, num_key_value_heads=4, n_routed_experts=4, num_experts_per_tok=2,
+        n_shared_experts=1, first_k_dense_replace=1, q_lora_rank=16, kv_lora_rank=16,
+        qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8, n_group=1, topk_group=1,
+        max_position_embeddings=64, vocab_size=VOCAB, attention_dropout=0.0, use_cache=False,
+        bos_token_id=0, eos_token_id=0, pad_token_id=0,
+    )  # fmt: skip
+    return tf.DeepseekV3ForCausalLM(cfg)
+
+
 def build(name):
     torch.manual_seed(0)  # every rank and the reference build the same weights
     ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(1))
-    return {"qwen3_moe": _qwen3_moe}[name](), {"input_ids": ids, "labels": ids}
+    return {"qwen3_moe": _qwen3_moe, "deepseek_v3": _deepseek_v3}[name](), {"input_ids": ids, "labels": ids}
 
 
 PLANS = {2: {"dp": ((2,), (D,))}, 4: {"dp": ((4,), (D,))}}
@@ -209,3 +225,49 @@ def test_qwen3_moe_trains_data_parallel_as_one_device(world, references, tmp_pat
     plan = result[0][("qwen3_moe", "dp")]
     own = {d.op for d in plan.decisions if OwnRows.LOCAL in via_from_str(d.via)}
     assert {"aten.sort.default", "aten.index_put_.default"} <= own, own
+
+
+class OneGroup(Routed):
+    """``Routed`` with DeepSeek-V3's group mask over one group: each token's best group (there is
+    one) scattered into a mask in place (``scatter_``, a region op) before its expert is chosen."""
+
+    def forward(self, x, y):
+        b, s, h = x.shape
+        tokens = x.reshape(-1, h)
+        scores = self.gate(tokens)
+        group = scores.amax(-1, keepdim=True)
+        mask = torch.zeros_like(group).scatter_(1, group.topk(1, dim=-1)[1], 1.0)
+        expert = (scores * mask).argmax(-1)
+        order = expert.argsort()
+        done = torch.bmm(tokens[order].unsqueeze(1), self.experts[expert[order]]).squeeze(1)
+        back = torch.empty_like(order)
+        back[order] = torch.arange(order.numel())
+        out = self.head(torch.tanh(done[back].view(b, s, h) + x)).squeeze(-1)
+        return F.mse_loss(out, y)
+
+
+def test_the_region_check_draws_indices_below_the_dim_they_index():
+    """The group index enters the region from outside; drawn in [0, 2), it would scatter out of
+    the one group's range and the region would be refused as not running."""
+    torch.manual_seed(0)
+    gen = torch.Generator().manual_seed(1)
+    inputs = (torch.randn(4, 3, 8, generator=gen), torch.randn(4, 3, generator=gen))
+    got = _region(OneGroup(), inputs, 2)
+    assert isinstance(got, DataRegion), got
+    assert any(n.startswith("scatter_") for n in got.nodes), sorted(got.nodes)
+
+
+@pytest.mark.slow
+def test_deepseek_v3_trains_data_parallel_as_one_device(tmp_path):
+    """Forced data parallelism on DeepSeek-V3 with one routing group: the router's gather and its
+    in-place normalization keep the batch split, the experts' sort runs as a region (its group
+    mask scattered with valid indices); loss and logits of two SGD steps and every weight after them
+    equal the single-device model's on both ranks."""
+    refs = {"deepseek_v3": reference(build, "deepseek_v3")}
+    result = run_world(build, ["deepseek_v3"], PLANS[2], 2, tmp_path)
+    check_run(result, refs, "deepseek_v3", "dp", PLANS[2])
+    plan = result[0][("deepseek_v3", "dp")]
+    split = {d.op: d.output for d in plan.decisions if OwnRows.LOCAL not in via_from_str(d.via)}
+    assert split.get("aten.gather.default") == split.get("aten.div_.Tensor") == "S(0)", split
+    own = {d.op for d in plan.decisions if OwnRows.LOCAL in via_from_str(d.via)}
+    assert {"aten.sort.default", "aten.scatter_.value"} <= own, own

@@ -63,7 +63,7 @@ import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
 
-from autopar.passes.rules import RULES, map_args, tensor_inputs
+from autopar.passes.rules import RULES, map_args, tensor_inputs, written_inputs
 from autopar.passes.strategies import Strategy, axis_options, expand
 from autopar.passes.trace import Role, TracedGraph, normalize_inputs
 from autopar.placement import spec_to_str
@@ -199,9 +199,15 @@ def check_strategy(
         x.dtype.is_floating_point and (needs_grad is None or needs_grad[i]) for i, x in enumerate(globals_)
     ]
 
+    # an in-place op writes into a copy of what it is given (never into a leaf that requires grad)
+    written = {k for k, a in enumerate(ins_nodes) if a in written_inputs(node)}
+
+    def given(k: int, x: torch.Tensor) -> torch.Tensor:
+        return x.clone() if k in written else x
+
     # dense reference
     dense_in = [x.clone().requires_grad_(f and backward) for x, f in zip(globals_, floating)]
-    d_args, d_kwargs = map_args(node, lambda k, _: dense_in[k], _constant_of)
+    d_args, d_kwargs = map_args(node, lambda k, _: given(k, dense_in[k]), _constant_of)
     dense_out = node.target(*d_args, **d_kwargs)
     dense_outs = [t for t in pytree.tree_leaves(dense_out) if isinstance(t, torch.Tensor)]
     out_dtype = dense_outs[0].dtype if dense_outs else torch.float64
@@ -217,7 +223,7 @@ def check_strategy(
 
     try:
         g = _local_graph(node, strategy, mesh_shape)
-        local_out = _run_lockstep(g, local_inputs, coords)
+        local_out = _run_lockstep(g, [[given(k, t) for t in ts] for k, ts in enumerate(local_inputs)], coords)
         per_rank = [[t for t in pytree.tree_leaves(o) if isinstance(t, torch.Tensor)] for o in local_out]
         if any(len(p) != len(dense_outs) for p in per_rank):
             return CheckResult(

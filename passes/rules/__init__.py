@@ -108,6 +108,33 @@ def written_inputs(node: fx.Node) -> list[fx.Node]:
     ]
 
 
+def functional_twin(op) -> Any:
+    """The out-of-place overload of an in-place op that writes only into ``self`` and returns it
+    (``aten.div_.Tensor`` -> ``aten.div.Tensor``), or None."""
+    schema = getattr(op, "_schema", None)
+    if schema is None or not schema.name.endswith("_") or not schema.returns or not schema.arguments:
+        return None
+    written = [f for f in schema.arguments if f.alias_info is not None and f.alias_info.is_write]
+    ret = schema.returns[0].alias_info
+    if len(schema.returns) != 1 or written != [schema.arguments[0]] or ret is None or not ret.is_write:
+        return None
+    namespace, name = schema.name.split("::")
+    packet = getattr(getattr(torch.ops, namespace), name[:-1], None)
+    return getattr(packet, op._overloadname, None) if packet is not None else None
+
+
+def in_place_options(ctx: OpCtx) -> list[AxisOption] | None:
+    """An in-place op's options, where its out-of-place twin (``functional_twin``) has a rule: the
+    twin's options that take ``self`` (the written input, the first tensor input) in the placement
+    of the output, so that the write lands in the value the op returns; None without such a rule."""
+    twin = functional_twin(ctx.node.target)
+    rule = RULES.get(twin) if twin is not None else None
+    first = ctx.node.args[0] if ctx.node.args else None
+    if rule is None or not _is_tensor_node(first):
+        return None
+    return [o for o in rule(ctx) if o.ins and o.ins[0] == o.out]
+
+
 def storage_base(node: fx.Node) -> fx.Node:
     """The node that allocated the storage ``node`` is: followed back through every op whose
     result aliases its first argument (views, and in-place ops, which return their ``self``)."""
