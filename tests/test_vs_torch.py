@@ -1,6 +1,8 @@
 """``benchmarks/bench_vs_torch.py`` times like against like: on 2 gloo ranks, autopar's forced plan
-and PyTorch's own runner of the same layout (DDP, DTensor ``parallelize_module``, a pipeline split
-by hand at the plan's cut) compute, at the first step, the loss the single-device model computes.
+and PyTorch's own runner of the same layout (DDP, FSDP2, DTensor ``parallelize_module``, a
+pipeline split by hand at the plan's cut) compute, at the first step, the loss the single-device
+model computes. The model takes two inputs (``x``, ``y``), the second read only after the blocks:
+under ZeRO-3 its slice lands in the first block's submodule (``codegen/blocks.py:split_blocks``).
 No timing here."""
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import bench_vs_torch as bench  # noqa: E402
 import vs_torch_refs as refs  # noqa: E402
 
-LAYOUTS = ("ddp", "tp", "pp")
+LAYOUTS = ("ddp", "zero3", "tp", "pp")
 SCHEDULE, K = "gpipe", 2
 
 
