@@ -16,6 +16,7 @@ ddp        ``(w,)``, ``axis_roles=(DATA,)``, ZeRO 0      ``DistributedDataParall
 zero2      the same, ``zero_stage=2``                    FSDP2 per block + root, no reshard
 zero3      the same, ``zero_stage=3``                    FSDP2 per block + root, reshard
 tp         ``(w,)``, ``axis_roles=(TENSOR,)``            ``parallelize_module``, Megatron plan
+tp_sp      the same                                      the same + ``SequenceParallel`` (torchtitan)
 pp         ``pipeline_stages=2``, ``(w/2,)``,            ``PipelineStage`` per half, cut where
            ``--schedule``, ``--micro-batches``           autopar's plan cuts, the same schedule
 =========  ============================================  ==========================================
@@ -56,7 +57,7 @@ import autopar  # noqa: E402
 from autopar.demo import train_step  # noqa: E402
 from autopar.launch import PRELOAD_ENV, RankFailed, run_on_ranks  # noqa: E402
 
-LAYOUTS = ("eager", "ddp", "zero2", "zero3", "tp", "pp")
+LAYOUTS = ("eager", "ddp", "zero2", "zero3", "tp", "tp_sp", "pp")
 RTOL = 1e-4
 D, T = autopar.AxisRole.DATA, autopar.AxisRole.TENSOR
 
@@ -73,7 +74,7 @@ def plan_options(layout: str, world: int, optimizer: str, schedule: str, k: int)
     if layout in ("ddp", "zero2", "zero3"):
         zero = {"ddp": 0, "zero2": 2, "zero3": 3}[layout]
         return {**opts, "mesh_shape": (world,), "axis_roles": (D,), "zero_stage": zero}
-    if layout == "tp":
+    if layout in ("tp", "tp_sp"):
         return {**opts, "mesh_shape": (world,), "axis_roles": (T,)}
     if layout == "pp":
         return {
@@ -220,6 +221,7 @@ REFERENCE = {
     "zero2": "FSDP2, reshard_after_forward=False",
     "zero3": "FSDP2",
     "tp": "parallelize_module (Megatron)",
+    "tp_sp": "parallelize_module (Megatron + SequenceParallel)",
     "pp": "pipelining, hand split",
 }
 

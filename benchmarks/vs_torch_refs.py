@@ -14,6 +14,9 @@ References (``reference(layout, ...)``), each a ``Runner`` whose ``step()`` trai
 * ``tp``: DTensor ``parallelize_module`` with a Megatron-style plan (``ColwiseParallel`` q/k/v and
   gate/up, ``RowwiseParallel`` o and down; embeddings, norms and head replicated), the whole batch
   on every rank;
+* ``tp_sp``: the same with sequence parallelism, torchtitan's plan (``RotaryDecoder.sp_plan``):
+  the embedding's output split on the sequence, ``SequenceParallel`` norms, the sequence gathered
+  before attention and the MLP and reduce-scattered after, the head's input gathered;
 * ``pp``: ``torch.distributed.pipelining``: a ``PipelineStage`` per rank from the model cut by hand
   before block ``cut`` (embeddings with the first half, final norm, head and loss with the
   second), run by the given schedule over the given micro-batches, the whole batch fed to stage 0.
@@ -91,6 +94,16 @@ class Family:
         """parallelize_module's plan, or why the model has none."""
         raise NotImplementedError
 
+    def sp_plan(self, model) -> dict | str:
+        """``tp_plan`` with sequence parallelism, or why the model has none."""
+        plan = self.tp_plan(model)
+        return (
+            plan if isinstance(plan, str) else "no norm between the blocks' matmuls to run on sequence shards"
+        )
+
+    def sp_inputs(self, inputs) -> dict:
+        return inputs
+
     # pipeline halves: stage modules made of ``parts`` and a slice of ``blocks``
     def parts(self, model, first: bool, last: bool) -> dict:
         raise NotImplementedError
@@ -140,6 +153,42 @@ class RotaryDecoder(Family):
             ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj"),
             ("self_attn.o_proj", "mlp.down_proj"),
         )
+
+    def sp_plan(self, model):
+        """torchtitan's: the residual stream split on the sequence between the blocks' matmuls
+        (norms on the shards), gathered before attention and the MLP, reduce-scattered after."""
+        from torch.distributed.tensor import Replicate, Shard
+        from torch.distributed.tensor.parallel import (
+            ColwiseParallel,
+            PrepareModuleInput,
+            RowwiseParallel,
+            SequenceParallel,
+        )
+
+        seq, whole = Shard(1), Replicate()
+        layer = "model.layers.*"
+        plan = self.tp_plan(model)
+        plan.update({
+            "model.embed_tokens": RowwiseParallel(input_layouts=whole, output_layouts=seq),
+            "model.norm": SequenceParallel(),
+            "lm_head": ColwiseParallel(input_layouts=seq, output_layouts=whole),
+            f"{layer}.input_layernorm": SequenceParallel(),
+            f"{layer}.post_attention_layernorm": SequenceParallel(),
+            f"{layer}.self_attn": PrepareModuleInput(
+                input_kwarg_layouts={"hidden_states": seq}, desired_input_kwarg_layouts={"hidden_states": whole},
+                use_local_output=True,
+            ),
+            f"{layer}.mlp": PrepareModuleInput(
+                input_layouts=(seq,), desired_input_layouts=(whole,), use_local_output=True
+            ),
+            f"{layer}.self_attn.o_proj": RowwiseParallel(output_layouts=seq),
+            f"{layer}.mlp.down_proj": RowwiseParallel(output_layouts=seq),
+        })  # fmt: skip
+        return plan
+
+    def sp_inputs(self, inputs):
+        """The positions given: the model would count them on the embedding's sequence shard."""
+        return {**inputs, "position_ids": torch.arange(inputs["input_ids"].shape[1]).unsqueeze(0)}
 
     def parts(self, model, first, last):
         d = {"rotary": model.model.rotary_emb}
@@ -346,15 +395,16 @@ def reference(
         fully_shard(model, mesh=mesh, reshard_after_forward=reshard)
         opt = make_optimizer(model.parameters(), optimizer)
         return Runner(_plain(model, opt, _rows(inputs, rank, world)), _mean_over_ranks)
-    if layout == "tp":
-        plan = fam.tp_plan(model)
+    if layout in ("tp", "tp_sp"):
+        plan = fam.tp_plan(model) if layout == "tp" else fam.sp_plan(model)
         if isinstance(plan, str):
             return plan
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.tensor.parallel import parallelize_module
 
         parallelize_module(model, init_device_mesh("cpu", (world,)), plan)
-        return Runner(_plain(model, make_optimizer(model.parameters(), optimizer), inputs))
+        feed = inputs if layout == "tp" else fam.sp_inputs(inputs)
+        return Runner(_plain(model, make_optimizer(model.parameters(), optimizer), feed))
     if layout == "pp":
         return _pipeline(model, inputs, fam, optimizer, cut, schedule, k)
     raise ValueError(f"unknown layout {layout!r}")
