@@ -171,12 +171,17 @@ def split_blocks(gm: fx.GraphModule, blocks: Sequence[Block], traced: fx.Graph) 
         if n.op == "get_attr" and n.target in moved:
             continue
         i = region.get(n)
+        if n in env:  # a placeholder a block read first
+            continue
         if i is None:
             env[n] = g.node_copy(n, env.__getitem__)
             continue
         if n is not spans[i][0]:
             continue
         _, ins, outs = subs[i]
+        for x in ins:  # an input the graph declares after the block's first node (its slice is the block's)
+            if x not in env and x.op == "placeholder":
+                env[x] = g.node_copy(x, env.__getitem__)
         call = g.call_module(block_name(by_index[i]), tuple(env[x] for x in ins))
         if len(outs) == 1:
             env[outs[0]] = call
