@@ -97,9 +97,9 @@ def mesh_runs(cluster: ClusterSpec, options: SearchOptions) -> Iterator[MeshRun]
         if options.mesh_shape is None and len(mesh) >= DATA_OUTER_MIN_AXES:
             yield MeshRun(mesh, data, data_outer=True)
             continue
-        yield MeshRun(mesh, None)
         if len(mesh) < DATA_OUTER_MIN_AXES:
             yield MeshRun(mesh, data, data_first=True)
+        yield MeshRun(mesh, None)
 
 
 def mirror_key(cluster: ClusterSpec, run: MeshRun) -> tuple:
