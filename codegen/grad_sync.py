@@ -73,7 +73,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from autopar.codegen import collectives as C
-from autopar.codegen.local_params import leaf_of
+from autopar.codegen.local_params import grad_like, leaf_of
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -86,7 +86,7 @@ def _like(p: torch.Tensor, piece: torch.Tensor) -> torch.Tensor:
     """``piece`` (a local tensor) as a gradient of parameter ``p``: a ``DTensor`` of ``p``'s
     placements for a ``DTensor`` parameter (no communication), else ``piece``."""
     if isinstance(p, DTensor):
-        return DTensor.from_local(piece, p.device_mesh, p.placements, run_check=False)
+        return grad_like(p, piece)
     return piece
 
 

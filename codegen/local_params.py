@@ -37,13 +37,16 @@ from torch.distributed.tensor import DTensor
 LEAF_ATTR = "_autopar_local_leaf"
 
 
-def _grad_like(p: DTensor, src: torch.Tensor, g: torch.Tensor) -> DTensor:
-    """Local gradient ``g`` as a ``DTensor`` gradient of ``p`` (whose local piece is ``src``)."""
-    if g.stride() != src.stride():  # the layout autograd gives a leaf's gradient is the leaf's own
-        g = torch.empty_like(src).copy_(g)
-    # the parameter's own spec (mesh, placements, global shape and stride): the constructor
-    # DTensor.from_local ends in, without rebuilding the spec from the local piece every step
-    return DTensor(g, p._spec, requires_grad=False)
+def grad_like(p: DTensor, g: torch.Tensor) -> DTensor:
+    """Local gradient ``g`` as a ``DTensor`` gradient of parameter ``p`` (no communication). Where
+    ``g`` is laid out as ``p``'s local piece (autograd gives a leaf's gradient the leaf's layout; a
+    bucket's slice viewed as the piece has it), the parameter's own spec (mesh, placements, global
+    shape and stride) wraps it: the constructor ``DTensor.from_local`` ends in, without an autograd
+    node or a spec rebuilt from the piece every step; else ``DTensor.from_local``."""
+    piece = p._local_tensor
+    if g.stride() == piece.stride() and g.shape == piece.shape and g.dtype == piece.dtype:
+        return DTensor(g, p._spec, requires_grad=False)
+    return DTensor.from_local(g, p.device_mesh, p.placements, run_check=False)
 
 
 class LocalLeaf:
@@ -85,7 +88,7 @@ class LocalLeaf:
         g, leaf.grad = leaf.grad, None
         p = self.param
         if p.grad is None:
-            p.grad = _grad_like(p, self.src, g)
+            p.grad = grad_like(p, g)
         else:
             grad = p.grad
             (grad._local_tensor if isinstance(grad, DTensor) else grad).add_(g)
