@@ -20,6 +20,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from autopar.codegen.blocks import apply_recompute, split_blocks
 from autopar.codegen.feeding import input_names
 from autopar.codegen.grad_sync import GradSync
+from autopar.codegen.local_params import attach_leaves
 from autopar.codegen.lower import batch_axis, lower, mangle
 from autopar.codegen.micro_batches import MicroBatchError, check_same_graph, micro_batch_inputs
 from autopar.codegen.module import ParallelModule
@@ -148,9 +149,12 @@ def build_parallel_module(
     # reduces are not bucketed again
     zero = apply_trades(getattr(plan, "trades", None), gm, mesh, tg, deferred, state.load)
     buckets = grad_buckets(tg, choice, zero.bucketed(deferred), plan.mesh_shape)
+    # the plain leaves the forward computes on (codegen/local_params.py); FSDP2's parameters are
+    # gathered into tensors of its own before each forward, so under ZeRO 2 and 3 none
+    leaves = attach_leaves(gm.parameters()) if trades.zero_stage < ZeroStage.GRADIENTS else []
     # the parameters as the module holds them now (the pieces made after lowering, FSDP2's shards)
     grad_sync = GradSync([([getattr(gm, mangle(names[n])) for n in b.params], b.axes) for b in buckets], mesh)
-    return ParallelModule(local=gm, grad_sync=grad_sync, zero=zero, **common)
+    return ParallelModule(local=gm, grad_sync=grad_sync, zero=zero, leaves=leaves, **common)
 
 
 def _pipeline_targets(tg: TracedGraph, plan, gm: fx.GraphModule, full_mesh) -> set[str]:

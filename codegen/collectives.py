@@ -52,6 +52,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
+from autopar.codegen.local_params import LEAF_ATTR
 from autopar.errors import DistributedSetupError
 from autopar.kernels import collective_matmul as K
 from autopar.placement import is_partial, is_shard
@@ -222,9 +223,14 @@ class _F(torch.autograd.Function):
 
 def local(x: torch.Tensor) -> torch.Tensor:
     """This rank's piece of a parameter or buffer: the module's state is ``DTensor``s carrying the
-    plan's placements, the generated code computes on their local tensors (``DTensor.to_local``:
-    the gradient flows back into the parameter as a ``DTensor`` of the same placements). A plain
-    tensor (FSDP2's gathered parameter under torch without SPMD meshes) is its own piece."""
+    plan's placements, the generated code computes on their local tensors: a parameter's plain
+    leaf where it has an active one (``codegen/local_params.py``: its gradient is moved to the
+    parameter's ``.grad``), else ``DTensor.to_local`` (the gradient flows back into the parameter
+    as a ``DTensor`` of the same placements). A plain tensor (FSDP2's gathered parameter under
+    torch without SPMD meshes) is its own piece."""
+    leaf = getattr(x, LEAF_ATTR, None)
+    if leaf is not None and leaf.active:
+        return leaf.leaf
     return x.to_local() if isinstance(x, DTensor) else x
 
 

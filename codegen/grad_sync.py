@@ -27,6 +27,11 @@ they have, then waits for every pending reduction (and adds the copies), so ``lo
 returns with the same gradients as the inline version. Every rank runs the same backward, so the
 buckets start in the same order on all of them.
 
+The forward may read a parameter through its plain leaf (``codegen/local_params.py``) rather than
+through ``to_local``: the same two hooks are registered on the leaf too (the tensor hook sees the
+plain gradient, the post-accumulate hook runs once the gradient was moved to the parameter's
+``.grad``), so the parameter's ``.grad`` is what they read and set either way.
+
 A bucket reduced over several mesh axes starts the first asynchronously and the others after
 it completes (one process group per axis).
 
@@ -68,6 +73,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from autopar.codegen import collectives as C
+from autopar.codegen.local_params import grad_like, leaf_of
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -80,7 +86,7 @@ def _like(p: torch.Tensor, piece: torch.Tensor) -> torch.Tensor:
     """``piece`` (a local tensor) as a gradient of parameter ``p``: a ``DTensor`` of ``p``'s
     placements for a ``DTensor`` parameter (no communication), else ``piece``."""
     if isinstance(p, DTensor):
-        return DTensor.from_local(piece, p.device_mesh, p.placements, run_check=False)
+        return grad_like(p, piece)
     return piece
 
 
@@ -139,6 +145,11 @@ class GradSync:
                 self._accumulators.append(acc)
                 p.register_hook(self._pre_hook(p, acc, b.axes))
                 p.register_post_accumulate_grad_hook(self._post_hook)
+                leaf = leaf_of(p)  # the plain leaf the forward may read instead (codegen/local_params.py)
+                if leaf is not None:
+                    leaf.add_hooks(
+                        lambda acc, p=p, axes=b.axes: self._pre_hook(p, acc, axes), self._post_hook
+                    )
 
     @property
     def axes(self) -> set[int]:

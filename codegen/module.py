@@ -70,6 +70,7 @@ from autopar.codegen import collectives as C
 from autopar.codegen import state as S
 from autopar.codegen.agree import ENTRY_TIMEOUT_S, agree, all_entered, collective_section, enter_backward
 from autopar.codegen.feeding import Feeding, InputsError
+from autopar.codegen.local_params import LocalLeaf
 from autopar.codegen.micro_batches import batch_size, split_batch
 from autopar.codegen.zero import AppliedTrades
 from autopar.placement import Spec
@@ -89,6 +90,11 @@ class ParallelModule(torch.nn.Module):
     # its process exits, as ``PeerFailedError`` (``codegen/failures.py``). ``AUTOPAR_CHECK_CALLS=1``
     # turns it on for every module.
     check_calls: bool = os.environ.get("AUTOPAR_CHECK_CALLS", "") not in ("", "0")
+    # whether the generated forward computes on the parameters' plain leaves (shared storage, the
+    # gradient moved to the DTensor parameter's .grad: codegen/local_params.py) rather than through
+    # DTensor.to_local; False (AUTOPAR_LOCAL_LEAVES=0 for every module) puts the parameters
+    # themselves in the autograd graph, as torch.autograd.grad(loss, pmodel.parameters()) needs
+    local_leaves: bool = os.environ.get("AUTOPAR_LOCAL_LEAVES", "1") != "0"
 
     def __init__(
         self,
@@ -108,9 +114,11 @@ class ParallelModule(torch.nn.Module):
         zero: AppliedTrades | None = None,
         batch_axes: Sequence[int | None] = (),
         arg_names: Sequence[str] = (),
+        leaves: Sequence[LocalLeaf] = (),
     ):
         super().__init__()
         self.local = local
+        self._leaves = list(leaves)  # the parameters' plain leaves (local_leaves)
         self.mesh = mesh
         self.plan = plan
         self._in_spec = in_spec
@@ -196,6 +204,8 @@ class ParallelModule(torch.nn.Module):
     def forward(self, *args, **kwargs):
         flat, sliced = self._flat_inputs(args, kwargs)
         flat = [t.to(self._device) if isinstance(t, torch.Tensor) else t for t in flat]
+        for leaf in self._leaves:
+            leaf.refresh(self.local_leaves)
         with C.bound_mesh(self.mesh), self.zero.autocast(self._device.type):
             outs = self.local(*self.feeding.to_graph(flat, sliced))
         enter_backward(self, list(outs))

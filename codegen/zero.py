@@ -153,9 +153,34 @@ class AppliedTrades:
             return ZeroOneOptimizer(params, optimizer_class, self.mesh, self.data_axes[0], **kwargs)
         shards = [p for p in params if isinstance(p, DTensor)]
         plain = [p for p in params if not isinstance(p, DTensor)]
+        kwargs = foreach_kwargs(optimizer_class, shards, kwargs)
         if shards and plain:  # foreach kernels take DTensors or plain tensors, not both
             return optimizer_class([{"params": shards}, {"params": plain}], **kwargs)
         return optimizer_class(params, **kwargs)
+
+
+# optimizers whose multi-tensor ("foreach") step computes what their per-tensor step computes, bit
+# for bit, on DTensor parameters as on plain ones (tests/test_optimizer_foreach.py checks each); NAdam, RAdam and
+# ASGD round differently, Rprop's foreach step has no DTensor sharding rule
+FOREACH_EXACT = frozenset(
+    {
+        torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.RMSprop, torch.optim.Adagrad,
+        torch.optim.Adamax, torch.optim.Adadelta,
+    }
+)  # fmt: skip
+
+
+def foreach_kwargs(optimizer_class, shards: list, kwargs: dict) -> dict:
+    """``kwargs`` with ``foreach=True`` where the parameters include ``DTensor``s on one mesh, the
+    class is one of ``FOREACH_EXACT`` and the caller chose neither ``foreach`` nor ``fused``: torch
+    defaults to the per-tensor loop off CUDA and for ``DTensor``s, where each parameter's every
+    update op is a ``DTensor`` dispatch of its own (tens of microseconds of host time each); the
+    foreach step dispatches each op once for all of them, with the same result."""
+    if optimizer_class not in FOREACH_EXACT or not shards or "foreach" in kwargs or kwargs.get("fused"):
+        return kwargs
+    if len({id(p.device_mesh) for p in shards}) > 1:  # one foreach op takes DTensors on one mesh
+        return kwargs
+    return {**kwargs, "foreach": True}
 
 
 def data_axis(axes: tuple[int, ...]) -> int:

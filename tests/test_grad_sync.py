@@ -59,6 +59,7 @@ def _rank(rank, world, plan_path, bucket_bytes=None):
     res["zeroed"] = _full_grads(pmodel)
     for p in params:
         p.grad = None
+    pmodel.local_leaves = False  # the parameters themselves in the graph (codegen/local_params.py)
     grads = torch.autograd.grad(_loss(pmodel, inputs), params)
     for p, g in zip(params, grads):
         p.grad = g

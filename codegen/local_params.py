@@ -1,0 +1,126 @@
+"""Plain leaf tensors the generated forward computes on, sharing the storage of the module's
+``DTensor`` parameters.
+
+The module's parameters are ``DTensor``s carrying the plan's placements (what optimizers,
+``clip_grad_norm_`` and checkpoints see); the generated graph computes on their local pieces
+(``collectives.local``). Reading a piece through ``DTensor.to_local()`` costs, per parameter and
+step, an autograd node, a ``DTensor`` gradient built in its backward and the accumulation of that
+``DTensor`` into ``.grad`` (tens of microseconds of host time each step, the whole step of a small
+model). As FSDP2 computes on plain unsharded parameters, each parameter here gets a ``LocalLeaf``:
+a plain tensor that requires grad and shares the storage (and version counter) of the parameter's
+local piece, so the optimizer's in-place updates of the parameter are the leaf's values. Backward
+accumulates into the leaf; a post-accumulate-grad hook moves that gradient to the parameter's
+``.grad`` at once, as a ``DTensor`` of the parameter's placements (set where ``.grad`` is None,
+added in place otherwise, as autograd's accumulation does), and leaves the leaf's ``.grad`` None:
+``p.grad`` is the only gradient a user or an optimizer reads or zeroes. ``codegen/grad_sync.py``
+registers its hooks on both the parameter and its leaf (``LocalLeaf.add_hooks``), so its
+reductions see the gradient whichever of the two the forward read.
+
+``ParallelModule.forward`` calls ``refresh`` on each leaf before the graph runs: a leaf whose
+parameter's piece was replaced (``p.data = ...``, a load that assigns) or whose ``requires_grad``
+changed is rebuilt with its hooks, and ``active`` follows ``ParallelModule.local_leaves``. With
+``local_leaves`` False (``AUTOPAR_LOCAL_LEAVES=0`` for every module) the graph reads
+``to_local()`` as before: ``torch.autograd.grad(loss, pmodel.parameters())`` needs that, since the
+parameters themselves are then in the graph. A re-run of the forward during backward (activation
+checkpointing, ``codegen/blocks.py``) reads the same leaf the forward read: ``collectives.local``
+finds it on the parameter (``LEAF_ATTR``), not in a binding of the forward call.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+
+import torch
+from torch.distributed.tensor import DTensor
+
+# the attribute of a DTensor parameter that holds its LocalLeaf
+LEAF_ATTR = "_autopar_local_leaf"
+
+
+def grad_like(p: DTensor, g: torch.Tensor) -> DTensor:
+    """Local gradient ``g`` as a ``DTensor`` gradient of parameter ``p`` (no communication). Where
+    ``g`` is laid out as ``p``'s local piece (autograd gives a leaf's gradient the leaf's layout; a
+    bucket's slice viewed as the piece has it), the parameter's own spec (mesh, placements, global
+    shape and stride) wraps it: the constructor ``DTensor.from_local`` ends in, without an autograd
+    node or a spec rebuilt from the piece every step; else ``DTensor.from_local``."""
+    piece = p._local_tensor
+    if g.stride() == piece.stride() and g.shape == piece.shape and g.dtype == piece.dtype:
+        return DTensor(g, p._spec, requires_grad=False)
+    return DTensor.from_local(g, p.device_mesh, p.placements, run_check=False)
+
+
+class LocalLeaf:
+    """The plain leaf of one ``DTensor`` parameter (module docstring)."""
+
+    def __init__(self, param: DTensor):
+        self.param = param
+        self.active = True
+        # grad_sync's hooks: (a factory of the tensor hook, given the leaf's AccumulateGrad node;
+        # the post-accumulate hook), registered again on every rebuilt leaf
+        self._hooks: list[tuple[Callable, Callable]] = []
+        self._build()
+
+    def _build(self) -> None:
+        p = self.param
+        self.src = p._local_tensor
+        self.leaf = self.src.detach().requires_grad_(p.requires_grad)
+        self.acc = None
+        if self.leaf.requires_grad:
+            # kept alive: the leaf holds its AccumulateGrad node only weakly
+            self.acc = self.leaf.view_as(self.leaf).grad_fn.next_functions[0][0]
+            self.leaf.register_post_accumulate_grad_hook(self._move)
+            for make_pre, post in self._hooks:
+                self._register(make_pre, post)
+
+    def _register(self, make_pre: Callable, post: Callable) -> None:
+        p = self.param
+        self.leaf.register_hook(make_pre(self.acc))
+        self.leaf.register_post_accumulate_grad_hook(lambda _leaf: post(p))
+
+    def add_hooks(self, make_pre: Callable, post: Callable) -> None:
+        """Register ``make_pre(acc)`` as a tensor hook and ``post(param)`` as a post-accumulate
+        hook (after the gradient moved to ``param.grad``) on this leaf and every rebuilt one."""
+        self._hooks.append((make_pre, post))
+        if self.acc is not None:
+            self._register(make_pre, post)
+
+    def _move(self, leaf: torch.Tensor) -> None:
+        g, leaf.grad = leaf.grad, None
+        p = self.param
+        if p.grad is None:
+            p.grad = grad_like(p, g)
+        else:
+            grad = p.grad
+            (grad._local_tensor if isinstance(grad, DTensor) else grad).add_(g)
+
+    def refresh(self, active: bool) -> None:
+        """Rebuild the leaf where the parameter's piece or ``requires_grad`` changed; ``active``:
+        whether the forward reads it (module docstring)."""
+        self.active = active
+        p, leaf = self.param, self.leaf
+        src = p._local_tensor
+        if (
+            src is not self.src
+            or leaf.requires_grad != p.requires_grad
+            or leaf.data_ptr() != src.data_ptr()
+            or leaf.shape != src.shape
+        ):
+            self._build()
+
+
+def attach_leaves(params: Iterable[torch.nn.Parameter]) -> list[LocalLeaf]:
+    """A ``LocalLeaf`` for every ``DTensor`` parameter among ``params`` (once each), set on the
+    parameter as ``LEAF_ATTR``."""
+    out, seen = [], set()
+    for p in params:
+        if isinstance(p, DTensor) and id(p) not in seen:
+            seen.add(id(p))
+            h = LocalLeaf(p)
+            setattr(p, LEAF_ATTR, h)
+            out.append(h)
+    return out
+
+
+def leaf_of(p: torch.Tensor) -> LocalLeaf | None:
+    """The ``LocalLeaf`` of parameter ``p``, if it has one."""
+    return getattr(p, LEAF_ATTR, None)
