@@ -103,9 +103,13 @@ class SpmdRungs:
             lesson, objective = Lesson.FITS, solved.sol.objective + solved.terms.total_s
         else:
             objective = math.inf
-            lesson = {Verdict.BOUND_PRUNED: Lesson.SLOW, Verdict.LP_PRUNED: Lesson.BEATEN}.get(
-                entry.verdict, Lesson.NO_PLAN if entry.verdict.infeasible else Lesson.NOTHING
-            )
+            # blocked: an op has no strategy under the axis roles, whatever the memory; no trade
+            # adds one (micro-batches only shrink the rows a strategy splits)
+            lesson = {
+                Verdict.BOUND_PRUNED: Lesson.SLOW,
+                Verdict.LP_PRUNED: Lesson.BEATEN,
+                Verdict.BLOCKED: Lesson.LAST,
+            }.get(entry.verdict, Lesson.NO_PLAN if entry.verdict.infeasible else Lesson.NOTHING)
         return Rung(
             lesson, entry, outcome.mem_needed, solved, objective, outcome.refused_at_full_peak,
             refused_peak=outcome.refused_peak, peak=solved.peak if solved is not None else 0.0,
