@@ -119,13 +119,15 @@ class Model:
             return self._solve_pulp(pulp.PULP_CBC_CMD(msg=False, timeLimit=time_limit_s))
         raise SolverError(f"unknown solver {solver!r}: use 'HiGHS' or 'CBC'")
 
-    def relaxation(self, time_limit_s: float | None = None) -> LpResult:
+    def relaxation(self, time_limit_s: float | None = None, ipm: bool = False) -> LpResult:
         """The LP relaxation (every column continuous) by HiGHS: its optimum is a lower bound on
-        the program's, and its infeasibility proves the program's. Solved by HiGHS's interior point
+        the program's, and its infeasibility proves the program's. ``ipm``: by the interior point
         method, then crossover to a vertex (the rounding in ``passes/solver.py`` reads the vertex's
-        values): on the 90,948 columns of a 2 x 2 mesh of a 2-layer Gemma 2 held to 0.6 of its free
-        plan's peak, 5.3 s where the dual simplex takes 17.5 s (dev VM, loaded alike)."""
-        return self._run_highs(time_limit_s, relax=True, ipm=True)
+        values), where the dual simplex is slow: under memory rows that bind, on the 90,948
+        columns of a 2 x 2 mesh of a 2-layer Gemma 2 held to 0.6 of its free plan's peak, 5.3 s
+        against 17.5 s; without a binding row the simplex is the faster (a 2-layer Llama's 2 x 2
+        mesh, 64,561 columns: 0.2 s against 2.3 s)."""
+        return self._run_highs(time_limit_s, relax=True, ipm=ipm)
 
     def integral(self, values: np.ndarray, tol: float = 1e-6) -> bool:
         """Whether ``values`` (a relaxation's solution, which meets every row) are whole on every

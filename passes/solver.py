@@ -66,7 +66,7 @@ import numpy as np
 from autopar.errors import SolverError
 from autopar.passes.costs import CostTables, Edge
 from autopar.passes.lp_model import Model, Var, highs_available
-from autopar.passes.memory_row import Folds, add_memory_rows, peak_bytes
+from autopar.passes.memory_row import Folds, add_memory_rows, lower_bound_bytes, peak_bytes
 
 # the tables with followers folded in, and each follower with its producer and best responses
 Folded = tuple[CostTables, list[tuple[str, tuple[str, list[int]]]]]
@@ -149,6 +149,10 @@ class Pruned:
 # an LP relaxation's optimum must pass the cutoff by this much (relative) to prune: HiGHS meets
 # its rows within 1e-7, so a bound that equals the cutoff is no proof
 PRUNE_RTOL = 1e-6
+# the LP relaxation is solved by the interior point method where the memory lower bound is at least
+# this share of the limit (the memory rows likely bind: lp_model.Model.relaxation), by the dual
+# simplex below it
+IPM_MEMORY_SHARE = 0.25
 
 
 def solve(
@@ -410,7 +414,8 @@ def _solve(
 
     name = solver_name()
     if math.isfinite(cutoff) and name == "HiGHS" and not relax:
-        lp = prob.relaxation(time_limit_s)
+        tight = lower_bound_bytes(tables) >= IPM_MEMORY_SHARE * memory_limit_bytes
+        lp = prob.relaxation(time_limit_s, ipm=tight)
         if lp.status == "Infeasible":
             return None  # no fractional plan fits: nor does an integral one
         if lp.has_solution and lp.objective > cutoff + PRUNE_RTOL * abs(cutoff):
