@@ -92,6 +92,20 @@ def train(model, inputs, steps: int = STEPS) -> list[tuple[str, torch.Tensor, to
     return outs
 
 
+def sgd_losses(model, *args) -> list[torch.Tensor]:
+    """The losses of ``STEPS`` SGD steps (``LR``) of ``model`` (a module or the parallel one) on
+    ``args``, the model returning its loss."""
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    losses = []
+    for _ in range(STEPS):
+        loss = model(*args)
+        loss.backward()
+        losses.append(loss.detach())
+        opt.step()
+        opt.zero_grad()
+    return losses
+
+
 def padded(model, inputs):
     """``(model, inputs)`` with right padding on the first row (its last 5 tokens): an
     ``attention_mask`` with zeros there, and the labels ignored (-100) there."""

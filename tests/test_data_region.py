@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from harness import D, check_run, reference, run_world
+from harness import D, check_run, reference, run_world, sgd_losses
 from hypothesis import assume, given
 from hypothesis import strategies as st
 from rules_check import SETTINGS
@@ -133,23 +133,10 @@ def test_a_routed_region_is_planned_with_its_ops_on_each_ranks_rows():
     assert all(d.output != "R" or d.shape in ((), (4,)) for d in own)
 
 
-def _sgd_losses(model, x, y) -> list[torch.Tensor]:
-    """The losses of two SGD steps of ``model`` (a module or the parallel one) on ``(x, y)``."""
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    losses = []
-    for _ in range(2):
-        loss = model(x, y)
-        loss.backward()
-        losses.append(loss.detach())
-        opt.step()
-        opt.zero_grad()
-    return losses
-
-
 def _routed_rank(rank, world, path):
     model, (x, y) = _routed()
     pm = autopar.autoparallelize(model, _cpu(world), (x, y), plan=path)
-    return _sgd_losses(pm, x, y), pm.full_state_dict()
+    return sgd_losses(pm, x, y), pm.full_state_dict()
 
 
 @pytest.mark.slow
@@ -159,7 +146,7 @@ def test_a_routed_region_trains_as_one_device(tmp_path):
     model, (x, y) = _routed()
     path = tmp_path / "dp.json"
     autopar.plan(model, _cpu(2), (x, y), mesh_shape=(2,), axis_roles=(D,)).save(path)
-    ref = _sgd_losses(model, x, y)
+    ref = sgd_losses(model, x, y)
     for losses, state in run_on_ranks(_routed_rank, 2, str(path)):
         for a, b in zip(losses, ref):
             torch.testing.assert_close(a, b)

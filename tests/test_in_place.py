@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from harness import D
+from harness import D, sgd_losses
 from hypothesis import given
 from hypothesis import strategies as st
 from rules_check import SETTINGS, assert_rules_hold, randn
@@ -137,18 +137,6 @@ def test_index_bounds_come_from_the_size_of_the_dim_indexed():
     assert index_bound(n["ids"], within=()) is None
 
 
-def _sgd(model, x, y) -> list[torch.Tensor]:
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    losses = []
-    for _ in range(2):
-        loss = model(x, y)
-        loss.backward()
-        losses.append(loss.detach())
-        opt.step()
-        opt.zero_grad()
-    return losses
-
-
 def _router():
     torch.manual_seed(0)
     gen = torch.Generator().manual_seed(1)
@@ -158,7 +146,7 @@ def _router():
 def _router_rank(rank, world, path):
     model, (x, y) = _router()
     pm = autopar.autoparallelize(model, _cpu(world), (x, y), plan=path)
-    return _sgd(pm, x, y), pm.full_state_dict()
+    return sgd_losses(pm, x, y), pm.full_state_dict()
 
 
 @pytest.mark.slow
@@ -171,7 +159,7 @@ def test_a_router_normalized_in_place_trains_as_one_device(role, tmp_path):
     model, (x, y) = _router()
     path = tmp_path / "plan.json"
     autopar.plan(model, _cpu(), (x, y), mesh_shape=(2,), axis_roles=(role,)).save(path)
-    ref = _sgd(model, x, y)
+    ref = sgd_losses(model, x, y)
     for losses, state in run_on_ranks(_router_rank, 2, str(path)):
         for a, b in zip(losses, ref):
             torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
