@@ -144,6 +144,15 @@ def _megatron(prefix: str, col: tuple[str, ...], row: tuple[str, ...]) -> dict:
 class RotaryDecoder(Family):
     """Llama-like Hugging Face causal LMs: ``model.layers``, rotary tables, a causal mask."""
 
+    @staticmethod
+    def config_kwargs(s) -> dict:
+        """The config of size ``s`` in the keys Llama's and Qwen2's configs share."""
+        return dict(
+            num_hidden_layers=s["layers"], hidden_size=s["hidden"], intermediate_size=s["inter"],
+            num_attention_heads=s["heads"], num_key_value_heads=s["kv"], vocab_size=s["vocab"],
+            max_position_embeddings=s["seq"], attention_dropout=0.0, **LM,
+        )  # fmt: skip
+
     def blocks(self, model):
         return model.model.layers
 
@@ -219,21 +228,13 @@ class RotaryDecoder(Family):
 
 class Llama(RotaryDecoder):
     def build(self, s):
-        cfg = _tf().LlamaConfig(
-            num_hidden_layers=s["layers"], hidden_size=s["hidden"], intermediate_size=s["inter"],
-            num_attention_heads=s["heads"], num_key_value_heads=s["kv"], vocab_size=s["vocab"],
-            max_position_embeddings=s["seq"], attention_dropout=0.0, **LM,
-        )  # fmt: skip
+        cfg = _tf().LlamaConfig(**self.config_kwargs(s))
         return _tf().LlamaForCausalLM(cfg), _lm_inputs(s)
 
 
 class Qwen2(RotaryDecoder):
     def build(self, s):
-        cfg = _tf().Qwen2Config(
-            num_hidden_layers=s["layers"], hidden_size=s["hidden"], intermediate_size=s["inter"],
-            num_attention_heads=s["heads"], num_key_value_heads=s["kv"], vocab_size=s["vocab"],
-            max_position_embeddings=s["seq"], attention_dropout=0.0, **LM,
-        )  # fmt: skip
+        cfg = _tf().Qwen2Config(**self.config_kwargs(s))
         return _tf().Qwen2ForCausalLM(cfg), _lm_inputs(s)
 
 
