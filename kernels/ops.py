@@ -10,7 +10,7 @@ from __future__ import annotations
 import importlib
 import importlib.util
 
-MODULES = ("norms", "activations", "rope", "cross_entropy")
+MODULES = ("norms", "activations", "rope", "cross_entropy", "grouped_mm", "moe")
 
 
 def load() -> None:
