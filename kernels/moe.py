@@ -142,7 +142,7 @@ def combine(out_rows: Tensor, order: Tensor, weights: Tensor, dtype: torch.dtype
     tokens, k = weights.shape
     weighted = out_rows * weights.reshape(-1)[order].unsqueeze(-1)
     inverse = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
-    return weighted[inverse].view(tokens, k, -1).sum(1).to(dtype)
+    return weighted[inverse].view(tokens, k, out_rows.shape[-1]).sum(1).to(dtype)
 
 
 def check(
