@@ -83,7 +83,8 @@ def fast_path_runs(device: torch.device, dtype: torch.dtype) -> bool:
         return False
 
 
-def _use_fast(*tensors: Tensor) -> bool:
+def uses_fast_path(*tensors: Tensor) -> bool:
+    """Whether ``grouped_mm`` on these operands (``x``, then ``w``) runs ``torch._grouped_mm``."""
     first = tensors[0]
     return (
         backend() is not Backend.TORCH
@@ -110,7 +111,7 @@ def grouped_mm(x: Tensor, w: Tensor, offs: Tensor) -> Tensor:
     """``out[N, M]``: group ``g``'s rows of ``x`` times ``w[g]``; rows past ``offs[-1]`` zero."""
     _check(x, w, offs)
     offs32 = offs.to(torch.int32)
-    if _use_fast(x, w):
+    if uses_fast_path(x, w):
         return _zero_tail(torch._grouped_mm(x, w, offs=offs32), offs32)
     out = x.new_zeros((x.shape[0], w.shape[2]))
     start = 0
@@ -132,7 +133,7 @@ def grouped_mm_weight_grad(x: Tensor, dy: Tensor, offs: Tensor, groups: int) -> 
     """``dw[G, K, M]``: ``dw[g] = x_g^T dy_g`` over group ``g``'s rows; zeros for an empty group."""
     offs32 = offs.to(torch.int32)
     xt = x.t()
-    if groups == offs.shape[0] and _use_fast(xt, dy):
+    if groups == offs.shape[0] and uses_fast_path(xt, dy):
         out = torch._grouped_mm(xt, dy, offs=offs32)
         # an empty group's block may be left unwritten
         empty = torch.diff(offs32, prepend=offs32.new_zeros(1)) == 0

@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 from torch.utils.flop_counter import FlopCounterMode
 
 from autopar.kernels.dispatch import ENV
-from autopar.kernels.grouped_mm import _use_fast, fast_path_runs
+from autopar.kernels.grouped_mm import fast_path_runs, uses_fast_path
 from autopar.kernels.moe import Act
 
 grouped_mm = torch.ops.autopar.grouped_mm
@@ -76,7 +76,7 @@ def test_grouped_mm_both_paths_on_aligned_float32(backend, monkeypatch):
     base = torch.randn(3, 32, 16, requires_grad=True)  # [G, M, K] storage, used transposed
     w = base.transpose(-2, -1)
     fast = backend == "auto" and fast_path_runs(x.device, x.dtype)
-    assert _use_fast(x, w) == fast
+    assert uses_fast_path(x, w) == fast
     out = grouped_mm(x, w, offs)
     want = _loop_mm(x, w, offs)
     torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
@@ -265,6 +265,8 @@ def test_moe_experts_on_meta_and_its_flops():
     assert out.shape == (t, h) and out.device.type == "meta"
     pairs = t * k
     assert counter.get_total_flops() == 2 * pairs * h * (2 * i) + 2 * pairs * i * h
+    out.backward(torch.empty_like(out))  # the pieces' backward runs on meta too
+    assert [p.grad.shape for p in (x, w_in, w_out)] == [x.shape, w_in.shape, w_out.shape]
 
 
 def test_moe_experts_output_dtype_is_x_and_matmuls_run_in_the_weights():
