@@ -37,7 +37,10 @@ not shrink; the experts' matmuls do.
 
 ``local_experts`` (tokens replicated over the axis): ``moe_experts`` on this rank's experts
 (``first_expert = r E/n``), no collective: the output is this rank's summand of the layer's output
-(Partial over the axis).
+(Partial over the axis). Backward, each rank gets the gradient of its experts' slice whole, and
+its own summand of the gradients of ``x`` and ``weights`` (its experts' terms), not their sum: as
+for the vocabulary-parallel loss (``kernels/cross_entropy.py``), the caller's Megatron "f" on those
+Replicate inputs (identity forward, all-reduce of the gradient) sums them.
 """
 
 from __future__ import annotations

@@ -8,7 +8,9 @@ device's ``moe_experts`` and its gradients, over any routing: hypothesis draws t
 no tokens, ranks that receive none and a rank with no rows of its own. ``capacity_factor`` drops
 what ``codegen/experts.py`` documents: per expert, the pairs past ``ceil(c T k / E)`` in global
 token order, i.e. the reference's weights of those pairs set to 0. ``local_experts`` summed over
-the ranks equals the whole layer. All cases of one world size run in one spawned job.
+the ranks equals the whole layer. In the world-4 job the world-2 cases also run on each axis of a
+2 x 2 mesh (the axis named, not the world, carries the experts). All cases of one world size run
+in one spawned job.
 """
 
 from __future__ import annotations
@@ -109,35 +111,55 @@ def _reference(case: Case):
     return out.detach(), _grads(leaves)
 
 
-def _rank(rank: int, world: int, cases: list[Case]):
+def _run_cases(coord: int, n: int, axis: int, cases: list[Case]) -> list:
+    """Each case on coordinate ``coord`` of ``n`` along ``axis`` of the bound mesh: its rows and
+    experts, ``expert_parallel``; every row and its experts, ``local_experts``."""
+    from autopar.codegen.experts import expert_parallel, local_experts
+
+    results = []
+    for case in cases:
+        tensors = _tensors(case)
+        rows, experts = _rows(case, coord), _experts(case, coord, n)
+        mine = {n: (t[rows] if n in ("x", "weights", "ids", "grad") else t) for n, t in tensors.items()}
+        mine = {n: (t[experts] if n.startswith("w_") and t is not None else t) for n, t in mine.items()}
+        leaves = _leaves(mine)
+        out = _moe(leaves, case, expert_parallel, axis, case.capacity_factor)
+        out.backward(mine["grad"])
+        split = (out.detach(), _grads(leaves))
+        # tokens replicated, experts split: this coordinate's summand of the whole layer
+        whole = _leaves(
+            {n: (t[experts] if n.startswith("w_") and t is not None else t) for n, t in tensors.items()}
+        )
+        part = _moe(whole, case, local_experts, axis)
+        part.backward(tensors["grad"])
+        results.append((split, (part.detach(), _grads(whole))))
+    return results
+
+
+def _rank(rank: int, world: int, cases: list[Case], grid_cases: list[Case]):
     from torch.distributed.device_mesh import init_device_mesh
 
     from autopar.codegen.collectives import bound_mesh
-    from autopar.codegen.experts import expert_parallel, local_experts
 
-    mesh = init_device_mesh("cpu", (world,))
-    results = []
-    with bound_mesh(mesh):
-        for case in cases:
-            tensors = _tensors(case)
-            start = sum(case.rows[:rank])
-            rows = slice(start, start + case.rows[rank])
-            per = case.experts // world
-            experts = slice(rank * per, (rank + 1) * per)
-            mine = {n: (t[rows] if n in ("x", "weights", "ids", "grad") else t) for n, t in tensors.items()}
-            mine = {n: (t[experts] if n.startswith("w_") and t is not None else t) for n, t in mine.items()}
-            leaves = _leaves(mine)
-            out = _moe(leaves, case, expert_parallel, 0, case.capacity_factor)
-            out.backward(mine["grad"])
-            split = (out.detach(), _grads(leaves))
-            # tokens replicated, experts split: this rank's summand of the whole layer
-            whole = _leaves(
-                {n: (t[experts] if n.startswith("w_") and t is not None else t) for n, t in tensors.items()}
-            )
-            part = _moe(whole, case, local_experts, 0)
-            part.backward(tensors["grad"])
-            results.append((split, (part.detach(), _grads(whole))))
-    return results
+    with bound_mesh(init_device_mesh("cpu", (world,))):
+        flat = _run_cases(rank, world, 0, cases)
+    grid = {}
+    if grid_cases:  # world 4 as a 2 x 2 mesh: the axis given, not the world, carries the experts
+        mesh = init_device_mesh("cpu", (2, 2))
+        with bound_mesh(mesh):
+            for axis in (0, 1):
+                grid[axis] = _run_cases(mesh.get_local_rank(axis), 2, axis, grid_cases)
+    return flat, grid
+
+
+def _rows(case: Case, coord: int) -> slice:
+    start = sum(case.rows[:coord])
+    return slice(start, start + case.rows[coord])
+
+
+def _experts(case: Case, coord: int, n: int) -> slice:
+    per = case.experts // n
+    return slice(coord * per, (coord + 1) * per)
 
 
 @st.composite
@@ -189,44 +211,62 @@ def _fixed(world: int) -> list[Case]:
     ]
 
 
-_RUNS: dict[int, tuple[list[Case], list]] = {}
+_RUNS: dict[int, tuple] = {}
+GRID_CASES = 4  # drawn world-2 cases run on each axis of a 2 x 2 mesh, besides the fixed ones
+
+
+def _world(world: int) -> tuple:
+    """The cases of one world size and every rank's results: one spawned job per world, run once."""
+    if world not in _RUNS:
+        cases_ = _fixed(world) + _drawn(world, 12 if world == 2 else 8)
+        grid_cases = _fixed(2) + _drawn(2, GRID_CASES) if world == 4 else []
+        per_rank = run_on_ranks(_rank, world, cases_, grid_cases, timeout_s=240)
+        _RUNS[world] = cases_, [flat for flat, _ in per_rank], grid_cases, [grid for _, grid in per_rank]
+    return world, *_RUNS[world]
 
 
 @pytest.fixture(scope="module", params=[2, 4])
 def runs(request):
-    world = request.param
-    if world not in _RUNS:
-        cases_ = _fixed(world) + _drawn(world, 12 if world == 2 else 8)
-        _RUNS[world] = cases_, run_on_ranks(_rank, world, cases_, timeout_s=240)
-    return world, *_RUNS[world]
+    return _world(request.param)
 
 
 def _close(got, want, what):
     torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12, msg=lambda m: f"{what}: {m}")
 
 
+def _check_split(case: Case, coord: int, n: int, result, what: str) -> None:
+    """One coordinate's ``expert_parallel`` output and gradients against the single device's rows
+    and expert slices."""
+    want_out, want_grads = _reference(case)
+    out, grads = result
+    rows, experts = _rows(case, coord), _experts(case, coord, n)
+    what = f"{what}, coordinate {coord} of {n}, {case}"
+    _close(out, want_out[rows], f"output, {what}")
+    assert set(grads) == set(want_grads)
+    for name, g in grads.items():
+        want = want_grads[name][rows] if name in ("x", "weights") else want_grads[name][experts]
+        _close(g, want, f"grad {name}, {what}")
+
+
 def test_expert_parallel_equals_one_device(runs):
-    world, cases_, per_rank = runs
+    world, cases_, per_rank, _, _ = runs
     for c, case in enumerate(cases_):
-        want_out, want_grads = _reference(case)
-        start = 0
         for rank in range(world):
-            (out, grads), _ = per_rank[rank][c]
-            rows = slice(start, start + case.rows[rank])
-            start += case.rows[rank]
-            per = case.experts // world
-            experts = slice(rank * per, (rank + 1) * per)
-            what = f"world {world}, rank {rank}, {case}"
-            _close(out, want_out[rows], f"output, {what}")
-            assert set(grads) == set(want_grads)
-            for name, g in grads.items():
-                want = want_grads[name][rows] if name in ("x", "weights") else want_grads[name][experts]
-                _close(g, want, f"grad {name}, {what}")
+            _check_split(case, rank, world, per_rank[rank][c][0], f"world {world}")
+
+
+def test_expert_parallel_runs_on_the_axis_it_is_given():
+    world, _, _, grid_cases, grids = _world(4)
+    for axis in (0, 1):
+        for rank in range(world):
+            coord = rank // 2 if axis == 0 else rank % 2
+            for c, case in enumerate(grid_cases):
+                _check_split(case, coord, 2, grids[rank][axis][c][0], f"2 x 2 mesh, axis {axis}, rank {rank}")
 
 
 def test_capacity_drops_pairs_past_the_capacity_in_token_order(runs):
     # the masked reference above differs from the dropless layer: the drop is real in these cases
-    world, cases_, _ = runs
+    _, cases_, _, _, _ = runs
     capped = [case for case in cases_ if case.capacity_factor is not None]
     assert capped
     for case in capped:
@@ -236,16 +276,15 @@ def test_capacity_drops_pairs_past_the_capacity_in_token_order(runs):
 
 
 def test_local_experts_sum_over_ranks_to_the_whole_layer(runs):
-    world, cases_, per_rank = runs
+    world, cases_, per_rank, _, _ = runs
     for c, case in enumerate(cases_):
         want_out, want_grads = _reference(Case(**{**case.__dict__, "capacity_factor": None}))
         parts = [per_rank[rank][c][1] for rank in range(world)]
         _close(sum(out for out, _ in parts), want_out, f"local_experts output, world {world}, {case}")
         for name in ("x", "weights"):
             _close(sum(g[name] for _, g in parts), want_grads[name], f"local_experts grad {name}, {case}")
-        per = case.experts // world
         for rank, (_, grads) in enumerate(parts):
             for name in ("w_in", "w_up", "w_out"):
                 if name in grads:
-                    want = want_grads[name][rank * per : (rank + 1) * per]
+                    want = want_grads[name][_experts(case, rank, world)]
                     _close(grads[name], want, f"local_experts grad {name}, rank {rank}, {case}")
