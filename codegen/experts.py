@@ -24,14 +24,17 @@ The all-to-all with split sizes is an autograd function whose backward is the al
 way (the splits swapped), so the gradient of ``x`` and ``weights`` is this rank's rows' (Shard), and
 the gradient of the rank's expert weights sums every rank's tokens routed to them: the gradient of
 that slice of the experts (the gradient convention of ``codegen/collectives.py``: a Shard value's
-gradient is its shard). Bytes moved per rank and direction: ``T_r k H e`` (``e`` the weights'
-element size) each way, forward and backward, plus ``n`` counts.
+gradient is its shard). Collectives over the axis: forward, one all-to-all of ``E`` int64 counts
+and two of rows (dispatch, combine); backward, two of rows. Each all-to-all of rows sends
+``T_r k H e`` bytes from rank ``r`` (``e`` the weights' element size; the rows that stay on the
+rank included) and receives what the routing sends it: ``T k H e / n`` per rank when balanced.
 
 Capacity (``capacity_factor``; ``None``: dropless). Each expert keeps at most
 ``C = ceil(capacity_factor * T k / E)`` pairs, ``T`` the tokens over the whole axis: the first
 ``C`` in global token order (rank 0's tokens first, each rank's in row order); the pairs beyond
 get no output from that expert (their term of the weighted sum is 0: the token keeps only its
-other experts' terms, and the residual connection around the layer carries it). The pairs are
+other experts' terms, and the residual connection around the layer carries it). ``T`` comes from
+one more collective, an all-reduce of the ranks' token counts. The pairs are
 still sent (the receiver, which sees every source's counts, decides), so the all-to-all's bytes do
 not shrink; the experts' matmuls do.
 

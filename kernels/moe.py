@@ -92,8 +92,13 @@ class Routing:
 
 
 def route(ids: Tensor, num_experts: int, first_expert: int, experts: int) -> Routing:
-    """Group the pairs of ``ids`` ``[T, k]`` by local expert ``ids - first_expert`` in
-    ``[0, experts)``; ``num_experts`` bounds the ids (checked by ``check``, not here)."""
+    """Group the pairs of ``ids`` ``[T, k]`` (ids in ``[0, num_experts)``) by local expert
+    ``ids - first_expert`` in ``[0, experts)``."""
+    if not 0 <= first_expert <= num_experts - experts:
+        raise ValueError(
+            f"route: local experts {first_expert}..{first_expert + experts - 1} are not among the layer's "
+            f"{num_experts}"
+        )
     flat = ids.reshape(-1)
     local = flat - first_expert
     outside = (local < 0) | (local >= experts)
