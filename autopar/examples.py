@@ -183,3 +183,74 @@ def vit_tiny(batch: int = 4, layers: int = 2, hidden: int = 64, heads: int = 4, 
     pixels = torch.randn(batch, 3, 32, 32, generator=g)
     labels = torch.randint(0, num_labels, (batch,), generator=g)
     return tf.ViTForImageClassification(cfg), {"pixel_values": pixels, "labels": labels}
+
+
+MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3")
+
+
+def moe_tiny(
+    family: str = "qwen3_moe",
+    batch: int = 4,
+    seq: int = 16,
+    layers: int = 2,
+    hidden: int = 32,
+    experts: int = 4,
+    top_k: int = 2,
+    vocab: int = 64,
+):
+    """A tiny mixture-of-experts causal LM of one of ``MOE_FAMILIES`` (Hugging Face configs):
+    ``experts`` routed experts of which each token takes ``top_k``; Qwen2-MoE and DeepSeek-V3 add a
+    shared expert, DeepSeek-V3 its MLA attention, one dense first layer and grouped routing (one
+    group)."""
+    tf = _transformers()
+    torch.manual_seed(0)
+    common = dict(
+        num_hidden_layers=layers, hidden_size=hidden, intermediate_size=2 * hidden, num_attention_heads=4,
+        max_position_embeddings=max(seq, 64), vocab_size=vocab, use_cache=False, attention_dropout=0.0,
+        bos_token_id=0, eos_token_id=0, pad_token_id=0, num_experts_per_tok=top_k,
+    )  # fmt: skip
+    if family == "mixtral":
+        model = tf.MixtralForCausalLM(
+            tf.MixtralConfig(num_key_value_heads=2, num_local_experts=experts, **common)
+        )
+    elif family == "qwen2_moe":
+        cfg = tf.Qwen2MoeConfig(
+            num_key_value_heads=2, num_experts=experts, moe_intermediate_size=hidden,
+            shared_expert_intermediate_size=hidden, **common,
+        )  # fmt: skip
+        model = tf.Qwen2MoeForCausalLM(cfg)
+    elif family == "qwen3_moe":
+        cfg = tf.Qwen3MoeConfig(
+            num_key_value_heads=2,
+            num_experts=experts,
+            moe_intermediate_size=hidden,
+            decoder_sparse_step=1,
+            **common,
+        )
+        model = tf.Qwen3MoeForCausalLM(cfg)
+    elif family == "deepseek_v3":
+        cfg = tf.DeepseekV3Config(
+            num_key_value_heads=4, n_routed_experts=experts, moe_intermediate_size=hidden, n_shared_experts=1,
+            first_k_dense_replace=1, q_lora_rank=16, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8,
+            v_head_dim=8, n_group=1, topk_group=1, **common,
+        )  # fmt: skip
+        model = tf.DeepseekV3ForCausalLM(cfg)
+    else:
+        raise ModelSpecError(f"moe_tiny: unknown family {family!r}; known: {', '.join(MOE_FAMILIES)}")
+    ids = _tokens(batch, seq, vocab)
+    return model, {"input_ids": ids, "labels": ids}
+
+
+def moe_plain_tiny(
+    batch: int = 4, seq: int = 16, layers: int = 2, hidden: int = 32, experts: int = 4, top_k: int = 2
+):
+    """The plain-torch mixture-of-experts LM of ``autopar/models/moe.py`` (no Hugging Face)."""
+    from autopar.models.moe import PlainMoE
+
+    torch.manual_seed(0)
+    vocab = 64
+    ids = _tokens(batch, seq, vocab)
+    model = PlainMoE(
+        vocab=vocab, hidden=hidden, layers=layers, experts=experts, top_k=top_k, max_seq=max(seq, 64)
+    )
+    return model, {"input_ids": ids, "labels": ids}

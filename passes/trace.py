@@ -30,6 +30,7 @@ import torch.utils._pytree as pytree
 
 from autopar.errors import TraceError
 from autopar.passes.causal_mask import rewrite_causal_masks
+from autopar.passes.experts import fold_experts
 from autopar.passes.merged_rows import unmerge_row_reshapes
 from autopar.passes.trace_errors import no_partial_graphs, untraceable
 
@@ -115,14 +116,19 @@ def normalize_inputs(example_inputs) -> tuple[tuple, dict]:
 
 
 def trace(
-    model: torch.nn.Module, example_inputs, stack_traces: bool = False, causal_masks: bool = True
+    model: torch.nn.Module,
+    example_inputs,
+    stack_traces: bool = False,
+    causal_masks: bool = True,
+    experts: bool = True,
 ) -> TracedGraph:
     """Capture ``model(*args, **kwargs)`` as a TracedGraph; raise TraceError naming what failed.
 
     ``stack_traces``: keep each node's source line in ``node.meta["stack_trace"]`` (for dumps);
     collecting them costs about a quarter of the tracing time. ``causal_masks``: rewrite attention
     masks proven causal into ``is_causal=True`` (``passes/causal_mask.py``); False keeps the graph
-    as captured (to compare the two)."""
+    as captured (to compare the two). ``experts``: make each mixture-of-experts layer one
+    ``autopar::moe_experts`` op (``passes/experts.py``); False keeps its aten region."""
     args, kwargs = normalize_inputs(example_inputs)
     if any(t.is_meta for t in itertools.chain(model.parameters(), model.buffers())):
         # a model built on the meta device is traced on meta inputs: torch < 2.13's fake tensors
@@ -141,6 +147,8 @@ def trace(
             torch.fx.config.do_not_emit_stack_traces = previous
     if causal_masks:
         rewrite_causal_masks(tg.graph_module, recompile=False)
+    if experts:
+        fold_experts(tg.graph_module)
     unmerge_row_reshapes(tg.graph_module, recompile=False)
     # the passes above and the tracers' clean-ups edit the graph alone: its code is generated once
     # here (a recompile of a 32-layer Llama's graph costs a tenth of a second)

@@ -246,6 +246,7 @@ ALIASING_OPS = VIEW_OPS | {
     aten.split.Tensor,
     aten.split_with_sizes.default,
     aten.chunk.default,
+    aten.unbind.int,
     aten.detach.default,
 }
 
@@ -255,4 +256,4 @@ def has_rule(target) -> bool:
 
 
 # the families register their rules on import
-from autopar.passes.rules import elementwise, fused, matmul, nn, shape  # noqa: E402, F401
+from autopar.passes.rules import elementwise, experts, fused, matmul, nn, shape  # noqa: E402, F401

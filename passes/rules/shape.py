@@ -111,14 +111,15 @@ def expand_rule(ctx: OpCtx) -> list[AxisOption]:
 
 
 @register(
-    aten.slice.Tensor, aten.select.int, aten.split.Tensor, aten.split_with_sizes.default, aten.chunk.default
-)
+    aten.slice.Tensor, aten.select.int, aten.split.Tensor, aten.split_with_sizes.default, aten.chunk.default,
+    aten.unbind.int,
+)  # fmt: skip
 def slice_rule(ctx: OpCtx) -> list[AxisOption]:
     src = ctx.in_shapes[0]
     nd = len(src)
     splits = (aten.split.Tensor, aten.split_with_sizes.default, aten.chunk.default)
     dim = norm_dim(ctx.arg(2 if ctx.node.target in splits else 1, "dim", 0), nd)
-    removes = ctx.node.target is aten.select.int
+    removes = ctx.node.target in (aten.select.int, aten.unbind.int)
     opts = []
     for d in range(nd):
         if d == dim or src[d] <= 1:
