@@ -41,6 +41,14 @@ class AxisRole(enum.Enum):
     DATA = "data"
     TENSOR = "tensor"
     SEQUENCE = "sequence"
+    # DATA, and every mixture-of-experts op's experts split over the axis, its tokens sent to them
+    # by all-to-all (expert parallelism); the other parameters whole, ZeRO over the DATA axes alone
+    EXPERT = "expert"
+
+    @property
+    def splits_batch(self) -> bool:
+        """Does the axis split the batch (its inputs on their rows)?"""
+        return self in (AxisRole.DATA, AxisRole.EXPERT)
 
 
 class Optimizer(enum.Enum):

@@ -180,7 +180,17 @@ class OwnRows(enum.Enum):
     LOCAL = "own_rows"
 
 
-Via = SeqAttention | OwnRows
+class ExpertDispatch(enum.Enum):
+    """How a mixture-of-experts op (``autopar::moe_experts``) runs where its experts are split over
+    a mesh axis and its tokens too (expert parallelism): ``ALL_TO_ALL`` sends each (token, expert)
+    pair to the rank that holds its expert and the results back, as Megatron-Core's and
+    torchtitan's dropless all-to-all dispatchers do (``codegen/experts.py``). Placements alone do
+    not say it: the op on local pieces would look up experts this rank does not hold."""
+
+    ALL_TO_ALL = "expert_all_to_all"
+
+
+Via = SeqAttention | OwnRows | ExpertDispatch
 
 
 def via_to_str(via: Sequence[Via | None]) -> str:
@@ -189,7 +199,10 @@ def via_to_str(via: Sequence[Via | None]) -> str:
 
 
 def _via(t: str) -> Via:
-    return OwnRows(t) if t == OwnRows.LOCAL.value else SeqAttention(t)
+    for kind in (OwnRows, ExpertDispatch):
+        if t in {v.value for v in kind}:
+            return kind(t)
+    return SeqAttention(t)
 
 
 def via_from_str(s: str) -> tuple[Via | None, ...]:

@@ -12,6 +12,8 @@ parameters, buffers and inputs):
 * an op is *batch split* where its output is sharded on dim 0, or it runs on its own rows;
 * a norm (an op whose name says ``norm``) is *sequence parallel* where its output, of three or
   more dims, is sharded on dim 1, on an axis with tensor-parallel matmuls;
+* a mixture-of-experts op (``autopar.moe_experts``) is *expert parallel* where its experts are
+  split on ``a``: by all-to-all where its tokens are split too, else each rank's summand;
 * parameters are *sharded* where their stored placement is ``Shard`` on ``a`` (on an axis
   with no tensor-parallel matmul they are gathered whole for the matmuls that read them).
 
@@ -31,7 +33,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from autopar.placement import OwnRows, is_partial, is_shard, via_from_str
+from autopar.placement import ExpertDispatch, OwnRows, is_partial, is_shard, via_from_str
 
 # ``autopar.plan.Plan`` and ``NodeDecision``, by name only: ``Plan.summary`` calls this module
 Plan = NodeDecision = Any
@@ -47,6 +49,7 @@ MATMULS = {
 }
 _BATCHED = {"aten.bmm.default", "aten.baddbmm.default", "aten.matmul.default"}
 _STATE = {"param", "buffer", "input"}
+MOE = "autopar.moe_experts.default"
 
 
 def _dim(p, rank: int) -> int:
@@ -156,14 +159,36 @@ def axis_line(plan: Plan, a: int) -> str:
         parts.append(f"batch split on {len(batch)} of {len(ops)} ops")
     if seq_norms:
         parts.append(f"sequence parallel norms ({len(seq_norms)} of {len(norms)})")
+    moe = [d for d in ops if d.op == MOE]
+    ep = [d for d in moe if _expert_split(d, a)]
+    if ep:
+        how = (
+            "by all-to-all"
+            if ExpertDispatch.ALL_TO_ALL in _via_on(ep[0], a)
+            else "tokens whole, outputs summed"
+        )
+        what = "expert parallel" + (" and data parallel" if data else "") if what == "data parallel" else what
+        parts.append(f"experts of {len(ep)} of {len(moe)} MoE layers split ({how})")
     if sharded:
-        gathered = ", gathered whole for the matmuls" if mms and not tp else ""
+        expert_w = sum(1 for d in ep for s in d.input_specs[3:] if is_shard(s[a]))
+        rest = len(sharded) - expert_w
+        gathered = ", gathered whole for the matmuls" if mms and not tp and rest > 0 else ""
         parts.append(f"{len(sharded)} of {len(params)} parameters sharded{gathered}")
     elif params:
         parts.append("parameters whole")
     if (data or seq) and len(sharded) < len(params):
         parts.append("gradients reduce-scattered" if zero >= 2 else "gradients all-reduced")
     return f"{head}: {what}: {', '.join(parts)}{zero_text}"
+
+
+def _expert_split(d: NodeDecision, a: int) -> bool:
+    """Are the experts of MoE decision ``d`` split on axis ``a``?"""
+    return len(d.input_specs) > 3 and is_shard(d.input_specs[3][a])
+
+
+def _via_on(d: NodeDecision, a: int) -> tuple:
+    via = via_from_str(d.via)
+    return (via[a],) if a < len(via) else ()
 
 
 def axis_lines(plan: Plan) -> list[str]:

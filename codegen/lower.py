@@ -43,11 +43,13 @@ from torch.distributed.tensor import Shard
 
 from autopar.codegen import collectives as C
 from autopar.codegen import context_parallel as CP
+from autopar.codegen import experts as EX
 from autopar.codegen import local_ops as L
 from autopar.kernels import ops as kernel_ops
 from autopar.lowerings import lowering_of
 from autopar.lowerings.attention import ALL_TO_ALL, RING, SDPA_ARGS, is_causal, query_rows_axis
 from autopar.lowerings.batch_norm import BATCH_NORM
+from autopar.lowerings.experts import EXPERT_ALL_TO_ALL, experts_axis
 from autopar.lowerings.local import EMBEDDING, INDEX, MEAN, MSE, mean_dims
 from autopar.lowerings.loss import CROSS_ENTROPY_MEAN, LINEAR_CROSS_ENTROPY, fused_axes
 from autopar.passes.collective_matmul import LINEAR, gather_step, scatter_step, sole_use
@@ -315,6 +317,19 @@ def _lower_ulysses(g, node, full: dict, a: int):
     rest = {x: full[x] for x in SDPA_ARGS[3:] if x in full}
     out = g.call_function(aten.scaled_dot_product_attention.default, (q, k, v), rest)
     return g.call_function(C.all_to_all, (out, 2, 1, a))
+
+
+@lowering(torch.ops.autopar.moe_experts.default)
+def _lower_moe_experts(g, node, args, kwargs, s, mesh_shape):
+    """A mixture-of-experts layer with its experts split over an axis
+    (``autopar/lowerings/experts.py``): its pairs sent to their experts' ranks and back by
+    all-to-all, or, tokens whole, this rank's experts alone (a summand)."""
+    how = lowering_of(node, s, mesh_shape)
+    if how is None:
+        return g.call_function(node.target, args, kwargs)
+    full = list(args) + [kwargs[k] for k in ("first_expert",) if k in kwargs]
+    call = EX.expert_parallel if how is EXPERT_ALL_TO_ALL else EX.local_experts
+    return g.call_function(call, (*full[:10], experts_axis(s, mesh_shape)))
 
 
 @lowering(aten.cross_entropy_loss.default)

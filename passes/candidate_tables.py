@@ -127,7 +127,7 @@ def region_stage(pb: Problem, run: MeshRun) -> tuple[dict[str, NodeStrategies], 
     found and checked once per number of ranks on the data axis, kept in ``pb.regions``), or why
     there is none."""
     tg, options, regions = pb.tg, pb.options, pb.regions
-    data_axes = [a for a, r in enumerate(run.roles or ()) if r is AxisRole.DATA]
+    data_axes = [a for a, r in enumerate(run.roles or ()) if r.splits_batch]
     parts = region_parts(run.mesh, data_axes)
     if parts not in regions:
         t0 = time.perf_counter()

@@ -336,7 +336,7 @@ def build_costs(
             key = (classes.rep[src], rep, i, info.out_bytes, info.requires_grad, orig, owner)
             groups.setdefault(key, [inp, 0, node])[1] += 1
     grad_total = trainable_bytes(tg, infos)
-    data_axes = tuple(a for a, r in enumerate(axis_roles or ()) if r is AxisRole.DATA and mesh_shape[a] > 1)
+    data_axes = tuple(a for a, r in enumerate(axis_roles or ()) if r.splits_batch and mesh_shape[a] > 1)
     tables.bucket_fixed = {a: bucket_fixed_s(comm, a) for a in data_axes}
     matmul_s = tables.matmul_s if overlap_matmuls else None
     memo: dict = {}

@@ -20,7 +20,7 @@ import math
 import torch
 from torch.utils import _pytree as pytree
 
-from autopar.options import AxisRole, SearchOptions
+from autopar.options import SearchOptions
 from autopar.passes.dumps import size_text
 from autopar.passes.search_problem import Found, Problem
 from autopar.placement import Outputs
@@ -98,7 +98,7 @@ def forbidden_trades(options: SearchOptions, batch: int | None) -> list[str]:
     if options.zero_stage is not None and options.zero_stage < ZeroStage.PARAMETERS:
         out.append("zero_stage=3 (or None: auto)")
     roles = options.axis_roles
-    if roles is not None and AxisRole.DATA not in roles and (batch or 0) > 1:
+    if roles is not None and not any(r.splits_batch for r in roles) and (batch or 0) > 1:
         out.append("axis_roles with AxisRole.DATA (ZeRO shards over data-parallel axes)")
     if options.recompute is not None and options.recompute is not Recompute.FULL:
         out.append("recompute=Recompute.FULL (or None)")

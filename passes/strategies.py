@@ -48,6 +48,7 @@ from autopar.passes.rules import (
     written_inputs,
 )
 from autopar.passes.rules.dtensor import options as dtensor_options
+from autopar.passes.rules.experts import MOE, expert_weights, experts_strategies
 from autopar.passes.trace import Role, TracedGraph
 from autopar.placement import SeqAttention, Spec, Via, is_partial, is_replicate, is_shard
 
@@ -218,6 +219,7 @@ def build_strategies(
         raise ValueError(f"axis_roles {axis_roles} must have one entry per mesh axis {tuple(mesh_shape)}")
     result: dict[str, NodeStrategies] = {}
     mutated = mutated_views(tg)
+    experts = expert_weights(tg) if {AxisRole.EXPERT, AxisRole.TENSOR} & set(axis_roles) else frozenset()
     for node in tg.graph.nodes:
         checkpoint()  # on a search's worker thread: only while the search waits (passes/background.py)
         if only is not None and node.name not in only:
@@ -236,7 +238,7 @@ def build_strategies(
             pinned = _region_pins(regions[node.name], mesh_shape, axis_roles)
         if node.op == "placeholder":
             strategies = expand(placeholder_options(info.shape), 0, info.shapes, [], mesh_shape, pinned)
-            strategies = [s for s in strategies if _placeholder_allowed(s.out, info, axis_roles)]
+            strategies = [s for s in strategies if _placeholder_allowed(s.out, info, axis_roles, experts)]
             if not strategies:
                 raise NoPlanFitsError(
                     f"{info.role.value} {info.target} of shape {info.shape} has no placement allowed by axis roles "
@@ -265,6 +267,8 @@ def build_strategies(
                 strategies = _attention_strategies(
                     strategies, in_shapes, mesh_shape, axis_roles, seq_attention
                 )
+            elif node.target is MOE:
+                strategies = experts_strategies(strategies, mesh_shape, axis_roles)
             result[node.name] = NodeStrategies(node, strategies, ins, rule is not None or bool(options))
     return result
 
@@ -276,7 +280,7 @@ def _region_pins(option: AxisOption, mesh_shape: Sequence[int], axis_roles: Sequ
     """A data-parallel region's node: its option on the data axis, Replicate on every other."""
     whole = AxisOption(R, (R,) * len(option.ins))
     return {
-        a: option if role is AxisRole.DATA and n > 1 else whole
+        a: option if role.splits_batch and n > 1 else whole
         for a, (n, role) in enumerate(zip(mesh_shape, axis_roles))
     }
 
@@ -354,20 +358,32 @@ def written_in_place(graph: fx.Graph) -> dict[str, tuple[fx.Node, fx.Node]]:
     return out
 
 
-def _placeholder_allowed(spec: Spec, info: NodeInfo, axis_roles: Sequence[AxisRole]) -> bool:
+def _placeholder_allowed(
+    spec: Spec, info: NodeInfo, axis_roles: Sequence[AxisRole], experts: frozenset[str] = frozenset()
+) -> bool:
+    """May a placeholder take ``spec`` under ``axis_roles``? ``experts``: the names of the experts'
+    weights (split over an ``EXPERT`` axis, every other parameter whole there)."""
     for p, role in zip(spec, axis_roles):
         if info.role is Role.INPUT:
-            if role is AxisRole.DATA and not (is_shard(p) and p.dim == 0):
+            if role.splits_batch and not (is_shard(p) and p.dim == 0):
                 return False
             if role is AxisRole.TENSOR and not is_replicate(p):
                 return False
             if role is AxisRole.SEQUENCE and p != (Shard(1) if len(info.shape) >= 2 else R):
                 return False
         elif info.role is Role.PARAM:
-            if role in (AxisRole.DATA, AxisRole.SEQUENCE) and not is_replicate(p):
+            if role is AxisRole.EXPERT and info.name in experts:
+                if p != Shard(0):
+                    return False
+            elif role in (AxisRole.DATA, AxisRole.SEQUENCE, AxisRole.EXPERT) and not is_replicate(p):
                 return False
-            if role is AxisRole.TENSOR and len(info.shape) >= 2 and is_replicate(p):
-                return False
+            if (
+                role is AxisRole.TENSOR
+                and len(info.shape) >= 2
+                and is_replicate(p)
+                and info.name not in experts
+            ):
+                return False  # experts may stay whole on a tensor axis: no expert tensor parallelism yet
         if is_partial(p):
             return False
     return True

@@ -13,6 +13,8 @@ The recorded bytes follow the comm model's convention (``autopar/reshard.py``): 
 gathered output, an all-reduce and an all-to-all at the tensor they send, a reduce-scatter at its
 whole input (on gloo and the fake backend the code reduce-scatters as an all-reduce and a slice:
 recorded as the reduce-scatter it stands for), a ring hop (a send and a receive) at the bytes sent.
+An all-to-all receives what it sends (every rank stands for every other: the expert dispatch's
+counts, exchanged first, size what arrives).
 
 ``test_a_wrong_description_fails`` mutates each family's description (a call dropped, an axis or a
 byte count changed) and checks that the comparison catches it.
@@ -115,7 +117,26 @@ def _mse(m, k, pick):
     return aten.mse_loss.default, (_randn(m * k, m), _randn(m * k, m)), {}
 
 
+def _moe(m, k, pick):
+    """A mixture-of-experts layer: ``2 m k`` tokens, ``2 m`` experts (any axis splits them), top 2;
+    gate and up packed or separate, weights stored transposed or not."""
+    from autopar.kernels import moe  # noqa: F401  (registers autopar::moe_experts)
+
+    t, h, f, e = m * k * 2, 4, 4, m * 2
+    separate, transposed = bool(pick & 1), bool(pick & 2)
+    ids = torch.stack([torch.randperm(e)[:2] for _ in range(t)])
+    w_in = _randn(e, f, h) if transposed else _randn(e, h, f)
+    if not separate:
+        w_in = torch.cat([w_in, w_in], dim=1 if transposed else 2)
+    w_up = (_randn(e, f, h) if transposed else _randn(e, h, f)) if separate else None
+    w_out = _randn(e, h, f) if transposed else _randn(e, f, h)
+    args = (_randn(t, h), torch.rand(t, 2), ids, w_in, w_up, w_out, "silu", True, transposed, e)
+    return torch.ops.autopar.moe_experts.default, args, {}
+
+
 EXAMPLES = {
+    "expert_all_to_all": _moe,
+    "local_experts": _moe,
     "cross_entropy_mean": _cross_entropy,
     "linear_cross_entropy": _linear_cross_entropy,
     "batch_norm_statistics": _batch_norm,
@@ -193,7 +214,12 @@ class _Recorder(TorchDispatchMode):
             else:
                 nbytes = _nbytes(args[0] if kind is not Collective.ALL_TO_ALL else args[1])
             self.calls.append((kind, self.axis(args), nbytes, self.phase))
-        return func(*args, **(kwargs or {}))
+        out = func(*args, **(kwargs or {}))
+        if name == "alltoall_base_" and args[0].numel() == args[1].numel():
+            # a symmetric world: every rank sends what this one sends (the fake backend moves
+            # nothing), so counts exchanged first say what arrives (expert dispatch)
+            args[0].copy_(args[1])
+        return out
 
 
 @contextlib.contextmanager

@@ -1,0 +1,66 @@
+"""The mixture-of-experts op (``autopar::moe_experts``) with its experts split over a mesh axis.
+
+``expert_all_to_all`` (``ExpertDispatch.ALL_TO_ALL``, ``codegen/experts.py:expert_parallel``):
+tokens and experts split on axis ``a`` of ``n`` ranks. Forward: the counts of (token, expert)
+pairs per expert go to every rank first (``E`` int64 per rank), then the pairs' rows
+(``T / n * k`` rows of ``H`` in the experts' weights' dtype per rank, balanced) to their experts' ranks, and
+the experts' results back the same way. Backward: the results' gradients to the experts' ranks and
+the rows' gradients back. None hides behind compute: each waits for the one before it.
+
+``local_experts`` (experts split, tokens whole; ``codegen/experts.py:local_experts``): each rank
+runs the pairs of the experts it holds; its output is a summand, reduced by the reshard that reads
+it. No collective inside.
+
+Routing is assumed balanced (``SKEW`` = 1: every rank's experts get ``T k / n`` pairs); a skewed
+router sends and computes more on its busiest rank.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+
+from autopar.kernels import moe  # noqa: F401  (registers autopar::moe_experts)
+from autopar.lowerings import Collective, Lowering, LoweringCall, LoweringPlan, Phase, register
+from autopar.placement import ExpertDispatch, is_replicate, is_shard, volume_factor
+
+# the busiest rank's share of the pairs over a balanced share
+SKEW = 1.0
+
+
+def experts_axis(s, mesh_shape) -> int | None:
+    """The axis of more than one rank that splits the experts under ``s`` (at most one does)."""
+    return next((a for a, p in enumerate(s.ins[3]) if is_shard(p) and mesh_shape[a] > 1), None)
+
+
+def _all_to_all(node: fx.Node, s, mesh_shape: tuple[int, ...]) -> LoweringPlan | None:
+    a = experts_axis(s, mesh_shape)
+    if a is None or s.via_axis(ExpertDispatch.ALL_TO_ALL) != a:
+        return None
+    x, ids, w_in = (node.args[i].meta["val"] for i in (0, 2, 3))
+    k, experts = ids.shape[1], w_in.shape[0]
+    rows = x.shape[0] / volume_factor(s.ins[0], mesh_shape) * k
+    pairs = rows * x.shape[1] * w_in.element_size() * SKEW  # the rows travel in the matmuls' dtype
+    counts = experts * 8  # int64 per expert
+    send = Collective.ALL_TO_ALL
+    return LoweringPlan(
+        (
+            LoweringCall(send, a, counts, Phase.FORWARD),
+            LoweringCall(send, a, pairs, Phase.FORWARD),
+            LoweringCall(send, a, pairs, Phase.FORWARD),
+            LoweringCall(send, a, pairs, Phase.BACKWARD),
+            LoweringCall(send, a, pairs, Phase.BACKWARD),
+        )
+    )
+
+
+def _local(node: fx.Node, s, mesh_shape: tuple[int, ...]) -> LoweringPlan | None:
+    a = experts_axis(s, mesh_shape)
+    if a is None or s.via_axis(ExpertDispatch.ALL_TO_ALL) is not None or not is_replicate(s.ins[0][a]):
+        return None
+    return LoweringPlan()
+
+
+MOE = torch.ops.autopar.moe_experts.default
+EXPERT_ALL_TO_ALL = register(Lowering("expert_all_to_all", (MOE,), _all_to_all))
+LOCAL_EXPERTS = register(Lowering("local_experts", (MOE,), _local))

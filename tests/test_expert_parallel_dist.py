@@ -1,0 +1,141 @@
+"""Expert parallelism trains as one device does (gloo, world 2 and 4).
+
+Every mixture-of-experts family (Mixtral, Qwen2-MoE with its shared expert, Qwen3-MoE, DeepSeek-V3
+with MLA attention and grouped routing, and the plain-torch model of ``autopar/models/moe.py``) is
+planned with an ``AxisRole.EXPERT`` axis: each MoE layer's experts split over it and its tokens
+sent to them by all-to-all (``codegen/experts.py``). Layouts: expert parallel alone (2 and 4
+ranks), expert x tensor parallel on 2 x 2, and expert parallel inside two pipeline stages. Each
+rank's losses of 2 Adam steps and the full state after them equal the single-device model's.
+"""
+
+from __future__ import annotations
+
+import traceback
+
+import pytest
+import torch
+from harness import T, adam_reference, assert_adam_state_close, collective_axes, parallel_axes
+
+import autopar
+from autopar.examples import MOE_FAMILIES, moe_plain_tiny, moe_tiny
+from autopar.launch import run_on_ranks
+from autopar.placement import ExpertDispatch, is_shard, spec_from_str, via_from_str
+
+pytestmark = pytest.mark.slow
+
+E = autopar.AxisRole.EXPERT
+LR, EPS, STEPS = 1e-2, 1e-5, 2
+MOE = "autopar.moe_experts.default"
+
+
+def build(name):
+    if name == "plain":
+        return moe_plain_tiny(batch=4, seq=8)
+    return moe_tiny(name, batch=4, seq=8)
+
+
+# (model, mesh, roles, pipeline stages)
+CASES = {
+    2: [(name, (2,), (E,), 1) for name in (*MOE_FAMILIES, "plain")],
+    4: [
+        ("qwen3_moe", (4,), (E,), 1),
+        ("plain", (4,), (E,), 1),
+        ("mixtral", (2, 2), (E, T), 1),
+        ("plain", (2, 2), (T, E), 1),
+        ("qwen2_moe", (2,), (E,), 2),
+    ],
+}
+
+def _rank(rank, world, jobs):
+    """Each job's losses of ``STEPS`` Adam steps, its full state after them, rank 0's code and the
+    mesh axes its collectives ran on (or the traceback); pipelined plans train by ``step``."""
+    cluster = autopar.ClusterSpec.preset("cpu", devices_per_node=world)
+    results = {}
+    for key, path in jobs:
+        try:
+            model, inputs = build(key[0])
+            pmodel = autopar.autoparallelize(model, cluster, inputs, plan=path)
+            opt = pmodel.optimizer(torch.optim.Adam, lr=LR, eps=EPS)
+            losses = []
+            for _ in range(STEPS):
+                if key[3] > 1:
+                    losses.append(float(pmodel.step(**inputs)))
+                else:
+                    loss = pmodel(**inputs).loss
+                    loss.backward()
+                    losses.append(loss.item())
+                opt.step()
+                opt.zero_grad()
+            code = pmodel.code if rank == 0 else ""
+            axes = collective_axes(pmodel) if key[3] == 1 else None  # a stage's: read from its code
+            results[key] = (losses, pmodel.full_state_dict(), code, axes)
+        except Exception:  # noqa: BLE001 - reported by that configuration's test
+            results[key] = traceback.format_exc()
+    return results
+
+
+_RUNS: dict[int, tuple[dict, list]] = {}
+_REFS: dict[str, tuple] = {}
+
+
+def _key(name, mesh, roles, stages):
+    return (name, mesh, tuple(r.value for r in roles), stages)
+
+
+def _world(world: int, tmp_path_factory):
+    if world not in _RUNS:
+        plans, jobs = {}, []
+        tmp = tmp_path_factory.mktemp(f"experts{world}")
+        cluster = autopar.ClusterSpec.preset("cpu", devices_per_node=world)
+        for case in CASES[world]:
+            name, mesh, roles, stages = case
+            key = _key(*case)
+            try:
+                model, inputs = build(name)
+                more = {"pipeline_stages": stages, "micro_batches": 2} if stages > 1 else {}
+                plan = autopar.plan(model, cluster, inputs, mesh_shape=mesh, axis_roles=roles, **more)
+            except Exception:  # noqa: BLE001 - reported by that configuration's test
+                plans[key] = traceback.format_exc()
+                continue
+            path = tmp / f"{name}_{'x'.join(map(str, mesh))}_{stages}.json"
+            plan.save(path)
+            plans[key] = plan
+            jobs.append((key, str(path)))
+        _RUNS[world] = (plans, run_on_ranks(_rank, world, jobs, timeout_s=900))
+    return _RUNS[world]
+
+
+def _reference(name):
+    if name not in _REFS:
+        model, inputs = build(name)
+        _REFS[name] = adam_reference(model, inputs, STEPS, LR, EPS)
+    return _REFS[name]
+
+
+@pytest.mark.parametrize("world,case", [(w, c) for w, cases in CASES.items() for c in cases], ids=str)
+def test_expert_parallel_trains_as_one_device(world, case, tmp_path_factory):
+    name, mesh, roles, stages = case
+    plans, per_rank = _world(world, tmp_path_factory)
+    plan = plans[_key(*case)]
+    assert not isinstance(plan, str), f"planning failed:\n{plan}"
+    a = roles.index(E)
+    moe = [d for d in plan.decisions if d.op == MOE]
+    assert moe, "the MoE layers were not folded into one op"
+    for d in moe:  # experts split on the expert axis, their tokens sent by all-to-all
+        assert is_shard(spec_from_str(d.inputs[3])[a]), d
+        assert via_from_str(d.via)[a] is ExpertDispatch.ALL_TO_ALL, d
+    assert plan.pipeline.stages == stages
+    ref_losses, ref_state = _reference(name)
+    for rank, results in enumerate(per_rank):
+        res = results[_key(*case)]
+        assert not isinstance(res, str), f"rank {rank} failed:\n{res}"
+        losses, state, code, axes = res
+        assert axes is None or axes >= parallel_axes(mesh)
+        if rank == 0:
+            assert "expert_parallel" in code
+        torch.testing.assert_close(
+            torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-4, atol=1e-5, msg=f"rank {rank} losses"
+        )
+        assert set(state) == set(ref_state)
+        for k in ref_state:
+            assert_adam_state_close(state[k], ref_state[k], LR, STEPS, f"rank {rank} {k}")
