@@ -23,7 +23,7 @@ from harness import adam_reference, assert_adam_state_close
 
 import autopar
 from autopar import AxisRole, Offload, Recompute, ZeroStage
-from autopar.examples import llama_tiny
+from autopar.examples import llama, llama_tiny
 from autopar.hardware import LinkSpec
 from autopar.launch import run_on_ranks
 from autopar.passes.dumps import size_text
@@ -161,3 +161,23 @@ def test_forced_offload_with_too_little_host_memory_names_it():
     msg = str(err.value)
     assert "to host memory" in msg and "host_memory_bytes" in msg, msg
     assert size_text(need) in msg, msg
+
+
+def test_parameter_offload_adds_to_zero3_what_it_added_on_an_h200():
+    """What parameter offload adds to ZeRO-3's step on one H200, against what it added there
+    (``benchmarks/bench_gpu_trades.py --size medium``, a bf16 Llama of 24 x 1024, 2026-11-26:
+    ZeRO-3 226.8 ms, ZeRO-3 with every parameter, gradient and Adam's state in pinned host memory
+    325.0 ms, +98.2 ms: the host's Adam and the shards' copies up and down over PCIe)."""
+    with torch.device("meta"):
+        model, inputs = llama(
+            layers=24, hidden=1024, ffn=2688, heads=16, kv_heads=4, vocab=50304, batch=8, seq=1024
+        )
+    h200 = autopar.ClusterSpec.preset("h200", devices_per_node=1)
+    step = {
+        o: autopar.plan(
+            model, h200, inputs, recompute=Recompute.NONE, micro_batches=1, zero_stage=3, offload=o
+        ).predicted.step_time_s
+        for o in (Offload.NONE, Offload.PARAMETERS)
+    }
+    added = step[Offload.PARAMETERS] - step[Offload.NONE]
+    assert 98.2e-3 * 0.7 <= added <= 98.2e-3 * 1.3, added
