@@ -79,6 +79,7 @@ def _rank(rank: int, world: int, plan_path: str):
     return losses, pmodel.full_state_dict(), offloaded, ahead, states
 
 
+@pytest.mark.slow
 def test_short_of_memory_the_search_offloads_the_parameters_and_trains_as_one_device(tmp_path):
     free, plan, limit = _squeezed()
     assert free.trades.offload is Offload.NONE
