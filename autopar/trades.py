@@ -61,7 +61,7 @@ class Precision(enum.Enum):
 
 class Offload(enum.Enum):
     NONE = "none"
-    OPTIMIZER = "optimizer"  # masters, gradients, optimizer state on the host; ZeRO-2's gathered on the device
+    OPTIMIZER = "optimizer"  # masters, gradients, state on the host; the gathered on the device
     PARAMETERS = "parameters"  # the same, and the device holds only the blocks in flight (ZeRO-3)
 
     @property
