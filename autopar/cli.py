@@ -126,9 +126,10 @@ def _build_parser() -> argparse.ArgumentParser:
     )
     pl.add_argument(
         "--offload",
-        choices=["auto", "none", "optimizer"],
+        choices=["auto", "none", "optimizer", "parameters"],
         default="auto",
-        help="keep the optimizer state in host memory (default: auto)",
+        help="keep the optimizer state (optimizer: with ZeRO-2) or also the parameters, streamed per block "
+        "(parameters: with ZeRO-3), in host memory (default: auto)",
     )
     pl.add_argument(
         "--precision",

@@ -27,6 +27,7 @@ from autopar.trades import (
     ZeroStage,
     coerce,
     coerce_schedule,
+    offload_stage_text,
 )
 
 
@@ -78,7 +79,7 @@ class SearchOptions:
       ``passes/trades.py``) or forced: ``recompute`` (``Recompute``), ``micro_batches`` (int),
       ``precision`` (``Precision``; auto: the parameters' dtype for fp32 models, bf16 mixed
       precision for half-precision ones), ``zero_stage`` (0-3 or ``ZeroStage``), ``offload``
-      (``Offload``).
+      (``Offload``: ``OPTIMIZER`` runs with ZeRO-2 only, ``PARAMETERS`` with ZeRO-3 only).
     * pipeline stages (``autopar/trades.py:Pipeline``, ``passes/pipeline.py``), each None (auto) or
       forced: ``pipeline_stages`` (1: no pipeline; ``mesh_shape`` is then one stage's mesh, of
       ``world / pipeline_stages`` devices), ``schedule`` (``Schedule``), ``virtual_stages``
@@ -144,14 +145,12 @@ class SearchOptions:
             if (v := getattr(self, name)) is not None:
                 object.__setattr__(self, name, coerce(name, v, SearchOptionsError))
         if (
-            self.offload is Offload.OPTIMIZER
+            self.offload is not None
+            and self.offload.stage is not None
             and self.zero_stage is not None
-            and self.zero_stage < ZeroStage.GRADIENTS
+            and self.zero_stage != self.offload.stage
         ):
-            raise SearchOptionsError(
-                f"offload=optimizer needs zero_stage >= 2 (FSDP2 offloads its sharded state), got zero_stage="
-                f"{int(self.zero_stage)}; pass zero_stage=2 or 3, or leave it None (auto)"
-            )
+            raise SearchOptionsError(offload_stage_text(self.offload, self.zero_stage))
         if self.micro_batches is not None:
             try:
                 Trades(micro_batches=self.micro_batches)

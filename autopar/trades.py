@@ -13,8 +13,18 @@ A ``Trades`` value says, for the whole step:
 * ``zero_stage``: ZeRO over the plan's data-parallel axes (``data_axes``): 1 shards the optimizer
   state, 2 also the gradients (reduce-scattered), 3 also the parameters (gathered before use,
   freed after forward, gathered again in backward);
-* ``offload``: ``Offload.OPTIMIZER`` keeps the optimizer state (and its fp32 master parameters) in
-  host memory and runs the optimizer's step there.
+* ``offload``: what lives in host memory, both run by FSDP2's ``CPUOffloadPolicy``
+  (``codegen/zero.py``), which keeps the sharded parameters (the fp32 masters), their gradients
+  and so the optimizer state on the host and runs the optimizer's step there; the two differ in
+  what the device keeps during the step, which is the ZeRO stage's:
+  ``Offload.OPTIMIZER`` (ZeRO-2 only) keeps the gathered parameters (in the compute dtype) on the
+  device from forward through backward: ZeRO-Offload's split (Ren et al. 2021), the device holds
+  what it computes with, the host the masters, gradients and optimizer state;
+  ``Offload.PARAMETERS`` (ZeRO-3 only) keeps on the device only the blocks in flight: each
+  repeated block's parameters are copied from the host and gathered just before use, the next
+  block's prefetched, and freed after, in forward and again in backward (Colossal-AI's Gemini,
+  ZeRO-Infinity's parameter offload). Each offload needs its one stage, so no two
+  ``(zero_stage, offload)`` pairs run the same code.
 
 ``SearchOptions`` holds one field per trade (None: the search chooses, ``passes/trades.py``);
 the plan records the chosen ``Trades`` and what each costs and saves.
@@ -51,7 +61,18 @@ class Precision(enum.Enum):
 
 class Offload(enum.Enum):
     NONE = "none"
-    OPTIMIZER = "optimizer"  # optimizer state and master parameters in pinned host memory
+    OPTIMIZER = "optimizer"  # masters, gradients, state on the host; the gathered on the device
+    PARAMETERS = "parameters"  # the same, and the device holds only the blocks in flight (ZeRO-3)
+
+    @property
+    def stage(self) -> ZeroStage | None:
+        """The one ZeRO stage this offload runs with (None: any)."""
+        return _OFFLOAD_STAGE.get(self)
+
+    @property
+    def what(self) -> str:
+        """What it keeps in host memory, for summaries and reports."""
+        return _OFFLOAD_WHAT[self]
 
 
 class ZeroStage(enum.IntEnum):
@@ -61,6 +82,13 @@ class ZeroStage(enum.IntEnum):
     PARAMETERS = 3
 
 
+_OFFLOAD_STAGE = {Offload.OPTIMIZER: ZeroStage.GRADIENTS, Offload.PARAMETERS: ZeroStage.PARAMETERS}
+_OFFLOAD_WHAT = {
+    Offload.NONE: "nothing",
+    Offload.OPTIMIZER: "optimizer state and masters in host memory",
+    Offload.PARAMETERS: "parameters, gradients and optimizer state in host memory, streamed per block",
+}
+
 # the trades that are closed sets, by field name (``Trades`` and ``SearchOptions`` both hold them)
 ENUM_FIELDS: dict[str, type[enum.Enum]] = {
     "recompute": Recompute,
@@ -68,6 +96,17 @@ ENUM_FIELDS: dict[str, type[enum.Enum]] = {
     "zero_stage": ZeroStage,
     "offload": Offload,
 }
+
+
+def offload_stage_text(offload: Offload, zero_stage) -> str:
+    """Why ``offload`` does not run with ``zero_stage``, and what to pass instead."""
+    other = next(o for o, z in _OFFLOAD_STAGE.items() if o is not offload)
+    return (
+        f"offload={offload.value} needs zero_stage={int(offload.stage)} (FSDP2 offloads its sharded state; "
+        f"the stage decides what the device keeps: {offload.what}), got zero_stage={int(zero_stage)}; "
+        f"pass zero_stage={int(offload.stage)}, offload={other.value} with zero_stage={int(other.stage)}, "
+        "or leave either None (auto)"
+    )
 
 
 def coerce(name: str, value, error: type[Exception] = TradesError):
@@ -104,11 +143,8 @@ class Trades:
         ):
             raise TradesError(f"micro_batches must be a positive integer, got {self.micro_batches!r}")
         object.__setattr__(self, "data_axes", tuple(int(a) for a in self.data_axes))
-        if self.offload is not Offload.NONE and self.zero_stage < ZeroStage.GRADIENTS:
-            raise TradesError(
-                f"offload={self.offload.value} needs zero_stage >= 2: the offloaded state is FSDP2's "
-                "sharded parameters (codegen/zero.py); force zero_stage=2 or 3 with it, or leave either auto"
-            )
+        if self.offload.stage is not None and self.zero_stage != self.offload.stage:
+            raise TradesError(offload_stage_text(self.offload, self.zero_stage))
         if self.zero_stage and not self.data_axes:
             raise TradesError(
                 f"zero_stage {int(self.zero_stage)} needs a data-parallel mesh axis to shard over; "

@@ -11,7 +11,8 @@ One process, world 1 (NCCL on a GPU, gloo on the CPU), one bf16 Llama (``--size`
   nothing, it shows what the machinery costs);
 * ``offload``: ZeRO-2 with the fp32 masters, gradients and Adam state in (pinned) host memory,
   FSDP2's ``CPUOffloadPolicy``, the optimizer step on the host;
-* ``offload3``: the same with ZeRO-3.
+* ``offload3``: parameter offload (``Offload.PARAMETERS``): the same with ZeRO-3, the device
+  holding only the blocks in flight, each block's shards copied up one block ahead.
 
 For each: the median step time and the device's peak memory (``torch.cuda.max_memory_allocated``
 over the timed steps; on the CPU the live tensors' peak), next to the plan's prediction; the
@@ -53,7 +54,7 @@ TRADES = {
     "micro4": dict(recompute=Recompute.NONE, micro_batches=4, zero_stage=0, offload=Offload.NONE),
     "zero3": dict(recompute=Recompute.NONE, micro_batches=1, zero_stage=3, offload=Offload.NONE),
     "offload": dict(recompute=Recompute.NONE, micro_batches=1, zero_stage=2, offload=Offload.OPTIMIZER),
-    "offload3": dict(recompute=Recompute.NONE, micro_batches=1, zero_stage=3, offload=Offload.OPTIMIZER),
+    "offload3": dict(recompute=Recompute.NONE, micro_batches=1, zero_stage=3, offload=Offload.PARAMETERS),
 }
 
 

@@ -34,11 +34,20 @@ Which engine does what, and why
   the gathered parameters are half, the gradient reduce-scatter fp32.
 * **Offload: FSDP2's ``CPUOffloadPolicy``** (pinned host memory where CUDA is there): sharded
   parameters (the fp32 masters), their gradients and so the optimizer state live in host memory,
-  and the optimizer's step runs there. Offload needs FSDP2's sharded parameters, so it needs
-  ``zero_stage >= 2``: ``Trades`` refuses offload with ``zero_stage`` 0 or 1 (``TradesError``,
-  ``autopar/trades.py``), so no plan asks for it: a ZeRO-1 optimizer over host copies would be a
-  hand-written engine for the one case no library covers; ``zero_stage=2`` also shards the
-  gradients, at the same communication volume.
+  and the optimizer's step runs there. Each all-gather first copies the group's shards onto the
+  device (in the all-gather's stream, so a prefetched gather copies ahead too), each
+  reduce-scatter copies the gradient shards back. What the device keeps is the ZeRO stage's,
+  and each offload has its one stage (``Trades``): ``Offload.OPTIMIZER`` runs with ZeRO-2, the
+  gathered parameters stay on the device from forward through backward (ZeRO-Offload's split);
+  ``Offload.PARAMETERS`` runs with ZeRO-3, the device holds only the blocks in flight, and the
+  prefetch is explicit (``_prefetch_blocks``): each block's forward gathers the next block
+  (``set_modules_to_forward_prefetch``), each block's backward the one before it
+  (``set_modules_to_backward_prefetch``), one block ahead, in the blocks' order, which is the
+  order the generated graph calls them in (``codegen/blocks.py:split_blocks``). On CPU ranks the
+  host is the device: the copies are CPU-to-CPU copies and the same code path runs (FSDP2 accepts
+  the policy there; ``tests/test_offload_params.py`` trains under it on gloo). Offload needs
+  FSDP2's sharded parameters: a ZeRO-1 optimizer over host copies would be a hand-written engine
+  for the one case no library covers.
 
 Gradients: which engine reduces which
 -------------------------------------
@@ -271,7 +280,7 @@ def _fully_shard(applied: AppliedTrades, gm: fx.GraphModule, tg: TracedGraph, de
         if half is not None
         else MixedPrecisionPolicy(),
         offload_policy=CPUOffloadPolicy(pin_memory=torch.cuda.is_available())
-        if trades.offload is Offload.OPTIMIZER
+        if trades.offload is not Offload.NONE
         else OffloadPolicy(),
     )
     if SPMD_FSDP:
@@ -326,6 +335,24 @@ def _fully_shard(applied: AppliedTrades, gm: fx.GraphModule, tg: TracedGraph, de
         m.set_gradient_divide_factor(1.0)  # the graph's gradients are partial sums: reduce by SUM
         m.set_force_sum_reduction_for_comms(True)
         applied.fsdp_modules.append(m)
+    if trades.offload is Offload.PARAMETERS:
+        order = sorted((name for name, _ in gm.named_children() if _BLOCK.fullmatch(name)), key=_block_index)
+        _prefetch_blocks([gm.get_submodule(name) for name in order])
+
+
+def _block_index(name: str) -> int:
+    return int(name.rsplit("_", 1)[1])
+
+
+def _prefetch_blocks(blocks: list[torch.nn.Module]) -> None:
+    """One block ahead (module docstring): block ``i``'s forward prefetches block ``i + 1``'s
+    gather (and so its copy from the host), its backward block ``i - 1``'s. FSDP2 skips the
+    forward prefetch while a recomputation reruns a forward in backward."""
+    for i, m in enumerate(blocks):
+        if i + 1 < len(blocks):
+            m.set_modules_to_forward_prefetch([blocks[i + 1]])
+        if i > 0:
+            m.set_modules_to_backward_prefetch([blocks[i - 1]])
 
 
 def _whole_on(p: DTensor, axis: int) -> torch.nn.Parameter:

@@ -223,14 +223,15 @@ def bucket_copy_s(bucket: Bucket, cluster) -> float:
     return flatten_s(bucket.nbytes, cluster) if len(bucket.params) > 1 else 0.0
 
 
-def bucket_transients(buckets: Sequence[Bucket]) -> dict[float, float]:
+def bucket_transients(buckets: Sequence[Bucket], fsdp: Collection[str] = ()) -> dict[float, float]:
     """Graph position -> bytes that flattening a bucket allocates there, beyond its members'
     gradients (``torch.cat``, when backward completes the bucket; the gradients then become views
     of it and the old ones are freed, so only this moment holds both). A bucket of one is reduced
-    in place."""
+    in place; a bucket of parameters FSDP2 reduces (``fsdp``) only is never made (one that mixes
+    them with others counts whole: an upper bound)."""
     out: dict[float, float] = {}
     for b in buckets:
-        if len(b.params) > 1:
+        if len(b.params) > 1 and not set(b.params) <= set(fsdp):
             out[b.ready] = max(out.get(b.ready, 0.0), b.nbytes)
     return out
 
@@ -285,6 +286,10 @@ class GradSyncCost:
     shared_s: float = 0.0  # the reshards that uses share (``reshard_key``), priced per use by the tables
     copy_s: float = 0.0  # flattening the buckets (``bucket_copy_s``)
     buckets: tuple[Bucket, ...] = ()
+    # parameters FSDP2 reduces under ZeRO-2/3 (``codegen/zero.py:sharded_params``): the plan's
+    # buckets price their time (an upper bound), but at run time FSDP2 reduce-scatters them per
+    # group, so no bucket of theirs alone is flattened (``bucket_transients``)
+    fsdp: frozenset[str] = frozenset()
 
     @property
     def adjustment_s(self) -> float:

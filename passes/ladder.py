@@ -88,6 +88,7 @@ class Rung:
     about: Trades | None = None
     restart: tuple[Trades, ...] | None = None
     peak: float = 0.0  # a plan's predicted peak bytes per device (where one fits)
+    host_needed: float = math.inf  # host bytes per device of a plan refused for host memory (inf: none)
 
 
 class Pricer(Protocol):
@@ -113,6 +114,7 @@ class Climb:
     mem_needed: float = math.inf
     refused_at_full_peak: bool = False
     refused_peak: float = math.inf
+    host_needed: float = math.inf  # the least host bytes per device of a plan refused for host memory
     tried: list[Trades] = field(default_factory=list)
 
 
@@ -151,6 +153,7 @@ def climb(rungs: Iterable[Trades], pricer: Pricer, limit: float, best_objective:
         out.mem_needed = min(out.mem_needed, rung.mem_needed)
         out.refused_at_full_peak |= rung.refused_at_full_peak
         out.refused_peak = min(out.refused_peak, rung.refused_peak)
+        out.host_needed = min(out.host_needed, rung.host_needed)
         if rung.entry is not None:
             out.entries.append(rung.entry)
         about = rung.about if rung.about is not None else trades

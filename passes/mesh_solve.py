@@ -47,7 +47,7 @@ from autopar.passes.solver import (
 from autopar.passes.strategies import Strategy
 from autopar.passes.trace import TracedGraph
 from autopar.passes.trades import TradeTerms, micro_batch_ok, trade_terms
-from autopar.trades import Trades
+from autopar.trades import Trades, ZeroStage
 
 
 @dataclass(frozen=True)
@@ -117,6 +117,7 @@ class MeshOutcome:
     solved: Solved | None = None
     refused_at_full_peak: bool = False
     refused_peak: float = math.inf  # the full peak of the plan refused at it (inf: none was)
+    host_needed: float = math.inf  # host bytes per device of a plan refused for host memory (inf: none)
 
     @property
     def fitted(self) -> bool:
@@ -146,9 +147,9 @@ def solve_mesh(p: MeshProblem, best_objective: float = math.inf, st: Stages | No
             ctx.bounds[ctx.bound_key] = bound
     entry = Entry(run.mesh, Verdict.INFEASIBLE, run.roles, lower_bound=bound, trades=trades)
 
-    def ended(verdict: Verdict, refused: float = math.inf, **more) -> MeshOutcome:
+    def ended(verdict: Verdict, refused: float = math.inf, host: float = math.inf, **more) -> MeshOutcome:
         return MeshOutcome(
-            replace(entry, verdict=verdict, **more), mem_needed, None, refused < math.inf, refused
+            replace(entry, verdict=verdict, **more), mem_needed, None, refused < math.inf, refused, host
         )
 
     if mem_needed > limit:
@@ -203,7 +204,7 @@ def solve_mesh(p: MeshProblem, best_objective: float = math.inf, st: Stages | No
         st.say(
             f"solve: mesh {label}: offloaded state needs {size_text(terms.host_bytes)} of host memory per device"
         )
-        return ended(Verdict.INFEASIBLE)
+        return ended(Verdict.INFEASIBLE, host=terms.host_bytes)
     t_step = sol.objective + gs.adjustment_s + terms.total_s
     st.say(
         f"solve: mesh {label}: {sol.status}, predicted step {t_step * 1e3:.3f} ms "
@@ -230,4 +231,14 @@ def priced_solution(p: MeshProblem, sol: Solution) -> tuple[dict[str, Strategy],
     terms = trade_terms(
         ctx.base, p.tables, sol.choice, ctx.infos, ctx.trades, p.cluster, p.options.optimizer, ctx.blocks
     )
-    return choice, gs, terms
+    return choice, replace(gs, fsdp=fsdp_reduced(gs.deferred, ctx.trades, p.run.mesh)), terms
+
+
+def fsdp_reduced(deferred: dict[str, tuple[int, ...]], trades: Trades, mesh) -> frozenset[str]:
+    """The deferred parameters FSDP2 reduces under ``trades`` (``codegen/zero.py:sharded_params``):
+    from ZeRO-2, those whose gradient is partial on exactly the data axes of more than one device
+    (on one device, where FSDP2 runs for offload, those partial on none)."""
+    if trades.zero_stage < ZeroStage.GRADIENTS:
+        return frozenset()
+    axes = {a for a in trades.data_axes if mesh[a] > 1}
+    return frozenset(p for p, on in deferred.items() if set(on) == axes)

@@ -3,7 +3,9 @@
 1. what the smallest plan needs per device, against the limit: the least memory any candidate's
    bound proves it needs where that passes the limit, else the least full peak of the plans the
    solver found and refused at it (with their gradient buckets' flattening and their optimizer
-   step's temporaries), else that every solve came back empty;
+   step's temporaries), else that every solve came back empty; and where a plan fit the device
+   but its offloaded state passed the host memory (``ClusterSpec.host_memory_bytes`` shared by
+   the node's devices), the least host memory such a plan needs against what a device gets;
 2. the trades the search already tried (``Found.tried``: the rungs of the trades ladder,
    ``passes/ladder.py``, and the pipeline stage counts of its candidates), and where ZeRO was not
    among them because no candidate had a data-parallel axis, why;
@@ -46,10 +48,15 @@ def no_fit_message(pb: Problem, found: Found) -> str:
         )
     else:
         head = "no plan fits: the solver found no plan under the limit on any candidate"
-    lines = [
-        f"{head}, the limit is {size_text(limit)} {where}",
-        "Already tried: " + tried_text(found, pb.batch),
-    ]
+    lines = [f"{head}, the limit is {size_text(limit)} {where}"]
+    if math.isfinite(found.host_needed):
+        share = cluster.host_memory_bytes / max(cluster.devices_per_node, 1)
+        lines.append(
+            f"A plan that fits the device offloads {size_text(found.host_needed)} per device to host memory, which "
+            f"gives {size_text(share)} per device ({size_text(cluster.host_memory_bytes)} per node of "
+            f"{cluster.devices_per_node} devices): host memory is short; give the cluster more host_memory_bytes"
+        )
+    lines.append("Already tried: " + tried_text(found, pb.batch))
     outputs = output_bytes(pb) if options.outputs is not Outputs.LOSS else 0
     if outputs and outputs >= needed - limit:
         lines.append(
@@ -72,7 +79,7 @@ def tried_text(found: Found, batch: int | None) -> str:
     zeros = sorted({int(t.zero_stage) for t in tried})
     recompute = [r.value for r in Recompute if any(t.recompute is r for t in tried)]
     micro = sorted({t.micro_batches for t in tried})
-    offload = any(t.offload is not Offload.NONE for t in tried)
+    offloads = [o.value for o in Offload if o is not Offload.NONE and any(t.offload is o for t in tried)]
     parts = []
     if zeros and max(zeros) > 0:
         parts.append("ZeRO stages " + ", ".join(str(z) for z in zeros))
@@ -86,7 +93,7 @@ def tried_text(found: Found, batch: int | None) -> str:
     if micro:
         parts.append("micro-batches " + ", ".join(str(k) for k in micro))
     if tried:
-        parts.append("optimizer offload" if offload else "no offload")
+        parts.append("offload " + ", ".join(offloads) if offloads else "no offload")
     if stages:
         parts.append("pipeline stages " + ", ".join(str(s) for s in stages))
     return ", ".join(parts)
@@ -104,8 +111,8 @@ def forbidden_trades(options: SearchOptions, batch: int | None) -> list[str]:
         out.append("recompute=Recompute.FULL (or None)")
     if options.micro_batches is not None and (batch or 0) > options.micro_batches:
         out.append("more micro_batches (or None)")
-    if options.offload is Offload.NONE:
-        out.append("offload=Offload.OPTIMIZER (or None)")
+    if options.offload is not None and options.offload is not Offload.PARAMETERS:
+        out.append("offload=Offload.PARAMETERS (or None)")
     if options.precision is not None and options.precision.value == "param":
         out.append("precision=Precision.BF16")
     if options.pipeline_stages == 1 or options.mesh_shape is not None or options.axis_roles is not None:

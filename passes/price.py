@@ -52,7 +52,7 @@ from autopar.reshard import Collective, CollectiveCall, Phase
 def plan_peak(tables: CostTables, sol: Solution, gs: GradSyncCost) -> float:
     """The plan's peak bytes per device: the tables' liveness, the gradient buckets' flattening and
     the optimizer step's temporaries."""
-    return peak_bytes(tables, sol.choice, bucket_transients(gs.buckets), set(gs.deferred))
+    return peak_bytes(tables, sol.choice, bucket_transients(gs.buckets, gs.fsdp), set(gs.deferred))
 
 
 def expanded_choice(tg: TracedGraph, tables: CostTables, sol: Solution) -> dict[str, Strategy]:

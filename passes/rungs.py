@@ -113,6 +113,7 @@ class SpmdRungs:
         return Rung(
             lesson, entry, outcome.mem_needed, solved, objective, outcome.refused_at_full_peak,
             refused_peak=outcome.refused_peak, peak=solved.peak if solved is not None else 0.0,
+            host_needed=outcome.host_needed,
         )  # fmt: skip
 
 

@@ -65,6 +65,7 @@ class Found:
     min_needed: float = math.inf
     refused_at_full_peak: bool = False
     refused_peak: float = math.inf  # the least full peak of the plans refused at it
+    host_needed: float = math.inf  # the least host bytes per device of a plan refused for host memory
     tried: list[Trades] = field(default_factory=list)  # the rungs of the trades ladder considered
     # candidates whose roles no placement of some tensor satisfies, and why
     unplaceable: list[str] = field(default_factory=list)
@@ -75,6 +76,7 @@ class Found:
         self.min_needed = min(self.min_needed, climb.mem_needed)
         self.refused_at_full_peak |= climb.refused_at_full_peak
         self.refused_peak = min(self.refused_peak, climb.refused_peak)
+        self.host_needed = min(self.host_needed, climb.host_needed)
         self.tried.extend(climb.tried)
         self.objective = climb.objective
 

@@ -13,7 +13,7 @@ memory row; the ladder keeps rows linear and each rung's solve as fast as the un
 taken (a forced trade fixes its dimension):
 
     ZeRO 0 -> 1 -> 2 -> 3  (on data axes)  ->  + selective recompute  ->  + full recompute
-      ->  + micro-batches 2, 4, 8, ...  ->  + optimizer offload
+      ->  + micro-batches 2, 4, 8, ...  ->  + optimizer offload (ZeRO-2)  ->  + parameter offload (ZeRO-3)
 
 ZeRO 1-2 cost (almost) nothing and save much; recomputation adds one forward of what it frees;
 micro-batches add a collective's latency per micro-batch and the ZeRO-3 gathers again; offload
@@ -30,8 +30,9 @@ parameter's):
   the gathered parameter kept through the step (``2e`` under mixed precision, FSDP2 gathering in
   the half type); gradients ``e b / (d if ZeRO >= 2)``; optimizer state ``q e b / (d if ZeRO >= 1)``.
   Offloaded (FSDP2's ``CPUOffloadPolicy``), the shards, gradients and optimizer state are in host
-  memory (counted against ``ClusterSpec.host_memory_bytes``): the device keeps ZeRO-2's gathered
-  parameters only. The optimizer step runs on ``1/d`` of the elements
+  memory (counted against ``ClusterSpec.host_memory_bytes``): under ``Offload.OPTIMIZER`` the
+  device keeps ZeRO-2's gathered parameters only, under ``Offload.PARAMETERS`` ZeRO-3's blocks in
+  flight only (its transient). The optimizer step runs on ``1/d`` of the elements
   from ZeRO-1 (``compute.optimizer_step_time``).
 * ZeRO-1 all-gathers the updated parameters after the step; ZeRO-2 gathers them before forward
   (one FSDP2 group per block, prefetched as ZeRO-3's forward gathers are) and reduce-scatters
@@ -59,8 +60,10 @@ parameter's):
 * mixed precision: every value in the dtype the device's autocast gives it (matmuls and attention
   in the half type, at its peak; fp32 masters make an embedding's output, and what it feeds, fp32:
   ``half_infos``); masters, gradients and optimizer state fp32.
-* offload: the gradients go to host and the updated parameters come back over
-  ``ClusterSpec.host_link`` (``(L_grad + L_param) / bw``), and the optimizer step runs on the host,
+* offload: under ``Offload.OPTIMIZER`` the gradients go to host and the updated parameters come
+  back over ``ClusterSpec.host_link`` (``(L_grad + L_param) / bw``); under ``Offload.PARAMETERS``
+  every gather of a block copies its shards up first and every reduce-scatter its gradients down,
+  per block, partly behind compute (``passes/offload.py``). Under both the optimizer step runs on the host,
   tensor by tensor, its memory traffic at the host memory's bandwidth shared by the node's devices
   (``ClusterSpec.host_step_bandwidth``; exposed). On one H200 such a step ran in 269 ms
   (``benchmarks/bench_gpu_trades.py``); its host step priced at the PCIe link's bandwidth instead
@@ -86,6 +89,7 @@ from autopar.options import Optimizer, SearchOptions
 from autopar.passes.analyze import NodeInfo
 from autopar.passes.blocks import Block
 from autopar.passes.costs import CostTables
+from autopar.passes.offload import in_flight_bytes, parameter_offload_seconds
 from autopar.passes.rules import tensor_inputs
 from autopar.passes.trace import Role, TracedGraph
 from autopar.placement import is_replicate, is_shard, volume_factor
@@ -291,7 +295,7 @@ def state_bytes(
         gathered = elems * (2 if trades.precision.mixed else item) if z == ZeroStage.GRADIENTS else 0.0
         shard, g = elems * master / d, elems * master / d
         o = optimizer.value * elems * master / d
-        if trades.offload is Offload.OPTIMIZER:  # CPUOffloadPolicy: shards, gradients, state on host
+        if trades.offload is not Offload.NONE:  # CPUOffloadPolicy: shards, gradients, state on host
             return StateBytes(gathered, 0.0, 0.0, shard + g + o)
         return StateBytes(gathered + shard, g, o, 0.0)
     p = elems * master
@@ -375,14 +379,14 @@ def apply_trades(
                     )
                     new = (
                         0.0
-                        if trades.offload is Offload.OPTIMIZER  # on the host: trade_terms
+                        if trades.offload is not Offload.NONE  # on the host: trade_terms
                         else optimizer_step_time(shard, optimizer.value, cluster.device, optimizer.name)
                     )
                     node_cost[v][i] += n * (new - old) * slow
                     if v in step_peak:
                         step_peak[v][i] *= (
                             0.0
-                            if trades.offload is Offload.OPTIMIZER
+                            if trades.offload is not Offload.NONE
                             else shard / max(info.out_bytes / vol, 1)
                         )
             continue
@@ -520,7 +524,7 @@ def trade_terms(
                 gather[b] += cbytes
                 grads_full[b] += gbytes
             step_elems_host += gbytes
-        if trades.offload is Offload.OPTIMIZER:
+        if trades.offload is not Offload.NONE:
             shard = gbytes / (d if z else 1)
             host_step += len(members[v]) * max(
                 host_optimizer_step_time(shard, optimizer.value, cluster.host_step_bandwidth, optimizer.name),
@@ -566,11 +570,21 @@ def trade_terms(
                     sb0.param + sb0.grad + sb0.optimizer - sb1.param - sb1.grad - sb1.optimizer
                 )
         terms.bytes_saved["zero"] = saved
-    if trades.offload is Offload.OPTIMIZER:
+    if trades.offload is not Offload.NONE:
         shard = step_elems_host / (d if z else 1)  # bytes of the master pieces this device steps
         link = cluster.host_link
-        traffic = 2 * shard  # gradients down, parameters up
-        terms.seconds["offload"] = traffic / link.bandwidth + link.latency + host_step
+        if trades.offload is Offload.OPTIMIZER:
+            traffic = 2 * shard  # gradients down, parameters up
+            terms.seconds["offload"] = traffic / link.bandwidth + link.latency + host_step
+        else:  # streamed block by block, in forward and backward (passes/offload.py)
+            g = [ag(gather[b.index]) for b in blocks] if axis_parts else [0.0] * len(blocks)
+            terms.seconds["offload"] = host_step + parameter_offload_seconds(
+                g, [grads_full[b.index] / d for b in blocks], block_c, grads_out / d, link, k
+            )
+            if not axis_parts:  # one device: ZeRO-3 gathered nothing, the copies are the blocks in flight
+                terms.transient += in_flight_bytes(
+                    list(gather.values()), gather_out, list(grads_full.values()), grads_out
+                )
         terms.host_bytes = shard * (optimizer.value + 2)  # the master shards, gradients and state
         terms.bytes_saved["offload"] = terms.host_bytes
     if trades.recompute is not Recompute.NONE and blocks:
@@ -657,7 +671,7 @@ _RANK_ZERO = {
     ZeroStage.PARAMETERS: 1.0,
 }
 _RANK_RECOMPUTE = {Recompute.NONE: 0.0, Recompute.SELECTIVE: 1.0, Recompute.FULL: 2.5}
-_RANK_OFFLOAD = {Offload.NONE: 0.0, Offload.OPTIMIZER: 3.0}
+_RANK_OFFLOAD = {Offload.NONE: 0.0, Offload.OPTIMIZER: 3.0, Offload.PARAMETERS: 3.5}
 
 
 def zero_axes(mesh: Sequence[int], data_axes: tuple[int, ...]) -> tuple[int, ...]:
@@ -705,7 +719,7 @@ def ladder(
         for r in rs
         for k in ks
         for o in os_
-        if o is Offload.NONE or z >= ZeroStage.GRADIENTS  # offload is FSDP2's: ZeRO-2 or 3
+        if o.stage is None or z == o.stage  # each offload runs with its one ZeRO stage (FSDP2's)
         if not (one_device and z and o is Offload.NONE and options.zero_stage is None)
     ]
     return sorted(

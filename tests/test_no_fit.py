@@ -75,8 +75,8 @@ def test_a_limit_under_every_plan_says_what_the_smallest_needs_and_what_was_trie
     tried = re.search(r"Already tried: ([^.]*)\.", msg)
     assert tried, msg
     assert "ZeRO stages 0, 1, 2, 3" in tried[1] and "recomputation none, selective, full" in tried[1]
-    assert "optimizer offload" in tried[1] and re.search(r"micro-batches 1, 2(, \d+)*", tried[1])
+    assert "offload optimizer, parameters" in tried[1] and re.search(r"micro-batches 1, 2(, \d+)*", tried[1])
     advice = msg[tried.end() :]
     for already in ("zero_stage", "ZeRO", "AxisRole.DATA", "recompute=", "micro_batches", "offload="):
         assert already not in advice, msg
-    assert "Try: more devices" in advice
+    assert re.search(r"(Try|Else try): more devices", advice), msg

@@ -143,24 +143,24 @@ def test_bf16_models_train_as_eager(device, name):
         dict(recompute=autopar.Recompute.FULL, micro_batches=2),
         dict(zero_stage=3, recompute=autopar.Recompute.SELECTIVE),
         dict(zero_stage=2, offload=autopar.Offload.OPTIMIZER),
-        dict(zero_stage=3, offload=autopar.Offload.OPTIMIZER, micro_batches=2),
+        dict(zero_stage=3, offload=autopar.Offload.PARAMETERS, micro_batches=2),
     ],
-    ids=["full-recompute-micro2", "zero3-selective", "zero2-offload", "zero3-offload-micro2"],
+    ids=["full-recompute-micro2", "zero3-selective", "zero2-offload", "zero3-param-offload-micro2"],
 )
 def test_trades_on_one_device_train_as_eager(device, trades):
     """The memory-for-time trades on one device: recomputation and micro-batches, FSDP2 over the
-    one device, and optimizer offload (the fp32 masters, their gradients and Adam's state in host
+    one device, and optimizer and parameter offload (the fp32 masters, their gradients and Adam's state in host
     memory, pinned on a GPU: FSDP2's ``CPUOffloadPolicy``; the one ZeRO that pays on one device)
     train as eager PyTorch does."""
     model, batch = _build("llama")
     want = _eager(model, batch, device)
-    offload = trades.get("offload") is autopar.Offload.OPTIMIZER
+    offload = trades.get("offload", autopar.Offload.NONE) is not autopar.Offload.NONE
     losses, state, plan = _autopar(model, batch, device, home="cpu" if offload else None, **trades)
     assert plan.trades.zero_stage == trades.get("zero_stage", 0)
     assert plan.trades.micro_batches == trades.get("micro_batches", 1)
     assert plan.trades.offload is trades.get("offload", autopar.Offload.NONE)
     if offload:
-        assert plan.predicted.optimizer_bytes == 0 and "optimizer offloaded" in plan.summary()
+        assert plan.predicted.optimizer_bytes == 0 and "offloaded to host" in plan.summary()
     _check((losses, state), want, f"llama with {trades}")
 
 

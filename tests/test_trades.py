@@ -52,7 +52,9 @@ def test_state_bytes_follow_the_zero_paper(elems, d, stage, mixed):
         assert sb.param == pytest.approx(4 * elems / d + gathered)
         assert sb.grad == pytest.approx(4 * elems / d)
         assert sb.optimizer == pytest.approx(8 * elems / d)
-        off = dataclasses.replace(trades, offload=Offload.OPTIMIZER)
+        off = dataclasses.replace(
+            trades, offload=Offload.OPTIMIZER if stage == ZeroStage.GRADIENTS else Offload.PARAMETERS
+        )
         off = state_bytes(elems, torch.float32, d, off, Optimizer.ADAM, True)
         # offloaded: the shards, gradients and state in host memory, only the gathered on the device
         assert (off.param, off.grad, off.optimizer) == (pytest.approx(gathered), 0, 0)
@@ -69,7 +71,8 @@ def test_ladder_respects_forced_trades_and_the_batch():
     assert rungs[0] == Trades()  # nothing traded first
     assert {t.micro_batches for t in rungs} == {1, 2, 4, 8}  # divisors of the batch only
     assert all(t.data_axes == ((0,) if t.zero_stage else ()) for t in rungs)
-    assert len(set(rungs)) == len(rungs) == 4 * 3 * 4 + 2 * 3 * 4  # offload with ZeRO 2 and 3 only
+    # optimizer offload with ZeRO-2 only, parameter offload with ZeRO-3 only
+    assert len(set(rungs)) == len(rungs) == 4 * 3 * 4 + 2 * 3 * 4
     # no data axis: no ZeRO; no blocks: no recomputation
     assert {t.zero_stage for t in ladder(opts, (), Precision.PARAM, 8, False)} == {ZeroStage.NONE}
     assert {t.recompute for t in ladder(opts, (), Precision.PARAM, 8, False)} == {Recompute.NONE}
@@ -85,7 +88,7 @@ def test_ladder_respects_forced_trades_and_the_batch():
     assert {(t.zero_stage, t.offload) for t in one} == {
         (ZeroStage.NONE, Offload.NONE),
         (ZeroStage.GRADIENTS, Offload.OPTIMIZER),
-        (ZeroStage.PARAMETERS, Offload.OPTIMIZER),
+        (ZeroStage.PARAMETERS, Offload.PARAMETERS),
     }
     forced3 = SearchOptions(zero_stage=ZeroStage.PARAMETERS, offload=Offload.NONE)
     assert {t.zero_stage for t in ladder(forced3, (0,), Precision.PARAM, 8, True, one_device=True)} == {
@@ -101,8 +104,13 @@ def test_options_refuse_bad_trades():
     assert SearchOptions(zero_stage=3).zero_stage is ZeroStage.PARAMETERS
     with pytest.raises(autopar.TradesError, match="data-parallel"):
         Trades(zero_stage=ZeroStage.OPTIMIZER)
-    with pytest.raises(autopar.TradesError, match="zero_stage >= 2"):
+    with pytest.raises(autopar.TradesError, match="needs zero_stage=2"):
         Trades(zero_stage=ZeroStage.OPTIMIZER, data_axes=(0,), offload=Offload.OPTIMIZER)
+    # each offload has its one stage: no two (stage, offload) pairs run the same code
+    with pytest.raises(autopar.TradesError, match="offload=parameters with zero_stage=3"):
+        Trades(zero_stage=ZeroStage.PARAMETERS, data_axes=(0,), offload=Offload.OPTIMIZER)
+    with pytest.raises(autopar.SearchOptionsError, match="needs zero_stage=3"):
+        SearchOptions(zero_stage=ZeroStage.GRADIENTS, offload=Offload.PARAMETERS)
 
 
 @pytest.fixture(scope="module")

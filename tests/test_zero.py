@@ -1,4 +1,4 @@
-"""ZeRO 1-3, optimizer offload and mixed precision as the parallel module runs them
+"""ZeRO 1-3, optimizer and parameter offload and mixed precision as the parallel module runs them
 (``codegen/zero.py``), against the single-device model.
 
 The parent plans each model once per mesh with ``autopar.plan`` and forces each configuration's
@@ -73,7 +73,7 @@ CONFIGS = {
         "zero1": (1, Precision.PARAM, Offload.NONE, tuple(MODELS)),
         "zero2": (2, Precision.PARAM, Offload.NONE, tuple(MODELS)),
         "zero3": (3, Precision.PARAM, Offload.NONE, tuple(MODELS)),
-        "zero3 offload": (3, Precision.PARAM, Offload.OPTIMIZER, ("gpt2", "llama")),
+        "zero3 offload": (3, Precision.PARAM, Offload.PARAMETERS, ("gpt2", "llama")),
         "zero1 bf16": (1, BF16, Offload.NONE, ("gpt2",)),
         "zero3 bf16": (3, BF16, Offload.NONE, ("llama", "palm")),
     },
@@ -273,7 +273,7 @@ def _check(world: int, jobs, per_rank):
             )
             assert devices["stepped"], f"{where}: the optimizer's step did not update the module's parameters"
             assert devices["fsdp"] == GROUPS[zero], f"{where}: {devices['fsdp']} FSDP2 groups"
-            if offload is Offload.OPTIMIZER:  # on CPU ranks the host is the device: where the plan puts them
+            if offload is not Offload.NONE:  # on CPU ranks the host is the device: where the plan puts them
                 for what in ("params", "grads", "optimizer"):
                     assert devices[what] == {"cpu"}, f"{where}: {what} on {devices[what]}"
             if rank == 0:
@@ -290,8 +290,14 @@ def test_zero_stages_offload_and_mixed_precision_match_the_single_device_model(w
     _check(world, jobs, per_rank)
 
 
-def test_offload_below_zero_2_is_refused():
-    """Offload runs through FSDP2, which needs the sharded parameters of ZeRO-2/3."""
-    for zero in (ZeroStage.NONE, ZeroStage.OPTIMIZER):
-        with pytest.raises(TradesError, match="zero_stage >= 2"):
-            Trades(zero_stage=zero, data_axes=(0,), offload=Offload.OPTIMIZER)
+def test_each_offload_runs_with_its_one_zero_stage():
+    """Offload runs through FSDP2, which needs the sharded parameters of ZeRO-2/3; the stage decides
+    what the device keeps, so optimizer offload is ZeRO-2's and parameter offload ZeRO-3's."""
+    for offload, stage in (
+        (Offload.OPTIMIZER, ZeroStage.GRADIENTS),
+        (Offload.PARAMETERS, ZeroStage.PARAMETERS),
+    ):
+        assert Trades(zero_stage=stage, data_axes=(0,), offload=offload).offload is offload
+        for zero in set(ZeroStage) - {stage}:
+            with pytest.raises(TradesError, match=f"needs zero_stage={int(stage)}"):
+                Trades(zero_stage=zero, data_axes=(0,), offload=offload)

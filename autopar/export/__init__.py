@@ -83,7 +83,7 @@ class TorchPlan:
     parallelize_plan: dict[str, ParallelStyle] = field(default_factory=dict)
     data_parallel: DataParallel = DataParallel.NONE
     reshard_after_forward: bool = False
-    offload_optimizer: bool = False
+    offload_to_cpu: bool = False  # FSDP2's CPUOffloadPolicy (either offload of the plan)
     notes: tuple[str, ...] = ()
 
     @property
@@ -112,7 +112,7 @@ class TorchPlan:
         elif self.data_parallel is DataParallel.FULLY_SHARD:
             from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
 
-            offload = CPUOffloadPolicy() if self.offload_optimizer else OffloadPolicy()
+            offload = CPUOffloadPolicy() if self.offload_to_cpu else OffloadPolicy()
             fully_shard(
                 model,
                 mesh=mesh[DATA],
@@ -163,7 +163,7 @@ def to_torch(plan: Plan, model: torch.nn.Module, example_inputs) -> TorchPlan:
     return TorchPlan(
         mesh_shape=tuple(plan.mesh_shape), mesh_dim_names=names, parallelize_plan=styles, data_parallel=dp,
         reshard_after_forward=plan.trades.zero_stage is ZeroStage.PARAMETERS,
-        offload_optimizer=plan.trades.offload is Offload.OPTIMIZER, notes=tuple(notes),
+        offload_to_cpu=plan.trades.offload is not Offload.NONE, notes=tuple(notes),
     )  # fmt: skip
 
 
@@ -231,6 +231,11 @@ def _notes(plan: Plan) -> list[str]:
         notes.append(f"{t.micro_batches} micro-batches: accumulate gradients over them in your loop")
     if t.precision.mixed:
         notes.append(f"mixed precision {t.precision.value}: run forward and backward under torch.autocast")
+    if t.offload is Offload.PARAMETERS:
+        notes.append(
+            "parameter offload: apply fully_shard with CPUOffloadPolicy to each repeated block yourself before "
+            "apply() shards the root, so that the blocks stream from host memory one at a time"
+        )
     if plan.kernels:
         kinds = sorted({u.kernel.value for u in plan.kernels})
         notes.append(f"fused kernels {', '.join(kinds)} are not exported; PyTorch runs the aten ops")

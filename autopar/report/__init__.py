@@ -215,7 +215,7 @@ def _trades_tag(t: dict | None, pipeline: dict | None = None) -> str:
     if t.get("micro_batches", 1) > 1:
         out.append(f"k{t['micro_batches']}")
     if t.get("offload", "none") != "none":
-        out.append("off")
+        out.append({"optimizer": "off", "parameters": "offp"}.get(t["offload"], "off"))
     return " ".join(out)
 
 
@@ -233,8 +233,7 @@ def trades_table(plan: Plan) -> str:
                        "fp16": "fp16 compute, fp32 masters and optimizer state"}[t.precision.value], "precision"),
         ("ZeRO", f"stage {int(t.zero_stage)} over {axes}" if int(t.zero_stage) else
          "no ZeRO: every data-parallel device keeps whole gradients and optimizer state", "zero"),
-        ("offload", {"none": "nothing", "optimizer": "optimizer state and masters in host memory"}[t.offload.value],
-         "offload"),
+        ("offload", t.offload.what, "offload"),
     ]  # fmt: skip
     out = []
     for label, setting, key in rows:
@@ -479,7 +478,7 @@ def _candidates_parts(plan: Plan) -> list[str]:
         "T tensor, S sequence) and the trades of that rung ("
         + ("P<i>n</i> <i>n</i> pipeline stages of that mesh, " if piped else "")
         + "Z<i>n</i> ZeRO stage <i>n</i>, Rs / Rf "
-        "selective / full recomputation, k<i>n</i> micro-batches, off optimizer offload).</p>",
+        "selective / full recomputation, k<i>n</i> micro-batches, off optimizer offload, offp parameter offload).</p>",
     ]
 
 
