@@ -56,7 +56,7 @@ from torch import Tensor
 from torch.distributed.device_mesh import DeviceMesh
 
 from autopar.codegen.collectives import axis_group, current_mesh
-from autopar.kernels.moe import Act, combine, experts_mlp, moe_experts, route
+from autopar.kernels.moe import Act, autocast_operands, combine, experts_mlp, moe_experts, route
 
 
 def _block(num_experts: int, w_in: Tensor, n: int) -> int:
@@ -136,6 +136,7 @@ def expert_parallel(
     """This rank's rows of the layer's output, tokens dispatched to the experts' ranks and back by
     all-to-all over mesh axis ``axis`` (module docstring)."""
     act = Act.of(act)
+    x, w_in, w_up, w_out = autocast_operands(x, w_in, w_up, w_out)
     mesh = current_mesh()
     n = mesh.size(axis)
     local = _block(num_experts, w_in, n)

@@ -200,6 +200,21 @@ def check(
         )
 
 
+def autocast_operands(
+    x: Tensor, w_in: Tensor, w_up: Tensor | None, w_out: Tensor
+) -> tuple[Tensor, Tensor, Tensor | None, Tensor]:
+    """The tokens and the experts' weights in the dtype autocast runs a linear in, where autocast is
+    on for their device; as they are elsewhere. The grouped matmuls are custom ops, which autocast
+    does not reach: on fp32 masters they would run in fp32. Cast first, as ``F.linear`` under
+    autocast casts its operands: the experts run in the half type (the output too, as a linear's),
+    and the casts' backward hands fp32 gradients to the masters."""
+    dev = x.device.type
+    if dev == "meta" or not torch.is_autocast_enabled(dev):  # meta has no autocast
+        return x, w_in, w_up, w_out
+    dtype = torch.get_autocast_dtype(dev)
+    return x.to(dtype), w_in.to(dtype), None if w_up is None else w_up.to(dtype), w_out.to(dtype)
+
+
 def moe_experts_impl(
     x: Tensor,
     weights: Tensor,
@@ -216,6 +231,7 @@ def moe_experts_impl(
     """``moe_experts`` as its pieces (the op's composite implementation)."""
     Act.of(act)
     check(x, weights, ids, w_in, w_up, w_out, gated, transposed, num_experts, first_expert)
+    x, w_in, w_up, w_out = autocast_operands(x, w_in, w_up, w_out)
     routing = route(ids, num_experts, first_expert, w_in.shape[0])
     rows = x[torch.div(routing.order, ids.shape[1], rounding_mode="floor")]
     out_rows = experts_mlp(rows, routing.counts, w_in, w_up, w_out, act, gated, transposed)

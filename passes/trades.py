@@ -126,8 +126,9 @@ def auto_precision(infos: dict[str, NodeInfo]) -> Precision:
 
 # CUDA autocast's op lists (torch's "Autocast Op Reference"), as a traced graph names them
 # (overload packets): ops that run in the half type, and ops that run in fp32 whatever their inputs.
-# The half type's also holds the fused output projection + loss: the generated code casts its
-# operands as autocast casts a linear's (kernels/cross_entropy.py:autocast_operands)
+# The half type's also holds the fused output projection + loss and the mixture-of-experts op: the
+# generated code casts their operands as autocast casts a linear's
+# (kernels/cross_entropy.py, kernels/moe.py: autocast_operands)
 AUTOCAST_HALF = frozenset(
     f"aten.{op}"
     for op in (
@@ -137,7 +138,7 @@ AUTOCAST_HALF = frozenset(
         "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention",
         "_scaled_dot_product_flash_attention_for_cpu",
     )
-) | {"autopar.linear_cross_entropy"}  # fmt: skip
+) | {"autopar.linear_cross_entropy", "autopar.moe_experts"}  # fmt: skip
 AUTOCAST_FP32 = frozenset(
     f"aten.{op}"
     for op in (

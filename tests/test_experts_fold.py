@@ -66,3 +66,30 @@ def test_each_family_folds_to_one_op_per_layer_and_computes_the_same(name):
 def test_a_dense_model_has_nothing_to_fold():
     model, batch = llama_tiny(batch=2, seq=8)
     assert not _moe_nodes(trace(model, batch))
+
+
+def test_under_autocast_the_experts_run_and_are_priced_in_the_half_type():
+    """On fp32 masters under ``torch.autocast`` the experts' matmuls run in bf16, as a linear's do
+    (their custom ops are out of autocast's reach: the op casts its operands), and the cost model
+    prices the op in bf16 (``passes/trades.py:AUTOCAST_HALF``)."""
+    from autopar.hardware import DeviceKind
+    from autopar.passes.analyze import analyze
+    from autopar.passes.trades import half_infos
+    from autopar.trades import Precision
+
+    model, batch = moe_tiny("qwen3_moe", layers=1)
+    tg = trace(model, batch)
+    node = _moe_nodes(tg)[0]
+    infos = half_infos(tg, analyze(tg), Precision.BF16, DeviceKind.CPU)
+    assert infos[node.name].dtype == torch.bfloat16
+    gen = torch.Generator().manual_seed(0)
+    x, weights = torch.randn(16, 32, generator=gen), torch.rand(16, 2, generator=gen)
+    ids = torch.randint(0, 4, (16, 2), generator=gen)
+    w_in, w_out = torch.randn(4, 64, 32, generator=gen) / 6, torch.randn(4, 32, 32, generator=gen) / 6
+    args = (x, weights, ids, w_in, None, w_out, "silu", True, True, 4)
+    want = torch.ops.autopar.moe_experts(*args)
+    assert want.dtype == torch.float32
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = torch.ops.autopar.moe_experts(*args)
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), want, rtol=3e-2, atol=3e-2 * float(want.abs().max()))
