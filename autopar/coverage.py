@@ -20,7 +20,7 @@ from collections import Counter
 from dataclasses import asdict, dataclass
 
 from autopar.passes.analyze import analyze
-from autopar.passes.rules import RULES
+from autopar.passes.rules import RULES, functional_twin
 from autopar.passes.rules.dtensor import options as dtensor_options
 from autopar.passes.trace import trace
 
@@ -39,6 +39,11 @@ class OpCoverage:
         return asdict(self)
 
 
+def _has_rule(target) -> bool:
+    """A rule of its own, or, for an in-place op, its out-of-place twin's (``in_place_options``)."""
+    return target in RULES or functional_twin(target) in RULES
+
+
 def coverage(model, example_inputs) -> list[OpCoverage]:
     """Every distinct op of the traced model with its node count, whether it has a sharding rule,
     and why its FLOPs or saved tensors could not be derived (on any of its nodes)."""
@@ -54,10 +59,10 @@ def coverage(model, example_inputs) -> list[OpCoverage]:
             counts[op] += 1
             targets[op] = n.target
             why.setdefault(op, set()).update(infos[n.name].unpriced)
-            if n.target not in RULES:
+            if not _has_rule(n.target):
                 derived[op] = derived.get(op, True) and bool(dtensor_options(n, (2,)))
     rows = [
-        OpCoverage(op, c, targets[op] in RULES, tuple(sorted(why[op])), derived.get(op, False))
+        OpCoverage(op, c, _has_rule(targets[op]), tuple(sorted(why[op])), derived.get(op, False))
         for op, c in counts.items()
     ]
     return sorted(

@@ -12,6 +12,7 @@ count, in the order they are tried.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -114,20 +115,38 @@ def mirror_key(cluster: ClusterSpec, run: MeshRun) -> tuple:
     )
 
 
-def spmd_runs(cluster: ClusterSpec, options: SearchOptions) -> Iterator[tuple[MeshRun, tuple | None]]:
+def spmd_runs(
+    cluster: ClusterSpec, options: SearchOptions, experts: bool = False
+) -> Iterator[tuple[MeshRun, tuple | None]]:
     """The SPMD candidates (``mesh_runs``; none where the options force pipeline stages), each with
-    the mesh it permutes (``mirror_key``: the same problem, solved once) or None."""
+    the mesh it permutes (``mirror_key``: the same problem, solved once) or None. ``experts``: the
+    model has mixture-of-experts layers: each one-axis mesh is also tried as an expert axis."""
     if options.pipeline_stages is not None and options.pipeline_stages != 1:
         return
     mirrors: dict[tuple, tuple] = {}
-    for run in mesh_runs(cluster, options):
+    for run in _with_experts(mesh_runs(cluster, options), options, experts):
         key = mirror_key(cluster, run)
         yield run, mirrors.get(key)
         mirrors.setdefault(key, run.mesh)
 
 
+def _with_experts(runs, options: SearchOptions, experts: bool) -> Iterator[MeshRun]:
+    """``runs``, and before each whose first axis is data parallel, where the model has experts and
+    no roles are forced, the same with that axis an expert axis (``AxisRole.EXPERT``: the batch
+    split as on a data axis, every MoE layer's experts split over it by all-to-all) and its other
+    roles as they were (a free axis stays free, ``data_outer`` dropped: it pins a data axis)."""
+    for run in runs:
+        roles = run.roles
+        if experts and options.axis_roles is None and roles and roles[0] is AxisRole.DATA and run.mesh[0] > 1:
+            # first: where splitting the experts pays, its plan prunes the data-parallel twin
+            yield dataclasses.replace(
+                run, roles=(AxisRole.EXPERT, *roles[1:]), data_outer=False, data_first=False
+            )
+        yield run
+
+
 def stage_runs(
-    cluster: ClusterSpec, options: SearchOptions, stages: int
+    cluster: ClusterSpec, options: SearchOptions, stages: int, experts: bool = False
 ) -> tuple[ClusterSpec | None, list[MeshRun], str]:
     """The cluster one of ``stages`` pipeline stages sees and its candidates (``stage_mesh_runs``),
     or (None, [], why there are none)."""
@@ -137,7 +156,7 @@ def stage_runs(
     if options.zero_stage is not None and options.zero_stage >= ZeroStage.GRADIENTS:
         why = f"ZeRO-{int(options.zero_stage)} does not run with pipeline stages"
         return None, [], f"pipeline: {stages} stages: {why}: skipped"
-    return sub, stage_mesh_runs(sub, options, stages), ""
+    return sub, list(_with_experts(stage_mesh_runs(sub, options, stages), options, experts)), ""
 
 
 def stage_mesh_runs(sub: ClusterSpec, options: SearchOptions, stages: int) -> list[MeshRun]:

@@ -409,6 +409,17 @@ def fold_experts(gm: fx.GraphModule) -> int:
     return done
 
 
+def has_experts(tg) -> bool:
+    """Does the traced graph hold a mixture-of-experts op (``fold_experts``)?"""
+    return any(n.op == "call_function" and n.target is _moe_op() for n in tg.graph.nodes)
+
+
+def _moe_op():
+    from autopar.kernels import moe  # noqa: F401  (registers autopar::moe_experts)
+
+    return torch.ops.autopar.moe_experts.default
+
+
 def _fake_run(op, args):
     vals = [_val(a) if isinstance(a, fx.Node) else a for a in args]
     mode = detect_fake_mode([v for v in vals if isinstance(v, torch.Tensor)])

@@ -18,6 +18,7 @@ from autopar.cluster import ClusterSpec
 from autopar.passes.background import Gate, owning, working
 from autopar.passes.candidate_tables import Prepared, prepare_candidate
 from autopar.passes.candidates import MeshRun, spmd_runs, stage_runs
+from autopar.passes.experts import has_experts
 from autopar.passes.pipeline import stage_counts
 from autopar.passes.search_problem import Problem
 
@@ -32,11 +33,11 @@ TABLES_AHEAD = 1
 def table_order(pb: Problem) -> Iterator[tuple[MeshRun, ClusterSpec]]:
     """The candidates whose tables the search takes, in its order: the SPMD meshes (a mirror of an
     earlier mesh needs none), then each stage count's stage meshes."""
-    for run, mirror in spmd_runs(pb.cluster, pb.options):
+    for run, mirror in spmd_runs(pb.cluster, pb.options, has_experts(pb.tg)):
         if mirror is None:
             yield run, pb.cluster
     for stages in stage_counts(pb.cluster.world_size, len(pb.blocks), pb.options):
-        sub, runs, _ = stage_runs(pb.cluster, pb.options, stages)
+        sub, runs, _ = stage_runs(pb.cluster, pb.options, stages, has_experts(pb.tg))
         for run in runs:
             yield run, sub
 

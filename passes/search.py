@@ -53,6 +53,7 @@ from autopar.passes.candidates import MeshRun, spmd_runs, stage_runs
 from autopar.passes.coarsen import find_classes
 from autopar.passes.costs import NodeTimer
 from autopar.passes.dumps import Stages, classes_tsv, infos_tsv
+from autopar.passes.experts import has_experts
 from autopar.passes.fuse import chosen_kernels, fuse
 from autopar.passes.mesh_solve import Solved
 from autopar.passes.micro_batch_check import MicroBatchCheck
@@ -168,7 +169,7 @@ def explore(pb: Problem) -> Found:
     far; per stage count, the fastest of its stage meshes competes with the rest."""
     found = Found()
     with Prefetcher(pb) as prefetch:
-        for run, mirror in spmd_runs(pb.cluster, pb.options):
+        for run, mirror in spmd_runs(pb.cluster, pb.options, has_experts(pb.tg)):
             if mirror is not None:
                 found.candidates.append(Entry(run.mesh, Verdict.MIRROR, mirror_of=mirror))
                 pb.st.say(f"solve: mesh {run.label}: the same problem as mesh {mirror} (axes permuted)")
@@ -183,7 +184,7 @@ def explore(pb: Problem) -> Found:
             for solved in climbed.solved:
                 found.offer(solved)
         for stages in stage_counts(pb.cluster.world_size, len(pb.blocks), pb.options):
-            sub, runs, why = stage_runs(pb.cluster, pb.options, stages)
+            sub, runs, why = stage_runs(pb.cluster, pb.options, stages, has_experts(pb.tg))
             if sub is None:
                 pb.st.say(why)
                 continue
