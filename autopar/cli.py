@@ -101,6 +101,10 @@ def _build_parser() -> argparse.ArgumentParser:
         "memory_reserve of it unused (10%% unless the spec file says otherwise)",
     )
     pl.add_argument("--time-limit", type=float, default=None, help="solver time limit per mesh, in seconds")
+    pl.add_argument(
+        "--expert-skew", type=float, default=1.0,
+        help="price mixture-of-experts routing with the busiest rank this many times a balanced share (default 1)",
+    )  # fmt: skip
     pl.add_argument("--meta", action="store_true", help="build the model on the meta device (no weights)")
     pl.add_argument(
         "--outputs",
@@ -288,6 +292,7 @@ def _cmd_plan(args) -> int:
         axis_roles=args.axis_roles,
         memory_limit_bytes=args.memory_limit_gib * 2**30 if args.memory_limit_gib is not None else None,
         time_limit_s=args.time_limit,
+        expert_skew=args.expert_skew,
         outputs=Outputs(args.outputs),
     )
     # the profiler (a measuring resource, not a search option) goes in beside the options

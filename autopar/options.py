@@ -68,6 +68,10 @@ class SearchOptions:
     * ``memory_limit_bytes``: the memory per device (default: the cluster device's); the plan's
       predicted peak stays under it less ``ClusterSpec.memory_reserve``.
     * ``time_limit_s``: the ILP solver's time limit per mesh.
+    * ``expert_skew``: how unevenly a mixture of experts routes its tokens, priced: the busiest
+      rank's share of the (token, expert) pairs over a balanced share (1, the default: balanced).
+      Where experts are split, that rank's all-to-all bytes and expert matmuls grow by it; the plan
+      records it (``Plan.expert_skew``).
     * ``axis_roles``: one ``AxisRole`` per mesh axis; None lets the solver choose every placement.
     * ``optimizer``: the optimizer whose state the memory model counts.
     * ``outputs``: ``Outputs.FULL`` (every output whole on every rank), ``Outputs.LOCAL`` (each
@@ -117,6 +121,7 @@ class SearchOptions:
     sequence_attention: SeqAttention | None = None
     kernels: frozenset[Kernel] | None = None
     overlap_matmuls: bool | None = None
+    expert_skew: float = 1.0
 
     def __post_init__(self) -> None:
         try:
@@ -179,6 +184,12 @@ class SearchOptions:
                 raise SearchOptionsError(
                     f"{name} must be a positive number of {name.split('_')[-1]}, got {v!r}"
                 )
+        skew = self.expert_skew
+        if not isinstance(skew, (int, float)) or math.isnan(skew) or skew < 1:
+            raise SearchOptionsError(
+                f"expert_skew is the busiest rank's share of a mixture of experts' routed tokens over a balanced "
+                f"share: a number >= 1 (1: balanced), got {skew!r}"
+            )
         if not isinstance(self.optimizer, Optimizer):
             raise SearchOptionsError(f"optimizer must be an autopar.Optimizer, got {self.optimizer!r}")
         if not isinstance(self.outputs, Outputs):

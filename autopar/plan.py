@@ -33,7 +33,8 @@ JSON layout (schema_version 4; 3 is the same without "pipeline", 2 also without 
                        "peak_memory_bytes": ...}, ...],   (what the search priced per chunk)
       "solver": {"name": "PULP_CBC_CMD", "status": "Optimal", "objective": ..., "solve_time_s": ...,
                  "num_variables": ..., "num_constraints": ..., "candidates": [...mesh shapes tried...],
-                 "time_limit_s": null}   (the ILP's time limit the search ran under; absent: none)
+                 "time_limit_s": null},   (the ILP's time limit the search ran under; absent: none)
+      "expert_skew": 1.0   (the routing skew MoE ops were priced at; absent: the model has none)
     }
 
 Placements are written as text (``R``, ``S(d)``, ``P``), one per mesh axis, comma separated.
@@ -285,6 +286,9 @@ class Plan:
     # the fused kernels substituted for aten patterns (passes/fuse.py): each one's node (its
     # decision is in ``decisions``) and the traced nodes it stands for; empty: none
     kernels: tuple[KernelUse, ...] = ()
+    # the routing skew its mixture-of-experts ops were priced at (SearchOptions.expert_skew: the
+    # busiest rank's share of the routed pairs over a balanced one); None: the model has none
+    expert_skew: float | None = None
     schema_version: int = SCHEMA_VERSION
     _by_name: dict = field(default=None, repr=False, compare=False, hash=False)  # type: ignore[assignment]
 
@@ -354,6 +358,7 @@ class Plan:
             *self._attention_lines(),
             *self._kernel_lines(),
             *self._pipeline_lines(),
+            *self._expert_lines(),
             f"  solver {self.solver.name}: {self.solver.status}, {self.solver.solve_time_s:.2f} s; lower bound "
             f"{self.solver.lower_bound_s * 1e3:.3f} ms; optimality gap {self.solver.gap:.1%}",
             *filter(None, [self.solver.time_limit_line()]),
@@ -372,6 +377,17 @@ class Plan:
         lines = [f"  {line}" for line in axis_lines(self)]
         why = replicated_line(self)
         return lines + ([f"  {why}"] if why else [])
+
+    def _expert_lines(self) -> list[str]:
+        """The routing a plan with mixture-of-experts ops was priced for."""
+        if self.expert_skew is None:
+            return []
+        how = (
+            "balanced"
+            if self.expert_skew == 1
+            else f"the busiest rank {self.expert_skew:g}x a balanced share"
+        )
+        return [f"  experts: routing priced {how} (SearchOptions.expert_skew)"]
 
     def _overlap_lines(self) -> list[str]:
         if not self.overlap_matmuls:
@@ -523,6 +539,7 @@ class Plan:
             "stage_costs": [dict(c) for c in self.stage_costs],
             "kernels": [u.to_dict() for u in self.kernels],
             "solver": {**asdict(self.solver), "candidates": list(self.solver.candidates)},
+            **({"expert_skew": self.expert_skew} if self.expert_skew is not None else {}),
         }
 
     @classmethod
@@ -564,6 +581,7 @@ class Plan:
                 pipeline=Pipeline.from_dict(data.get("pipeline")),  # before pipelines: none
                 stage_costs=tuple(dict(c) for c in data.get("stage_costs", ())),
                 kernels=tuple(KernelUse.from_dict(u) for u in data.get("kernels", ())),
+                expert_skew=data.get("expert_skew"),  # absent: no MoE op
                 schema_version=SCHEMA_VERSION,  # read into this version's types
             )
         except (KeyError, TypeError, ValueError) as e:

@@ -284,10 +284,10 @@ def build_costs(
             t = profiler.node_time(ns.node, s, mesh_shape, infos) if profiler is not None else None
             if t is None:
                 t = analytical_node_time(info, ns.inputs, infos, device, k, s, mesh_shape)
-            t *= slow
+            lowered = describe(ns.node, s, mesh_shape)
+            t *= slow * lowered.work
             if overlap_matmuls and ns.node.target is LINEAR:
                 tables.matmul_s.setdefault(name, []).append(t)
-            lowered = describe(ns.node, s, mesh_shape)
             calls = priced_calls(lowered, comm, t)
             t_in = sum(sec for _, sec in calls)
             inside.append(t_in)

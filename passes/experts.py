@@ -409,6 +409,17 @@ def fold_experts(gm: fx.GraphModule) -> int:
     return done
 
 
+SKEW = "autopar_expert_skew"  # node meta: the routing skew the search prices (SearchOptions.expert_skew)
+
+
+def mark_skew(tg, skew: float) -> None:
+    """Record on each MoE op of ``tg`` the routing skew to price it at
+    (``autopar/lowerings/experts.py`` reads it)."""
+    for n in tg.graph.nodes:
+        if n.op == "call_function" and n.target is _moe_op():
+            n.meta[SKEW] = float(skew)
+
+
 def has_experts(tg) -> bool:
     """Does the traced graph hold a mixture-of-experts op (``fold_experts``)?"""
     return any(n.op == "call_function" and n.target is _moe_op() for n in tg.graph.nodes)

@@ -25,6 +25,7 @@ from autopar.errors import PlanFormatError, PlanMismatchError
 from autopar.options import AxisRole
 from autopar.passes.analyze import NodeInfo, analyze
 from autopar.passes.data_region import plan_region
+from autopar.passes.experts import mark_skew
 from autopar.passes.fuse import fuse_as_planned
 from autopar.passes.local_rows import trace_rows
 from autopar.passes.rules import AxisOption
@@ -49,10 +50,12 @@ NO_REGIONS = PlanRegions()
 
 def rewrite_as_planned(tg: TracedGraph, plan: Plan) -> None:
     """Rewrite a trace of the model as the plan's search rewrote its own: the outputs the plan does
-    not return dropped (``Outputs.LOSS``), its fused kernels substituted at the same nodes."""
+    not return dropped (``Outputs.LOSS``), its fused kernels substituted at the same nodes, its
+    MoE ops marked with the routing skew it was priced at."""
     if plan.outputs == Outputs.LOSS.value:
         keep_loss_only(tg)
     fuse_as_planned(tg, plan.kernels)
+    mark_skew(tg, plan.expert_skew or 1.0)
 
 
 def traced_as_planned(model, example_inputs, plan: Plan) -> TracedGraph:

@@ -83,7 +83,9 @@ def given_choice(
             raise PlanMismatchError(
                 f"{plan.pipeline.stages} pipeline stages split the nodes of {cluster.name} unevenly; re-plan for it"
             )
-    options = SearchOptions(optimizer=optimizer, outputs=Outputs(plan.outputs))
+    options = SearchOptions(
+        optimizer=optimizer, outputs=Outputs(plan.outputs), expert_skew=plan.expert_skew or 1.0
+    )
     mesh = tuple(plan.mesh_shape)
     # as the search priced it (passes/trades.py)
     cinfos = half_infos(tg, infos, plan.trades.precision, autocast_device(devices))

@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from autopar.cluster import ClusterSpec
 from autopar.options import SearchOptions
 from autopar.passes.analyze import NodeInfo
+from autopar.passes.experts import has_experts
 from autopar.passes.mesh_solve import Solved
 from autopar.passes.pipeline import PipelinePrice
 from autopar.passes.price import buffers_inputs_bytes, price_plan
@@ -40,6 +41,7 @@ def price_solved(
         with_trades(plan, tg, infos, solved, options),
         kernels=tg.kernels,
         solver=dataclasses.replace(plan.solver, time_limit_s=options.time_limit_s),
+        expert_skew=float(options.expert_skew) if has_experts(tg) else None,
     )
     if solved.pipe is not None:
         plan = with_pipeline(plan, solved.pipe, cluster)

@@ -51,3 +51,23 @@ def test_the_search_picks_the_faster_expert_layout():
     assert expert.predicted.step_time_s < data.predicted.step_time_s
     chosen = [d for d in free.decisions if d.op == MOE]
     assert chosen and all(ExpertDispatch.ALL_TO_ALL in via_from_str(d.via) for d in chosen), free.summary()
+
+
+def test_a_skewed_routing_is_priced_on_the_busiest_rank_and_recorded():
+    """``expert_skew``: under expert parallelism the busiest rank's all-to-all bytes and expert work
+    grow by the skew (the MoE op's own seconds by exactly it, its bytes too), the plan records it
+    and says so, and it survives a JSON round trip; a skew below 1 is refused."""
+    forced = dict(mesh_shape=(8,), axis_roles=(AxisRole.EXPERT,))
+    even, skewed = _plan(**forced), _plan(expert_skew=1.5, **forced)
+    assert (even.expert_skew, skewed.expert_skew) == (1.0, 1.5)
+    assert "busiest rank 1.5x" in skewed.summary() and "routing priced balanced" in even.summary()
+    assert autopar.Plan.from_dict(skewed.to_dict()).expert_skew == 1.5
+    for a, b in zip((d for d in even.decisions if d.op == MOE), (d for d in skewed.decisions if d.op == MOE)):
+        assert b.compute_s == pytest.approx(1.5 * a.compute_s, rel=1e-9)
+        rows = [c for c in a.collectives if c.nbytes > 1024]
+        assert [1.5 * c.nbytes for c in rows] == pytest.approx(
+            [c.nbytes for c in b.collectives if c.nbytes > 1024]
+        )
+    assert skewed.predicted.step_time_s > even.predicted.step_time_s
+    with pytest.raises(autopar.SearchOptionsError, match="expert_skew"):
+        autopar.SearchOptions(expert_skew=0.5)

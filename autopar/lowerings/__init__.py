@@ -10,7 +10,9 @@ returns its :class:`LoweringPlan`:
 * ``calls``: every collective the generated code issues inside the op, in the order it issues
   them, forward then backward, as typed :class:`LoweringCall` records (kind, mesh axis, bytes,
   phase, and the share of the op's compute it can hide behind);
-* ``saved_bytes``: what the lowering keeps for backward beyond what the traced op keeps.
+* ``saved_bytes``: what the lowering keeps for backward beyond what the traced op keeps;
+* ``work``: the busiest rank's share of the op's work over an even share (``>= 1``: a skewed
+  expert routing), by which the cost tables scale the op's compute.
 
 Three readers, one source:
 
@@ -93,10 +95,16 @@ class LoweringPlan:
 
     calls: tuple[LoweringCall, ...] = ()
     saved_bytes: float = 0.0
+    # the busiest rank's work over an even share of the op's (an expert dispatch's skewed routing)
+    work: float = 1.0
 
     def __post_init__(self) -> None:
         if self.saved_bytes < 0:
             raise ValueError(f"a lowering keeps {self.saved_bytes} bytes: must be >= 0")
+        if self.work < 1:
+            raise ValueError(
+                f"a lowering's busiest rank does {self.work} of an even share of the work: must be >= 1"
+            )
         hides: dict[int, float] = {}
         for c in self.calls:
             if c.window is not None and hides.setdefault(c.window, c.hides) != c.hides:

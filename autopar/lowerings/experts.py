@@ -11,8 +11,10 @@ the rows' gradients back. None hides behind compute: each waits for the one befo
 runs the pairs of the experts it holds; its output is a summand, reduced by the reshard that reads
 it. No collective inside.
 
-Routing is assumed balanced (``SKEW`` = 1: every rank's experts get ``T k / n`` pairs); a skewed
-router sends and computes more on its busiest rank.
+Routing is priced balanced unless the search says otherwise (``SearchOptions.expert_skew``, marked
+on the node: ``passes/experts.py:mark_skew``): the busiest rank's experts get ``skew`` times the
+balanced ``T k / n`` pairs, so its all-to-alls move ``skew`` times the rows and its experts' matmuls
+take ``skew`` times as long (``LoweringPlan.work``), under either lowering.
 """
 
 from __future__ import annotations
@@ -24,8 +26,9 @@ from autopar.kernels import moe  # noqa: F401  (registers autopar::moe_experts)
 from autopar.lowerings import Collective, Lowering, LoweringCall, LoweringPlan, Phase, register
 from autopar.placement import ExpertDispatch, is_replicate, is_shard, volume_factor
 
-# the busiest rank's share of the pairs over a balanced share
+# the busiest rank's share of the pairs over a balanced share, where the search marks none
 SKEW = 1.0
+SKEW_META = "autopar_expert_skew"  # passes/experts.py:mark_skew (SearchOptions.expert_skew)
 
 
 def experts_axis(s, mesh_shape) -> int | None:
@@ -40,17 +43,19 @@ def _all_to_all(node: fx.Node, s, mesh_shape: tuple[int, ...]) -> LoweringPlan |
     x, ids, w_in = (node.args[i].meta["val"] for i in (0, 2, 3))
     k, experts = ids.shape[1], w_in.shape[0]
     rows = x.shape[0] / volume_factor(s.ins[0], mesh_shape) * k
-    pairs = rows * x.shape[1] * w_in.element_size() * SKEW  # the rows travel in the matmuls' dtype
+    skew = node.meta.get(SKEW_META, SKEW)
+    pairs = rows * x.shape[1] * w_in.element_size() * skew  # the rows travel in the matmuls' dtype
     counts = experts * 8  # int64 per expert
     send = Collective.ALL_TO_ALL
     return LoweringPlan(
-        (
+        work=skew,
+        calls=(
             LoweringCall(send, a, counts, Phase.FORWARD),
             LoweringCall(send, a, pairs, Phase.FORWARD),
             LoweringCall(send, a, pairs, Phase.FORWARD),
             LoweringCall(send, a, pairs, Phase.BACKWARD),
             LoweringCall(send, a, pairs, Phase.BACKWARD),
-        )
+        ),
     )
 
 
@@ -58,7 +63,7 @@ def _local(node: fx.Node, s, mesh_shape: tuple[int, ...]) -> LoweringPlan | None
     a = experts_axis(s, mesh_shape)
     if a is None or s.via_axis(ExpertDispatch.ALL_TO_ALL) is not None or not is_replicate(s.ins[0][a]):
         return None
-    return LoweringPlan()
+    return LoweringPlan(work=node.meta.get(SKEW_META, SKEW))
 
 
 MOE = torch.ops.autopar.moe_experts.default
