@@ -13,6 +13,7 @@ import torch
 import autopar
 from autopar import AxisRole, Outputs, Precision
 from autopar.placement import ExpertDispatch, via_from_str
+from autopar.report import render_report
 
 tf = pytest.importorskip("transformers")
 
@@ -69,5 +70,10 @@ def test_a_skewed_routing_is_priced_on_the_busiest_rank_and_recorded():
             [c.nbytes for c in b.collectives if c.nbytes > 1024]
         )
     assert skewed.predicted.step_time_s > even.predicted.step_time_s
+    html = render_report(skewed)  # the report shows the expert layout and the skew priced
+    assert "expert parallel" in html and "experts of 2 of 2 MoE layers split (by all-to-all)" in html
+    assert (
+        "busiest rank&#x27;s share of routed pairs" in html or "busiest rank's share of routed pairs" in html
+    )
     with pytest.raises(autopar.SearchOptionsError, match="expert_skew"):
         autopar.SearchOptions(expert_skew=0.5)

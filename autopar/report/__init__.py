@@ -263,7 +263,16 @@ def _summary_table(plan: Plan, measured: dict | None) -> str:
     for label, b, _ in m.parts:
         rows.append((f"· {label}", "mib", b, keys.get(label, "other_bytes")))
     rows.append(("world size", "int", plan.world_size, "world_size"))
-    fmt = {"ms": fmt_ms, "mib": fmt_bytes, "int": lambda v: str(v) if is_num(v) else "—"}
+    if plan.expert_skew is not None:  # the routing its MoE ops were priced at
+        rows.append(
+            ("experts: busiest rank's share of routed pairs / balanced", "x", plan.expert_skew, "expert_skew")
+        )
+    fmt = {
+        "ms": fmt_ms,
+        "mib": fmt_bytes,
+        "int": lambda v: str(v) if is_num(v) else "—",
+        "x": lambda v: f"{v:g}",
+    }
     headers = ["quantity", "predicted"] + (
         ["measured", "rel. error (pred − meas) / meas"] if measured else []
     )
@@ -292,6 +301,8 @@ ROLE_MEANING = {
     "data": "data parallel: parameters whole on each device, the inputs split on dim 0 (the batch)",
     "tensor": "tensor parallel: every parameter of two or more dims sharded, the inputs whole",
     "sequence": "sequence parallel: the inputs split on dim 1 (the sequence), attention's queries too",
+    "expert": "expert parallel: the inputs split on dim 0 as on a data axis, every mixture-of-experts layer's "
+    "experts split over the axis and its tokens sent to them by all-to-all",
     "auto": "any: the solver chose every placement",
 }
 SEQ_ATTENTION_MEANING = {
