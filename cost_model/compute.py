@@ -138,6 +138,9 @@ _GEMMS = {
     "aten.matmul.default": _batched,
     # the output projection fused with its loss (kernels/cross_entropy.py): h [N, H] @ W[V, H]^T
     "autopar.linear_cross_entropy.default": lambda h, w, *_: (h[0], h[1], w[0]),
+    # a mixture of experts' grouped GEMMs (kernels/moe.py): per local expert, its share of the
+    # routed rows (balanced) against [H, F]: x [T, H], ids [T, k], w_in [E, F, H] or [E, H, F]
+    "autopar.moe_experts.default": lambda x, w, ids, w_in, *_: (x[0] * ids[1] / w_in[0], x[1], min(w_in[1:])),
 }
 
 # the matmul-family ops, as a plan's decisions name them (``autopar/report/parts.py`` reads them)

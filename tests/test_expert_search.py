@@ -77,3 +77,16 @@ def test_a_skewed_routing_is_priced_on_the_busiest_rank_and_recorded():
     )
     with pytest.raises(autopar.SearchOptionsError, match="expert_skew"):
         autopar.SearchOptions(expert_skew=0.5)
+
+
+def test_the_experts_grouped_gemms_are_priced_as_gemms_of_their_rows_per_expert():
+    """The MoE op's GEMM efficiency is that of one expert's GEMM: its balanced share of the routed
+    rows against [H, F] (``cost_model/compute.py``): small shares price like skinny GEMMs."""
+    from autopar.cost_model.compute import GEMM_OPS, gemm_min_dim
+
+    assert MOE in GEMM_OPS
+    # 4096 tokens, top 2, 8 experts of [F=1024, H=512]: 1024 rows per expert
+    shapes = [(4096, 512), (4096, 2), (4096, 2), (8, 1024, 512), (8, 512, 1024)]
+    assert gemm_min_dim(MOE, shapes) == 512
+    shapes[0], shapes[1], shapes[2] = (256, 512), (256, 2), (256, 2)  # 64 rows per expert
+    assert gemm_min_dim(MOE, shapes) == 64
