@@ -48,6 +48,7 @@ from autopar.passes.rules import (
     written_inputs,
 )
 from autopar.passes.rules.dtensor import options as dtensor_options
+from autopar.passes.rules.matmul import linear_2d_options
 from autopar.passes.trace import Role, TracedGraph
 from autopar.placement import SeqAttention, Spec, Via, is_partial, is_replicate, is_shard
 
@@ -261,6 +262,10 @@ def build_strategies(
                 # it and the mutation would be lost
                 options = []
             strategies = expand(options, len(ins), info.shapes, in_shapes, mesh_shape, pinned)
+            if options and not (regions and node.name in regions):
+                strategies += grid_strategies(
+                    node, options, info.shapes, in_shapes, mesh_shape, pinned, axis_roles
+                )
             if node.target is SDPA:
                 strategies = _attention_strategies(
                     strategies, in_shapes, mesh_shape, axis_roles, seq_attention
@@ -270,6 +275,39 @@ def build_strategies(
 
 
 SDPA = aten.scaled_dot_product_attention.default
+LINEAR = aten.linear.default
+
+
+def grid_strategies(
+    node: fx.Node,
+    options: list[AxisOption],
+    out_shapes: Sequence[Sequence[int]],
+    in_shapes: Sequence[Sequence[int]],
+    mesh_shape: Sequence[int],
+    pinned: dict[int, AxisOption] | None = None,
+    axis_roles: Sequence[AxisRole] | None = None,
+) -> list[Strategy]:
+    """A linear's 2D strategies (``Matmul2D``, ``rules/matmul.py:linear_2d_options``): the pair of
+    options on every ordered pair of mesh axes of one size ``q >= 2`` whose role leaves weights
+    split (``AUTO``, ``TENSOR``) and that nothing pins, the other axes taking any of the op's
+    options (``expand``'s filters: every split divides, no dim split twice)."""
+    if node.target is not LINEAR:
+        return []
+    pairs = linear_2d_options(make_ctx(node))
+    roles = tuple(axis_roles or (AxisRole.AUTO,) * len(mesh_shape))
+    free = [
+        a
+        for a, n in enumerate(mesh_shape)
+        if n >= 2 and roles[a] in (AxisRole.AUTO, AxisRole.TENSOR) and a not in (pinned or {})
+    ]
+    out: list[Strategy] = []
+    for a, b in itertools.permutations(free, 2):
+        if mesh_shape[a] != mesh_shape[b]:
+            continue
+        for rows, cols in pairs:
+            pins = dict(pinned or {}) | {a: rows, b: cols}
+            out += expand(options, len(in_shapes), out_shapes, in_shapes, mesh_shape, pins)
+    return out
 
 
 def _region_pins(option: AxisOption, mesh_shape: Sequence[int], axis_roles: Sequence[AxisRole]) -> dict:

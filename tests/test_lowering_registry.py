@@ -115,6 +115,15 @@ def _mse(m, k, pick):
     return aten.mse_loss.default, (_randn(m * k, m), _randn(m * k, m)), {}
 
 
+def _linear(m, k, pick):
+    """A linear whose rows, ``K`` and ``N`` divide over any axes of an ``m``-rank mesh; 2-D or 3-D
+    input, with or without a bias."""
+    x = _randn(m * k * 2, 2 * m) if pick & 1 else _randn(m, m * k, 2 * m)
+    w = _randn(m * 3, 2 * m)
+    args = (x, w, _randn(m * 3)) if (pick >> 1) & 1 else (x, w)
+    return aten.linear.default, args, {}
+
+
 EXAMPLES = {
     "cross_entropy_mean": _cross_entropy,
     "linear_cross_entropy": _linear_cross_entropy,
@@ -126,6 +135,7 @@ EXAMPLES = {
     "local_index": _index,
     "split_mean": _mean,
     "split_mse_loss": _mse,
+    "matmul_2d_gathered": _linear,
 }
 
 

@@ -14,8 +14,27 @@ from autopar.passes.rules import (
     aten,
     register,
 )
+from autopar.placement import Matmul2D
 
 # matmul family
+
+
+def linear_2d_options(ctx: OpCtx) -> list[tuple[AxisOption, AxisOption]]:
+    """The 2D layouts of a linear (``autopar/lowerings/matmul_nd.py``), one per batch-like dim of
+    its input taken as the rows: (the option of the axis that splits the rows and the weight's
+    ``K``, the option of the axis that splits ``K`` of the input and the weight's ``N``). Neither
+    is a one-axis option alone: ``passes/strategies.py`` places the pair on two axes of one size."""
+    x = ctx.in_shapes[0]
+    if len(x) < 2 or len(ctx.in_shapes[1]) != 2:
+        return []
+    has_bias = ctx.n_in == 3
+    k = len(x) - 1
+    cols = AxisOption(Shard(k), (Shard(k), Shard(0)) + ((Shard(0),) if has_bias else ()), Matmul2D.GATHERED)
+    return [
+        (AxisOption(Shard(d), (Shard(d), Shard(1)) + ((R,) if has_bias else ()), Matmul2D.GATHERED), cols)
+        for d in range(k)
+        if x[d] > 1
+    ]
 
 
 @register(aten.linear.default)

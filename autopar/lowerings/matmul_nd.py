@@ -1,0 +1,79 @@
+"""2D tensor-parallel linear (Optimus, Xu et al. 2021) on a ``q x q`` grid of mesh axes ``a``, ``b``.
+
+Layouts (``Matmul2D``; ``passes/rules/matmul.py:linear_2d_options`` offers them), for
+``Y = X W^T + bias`` with ``X [.., M, K]``, ``W [N, K]`` (torch's layout of a linear's weight),
+rows ``M`` any batch-like dim of ``X``:
+
+* ``X``: rows on ``a``, ``K`` on ``b``; ``W``: ``K`` (its dim 1) on ``a``, ``N`` (dim 0) on ``b``;
+  ``bias``: ``N`` on ``b``, whole on ``a``; ``Y``: rows on ``a``, ``N`` on ``b``.
+
+Rank ``(i, j)`` holds ``X_ij`` and ``W_ij`` and must compute ``Y_ij = sum_k X_ik W_kj``. SUMMA
+broadcasts, at step ``k``, ``X_ik`` along its row (axis ``b``) and ``W_kj`` along its column (axis
+``a``); ``GATHERED`` runs the ``q`` steps at once: one all-gather of ``X``'s ``K`` blocks over
+``b`` and one of ``W``'s over ``a``, then one local linear. Each rank receives what SUMMA's
+broadcasts bring it, ``(q - 1) / q`` of the gathered operands; it holds the gathered operands
+(``q`` times the local ones) through the op and keeps them for backward.
+
+Calls (byte convention of ``autopar/lowerings``: a gather or reduce-scatter at its gathered size):
+
+* forward: ``ALL_GATHER`` of ``X`` over ``b`` (``q |X_ij|`` bytes), ``ALL_GATHER`` of ``W`` over
+  ``a`` (``q |W_ij|``);
+* backward: the gathered ``X``'s gradient ``dY_ij W_:j`` is a partial sum over ``b``, the gathered
+  ``W``'s ``dY_ij^T X_i:`` one over ``a``: each gather's backward reduce-scatters it
+  (``codegen/collectives.py:all_gather`` with ``fused_f``), the same bytes.
+
+Saved bytes: the gathered operands the local linear keeps, beyond the local pieces the traced op
+keeps: ``(q - 1) (|X_ij| + |W_ij|)``. None of the calls hides behind compute.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.fx as fx
+
+from autopar.lowerings import Collective, Lowering, LoweringCall, LoweringPlan, Phase, register
+from autopar.placement import Matmul2D, is_shard, volume_factor
+
+LINEAR = torch.ops.aten.linear.default
+
+
+def grid_axes(s, x_ndim: int) -> tuple[int, int] | None:
+    """``(a, b)`` of a 2D linear's strategy ``s`` (module docstring): ``a`` splits ``X``'s rows and
+    ``W``'s ``K``, ``b`` splits ``X``'s ``K`` and ``W``'s ``N``; None for any other strategy."""
+    marked = [a for a, v in enumerate(s.via) if v is Matmul2D.GATHERED]
+    if len(marked) != 2:
+        return None
+    x = s.ins[0]
+    b = [a for a in marked if is_shard(x[a]) and x[a].dim % x_ndim == x_ndim - 1]
+    if len(b) != 1:
+        return None
+    a = marked[0] if marked[1] == b[0] else marked[1]
+    return a, b[0]
+
+
+def is_grid(s) -> bool:
+    """Does strategy ``s`` run its op on a grid of two axes (``Matmul2D``)?"""
+    return any(isinstance(v, Matmul2D) for v in s.via)
+
+
+def _gathered(node: fx.Node, s, mesh_shape: Sequence[int]):
+    grid = grid_axes(s, node.args[0].meta["val"].dim())
+    if grid is None:
+        return None
+    a, b = grid
+    x, w = node.args[0].meta["val"], node.args[1].meta["val"]
+    x_local = x.numel() * x.element_size() / volume_factor(s.ins[0], mesh_shape)
+    w_local = w.numel() * w.element_size() / volume_factor(s.ins[1], mesh_shape)
+    qa, qb = mesh_shape[a], mesh_shape[b]
+    calls = (
+        LoweringCall(Collective.ALL_GATHER, b, x_local * qb, Phase.FORWARD),
+        LoweringCall(Collective.ALL_GATHER, a, w_local * qa, Phase.FORWARD),
+        LoweringCall(Collective.REDUCE_SCATTER, b, x_local * qb, Phase.BACKWARD),
+        LoweringCall(Collective.REDUCE_SCATTER, a, w_local * qa, Phase.BACKWARD),
+    )
+    return LoweringPlan(calls, saved_bytes=(qb - 1) * x_local + (qa - 1) * w_local)
+
+
+MATMUL_2D = register(Lowering("matmul_2d_gathered", (LINEAR,), _gathered))
