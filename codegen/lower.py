@@ -50,7 +50,7 @@ from autopar.lowerings.attention import ALL_TO_ALL, RING, SDPA_ARGS, is_causal, 
 from autopar.lowerings.batch_norm import BATCH_NORM
 from autopar.lowerings.local import EMBEDDING, INDEX, MEAN, MSE, mean_dims
 from autopar.lowerings.loss import CROSS_ENTROPY_MEAN, LINEAR_CROSS_ENTROPY, fused_axes
-from autopar.lowerings.matmul_nd import MATMUL_2D, grid_axes
+from autopar.lowerings.matmul_nd import MATMUL_2D, OPERANDS, grid_axes
 from autopar.passes.collective_matmul import LINEAR, gather_step, scatter_step, sole_use
 from autopar.passes.grad_sync import emitted_f_axes, plan_uses, reshard_key
 from autopar.passes.local_rows import local_call
@@ -140,10 +140,6 @@ def lowering(*ops):
         return fn
 
     return deco
-
-
-def _ndim(linear: fx.Node) -> int:
-    return linear.args[0].meta["val"].dim()
 
 
 def _out_shape(node: fx.Node) -> tuple[int, ...]:
@@ -361,18 +357,19 @@ def _lower_linear_cross_entropy(g, node, args, kwargs, s, mesh_shape):
     return g.call_function(L.loss_alone, (loss,)) if isinstance(node.meta["val"], tuple) else loss
 
 
-@lowering(aten.linear.default)
-def _lower_linear(g, node, args, kwargs, s, mesh_shape):
-    """A 2D linear (``autopar/lowerings/matmul_nd.py``): the input's ``K`` blocks gathered over
-    axis ``b``, the weight's over axis ``a``, one local linear; each gather's backward
-    reduce-scatters its operand's gradient (a partial sum over the other blocks' outputs)."""
+@lowering(*OPERANDS)
+def _lower_matmul(g, node, args, kwargs, s, mesh_shape):
+    """A 2D matmul (``autopar/lowerings/matmul_nd.py``): ``X``'s ``K`` blocks gathered over axis
+    ``b``, ``W``'s over axis ``a``, one local op; each gather's backward reduce-scatters its
+    operand's gradient (a partial sum over the other blocks' outputs)."""
     if lowering_of(node, s, mesh_shape) is not MATMUL_2D:
         return g.call_function(node.target, args, kwargs)
-    ndim = node.args[0].meta["val"].dim()
-    a, b = grid_axes(s, ndim)
-    x = g.call_function(C.all_gather, (args[0], ndim - 1, b, True))
-    w = g.call_function(C.all_gather, (args[1], 1, a, True))
-    return g.call_function(node.target, (x, w, *args[2:]), kwargs)
+    a, b = grid_axes(node, s)
+    xi, wi, wk = OPERANDS[node.target]
+    args = list(args)
+    args[xi] = g.call_function(C.all_gather, (args[xi], node.args[xi].meta["val"].dim() - 1, b, True))
+    args[wi] = g.call_function(C.all_gather, (args[wi], wk, a, True))
+    return g.call_function(node.target, tuple(args), kwargs)
 
 
 def _emit_gather_linear(g, args, kwargs, x: fx.Node, step: ReshardStep, call, made: dict) -> fx.Node:
@@ -529,7 +526,7 @@ def lower(
         elif node.op == "call_function":
             s = choice[node.name]
             # a 2D linear gathers inside its own lowering: no collective matmul around it
-            fuse = overlap_matmuls and node.target is LINEAR and grid_axes(s, _ndim(node)) is None
+            fuse = overlap_matmuls and node.target is LINEAR and grid_axes(node, s) is None
             gather = []  # all_gather_linear's input, step and made key (gather_input)
 
             def reshard_in(k, leaf, s=s, node=node, fuse=fuse, gather=gather):

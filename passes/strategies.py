@@ -48,7 +48,7 @@ from autopar.passes.rules import (
     written_inputs,
 )
 from autopar.passes.rules.dtensor import options as dtensor_options
-from autopar.passes.rules.matmul import linear_2d_options
+from autopar.passes.rules.matmul import GRID_OPTIONS
 from autopar.passes.trace import Role, TracedGraph
 from autopar.placement import SeqAttention, Spec, Via, is_partial, is_replicate, is_shard
 
@@ -275,7 +275,6 @@ def build_strategies(
 
 
 SDPA = aten.scaled_dot_product_attention.default
-LINEAR = aten.linear.default
 
 
 def grid_strategies(
@@ -287,13 +286,14 @@ def grid_strategies(
     pinned: dict[int, AxisOption] | None = None,
     axis_roles: Sequence[AxisRole] | None = None,
 ) -> list[Strategy]:
-    """A linear's 2D strategies (``Matmul2D``, ``rules/matmul.py:linear_2d_options``): the pair of
+    """A matmul's 2D strategies (``Matmul2D``, ``rules/matmul.py:GRID_OPTIONS``): the pair of
     options on every ordered pair of mesh axes of one size ``q >= 2`` whose role leaves weights
     split (``AUTO``, ``TENSOR``) and that nothing pins, the other axes taking any of the op's
     options (``expand``'s filters: every split divides, no dim split twice)."""
-    if node.target is not LINEAR:
+    grid = GRID_OPTIONS.get(node.target)
+    if grid is None:
         return []
-    pairs = linear_2d_options(make_ctx(node))
+    pairs = grid(make_ctx(node))
     roles = tuple(axis_roles or (AxisRole.AUTO,) * len(mesh_shape))
     free = [
         a

@@ -115,13 +115,21 @@ def _mse(m, k, pick):
     return aten.mse_loss.default, (_randn(m * k, m), _randn(m * k, m)), {}
 
 
-def _linear(m, k, pick):
-    """A linear whose rows, ``K`` and ``N`` divide over any axes of an ``m``-rank mesh; 2-D or 3-D
-    input, with or without a bias."""
-    x = _randn(m * k * 2, 2 * m) if pick & 1 else _randn(m, m * k, 2 * m)
-    w = _randn(m * 3, 2 * m)
-    args = (x, w, _randn(m * 3)) if (pick >> 1) & 1 else (x, w)
-    return aten.linear.default, args, {}
+def _matmul(m, k, pick):
+    """A linear (3-D or 2-D input), ``mm`` or ``addmm`` (1-D or 2-D bias) whose rows, ``K`` and
+    ``N`` divide over any axes of an ``m``-rank mesh; a linear's bias where ``pick >= 4``."""
+    rows, kk, n = m * k * 2, 2 * m, 3 * m
+    kind, more = pick % 4, pick >= 4
+    if kind == 0:
+        x, w = _randn(m, m * k, kk), _randn(n, kk)
+        return aten.linear.default, (x, w, _randn(n)) if more else (x, w), {}
+    if kind == 1:
+        x, w = _randn(rows, kk), _randn(n, kk)
+        return aten.linear.default, (x, w, _randn(n)) if more else (x, w), {}
+    if kind == 2:
+        return aten.mm.default, (_randn(rows, kk), _randn(kk, n)), {}
+    bias = _randn(rows, n) if more else _randn(n)
+    return aten.addmm.default, (bias, _randn(rows, kk), _randn(kk, n)), {}
 
 
 EXAMPLES = {
@@ -135,7 +143,7 @@ EXAMPLES = {
     "local_index": _index,
     "split_mean": _mean,
     "split_mse_loss": _mse,
-    "matmul_2d_gathered": _linear,
+    "matmul_2d_gathered": _matmul,
 }
 
 

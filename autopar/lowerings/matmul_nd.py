@@ -1,11 +1,12 @@
-"""2D tensor-parallel linear (Optimus, Xu et al. 2021) on a ``q x q`` grid of mesh axes ``a``, ``b``.
+"""2D tensor-parallel matmuls (Optimus, Xu et al. 2021) on a ``q x q`` grid of mesh axes ``a``, ``b``.
 
-Layouts (``Matmul2D``; ``passes/rules/matmul.py:linear_2d_options`` offers them), for
+Layouts (``Matmul2D``; ``passes/rules/matmul.py:GRID_OPTIONS`` offers them), for a linear
 ``Y = X W^T + bias`` with ``X [.., M, K]``, ``W [N, K]`` (torch's layout of a linear's weight),
-rows ``M`` any batch-like dim of ``X``:
+rows ``M`` any batch-like dim of ``X``, and alike for ``mm`` and ``addmm`` (``X [M, K]``,
+``W [K, N]``: GPT-2's Conv1D):
 
-* ``X``: rows on ``a``, ``K`` on ``b``; ``W``: ``K`` (its dim 1) on ``a``, ``N`` (dim 0) on ``b``;
-  ``bias``: ``N`` on ``b``, whole on ``a``; ``Y``: rows on ``a``, ``N`` on ``b``.
+* ``X``: rows on ``a``, ``K`` on ``b``; ``W``: ``K`` on ``a``, ``N`` on ``b``; a bias: ``N`` on
+  ``b``, its rows (where it has any) on ``a``; ``Y``: rows on ``a``, ``N`` on ``b``.
 
 Rank ``(i, j)`` holds ``X_ij`` and ``W_ij`` and must compute ``Y_ij = sum_k X_ik W_kj``. SUMMA
 broadcasts, at step ``k``, ``X_ik`` along its row (axis ``b``) and ``W_kj`` along its column (axis
@@ -36,17 +37,23 @@ import torch.fx as fx
 from autopar.lowerings import Collective, Lowering, LoweringCall, LoweringPlan, Phase, register
 from autopar.placement import Matmul2D, is_shard, volume_factor
 
-LINEAR = torch.ops.aten.linear.default
+aten = torch.ops.aten
+LINEAR = aten.linear.default
+
+# op -> (tensor input of X, tensor input of W, W's K dim): a linear's weight is [N, K], a matrix
+# product's right operand (mm, addmm: GPT-2's Conv1D) [K, N]
+OPERANDS = {LINEAR: (0, 1, 1), aten.addmm.default: (1, 2, 0), aten.mm.default: (0, 1, 0)}
 
 
-def grid_axes(s, x_ndim: int) -> tuple[int, int] | None:
-    """``(a, b)`` of a 2D linear's strategy ``s`` (module docstring): ``a`` splits ``X``'s rows and
+def grid_axes(node: fx.Node, s) -> tuple[int, int] | None:
+    """``(a, b)`` of a 2D matmul's strategy ``s`` (module docstring): ``a`` splits ``X``'s rows and
     ``W``'s ``K``, ``b`` splits ``X``'s ``K`` and ``W``'s ``N``; None for any other strategy."""
     marked = [a for a, v in enumerate(s.via) if v is Matmul2D.GATHERED]
-    if len(marked) != 2:
+    if len(marked) != 2 or node.target not in OPERANDS:
         return None
-    x = s.ins[0]
-    b = [a for a in marked if is_shard(x[a]) and x[a].dim % x_ndim == x_ndim - 1]
+    xi = OPERANDS[node.target][0]
+    x, ndim = s.ins[xi], node.args[xi].meta["val"].dim()
+    b = [a for a in marked if is_shard(x[a]) and x[a].dim % ndim == ndim - 1]
     if len(b) != 1:
         return None
     a = marked[0] if marked[1] == b[0] else marked[1]
@@ -59,13 +66,14 @@ def is_grid(s) -> bool:
 
 
 def _gathered(node: fx.Node, s, mesh_shape: Sequence[int]):
-    grid = grid_axes(s, node.args[0].meta["val"].dim())
+    grid = grid_axes(node, s)
     if grid is None:
         return None
     a, b = grid
-    x, w = node.args[0].meta["val"], node.args[1].meta["val"]
-    x_local = x.numel() * x.element_size() / volume_factor(s.ins[0], mesh_shape)
-    w_local = w.numel() * w.element_size() / volume_factor(s.ins[1], mesh_shape)
+    xi, wi, _ = OPERANDS[node.target]
+    x, w = node.args[xi].meta["val"], node.args[wi].meta["val"]
+    x_local = x.numel() * x.element_size() / volume_factor(s.ins[xi], mesh_shape)
+    w_local = w.numel() * w.element_size() / volume_factor(s.ins[wi], mesh_shape)
     qa, qb = mesh_shape[a], mesh_shape[b]
     calls = (
         LoweringCall(Collective.ALL_GATHER, b, x_local * qb, Phase.FORWARD),
@@ -76,4 +84,4 @@ def _gathered(node: fx.Node, s, mesh_shape: Sequence[int]):
     return LoweringPlan(calls, saved_bytes=(qb - 1) * x_local + (qa - 1) * w_local)
 
 
-MATMUL_2D = register(Lowering("matmul_2d_gathered", (LINEAR,), _gathered))
+MATMUL_2D = register(Lowering("matmul_2d_gathered", tuple(OPERANDS), _gathered))

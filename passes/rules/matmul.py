@@ -37,6 +37,30 @@ def linear_2d_options(ctx: OpCtx) -> list[tuple[AxisOption, AxisOption]]:
     ]
 
 
+def mm_2d_options(ctx: OpCtx) -> list[tuple[AxisOption, AxisOption]]:
+    """``mm``'s 2D layout (``linear_2d_options``): ``[M, K] @ [K, N]``."""
+    rows = AxisOption(Shard(0), (Shard(0), Shard(0)), Matmul2D.GATHERED)
+    return [(rows, AxisOption(Shard(1), (Shard(1), Shard(1)), Matmul2D.GATHERED))]
+
+
+def addmm_2d_options(ctx: OpCtx) -> list[tuple[AxisOption, AxisOption]]:
+    """``addmm``'s 2D layout (``linear_2d_options``): ``bias + [M, K] @ [K, N]``, the bias split
+    like the output where it has the dim (it broadcasts where it does not)."""
+    bias = ctx.in_shapes[0]
+    b_m = Shard(0) if len(bias) == 2 and bias[0] > 1 else R
+    b_n = Shard(len(bias) - 1) if bias and bias[-1] > 1 else R
+    rows = AxisOption(Shard(0), (b_m, Shard(0), Shard(0)), Matmul2D.GATHERED)
+    return [(rows, AxisOption(Shard(1), (b_n, Shard(1), Shard(1)), Matmul2D.GATHERED))]
+
+
+# op -> its 2D layouts
+GRID_OPTIONS = {
+    aten.linear.default: linear_2d_options,
+    aten.mm.default: mm_2d_options,
+    aten.addmm.default: addmm_2d_options,
+}
+
+
 @register(aten.linear.default)
 def linear_rule(ctx: OpCtx) -> list[AxisOption]:
     x = ctx.in_shapes[0]
