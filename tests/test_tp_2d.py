@@ -186,3 +186,19 @@ def test_2d_matmuls_train_as_one_device(grid_runs, name):
         assert set(state) == set(ref_state)
         for k in ref_state:
             assert_adam_state_close(state[k], ref_state[k], LR, STEPS, f"rank {rank} {k}")
+
+
+def test_export_refuses_a_2d_matmul_by_name():
+    """PyTorch's parallelize_module styles split a weight on one axis: a plan with a 2D matmul is
+    refused naming the node, not exported as some other layout."""
+    from autopar.export import ExportError
+
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 8))
+    inputs = (torch.randn(16, 8),)
+    cluster = autopar.ClusterSpec.preset("cpu", devices_per_node=WORLD)
+    plan, n_grid, _ = grid_everywhere(autopar.plan(model, cluster, inputs, mesh_shape=MESH), model, inputs)
+    assert n_grid == 2
+    with pytest.raises(
+        ExportError, match=r"node linear\w* .* runs a 2D tensor-parallel matmul \(2d_gathered"
+    ):
+        autopar.to_torch(plan, model, inputs)
