@@ -192,9 +192,15 @@ class Matmul2D(enum.Enum):
       over ``b`` and one of ``W``'s over ``a``, then one local matmul: the bytes each rank
       receives are SUMMA's, the gathered operands (``q`` times the local ones) live through the
       op and are kept for backward. Backward each gather's gradient is reduce-scattered (the
-      transposed products of SUMMA)."""
+      transposed products of SUMMA).
+    * ``SUMMA``: the ``q`` steps themselves (``codegen/summa.py``): at step ``k`` one block of
+      ``X`` broadcast along each row and one of ``W`` along each column, their product added;
+      each step's broadcasts travel while the previous step computes. Backward broadcasts the
+      blocks again and reduces each step's partial gradients to their owners: one block of each
+      operand in flight, nothing gathered kept."""
 
     GATHERED = "2d_gathered"
+    SUMMA = "summa"
 
 
 Via = SeqAttention | OwnRows | Matmul2D

@@ -50,7 +50,7 @@ from autopar.passes.rules import (
 from autopar.passes.rules.dtensor import options as dtensor_options
 from autopar.passes.rules.matmul import GRID_OPTIONS
 from autopar.passes.trace import Role, TracedGraph
-from autopar.placement import SeqAttention, Spec, Via, is_partial, is_replicate, is_shard
+from autopar.placement import Matmul2D, SeqAttention, Spec, Via, is_partial, is_replicate, is_shard
 
 log = logging.getLogger(__name__)
 R = Replicate()
@@ -286,14 +286,15 @@ def grid_strategies(
     pinned: dict[int, AxisOption] | None = None,
     axis_roles: Sequence[AxisRole] | None = None,
 ) -> list[Strategy]:
-    """A matmul's 2D strategies (``Matmul2D``, ``rules/matmul.py:GRID_OPTIONS``): the pair of
-    options on every ordered pair of mesh axes of one size ``q >= 2`` whose role leaves weights
+    """A matmul's 2D strategies (each ``Matmul2D`` algorithm, ``rules/matmul.py:GRID_OPTIONS``):
+    the pair of options on every ordered pair of mesh axes of one size ``q >= 2`` whose role leaves weights
     split (``AUTO``, ``TENSOR``) and that nothing pins, the other axes taking any of the op's
     options (``expand``'s filters: every split divides, no dim split twice)."""
     grid = GRID_OPTIONS.get(node.target)
     if grid is None:
         return []
-    pairs = grid(make_ctx(node))
+    ctx = make_ctx(node)
+    pairs = [pair for via in Matmul2D for pair in grid(ctx, via)]
     roles = tuple(axis_roles or (AxisRole.AUTO,) * len(mesh_shape))
     free = [
         a

@@ -144,6 +144,7 @@ EXAMPLES = {
     "split_mean": _mean,
     "split_mse_loss": _mse,
     "matmul_2d_gathered": _matmul,
+    "matmul_2d_summa": _matmul,
 }
 
 
@@ -174,6 +175,8 @@ _KINDS = {
     "_reduce_scatter_base_": Collective.REDUCE_SCATTER,
     "reduce_scatter_tensor_coalesced_": Collective.REDUCE_SCATTER,
     "send": Collective.SEND_RECV,
+    "broadcast_": Collective.BROADCAST,
+    "reduce_": Collective.REDUCE,
 }
 
 

@@ -7,8 +7,9 @@ real code generator on simulated ranks (``autopar/tools/validate.py``): forward 
 gradient equal the dense op's. The strategies are offered only on pairs of axes of one size that
 may split weights. Then end to end on gloo, world 4 (a 2 x 2 mesh): tiny Llama (``aten.linear``)
 and GPT-2 (``addmm``; its tied head a linear) with the 2D strategy forced on every matmul it is
-legal for, the weights of the untied ones stored split over both axes: losses and the full state
-after 2 Adam steps equal one device's, and the generated code gathers inside those matmuls.
+legal for, by each algorithm (``GATHERED``, ``SUMMA``), the weights of the untied ones stored
+split over both axes: losses and the full state after 2 Adam steps equal one device's, and the
+generated code runs those matmuls so (on gathered operands, or as SUMMA's steps).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import autopar
 from autopar.launch import run_on_ranks
 from autopar.lowerings.matmul_nd import OPERANDS, grid_axes, is_grid
 from autopar.options import AxisRole
+from autopar.placement import Matmul2D
 from autopar.tools.validate import check_node, node_strategies, one_node_graph
 
 aten = torch.ops.aten
@@ -45,14 +47,16 @@ def _ops(m: int):
 
 @pytest.mark.parametrize("mesh", [(2, 2), (2, 2, 2)], ids=["2x2", "2x2x2"])
 def test_every_2d_strategy_computes_the_dense_op(mesh):
+    """Each is run by the simulator: SUMMA's real steps in a thread per rank."""
     m = 1
     for n in mesh:
         m *= n
     for op, args in _ops(m):
         node, values = one_node_graph(op, args, {})
         grid = [s for s in node_strategies(node, mesh) if is_grid(s)]
-        # on 2 x 2 both axis orders; on 2 x 2 x 2 every ordered pair, the third axis any option
-        assert len(grid) >= 2, f"{op}: no 2D strategy on {mesh}"
+        # on 2 x 2 both axis orders, both algorithms; on 2 x 2 x 2 every ordered pair, the third
+        # axis any option
+        assert {s.via[grid_axes(node, s)[0]] for s in grid} == set(Matmul2D), f"{op} on {mesh}"
         assert all(grid_axes(node, s) is not None for s in grid)
         for r in check_node(node, mesh, values, grid):
             assert r.ok and r.backward_error is not None, f"{op} on {mesh}: {r}"
@@ -98,10 +102,10 @@ def build(name):
     return {"llama": llama_tiny, "gpt2": gpt2_tiny}[name](**kw)
 
 
-def grid_everywhere(plan, model, inputs):
-    """``plan`` with every matmul that has a 2D strategy on axes (0, 1) running it (the first
-    such: rows on the first batch-like dim), and the weight and bias of each, where that matmul
-    is their only use, stored as it takes them: split over both axes."""
+def grid_everywhere(plan, model, inputs, via: Matmul2D = Matmul2D.GATHERED):
+    """``plan`` with every matmul that has a 2D strategy by ``via`` on axes (0, 1) running it (the
+    first such: rows on the first batch-like dim), and the weight and bias of each, where that
+    matmul is their only use, stored as it takes them: split over both axes."""
     from autopar.passes.analyze import analyze
     from autopar.passes.rules import tensor_inputs
     from autopar.passes.strategies import build_strategies
@@ -114,7 +118,9 @@ def grid_everywhere(plan, model, inputs):
     for n in tg.graph.nodes:
         if n.op != "call_function" or n.target not in OPERANDS:
             continue
-        s = next((s for s in allowed[n.name].strategies if grid_axes(n, s) == (0, 1)), None)
+        s = next(
+            (s for s in allowed[n.name].strategies if grid_axes(n, s) == (0, 1) and s.via[0] is via), None
+        )
         if s is None:
             continue
         chosen[n.name] = s
@@ -147,10 +153,11 @@ def grid_runs(tmp_path_factory):
     for name in ("llama", "gpt2"):
         model, inputs = build(name)
         free = autopar.plan(model, cluster, inputs, mesh_shape=MESH)
-        plans[name] = grid_everywhere(free, model, inputs)
-        path = tmp / f"{name}.json"
-        plans[name][0].save(path)
-        jobs.append(((name,), str(path)))
+        for via in Matmul2D:
+            plans[(name, via)] = grid_everywhere(free, model, inputs, via)
+            path = tmp / f"{name}_{via.value}.json"
+            plans[(name, via)][0].save(path)
+            jobs.append(((name, via), str(path)))
     return plans, run_on_ranks(adam_rank, WORLD, build, jobs, STEPS, LR, EPS, timeout_s=600)
 
 
@@ -161,24 +168,27 @@ EXPECTED = {"llama": (2 * 7 + 1, 2 * 7 + 1), "gpt2": (2 * 4 + 1, 2 * 4 * 2)}
 
 # a matmul whose input and weight are all-gathers' outputs (an addmm's bias comes first)
 GATHERED_MATMUL = re.compile(r"aten\.(?:linear|addmm|mm)\.default\((?:\w+, )?all_gather\w*, all_gather\w*")
+SUMMA_CALL = re.compile(r"summa_matmul\(")
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("via", list(Matmul2D), ids=[v.value for v in Matmul2D])
 @pytest.mark.parametrize("name", ["llama", "gpt2"])
-def test_2d_matmuls_train_as_one_device(grid_runs, name):
+def test_2d_matmuls_train_as_one_device(grid_runs, name, via):
     plans, per_rank = grid_runs
-    plan, n_grid, n_stored = plans[name]
+    plan, n_grid, n_stored = plans[(name, via)]
     assert (n_grid, n_stored) == EXPECTED[name]
-    assert sum("2d_gathered" in d.via for d in plan.decisions) == n_grid
+    assert sum(via.value in d.via.split(",") for d in plan.decisions) == n_grid
     ref_losses, ref_state = adam_reference(*build(name), STEPS, LR, EPS)
     for rank, results in enumerate(per_rank):
-        res = results[(name,)]
+        res = results[(name, via)]
         assert not isinstance(res, str), f"rank {rank} failed:\n{res}"
         losses, state, code, axes = res
         assert axes == {0, 1}
         if rank == 0:
-            # every 2D matmul runs on its two gathered operands
-            assert len(GATHERED_MATMUL.findall(code)) == n_grid, code
+            # every 2D matmul runs on its two gathered operands, or as SUMMA's steps
+            ran = GATHERED_MATMUL.findall(code) if via is Matmul2D.GATHERED else SUMMA_CALL.findall(code)
+            assert len(ran) == n_grid, code
         torch.testing.assert_close(
             torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-4, atol=1e-5,
             msg=labelled(f"rank {rank} losses"),

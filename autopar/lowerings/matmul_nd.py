@@ -25,6 +25,18 @@ Calls (byte convention of ``autopar/lowerings``: a gather or reduce-scatter at i
 
 Saved bytes: the gathered operands the local linear keeps, beyond the local pieces the traced op
 keeps: ``(q - 1) (|X_ij| + |W_ij|)``. None of the calls hides behind compute.
+
+``SUMMA`` (``codegen/summa.py``) runs the ``q`` steps, a block of each operand in flight:
+
+* forward, step ``k``: ``BROADCAST`` of ``X_ik`` over ``b`` (``|X_ij|`` bytes), ``BROADCAST`` of
+  ``W_kj`` over ``a`` (``|W_ij|``); steps ``1 .. q-1`` travel while the step before computes:
+  each hides behind one step's product, ``1 / (3q)`` of the op's forward + backward compute;
+* backward, step ``k``: the two blocks broadcast again, then ``REDUCE`` of the partial ``dX``
+  over ``b`` (``|X_ij|``) and of the partial ``dW`` over ``a`` (``|W_ij|``) to their owners; step
+  ``k``'s broadcasts and step ``k - 1``'s reductions hide behind one step's two products
+  (``2 / (3q)``), step 0's broadcasts and the last step's reductions behind nothing.
+
+It keeps nothing beyond the local blocks the traced op keeps.
 """
 
 from __future__ import annotations
@@ -48,8 +60,8 @@ OPERANDS = {LINEAR: (0, 1, 1), aten.addmm.default: (1, 2, 0), aten.mm.default: (
 def grid_axes(node: fx.Node, s) -> tuple[int, int] | None:
     """``(a, b)`` of a 2D matmul's strategy ``s`` (module docstring): ``a`` splits ``X``'s rows and
     ``W``'s ``K``, ``b`` splits ``X``'s ``K`` and ``W``'s ``N``; None for any other strategy."""
-    marked = [a for a, v in enumerate(s.via) if v is Matmul2D.GATHERED]
-    if len(marked) != 2 or node.target not in OPERANDS:
+    marked = [a for a, v in enumerate(s.via) if isinstance(v, Matmul2D)]
+    if len(marked) != 2 or s.via[marked[0]] is not s.via[marked[1]] or node.target not in OPERANDS:
         return None
     xi = OPERANDS[node.target][0]
     x, ndim = s.ins[xi], node.args[xi].meta["val"].dim()
@@ -65,15 +77,23 @@ def is_grid(s) -> bool:
     return any(isinstance(v, Matmul2D) for v in s.via)
 
 
-def _gathered(node: fx.Node, s, mesh_shape: Sequence[int]):
+def _blocks(node: fx.Node, s, mesh_shape: Sequence[int], via: Matmul2D):
+    """``(a, b, |X_ij|, |W_ij|)`` (bytes) where ``s`` runs ``node`` by ``via``, else None."""
     grid = grid_axes(node, s)
-    if grid is None:
+    if grid is None or s.via[grid[0]] is not via:
         return None
-    a, b = grid
     xi, wi, _ = OPERANDS[node.target]
     x, w = node.args[xi].meta["val"], node.args[wi].meta["val"]
     x_local = x.numel() * x.element_size() / volume_factor(s.ins[xi], mesh_shape)
     w_local = w.numel() * w.element_size() / volume_factor(s.ins[wi], mesh_shape)
+    return (*grid, x_local, w_local)
+
+
+def _gathered(node: fx.Node, s, mesh_shape: Sequence[int]):
+    blocks = _blocks(node, s, mesh_shape, Matmul2D.GATHERED)
+    if blocks is None:
+        return None
+    a, b, x_local, w_local = blocks
     qa, qb = mesh_shape[a], mesh_shape[b]
     calls = (
         LoweringCall(Collective.ALL_GATHER, b, x_local * qb, Phase.FORWARD),
@@ -84,4 +104,37 @@ def _gathered(node: fx.Node, s, mesh_shape: Sequence[int]):
     return LoweringPlan(calls, saved_bytes=(qb - 1) * x_local + (qa - 1) * w_local)
 
 
+def _summa(node: fx.Node, s, mesh_shape: Sequence[int]):
+    blocks = _blocks(node, s, mesh_shape, Matmul2D.SUMMA)
+    if blocks is None:
+        return None
+    a, b, x_blk, w_blk = blocks
+    q = mesh_shape[a]
+    bcast, reduce = Collective.BROADCAST, Collective.REDUCE
+    calls = []
+    for k in range(q):  # step k's broadcasts travel while step k - 1 computes
+        window, hides = (k, 1 / (3 * q)) if k else (None, 0.0)
+        calls += [
+            LoweringCall(bcast, b, x_blk, Phase.FORWARD, window, hides),
+            LoweringCall(bcast, a, w_blk, Phase.FORWARD, window, hides),
+        ]
+    for k in range(q):  # and backward, with step k - 1's reductions, while step k - 1 or k computes
+        window, hides = (q + k, 2 / (3 * q)) if k else (None, 0.0)
+        calls += [
+            LoweringCall(bcast, b, x_blk, Phase.BACKWARD, window, hides),
+            LoweringCall(bcast, a, w_blk, Phase.BACKWARD, window, hides),
+        ]
+        if k:
+            calls += [
+                LoweringCall(reduce, b, x_blk, Phase.BACKWARD, window, hides),
+                LoweringCall(reduce, a, w_blk, Phase.BACKWARD, window, hides),
+            ]
+    calls += [  # the last step's reductions hide behind nothing
+        LoweringCall(reduce, b, x_blk, Phase.BACKWARD),
+        LoweringCall(reduce, a, w_blk, Phase.BACKWARD),
+    ]
+    return LoweringPlan(tuple(calls))
+
+
 MATMUL_2D = register(Lowering("matmul_2d_gathered", tuple(OPERANDS), _gathered))
+SUMMA = register(Lowering("matmul_2d_summa", tuple(OPERANDS), _summa))
