@@ -43,10 +43,10 @@ import torch
 
 import autopar
 from autopar.cost_model.comm import CommModel
-from autopar.lowerings import Collective, describe
+from autopar.lowerings import Collective, describe, price_calls
 from autopar.lowerings.matmul_nd import grid_axes
 from autopar.options import AxisRole
-from autopar.placement import Outputs
+from autopar.placement import Matmul2D, Outputs
 from autopar.tools.validate import node_strategies, one_node_graph
 
 aten = torch.ops.aten
@@ -63,7 +63,9 @@ def cluster_of(gpus: int) -> autopar.ClusterSpec:
 
 
 def sent(kind: Collective, nbytes: float, n: int) -> float:
-    """Bytes one rank sends in a ring collective of ``nbytes`` (the model's byte convention)."""
+    """Bytes one rank sends, on average, in a collective of ``nbytes`` (the model's byte
+    convention): a ring's, or a chain's for a broadcast or reduce (all ranks but one send the
+    tensor once)."""
     return (2 if kind is Collective.ALL_REDUCE else 1) * (n - 1) / n * nbytes
 
 
@@ -74,31 +76,38 @@ def one_d(h: int, tokens: int, gpus: int, cluster) -> tuple[float, float]:
     return 4 * sent(Collective.ALL_REDUCE, act, gpus), 4 * comm.time(Collective.ALL_REDUCE, act, 0)
 
 
-def two_d(h: int, tokens: int, gpus: int, cluster) -> tuple[float, float]:
-    """(bytes sent per GPU, seconds) of the layer's four matmuls as 2D matmuls on ``(q, q)``."""
+def two_d(h: int, tokens: int, gpus: int, cluster, via: Matmul2D) -> tuple[float, float, float]:
+    """(bytes sent per GPU, seconds, seconds not hidden behind the matmuls' compute at peak) of
+    the layer's four matmuls as 2D matmuls by ``via`` on ``(q, q)``."""
     q = math.isqrt(gpus)
     mesh = (q, q)
     comm = CommModel(cluster, mesh)
-    total_b = total_s = 0.0
+    peak = cluster.device.peak_flops_for("bfloat16")
+    total_b = total_s = exposed = 0.0
     for k, n in ((h, 3 * h), (h, h), (h, 4 * h), (4 * h, h)):
         x = torch.empty(tokens, k, dtype=torch.bfloat16, device="meta")
         w = torch.empty(n, k, dtype=torch.bfloat16, device="meta")
         node, _ = one_node_graph(
             aten.linear.default, (x, w, torch.empty(n, dtype=torch.bfloat16, device="meta"))
         )
-        s = next(s for s in node_strategies(node, mesh) if grid_axes(node, s) == (0, 1))
-        for c in describe(node, s, mesh).calls:
+        s = next(s for s in node_strategies(node, mesh) if grid_axes(node, s) == (0, 1) and s.via[0] is via)
+        calls = describe(node, s, mesh).calls
+        for c in calls:
             total_b += sent(c.kind, c.nbytes, mesh[c.axis])
             total_s += comm.time(c.kind, c.nbytes, c.axis)
-    return total_b, total_s
+        compute_s = 3 * 2 * tokens * k * n / gpus / peak
+        exposed += sum(
+            t for _, t in price_calls(calls, lambda c: comm.time(c.kind, c.nbytes, c.axis), compute_s)
+        )
+    return total_b, total_s, exposed
 
 
 def priced_rows(sizes) -> None:
     print(
-        "| size | tokens | GPUs | 1D sent / GPU | 2D sent / GPU | 1D comm | 2D comm | matmuls at peak "
+        "| size | tokens | GPUs | sent / GPU: 1D, 2D, SUMMA | comm: 1D, 2D, SUMMA (exposed) | matmuls at peak "
         "| layer input / GPU, 1D / 2D |"
     )
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|")
     for name in sizes:
         h, _ = SIZES[name]
         for tokens in TOKENS:
@@ -106,13 +115,15 @@ def priced_rows(sizes) -> None:
                 cluster = cluster_of(gpus)
                 flops = 3 * 2 * tokens * 12 * h * h  # forward + backward of the four matmuls
                 mm_s = flops / gpus / cluster.device.peak_flops_for("bfloat16")
-                (b1, t1), (b2, t2) = one_d(h, tokens, gpus, cluster), two_d(h, tokens, gpus, cluster)
+                b1, t1 = one_d(h, tokens, gpus, cluster)
+                b2, t2, _ = two_d(h, tokens, gpus, cluster, Matmul2D.GATHERED)
+                b3, t3, e3 = two_d(h, tokens, gpus, cluster, Matmul2D.SUMMA)
                 held = tokens * h * BF16 / 2**20
                 q = math.isqrt(gpus)
                 print(
-                    f"| {name} | {tokens} | {gpus} ({q}x{q}) | {b1 / 2**20:.0f} MiB | {b2 / 2**20:.0f} MiB | "
-                    f"{t1 * 1e3:.2f} ms | {t2 * 1e3:.2f} ms | {mm_s * 1e3:.2f} ms | "
-                    f"{held:.1f} / {held / gpus:.2f} MiB |",
+                    f"| {name} | {tokens} | {gpus} ({q}x{q}) | {b1 / 2**20:.0f}, {b2 / 2**20:.0f}, "
+                    f"{b3 / 2**20:.0f} MiB | {t1 * 1e3:.2f}, {t2 * 1e3:.2f}, {t3 * 1e3:.2f} ({e3 * 1e3:.2f}) ms | "
+                    f"{mm_s * 1e3:.2f} ms | {held:.1f} / {held / gpus:.2f} MiB |",
                     flush=True,
                 )
 
@@ -147,22 +158,49 @@ def searched_rows(sizes) -> None:
                         )
 
 
-def search_row(label: str, model, inputs, cluster, mesh, role: AxisRole) -> None:
+def limited_rows() -> None:
+    """175B's layer at 8 sequences on 4 GPUs (2 x 2, ``TENSOR``) under memory limits: where the
+    gathered operands no longer fit, the search runs SUMMA (it keeps nothing gathered)."""
+    from autopar.examples import llama
+
+    h, heads = SIZES["gpt3-175b"]
+    with torch.device("meta"):
+        model, inputs = llama(
+            layers=1, hidden=h, ffn=4 * h, heads=heads, kv_heads=heads, vocab=51200, batch=8, seq=SEQ
+        )
+    print(
+        "\n| size | tokens | GPUs | roles | memory limit | 2D linears | predicted step | peak memory | planned in |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|")
+    for limit in (None, 23, 22.5, 22):
+        search_row(
+            f"| gpt3-175b | {8 * SEQ} | 4 | tensor | {f'{limit} GiB' if limit else 'none'} |", model, inputs, cluster_of(4),
+            None, AxisRole.TENSOR, None if limit is None else limit * 2**30,
+        )  # fmt: skip
+
+
+def search_row(label: str, model, inputs, cluster, mesh, role: AxisRole, limit=None) -> None:
+    """One plan's row; ``mesh`` None: the 2 x 2 mesh of the memory-limited rows (not printed)."""
+    shown = mesh is not None
+    mesh = mesh or (2, 2)
     t0 = time.perf_counter()
     try:
         plan = autopar.plan(
             model, cluster, inputs, mesh_shape=mesh, axis_roles=(role,) * len(mesh), outputs=Outputs.LOCAL,
-            pipeline_stages=1,
+            pipeline_stages=1, memory_limit_bytes=limit,
         )  # fmt: skip
     except autopar.NoPlanFitsError as e:
-        print(f"{label} {'x'.join(map(str, mesh))} | no plan: {e} | | | |", flush=True)
+        print(
+            f"{label}{' ' + 'x'.join(map(str, mesh)) + ' |' if shown else ''} no plan: {e} | | | |",
+            flush=True,
+        )
         return
     dt = time.perf_counter() - t0
     linear = [d for d in plan.decisions if d.op == "aten.linear.default"]
-    grid = sum("2d_gathered" in d.via for d in linear)
+    grid = " + ".join(f"{sum(v.value in d.via.split(',') for d in linear)} {v.value}" for v in Matmul2D)
     p = plan.predicted
     print(
-        f"{label} {'x'.join(map(str, mesh))} | {grid} of {len(linear)} | {p.step_time_s * 1e3:.2f} ms | "
+        f"{label}{' ' + 'x'.join(map(str, mesh)) + ' |' if shown else ''} {grid} of {len(linear)} | {p.step_time_s * 1e3:.2f} ms | "
         f"{p.peak_memory_bytes / 2**30:.2f} GiB | {dt:.1f} s |",
         flush=True,
     )
@@ -178,6 +216,7 @@ def main() -> None:
     priced_rows(sizes)
     if not args.no_search:
         searched_rows(sizes)
+        limited_rows()
 
 
 if __name__ == "__main__":
