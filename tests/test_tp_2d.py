@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
+from html import escape
 
 import pytest
 import torch
@@ -198,17 +199,24 @@ def test_2d_matmuls_train_as_one_device(grid_runs, name, via):
             assert_adam_state_close(state[k], ref_state[k], LR, STEPS, f"rank {rank} {k}")
 
 
-def test_export_refuses_a_2d_matmul_by_name():
-    """PyTorch's parallelize_module styles split a weight on one axis: a plan with a 2D matmul is
-    refused naming the node, not exported as some other layout."""
+@pytest.mark.parametrize("via", list(Matmul2D), ids=[v.value for v in Matmul2D])
+def test_the_report_explains_and_the_export_refuses_a_2d_matmul(via):
+    """The report's placement legend says what the algorithm does; PyTorch's parallelize_module
+    styles split a weight on one axis, so a plan with a 2D matmul is refused naming the node, not
+    exported as some other layout."""
     from autopar.export import ExportError
+    from autopar.report import MATMUL_2D_MEANING, placement_legend
 
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 8))
     inputs = (torch.randn(16, 8),)
     cluster = autopar.ClusterSpec.preset("cpu", devices_per_node=WORLD)
-    plan, n_grid, _ = grid_everywhere(autopar.plan(model, cluster, inputs, mesh_shape=MESH), model, inputs)
+    free = autopar.plan(model, cluster, inputs, mesh_shape=MESH)
+    plan, n_grid, _ = grid_everywhere(free, model, inputs, via)
     assert n_grid == 2
+    legend = placement_legend(plan)
+    assert f"via {via.value}" in legend and escape(MATMUL_2D_MEANING[via].split(";")[0]) in legend
+    assert "via " not in placement_legend(free)
     with pytest.raises(
-        ExportError, match=r"node linear\w* .* runs a 2D tensor-parallel matmul \(2d_gathered"
+        ExportError, match=rf"node linear\w* .* runs a 2D tensor-parallel matmul \({via.value}"
     ):
         autopar.to_torch(plan, model, inputs)
