@@ -21,6 +21,7 @@ from html import escape
 import pytest
 import torch
 from harness import adam_rank, adam_reference, assert_adam_state_close, labelled
+from torch.distributed.tensor.placement_types import Shard
 
 import autopar
 from autopar.launch import run_on_ranks
@@ -103,10 +104,12 @@ def build(name):
     return {"llama": llama_tiny, "gpt2": gpt2_tiny}[name](**kw)
 
 
-def grid_everywhere(plan, model, inputs, via: Matmul2D = Matmul2D.GATHERED):
-    """``plan`` with every matmul that has a 2D strategy by ``via`` on axes (0, 1) running it (the
-    first such: rows on the first batch-like dim), and the weight and bias of each, where that
-    matmul is their only use, stored as it takes them: split over both axes."""
+def grid_everywhere(plan, model, inputs, via: Matmul2D = Matmul2D.GATHERED, axes=(0, 1), depth=None):
+    """``plan`` with every matmul that has a 2D strategy by ``via`` on ``axes`` running it (the
+    first such: rows on the first batch-like dim free), and the weight and bias of each, where that
+    matmul is their only use, stored as it takes them: split over both axes. ``depth``: a third
+    axis that splits the batch (dim 0) of the input and the output, the weights whole on it
+    (2.5D, Tesseract's layout)."""
     from autopar.passes.analyze import analyze
     from autopar.passes.rules import tensor_inputs
     from autopar.passes.strategies import build_strategies
@@ -119,9 +122,14 @@ def grid_everywhere(plan, model, inputs, via: Matmul2D = Matmul2D.GATHERED):
     for n in tg.graph.nodes:
         if n.op != "call_function" or n.target not in OPERANDS:
             continue
-        s = next(
-            (s for s in allowed[n.name].strategies if grid_axes(n, s) == (0, 1) and s.via[0] is via), None
-        )
+        xi = OPERANDS[n.target][0]
+
+        def fits(s, n=n, xi=xi):
+            if grid_axes(n, s) != axes or s.via[axes[0]] is not via:
+                return False
+            return depth is None or s.ins[xi][depth] == s.out[depth] == Shard(0)
+
+        s = next((s for s in allowed[n.name].strategies if fits(s)), None)
         if s is None:
             continue
         chosen[n.name] = s
@@ -220,3 +228,46 @@ def test_the_report_explains_and_the_export_refuses_a_2d_matmul(via):
         ExportError, match=rf"node linear\w* .* runs a 2D tensor-parallel matmul \({via.value}"
     ):
         autopar.to_torch(plan, model, inputs)
+
+
+# -- 2.5D: a depth axis over the batch beside the 2D grid, world 8 -------------------------------------
+
+
+@pytest.fixture(scope="module")
+def depth_runs(tmp_path_factory):
+    """Llama's free 2 x 2 x 2 plan made 2.5D (Tesseract: depth 2 over the batch on axis 0, a 2 x 2
+    grid on axes 1 and 2) on every linear, by each algorithm, trained on 8 gloo ranks."""
+    plans, jobs = {}, []
+    tmp = tmp_path_factory.mktemp("tp25d")
+    cluster = autopar.ClusterSpec.preset("cpu", devices_per_node=8)
+    model, inputs = build("llama")
+    free = autopar.plan(model, cluster, inputs, mesh_shape=(2, 2, 2))
+    for via in Matmul2D:
+        plans[via] = grid_everywhere(free, model, inputs, via, axes=(1, 2), depth=0)
+        path = tmp / f"llama_{via.value}.json"
+        plans[via][0].save(path)
+        jobs.append((("llama", via), str(path)))
+    return plans, run_on_ranks(adam_rank, 8, build, jobs, STEPS, LR, EPS, timeout_s=600)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("via", list(Matmul2D), ids=[v.value for v in Matmul2D])
+def test_2p5d_matmuls_train_as_one_device(depth_runs, via):
+    plans, per_rank = depth_runs
+    plan, n_grid, n_stored = plans[via]
+    assert (n_grid, n_stored) == EXPECTED["llama"]
+    ref_losses, ref_state = adam_reference(*build("llama"), STEPS, LR, EPS)
+    for rank, results in enumerate(per_rank):
+        res = results[("llama", via)]
+        assert not isinstance(res, str), f"rank {rank} failed:\n{res}"
+        losses, state, code, axes = res
+        assert axes == {0, 1, 2}
+        if rank == 0:
+            ran = GATHERED_MATMUL.findall(code) if via is Matmul2D.GATHERED else SUMMA_CALL.findall(code)
+            assert len(ran) == n_grid, code
+        torch.testing.assert_close(
+            torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-4, atol=1e-5,
+            msg=labelled(f"rank {rank} losses"),
+        )  # fmt: skip
+        for k in ref_state:
+            assert_adam_state_close(state[k], ref_state[k], LR, STEPS, f"rank {rank} {k}")
