@@ -287,9 +287,12 @@ def grid_strategies(
     axis_roles: Sequence[AxisRole] | None = None,
 ) -> list[Strategy]:
     """A matmul's 2D strategies (each ``Matmul2D`` algorithm, ``rules/matmul.py:GRID_OPTIONS``):
-    the pair of options on every ordered pair of mesh axes of one size ``q >= 2`` whose role leaves weights
-    split (``AUTO``, ``TENSOR``) and that nothing pins, the other axes taking any of the op's
-    options (``expand``'s filters: every split divides, no dim split twice)."""
+    the pair of options on every ordered pair of mesh axes of one size ``q >= 2`` whose role
+    leaves weights split (``AUTO``, ``TENSOR``) and that nothing pins, the other axes taking any
+    of the op's options (``expand``'s filters: every split divides, no dim split twice). A
+    batch-like split on a third axis beside the grid, the weights whole on it, is Tesseract's
+    2.5D layout (depth over the rows; the weights' gradients summed over the depth axis as data
+    parallelism's are)."""
     grid = GRID_OPTIONS.get(node.target)
     if grid is None:
         return []
