@@ -9,7 +9,9 @@ may split weights. Then end to end on gloo, world 4 (a 2 x 2 mesh): tiny Llama (
 and GPT-2 (``addmm``; its tied head a linear) with the 2D strategy forced on every matmul it is
 legal for, by each algorithm (``GATHERED``, ``SUMMA``), the weights of the untied ones stored
 split over both axes: losses and the full state after 2 Adam steps equal one device's, and the
-generated code runs those matmuls so (on gathered operands, or as SUMMA's steps).
+generated code runs those matmuls so (on gathered operands, or as SUMMA's steps). And 2.5D on
+world 8 (2 x 2 x 2): Llama with every linear on the grid of axes 1 and 2 and its batch split over
+axis 0 (Tesseract's depth), the weights whole over it.
 """
 
 from __future__ import annotations
