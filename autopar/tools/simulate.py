@@ -9,7 +9,9 @@ Used by ``autopar/tools/validate.py`` to check sharding rules on real values:
 * :func:`_local_graph` is the rank-local code the real code generator emits for one node;
 * :func:`_run_lockstep` runs it for all ranks at once, simulating each call to
   ``autopar.codegen.collectives`` over the ranks of its mesh-axis group with
-  :class:`_GroupCollective` (the real collective's forward and backward);
+  :class:`_GroupCollective` (the real collective's forward and backward); ring attention and
+  SUMMA (``codegen/summa.py``) run their real algorithms, a thread per rank of each ring or grid,
+  their messages passed between the threads;
 * :func:`_assemble` rebuilds the global value from the pieces (concatenate shards, sum partials,
   require replicas to agree).
 """
