@@ -91,12 +91,14 @@ class DistGrid:
     def reduce(self, t: torch.Tensor, side: Side, dst: int) -> Pending:
         buf = t.contiguous()
         work = dist.reduce(buf, group=self.groups[side], group_dst=dst, async_op=True)
-        return _InFlight(work, buf) if self.me[side] == dst else _Dropped(work)
+        return _InFlight(work, buf) if self.me[side] == dst else _Dropped(work, buf)
 
 
 class _Dropped:
-    def __init__(self, work):
-        self.work = work
+    """A reduction whose result lands elsewhere: ``buf`` is held until it completes."""
+
+    def __init__(self, work, buf):
+        self.work, self.buf = work, buf
 
     def wait(self):
         self.work.wait()
