@@ -35,6 +35,7 @@ Figures, with the machine and the command, are in benchmarks/README.md.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
 import platform
 import time
@@ -158,6 +159,53 @@ def searched_rows(sizes) -> None:
                         )
 
 
+@contextlib.contextmanager
+def grid_withheld():
+    """The search without the 2D strategies (``passes/strategies.py:grid_strategies`` offers none),
+    to read what they add to a plan."""
+    import autopar.passes.strategies as strategies
+
+    offer = strategies.grid_strategies
+    strategies.grid_strategies = lambda *args, **kwargs: []
+    try:
+        yield
+    finally:
+        strategies.grid_strategies = offer
+
+
+def depth_rows() -> None:
+    """2.5D (Tesseract): a ``d x q x q`` mesh, the outer axis ``DATA`` (the depth: the batch split,
+    the weights whole), the grid ``TENSOR``, with and without the 2D strategies offered; beside
+    data x 1D tensor parallelism on ``(P / q', q')``. 8 sequences; 16 and 64 GPUs."""
+    from autopar.examples import llama
+
+    print(
+        "\n| size | tokens | GPUs | roles | mesh | 2D linears | predicted step | peak memory | planned in |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|")
+    for name in ("gpt3-13b", "gpt3-175b"):
+        h, heads = SIZES[name]
+        with torch.device("meta"):
+            model, inputs = llama(
+                layers=1, hidden=h, ffn=4 * h, heads=heads, kv_heads=heads, vocab=51200, batch=8, seq=SEQ
+            )
+        for gpus, meshes in ((16, ((4, 2, 2), (4, 4))), (64, ((4, 4, 4), (8, 8)))):
+            for mesh in meshes:
+                roles = (AxisRole.DATA,) + (AxisRole.TENSOR,) * (len(mesh) - 1)
+                label = f"| {name} | {8 * SEQ} | {gpus} | {', '.join(r.value for r in roles)} |"
+                search_row(label, model, inputs, cluster_of(gpus), mesh, roles)
+                if len(mesh) == 3:
+                    with grid_withheld():
+                        search_row(
+                            label.replace("tensor |", "tensor, no 2D |"),
+                            model,
+                            inputs,
+                            cluster_of(gpus),
+                            mesh,
+                            roles,
+                        )
+
+
 def limited_rows() -> None:
     """175B's layer at 8 sequences on 4 GPUs (2 x 2, ``TENSOR``) under memory limits: where the
     gathered operands no longer fit, the search runs SUMMA (it keeps nothing gathered)."""
@@ -179,14 +227,16 @@ def limited_rows() -> None:
         )  # fmt: skip
 
 
-def search_row(label: str, model, inputs, cluster, mesh, role: AxisRole, limit=None) -> None:
-    """One plan's row; ``mesh`` None: the 2 x 2 mesh of the memory-limited rows (not printed)."""
+def search_row(label: str, model, inputs, cluster, mesh, role, limit=None) -> None:
+    """One plan's row; ``mesh`` None: the 2 x 2 mesh of the memory-limited rows (not printed);
+    ``role``: every axis's, or a tuple of them."""
     shown = mesh is not None
     mesh = mesh or (2, 2)
+    roles = role if isinstance(role, tuple) else (role,) * len(mesh)
     t0 = time.perf_counter()
     try:
         plan = autopar.plan(
-            model, cluster, inputs, mesh_shape=mesh, axis_roles=(role,) * len(mesh), outputs=Outputs.LOCAL,
+            model, cluster, inputs, mesh_shape=mesh, axis_roles=roles, outputs=Outputs.LOCAL,
             pipeline_stages=1, memory_limit_bytes=limit,
         )  # fmt: skip
     except autopar.NoPlanFitsError as e:
@@ -216,6 +266,7 @@ def main() -> None:
     priced_rows(sizes)
     if not args.no_search:
         searched_rows(sizes)
+        depth_rows()
         limited_rows()
 
 
