@@ -190,7 +190,30 @@ class ExpertDispatch(enum.Enum):
     ALL_TO_ALL = "expert_all_to_all"
 
 
-Via = SeqAttention | OwnRows | ExpertDispatch
+class Matmul2D(enum.Enum):
+    """A linear on a ``q x q`` grid of two mesh axes ``a`` and ``b`` (Optimus, Xu et al. 2021, the
+    SUMMA layout): the input ``X [.., M, K]`` split as (rows on ``a``, ``K`` on ``b``), the weight
+    ``W [N, K]`` as (``K`` on ``a``, ``N`` on ``b``), the output as (rows on ``a``, ``N`` on ``b``):
+    activations and weights both split over both axes. Neither axis' placements are a valid
+    one-axis option alone, so a strategy marks both axes with this value
+    (``autopar/lowerings/matmul_nd.py``).
+
+    * ``GATHERED``: SUMMA's ``q`` broadcast steps run as one all-gather of ``X``'s ``K`` blocks
+      over ``b`` and one of ``W``'s over ``a``, then one local matmul: the bytes each rank
+      receives are SUMMA's, the gathered operands (``q`` times the local ones) live through the
+      op and are kept for backward. Backward each gather's gradient is reduce-scattered (the
+      transposed products of SUMMA).
+    * ``SUMMA``: the ``q`` steps themselves (``codegen/summa.py``): at step ``k`` one block of
+      ``X`` broadcast along each row and one of ``W`` along each column, their product added;
+      each step's broadcasts travel while the previous step computes. Backward broadcasts the
+      blocks again and reduces each step's partial gradients to their owners: one block of each
+      operand in flight, nothing gathered kept."""
+
+    GATHERED = "2d_gathered"
+    SUMMA = "summa"
+
+
+Via = SeqAttention | OwnRows | Matmul2D | ExpertDispatch
 
 
 def via_to_str(via: Sequence[Via | None]) -> str:
@@ -198,11 +221,17 @@ def via_to_str(via: Sequence[Via | None]) -> str:
     return ",".join(v.value if v is not None else "-" for v in via) if any(via) else ""
 
 
+_VIAS: dict[str, Via] = {
+    v.value: v for kind in (SeqAttention, OwnRows, Matmul2D, ExpertDispatch) for v in kind
+}
+VIA_NAMES = tuple(_VIAS)  # every algorithm's text form
+
+
 def _via(t: str) -> Via:
-    for kind in (OwnRows, ExpertDispatch):
-        if t in {v.value for v in kind}:
-            return kind(t)
-    return SeqAttention(t)
+    try:
+        return _VIAS[t]
+    except KeyError:
+        raise ValueError(f"{t!r} names no algorithm: one of {sorted(_VIAS)}") from None
 
 
 def via_from_str(s: str) -> tuple[Via | None, ...]:

@@ -55,7 +55,7 @@ from typing import Any
 
 from autopar.errors import PlanFormatError, PlanMismatchError
 from autopar.fusion import KernelUse
-from autopar.placement import Outputs, OwnRows, SeqAttention, Spec, is_shard, spec_from_str, via_from_str
+from autopar.placement import VIA_NAMES, Outputs, Spec, is_shard, spec_from_str, via_from_str
 from autopar.plan_axes import axis_lines, replicated_line
 from autopar.reshard import Collective, CollectiveCall, Phase
 from autopar.trades import Pipeline, Trades
@@ -172,7 +172,7 @@ class NodeDecision:
         except ValueError:
             raise PlanFormatError(
                 f"node {self.name}: via {self.via!r} names no algorithm "
-                f"({[v.value for v in SeqAttention] + [OwnRows.LOCAL.value]}, '-' for none, one per mesh axis)"
+                f"({list(VIA_NAMES)}, '-' for none, one per mesh axis)"
             ) from None
         if self.compute_s < 0 or self.comm_s < 0:
             raise PlanFormatError(f"node {self.name}: negative predicted time")

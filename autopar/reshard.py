@@ -76,6 +76,8 @@ class Collective(enum.Enum):
     REDUCE_SCATTER = "reduce_scatter"
     ALL_TO_ALL = "all_to_all"
     SEND_RECV = "send_recv"
+    BROADCAST = "broadcast"  # one rank's tensor to every rank of the axis (SUMMA's steps)
+    REDUCE = "reduce"  # the sum of the axis's tensors to one rank
 
 
 class Phase(enum.Enum):

@@ -17,6 +17,7 @@ collective and size range):
 * all-reduce:              2 (n-1)/n * B / bw + 2 (n-1) lat
 * all-gather, reduce-scatter, all-to-all:  (n-1)/n * B / bw + (n-1) lat
 * send/recv:               B / bw + lat
+* broadcast, reduce:       B / bw + (n-1) lat (pipelined along a chain; ``B`` the tensor sent)
 
 An axis whose groups lie inside a node takes the ``(bw, lat)`` its own group size and stride were
 measured at, where ``autopar calibrate`` measured them (``group_ranges``: every group of the
@@ -83,6 +84,8 @@ def collective_time(
         return (n - 1) / n * nbytes / bw + (n - 1) * lat
     if kind is Collective.SEND_RECV:
         return nbytes / bw + lat
+    if kind in (Collective.BROADCAST, Collective.REDUCE):  # pipelined along a chain of the n ranks
+        return nbytes / bw + (n - 1) * lat
     raise ValueError(f"unknown collective {kind}")
 
 

@@ -117,15 +117,22 @@ def scatter_step(inp: fx.Node, user: fx.Node, k: int, steps: Sequence[ReshardSte
 
 
 def fused_steps(
-    user: fx.Node, k: int, inp: fx.Node, steps: Sequence[ReshardStep], user_out: Spec, state: bool = False
+    user: fx.Node,
+    k: int,
+    inp: fx.Node,
+    steps: Sequence[ReshardStep],
+    user_out: Spec,
+    state: bool = False,
+    grid: tuple[bool, bool] = (False, False),
 ) -> tuple[FusedStep, ...]:
     """The collective matmuls of the use ``k`` of ``user`` (whose output is placed ``user_out``)
-    taking ``inp`` through ``steps``."""
+    taking ``inp`` through ``steps``. ``grid``: whether ``inp``'s producer, and ``user``, run as
+    2D linears (``autopar/lowerings/matmul_nd.py``), which gather inside and fuse nothing."""
     out = []
-    s = scatter_step(inp, user, k, steps)
+    s = None if grid[0] else scatter_step(inp, user, k, steps)
     if s is not None:
         out.append(FusedStep(Fusion.SCATTER, s, inp))
-    g = gather_step(user, k, steps, user_out, state)
+    g = None if grid[1] else gather_step(user, k, steps, user_out, state)
     if g is not None and g is not s:
         out.append(FusedStep(Fusion.GATHER, g, user))
     return tuple(out)

@@ -67,6 +67,7 @@ from autopar.cost_model.compute import (
 )
 from autopar.cost_model.memory import reshard_transient
 from autopar.lowerings import LoweringPlan, describe, price_calls
+from autopar.lowerings.matmul_nd import is_grid
 from autopar.options import Optimizer
 from autopar.passes.analyze import NodeInfo, tensor_vals
 from autopar.passes.background import checkpoint
@@ -570,13 +571,14 @@ def overlap_price(
     matmul_s,
     user_out,
     state: bool = False,
+    grid: tuple[bool, bool] = (False, False),
 ) -> float:
     """Seconds a use's collective matmuls hide (``passes/collective_matmul.py``): 0 where none
     fuses; its price is ``use_price`` less these. ``matmul_s(linear)``: the linear's tabled
     compute under the strategy in question; ``user_out``: ``user``'s output placement under it;
-    ``state``: ``inp`` is a parameter or buffer."""
+    ``state``: ``inp`` is a parameter or buffer; ``grid``: ``collective_matmul.fused_steps``'s."""
     steps = reshard_plan(tuple(have), tuple(need), comm.mesh_shape, nbytes, tuple(f)).steps
-    fused = fused_steps(user, k, inp, steps, user_out, state)
+    fused = fused_steps(user, k, inp, steps, user_out, state, grid)
     return overlap_saving_s(comm, fused, matmul_s, rg) if fused else 0.0
 
 
@@ -601,7 +603,7 @@ def _fuse_matmuls(
 
             e.cost[a][b] -= overlap_price(
                 comm, user, i, inp, su.out, sv.ins[i], info.out_bytes, info.requires_grad, f_axes(sv, i),
-                compute, sv.out, state,
+                compute, sv.out, state, (is_grid(su), is_grid(sv)),
             )  # fmt: skip
 
 

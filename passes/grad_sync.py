@@ -38,6 +38,7 @@ import torch.fx as fx
 from autopar.cost_model.comm import CommModel
 from autopar.cost_model.compute import BACKWARD_FACTOR
 from autopar.cost_model.overlap import hidden_seconds
+from autopar.lowerings.matmul_nd import is_grid
 from autopar.passes.costs import (
     BUCKET_BYTES,
     bucket_fixed_s,
@@ -155,7 +156,7 @@ def use_run_s(u: Use, infos: dict, choice: dict[str, Strategy], comm: CommModel,
         state = infos[u.src].role in (Role.PARAM, Role.BUFFER)
         t -= overlap_price(
             comm, u.user, u.k, u.inp, have, u.need, info.out_bytes, rg, u.fops, matmul_s,
-            choice[u.user.name].out, state,
+            choice[u.user.name].out, state, (is_grid(choice[u.src]), is_grid(choice[u.user.name])),
         )  # fmt: skip
     return t
 

@@ -49,8 +49,9 @@ from autopar.passes.rules import (
 )
 from autopar.passes.rules.dtensor import options as dtensor_options
 from autopar.passes.rules.experts import MOE, expert_weights, experts_strategies
+from autopar.passes.rules.matmul import GRID_OPTIONS
 from autopar.passes.trace import Role, TracedGraph
-from autopar.placement import SeqAttention, Spec, Via, is_partial, is_replicate, is_shard
+from autopar.placement import Matmul2D, SeqAttention, Spec, Via, is_partial, is_replicate, is_shard
 
 log = logging.getLogger(__name__)
 R = Replicate()
@@ -263,6 +264,10 @@ def build_strategies(
                 # it and the mutation would be lost
                 options = []
             strategies = expand(options, len(ins), info.shapes, in_shapes, mesh_shape, pinned)
+            if options and not (regions and node.name in regions):
+                strategies += grid_strategies(
+                    node, options, info.shapes, in_shapes, mesh_shape, pinned, axis_roles
+                )
             if node.target is SDPA:
                 strategies = _attention_strategies(
                     strategies, in_shapes, mesh_shape, axis_roles, seq_attention
@@ -274,6 +279,43 @@ def build_strategies(
 
 
 SDPA = aten.scaled_dot_product_attention.default
+
+
+def grid_strategies(
+    node: fx.Node,
+    options: list[AxisOption],
+    out_shapes: Sequence[Sequence[int]],
+    in_shapes: Sequence[Sequence[int]],
+    mesh_shape: Sequence[int],
+    pinned: dict[int, AxisOption] | None = None,
+    axis_roles: Sequence[AxisRole] | None = None,
+) -> list[Strategy]:
+    """A matmul's 2D strategies (each ``Matmul2D`` algorithm, ``rules/matmul.py:GRID_OPTIONS``):
+    the pair of options on every ordered pair of mesh axes of one size ``q >= 2`` whose role
+    leaves weights split (``AUTO``, ``TENSOR``) and that nothing pins, the other axes taking any
+    of the op's options (``expand``'s filters: every split divides, no dim split twice). A
+    batch-like split on a third axis beside the grid, the weights whole on it, is Tesseract's
+    2.5D layout (depth over the rows; the weights' gradients summed over the depth axis as data
+    parallelism's are)."""
+    grid = GRID_OPTIONS.get(node.target)
+    if grid is None:
+        return []
+    ctx = make_ctx(node)
+    pairs = [pair for via in Matmul2D for pair in grid(ctx, via)]
+    roles = tuple(axis_roles or (AxisRole.AUTO,) * len(mesh_shape))
+    free = [
+        a
+        for a, n in enumerate(mesh_shape)
+        if n >= 2 and roles[a] in (AxisRole.AUTO, AxisRole.TENSOR) and a not in (pinned or {})
+    ]
+    out: list[Strategy] = []
+    for a, b in itertools.permutations(free, 2):
+        if mesh_shape[a] != mesh_shape[b]:
+            continue
+        for rows, cols in pairs:
+            pins = dict(pinned or {}) | {a: rows, b: cols}
+            out += expand(options, len(in_shapes), out_shapes, in_shapes, mesh_shape, pins)
+    return out
 
 
 def _region_pins(option: AxisOption, mesh_shape: Sequence[int], axis_roles: Sequence[AxisRole]) -> dict:

@@ -134,6 +134,23 @@ def _moe(m, k, pick):
     return torch.ops.autopar.moe_experts.default, args, {}
 
 
+def _matmul(m, k, pick):
+    """A linear (3-D or 2-D input), ``mm`` or ``addmm`` (1-D or 2-D bias) whose rows, ``K`` and
+    ``N`` divide over any axes of an ``m``-rank mesh; a linear's bias where ``pick >= 4``."""
+    rows, kk, n = m * k * 2, 2 * m, 3 * m
+    kind, more = pick % 4, pick >= 4
+    if kind == 0:
+        x, w = _randn(m, m * k, kk), _randn(n, kk)
+        return aten.linear.default, (x, w, _randn(n)) if more else (x, w), {}
+    if kind == 1:
+        x, w = _randn(rows, kk), _randn(n, kk)
+        return aten.linear.default, (x, w, _randn(n)) if more else (x, w), {}
+    if kind == 2:
+        return aten.mm.default, (_randn(rows, kk), _randn(kk, n)), {}
+    bias = _randn(rows, n) if more else _randn(n)
+    return aten.addmm.default, (bias, _randn(rows, kk), _randn(kk, n)), {}
+
+
 EXAMPLES = {
     "expert_all_to_all": _moe,
     "local_experts": _moe,
@@ -147,6 +164,8 @@ EXAMPLES = {
     "local_index": _index,
     "split_mean": _mean,
     "split_mse_loss": _mse,
+    "matmul_2d_gathered": _matmul,
+    "matmul_2d_summa": _matmul,
 }
 
 
@@ -177,6 +196,8 @@ _KINDS = {
     "_reduce_scatter_base_": Collective.REDUCE_SCATTER,
     "reduce_scatter_tensor_coalesced_": Collective.REDUCE_SCATTER,
     "send": Collective.SEND_RECV,
+    "broadcast_": Collective.BROADCAST,
+    "reduce_": Collective.REDUCE,
 }
 
 

@@ -49,11 +49,11 @@ import torch
 from torch import fx
 from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
 
-from autopar.export.layouts import ExportError, same, seq_attention, text
+from autopar.export.layouts import ExportError, grid_matmul, same, seq_attention, text
 from autopar.export.tensor_axis import TensorWalk
 from autopar.passes.replay import traced_as_planned
 from autopar.passes.rules import tensor_inputs
-from autopar.placement import Outputs, SeqAttention, is_replicate, is_shard, via_from_str
+from autopar.placement import Matmul2D, Outputs, SeqAttention, is_replicate, is_shard, via_from_str
 from autopar.plan import NodeDecision, Plan, Site
 from autopar.trades import Offload, ZeroStage
 
@@ -131,6 +131,11 @@ def to_torch(plan: Plan, model: torch.nn.Module, example_inputs) -> TorchPlan:
             f"the plan runs {plan.pipeline.stages} pipeline stages ({plan.pipeline.describe()}); a "
             "parallelize_module plan has none: run it with autoparallelize, or plan with pipeline_stages=1"
         )
+    grid = next(
+        (d for d in plan.decisions if any(isinstance(v, Matmul2D) for v in via_from_str(d.via))), None
+    )
+    if grid is not None:
+        raise grid_matmul(grid)
     tg = traced_as_planned(model, example_inputs, plan)
     plan.check_matches(tg.fingerprint(), plan.world_size)
     names = _axis_names(plan)

@@ -22,6 +22,14 @@ def seq_attention(d: NodeDecision, axis: int) -> ExportError:
     )
 
 
+def grid_matmul(d: NodeDecision) -> ExportError:
+    return ExportError(
+        f"node {d.name} ({d.module or d.op}) runs a 2D tensor-parallel matmul ({d.via}): PyTorch's "
+        "parallelize_module styles split a weight on one axis only; plan without it (edit the decision "
+        "to a one-axis strategy) to export"
+    )
+
+
 def same(a: Placement, b: Placement, ndim: int) -> bool:
     """Whether ``a`` and ``b`` place a tensor of ``ndim`` dims alike (``Shard(-1)`` is its last dim)."""
     if is_shard(a) and is_shard(b):

@@ -190,7 +190,7 @@ def price_calls(
 
 def _load() -> None:
     # the lowerings' modules register themselves on import
-    from autopar.lowerings import attention, batch_norm, experts, local, loss  # noqa: F401
+    from autopar.lowerings import attention, batch_norm, experts, local, loss, matmul_nd  # noqa: F401
 
 
 _load()

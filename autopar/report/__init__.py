@@ -29,7 +29,7 @@ from html import escape
 from typing import Any
 
 from autopar.cost_model.comm import crosses_nodes
-from autopar.placement import OwnRows, SeqAttention
+from autopar.placement import Matmul2D, OwnRows, SeqAttention
 from autopar.plan import NodeDecision, Plan
 from autopar.plan_axes import axis_line, replicated_line
 from autopar.report.decisions import decisions_section, op_name
@@ -317,6 +317,14 @@ OWN_ROWS_MEANING = (
     "an op of a data-parallel region (passes/data_region.py): each device runs it unchanged on its own rows of "
     "the batch, no collective inside; only the region's outputs are slices of the whole batch's values"
 )
+MATMUL_2D_MEANING = {
+    Matmul2D.GATHERED: "a 2D tensor-parallel matmul on the two axes so marked (Optimus/SUMMA layout): input split "
+    "by rows and K, weight by K and N; each device gathers its row's K blocks of the input and its column's of the "
+    "weight (autopar/lowerings/matmul_nd.py)",
+    Matmul2D.SUMMA: "a 2D tensor-parallel matmul on the two axes so marked, as SUMMA's steps: one block of the "
+    "input broadcast along each row and one of the weight along each column per step, the next step's in flight "
+    "while one computes; nothing gathered is kept (codegen/summa.py)",
+}
 
 
 def axis_roles(plan: Plan) -> list[str]:
@@ -399,6 +407,9 @@ def placement_legend(plan: Plan) -> str:
             rows.append([(f"<code>via {escape(v.value)}</code>", False), text_cell(SEQ_ATTENTION_MEANING[v])])
     if OwnRows.LOCAL.value in vias:
         rows.append([(f"<code>via {OwnRows.LOCAL.value}</code>", False), text_cell(OWN_ROWS_MEANING)])
+    for v in Matmul2D:
+        if v.value in vias:
+            rows.append([(f"<code>via {v.value}</code>", False), text_cell(MATMUL_2D_MEANING[v])])
     text = (
         f"<p>A placement has one entry per mesh axis, in axis order, comma separated ({each}). "
         "<i>output</i>: where a node's result lives; <i>inputs</i>: where each of its tensor inputs is brought "

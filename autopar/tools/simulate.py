@@ -9,7 +9,9 @@ Used by ``autopar/tools/validate.py`` to check sharding rules on real values:
 * :func:`_local_graph` is the rank-local code the real code generator emits for one node;
 * :func:`_run_lockstep` runs it for all ranks at once, simulating each call to
   ``autopar.codegen.collectives`` over the ranks of its mesh-axis group with
-  :class:`_GroupCollective` (the real collective's forward and backward);
+  :class:`_GroupCollective` (the real collective's forward and backward); ring attention and
+  SUMMA (``codegen/summa.py``) run their real algorithms, a thread per rank of each ring or grid,
+  their messages passed between the threads;
 * :func:`_assemble` rebuilds the global value from the pieces (concatenate shards, sum partials,
   require replicas to agree).
 """
@@ -27,6 +29,7 @@ from torch.distributed.tensor.placement_types import Placement
 
 from autopar.codegen import collectives as C
 from autopar.codegen import context_parallel as CP
+from autopar.codegen import summa as SM
 from autopar.codegen.lower import LOWERINGS, emit_reshard
 from autopar.passes.costs import f_axes
 from autopar.passes.rules import map_args, tensor_inputs
@@ -330,6 +333,106 @@ def _run_ring(args: tuple, env_args: list[list], coords: list[Coord]) -> list:
     return out
 
 
+class _ThreadGrid:
+    """``codegen/summa.py``'s ``Transport`` between the simulated ranks of a ``q x q`` grid, each
+    in a thread (rank ``i q + j`` at grid coordinate ``(i, j)``): each call puts this rank's
+    tensor in its slot and takes what its row or column gives, between two barriers."""
+
+    def __init__(self, slots: list, barrier: threading.Barrier, rank: int, q: int):
+        self.slots, self.barrier, self.q = slots, barrier, q
+        self.rank, self.i, self.j = rank, rank // q, rank % q
+
+    def _members(self, side) -> list[int]:
+        if side is SM.Side.ROW:
+            return [self.i * self.q + c for c in range(self.q)]
+        return [c * self.q + self.j for c in range(self.q)]
+
+    def _exchange(self, t: torch.Tensor, pick):
+        self.slots[self.rank] = t.clone()
+        self.barrier.wait()
+        got = pick()
+        self.barrier.wait()
+        return _Given(got)
+
+    def broadcast(self, mine, side, src):
+        return self._exchange(mine, lambda: self.slots[self._members(side)[src]].clone())
+
+    def reduce(self, t, side, dst):
+        mine = self.j if side is SM.Side.ROW else self.i
+        return self._exchange(
+            t, lambda: sum(self.slots[m] for m in self._members(side)) if mine == dst else None
+        )
+
+
+class _Given:
+    def __init__(self, value):
+        self.value = value
+
+    def wait(self):
+        return self.value
+
+
+def _in_grid(fn, q: int) -> list:
+    """``fn(rank, transport)`` for every rank of a ``q x q`` grid, each in its own thread."""
+    slots: list = [None] * (q * q)
+    barrier = threading.Barrier(q * q, timeout=120)
+    results: list = [None] * (q * q)
+    errors: list = []
+
+    def run(r):
+        try:
+            results[r] = fn(r, _ThreadGrid(slots, barrier, r, q))
+        except BaseException as e:  # noqa: BLE001 - handed to the caller
+            errors.append(e)
+            barrier.abort()
+
+    threads = [threading.Thread(target=run, args=(r,)) for r in range(q * q)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
+    return results
+
+
+class _GridSumma(torch.autograd.Function):
+    """``summa.summa_matmul`` over one grid of simulated ranks: the real SUMMA forward and
+    backward, every rank in a thread."""
+
+    @staticmethod
+    def forward(ctx, q, transposed, *flat):
+        xs, ws = flat[: q * q], flat[q * q :]
+        ctx.q, ctx.transposed = q, transposed
+        ctx.save_for_backward(*flat)
+        return tuple(_in_grid(lambda r, t: SM.summa_forward(xs[r], ws[r], q, transposed, t), q))
+
+    @staticmethod
+    def backward(ctx, *dys):
+        q, saved = ctx.q, ctx.saved_tensors
+        xs, ws = saved[: q * q], saved[q * q :]
+        res = _in_grid(lambda r, t: SM.summa_backward(dys[r], xs[r], ws[r], q, ctx.transposed, t), q)
+        return (None, None, *[g[0] for g in res], *[g[1] for g in res])
+
+
+def _run_summa(args: tuple, env_args: list[list], coords: list[Coord]) -> list:
+    """Every rank's ``summa_matmul``: ``env_args`` holds x and w per rank; each grid of the mesh
+    axes ``a``, ``b`` (one per coordinate on the other axes) runs apart."""
+    a, b, transposed = args[2], args[3], args[4]
+    grids: dict[Coord, dict[tuple[int, int], int]] = {}
+    for r, c in enumerate(coords):
+        rest = tuple(x for ax, x in enumerate(c) if ax not in (a, b))
+        grids.setdefault(rest, {})[(c[a], c[b])] = r
+    out: list = [None] * len(coords)
+    for members in grids.values():
+        ranks = [members[k] for k in sorted(members)]  # grid rank i q + j
+        q = max(i for i, _ in members) + 1
+        flat = [env_args[0][r] for r in ranks] + [env_args[1][r] for r in ranks]
+        for r, v in zip(ranks, _GridSumma.apply(q, transposed, *flat)):
+            out[r] = v
+    return out
+
+
 # --------------------------------------------------------------------------------------------------
 # the local program of one node
 # --------------------------------------------------------------------------------------------------
@@ -384,6 +487,8 @@ def _run_lockstep(g: fx.Graph, local_inputs: list[list[torch.Tensor]], coords: l
             elif n.target is CP.ring_attention:
                 ins = [env[a] if isinstance(a, fx.Node) else [a] * len(coords) for a in n.args[:4]]
                 env[n] = _run_ring(n.args, ins, coords)
+            elif n.target is SM.summa_matmul:
+                env[n] = _run_summa(n.args, [env[x] for x in n.args[:2]], coords)
             elif n.target in _SIMULATED:
                 x = n.args[0]
                 args = fx.node.map_arg(n.args, lambda a: None)

@@ -64,7 +64,7 @@ import torch.fx as fx
 import torch.utils._pytree as pytree
 
 from autopar.passes.rules import RULES, map_args, tensor_inputs, written_inputs
-from autopar.passes.strategies import Strategy, axis_options, expand
+from autopar.passes.strategies import Strategy, axis_options, expand, grid_strategies
 from autopar.passes.trace import Role, TracedGraph, normalize_inputs
 from autopar.placement import spec_to_str
 from autopar.tools.simulate import (
@@ -302,7 +302,8 @@ def node_strategies(node: fx.Node, mesh_shape: Sequence[int]) -> list[Strategy]:
         if isinstance(t, torch.Tensor)
     ]
     options = axis_options(node, mesh_shape)
-    return expand(options, len(ins), out_shapes, in_shapes, tuple(mesh_shape))
+    strategies = expand(options, len(ins), out_shapes, in_shapes, tuple(mesh_shape))
+    return strategies + grid_strategies(node, options, out_shapes, in_shapes, tuple(mesh_shape))
 
 
 def check_node(

@@ -14,8 +14,52 @@ from autopar.passes.rules import (
     aten,
     register,
 )
+from autopar.placement import Matmul2D
 
 # matmul family
+
+
+def linear_2d_options(ctx: OpCtx, via: Matmul2D) -> list[tuple[AxisOption, AxisOption]]:
+    """The 2D layouts of a linear run by ``via`` (``autopar/lowerings/matmul_nd.py``), one per
+    batch-like dim of its input taken as the rows: (the option of the axis that splits the rows and
+    the weight's ``K``, the option of the axis that splits ``K`` of the input and the weight's
+    ``N``). Neither is a one-axis option alone: ``passes/strategies.py`` places the pair on two axes
+    of one size."""
+    x = ctx.in_shapes[0]
+    if len(x) < 2 or len(ctx.in_shapes[1]) != 2:
+        return []
+    has_bias = ctx.n_in == 3
+    k = len(x) - 1
+    cols = AxisOption(Shard(k), (Shard(k), Shard(0)) + ((Shard(0),) if has_bias else ()), via)
+    return [
+        (AxisOption(Shard(d), (Shard(d), Shard(1)) + ((R,) if has_bias else ()), via), cols)
+        for d in range(k)
+        if x[d] > 1
+    ]
+
+
+def mm_2d_options(ctx: OpCtx, via: Matmul2D) -> list[tuple[AxisOption, AxisOption]]:
+    """``mm``'s 2D layout (``linear_2d_options``): ``[M, K] @ [K, N]``."""
+    rows = AxisOption(Shard(0), (Shard(0), Shard(0)), via)
+    return [(rows, AxisOption(Shard(1), (Shard(1), Shard(1)), via))]
+
+
+def addmm_2d_options(ctx: OpCtx, via: Matmul2D) -> list[tuple[AxisOption, AxisOption]]:
+    """``addmm``'s 2D layout (``linear_2d_options``): ``bias + [M, K] @ [K, N]``, the bias split
+    like the output where it has the dim (it broadcasts where it does not)."""
+    bias = ctx.in_shapes[0]
+    b_m = Shard(0) if len(bias) == 2 and bias[0] > 1 else R
+    b_n = Shard(len(bias) - 1) if bias and bias[-1] > 1 else R
+    rows = AxisOption(Shard(0), (b_m, Shard(0), Shard(0)), via)
+    return [(rows, AxisOption(Shard(1), (b_n, Shard(1), Shard(1)), via))]
+
+
+# op -> its 2D layouts
+GRID_OPTIONS = {
+    aten.linear.default: linear_2d_options,
+    aten.mm.default: mm_2d_options,
+    aten.addmm.default: addmm_2d_options,
+}
 
 
 @register(aten.linear.default)
