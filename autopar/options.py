@@ -43,7 +43,7 @@ class AxisRole(enum.Enum):
     TENSOR = "tensor"
     SEQUENCE = "sequence"
     # DATA, and every mixture-of-experts op's experts split over the axis, its tokens sent to them
-    # by all-to-all (expert parallelism); the other parameters whole, ZeRO over the DATA axes alone
+    # by all-to-all (expert parallelism); the other parameters whole, ZeRO shards them over it too
     EXPERT = "expert"
 
     @property

@@ -65,8 +65,10 @@ class MeshRun:
 
     @property
     def data_axes(self) -> tuple[int, ...]:
-        """The axes of more than one device whose role is data parallel."""
-        return tuple(a for a, r in enumerate(self.roles or ()) if r is AxisRole.DATA and self.mesh[a] > 1)
+        """The axes of more than one device that split the batch (data and expert axes): ZeRO shards
+        over them what is whole there (the experts an expert axis splits are left out:
+        ``codegen/zero.py``, ``passes/trades.py:data_size``)."""
+        return tuple(a for a, r in enumerate(self.roles or ()) if r.splits_batch and self.mesh[a] > 1)
 
 
 def mesh_runs(cluster: ClusterSpec, options: SearchOptions) -> Iterator[MeshRun]:

@@ -4,7 +4,9 @@ Every mixture-of-experts family (Mixtral, Qwen2-MoE with its shared expert, Qwen
 with MLA attention and grouped routing, and the plain-torch model of ``autopar/models/moe.py``) is
 planned with an ``AxisRole.EXPERT`` axis: each MoE layer's experts split over it and its tokens
 sent to them by all-to-all (``codegen/experts.py``). Layouts: expert parallel alone (2 and 4
-ranks), expert x tensor parallel on 2 x 2, and expert parallel inside two pipeline stages. Each
+ranks), with ZeRO-1, 2 and 3 over the expert axis (the dense parameters sharded, the experts
+left out: they are split already), expert x tensor parallel on 2 x 2, and expert parallel inside
+two pipeline stages. Each
 rank's losses of 2 Adam steps and the full state after them equal the single-device model's.
 """
 
@@ -34,17 +36,19 @@ def build(name):
     return moe_tiny(name, batch=4, seq=8)
 
 
-# (model, mesh, roles, pipeline stages)
+# (model, mesh, roles, pipeline stages, ZeRO stage: None the search's)
 CASES = {
-    2: [(name, (2,), (E,), 1) for name in (*MOE_FAMILIES, "plain")],
+    2: [(name, (2,), (E,), 1, None) for name in (*MOE_FAMILIES, "plain")]
+    + [("qwen3_moe", (2,), (E,), 1, 3), ("plain", (2,), (E,), 1, 1)],
     4: [
-        ("qwen3_moe", (4,), (E,), 1),
-        ("plain", (4,), (E,), 1),
-        ("mixtral", (2, 2), (E, T), 1),
-        ("plain", (2, 2), (T, E), 1),
-        ("qwen2_moe", (2,), (E,), 2),
+        ("qwen3_moe", (4,), (E,), 1, None),
+        ("plain", (4,), (E,), 1, 2),
+        ("mixtral", (2, 2), (E, T), 1, None),
+        ("plain", (2, 2), (T, E), 1, None),
+        ("qwen2_moe", (2,), (E,), 2, None),
     ],
 }
+
 
 def _rank(rank, world, jobs):
     """Each job's losses of ``STEPS`` Adam steps, its full state after them, rank 0's code and the
@@ -66,7 +70,9 @@ def _rank(rank, world, jobs):
                     losses.append(loss.item())
                 opt.step()
                 opt.zero_grad()
-            code = pmodel.code if rank == 0 else ""
+            # every graph's code: under ZeRO-3 each block is a submodule of its own
+            graphs = [m.code for m in pmodel.modules() if isinstance(m, torch.fx.GraphModule)]
+            code = "\n".join([pmodel.code, *graphs]) if rank == 0 else ""
             axes = collective_axes(pmodel) if key[3] == 1 else None  # a stage's: read from its code
             results[key] = (losses, pmodel.full_state_dict(), code, axes)
         except Exception:  # noqa: BLE001 - reported by that configuration's test
@@ -78,8 +84,8 @@ _RUNS: dict[int, tuple[dict, list]] = {}
 _REFS: dict[str, tuple] = {}
 
 
-def _key(name, mesh, roles, stages):
-    return (name, mesh, tuple(r.value for r in roles), stages)
+def _key(name, mesh, roles, stages, zero):
+    return (name, mesh, tuple(r.value for r in roles), stages, zero)
 
 
 def _world(world: int, tmp_path_factory):
@@ -88,16 +94,18 @@ def _world(world: int, tmp_path_factory):
         tmp = tmp_path_factory.mktemp(f"experts{world}")
         cluster = autopar.ClusterSpec.preset("cpu", devices_per_node=world)
         for case in CASES[world]:
-            name, mesh, roles, stages = case
+            name, mesh, roles, stages, zero = case
             key = _key(*case)
             try:
                 model, inputs = build(name)
                 more = {"pipeline_stages": stages, "micro_batches": 2} if stages > 1 else {}
+                if zero is not None:
+                    more["zero_stage"] = zero
                 plan = autopar.plan(model, cluster, inputs, mesh_shape=mesh, axis_roles=roles, **more)
             except Exception:  # noqa: BLE001 - reported by that configuration's test
                 plans[key] = traceback.format_exc()
                 continue
-            path = tmp / f"{name}_{'x'.join(map(str, mesh))}_{stages}.json"
+            path = tmp / f"{name}_{'x'.join(map(str, mesh))}_{stages}_{zero}.json"
             plan.save(path)
             plans[key] = plan
             jobs.append((key, str(path)))
@@ -114,7 +122,7 @@ def _reference(name):
 
 @pytest.mark.parametrize("world,case", [(w, c) for w, cases in CASES.items() for c in cases], ids=str)
 def test_expert_parallel_trains_as_one_device(world, case, tmp_path_factory):
-    name, mesh, roles, stages = case
+    name, mesh, roles, stages, zero = case
     plans, per_rank = _world(world, tmp_path_factory)
     plan = plans[_key(*case)]
     assert not isinstance(plan, str), f"planning failed:\n{plan}"
@@ -125,6 +133,8 @@ def test_expert_parallel_trains_as_one_device(world, case, tmp_path_factory):
         assert is_shard(spec_from_str(d.inputs[3])[a]), d
         assert via_from_str(d.via)[a] is ExpertDispatch.ALL_TO_ALL, d
     assert plan.pipeline.stages == stages
+    if zero is not None:  # ZeRO over the expert axis: the dense parameters' state, the experts left out
+        assert int(plan.trades.zero_stage) == zero and a in plan.trades.data_axes, plan.trades
     ref_losses, ref_state = _reference(name)
     for rank, results in enumerate(per_rank):
         res = results[_key(*case)]
