@@ -63,20 +63,22 @@ def prepare_candidate(pb: Problem, run: MeshRun, cluster: ClusterSpec) -> Prepar
 
 
 def pinned_axes(pb: Problem, cluster: ClusterSpec, run: MeshRun) -> dict | None | NoPlanFitsError:
-    """The axes a candidate pins (``MeshRun.data_outer``: axis 0 to the data-parallel solution of
-    its size, solved once per size and kept in ``pb.data_axis``), None when it pins none, or why
-    there is no such solution."""
+    """The axes a candidate pins (``MeshRun.data_outer``: axis 0 to the solution of one axis of its
+    size and role, data or expert, solved once per size and role and kept in ``pb.data_axis``),
+    None when it pins none, or why there is no such solution."""
     if not run.data_outer:
         return None
     size = run.mesh[0]
-    if size not in pb.data_axis:
+    role = run.roles[0] if run.roles else AxisRole.DATA
+    key = size if role is AxisRole.DATA else (size, role)
+    if key not in pb.data_axis:
         try:
-            pb.data_axis[size] = data_parallel_axis(
-                pb.tg, pb.infos, cluster, size, pb.options.optimizer, pb.classes, pb.profiler
+            pb.data_axis[key] = data_parallel_axis(
+                pb.tg, pb.infos, cluster, size, pb.options.optimizer, pb.classes, pb.profiler, role
             )
         except NoPlanFitsError as e:
-            pb.data_axis[size] = e
-    got = pb.data_axis[size]
+            pb.data_axis[key] = e
+    got = pb.data_axis[key]
     return got if isinstance(got, NoPlanFitsError) else {0: got}
 
 
@@ -88,11 +90,13 @@ def data_parallel_axis(
     optimizer: Optimizer,
     classes: Classes | None,
     profiler: NodeTimer | None = None,
+    role: AxisRole = AxisRole.DATA,
 ) -> dict[str, Strategy]:
     """Every node's placement on one data-parallel axis of ``size`` devices: the plan the solver
-    picks on the mesh ``(size,)`` with parameters replicated and inputs split on dim 0."""
+    picks on the mesh ``(size,)`` with parameters replicated and inputs split on dim 0 (``role``
+    ``EXPERT``: the experts split over it)."""
     mesh = (size,)
-    roles = (AxisRole.DATA,)
+    roles = (role,)
     strats = build_strategies(tg, infos, mesh, roles, only=set(classes.members) if classes else None)
     tables = build_costs(tg, infos, strats, cluster, mesh, optimizer, roles, classes, profiler)
     sol = solve(tables, math.inf)

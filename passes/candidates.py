@@ -51,15 +51,23 @@ class MeshRun:
 
     @property
     def label(self) -> str:
-        text = f"{self.mesh} (axis 0 data parallel)" if self.data_outer or self.data_first else f"{self.mesh}"
+        expert = bool(self.roles) and self.roles[0] is AxisRole.EXPERT
+        text = (
+            f"{self.mesh} (axis 0 expert parallel)"
+            if expert
+            else f"{self.mesh} (axis 0 data parallel)"
+            if self.data_outer or self.data_first
+            else f"{self.mesh}"
+        )
         return f"{text} x {self.stages} pipeline stages" if self.stages > 1 else text
 
     @property
     def tag(self) -> str:
-        """The candidate in dump file names: ``2x4``, ``2x4_data``, ``2x4_pp8``."""
+        """The candidate in dump file names: ``2x4``, ``2x4_data``, ``8_expert``, ``2x4_pp8``."""
         return (
             "x".join(map(str, self.mesh))
             + ("_data" if self.data_first else "")
+            + ("_expert" if self.roles and self.roles[0] is AxisRole.EXPERT else "")
             + (f"_pp{self.stages}" if self.stages > 1 else "")
         )
 
@@ -136,14 +144,12 @@ def _with_experts(runs, options: SearchOptions, experts: bool) -> Iterator[MeshR
     """``runs``, and before each whose first axis is data parallel, where the model has experts and
     no roles are forced, the same with that axis an expert axis (``AxisRole.EXPERT``: the batch
     split as on a data axis, every MoE layer's experts split over it by all-to-all) and its other
-    roles as they were (a free axis stays free, ``data_outer`` dropped: it pins a data axis)."""
+    roles as they were (``data_outer`` too: axis 0 pinned to the one-axis expert solution)."""
     for run in runs:
         roles = run.roles
         if experts and options.axis_roles is None and roles and roles[0] is AxisRole.DATA and run.mesh[0] > 1:
             # first: where splitting the experts pays, its plan prunes the data-parallel twin
-            yield dataclasses.replace(
-                run, roles=(AxisRole.EXPERT, *roles[1:]), data_outer=False, data_first=False
-            )
+            yield dataclasses.replace(run, roles=(AxisRole.EXPERT, *roles[1:]), data_first=False)
         yield run
 
 

@@ -48,7 +48,7 @@ class Problem:
     micro: MicroBatchCheck
     model: torch.nn.Module
     example_inputs: object
-    data_axis: dict[int, dict[str, Strategy] | NoPlanFitsError] = field(default_factory=dict)
+    data_axis: dict[int | tuple, dict[str, Strategy] | NoPlanFitsError] = field(default_factory=dict)
     regions: dict[int, DataRegion | str] = field(default_factory=dict)
 
 
