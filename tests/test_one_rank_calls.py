@@ -70,6 +70,11 @@ def _rank(rank, world, plan_path, case, check_calls=True):
         store.wait(["test/rank 0 raised"])
         out["alone"] = _outcome(lambda: pmodel(**inputs))
     out["next"] = _outcome(lambda: pmodel(**inputs))  # raises again, without blocking
+    # rank 0's process serves the store: it stays until rank 1 has read the failure from it (else
+    # rank 1, late, finds only that rank 0's process exited, which says less)
+    store.set(f"test/rank {rank} done", "1")
+    if rank == 0:
+        store.wait(["test/rank 1 done"])
     return out
 
 
