@@ -379,9 +379,7 @@ def fold_experts(gm: fx.GraphModule) -> int:
     sorts = [n for n in g.nodes if _is(n, aten.sort.default, aten.sort.stable)]
     if not sorts:
         return 0
-    from autopar.kernels import moe  # noqa: F401  (registers autopar::moe_experts)
-
-    op = torch.ops.autopar.moe_experts.default
+    op = _moe_op()
     done = 0
     for srt in sorts:
         if srt.graph is not g:
@@ -409,20 +407,21 @@ def fold_experts(gm: fx.GraphModule) -> int:
     return done
 
 
-SKEW = "autopar_expert_skew"  # node meta: the routing skew the search prices (SearchOptions.expert_skew)
-
-
 def mark_skew(tg, skew: float) -> None:
-    """Record on each MoE op of ``tg`` the routing skew to price it at
-    (``autopar/lowerings/experts.py`` reads it)."""
+    """Record on each MoE op of ``tg`` the routing skew to price it at (under the key
+    ``autopar/lowerings/experts.py``, which reads it, names)."""
+    from autopar.lowerings.experts import SKEW_META
+
+    op = _moe_op()
     for n in tg.graph.nodes:
-        if n.op == "call_function" and n.target is _moe_op():
-            n.meta[SKEW] = float(skew)
+        if n.op == "call_function" and n.target is op:
+            n.meta[SKEW_META] = float(skew)
 
 
 def has_experts(tg) -> bool:
     """Does the traced graph hold a mixture-of-experts op (``fold_experts``)?"""
-    return any(n.op == "call_function" and n.target is _moe_op() for n in tg.graph.nodes)
+    op = _moe_op()
+    return any(n.op == "call_function" and n.target is op for n in tg.graph.nodes)
 
 
 def _moe_op():
