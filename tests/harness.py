@@ -285,27 +285,34 @@ def code_of(world_result, name: str, mode: str) -> str:
 def adam_rank(rank, world, build, jobs, steps, lr, eps, check_output=None):
     """On each rank: per ``(key, plan path)`` of ``jobs`` (``key[0]`` names the model ``build``
     makes), the parallel module's losses of ``steps`` Adam steps on the model's own loss, its full
-    state after them, rank 0's generated code ("" elsewhere) and the mesh axes its collectives ran
-    on; or the traceback, reported by that configuration's test. ``check_output(out)``: asserts
-    on every step's output."""
+    state after them, rank 0's generated code ("" elsewhere: every graph's, a ZeRO-3 block's
+    included) and the mesh axes its collectives ran on (None for a pipelined plan, which trains by
+    ``step``); or the traceback, reported by that configuration's test. ``check_output(out)``:
+    asserts on every step's output."""
     cluster = autopar.ClusterSpec.preset("cpu", devices_per_node=world)
     results = {}
     for key, path in jobs:
         try:
             model, inputs = build(key[0])
             pmodel = autopar.autoparallelize(model, cluster, inputs, plan=path)
+            pipelined = autopar.Plan.load(path).pipeline.stages > 1
             opt = pmodel.optimizer(torch.optim.Adam, lr=lr, eps=eps)
             losses = []
             for _ in range(steps):
-                out = pmodel(**inputs)
-                if check_output is not None:
-                    check_output(out)
-                out.loss.backward()
-                losses.append(out.loss.item())
+                if pipelined:
+                    losses.append(float(pmodel.step(**inputs)))
+                else:
+                    out = pmodel(**inputs)
+                    if check_output is not None:
+                        check_output(out)
+                    out.loss.backward()
+                    losses.append(out.loss.item())
                 opt.step()
                 opt.zero_grad()
-            code = pmodel.code if rank == 0 else ""
-            results[key] = (losses, pmodel.full_state_dict(), code, collective_axes(pmodel))
+            graphs = [m.code for m in pmodel.modules() if isinstance(m, torch.fx.GraphModule)]
+            code = "\n".join([pmodel.code, *graphs]) if rank == 0 else ""
+            axes = None if pipelined else collective_axes(pmodel)
+            results[key] = (losses, pmodel.full_state_dict(), code, axes)
         except Exception:  # noqa: BLE001 - reported by that configuration's test
             results[key] = traceback.format_exc()
     return results

@@ -16,7 +16,7 @@ import traceback
 
 import pytest
 import torch
-from harness import T, adam_reference, assert_adam_state_close, collective_axes, parallel_axes
+from harness import T, adam_rank, adam_reference, assert_adam_state_close, parallel_axes
 
 import autopar
 from autopar.examples import MOE_FAMILIES, moe_plain_tiny, moe_tiny
@@ -50,36 +50,6 @@ CASES = {
 }
 
 
-def _rank(rank, world, jobs):
-    """Each job's losses of ``STEPS`` Adam steps, its full state after them, rank 0's code and the
-    mesh axes its collectives ran on (or the traceback); pipelined plans train by ``step``."""
-    cluster = autopar.ClusterSpec.preset("cpu", devices_per_node=world)
-    results = {}
-    for key, path in jobs:
-        try:
-            model, inputs = build(key[0])
-            pmodel = autopar.autoparallelize(model, cluster, inputs, plan=path)
-            opt = pmodel.optimizer(torch.optim.Adam, lr=LR, eps=EPS)
-            losses = []
-            for _ in range(STEPS):
-                if key[3] > 1:
-                    losses.append(float(pmodel.step(**inputs)))
-                else:
-                    loss = pmodel(**inputs).loss
-                    loss.backward()
-                    losses.append(loss.item())
-                opt.step()
-                opt.zero_grad()
-            # every graph's code: under ZeRO-3 each block is a submodule of its own
-            graphs = [m.code for m in pmodel.modules() if isinstance(m, torch.fx.GraphModule)]
-            code = "\n".join([pmodel.code, *graphs]) if rank == 0 else ""
-            axes = collective_axes(pmodel) if key[3] == 1 else None  # a stage's: read from its code
-            results[key] = (losses, pmodel.full_state_dict(), code, axes)
-        except Exception:  # noqa: BLE001 - reported by that configuration's test
-            results[key] = traceback.format_exc()
-    return results
-
-
 _RUNS: dict[int, tuple[dict, list]] = {}
 _REFS: dict[str, tuple] = {}
 
@@ -109,7 +79,7 @@ def _world(world: int, tmp_path_factory):
             plan.save(path)
             plans[key] = plan
             jobs.append((key, str(path)))
-        _RUNS[world] = (plans, run_on_ranks(_rank, world, jobs, timeout_s=900))
+        _RUNS[world] = (plans, run_on_ranks(adam_rank, world, build, jobs, STEPS, LR, EPS, timeout_s=900))
     return _RUNS[world]
 
 
