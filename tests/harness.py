@@ -310,7 +310,7 @@ def adam_rank(rank, world, build, jobs, steps, lr, eps, check_output=None):
                 opt.step()
                 opt.zero_grad()
             graphs = [m.code for m in pmodel.modules() if isinstance(m, torch.fx.GraphModule)]
-            code = "\n".join([pmodel.code, *graphs]) if rank == 0 else ""
+            code = "\n".join(graphs or [pmodel.code]) if rank == 0 else ""  # the module's own among them
             axes = None if pipelined else collective_axes(pmodel)
             results[key] = (losses, pmodel.full_state_dict(), code, axes)
         except Exception:  # noqa: BLE001 - reported by that configuration's test
