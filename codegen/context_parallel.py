@@ -158,7 +158,8 @@ def ring_forward(q, k, v, mask, rank: int, n: int, causal: bool, scale: float, r
     acc = _acc_dtype(q.dtype)
     groups = q.shape[1] // k.shape[1]
     qa = q.to(acc)
-    out = torch.zeros(q.shape, dtype=acc, device=q.device)
+    # the values' head dim, which may differ from the queries' (DeepSeek-V3's MLA: 128 against 192)
+    out = torch.zeros((*q.shape[:-1], v.shape[-1]), dtype=acc, device=q.device)
     lse = torch.full(q.shape[:-1], float("-inf"), dtype=acc, device=q.device)
     kv = [k, v]
     block = k.shape[2]

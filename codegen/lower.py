@@ -151,7 +151,7 @@ def _out_shape(node: fx.Node) -> tuple[int, ...]:
 
 @lowering(
     aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.expand.default,
-    aten.new_zeros.default, aten.new_ones.default, aten.new_full.default,
+    aten.new_zeros.default, aten.new_ones.default, aten.new_full.default, aten.new_empty.default,
 )  # fmt: skip
 def _lower_sized_view(g, node, args, kwargs, s, mesh_shape):
     size = list(local_shape(_out_shape(node), s.out, mesh_shape))

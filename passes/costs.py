@@ -74,7 +74,7 @@ from autopar.passes.background import checkpoint
 from autopar.passes.coarsen import Classes
 from autopar.passes.collective_matmul import LINEAR, fused_steps, overlap_saving_s, sole_use
 from autopar.passes.rules import tensor_inputs, writes_inputs
-from autopar.passes.strategies import AxisRole, NodeStrategies, Strategy
+from autopar.passes.strategies import AxisRole, NodeStrategies, Strategy, mutated_views, takes_as_stored
 from autopar.passes.trace import Role, TracedGraph
 from autopar.placement import (
     Outputs,
@@ -341,9 +341,12 @@ def build_costs(
     tables.bucket_fixed = {a: bucket_fixed_s(comm, a) for a in data_axes}
     matmul_s = tables.matmul_s if overlap_matmuls else None
     memo: dict = {}
+    mutated = mutated_views(tg)
     for (src, dst, i, _, _, orig, owner), (inp, count, user) in groups.items():
         checkpoint()
         pinned = _pinned_axes(infos[src], axis_roles)
+        if takes_as_stored(user, inp, mutated):  # a written chain's link: never moved (on any axis)
+            pinned = list(range(len(mesh_shape)))
         e = _edge(src, dst, i, inp, infos, strats, comm, pinned, orig, owner, grad_total, data_axes, memo)
         if matmul_s is not None:
             _fuse_matmuls(e, user, i, inp, infos, strats, comm, matmul_s)

@@ -53,9 +53,10 @@ def _reason(tables: CostTables, e, src: set[int], dst: set[int], nodes: dict[str
         return (
             f"{writer.target} (node {writer.name}) writes in place into {e.dst}, which "
             f"{reader.target} (node {reader.name}) reads after the write: {op} (node {e.dst}) and the "
-            f"in-place op therefore stay whole (a reshard would copy the value and lose the write), "
-            f"so {op} cannot take {tensor} as the axis roles leave it ({' or '.join(have)}); the roles "
-            "forbid that move (a data axis never gathers a split activation); write it out of place "
+            f"in-place op must take {tensor} as it is stored (a reshard would copy the value and lose "
+            f"the write), and {op} has no strategy that takes it as the axis roles leave it "
+            f"({' or '.join(have)}), only as {' or '.join(need) or 'nothing'}; the roles forbid that "
+            "move (a data axis never gathers a split activation); write it out of place "
             "(`y = x.mul(s)`, not `x.mul_(s)`)"
         )
     return (
@@ -67,8 +68,9 @@ def _reason(tables: CostTables, e, src: set[int], dst: set[int], nodes: dict[str
 
 
 def _written(node: fx.Node | None) -> tuple[fx.Node, fx.Node] | None:
-    """(the in-place op, an op that sees its write) where ``node`` is replicated because an
-    in-place op writes into it (``strategies.mutated_views``) or is that op; else None."""
+    """(the in-place op, an op that sees its write) where ``node`` takes its input as stored because
+    an in-place op writes into it (``strategies.mutated_views``, ``takes_as_stored``) or is that
+    op; else None."""
     if node is None or node.op != "call_function":
         return None
     written = written_in_place(node.graph)

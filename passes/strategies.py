@@ -219,7 +219,6 @@ def build_strategies(
     if len(axis_roles) != len(mesh_shape):
         raise ValueError(f"axis_roles {axis_roles} must have one entry per mesh axis {tuple(mesh_shape)}")
     result: dict[str, NodeStrategies] = {}
-    mutated = mutated_views(tg)
     experts = expert_weights(tg) if {AxisRole.EXPERT, AxisRole.TENSOR} & set(axis_roles) else frozenset()
     for node in tg.graph.nodes:
         checkpoint()  # on a search's worker thread: only while the search waits (passes/background.py)
@@ -259,10 +258,6 @@ def build_strategies(
                 if name not in _warned_fallback:
                     _warned_fallback.add(name)
                     log.info("no sharding rule or DTensor strategy for %s: replicated", name)
-            if node.name in mutated or any(a.name in mutated for a in written_inputs(node)):
-                # stays replicated, and the op writing into it takes it so: a reshard would copy
-                # it and the mutation would be lost
-                options = []
             strategies = expand(options, len(ins), info.shapes, in_shapes, mesh_shape, pinned)
             if options and not (regions and node.name in regions):
                 strategies += grid_strategies(
@@ -372,6 +367,21 @@ def mutated_views(tg: TracedGraph) -> dict[str, tuple[fx.Node, fx.Node]]:
     Placeholders are excluded: they are never resharded in place (they are parameters, buffers or
     inputs, which in-place ops do not touch in training)."""
     return written_in_place(tg.graph)
+
+
+def takes_as_stored(user: fx.Node, inp: fx.Node, mutated: dict) -> bool:
+    """Must ``user`` take ``inp`` in the placement ``inp`` is stored in (``mutated``: of
+    ``mutated_views``)? It must where ``inp`` is a link of a chain an in-place op writes into and
+    ``user`` is the next link (a view of it) or the op writing into it: a reshard between them would
+    copy the storage and the write would be lost. The links and the writer may take any placement,
+    all the same one (``passes/costs.py`` forbids the pairs that move it): z = new_empty(...);
+    z[..., :d].copy_(a) runs on each rank's rows when z, its slice and a are split on the batch
+    (DeepSeek-V3's MLA builds its queries so)."""
+    if inp.name not in mutated:
+        return False
+    if user.name in mutated and user.target in VIEW_OPS and user.args and user.args[0] is inp:
+        return True
+    return any(a is inp for a in written_inputs(user))
 
 
 def written_in_place(graph: fx.Graph) -> dict[str, tuple[fx.Node, fx.Node]]:

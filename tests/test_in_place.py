@@ -74,7 +74,7 @@ def test_a_gather_normalized_in_place_keeps_the_batch_split():
 class Halved(torch.nn.Module):
     """Dropout, then half of the features scaled in place through a view (``h[:, :4].mul_``) and
     the whole ``h`` read after: the write lands in ``h`` only if ``h`` and the view are one storage,
-    so ``h`` stays whole; and dropout is random, so no data-parallel region may run it."""
+    so the view and the write take ``h`` as it is stored, here split on the batch."""
 
     def __init__(self):
         super().__init__()
@@ -82,9 +82,34 @@ class Halved(torch.nn.Module):
         self.head = torch.nn.Linear(8, 1)
 
     def forward(self, x, y):
-        h = F.dropout(self.lin(x), 0.1)
+        h = F.dropout(self.lin(x), 0.1, self.training)
         h[:, :4].mul_(0.5)
         return F.mse_loss(self.head(torch.tanh(h)).squeeze(-1), y)
+
+
+class FirstRows(Halved):
+    """``Halved`` scaling the batch's first two rows in place (``h[:2].mul_``): a slice of the
+    batch dim, which no rule runs on a rank's rows."""
+
+    def forward(self, x, y):
+        h = F.dropout(self.lin(x), 0.1, self.training)
+        h[:2].mul_(0.5)
+        return F.mse_loss(self.head(torch.tanh(h)).squeeze(-1), y)
+
+
+def test_an_in_place_write_through_a_view_keeps_the_batch_split():
+    """The base, its view and the write all take the batch split, one storage on each rank (no
+    reshard between them: it would copy the value and lose the write). That such a write lands on
+    real ranks: DeepSeek-V3's MLA in ``test_data_region.py`` and ``test_expert_parallel_dist.py``."""
+    torch.manual_seed(0)
+    x, y = torch.randn(4, 8), torch.randn(4)
+    model = Halved().eval()  # no dropout: the ranks' rows against one device's
+    plan = autopar.plan(model, _cpu(), (x, y), mesh_shape=(2,), axis_roles=(D,))
+    ops = {d.op: d for d in plan.decisions}
+    for op in ("aten.dropout.default", "aten.slice.Tensor", "aten.mul_.Tensor"):
+        if op in ops:
+            assert ops[op].output == "S(0)" and all(i == "S(0)" for i in ops[op].inputs[:1]), ops[op]
+    assert "aten.mul_.Tensor" in ops, sorted(ops)
 
 
 def test_a_split_blocked_by_an_in_place_write_names_the_write():
@@ -92,10 +117,10 @@ def test_a_split_blocked_by_an_in_place_write_names_the_write():
     x, y = torch.randn(4, 8), torch.randn(4)
     with pytest.raises(
         NoPlanFitsError,
-        match=r"aten\.mul_\.Tensor \(node mul_\) writes in place into dropout, which aten\.tanh\.default "
-        r"\(node tanh\) reads after the write.*write it out of place",
+        match=r"aten\.mul_\.Tensor \(node mul_\) writes in place into slice_1, which aten\.tanh\.default "
+        r"\(node tanh\) reads after the write.*as it is stored.*write it out of place",
     ):
-        autopar.plan(Halved(), _cpu(), (x, y), mesh_shape=(2,), axis_roles=(D,))
+        autopar.plan(FirstRows(), _cpu(), (x, y), mesh_shape=(2,), axis_roles=(D,))
 
 
 class Indexed(torch.nn.Module):

@@ -1,4 +1,5 @@
-"""validate_graph on the small GPT-2 and Llama: every strategy of every node, mesh (2,)."""
+"""validate_graph on the small GPT-2, Llama and DeepSeek-V3 (MLA, in-place writes into buffers,
+grouped routing): every strategy of every node, mesh (2,)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from autopar.tools.validate import main, validate_graph  # noqa: E402
 MODELS = {
     "gpt2": lambda: examples.gpt2_tiny(batch=4, seq=8, hidden=32, vocab=64),
     "llama": lambda: examples.llama_tiny(batch=4, seq=8, hidden=32, vocab=64),
+    "deepseek_v3": lambda: examples.moe_tiny("deepseek_v3", batch=4, seq=8),
 }
 
 

@@ -98,3 +98,15 @@ def broadcast_tensors_rule(ctx: OpCtx) -> list[AxisOption]:
             ins.append(Shard(j) if j >= 0 and in_shape[j] == shape[d] else R)
         opts.append(AxisOption(Shard(d), tuple(ins)))
     return opts
+
+
+@register(aten.copy.default)
+def copy_rule(ctx: OpCtx) -> list[AxisOption]:
+    """``copy(self, src)``: ``src`` broadcast to ``self``'s shape, whose values it never reads: any dim
+    split as elementwise ops split it, or a sum pending in both (the result is ``src``, linear in it).
+    ``copy_``, its in-place twin, writes into ``self`` placed as the output is
+    (``rules.in_place_options``): DeepSeek-V3's MLA fills slices of a ``new_empty`` so."""
+    opts = shard_every_dim(ctx)
+    if _partial_ok(ctx) and ctx.n_in == 2:
+        opts.append(AxisOption(P, (P, P)))
+    return opts

@@ -140,6 +140,22 @@ def gather_rule(ctx: OpCtx) -> list[AxisOption]:
     ]
 
 
+@register(aten.scatter.value, aten.scatter.src)
+def scatter_rule(ctx: OpCtx) -> list[AxisOption]:
+    """``scatter(self, dim, index, value | src)`` writes along ``dim`` within each slice of the other
+    dims: split any other dim that ``index`` (and ``src``) cover whole, every tensor on its rows.
+    ``scatter_``, its in-place twin, takes these with ``self`` placed as the output
+    (``rules.in_place_options``): DeepSeek-V3's router marks its chosen groups so."""
+    out = ctx.in_shapes[0]
+    nd = len(out)
+    dim = norm_dim(ctx.arg(1, "dim"), nd)
+    return [
+        AxisOption(Shard(d), (Shard(d),) * ctx.n_in)
+        for d in range(nd)
+        if d != dim and out[d] > 1 and all(len(s) == nd and s[d] == out[d] for s in ctx.in_shapes)
+    ]
+
+
 @register(aten.argmax.default, aten.argmin.default, aten.max.dim, aten.min.dim)
 def arg_reduction_rule(ctx: OpCtx) -> list[AxisOption]:
     src = ctx.in_shapes[0]
@@ -277,7 +293,7 @@ def factory_rule(ctx: OpCtx) -> list[AxisOption]:
     return [AxisOption(Shard(d), ()) for d in range(len(ctx.out_shape)) if ctx.out_shape[d] > 1]
 
 
-@register(aten.new_zeros.default, aten.new_ones.default, aten.new_full.default)
+@register(aten.new_zeros.default, aten.new_ones.default, aten.new_full.default, aten.new_empty.default)
 def new_factory_rule(ctx: OpCtx) -> list[AxisOption]:
     # self gives only dtype and device: any placement of it will do, and the output may be made
     # directly as a local piece (codegen gives the local size)
