@@ -80,14 +80,14 @@ def test_offered_only_on_a_cube():
 
 # -- end to end on gloo, world 8 --------------------------------------------------------------------
 
-SEQ, HIDDEN, VOCAB, BATCH = 8, 32, 64, 4
+SEQ, HIDDEN, VOCAB, BATCH, LAYERS = 8, 32, 64, 4, 1  # one layer: 8 ranks on a busy 2-core machine
 LR, EPS, STEPS = 1e-2, 1e-5, 2
 
 
 def build(name):
     from autopar.examples import gpt2_tiny, llama_tiny
 
-    kw = {"batch": BATCH, "seq": SEQ, "hidden": HIDDEN, "vocab": VOCAB}
+    kw = {"batch": BATCH, "seq": SEQ, "hidden": HIDDEN, "vocab": VOCAB, "layers": LAYERS}
     return {"llama": llama_tiny, "gpt2": gpt2_tiny}[name](**kw)
 
 
@@ -123,7 +123,7 @@ def cube_runs(tmp_path_factory):
 
 # matmuls forced 3D and weights (with biases) stored so: Llama's 7 linears a layer and the head,
 # each weight its own; GPT-2's 4 Conv1D a layer (weight and bias) and the head (the embedding's)
-EXPECTED = {"llama": (2 * 7 + 1, 2 * 7 + 1), "gpt2": (2 * 4 + 1, 2 * 4 * 2)}
+EXPECTED = {"llama": (LAYERS * 7 + 1, LAYERS * 7 + 1), "gpt2": (LAYERS * 4 + 1, LAYERS * 4 * 2)}
 # a gathered input's product reduce-scattered: the 3D lowering's code
 CUBE_MATMUL = re.compile(r"reduce_scatter\(\w+, \d, 2\)")
 
