@@ -11,7 +11,7 @@ batch split over axis 0 where the input has a batch dim beside the gathered one 
 and GPT-2's head; GPT-2's Conv1D rows are one dim, so axis 0 keeps them whole there), the weights
 of the untied ones stored split over the grid: losses and the full state after 2 Adam steps equal
 one device's, and the generated code runs each of those matmuls as a gather, one product and a
-reduce-scatter.
+reduce-scatter. The report explains a 3D matmul and the export to PyTorch's plans refuses it.
 """
 
 from __future__ import annotations
@@ -150,3 +150,25 @@ def test_3d_matmuls_train_as_one_device(cube_runs, name):
         assert set(state) == set(ref_state)
         for k in ref_state:
             assert_adam_state_close(state[k], ref_state[k], LR, STEPS, f"rank {rank} {k}")
+
+
+def test_the_report_explains_and_the_export_refuses_a_3d_matmul():
+    """The report's placement legend says what the 3D algorithm does; PyTorch's parallelize_module
+    styles split a weight on one axis, so a plan with a 3D matmul is refused naming the node."""
+    from html import escape
+
+    from autopar.export import ExportError
+    from autopar.report import MATMUL_2D_MEANING, placement_legend
+
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 8))
+    inputs = (torch.randn(4, 8, 8),)
+    cluster = autopar.ClusterSpec.preset("cpu", devices_per_node=8)
+    free = autopar.plan(model, cluster, inputs, mesh_shape=CUBE)
+    plan, n_cube, _ = cube_everywhere(free, model, inputs)
+    assert n_cube == 2
+    legend = placement_legend(plan)
+    meaning = MATMUL_2D_MEANING[Matmul3D.GATHERED]
+    assert "via 3d" in legend and escape(meaning.split(":")[0]) in legend
+    assert "via " not in placement_legend(free)
+    with pytest.raises(ExportError, match=r"node linear\w* .* runs a 3D tensor-parallel matmul \(\S*3d"):
+        autopar.to_torch(plan, model, inputs)
