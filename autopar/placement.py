@@ -213,7 +213,23 @@ class Matmul2D(enum.Enum):
     SUMMA = "summa"
 
 
-Via = SeqAttention | OwnRows | Matmul2D | ExpertDispatch
+class Matmul3D(enum.Enum):
+    """A linear on a ``q x q`` pair of mesh axes ``b``, ``c`` as the 3D algorithm's (Agarwal et
+    al. 1995; Colossal-AI's 3D tensor parallelism, Bian et al. 2021) grid of one depth slice: the
+    input ``X [.., S, K]`` split as (``S`` on ``b``, ``K`` on ``c``), the weight ``W [N, K]`` as
+    (``N`` on ``b``, ``K`` on ``c``), the output as (``S`` on ``c``, ``N`` on ``b``): ``X``'s
+    ``S`` blocks all-gathered over ``b``, one local product (a partial sum over ``c``),
+    reduce-scattered over ``c`` onto ``S``. A third axis of the same size beside the pair that
+    splits another batch-like dim of ``X`` (the batch), the weight whole on it, is the cube's
+    third direction; the weights' gradients are summed over it as data parallelism's are, and
+    ZeRO over that axis stores them split over all ``q^3`` ranks (``autopar/lowerings/matmul_nd.py``).
+
+    * ``GATHERED``: the gather, one product and the reduce-scatter (Colossal-AI's ``_Linear3D``)."""
+
+    GATHERED = "3d"
+
+
+Via = SeqAttention | OwnRows | Matmul2D | Matmul3D | ExpertDispatch
 
 
 def via_to_str(via: Sequence[Via | None]) -> str:
@@ -222,7 +238,7 @@ def via_to_str(via: Sequence[Via | None]) -> str:
 
 
 _VIAS: dict[str, Via] = {
-    v.value: v for kind in (SeqAttention, OwnRows, Matmul2D, ExpertDispatch) for v in kind
+    v.value: v for kind in (SeqAttention, OwnRows, Matmul2D, Matmul3D, ExpertDispatch) for v in kind
 }
 VIA_NAMES = tuple(_VIAS)  # every algorithm's text form
 

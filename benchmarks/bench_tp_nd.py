@@ -1,6 +1,6 @@
-"""2D tensor parallelism against 1D (Megatron), priced by the same cost model: where each wins.
+"""2D, 2.5D and 3D tensor parallelism against 1D (Megatron), priced by the same cost model: where each wins.
 
-    .venv/bin/python benchmarks/bench_tp_nd.py [--no-search] [--size NAME ...]
+    .venv/bin/python benchmarks/bench_tp_nd.py [--no-search] [--cube] [--size NAME ...]
 
 Part 1, one transformer layer, priced. GPT-3 layer shapes (1.3B: h 2048; 13B: h 5120; 175B:
 h 12288), bf16, one micro-batch of 1 x 2048 tokens (``T``), on ``h100-sxm`` clusters of 4 (one
@@ -29,6 +29,20 @@ against 1D) or ``AUTO`` (any split, data parallelism included): how many of its 
 (seven and the head) the search runs as 2D matmuls, and each plan's predicted step and peak
 memory.
 
+Part 3, 2D, 2.5D and 3D against 1D on the cubes of 8 (2 x 2 x 2, one node) and 64 GPUs (4 x 4 x 4,
+nodes of 8; ``cube_rows``), priced alike per layer as in part 1, 1 or 8 sequences a micro-batch
+(the depth splits the tokens; at one sequence that is a split of its positions, priced the same): 1D over all ``P``; 2D on ``sqrt(P) x sqrt(P)`` where ``P`` is a square (64: 8 x 8); 2.5D,
+the 2D lowering on the inner ``q x q`` of the cube with its depth ``q`` over the batch; 3D, the
+registered 3D lowering on the cube (``X``'s sequence gathered over axis 1, the product
+reduce-scattered over axis 2, the batch over axis 0). 2.5D and 3D keep the weights whole over the
+depth axis, so each also pays its weights' gradient all-reduce over it (data parallelism's, what
+Colossal-AI's gather of the weight forward and its reduce-scatter backward cost together); 1D and
+2D split the weights over all ``P`` and pay none. Columns as part 1's, and the weight bytes each
+GPU holds. Then the search on those cubes (``cube_search_rows``, 8 sequences): axis 0 ``DATA`` (the
+depth), the grid ``TENSOR`` (every axis ``TENSOR`` places no 2-D parameter on three axes), with the
+2D and 3D strategies offered beside every per-axis one, with all of them withheld, and 1D over
+``P``.
+
 Figures, with the machine and the command, are in benchmarks/README.md.
 """
 
@@ -36,6 +50,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import itertools
 import math
 import platform
 import time
@@ -45,9 +60,9 @@ import torch
 import autopar
 from autopar.cost_model.comm import CommModel
 from autopar.lowerings import Collective, describe, price_calls
-from autopar.lowerings.matmul_nd import grid_axes
+from autopar.lowerings.matmul_nd import cube_axes, grid_axes
 from autopar.options import AxisRole
-from autopar.placement import Matmul2D, Outputs
+from autopar.placement import Matmul2D, Matmul3D, Outputs, Shard, volume_factor
 from autopar.tools.validate import node_strategies, one_node_graph
 
 aten = torch.ops.aten
@@ -101,6 +116,106 @@ def two_d(h: int, tokens: int, gpus: int, cluster, via: Matmul2D) -> tuple[float
             t for _, t in price_calls(calls, lambda c: comm.time(c.kind, c.nbytes, c.axis), compute_s)
         )
     return total_b, total_s, exposed
+
+
+def layer(h: int, tokens: int, cluster, mesh, fits, depth: int | None = None) -> tuple[float, float, float]:
+    """(bytes sent per GPU, seconds, weight bytes held per GPU) of the layer's four matmuls on
+    ``mesh`` under the first strategy ``fits(node, s)`` of each, their calls as the registered
+    lowering describes them; ``depth``: an axis over which the input's batch (dim 0) is split and
+    the weights are whole, whose gradient all-reduce is added."""
+    comm = CommModel(cluster, mesh)
+    rows = mesh[depth] if depth is not None else 1
+    total_b = total_s = held = 0.0
+    for k, n in ((h, 3 * h), (h, h), (h, 4 * h), (4 * h, h)):
+        x = torch.empty(rows, tokens // rows, k, dtype=torch.bfloat16, device="meta")
+        w = torch.empty(n, k, dtype=torch.bfloat16, device="meta")
+        b = torch.empty(n, dtype=torch.bfloat16, device="meta")
+        node, _ = one_node_graph(aten.linear.default, (x, w, b))
+        s = next(s for s in node_strategies(node, mesh) if fits(node, s))
+        for c in describe(node, s, mesh).calls:
+            total_b += sent(c.kind, c.nbytes, mesh[c.axis])
+            total_s += comm.time(c.kind, c.nbytes, c.axis)
+        w_local = n * k * BF16 / volume_factor(s.ins[1], mesh)
+        held += w_local
+        if depth is not None:  # the weight's gradient summed over the depth, as data parallelism's
+            total_b += sent(Collective.ALL_REDUCE, w_local, mesh[depth])
+            total_s += comm.time(Collective.ALL_REDUCE, w_local, depth)
+    return total_b, total_s, held
+
+
+def cube_rows(sizes) -> None:
+    """Part 3 of the module docstring: 1D, 2D, 2.5D and 3D per layer on the cubes of 8 and 64."""
+    print(
+        "\n| size | tokens | GPUs | sent / GPU: 1D, 2D, 2.5D, 3D | comm: 1D, 2D, 2.5D, 3D | matmuls at peak "
+        "| weights / GPU: 1D and 2D, 2.5D and 3D |"
+    )
+    print("|---|---|---|---|---|---|---|")
+    for name, tokens in itertools.product(sizes, TOKENS):
+        h, _ = SIZES[name]
+        for gpus, (nodes, per_node) in ((8, (1, 8)), (64, (8, 8))):
+            cluster = autopar.ClusterSpec.preset("h100-sxm", nodes=nodes, devices_per_node=per_node)
+            q = round(gpus ** (1 / 3))
+            cube = (q, q, q)
+            b1, t1 = one_d(h, tokens, gpus, cluster)
+            flops = 3 * 2 * tokens * 12 * h * h
+            mm_s = flops / gpus / cluster.device.peak_flops_for("bfloat16")
+            two = "-", "-"
+            r = math.isqrt(gpus)
+            if r * r == gpus:
+                b2, t2, _ = layer(
+                    h, tokens, cluster, (r, r),
+                    lambda n, s: grid_axes(n, s) == (0, 1) and s.via[0] is Matmul2D.GATHERED,
+                )  # fmt: skip
+                two = f"{b2 / 2**20:.0f}", f"{t2 * 1e3:.2f}"
+
+            def depth_split(n, s):
+                return s.ins[0][0] == s.out[0] == Shard(0)
+
+            b25, t25, w25 = layer(
+                h, tokens, cluster, cube,
+                lambda n, s: grid_axes(n, s) == (1, 2) and s.via[1] is Matmul2D.GATHERED and depth_split(n, s),
+                depth=0,
+            )  # fmt: skip
+            b3, t3, w3 = layer(
+                h, tokens, cluster, cube,
+                lambda n, s: (cube_axes(n, s) or (0,))[:2] == (1, 2) and depth_split(n, s),
+                depth=0,
+            )  # fmt: skip
+            w1 = 12 * h * h * BF16 / gpus
+            print(
+                f"| {name} | {tokens} | {gpus} ({q}x{q}x{q}) | {b1 / 2**20:.0f}, {two[0]}, {b25 / 2**20:.0f}, {b3 / 2**20:.0f} MiB "
+                f"| {t1 * 1e3:.2f}, {two[1]}, {t25 * 1e3:.2f}, {t3 * 1e3:.2f} ms | {mm_s * 1e3:.2f} ms "
+                f"| {w1 / 2**20:.0f}, {w25 / 2**20:.0f} and {w3 / 2**20:.0f} MiB |",
+                flush=True,
+            )
+
+
+def cube_search_rows(sizes) -> None:
+    """Part 3's search: one layer, 8 sequences, on the cube of 8 and of 64 GPUs."""
+    from autopar.examples import llama
+
+    print(
+        "\n| size | tokens | GPUs | roles | mesh | 2D, 3D linears | predicted step | peak memory | planned in |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|")
+    for name in sizes:
+        h, heads = SIZES[name]
+        with torch.device("meta"):
+            model, inputs = llama(
+                layers=1, hidden=h, ffn=4 * h, heads=heads, kv_heads=heads, vocab=51200, batch=8, seq=SEQ
+            )
+        for gpus, (nodes, per_node) in ((8, (1, 8)), (64, (8, 8))):
+            cluster = autopar.ClusterSpec.preset("h100-sxm", nodes=nodes, devices_per_node=per_node)
+            q = round(gpus ** (1 / 3))
+            T, D = AxisRole.TENSOR, AxisRole.DATA
+            label = f"| {name} | {8 * SEQ} | {gpus} |"
+            # every axis TENSOR places no 2-D parameter (the embedding) on three axes: no plan
+            roles = (D, T, T)
+            tag = ", ".join(r.value for r in roles)
+            search_row(f"{label} {tag} |", model, inputs, cluster, (q, q, q), roles)
+            with grid_withheld():
+                search_row(f"{label} {tag}, no 2D/3D |", model, inputs, cluster, (q, q, q), roles)
+            search_row(f"{label} tensor |", model, inputs, cluster, (gpus,), T)
 
 
 def priced_rows(sizes) -> None:
@@ -161,8 +276,8 @@ def searched_rows(sizes) -> None:
 
 @contextlib.contextmanager
 def grid_withheld():
-    """The search without the 2D strategies (``passes/strategies.py:grid_strategies`` offers none),
-    to read what they add to a plan."""
+    """The search without the 2D and 3D strategies (``passes/strategies.py:grid_strategies`` offers
+    none), to read what they add to a plan."""
     import autopar.passes.strategies as strategies
 
     offer = strategies.grid_strategies
@@ -247,7 +362,9 @@ def search_row(label: str, model, inputs, cluster, mesh, role, limit=None) -> No
         return
     dt = time.perf_counter() - t0
     linear = [d for d in plan.decisions if d.op == "aten.linear.default"]
-    grid = " + ".join(f"{sum(v.value in d.via.split(',') for d in linear)} {v.value}" for v in Matmul2D)
+    grid = " + ".join(
+        f"{sum(v.value in d.via.split(',') for d in linear)} {v.value}" for v in (*Matmul2D, *Matmul3D)
+    )
     p = plan.predicted
     print(
         f"{label}{' ' + 'x'.join(map(str, mesh)) + ' |' if shown else ''} {grid} of {len(linear)} | {p.step_time_s * 1e3:.2f} ms | "
@@ -260,11 +377,19 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--size", action="append", choices=list(SIZES), help="only these (repeatable)")
     ap.add_argument("--no-search", action="store_true", help="the priced layer only")
+    ap.add_argument("--cube", action="store_true", help="part 3 only: 1D, 2D, 2.5D and 3D on cubes")
     args = ap.parse_args()
     sizes = args.size or list(SIZES)
     print(f"# {platform.node()} {platform.processor() or platform.machine()}, torch {torch.__version__}")
+    if args.cube:
+        cube_rows(sizes)
+        if not args.no_search:
+            cube_search_rows(sizes)
+        return
     priced_rows(sizes)
+    cube_rows(sizes)
     if not args.no_search:
+        cube_search_rows(sizes)
         searched_rows(sizes)
         depth_rows()
         limited_rows()

@@ -53,7 +53,7 @@ from autopar.lowerings.batch_norm import BATCH_NORM
 from autopar.lowerings.experts import EXPERT_ALL_TO_ALL, experts_axis
 from autopar.lowerings.local import EMBEDDING, INDEX, MEAN, MSE, mean_dims
 from autopar.lowerings.loss import CROSS_ENTROPY_MEAN, LINEAR_CROSS_ENTROPY, fused_axes
-from autopar.lowerings.matmul_nd import MATMUL_2D, OPERANDS, SUMMA, grid_axes
+from autopar.lowerings.matmul_nd import MATMUL_2D, MATMUL_3D, OPERANDS, SUMMA, cube_axes, grid_axes, is_grid
 from autopar.passes.collective_matmul import LINEAR, gather_step, scatter_step, sole_use
 from autopar.passes.grad_sync import emitted_f_axes, plan_uses, reshard_key
 from autopar.passes.local_rows import local_call
@@ -375,30 +375,54 @@ def _lower_linear_cross_entropy(g, node, args, kwargs, s, mesh_shape):
 
 @lowering(*OPERANDS)
 def _lower_matmul(g, node, args, kwargs, s, mesh_shape):
-    """A 2D matmul (``autopar/lowerings/matmul_nd.py``). ``GATHERED``: ``X``'s ``K`` blocks
+    """A 2D or 3D matmul (``autopar/lowerings/matmul_nd.py``). 3D: ``_lower_cube``. ``GATHERED``: ``X``'s ``K`` blocks
     gathered over axis ``b``, ``W``'s over axis ``a``, one local op; each gather's backward
     reduce-scatters its operand's gradient (a partial sum over the other blocks' outputs).
     ``SUMMA``: its ``q`` broadcast steps (``codegen/summa.py``), then the bias added."""
     how = lowering_of(node, s, mesh_shape)
+    if how is MATMUL_3D:
+        return _lower_cube(g, node, args, kwargs, s)
     if how is not MATMUL_2D and how is not SUMMA:
         return g.call_function(node.target, args, kwargs)
     a, b = grid_axes(node, s)
     xi, wi, wk = OPERANDS[node.target]
     if how is SUMMA:
         y = g.call_function(SM.summa_matmul, (args[xi], args[wi], a, b, node.target is LINEAR))
-        if node.target is LINEAR:
-            bias = args[2] if len(args) > 2 else kwargs.get("bias")
-            return y if bias is None else g.call_function(aten.add.Tensor, (y, bias))
-        if node.target is aten.addmm.default:  # beta * bias + alpha * (x @ w)
-            beta, alpha = kwargs.get("beta", 1), kwargs.get("alpha", 1)
-            bias = args[0] if beta == 1 else g.call_function(aten.mul.Tensor, (args[0], beta))
-            y = y if alpha == 1 else g.call_function(aten.mul.Tensor, (y, alpha))
-            return g.call_function(aten.add.Tensor, (bias, y))
-        return y
+        return _add_bias(g, node, args, kwargs, y)
     args = list(args)
     args[xi] = g.call_function(C.all_gather, (args[xi], node.args[xi].meta["val"].dim() - 1, b, True))
     args[wi] = g.call_function(C.all_gather, (args[wi], wk, a, True))
     return g.call_function(node.target, tuple(args), kwargs)
+
+
+def _add_bias(g, node, args, kwargs, y):
+    """The bias term of a matmul whose product ``y`` was computed without it: a linear's bias
+    added, an ``addmm``'s ``beta * bias + alpha * y``; ``y`` itself for ``mm``."""
+    if node.target is LINEAR:
+        bias = args[2] if len(args) > 2 else kwargs.get("bias")
+        return y if bias is None else g.call_function(aten.add.Tensor, (y, bias))
+    if node.target is aten.addmm.default:
+        beta, alpha = kwargs.get("beta", 1), kwargs.get("alpha", 1)
+        bias = args[0] if beta == 1 else g.call_function(aten.mul.Tensor, (args[0], beta))
+        y = y if alpha == 1 else g.call_function(aten.mul.Tensor, (y, alpha))
+        return g.call_function(aten.add.Tensor, (bias, y))
+    return y
+
+
+def _lower_cube(g, node, args, kwargs, s):
+    """A 3D matmul (``Matmul3D``, ``autopar/lowerings/matmul_nd.py``): ``X``'s ``d`` blocks
+    gathered over axis ``b`` (backward: its gradient, a partial sum over ``b``'s ``N`` blocks,
+    reduce-scattered), the product without bias (a partial sum over axis ``c``'s ``K`` blocks)
+    reduce-scattered onto ``d`` over ``c`` (backward: ``dY`` gathered), then the bias term."""
+    b, c, d = cube_axes(node, s)
+    xi, wi, _ = OPERANDS[node.target]
+    x = g.call_function(C.all_gather, (args[xi], d, b, True))
+    if node.target is LINEAR:
+        part = g.call_function(aten.linear.default, (x, args[wi]))
+    else:
+        part = g.call_function(aten.mm.default, (x, args[wi]))
+    y = g.call_function(C.reduce_scatter, (part, d, c))
+    return _add_bias(g, node, args, kwargs, y)
 
 
 def _emit_gather_linear(g, args, kwargs, x: fx.Node, step: ReshardStep, call, made: dict) -> fx.Node:
@@ -554,8 +578,8 @@ def lower(
             spec[node] = spec[node.args[0]]
         elif node.op == "call_function":
             s = choice[node.name]
-            # a 2D linear gathers inside its own lowering: no collective matmul around it
-            fuse = overlap_matmuls and node.target is LINEAR and grid_axes(node, s) is None
+            # a 2D or 3D linear gathers inside its own lowering: no collective matmul around it
+            fuse = overlap_matmuls and node.target is LINEAR and not is_grid(s)
             gather = []  # all_gather_linear's input, step and made key (gather_input)
 
             def reshard_in(k, leaf, s=s, node=node, fuse=fuse, gather=gather):

@@ -49,9 +49,9 @@ from autopar.passes.rules import (
 )
 from autopar.passes.rules.dtensor import options as dtensor_options
 from autopar.passes.rules.experts import MOE, expert_weights, experts_strategies
-from autopar.passes.rules.matmul import GRID_OPTIONS
+from autopar.passes.rules.matmul import GRID_3D_OPTIONS, GRID_OPTIONS
 from autopar.passes.trace import Role, TracedGraph
-from autopar.placement import Matmul2D, SeqAttention, Spec, Via, is_partial, is_replicate, is_shard
+from autopar.placement import Matmul2D, Matmul3D, SeqAttention, Spec, Via, is_partial, is_replicate, is_shard
 
 log = logging.getLogger(__name__)
 R = Replicate()
@@ -291,12 +291,16 @@ def grid_strategies(
     of the op's options (``expand``'s filters: every split divides, no dim split twice). A
     batch-like split on a third axis beside the grid, the weights whole on it, is Tesseract's
     2.5D layout (depth over the rows; the weights' gradients summed over the depth axis as data
-    parallelism's are)."""
+    parallelism's are). The 3D strategies (``Matmul3D``, ``rules/matmul.py:GRID_3D_OPTIONS``) are
+    offered on the same pairs where the mesh has a third axis of the same size ``q``: the cube's
+    third direction, which splits the batch where the input has a batch-like dim beside the
+    grid's (a 2-D input, GPT-2's Conv1D, has none: its rows take one axis)."""
     grid = GRID_OPTIONS.get(node.target)
     if grid is None:
         return []
     ctx = make_ctx(node)
     pairs = [pair for via in Matmul2D for pair in grid(ctx, via)]
+    cube = [pair for via in Matmul3D for pair in GRID_3D_OPTIONS[node.target](ctx, via)]
     roles = tuple(axis_roles or (AxisRole.AUTO,) * len(mesh_shape))
     free = [
         a
@@ -307,7 +311,9 @@ def grid_strategies(
     for a, b in itertools.permutations(free, 2):
         if mesh_shape[a] != mesh_shape[b]:
             continue
-        for rows, cols in pairs:
+        # 3D only where a third axis of the same size makes the grid one slice of a q x q x q cube
+        depth = any(n == mesh_shape[a] for c, n in enumerate(mesh_shape) if c not in (a, b))
+        for rows, cols in pairs + (cube if depth else []):
             pins = dict(pinned or {}) | {a: rows, b: cols}
             out += expand(options, len(in_shapes), out_shapes, in_shapes, mesh_shape, pins)
     return out

@@ -339,3 +339,46 @@ def saved_bytes(pmodel, inputs) -> int:
         loss = pmodel(**inputs).loss
     loss.backward()
     return sum(seen.values())
+
+
+def force_matmuls(plan, model, inputs, fits):
+    """``plan`` with every ``linear``/``mm``/``addmm`` that has a strategy ``fits(node, s)`` (the
+    first such, in the order the search is offered them) running it, and each weight or bias whose
+    only use is that matmul stored as the matmul takes it (so a 2D or 3D layout keeps it split
+    over its grid): (the plan, how many matmuls, how many stored)."""
+    import dataclasses
+
+    from autopar.lowerings.matmul_nd import OPERANDS
+    from autopar.passes.analyze import analyze
+    from autopar.passes.rules import tensor_inputs
+    from autopar.passes.strategies import build_strategies
+    from autopar.passes.trace import trace
+    from autopar.placement import spec_to_str, via_to_str
+
+    tg = trace(model, inputs)
+    allowed = build_strategies(tg, analyze(tg), plan.mesh_shape)
+    chosen, stored = {}, {}
+    for n in tg.graph.nodes:
+        if n.op != "call_function" or n.target not in OPERANDS:
+            continue
+        s = next((s for s in allowed[n.name].strategies if fits(n, s)), None)
+        if s is None:
+            continue
+        chosen[n.name] = s
+        for k, inp in enumerate(tensor_inputs(n)):
+            if inp.op == "placeholder" and k != OPERANDS[n.target][0] and len(inp.users) == 1:
+                stored[inp.name] = s.ins[k]
+    decisions = []
+    for d in plan.decisions:
+        if d.name in chosen:
+            s = chosen[d.name]
+            d = dataclasses.replace(
+                d,
+                output=spec_to_str(s.out),
+                inputs=tuple(spec_to_str(x) for x in s.ins),
+                via=via_to_str(s.via),
+            )
+        elif d.name in stored:
+            d = dataclasses.replace(d, output=spec_to_str(stored[d.name]))
+        decisions.append(d)
+    return dataclasses.replace(plan, decisions=tuple(decisions)), len(chosen), len(stored)

@@ -166,6 +166,7 @@ EXAMPLES = {
     "split_mse_loss": _mse,
     "matmul_2d_gathered": _matmul,
     "matmul_2d_summa": _matmul,
+    "matmul_3d": _matmul,
 }
 
 
@@ -361,13 +362,19 @@ def test_generated_code_issues_what_the_lowering_describes(name, data):
     )
 
 
-def _on_2x2(name: str):
-    """Every (node, values, strategy) of ``name``'s examples under which it runs on a 2 x 2 mesh."""
+# the smallest mesh each lowering runs on, where it is not 2 x 2: a 3D matmul's cube
+SMALLEST = {"matmul_3d": (2, 2, 2)}
+
+
+def _on_smallest(name: str):
+    """Every (node, values, strategy) of ``name``'s examples under which it runs on its smallest
+    mesh (``SMALLEST``, else 2 x 2)."""
+    mesh = SMALLEST.get(name, (2, 2))
     for k in (1, 2):
         for pick in range(8):
-            node, values = build(name, 4, k, pick)
-            for s in node_strategies(node, (2, 2)):
-                if lowering_of(node, s, (2, 2)) is LOWERINGS[name]:
+            node, values = build(name, math.prod(mesh), k, pick)
+            for s in node_strategies(node, mesh):
+                if lowering_of(node, s, mesh) is LOWERINGS[name]:
                     yield node, values, s
 
 
@@ -385,19 +392,20 @@ def _mutations(want: list[tuple]) -> list[list[tuple]]:
 
 @pytest.mark.parametrize("name", sorted(EXAMPLES))
 def test_a_wrong_description_fails(name):
-    """On a 2 x 2 mesh, under the first strategy of each variant of the example that runs ``name``
+    """On a 2 x 2 mesh (a 3D matmul: 2 x 2 x 2), under the first strategy of each variant of the example that runs ``name``
     (so the property above is never vacuous for it): the code issues what is described, and
     dropping a call, changing its bytes or moving it to another axis fails the comparison (for the
     lowerings that issue nothing, so does a call the code does not issue)."""
     cases, seen = [], set()
-    for node, values, s in _on_2x2(name):
+    mesh = SMALLEST.get(name, (2, 2))
+    for node, values, s in _on_smallest(name):
         key = (str(node.args[1:]), tuple(str(x) for x in node.args[0].meta["val"].shape))
         if key not in seen:
             seen.add(key)
             cases.append((node, values, s))
-    assert cases, f"no example of {name} runs under a strategy of a 2 x 2 mesh"
+    assert cases, f"no example of {name} runs under a strategy of a {mesh} mesh"
     for node, values, s in cases:
-        got, want = issued(node, values, s, (2, 2), 1), described(node, s, (2, 2))
+        got, want = issued(node, values, s, mesh, 1), described(node, s, mesh)
         assert same_calls(got, want), f"{name} under {s}: issued {got}, priced {want}"
         for bad in _mutations(want):
             assert not same_calls(got, bad), f"{name}: {bad} passed for {got}"

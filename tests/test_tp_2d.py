@@ -16,13 +16,12 @@ axis 0 (Tesseract's depth), the weights whole over it.
 
 from __future__ import annotations
 
-import dataclasses
 import re
 from html import escape
 
 import pytest
 import torch
-from harness import adam_rank, adam_reference, assert_adam_state_close, labelled
+from harness import adam_rank, adam_reference, assert_adam_state_close, force_matmuls, labelled
 from torch.distributed.tensor.placement_types import Shard
 
 import autopar
@@ -57,7 +56,7 @@ def test_every_2d_strategy_computes_the_dense_op(mesh):
         m *= n
     for op, args in _ops(m):
         node, values = one_node_graph(op, args, {})
-        grid = [s for s in node_strategies(node, mesh) if is_grid(s)]
+        grid = [s for s in node_strategies(node, mesh) if any(isinstance(v, Matmul2D) for v in s.via)]
         # on 2 x 2 both axis orders, both algorithms; on 2 x 2 x 2 every ordered pair, the third
         # axis any option
         assert {s.via[grid_axes(node, s)[0]] for s in grid} == set(Matmul2D), f"{op} on {mesh}"
@@ -109,49 +108,17 @@ def build(name):
 def grid_everywhere(plan, model, inputs, via: Matmul2D = Matmul2D.GATHERED, axes=(0, 1), depth=None):
     """``plan`` with every matmul that has a 2D strategy by ``via`` on ``axes`` running it (the
     first such: rows on the first batch-like dim free), and the weight and bias of each, where that
-    matmul is their only use, stored as it takes them: split over both axes. ``depth``: a third
-    axis that splits the batch (dim 0) of the input and the output, the weights whole on it
-    (2.5D, Tesseract's layout)."""
-    from autopar.passes.analyze import analyze
-    from autopar.passes.rules import tensor_inputs
-    from autopar.passes.strategies import build_strategies
-    from autopar.passes.trace import trace
-    from autopar.placement import spec_to_str, via_to_str
+    matmul is their only use, stored as it takes them: split over both axes (``force_matmuls``).
+    ``depth``: a third axis that splits the batch (dim 0) of the input and the output, the weights
+    whole on it (2.5D, Tesseract's layout)."""
 
-    tg = trace(model, inputs)
-    allowed = build_strategies(tg, analyze(tg), plan.mesh_shape)
-    chosen, stored = {}, {}
-    for n in tg.graph.nodes:
-        if n.op != "call_function" or n.target not in OPERANDS:
-            continue
+    def fits(n, s):
+        if grid_axes(n, s) != axes or s.via[axes[0]] is not via:
+            return False
         xi = OPERANDS[n.target][0]
+        return depth is None or s.ins[xi][depth] == s.out[depth] == Shard(0)
 
-        def fits(s, n=n, xi=xi):
-            if grid_axes(n, s) != axes or s.via[axes[0]] is not via:
-                return False
-            return depth is None or s.ins[xi][depth] == s.out[depth] == Shard(0)
-
-        s = next((s for s in allowed[n.name].strategies if fits(s)), None)
-        if s is None:
-            continue
-        chosen[n.name] = s
-        for k, inp in enumerate(tensor_inputs(n)):
-            if inp.op == "placeholder" and k != OPERANDS[n.target][0] and len(inp.users) == 1:
-                stored[inp.name] = s.ins[k]
-    decisions = []
-    for d in plan.decisions:
-        if d.name in chosen:
-            s = chosen[d.name]
-            d = dataclasses.replace(
-                d,
-                output=spec_to_str(s.out),
-                inputs=tuple(spec_to_str(x) for x in s.ins),
-                via=via_to_str(s.via),
-            )
-        elif d.name in stored:
-            d = dataclasses.replace(d, output=spec_to_str(stored[d.name]))
-        decisions.append(d)
-    return dataclasses.replace(plan, decisions=tuple(decisions)), len(chosen), len(stored)
+    return force_matmuls(plan, model, inputs, fits)
 
 
 @pytest.fixture(scope="module")

@@ -53,7 +53,7 @@ from autopar.export.layouts import ExportError, grid_matmul, same, seq_attention
 from autopar.export.tensor_axis import TensorWalk
 from autopar.passes.replay import traced_as_planned
 from autopar.passes.rules import tensor_inputs
-from autopar.placement import Matmul2D, Outputs, SeqAttention, is_replicate, is_shard, via_from_str
+from autopar.placement import Matmul2D, Matmul3D, Outputs, SeqAttention, is_replicate, is_shard, via_from_str
 from autopar.plan import NodeDecision, Plan, Site
 from autopar.trades import Offload, ZeroStage
 
@@ -132,7 +132,8 @@ def to_torch(plan: Plan, model: torch.nn.Module, example_inputs) -> TorchPlan:
             "parallelize_module plan has none: run it with autoparallelize, or plan with pipeline_stages=1"
         )
     grid = next(
-        (d for d in plan.decisions if any(isinstance(v, Matmul2D) for v in via_from_str(d.via))), None
+        (d for d in plan.decisions if any(isinstance(v, (Matmul2D, Matmul3D)) for v in via_from_str(d.via))),
+        None,
     )
     if grid is not None:
         raise grid_matmul(grid)

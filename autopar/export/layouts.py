@@ -24,7 +24,8 @@ def seq_attention(d: NodeDecision, axis: int) -> ExportError:
 
 def grid_matmul(d: NodeDecision) -> ExportError:
     return ExportError(
-        f"node {d.name} ({d.module or d.op}) runs a 2D tensor-parallel matmul ({d.via}): PyTorch's "
+        f"node {d.name} ({d.module or d.op}) runs a {'3D' if '3d' in d.via.split(',') else '2D'} "
+        f"tensor-parallel matmul ({d.via}): PyTorch's "
         "parallelize_module styles split a weight on one axis only; plan without it (edit the decision "
         "to a one-axis strategy) to export"
     )

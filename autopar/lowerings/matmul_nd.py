@@ -1,4 +1,6 @@
-"""2D tensor-parallel matmuls (Optimus, Xu et al. 2021) on a ``q x q`` grid of mesh axes ``a``, ``b``.
+"""2D tensor-parallel matmuls (Optimus, Xu et al. 2021) on a ``q x q`` grid of mesh axes ``a``, ``b``,
+and 3D ones (Agarwal et al. 1995, as Colossal-AI's 3D tensor parallelism runs them: Bian et al.
+2021) on a ``q x q x q`` cube (the end of this docstring).
 
 Layouts (``Matmul2D``; ``passes/rules/matmul.py:GRID_OPTIONS`` offers them), for a linear
 ``Y = X W^T + bias`` with ``X [.., M, K]``, ``W [N, K]`` (torch's layout of a linear's weight),
@@ -37,6 +39,32 @@ keeps: ``(q - 1) (|X_ij| + |W_ij|)``. None of the calls hides behind compute.
   (``2 / (3q)``), step 0's broadcasts and the last step's reductions behind nothing.
 
 It keeps nothing beyond the local blocks the traced op keeps.
+
+3D (``Matmul3D.GATHERED``, ``codegen/lower.py``): rank ``(i, j, l)`` of a ``q x q x q`` cube of
+axes ``a`` (depth), ``b``, ``c`` computes one of the ``q^3`` block products ``X_il W_lj`` of the
+3D algorithm: ``i`` the rows block, ``j`` the ``N`` block, ``l`` the ``K`` block. Layouts, for a
+linear ``X [B, .., S, .., K]`` (``S`` any batch-like dim; ``mm``/``addmm``: ``S`` = ``M``):
+
+* ``X``: ``S`` on ``b``, ``K`` on ``c`` (and, where ``X`` has another batch-like dim, the batch
+  on ``a``); ``W``: ``N`` on ``b``, ``K`` on ``c``, whole on ``a``; a bias: ``N`` on ``b``;
+  ``Y``: ``S`` on ``c``, ``N`` on ``b`` (the batch on ``a``).
+
+A product of layer ``t`` gives ``Y`` with ``S`` on ``c``: the next layer runs with the roles of
+``b`` and ``c`` swapped, as Colossal-AI swaps its input and output groups layer by layer. Each
+rank stores ``1/q^3`` of every activation; a weight is stored ``1/q^2`` (whole on the depth
+axis, whose gradient sum is data parallelism's all-reduce, priced by the gradient sync), and
+``1/q^3`` where ZeRO shards it over the depth axis (Colossal-AI's all-gather of ``W`` over its
+weight group forward and reduce-scatter backward: the same bytes). Colossal-AI splits the
+flattened rows over two groups; autopar's placements split a dim over one axis, so the two row
+splits are two dims (batch and sequence), and a 2-D input (GPT-2's Conv1D) takes the depth
+axis for something else.
+
+Calls (gathered sizes): forward ``ALL_GATHER`` of ``X``'s ``S`` blocks over ``b``
+(``q |X_local|``), the local product (a partial sum over ``c``), ``REDUCE_SCATTER`` onto ``S``
+over ``c`` (``q |Y_local|``), the bias added after; backward the mirror: ``ALL_GATHER`` of
+``dY`` over ``c``, ``REDUCE_SCATTER`` of the gathered ``X``'s gradient over ``b``. Saved:
+the gathered ``X`` beyond the local one, ``(q - 1) |X_local|``; the partial ``Y`` before its
+reduce-scatter (``q |Y_local|``) lives only through the op. None of the calls hides.
 """
 
 from __future__ import annotations
@@ -47,7 +75,7 @@ import torch
 import torch.fx as fx
 
 from autopar.lowerings import Collective, Lowering, LoweringCall, LoweringPlan, Phase, register
-from autopar.placement import Matmul2D, is_shard, volume_factor
+from autopar.placement import Matmul2D, Matmul3D, is_shard, volume_factor
 
 aten = torch.ops.aten
 LINEAR = aten.linear.default
@@ -73,8 +101,25 @@ def grid_axes(node: fx.Node, s) -> tuple[int, int] | None:
 
 
 def is_grid(s) -> bool:
-    """Does strategy ``s`` run its op on a grid of two axes (``Matmul2D``)?"""
-    return any(isinstance(v, Matmul2D) for v in s.via)
+    """Does strategy ``s`` run its op on a grid of two axes (``Matmul2D``) or as a slice of a cube
+    (``Matmul3D``)?"""
+    return any(isinstance(v, (Matmul2D, Matmul3D)) for v in s.via)
+
+
+def cube_axes(node: fx.Node, s) -> tuple[int, int, int] | None:
+    """``(b, c, d)`` of a 3D matmul's strategy ``s`` (module docstring): ``X``'s dim ``d`` gathered
+    over axis ``b``, the output's dim ``d`` reduce-scattered over axis ``c``; None for any other
+    strategy."""
+    marked = [a for a, v in enumerate(s.via) if isinstance(v, Matmul3D)]
+    if len(marked) != 2 or node.target not in OPERANDS:
+        return None
+    xi = OPERANDS[node.target][0]
+    x, ndim = s.ins[xi], node.args[xi].meta["val"].dim()
+    b = [a for a in marked if is_shard(x[a]) and x[a].dim % ndim != ndim - 1]
+    if len(b) != 1:
+        return None
+    c = marked[0] if marked[1] == b[0] else marked[1]
+    return b[0], c, x[b[0]].dim % ndim
 
 
 def _blocks(node: fx.Node, s, mesh_shape: Sequence[int], via: Matmul2D):
@@ -136,5 +181,25 @@ def _summa(node: fx.Node, s, mesh_shape: Sequence[int]):
     return LoweringPlan(tuple(calls))
 
 
+def _cube(node: fx.Node, s, mesh_shape: Sequence[int]):
+    axes = cube_axes(node, s)
+    if axes is None:
+        return None
+    b, c, _ = axes
+    xi = OPERANDS[node.target][0]
+    x, y = node.args[xi].meta["val"], node.meta["val"]
+    x_local = x.numel() * x.element_size() / volume_factor(s.ins[xi], mesh_shape)
+    y_local = y.numel() * y.element_size() / volume_factor(s.out, mesh_shape)
+    qb, qc = mesh_shape[b], mesh_shape[c]
+    calls = (
+        LoweringCall(Collective.ALL_GATHER, b, x_local * qb, Phase.FORWARD),
+        LoweringCall(Collective.REDUCE_SCATTER, c, y_local * qc, Phase.FORWARD),
+        LoweringCall(Collective.ALL_GATHER, c, y_local * qc, Phase.BACKWARD),
+        LoweringCall(Collective.REDUCE_SCATTER, b, x_local * qb, Phase.BACKWARD),
+    )
+    return LoweringPlan(calls, saved_bytes=(qb - 1) * x_local)
+
+
 MATMUL_2D = register(Lowering("matmul_2d_gathered", tuple(OPERANDS), _gathered))
 SUMMA = register(Lowering("matmul_2d_summa", tuple(OPERANDS), _summa))
+MATMUL_3D = register(Lowering("matmul_3d", tuple(OPERANDS), _cube))

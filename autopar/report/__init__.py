@@ -29,7 +29,7 @@ from html import escape
 from typing import Any
 
 from autopar.cost_model.comm import crosses_nodes
-from autopar.placement import Matmul2D, OwnRows, SeqAttention
+from autopar.placement import Matmul2D, Matmul3D, OwnRows, SeqAttention
 from autopar.plan import NodeDecision, Plan
 from autopar.plan_axes import axis_line, replicated_line
 from autopar.report.decisions import decisions_section, op_name
@@ -324,6 +324,10 @@ MATMUL_2D_MEANING = {
     Matmul2D.SUMMA: "a 2D tensor-parallel matmul on the two axes so marked, as SUMMA's steps: one block of the "
     "input broadcast along each row and one of the weight along each column per step, the next step's in flight "
     "while one computes; nothing gathered is kept (codegen/summa.py)",
+    Matmul3D.GATHERED: "a 3D tensor-parallel matmul on the two axes so marked, one slice of a q x q x q cube "
+    "(Colossal-AI's 3D layout): input split by a batch-like dim and K, weight by N and K; each device gathers the "
+    "input's blocks of that dim over the first axis and reduce-scatters its partial output onto it over the second "
+    "(autopar/lowerings/matmul_nd.py)",
 }
 
 
@@ -407,7 +411,7 @@ def placement_legend(plan: Plan) -> str:
             rows.append([(f"<code>via {escape(v.value)}</code>", False), text_cell(SEQ_ATTENTION_MEANING[v])])
     if OwnRows.LOCAL.value in vias:
         rows.append([(f"<code>via {OwnRows.LOCAL.value}</code>", False), text_cell(OWN_ROWS_MEANING)])
-    for v in Matmul2D:
+    for v in (*Matmul2D, *Matmul3D):
         if v.value in vias:
             rows.append([(f"<code>via {v.value}</code>", False), text_cell(MATMUL_2D_MEANING[v])])
     text = (

@@ -14,7 +14,7 @@ from autopar.passes.rules import (
     aten,
     register,
 )
-from autopar.placement import Matmul2D
+from autopar.placement import Matmul2D, Matmul3D
 
 # matmul family
 
@@ -59,6 +59,52 @@ GRID_OPTIONS = {
     aten.linear.default: linear_2d_options,
     aten.mm.default: mm_2d_options,
     aten.addmm.default: addmm_2d_options,
+}
+
+
+def linear_3d_options(ctx: OpCtx, via: Matmul3D) -> list[tuple[AxisOption, AxisOption]]:
+    """The 3D layouts of a linear (``autopar/lowerings/matmul_nd.py``, Colossal-AI's ``_Linear3D``
+    on one depth slice), one per batch-like dim ``d`` of its input: (the option of the axis over
+    which ``X``'s ``d`` blocks are gathered, which splits the weight's and the output's ``N``;
+    the option of the axis that splits ``K`` of ``X`` and ``W``, over which the output's partial
+    sums are reduce-scattered onto ``d``). Neither is a one-axis option alone."""
+    x = ctx.in_shapes[0]
+    if len(x) < 2 or len(ctx.in_shapes[1]) != 2:
+        return []
+    has_bias = ctx.n_in == 3
+    k = len(x) - 1
+    return [
+        (
+            AxisOption(Shard(k), (Shard(d), Shard(0)) + ((Shard(0),) if has_bias else ()), via),
+            AxisOption(Shard(d), (Shard(k), Shard(1)) + ((R,) if has_bias else ()), via),
+        )
+        for d in range(k)
+        if x[d] > 1
+    ]
+
+
+def mm_3d_options(ctx: OpCtx, via: Matmul3D) -> list[tuple[AxisOption, AxisOption]]:
+    """``mm``'s 3D layout (``linear_3d_options``): ``[M, K] @ [K, N]``, ``M`` gathered on the
+    first axis, ``K`` split on the second."""
+    gather = AxisOption(Shard(1), (Shard(0), Shard(1)), via)
+    return [(gather, AxisOption(Shard(0), (Shard(1), Shard(0)), via))]
+
+
+def addmm_3d_options(ctx: OpCtx, via: Matmul3D) -> list[tuple[AxisOption, AxisOption]]:
+    """``addmm``'s 3D layout (``linear_3d_options``): ``bias + [M, K] @ [K, N]``, the bias split
+    like the output where it has the dim (``N`` on the first axis, ``M`` on the second)."""
+    bias = ctx.in_shapes[0]
+    b_m = Shard(0) if len(bias) == 2 and bias[0] > 1 else R
+    b_n = Shard(len(bias) - 1) if bias and bias[-1] > 1 else R
+    gather = AxisOption(Shard(1), (b_n, Shard(0), Shard(1)), via)
+    return [(gather, AxisOption(Shard(0), (b_m, Shard(1), Shard(0)), via))]
+
+
+# op -> its 3D layouts
+GRID_3D_OPTIONS = {
+    aten.linear.default: linear_3d_options,
+    aten.mm.default: mm_3d_options,
+    aten.addmm.default: addmm_3d_options,
 }
 
 
