@@ -639,9 +639,10 @@ _METADATA_ONLY = frozenset(
 
 
 def _takes_whole(node: fx.Node) -> bool:
-    """Does ``node`` take its inputs whole whatever the plan: an in-place op (it writes into a
-    buffer that stays replicated, ``strategies.mutated_views``: T5 shifts its labels into one), or
-    one that reads only its input's metadata (``_METADATA_ONLY``)?"""
+    """May ``node`` take its inputs whole whatever the plan: an in-place op (it may write into a
+    buffer kept whole, as T5 shifts its labels into one; the buffer it writes into is taken as
+    stored, ``strategies.takes_as_stored``), or one that reads only its input's metadata
+    (``_METADATA_ONLY``)?"""
     return node.target in _METADATA_ONLY or writes_inputs(node)
 
 
