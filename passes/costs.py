@@ -285,7 +285,7 @@ def build_costs(
             t = profiler.node_time(ns.node, s, mesh_shape, infos) if profiler is not None else None
             if t is None:
                 t = analytical_node_time(info, ns.inputs, infos, device, k, s, mesh_shape)
-            lowered = describe(ns.node, s, mesh_shape)
+            lowered = describe(ns.node, s, mesh_shape).in_dtype(run_ratio(ns.node, info))
             t *= slow * lowered.work
             if overlap_matmuls and ns.node.target is LINEAR:
                 tables.matmul_s.setdefault(name, []).append(t)
@@ -765,12 +765,22 @@ def _local_gemm_min_dim(
     return gemm_min_dim(op, shapes)
 
 
+def run_ratio(node: fx.Node, info: NodeInfo | None) -> float:
+    """The itemsize ``node`` runs in (``info``'s dtype: the half type of its autocast op under mixed
+    precision, ``passes/trades.py:half_infos``) over its traced one; 1 where either is unknown."""
+    val = node.meta.get("val")
+    if info is None or info.dtype is None or not isinstance(val, torch.Tensor):
+        return 1.0
+    return info.dtype.itemsize / val.dtype.itemsize
+
+
 def lowering_collectives(
-    node: fx.Node, s: Strategy, comm: CommModel, compute_s: float = 0.0
+    node: fx.Node, s: Strategy, comm: CommModel, compute_s: float = 0.0, info: NodeInfo | None = None
 ) -> list[tuple[CollectiveCall, float]]:
     """Each collective that the lowering of ``node`` under ``s`` issues inside the op
-    (``autopar/lowerings``: the calls codegen's code issues), with its seconds (``priced_calls``)."""
-    return priced_calls(describe(node, s, comm.mesh_shape), comm, compute_s)
+    (``autopar/lowerings``: the calls codegen's code issues), with its seconds (``priced_calls``);
+    ``info``: the node's as priced, whose dtype the calls that move its operands take (``run_ratio``)."""
+    return priced_calls(describe(node, s, comm.mesh_shape).in_dtype(run_ratio(node, info)), comm, compute_s)
 
 
 def priced_calls(

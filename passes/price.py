@@ -140,7 +140,7 @@ def price_plan(
         info = infos[n.name]
         s = choice[n.name]
         # the collectives a lowering runs inside the op are in its table cost: communication here
-        inside = lowering_collectives(n, s, comm) if n.op == "call_function" else []
+        inside = lowering_collectives(n, s, comm, info=info) if n.op == "call_function" else []
         # their seconds as the tables priced them (a ring's hops against its compute, passes/costs.py)
         rep = tables.classes.rep.get(n.name) if tables.classes else n.name
         inside_s = tables.node_inside[rep][sol.choice[rep]] if rep in tables.node_inside else 0.0

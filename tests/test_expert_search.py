@@ -54,6 +54,29 @@ def test_the_search_picks_the_faster_expert_layout():
     assert chosen and all(ExpertDispatch.ALL_TO_ALL in via_from_str(d.via) for d in chosen), free.summary()
 
 
+def test_the_dispatch_moves_the_rows_in_the_dtype_the_experts_run_in():
+    """Under bf16 mixed precision the experts run in bf16 (``kernels/moe.py:autocast_operands``):
+    the dispatch's rows travel in it, half the bytes of the fp32 trace's (the plan in fp32 moves
+    them in fp32); the counts (int64) are the same in both."""
+
+    def moe_calls(precision):
+        model, batch = _model()
+        cluster = autopar.ClusterSpec.preset("h100-sxm", 1, 8)
+        plan = autopar.plan(
+            model, cluster, batch, outputs=Outputs.LOSS, precision=precision, pipeline_stages=1,
+            mesh_shape=(8,), axis_roles=(AxisRole.EXPERT,),
+        )  # fmt: skip
+        d = next(d for d in plan.decisions if d.op == MOE)
+        return [c.nbytes for c in d.collectives if c.kind.value == "all_to_all"]
+
+    half, full = moe_calls(Precision.BF16), moe_calls(Precision.PARAM)
+    assert len(half) == len(full) == 5
+    assert half[0] == full[0] == 8 * 8  # the counts: one int64 per expert
+    # the pairs: 16 x 2048 tokens / 8 ranks x top 2 x 1024, in 2 bytes against 4
+    assert half[1:] == [16 * 2048 // 8 * 2 * 1024 * 2] * 4, half
+    assert full[1:] == [2 * b for b in half[1:]], full
+
+
 def test_a_skewed_routing_is_priced_on_the_busiest_rank_and_recorded():
     """``expert_skew``: under expert parallelism the busiest rank's all-to-all bytes and expert work
     grow by the skew (the MoE op's own seconds by exactly it, its bytes too), the plan records it

@@ -43,6 +43,7 @@ property test (which fails for a registered lowering it has no examples of).
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -75,6 +76,10 @@ class LoweringCall:
     phase: Phase
     window: int | None = None
     hides: float = 0.0
+    # ``nbytes`` counts operands of the op in their traced dtype, which travel in the dtype the op
+    # runs in: under mixed precision the half type (``LoweringPlan.in_dtype``); False: a dtype of
+    # its own (a loss's fp32 sums, accumulated gradients)
+    op_dtype: bool = False
 
     def __post_init__(self) -> None:
         if self.axis < 0 or self.nbytes < 0:
@@ -97,6 +102,17 @@ class LoweringPlan:
     saved_bytes: float = 0.0
     # the busiest rank's work over an even share of the op's (an expert dispatch's skewed routing)
     work: float = 1.0
+
+    def in_dtype(self, ratio: float) -> LoweringPlan:
+        """This plan with the calls that move the op's operands (``LoweringCall.op_dtype``) at
+        ``ratio`` of their traced bytes: the itemsize the op runs in over its traced one (bf16
+        autocast of an fp32 trace: 0.5)."""
+        if ratio == 1.0 or not any(c.op_dtype for c in self.calls):
+            return self
+        calls = tuple(
+            dataclasses.replace(c, nbytes=c.nbytes * ratio) if c.op_dtype else c for c in self.calls
+        )
+        return dataclasses.replace(self, calls=calls)
 
     def __post_init__(self) -> None:
         if self.saved_bytes < 0:

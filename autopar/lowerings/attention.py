@@ -57,12 +57,13 @@ def _ring(node: fx.Node, s, mesh_shape: tuple[int, ...]) -> LoweringPlan | None:
     kv = (k.numel() + v.numel()) * k.element_size() / volume_factor(s.ins[1], mesh_shape)
     grads = kv / k.element_size() * torch.promote_types(k.dtype, torch.float32).itemsize
     hop = Collective.SEND_RECV
-    calls = [LoweringCall(hop, a, kv, Phase.FORWARD, i, 1 / (3 * n)) for i in range(n - 1)]
+    # K and V travel in the dtype attention runs in (op_dtype), the accumulated gradients in fp32
+    calls = [LoweringCall(hop, a, kv, Phase.FORWARD, i, 1 / (3 * n), op_dtype=True) for i in range(n - 1)]
     for i in range(n):
         w = n - 1 + i if i < n - 1 else None  # the last accumulator hop hides behind nothing
         hides = 2 / (3 * n) if w is not None else 0.0
         if i < n - 1:
-            calls.append(LoweringCall(hop, a, kv, Phase.BACKWARD, w, hides))
+            calls.append(LoweringCall(hop, a, kv, Phase.BACKWARD, w, hides, op_dtype=True))
         calls.append(LoweringCall(hop, a, grads, Phase.BACKWARD, w, hides))
     return LoweringPlan(tuple(calls))
 
@@ -75,15 +76,17 @@ def _all_to_all(node: fx.Node, s, mesh_shape: tuple[int, ...]) -> LoweringPlan |
     out = node.meta["val"]
     one_kv_head = k.shape[1] == 1
     calls = []
-    for phase in (Phase.FORWARD, Phase.BACKWARD):
-        calls.append(LoweringCall(Collective.ALL_TO_ALL, a, _bytes(q, s.ins[0], mesh_shape), phase))
+    a2a = Collective.ALL_TO_ALL
+    for phase in (Phase.FORWARD, Phase.BACKWARD):  # every tensor in the dtype attention runs in
+        calls.append(LoweringCall(a2a, a, _bytes(q, s.ins[0], mesh_shape), phase, op_dtype=True))
         for t, spec in ((k, s.ins[1]), (v, s.ins[2])):
             if one_kv_head:
                 kind = Collective.ALL_GATHER if phase is Phase.FORWARD else Collective.REDUCE_SCATTER
-                calls.append(LoweringCall(kind, a, _bytes(t, spec, mesh_shape) * mesh_shape[a], phase))
+                nbytes = _bytes(t, spec, mesh_shape) * mesh_shape[a]
+                calls.append(LoweringCall(kind, a, nbytes, phase, op_dtype=True))
             else:
-                calls.append(LoweringCall(Collective.ALL_TO_ALL, a, _bytes(t, spec, mesh_shape), phase))
-        calls.append(LoweringCall(Collective.ALL_TO_ALL, a, _bytes(out, s.out, mesh_shape), phase))
+                calls.append(LoweringCall(a2a, a, _bytes(t, spec, mesh_shape), phase, op_dtype=True))
+        calls.append(LoweringCall(a2a, a, _bytes(out, s.out, mesh_shape), phase, op_dtype=True))
     return LoweringPlan(tuple(calls))
 
 

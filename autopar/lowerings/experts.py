@@ -44,17 +44,19 @@ def _all_to_all(node: fx.Node, s, mesh_shape: tuple[int, ...]) -> LoweringPlan |
     k, experts = ids.shape[1], w_in.shape[0]
     rows = x.shape[0] / volume_factor(s.ins[0], mesh_shape) * k
     skew = node.meta.get(SKEW_META, SKEW)
-    pairs = rows * x.shape[1] * w_in.element_size() * skew  # the rows travel in the matmuls' dtype
+    # the rows travel in the experts' matmuls' dtype: the weights' as traced, the half type under
+    # mixed precision (autocast_operands), which the pricing applies (op_dtype)
+    pairs = rows * x.shape[1] * w_in.element_size() * skew
     counts = experts * 8  # int64 per expert
     send = Collective.ALL_TO_ALL
     return LoweringPlan(
         work=skew,
         calls=(
             LoweringCall(send, a, counts, Phase.FORWARD),
-            LoweringCall(send, a, pairs, Phase.FORWARD),
-            LoweringCall(send, a, pairs, Phase.FORWARD),
-            LoweringCall(send, a, pairs, Phase.BACKWARD),
-            LoweringCall(send, a, pairs, Phase.BACKWARD),
+            LoweringCall(send, a, pairs, Phase.FORWARD, op_dtype=True),
+            LoweringCall(send, a, pairs, Phase.FORWARD, op_dtype=True),
+            LoweringCall(send, a, pairs, Phase.BACKWARD, op_dtype=True),
+            LoweringCall(send, a, pairs, Phase.BACKWARD, op_dtype=True),
         ),
     )
 
