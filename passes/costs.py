@@ -305,6 +305,7 @@ def build_costs(
         n = classes.count(name)
         members = classes.members[name]
         costs, mems, peaks, inside = [], [], [], []
+        own_costs = []  # a linear's strategies in its own precision, where forced FP8 forbids them all
         has_inside = False
         if info.role is Role.PARAM and info.requires_grad:
             tables.grad_mem[name] = [
@@ -345,10 +346,16 @@ def build_costs(
             calls = priced_calls(lowered, comm, t)
             t_in = sum(sec for _, sec in calls)
             t += t_in
+            own_costs.append((t, acc))
             if float8 is not None and ns.node.target is LINEAR and not calls:
                 recipe, t8, t8_in = _float8_choice(float8, name, info, ns, infos, device, k, s, comm, slow, t)
                 tables.float8.setdefault(name, [None] * len(ns.strategies))[len(costs)] = recipe
-                if recipe is not None:
+                if recipe is None and float8.forced and float8.recipes_for(name, info.dtype):
+                    # forced: a placement under which the linear cannot run FP8 (a Partial input,
+                    # pieces off the 16-element alignment) is not taken where another can be
+                    # (where none can, all keep their own cost: below)
+                    t = math.inf
+                elif recipe is not None:
                     t, t_in, calls = t8 + t8_in, t8_in, [None]
                     if overlap_matmuls:  # an FP8 linear runs no collective matmul (codegen/lower.py)
                         tables.matmul_s[name][-1] = 0.0
@@ -372,6 +379,8 @@ def build_costs(
                     and not (infos[a.name].role is Role.PARAM and last_use[a.name] == order[name])
                 )
                 peaks.append(grads + info.grad_temp_bytes / work_vol)
+        if costs and all(math.isinf(c) for c in costs):  # none can run FP8: each in its own precision
+            costs = [n * t_own + a for t_own, a in own_costs]
         tables.node_cost[name] = costs
         tables.node_mem[name] = mems
         if has_inside:  # recorded even where every hop hides: pricing reads it, never recomputes

@@ -35,7 +35,7 @@ and an op with a ``Partial`` input never runs FP8: a sum of casts is not the cas
   as a linear does, and casts again in backward).
 
 Which strategies may run FP8 (``describe`` returns None elsewhere): a plain linear (no 2D-matmul
-or other ``via``, no ``Partial`` input), a 2-D weight, and local ``K`` and ``N`` that are multiples
+or other ``via`` but a data-parallel region's ``OwnRows``, no ``Partial`` input), a 2-D weight, and local ``K`` and ``N`` that are multiples
 of 16 (``torch._scaled_mm``'s alignment on CUDA; torchtitan skips such linears too).
 
 Read by the cost tables (``passes/costs.py:float8_price``: the calls through the comm model, the
@@ -53,7 +53,7 @@ import torch
 import torch.fx as fx
 
 from autopar.lowerings import Collective, LoweringCall, LoweringPlan, Phase
-from autopar.placement import is_partial, is_shard, local_shape
+from autopar.placement import OwnRows, is_partial, is_shard, local_shape
 from autopar.trades import Float8
 
 aten = torch.ops.aten
@@ -100,7 +100,8 @@ def local_operands(node: fx.Node, s, mesh_shape: Sequence[int]) -> tuple[tuple[i
 
 def eligible(node: fx.Node, s, mesh_shape: Sequence[int]) -> bool:
     """Whether ``node`` under ``s`` may run FP8 (module docstring)."""
-    if any(v is not None for v in getattr(s, "via", ())):
+    # an op of a data-parallel region (``OwnRows``) runs on this rank's rows as traced: FP8 applies
+    if any(v is not None and not isinstance(v, OwnRows) for v in getattr(s, "via", ())):
         return False
     if any(is_partial(p) for spec in s.ins for p in spec):
         return False
