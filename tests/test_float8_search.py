@@ -85,3 +85,19 @@ def test_forced_fp8_runs_every_linear_it_can_even_where_it_costs():
     assert forced.predicted.step_time_s > off.predicted.step_time_s
     with pytest.raises(autopar.SearchOptionsError, match="float8 must be one of"):
         autopar.SearchOptions(float8="fp4")
+
+
+def test_the_cli_forces_fp8_and_the_report_shows_it(tmp_path, capsys):
+    from autopar.cli import main
+
+    out, report = tmp_path / "plan.json", tmp_path / "report.html"
+    spec = "autopar.examples:mlp(batch=8, hidden=32, ffn=64)"
+    assert main(["plan", spec, "--cluster", "cpu:1x2", "--float8", "rowwise", "--out", str(out),
+                 "--report", str(report)]) == 0  # fmt: skip
+    plan = autopar.Plan.load(out)
+    linears = [d for d in plan.decisions if d.op == "aten.linear.default"]
+    assert linears and all(d.float8 == "rowwise" for d in linears)
+    assert f"FP8 linears: {len(linears)} of {len(linears)}" in capsys.readouterr().out
+    assert f"{len(linears)} rowwise of {len(linears)} linears" in report.read_text()
+    assert main(["plan", spec, "--cluster", "cpu:1x2", "--out", str(out)]) == 0  # auto on a CPU: none
+    assert not autopar.Plan.load(out).float8_linears
