@@ -74,8 +74,12 @@ def main() -> None:
     ap.add_argument("--size", nargs="*", default=list(SIZES), choices=list(SIZES))
     ap.add_argument("--time-limit", type=float, default=None, help="the ILP's time limit per mesh (s)")
     args = ap.parse_args()
-    print(f"# {platform.node()}, torch {torch.__version__}, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}")
-    print("| size | GPUs | FP8 | mesh, pipeline, trades | FP8 linears | step | TFLOP/s per GPU | MFU (bf16 peak) | planning |")
+    print(
+        f"# {platform.node()}, torch {torch.__version__}, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}"
+    )
+    print(
+        "| size | GPUs | FP8 | mesh, pipeline, trades | FP8 linears | step | TFLOP/s per GPU | MFU (bf16 peak) | planning |"
+    )
     print("|---|---|---|---|---|---|---|---|---|")
     for name in args.size:
         for row in run(name, args.time_limit):

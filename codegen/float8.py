@@ -112,7 +112,11 @@ class _Float8Matmul(torch.autograd.Function):
 
 
 def float8_linear(
-    x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, recipe: str, axes: tuple[tuple[int, ...], ...]
+    x: torch.Tensor,
+    w: torch.Tensor,
+    bias: torch.Tensor | None,
+    recipe: str,
+    axes: tuple[tuple[int, ...], ...],
 ) -> torch.Tensor:
     """``linear(x, w, bias)`` run FP8 with torchao's ``recipe``, each cast's amax all-reduced over its
     ``axes`` of the bound mesh (module docstring). Under autocast the input is cast to the autocast

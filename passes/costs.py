@@ -809,8 +809,17 @@ def analytical_node_time(
 
 
 def _float8_choice(
-    offer: Float8Offer, name: str, info: NodeInfo, ns, infos, device: DeviceSpec, k: int, s: Strategy,
-    comm: CommModel, slow: float, own_s: float,
+    offer: Float8Offer,
+    name: str,
+    info: NodeInfo,
+    ns,
+    infos,
+    device: DeviceSpec,
+    k: int,
+    s: Strategy,
+    comm: CommModel,
+    slow: float,
+    own_s: float,
 ) -> tuple[Float8 | None, float, float]:
     """The recipe a linear under ``s`` runs (None: its own precision, which costs ``own_s``), its
     compute seconds and its amax all-reduces' seconds: the cheapest of the offered recipes, taken
@@ -829,8 +838,15 @@ def _float8_choice(
 
 
 def float8_price(
-    node: fx.Node, s: Strategy, info: NodeInfo, inputs: list[fx.Node], infos, device: DeviceSpec, k: int,
-    comm: CommModel, recipe: Float8,
+    node: fx.Node,
+    s: Strategy,
+    info: NodeInfo,
+    inputs: list[fx.Node],
+    infos,
+    device: DeviceSpec,
+    k: int,
+    comm: CommModel,
+    recipe: Float8,
 ) -> tuple[float, float] | None:
     """A linear run FP8 with ``recipe`` under ``s`` (``autopar/lowerings/float8.py``): its compute
     seconds on one rank (``compute.float8_linear_time``: the scaled GEMMs and the cast kernels) and

@@ -28,6 +28,7 @@ import warnings
 
 import pytest
 import torch
+import torch.distributed as dist
 
 torchao_float8 = pytest.importorskip("torchao.float8")
 
@@ -173,13 +174,17 @@ def test_fp8_linears_on_two_ranks_train_as_torchao_on_one(tmp_path, case):
         where = f"rank {rank}"
         assert code.count("float8_linear(") == linears, where
         for issued in per_step:
-            assert sorted(issued) == listed, f"{where}: amax all-reduces issued {sorted(issued)}, listed {listed}"
+            assert sorted(issued) == listed, (
+                f"{where}: amax all-reduces issued {sorted(issued)}, listed {listed}"
+            )
         torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=loss_rtol, atol=0)
         assert set(state) == set(ref_state)
         for k, want in ref_state.items():
             moved, ref_moved = state[k] - init[k], want - init[k]
             err = ((moved - ref_moved).norm() / ref_moved.norm()).item()
-            assert err <= update_rtol, f"{where}: {k}: update off by {err:.3g} of the reference's, over {update_rtol:g}"
+            assert err <= update_rtol, (
+                f"{where}: {k}: update off by {err:.3g} of the reference's, over {update_rtol:g}"
+            )
 
 
 # -- one linear split over 2 ranks: each cast's amax reduced where its scale's dims are split ----------
@@ -260,7 +265,13 @@ def _split_rank(rank: int, world: int, layout: str, recipe: str):
     for got, (cc, t, dim, p, where) in zip(scales, whole):
         gran = cc.scaling_granularity
         want_s = tensor_to_scale(
-            t, cc.target_dtype, False, None, gran, get_maybe_axiswise_dim(dim, gran), c.round_scales_to_power_of_2
+            t,
+            cc.target_dtype,
+            False,
+            None,
+            gran,
+            get_maybe_axiswise_dim(dim, gran),
+            c.round_scales_to_power_of_2,
         )
         if isinstance(p, Shard) and want_s.dim() and want_s.shape[where[p.dim]] > 1:
             want_s = want_s.chunk(world, where[p.dim])[rank]
@@ -275,21 +286,20 @@ def _split_rank(rank: int, world: int, layout: str, recipe: str):
     ]
 
 
-import torch.distributed as dist  # noqa: E402
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("recipe", RECIPES, ids=lambda r: r.value)
 def test_a_split_fp8_linear_casts_as_the_whole_one(recipe):
     """Output, input gradient and weight gradient of one linear split three ways over 2 gloo ranks
-    against torchao's ``Float8Linear`` on the whole tensors, and every cast's scale (the six of
-``lowerings/float8.py``) against the whole tensor's, exactly (a rowwise scale's piece). Tensorwise: the same scales, so equal
-    to fp32 summation order (1e-5 of the largest value); rowwise: the scaled matmul's bf16 output
-    rounds each rank's partial sum (2^-8 of the largest value, two of them), which hides what a
-    scale left local costs (a rowwise scale is rounded to a power of 2): the scales show it."""
+        against torchao's ``Float8Linear`` on the whole tensors, and every cast's scale (the six of
+    ``lowerings/float8.py``) against the whole tensor's, exactly (a rowwise scale's piece). Tensorwise: the same scales, so equal
+        to fp32 summation order (1e-5 of the largest value); rowwise: the scaled matmul's bf16 output
+        rounds each rank's partial sum (2^-8 of the largest value, two of them), which hides what a
+        scale left local costs (a rowwise scale is rounded to a power of 2): the scales show it."""
     tol = 1e-5 if recipe is Float8.TENSORWISE else 2**-7
     for layout in ("column", "row", "batch"):
-        for rank, (same, errs) in enumerate(run_on_ranks(_split_rank, 2, layout, recipe.value, timeout_s=300)):
+        for rank, (same, errs) in enumerate(
+            run_on_ranks(_split_rank, 2, layout, recipe.value, timeout_s=300)
+        ):
             assert all(same), f"{layout}, rank {rank}: casts whose scale is not the whole tensor's: " + str(
                 [i for i, ok in enumerate(same) if not ok]
             )

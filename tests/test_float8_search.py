@@ -38,7 +38,9 @@ def _plans(preset: str, float8=None):
 
 
 def _without_float8(plan):
-    return dataclasses.replace(plan, decisions=tuple(dataclasses.replace(d, float8="") for d in plan.decisions))
+    return dataclasses.replace(
+        plan, decisions=tuple(dataclasses.replace(d, float8="") for d in plan.decisions)
+    )
 
 
 def test_on_h100_the_search_runs_fp8_linears_where_they_pay():

@@ -132,9 +132,7 @@ def amax_axes(node: fx.Node, s, recipe: Float8) -> tuple[tuple[int, ...], ...]:
     for operand, _, rule in CASTS:
         dims = _reduced(rule, ndims[operand], recipe)
         spec = specs[operand]
-        out.append(
-            tuple(a for a, p in enumerate(spec) if is_shard(p) and p.dim % ndims[operand] in dims)
-        )
+        out.append(tuple(a for a, p in enumerate(spec) if is_shard(p) and p.dim % ndims[operand] in dims))
     return tuple(out)
 
 
