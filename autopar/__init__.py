@@ -29,7 +29,17 @@ from autopar.options import AxisRole, Optimizer, SearchOptions, SearchOptionsErr
 from autopar.placement import Outputs, SeqAttention
 from autopar.plan import NodeDecision, Plan, PlannedCollective, Predicted, Site
 from autopar.reshard import Collective, Phase
-from autopar.trades import Offload, Pipeline, Precision, Recompute, Schedule, Trades, TradesError, ZeroStage
+from autopar.trades import (
+    Float8,
+    Offload,
+    Pipeline,
+    Precision,
+    Recompute,
+    Schedule,
+    Trades,
+    TradesError,
+    ZeroStage,
+)
 
 __all__ = [
     "AutoparError",
@@ -52,6 +62,7 @@ __all__ = [
     "PeerFailedError",
     "OpCoverage",
     "Optimizer",
+    "Float8",
     "Offload",
     "Precision",
     "Recompute",

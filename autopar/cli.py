@@ -3,7 +3,7 @@
     autopar demo [--out DIR] [--model MODEL_SPEC] [--world-size N] [--cluster SPEC_FILE]
     autopar plan MODEL_SPEC --cluster PRESET[:NODESxDEVICES] | SPEC_FILE --out plan.json [--report r.html]
                  [--mesh AxB] [--axis-roles data,tensor] [--recompute ..] [--micro-batches K] [--zero-stage ..] [--offload ..]
-                 [--precision ..] [--pipeline-stages N] [--schedule ..] [--virtual-stages N]
+                 [--precision ..] [--float8 ..] [--pipeline-stages N] [--schedule ..] [--virtual-stages N]
                  [--sequence-attention gather|ring|all_to_all] [--kernels auto|all|none|K1,K2]
                  [--overlap-matmuls auto|on|off]
                  [--profile [--profile-cache PATH] [--profile-threads N]]
@@ -140,6 +140,13 @@ def _build_parser() -> argparse.ArgumentParser:
         choices=["auto", "param", "bf16", "fp16"],
         default="auto",
         help="param: the parameters' dtype; bf16/fp16: mixed precision with fp32 masters (default: auto)",
+    )
+    pl.add_argument(
+        "--float8",
+        choices=["auto", "off", "tensorwise", "rowwise"],
+        default="auto",
+        help="FP8 linears (torchao float8 training): auto chooses per linear where the device has an FP8 "
+        "rate; tensorwise/rowwise runs every linear that can in that recipe; off: none (default: auto)",
     )
     pl.add_argument(
         "--pipeline-stages",
@@ -288,6 +295,7 @@ def _cmd_plan(args) -> int:
         zero_stage=auto(args.zero_stage, int),
         offload=auto(args.offload),
         precision=auto(args.precision),
+        float8=auto(args.float8),
         mesh_shape=args.mesh,
         axis_roles=args.axis_roles,
         memory_limit_bytes=args.memory_limit_gib * 2**30 if args.memory_limit_gib is not None else None,

@@ -25,6 +25,8 @@ Fields
 * ``peak_flops``: dense (no sparsity) peak FLOP/s per torch dtype name (``"float32"``, ``"bfloat16"``,
   ``"float16"``, ``"float8_e4m3fn"``...). Accepts a dict, stored as a sorted tuple of pairs.
   A dtype that is not listed is priced at the ``"float32"`` peak (see :meth:`DeviceSpec.peak_flops_for`).
+  The ``"float8_e4m3fn"`` entry is the device's FP8 GEMM rate (``DeviceSpec.float8_flops``): a
+  device without it has no FP8, and the search never runs a linear FP8 there unless told to.
 * ``memory_bytes``: device memory in B (HBM for GPUs; RAM budget per process for CPU).
 * ``memory_bandwidth``: device memory bandwidth in B/s (prices memory-bound kernels), as a step
   sees it: each op writing a fresh tensor (``autopar/tools/calibrate_compute.py``).
@@ -503,6 +505,13 @@ class DeviceSpec:
     def optimizer_param(self, optimizer: str) -> float:
         """Fixed seconds ``optimizer``'s step spends per parameter tensor (one launch if not measured)."""
         return dict(self.optimizer_param_s).get(optimizer, self.kernel_launch_s)
+
+    @property
+    def float8_flops(self) -> float | None:
+        """Dense FP8 (``float8_e4m3fn``) GEMM FLOP/s, the ``peak_flops`` entry of that dtype; None
+        where the device lists none (no FP8 tensor cores: A100, CPUs), and then no search chooses
+        FP8 linears for it (``autopar/lowerings/float8.py``)."""
+        return dict(self.peak_flops).get("float8_e4m3fn")
 
     @property
     def peak_flops_dict(self) -> dict[str, float]:

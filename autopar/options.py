@@ -18,6 +18,7 @@ from autopar.fusion import Kernel, KernelsError, coerce_kernels
 from autopar.placement import Outputs, SeqAttention
 from autopar.trades import (
     ENUM_FIELDS,
+    Float8,
     Offload,
     Precision,
     Recompute,
@@ -100,6 +101,12 @@ class SearchOptions:
       (``kernels/collective_matmul.py``; where it applies: ``passes/collective_matmul.py``), and
       price it so. None (auto): on where the devices overlap communication with compute
       (``DeviceSpec.comm_overlap`` > 0: GPUs), off on CPUs; False: off; True: on.
+    * ``float8``: FP8 linears (``autopar.trades.Float8``, ``autopar/lowerings/float8.py``), a
+      precision decision per linear. None (auto): where the device has an FP8 rate
+      (``DeviceSpec.float8_flops``: H100, H200, B200; not A100 or CPUs), each linear that computes
+      in a half type runs FP8 with the cheaper recipe where that beats its own precision;
+      ``OFF``: none; ``TENSORWISE`` / ``ROWWISE``: every linear that may run FP8 under its
+      placement does, with that recipe, on any device (a CPU runs the scaled matmul too).
     """
 
     mesh_shape: tuple[int, ...] | None = None
@@ -122,8 +129,11 @@ class SearchOptions:
     kernels: frozenset[Kernel] | None = None
     overlap_matmuls: bool | None = None
     expert_skew: float = 1.0
+    float8: Float8 | None = None
 
     def __post_init__(self) -> None:
+        if self.float8 is not None:
+            object.__setattr__(self, "float8", Float8.parse(self.float8, SearchOptionsError))
         try:
             object.__setattr__(self, "kernels", coerce_kernels(self.kernels))
         except KernelsError as e:

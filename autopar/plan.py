@@ -58,7 +58,9 @@ from autopar.fusion import KernelUse
 from autopar.placement import VIA_NAMES, Outputs, Spec, is_shard, spec_from_str, via_from_str
 from autopar.plan_axes import axis_lines, replicated_line
 from autopar.reshard import Collective, CollectiveCall, Phase
-from autopar.trades import Pipeline, Trades
+from autopar.trades import Float8, Pipeline, Trades
+
+FLOAT8_RECIPES = tuple(f.value for f in Float8 if f is not Float8.OFF)
 
 SCHEMA_VERSION = 4
 READABLE_VERSIONS = (1, 2, 3, 4)
@@ -162,9 +164,17 @@ class NodeDecision:
     # the innermost module the node runs in, by its path in the model ("model.layers.3.mlp.down_proj"),
     # a parameter's or buffer's its owner's; "" for the model itself or where unknown (older plans)
     module: str = ""
+    # a linear run FP8: its recipe ("tensorwise" / "rowwise", ``autopar.trades.Float8``;
+    # ``autopar/lowerings/float8.py``); "" where it runs in the plan's precision (older plans: "")
+    float8: str = ""
 
     def __post_init__(self) -> None:
         spec_from_str(self.output)  # validates
+        if self.float8 and self.float8 not in FLOAT8_RECIPES:
+            raise PlanFormatError(
+                f"node {self.name}: float8 {self.float8!r} names no recipe: one of {list(FLOAT8_RECIPES)}, "
+                "or '' for none"
+            )
         for s in self.inputs:
             spec_from_str(s)
         try:
@@ -357,6 +367,7 @@ class Plan:
             *self._overlap_lines(),
             *self._attention_lines(),
             *self._kernel_lines(),
+            *self._float8_lines(),
             *self._pipeline_lines(),
             *self._expert_lines(),
             f"  solver {self.solver.name}: {self.solver.status}, {self.solver.solve_time_s:.2f} s; lower bound "
@@ -414,6 +425,25 @@ class Plan:
             return []
         each = ", ".join(f"{k} ({n} op{'s' if n != 1 else ''})" for k, n in counts.items())
         return [f"  attention on a split sequence: {each}"]
+
+    @property
+    def float8_linears(self) -> dict[str, Float8]:
+        """The linears that run FP8, by node name, with their recipes (codegen reads them)."""
+        return {d.name: Float8(d.float8) for d in self.decisions if d.float8}
+
+    def _float8_lines(self) -> list[str]:
+        """How many linears run FP8, per recipe, of how many linears, and their predicted seconds."""
+        linears = [d for d in self.decisions if d.op == "aten.linear.default"]
+        fp8 = [d for d in linears if d.float8]
+        if not fp8:
+            return []
+        per: dict[str, list] = {}
+        for d in fp8:
+            c = per.setdefault(d.float8, [0, 0.0])
+            c[0] += 1
+            c[1] += d.compute_s
+        each = ", ".join(f"{r} x{n} ({sec * 1e3:.3f} ms)" for r, (n, sec) in per.items())
+        return [f"  FP8 linears: {len(fp8)} of {len(linears)}: {each}; the rest in the plan's precision"]
 
     def _kernel_lines(self) -> list[str]:
         """The fused kernels: per kernel, how many ops it replaced and their predicted seconds."""
@@ -497,7 +527,7 @@ class Plan:
                 "collectives": [
                     [c.kind.value, c.axis, c.phase.value, c.site.value, c.bucket] for c in d.collectives
                 ],
-            }  # fmt: skip
+            } | ({"float8": d.float8} if d.float8 else {})  # fmt: skip
         return parts
 
     def decisions_fingerprint(self) -> str:

@@ -59,6 +59,32 @@ class Precision(enum.Enum):
         return self is not Precision.PARAM
 
 
+class Float8(enum.Enum):
+    """FP8 linears, a precision decision per linear (``autopar/lowerings/float8.py``): a linear that
+    runs FP8 casts its input, weight and output gradient to ``float8_e4m3fn`` with dynamic scales
+    and runs its three GEMMs as scaled matmuls (torchao's float8 training); everything else keeps
+    the plan's precision. ``TENSORWISE``: one scale per tensor (torchao's ``"tensorwise"`` recipe);
+    ``ROWWISE``: one per row of each GEMM operand along its reduced dim (``"rowwise"``, scales
+    rounded down to powers of 2). ``OFF``: no linear runs FP8. ``SearchOptions.float8`` None
+    (auto) lets the search choose per linear where the device has an FP8 rate."""
+
+    OFF = "off"
+    TENSORWISE = "tensorwise"
+    ROWWISE = "rowwise"
+
+    @classmethod
+    def parse(cls, value, error: type[Exception] = None) -> Float8:
+        """A member, or the member whose value is ``value``; ``error`` (TradesError) otherwise."""
+        if isinstance(value, cls):
+            return value
+        try:
+            return cls(value)
+        except ValueError:
+            raise (error or TradesError)(
+                f"float8 must be one of {[m.value for m in cls]} (or None: auto), got {value!r}"
+            ) from None
+
+
 class Offload(enum.Enum):
     NONE = "none"
     OPTIMIZER = "optimizer"  # masters, gradients, state on the host; the gathered on the device

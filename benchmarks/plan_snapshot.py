@@ -90,7 +90,10 @@ def _code(result) -> str:
         t = torch.empty(shape, dtype=full.dtype, device="meta")
         attrs[mangle(p.target)] = torch.nn.Parameter(t) if p.role is Role.PARAM else t
     deferred = deferred_grad_axes(tg, choice, plan.mesh_shape)
-    gm = lower(tg, choice, plan.mesh_shape, attrs, deferred, Outputs(plan.outputs), plan.overlap_matmuls)
+    gm = lower(
+        tg, choice, plan.mesh_shape, attrs, deferred, Outputs(plan.outputs), plan.overlap_matmuls,
+        plan.float8_linears,
+    )  # fmt: skip
     return gm.code
 
 

@@ -129,8 +129,9 @@ def build_parallel_module(
     deferred = deferred_grad_axes(tg, choice, plan.mesh_shape)
     outputs = Outputs(plan.outputs)
     gm = lower(
-        tg, choice, plan.mesh_shape, state.attrs, deferred, outputs, getattr(plan, "overlap_matmuls", False)
-    )
+        tg, choice, plan.mesh_shape, state.attrs, deferred, outputs, getattr(plan, "overlap_matmuls", False),
+        getattr(plan, "float8_linears", None),
+    )  # fmt: skip
     trades = getattr(plan, "trades", Trades())
     common = _module_kwargs(model, tg, plan, choice, inputs, outputs) | dict(
         mesh=mesh, state_specs=state_specs, aliases=aliases, extra_state=extra, device=device

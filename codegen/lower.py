@@ -46,7 +46,9 @@ from autopar.codegen import context_parallel as CP
 from autopar.codegen import experts as EX
 from autopar.codegen import local_ops as L
 from autopar.codegen import summa as SM
+from autopar.errors import PlanMismatchError
 from autopar.kernels import ops as kernel_ops
+from autopar.lowerings import float8 as F8
 from autopar.lowerings import lowering_of
 from autopar.lowerings.attention import ALL_TO_ALL, RING, SDPA_ARGS, is_causal, query_rows_axis
 from autopar.lowerings.batch_norm import BATCH_NORM
@@ -72,6 +74,7 @@ from autopar.placement import (
     replicated,
 )
 from autopar.reshard import ReshardStep, StepKind, reshard_plan
+from autopar.trades import Float8
 
 aten = torch.ops.aten
 kernel_ops.load()  # the fused ops a plan may call (passes/fuse.py), lowered below where they split
@@ -464,14 +467,21 @@ def lower(
     deferred: dict[str, tuple[int, ...]] | None = None,
     outputs: Outputs = Outputs.FULL,
     overlap_matmuls: bool = False,
+    float8: dict[str, Float8] | None = None,
 ) -> fx.GraphModule:
     """Return the rank-local GraphModule; ``attrs`` maps mangled names to local parameter/buffer
     shards. The code names no device (``collectives.run_device``, ``device_free``).
     ``deferred``: parameter placeholder -> axes whose "f" is left out because the accumulated
     gradient is all-reduced after backward (``passes/grad_sync.py``, ``codegen/grad_sync.py``).
     ``overlap_matmuls``: a linear and the all-gather before it, or the reduce-scatter after it, run
-    as one collective matmul where ``passes/collective_matmul.py`` says they fuse (``Plan.overlap_matmuls``)."""
+    as one collective matmul where ``passes/collective_matmul.py`` says they fuse (``Plan.overlap_matmuls``).
+    ``float8``: the linears that run FP8, by node name, with their recipes (``Plan.float8_linears``):
+    each runs ``codegen/float8.py:float8_linear`` with the amax axes its description gives
+    (``autopar/lowerings/float8.py``), never as a collective matmul."""
     deferred = deferred or {}
+    float8 = float8 or {}
+    if float8:  # torchao, imported only for a plan that runs FP8
+        from autopar.codegen.float8 import float8_linear
     src_graph = tg.graph
     g = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
@@ -578,8 +588,10 @@ def lower(
             spec[node] = spec[node.args[0]]
         elif node.op == "call_function":
             s = choice[node.name]
-            # a 2D or 3D linear gathers inside its own lowering: no collective matmul around it
-            fuse = overlap_matmuls and node.target is LINEAR and not is_grid(s)
+            # a 2D or 3D linear gathers inside its own lowering, an FP8 one casts first: no
+            # collective matmul around either
+            recipe = float8.get(node.name)
+            fuse = overlap_matmuls and node.target is LINEAR and not is_grid(s) and recipe is None
             gather = []  # all_gather_linear's input, step and made key (gather_input)
 
             def reshard_in(k, leaf, s=s, node=node, fuse=fuse, gather=gather):
@@ -600,7 +612,16 @@ def lower(
             fn = None if own_rows else LOWERINGS.get(node.target)
             out_spec = s.out
             scatter = scatter_after(node, s) if fuse else None
-            if gather:
+            if recipe is not None:
+                if not F8.eligible(node, s, mesh_shape):
+                    raise PlanMismatchError(
+                        f"node {node.name}: the plan runs it FP8 ({recipe.value}), which its placement "
+                        "does not allow (autopar/lowerings/float8.py); re-plan"
+                    )
+                bias = args[2] if len(args) > 2 else kwargs.get("bias")
+                axes = F8.amax_axes(node, s, recipe)
+                out = g.call_function(float8_linear, (args[0], args[1], bias, recipe.value, axes))
+            elif gather:
                 out = _emit_gather_linear(g, args, kwargs, *gather[0], made)
             elif scatter is not None:  # the linear's one use takes it reduce-scattered
                 bias = args[2] if len(args) > 2 else kwargs.get("bias")

@@ -248,3 +248,61 @@ def optimizer_step_bytes(param_bytes: float, optimizer: str) -> float:
     """Bytes of temporaries the step of one parameter tensor of ``param_bytes`` holds at once
     (Adam's ``sqrt`` and the division of it: twice the parameter), freed before the next tensor's."""
     return param_bytes * OPTIMIZER_TRAFFIC.get(optimizer, (0, 0, 0))[2]
+
+
+# -- FP8 linears ----------------------------------------------------------------------------------
+FLOAT8 = torch.float8_e4m3fn
+
+
+def float8_peak_dtype(device: DeviceSpec, dtype: torch.dtype | None) -> torch.dtype:
+    """The dtype whose peak an FP8 linear's GEMMs run at: ``float8_e4m3fn`` where the device lists
+    an FP8 rate (``DeviceSpec.float8_flops``), else the linear's own (a device without FP8 tensor
+    cores runs the scaled matmul no faster: torch emulates it, or the kernel upcasts)."""
+    return FLOAT8 if device.float8_flops else (dtype or torch.float32)
+
+
+def float8_linear_time(
+    flops: float,
+    dtype: torch.dtype | None,
+    device: DeviceSpec,
+    k: float,
+    requires_grad: bool,
+    casts: Sequence[tuple[float, bool]],
+    *,
+    new_grads: int = 2,
+    min_dim: float | None = None,
+    bias_elements: float = 0.0,
+) -> float:
+    """Forward + backward seconds of one linear run FP8 on one rank (``autopar/lowerings/float8.py``):
+
+        t = node_time(F, M8, fp8) + sum_casts ((2 item + 1) E_c / bw + 2 launch) + t_bias     [s]
+
+    * the three GEMMs at the device's FP8 peak (``float8_peak_dtype``) with the same efficiency
+      curve as any matmul (``forward_body``: ``EFF_MAX``, ``T_HALF``, ``matmul_dim_half``), moving
+      ``M8``: one byte per operand element, the output in ``item`` bytes;
+    * each cast ``c`` (``casts``: its local elements ``E_c`` and whether it runs in backward, which
+      counts only when the linear needs gradients) reads its operand twice in the high type (amax,
+      then scale and cast) and writes one byte per element, at ``memory_bandwidth``, two launches;
+    * ``t_bias``: torchao adds a bias after the scaled matmul, one elementwise pass (read two,
+      write one) forward and a row sum of the output's gradient backward.
+
+    The amax all-reduces are collectives, priced by the comm model (``passes/costs.py``)."""
+    item = torch.empty((), dtype=dtype or torch.float32).element_size()
+    x_el = casts[0][0] if casts else 0.0
+    w_el = casts[1][0] if len(casts) > 1 else 0.0
+    y_el = casts[2][0] if len(casts) > 2 else 0.0
+    gemm_bytes = (x_el + w_el) + y_el * item  # local already
+    t = node_time(
+        flops, gemm_bytes * k, float8_peak_dtype(device, dtype), device, k, requires_grad,
+        new_grads=new_grads, op="aten.linear.default", min_dim=min_dim,
+    )  # fmt: skip
+    bw = device.memory_bandwidth
+    for elements, backward in casts:
+        if backward and not requires_grad:
+            continue
+        t += (2 * item + 1) * elements / bw + 2 * device.kernel_launch_s
+    if bias_elements:
+        t += 3 * item * bias_elements / bw + device.kernel_launch_s
+        if requires_grad:
+            t += item * bias_elements / bw + device.kernel_launch_s
+    return t

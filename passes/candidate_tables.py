@@ -19,7 +19,7 @@ from autopar.options import AxisRole, Optimizer
 from autopar.passes.analyze import NodeInfo
 from autopar.passes.candidates import MeshRun
 from autopar.passes.coarsen import Classes
-from autopar.passes.costs import CostTables, NodeTimer, build_costs
+from autopar.passes.costs import CostTables, Float8Offer, NodeTimer, build_costs
 from autopar.passes.data_region import find_region, region_parts
 from autopar.passes.dumps import Recorder, Stages, costs_tsv, strategies_tsv
 from autopar.passes.fuse import fuse
@@ -179,6 +179,7 @@ def cost_stage(
     tables = build_costs(
         pb.tg, pb.cinfos, strats, cluster, run.mesh, options.optimizer, run.roles, pb.classes, pb.profiler,
         options.outputs, options.fuses_matmuls(cluster.device.comm_overlap),
+        Float8Offer.of(options.float8, cluster.device),
     )  # fmt: skip
     if pb.profiler is not None:
         st.say(f"profile: mesh {run.mesh}: {pb.profiler.take_stats().line()}")

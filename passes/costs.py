@@ -60,13 +60,16 @@ from autopar.cluster import ClusterSpec, DeviceSpec
 from autopar.cost_model.comm import CommModel
 from autopar.cost_model.compute import (
     accumulate_time,
+    float8_linear_time,
     gemm_min_dim,
     node_time,
     optimizer_step_bytes,
     optimizer_step_time,
 )
 from autopar.cost_model.memory import reshard_transient
-from autopar.lowerings import LoweringPlan, describe, price_calls
+from autopar.lowerings import LoweringPlan, Phase, describe, price_calls
+from autopar.lowerings.float8 import cast_elements as float8_casts
+from autopar.lowerings.float8 import describe as describe_float8
 from autopar.lowerings.matmul_nd import is_grid
 from autopar.options import Optimizer
 from autopar.passes.analyze import NodeInfo, tensor_vals
@@ -85,6 +88,7 @@ from autopar.placement import (
     volume_factor,
 )
 from autopar.reshard import Collective, CollectiveCall, reshard_plan
+from autopar.trades import Float8
 
 
 class NodeTimer(Protocol):
@@ -202,6 +206,52 @@ class CostTables:
     # they hide the collectives behind
     overlap_matmuls: bool = False
     matmul_s: dict[str, list[float]] = field(default_factory=dict)
+    # linear -> per strategy: the FP8 recipe its cost prices (None: its own precision), where the
+    # tables offer FP8 (``Float8Offer``); the plan records the chosen strategy's
+    float8: dict[str, list[Float8 | None]] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Float8Offer:
+    """Which linears the cost tables may price as FP8 (``autopar/lowerings/float8.py``).
+
+    * ``recipes``: what an eligible linear may take; the tables price each and keep the cheapest of
+      them and the linear's own precision (``forced``: the cheapest recipe, whatever its own costs);
+    * ``half_only``: only linears that compute in a half type (auto: FP8 replaces bf16 GEMMs, not
+      an fp32 model's);
+    * ``nodes``: exactly these linears with these recipes (repricing a plan, ``passes/reprice.py``).
+    """
+
+    recipes: tuple[Float8, ...] = ()
+    forced: bool = False
+    half_only: bool = True
+    nodes: tuple[tuple[str, Float8], ...] | None = None
+
+    @classmethod
+    def of(cls, option: Float8 | None, device: DeviceSpec) -> Float8Offer | None:
+        """The offer of ``SearchOptions.float8``: auto (None) both recipes where the device has an
+        FP8 rate (``DeviceSpec.float8_flops``), none elsewhere; a recipe forced on any device."""
+        if option is None:
+            return cls((Float8.TENSORWISE, Float8.ROWWISE)) if device.float8_flops else None
+        if option is Float8.OFF:
+            return None
+        return cls((option,), forced=True, half_only=False)
+
+    @classmethod
+    def given(cls, nodes: dict[str, Float8]) -> Float8Offer | None:
+        return cls(nodes=tuple(sorted(nodes.items()))) if nodes else None
+
+    def recipes_for(self, name: str, dtype: torch.dtype | None) -> tuple[Float8, ...]:
+        if self.nodes is not None:
+            r = dict(self.nodes).get(name)
+            return (r,) if r is not None else ()
+        if self.half_only and dtype not in (torch.bfloat16, torch.float16):
+            return ()
+        return self.recipes
+
+    @property
+    def must(self) -> bool:
+        return self.forced or self.nodes is not None
 
 
 def resolve_source(node: fx.Node) -> fx.Node:
@@ -222,6 +272,7 @@ def build_costs(
     profiler: NodeTimer | None = None,
     outputs: Outputs = Outputs.FULL,
     overlap_matmuls: bool = False,
+    float8: Float8Offer | None = None,
 ) -> CostTables:
     """Cost tables over class representatives (every node its own class when ``classes`` is None):
     node costs are multiplied by the class size, edges between the same two classes are priced once
@@ -229,7 +280,9 @@ def build_costs(
     With a ``profiler``, an op's compute is its measured time on the local shapes where it has one.
     ``outputs``: the placement the module returns the graph's outputs in (whole, or as pieces).
     ``overlap_matmuls``: the edges where a linear and its collective fuse into a collective matmul
-    are priced as it runs (``passes/collective_matmul.py``, ``overlap_price``)."""
+    are priced as it runs (``passes/collective_matmul.py``, ``overlap_price``). ``float8``: the
+    linears that may run FP8, each strategy priced at the cheaper of its FP8 and its own precision
+    (``float8_price``; ``CostTables.float8`` says which)."""
     comm = CommModel(cluster, mesh_shape)
     device = cluster.device
     slow = cluster.compute_slowdown  # CPU ranks sharing too few cores
@@ -252,6 +305,7 @@ def build_costs(
         n = classes.count(name)
         members = classes.members[name]
         costs, mems, peaks, inside = [], [], [], []
+        own_costs = []  # a linear's strategies in its own precision, where forced FP8 forbids them all
         has_inside = False
         if info.role is Role.PARAM and info.requires_grad:
             tables.grad_mem[name] = [
@@ -291,9 +345,22 @@ def build_costs(
                 tables.matmul_s.setdefault(name, []).append(t)
             calls = priced_calls(lowered, comm, t)
             t_in = sum(sec for _, sec in calls)
+            t += t_in
+            own_costs.append((t, acc))
+            if float8 is not None and ns.node.target is LINEAR and not calls:
+                recipe, t8, t8_in = _float8_choice(float8, name, info, ns, infos, device, k, s, comm, slow, t)
+                tables.float8.setdefault(name, [None] * len(ns.strategies))[len(costs)] = recipe
+                if recipe is None and float8.forced and float8.recipes_for(name, info.dtype):
+                    # forced: a placement under which the linear cannot run FP8 (a Partial input,
+                    # pieces off the 16-element alignment) is not taken where another can be
+                    # (where none can, all keep their own cost: below)
+                    t = math.inf
+                elif recipe is not None:
+                    t, t_in, calls = t8 + t8_in, t8_in, [None]
+                    if overlap_matmuls:  # an FP8 linear runs no collective matmul (codegen/lower.py)
+                        tables.matmul_s[name][-1] = 0.0
             inside.append(t_in)
             has_inside |= bool(calls)
-            t += t_in
             costs.append(n * t + acc)
             # internal saved tensors are cut like the op's work: by its largest split (e.g. a loss's
             # log-probabilities follow the logits, not the scalar output)
@@ -312,6 +379,8 @@ def build_costs(
                     and not (infos[a.name].role is Role.PARAM and last_use[a.name] == order[name])
                 )
                 peaks.append(grads + info.grad_temp_bytes / work_vol)
+        if costs and all(math.isinf(c) for c in costs):  # none can run FP8: each in its own precision
+            costs = [n * t_own + a for t_own, a in own_costs]
         tables.node_cost[name] = costs
         tables.node_mem[name] = mems
         if has_inside:  # recorded even where every hop hides: pricing reads it, never recomputes
@@ -743,6 +812,71 @@ def analytical_node_time(
     )  # fmt: skip
 
 
+def _float8_choice(
+    offer: Float8Offer,
+    name: str,
+    info: NodeInfo,
+    ns,
+    infos,
+    device: DeviceSpec,
+    k: int,
+    s: Strategy,
+    comm: CommModel,
+    slow: float,
+    own_s: float,
+) -> tuple[Float8 | None, float, float]:
+    """The recipe a linear under ``s`` runs (None: its own precision, which costs ``own_s``), its
+    compute seconds and its amax all-reduces' seconds: the cheapest of the offered recipes, taken
+    where it beats ``own_s`` or where the offer forces it."""
+    best: tuple[float, Float8, float, float] | None = None
+    for recipe in offer.recipes_for(name, info.dtype):
+        priced = float8_price(ns.node, s, info, ns.inputs, infos, device, k, comm, recipe)
+        if priced is None:
+            continue
+        t8, t_in = priced[0] * slow, priced[1]
+        if best is None or t8 + t_in < best[0]:
+            best = (t8 + t_in, recipe, t8, t_in)
+    if best is None or (not offer.must and best[0] >= own_s):
+        return None, 0.0, 0.0
+    return best[1], best[2], best[3]
+
+
+def float8_price(
+    node: fx.Node,
+    s: Strategy,
+    info: NodeInfo,
+    inputs: list[fx.Node],
+    infos,
+    device: DeviceSpec,
+    k: int,
+    comm: CommModel,
+    recipe: Float8,
+) -> tuple[float, float] | None:
+    """A linear run FP8 with ``recipe`` under ``s`` (``autopar/lowerings/float8.py``): its compute
+    seconds on one rank (``compute.float8_linear_time``: the scaled GEMMs and the cast kernels) and
+    its amax all-reduces' (the comm model's price of the description's calls); None where it may
+    not run FP8."""
+    plan = describe_float8(node, s, comm.mesh_shape, recipe)
+    if plan is None:
+        return None
+    fresh = info.grad_new or (True,) * len(inputs)
+    new = [a for a, f in zip(inputs, fresh) if f and infos[a.name].requires_grad]
+    casts = [(e, phase is Phase.BACKWARD) for e, phase in float8_casts(node, s, comm.mesh_shape)]
+    bias = len(inputs) > 2
+    t = float8_linear_time(
+        info.flops, info.dtype, device, k, info.requires_grad, casts, new_grads=len(new),
+        min_dim=_local_gemm_min_dim(info.target, inputs, s, comm.mesh_shape),
+        bias_elements=info.out_bytes / volume_factor(s.out, comm.mesh_shape) / max(_item_of(info.dtype), 1)
+        if bias else 0.0,
+    )  # fmt: skip
+    t_in = sum(sec for _, sec in priced_calls(plan, comm, t))
+    return t, t_in
+
+
+def _item_of(dtype: torch.dtype | None) -> int:
+    return torch.empty((), dtype=dtype or torch.float32).element_size()
+
+
 def node_elements(info: NodeInfo, inputs: list[fx.Node]) -> int:
     """``E`` of ``cost_model.compute``: the elements of the node's largest tensor, output or input
     (what its per-element figures count: a loss's logits, not its scalar output)."""
@@ -775,11 +909,20 @@ def run_ratio(node: fx.Node, info: NodeInfo | None) -> float:
 
 
 def lowering_collectives(
-    node: fx.Node, s: Strategy, comm: CommModel, compute_s: float = 0.0, info: NodeInfo | None = None
+    node: fx.Node,
+    s: Strategy,
+    comm: CommModel,
+    compute_s: float = 0.0,
+    recipe: Float8 | None = None,
+    info: NodeInfo | None = None,
 ) -> list[tuple[CollectiveCall, float]]:
     """Each collective that the lowering of ``node`` under ``s`` issues inside the op
     (``autopar/lowerings``: the calls codegen's code issues), with its seconds (``priced_calls``);
+    ``recipe``: a linear run FP8, whose calls are its amax all-reduces (``lowerings/float8.py``);
     ``info``: the node's as priced, whose dtype the calls that move its operands take (``run_ratio``)."""
+    if recipe is not None:
+        plan = describe_float8(node, s, comm.mesh_shape, recipe)
+        return priced_calls(plan, comm, compute_s) if plan is not None else []
     return priced_calls(describe(node, s, comm.mesh_shape).in_dtype(run_ratio(node, info)), comm, compute_s)
 
 

@@ -143,6 +143,9 @@ def price_plan(
         inside = lowering_collectives(n, s, comm, info=info) if n.op == "call_function" else []
         # their seconds as the tables priced them (a ring's hops against its compute, passes/costs.py)
         rep = tables.classes.rep.get(n.name) if tables.classes else n.name
+        recipe = tables.float8[rep][sol.choice[rep]] if rep in tables.float8 else None
+        if recipe is not None:  # an FP8 linear's amax all-reduces (autopar/lowerings/float8.py)
+            inside = lowering_collectives(n, s, comm, recipe=recipe)
         inside_s = tables.node_inside[rep][sol.choice[rep]] if rep in tables.node_inside else 0.0
         cost = _node_compute(tables, sol, n.name) - inside_s
         vol = volume_factor(s.out, mesh)
@@ -165,6 +168,7 @@ def price_plan(
                 + tuple(PlannedCollective.of(call, Site.INSIDE) for call, _ in inside),
                 via=via_to_str(s.via),
                 module=module_path(n) if n.op != "placeholder" else _owner(info),
+                float8=recipe.value if recipe is not None else "",
             )
         )
     t_step = objective_s(tables, sol.choice)

@@ -30,7 +30,7 @@ from autopar.options import Optimizer, SearchOptions
 from autopar.passes.analyze import analyze
 from autopar.passes.blocks import find_blocks
 from autopar.passes.candidates import MeshRun
-from autopar.passes.costs import NodeTimer, build_costs
+from autopar.passes.costs import Float8Offer, NodeTimer, build_costs
 from autopar.passes.mesh_solve import MeshProblem, Solved, TradeContext, priced_solution
 from autopar.passes.pipeline import PipelineProblem, price_pipeline, stage_cluster
 from autopar.passes.replay import choice_from_plan, plan_regions, plan_strategies, traced_as_planned
@@ -91,7 +91,7 @@ def given_choice(
     cinfos = half_infos(tg, infos, plan.trades.precision, autocast_device(devices))
     base = build_costs(
         tg, cinfos, strats, devices, mesh, optimizer, profiler=profiler, outputs=options.outputs,
-        overlap_matmuls=plan.overlap_matmuls,
+        overlap_matmuls=plan.overlap_matmuls, float8=Float8Offer.given(plan.float8_linears),
     )  # fmt: skip
     blocks = find_blocks(tg)
     problem = MeshProblem(

@@ -297,6 +297,7 @@ def fold_followers(tables: CostTables, exact: bool | None = None) -> Folded:
         grad_mem={v: g for v, g in tables.grad_mem.items() if v in strategies},
         grad_free={v: f for v, f in tables.grad_free.items() if v in strategies},
         bucket_fixed=tables.bucket_fixed,
+        float8=tables.float8,  # by node and strategy index, which folding keeps
     )  # fmt: skip
     return reduced, merged
 

@@ -219,6 +219,18 @@ def _trades_tag(t: dict | None, pipeline: dict | None = None) -> str:
     return " ".join(out)
 
 
+def _float8_setting(plan: Plan) -> str:
+    """How many of the plan's linears run FP8, per recipe (``autopar/lowerings/float8.py``)."""
+    linears = sum(1 for d in plan.decisions if d.op == "aten.linear.default")
+    per: dict[str, int] = {}
+    for r in plan.float8_linears.values():
+        per[r.value] = per.get(r.value, 0) + 1
+    if not per:
+        return f"none of {linears} linears: each in the plan's precision"
+    each = ", ".join(f"{n} {r}" for r, n in per.items())
+    return f"{each} of {linears} linears (torchao float8, scales' amax reduced over the axes that split them)"
+
+
 def trades_table(plan: Plan) -> str:
     """The plan's memory-for-time trades: each setting, what it costs in step time and what it
     saves per device."""
@@ -234,6 +246,7 @@ def trades_table(plan: Plan) -> str:
         ("ZeRO", f"stage {int(t.zero_stage)} over {axes}" if int(t.zero_stage) else
          "no ZeRO: every data-parallel device keeps whole gradients and optimizer state", "zero"),
         ("offload", t.offload.what, "offload"),
+        ("FP8 linears", _float8_setting(plan), "float8"),
     ]  # fmt: skip
     out = []
     for label, setting, key in rows:
