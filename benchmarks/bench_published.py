@@ -47,6 +47,14 @@ def build(run: Run):
     those implementations run them (GPT-2's [q | k | v] projection and seven-op GELU priced the
     rows 4-30% slower with reshuffles and elementwise work they never ran)."""
     dtype = "bfloat16"
+    if run.family == "deepseek_v3":  # its Hugging Face config, as bench_moe plans it
+        from bench_moe import deepseek_v3
+
+        cls, cfg = deepseek_v3()
+        with torch.device("meta"):
+            model = cls(cfg)
+        ids = torch.zeros(run.batch, run.seq, dtype=torch.long, device="meta")
+        return model, {"input_ids": ids, "labels": ids}
     with torch.device("meta"):
         if run.family == "llama":
             return llama(**run.model, batch=run.batch, seq=run.seq, dtype=dtype)
@@ -58,9 +66,18 @@ def precision(run: Run) -> Precision:
 
 
 def forced_options(run: Run) -> dict:
-    """The published layout as ``autopar.plan`` options; what the source leaves out stays auto."""
+    """The published layout as ``autopar.plan`` options; what the source leaves out stays auto. A
+    run with expert parallelism folded over its TP x DP ranks (``Run.ep``, Megatron's MoE layout)
+    takes them as one expert axis: autopar splits the experts over one mesh axis."""
     axes = [(n, role) for n, role in ((run.dp, AxisRole.DATA), (run.cp, AxisRole.SEQUENCE),
                                       (run.tp, AxisRole.TENSOR)) if n > 1] or [(1, AxisRole.DATA)]  # fmt: skip
+    if run.ep > 1:
+        if run.ep != run.tp * run.dp or run.cp > 1:
+            raise ValueError(
+                f"{run.name}: EP{run.ep} over TP{run.tp} x DP{run.dp} x CP{run.cp} is not one axis"
+            )
+        axes = [(run.ep, AxisRole.EXPERT)]
+    batch_ranks = run.ep if run.ep > 1 else run.dp
     opts = dict(
         mesh_shape=tuple(n for n, _ in axes), axis_roles=tuple(r for _, r in axes),
         precision=precision(run), pipeline_stages=run.pp,
@@ -70,7 +87,7 @@ def forced_options(run: Run) -> dict:
         if run.virtual:
             opts["virtual_stages"] = run.virtual
     if run.mbs is not None:
-        opts["micro_batches"] = run.batch // (run.dp * run.mbs)
+        opts["micro_batches"] = run.batch // (batch_ranks * run.mbs)
     if run.recompute is not None:
         opts["recompute"] = run.recompute
     if run.zero is not None:
@@ -83,6 +100,8 @@ def forced_options(run: Run) -> dict:
 
 def flops(run: Run, model) -> float:
     """FLOPs of one step as the run's source counts them (``FLOP_COUNTS``)."""
+    if run.flops == "tokens":
+        return 0.0
     b, s = run.batch, run.seq
     m = run.model
     layers, h, v = m["layers"], m["hidden"], m.get("vocab", 128256)
@@ -128,7 +147,7 @@ def layout(run: Run) -> str:
     mb = f"mbs {run.mbs} ({run.batch // (run.dp * run.mbs)} micro-batches)" if run.mbs else "mbs search"
     sp = {True: "SP", False: "no SP", None: ""}[run.sp]
     prec = "bf16 params" if run.bf16_params else run.precision.value
-    parts = [f"TP{run.tp}", pipe, f"DP{run.dp}", f"CP{run.cp}", mb,
+    parts = [f"TP{run.tp}", pipe, f"DP{run.dp}", f"CP{run.cp}", f"EP{run.ep}" if run.ep > 1 else "", mb,
              f"recompute {known(run.recompute, run.recompute.value if run.recompute else '')}",
              f"ZeRO-{known(run.zero, int(run.zero) if run.zero is not None else '')}", sp, prec,
              f"kernels {run.kernels}" if run.kernels else ""]  # fmt: skip

@@ -1,4 +1,5 @@
-"""Published, measured training runs of dense transformers: the rows of ``bench_published.py``.
+"""Published, measured training runs of transformers, dense and mixture-of-experts: the rows of
+``bench_published.py``.
 
 Each ``Run`` holds what its source states (model shape, precision, sequence, global batch, the
 layout, the measured throughput and how the source counts it) and nothing else: a field the source
@@ -51,6 +52,13 @@ Sources (read in the files named; the paper figures were checked against these c
   table's parameter counts include learned positions).
 * [BRIDGE] NVIDIA-NeMo/Megatron-Bridge ``docs/performance-summary-archive.md``, 25.11 container,
   DGX-B200 pre-training (Llama 3 8B, FP8).
+* [DGXC] NVIDIA/dgxc-benchmarking ``deepseek_v3/pretraining/README.md`` (commit 1f6d9f40e4), "H100
+  Performance": DeepSeek-V3 671B in BF16 (NeMo 25.04, Megatron-Core) on 512 and 1,024 H100, seq
+  4096, TP2, PP 8 / 16, EP64 (ETP1), DP32, VP1, micro-batch 1, global batch 4,096 / 8,192; training
+  step 48.948 / 52.04 s (iterations 11-44), 174.02 / 163.7 TFLOP/s per GPU by NeMo's own count.
+  Compared here as tokens/s per GPU from the step time (seq x GBS / step / GPUs), which no FLOP
+  convention enters. The model: ``bench_moe.deepseek_v3`` (its Hugging Face config, MTP left out as
+  the recipe's table lists none).
 """
 
 from __future__ import annotations
@@ -85,7 +93,7 @@ class Run:
     name: str
     source: str
     cluster: str  # preset:nodes x devices per node
-    family: str  # "gpt" | "llama"
+    family: str  # "gpt" | "llama" | "deepseek_v3" (``bench_moe``'s config; ``model`` empty)
     model: dict
     seq: int
     batch: int
@@ -97,6 +105,8 @@ class Run:
     pp: int = 1
     dp: int = 1
     cp: int = 1
+    # expert parallelism: the experts split over ``ep`` ranks (Megatron folds it over TP x DP)
+    ep: int = 1
     schedule: Schedule | None = None
     virtual: int | None = None
     mbs: int | None = None
@@ -226,6 +236,17 @@ RUNS: tuple[Run, ...] = (
     Run("llama3-405b-16384xh100-cp16", "[LLAMA3] Table 4 row 3", "h100-sxm:2048x8", "llama", L405B, 131072, 128,
         B16, 380, "tflops", "palm", tp=8, pp=16, dp=8, cp=16,
         notes="128K context; FSDP stage, schedule, micro-batch, recomputation left to the search"),
+    # [DGXC] DeepSeek-V3 671B, BF16, on H100: its experts over 64 ranks
+    Run("dgxc-deepseek-v3-512xh100", "[DGXC] H100 Performance", "h100-sxm:64x8", "deepseek_v3", {}, 4096, 4096,
+        B16, 4096 * 4096 / 48.948 / 512, "tokens", "tokens", tp=2, pp=8, dp=32, ep=64,
+        schedule=S1, mbs=1, zero=Z1,
+        notes="EP64 folded over TP2 x DP32 in the run: priced as one 64-way expert axis, the dense "
+              "layers data parallel over it (autopar splits experts over one mesh axis, a tensor dim "
+              "over one); distributed optimizer (ZeRO-1); recomputation left to the search"),
+    Run("dgxc-deepseek-v3-1024xh100", "[DGXC] H100 Performance", "h100-sxm:128x8", "deepseek_v3", {}, 4096,
+        8192, B16, 4096 * 8192 / 52.04 / 1024, "tokens", "tokens", tp=2, pp=16, dp=32, ep=64,
+        schedule=S1, mbs=1, zero=Z1,
+        notes="as the 512-GPU row, with 16 stages"),
     # runs autopar cannot express (reported, not priced)
     Run("trainy-llama3-8b-32xh200", "[TT] llama3-8b_h200_202506_trainy-whitefiber (4 nodes)", "h200:4x8", "llama",
         L8B, 8192, 64, B16, 10938, "tokens", "tokens", dp=32, mbs=2, recompute=SEL, zero=Z3, memory_gib=47.96,
