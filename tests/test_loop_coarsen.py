@@ -7,9 +7,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from harness import sgd_losses
 from torch import nn
 
 import autopar
+from autopar.launch import run_on_ranks
 from autopar.options import AxisRole
 from autopar.passes.analyze import analyze
 from autopar.passes.coarsen import LOOP_MIN_STEPS, find_classes
@@ -110,3 +112,31 @@ def test_limited_search_plans_as_the_uncoarsened_one(fraction):
     # a class's price is its members' (their uses, their first step's constant input) as its
     # representative's: within 0.2% of the plain tables' (tests/test_pipeline_search.py)
     assert tied.predicted.step_time_s == pytest.approx(exact.predicted.step_time_s, rel=2e-3)
+
+
+def _rank(rank: int, world: int, plan_path: str) -> list[float]:
+    torch.manual_seed(0)
+    model, x = Net(), torch.randn(8, STEPS, 16)
+    cluster = autopar.ClusterSpec.preset("cpu", devices_per_node=world)
+    pmodel = autopar.autoparallelize(model, cluster, (x,), plan=plan_path)
+    return [float(v) for v in sgd_losses(pmodel, x)]
+
+
+@pytest.mark.slow
+def test_a_tied_plan_trains_as_the_model(tmp_path):
+    """A plan with the loop's steps tied, each split over 2 gloo ranks (the tensor role forces a
+    split), trains as the single-device model does."""
+    torch.manual_seed(0)
+    model, x = Net(), torch.randn(8, STEPS, 16)
+    cluster = autopar.ClusterSpec.preset("cpu", devices_per_node=2)
+    # one micro-batch, no pipeline: the step is the module's forward and backward (sgd_losses)
+    plan = autopar.plan(
+        model, cluster, (x,), axis_roles=(AxisRole.TENSOR,), micro_batches=1, pipeline_stages=1
+    )
+    tied = [d for d in plan.decisions if d.name.startswith("select")]
+    assert len(tied) == 3 * 2 * STEPS and all(d.output != "R" for d in tied)  # every step's selects split
+    path = tmp_path / "plan.json"
+    plan.save(path)
+    want = [float(v) for v in sgd_losses(model, x)]
+    for got in run_on_ranks(_rank, 2, str(path), timeout_s=300):
+        assert got == pytest.approx(want, rel=1e-4, abs=1e-6)
