@@ -209,8 +209,8 @@ def solve_mesh(p: MeshProblem, best_objective: float = math.inf, st: Stages | No
     cut = ""
     if sol.bound is not None:  # the node limit stopped it: what its tree had not explored
         cut = (
-            f"; stopped at its node limit: its ILP's plans from {sol.objective * 1e3:.3f} ms down to "
-            f"{sol.bound * 1e3:.3f} ms not explored"
+            f"; stopped at its node limit: its ILP's plans between the one taken, objective "
+            f"{sol.objective * 1e3:.3f} ms, and the least it proved, {sol.bound * 1e3:.3f} ms, not explored"
             if sol.bound > -math.inf
             else "; stopped at its node limit before its root's bound: its other plans not explored"
         )
