@@ -34,6 +34,8 @@ JSON layout (schema_version 4; 3 is the same without "pipeline", 2 also without 
       "solver": {"name": "PULP_CBC_CMD", "status": "Optimal", "objective": ..., "solve_time_s": ...,
                  "num_variables": ..., "num_constraints": ..., "candidates": [...mesh shapes tried...],
                  "time_limit_s": null},   (the ILP's time limit the search ran under; absent: none)
+                 (a candidate whose ILP the node limit stopped: status "Feasible (node limit)" and
+                 "ilp_bound", the least its unexplored plans can cost; SolverInfo.node_limit_line)
       "expert_skew": 1.0   (the routing skew MoE ops were priced at; absent: the model has none)
     }
 
@@ -260,6 +262,36 @@ class SolverInfo:
         )
 
     @property
+    def node_limited(self) -> tuple[dict, ...]:
+        """The candidates (entries of ``candidates``) whose ILP the search's node limit stopped
+        (``passes/solver.py:MIP_NODE_LIMIT``): each took its best plan so far."""
+        return tuple(c for c in self.candidates if "node limit" in str(c.get("status", "")))
+
+    def node_limit_line(self) -> str | None:
+        """What the node limit left unexplored, for ``Plan.summary``; None where it stopped no ILP."""
+        cut = self.node_limited
+        if not cut:
+            return None
+        parts = []
+        for c in cut[:4]:
+            trades = Trades.from_dict(c.get("trades"))
+            where = f"mesh {tuple(c.get('mesh_shape', ()))}" + (
+                "" if trades.is_default else f" [{trades.describe()}]"
+            )
+            bound = c.get("ilp_bound")
+            parts.append(
+                f"{where} ({c['objective'] * 1e3:.3f} ms taken: its ILP's plans down to {bound * 1e3:.3f} ms not explored)"
+                if bound is not None and c.get("objective") is not None
+                else f"{where} (stopped before its root's bound: its other plans not explored)"
+            )
+        return (
+            "  node limit: the ILP's branch and bound stopped at its node limit on "
+            + "; ".join(parts)
+            + (f" and {len(cut) - 4} more" if len(cut) > 4 else "")
+            + " (a count of nodes, not seconds: the same inputs stop there under any load)"
+        )
+
+    @property
     def bound_gap(self) -> float:
         """Relative distance of the predicted step time from ``lower_bound_s`` (a loose bound: it ignores
         communication, so it stays large even for proven optima)."""
@@ -372,7 +404,7 @@ class Plan:
             *self._expert_lines(),
             f"  solver {self.solver.name}: {self.solver.status}, {self.solver.solve_time_s:.2f} s; lower bound "
             f"{self.solver.lower_bound_s * 1e3:.3f} ms; optimality gap {self.solver.gap:.1%}",
-            *filter(None, [self.solver.time_limit_line()]),
+            *filter(None, [self.solver.time_limit_line(), self.solver.node_limit_line()]),
             "  parameter placements:",
         ]
         params = [d for d in self.decisions if d.role == "param"]

@@ -4,7 +4,8 @@ For each model (2 layers, hidden 32, built from its config: no downloads), on ``
 devices (the ``cpu`` preset), the free plan first, then the plan under a memory limit of
 ``--fraction`` x the free plan's predicted peak (the limit such that the peak the search may use,
 after the cluster's memory reserve, is that fraction). Printed per model: the seconds of each
-search, the limited plan's predicted step, peak, mesh and ZeRO stage, or the error. With ``-v``
+search, the free plan's predicted step, peak and mesh, the limited plan's and its ZeRO stage, or
+the error. With ``-v``
 the limited search's progress lines, timed.
 
 The models: Llama, Gemma 2 (sliding window and soft-capping), Cohere, Granite, a DeepSeek-V3-style
@@ -105,7 +106,11 @@ def limited(name: str, devices: int, fraction: float, verbose: bool) -> str:
     except autopar.AutoparError as e:
         got = f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"
     t_limited = time.perf_counter() - t0
-    return f"| {name} | {t_free:.1f} | {free.predicted.peak_memory_bytes / 2**20:.3f} | {t_limited:.1f} | {got} |"
+    free_plan = (
+        f"{free.predicted.step_time_s * 1e3:.2f} ms, peak {free.predicted.peak_memory_bytes / 2**20:.3f} MiB, "
+        f"mesh {free.mesh_shape}"
+    )
+    return f"| {name} | {t_free:.1f} | {free_plan} | {t_limited:.1f} | {got} |"
 
 
 def main() -> None:
@@ -116,7 +121,7 @@ def main() -> None:
     ap.add_argument("-v", "--verbose", action="store_true", help="the limited search's progress lines")
     args = ap.parse_args()
     print(f"# {args.devices} cpu devices, limit {args.fraction} x the free plan's peak")
-    print("| model | free search [s] | free peak [MiB] | limited search [s] | limited plan |")
+    print("| model | free search [s] | free plan | limited search [s] | limited plan |")
     print("|---|---|---|---|---|")
     for name in args.models.split(","):
         print(limited(name, args.devices, args.fraction, args.verbose), flush=True)

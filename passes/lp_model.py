@@ -53,6 +53,10 @@ class LpResult:
     values: np.ndarray
     objective: float
     solver: str
+    # a MIP stopped by its node limit (``solve``'s ``node_limit``), with the least objective any
+    # solution can have that its tree proved (-inf where it stopped before its root's bound)
+    node_limited: bool = False
+    bound: float = -math.inf
 
 
 class Model:
@@ -111,10 +115,15 @@ class Model:
         self.row_lower.append(lo - constant if math.isfinite(lo) else lo)
         self.row_upper.append(hi - constant if math.isfinite(hi) else hi)
 
-    def solve(self, solver: str, time_limit_s: float | None = None) -> LpResult:
-        """Solve with ``solver`` ("HiGHS" or "CBC", ``passes/solver.py:solver_name``)."""
+    def solve(
+        self, solver: str, time_limit_s: float | None = None, node_limit: int | None = None
+    ) -> LpResult:
+        """Solve with ``solver`` ("HiGHS" or "CBC", ``passes/solver.py:solver_name``). ``node_limit``
+        (HiGHS only): stop the branch and bound after this many nodes (``mip_max_nodes``), with
+        the best solution found, if any, and the tree's bound (``LpResult.node_limited``): a limit
+        that counts work, not seconds, so the same model stops at the same place under any load."""
         if solver == "HiGHS":
-            return self._run_highs(time_limit_s)
+            return self._run_highs(time_limit_s, node_limit=node_limit)
         if solver == "CBC":
             return self._solve_pulp(pulp.PULP_CBC_CMD(msg=False, timeLimit=time_limit_s))
         raise SolverError(f"unknown solver {solver!r}: use 'HiGHS' or 'CBC'")
@@ -192,6 +201,7 @@ class Model:
         first: bool = False,
         fixed: dict | None = None,
         ipm: bool = False,
+        node_limit: int | None = None,
     ) -> LpResult:
         import highspy
 
@@ -214,6 +224,8 @@ class Model:
             h.setOptionValue("time_limit", float(time_limit_s))
         if ipm:
             h.setOptionValue("solver", "ipm")
+        if node_limit is not None and not relax:
+            h.setOptionValue("mip_max_nodes", int(node_limit))
         if first:
             h.setOptionValue("mip_max_improving_sols", 1)
             cost = np.zeros_like(cost)
@@ -228,8 +240,15 @@ class Model:
         values[order] = np.asarray(h.getSolution().col_value, dtype=np.float64)
         objective = h.getObjectiveValue()
         status, has_solution, limited = _highs_status(h.getModelStatus(), objective)
-        if first and not has_solution:  # stopped at its first solution: a limit PuLP never sets
-            has_solution = h.getInfo().primal_solution_status == highspy.kSolutionStatusFeasible
+        info = h.getInfo()
+        cut = h.getModelStatus() == highspy.HighsModelStatus.kSolutionLimit
+        if cut and not has_solution:  # stopped at its first solution or node limit: limits PuLP never sets
+            has_solution = info.primal_solution_status == highspy.kSolutionStatusFeasible
+        if cut and node_limit is not None and not first:
+            bound = info.mip_dual_bound
+            bound = bound if math.isfinite(bound) else -math.inf
+            return LpResult("Optimal" if has_solution else "Not Solved", has_solution, False, values,
+                            objective, "HiGHS", node_limited=True, bound=bound)  # fmt: skip
         return LpResult(status, has_solution, limited, values, objective, "HiGHS")
 
     def _solve_pulp(self, solver) -> LpResult:

@@ -206,16 +206,26 @@ def solve_mesh(p: MeshProblem, best_objective: float = math.inf, st: Stages | No
         )
         return ended(Verdict.INFEASIBLE, host=terms.host_bytes)
     t_step = sol.objective + gs.adjustment_s + terms.total_s
+    cut = ""
+    if sol.bound is not None:  # the node limit stopped it: what its tree had not explored
+        cut = (
+            f"; stopped at its node limit: its ILP's plans between the one taken, objective "
+            f"{sol.objective * 1e3:.3f} ms, and the least it proved, {sol.bound * 1e3:.3f} ms, not explored"
+            if sol.bound > -math.inf
+            else "; stopped at its node limit before its root's bound: its other plans not explored"
+        )
     st.say(
         f"solve: mesh {label}: {sol.status}, predicted step {t_step * 1e3:.3f} ms "
-        f"({sol.num_variables} variables, {sol.solve_time_s:.2f} s)"
+        f"({sol.num_variables} variables, {sol.solve_time_s:.2f} s{cut})"
     )
     st.write(
         f"4_solve_{run.tag}.json",
         json.dumps({"status": sol.status, "objective": t_step, "choice": sol.choice}, indent=0),
     )
     return MeshOutcome(
-        replace(entry, verdict=Verdict.SOLVED, objective=t_step, solver_status=sol.status),
+        replace(
+            entry, verdict=Verdict.SOLVED, objective=t_step, solver_status=sol.status, ilp_bound=sol.bound
+        ),
         mem_needed,
         Solved(t_step, run, sol, tables, bound, gs, choice, trades, terms, peak=peak),
     )

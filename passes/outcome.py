@@ -3,8 +3,8 @@ per rung of its trades ladder) and its ``Entry``, the record the plan keeps of i
 
 The search branches on the verdict; the plan's candidate list (``Plan.solver.candidates``, the
 ``5_select.json`` dump, the HTML report) is ``Entry.to_dict`` of each, made at the edge. Its
-``status`` there: the solver's own status (``Optimal``, ``Feasible (time limit)``) for a solved
-candidate, ``infeasible`` where no plan fits (with ``blocked`` where no strategy choice exists at
+``status`` there: the solver's own status (``Optimal``, ``Feasible (time limit)``, ``Feasible
+(node limit)`` with ``ilp_bound``) for a solved candidate, ``infeasible`` where no plan fits (with ``blocked`` where no strategy choice exists at
 all), ``pruned`` where a bound passes the best plan so far (with ``lp_bound`` where the ILP's LP
 relaxation did), ``no placement for its axis roles``, or ``same as (mesh)`` for a mesh whose axes
 permute an earlier one's.
@@ -13,6 +13,7 @@ permute an earlier one's.
 from __future__ import annotations
 
 import enum
+import math
 from dataclasses import dataclass
 
 from autopar.options import AxisRole
@@ -62,6 +63,10 @@ class Entry:
     mirror_of: tuple[int, ...] | None = None
     pipeline_stages: int | None = None
     pipeline: Pipeline | None = None
+    # where the ILP's node limit stopped it (``passes/solver.py:MIP_NODE_LIMIT``): the least
+    # objective its tree proved for the candidate's plans [s] (-inf: none); the plans between it
+    # and ``objective`` were not explored
+    ilp_bound: float | None = None
 
     def __post_init__(self):
         if self.verdict is Verdict.BLOCKED and not self.blocked:
@@ -97,6 +102,8 @@ class Entry:
         out.update(roles)
         if self.lp_bound is not None:
             out["lp_bound"] = self.lp_bound
+        if self.ilp_bound is not None:  # JSON has no -inf: None where the tree proved no bound
+            out["ilp_bound"] = self.ilp_bound if self.ilp_bound > -math.inf else None
         out["status"] = self.status
         out["objective"] = self.objective
         if self.blocked:

@@ -81,6 +81,9 @@ class Solution:
     solver: str
     num_variables: int
     num_constraints: int
+    # where the node limit (``MIP_NODE_LIMIT``) stopped the ILP: the least objective [s] its tree
+    # proved for any plan of these tables (-inf: stopped before its root's bound); None: solved
+    bound: float | None = None
 
 
 def node_aligned(mesh: tuple[int, ...], devices_per_node: int) -> bool:
@@ -149,6 +152,14 @@ class Pruned:
 # an LP relaxation's optimum must pass the cutoff by this much (relative) to prune: HiGHS meets
 # its rows within 1e-7, so a bound that equals the cutoff is no proof
 PRUNE_RTOL = 1e-6
+# branch-and-bound nodes per ILP (HiGHS's ``mip_max_nodes``): a bound on the work, not the seconds,
+# so the same inputs stop at the same place under any load. Where it stops an ILP, its best plan so
+# far is taken (or, with none, the first plan on its rows alone: ``Model.first_solution``) and the
+# plan records what was not explored: the plans between the tree's bound and the one taken
+# (``Solution.bound``, the candidate's ``ilp_bound``, ``SolverInfo.node_limit_line``). Far above
+# what the search's ILPs take: each of benchmarks/plan_snapshot.py's 151 MIP solves closed at its
+# root node (2026-11-28), so it cuts only a tree gone astray, and says so
+MIP_NODE_LIMIT = 1_000
 # the LP relaxation is solved by the interior point method where the memory lower bound is at least
 # this share of the limit (the memory rows likely bind: lp_model.Model.relaxation), by the dual
 # simplex below it
@@ -433,7 +444,10 @@ def _solve(
             ):
                 return Pruned(lp.objective, time.perf_counter() - t0)
             return None  # infeasible, or no plan within the time limit: as the full solve would say
-    got = prob.solve(name, time_limit_s)
+    got = prob.solve(name, time_limit_s, node_limit=MIP_NODE_LIMIT)
+    if got.node_limited and not got.has_solution:  # any plan at all, on the rows alone
+        first = prob.first_solution(time_limit_s)
+        got = dataclasses.replace(first, node_limited=True, bound=got.bound)
     elapsed = time.perf_counter() - t0
     if got.status in ("Infeasible", "Undefined") or not got.has_solution:
         return None
@@ -444,11 +458,16 @@ def _solve(
     return Solution(
         choice=choice,
         objective=got.objective,
-        status="Feasible (time limit)" if got.time_limited else got.status,
+        status="Feasible (node limit)"
+        if got.node_limited
+        else "Feasible (time limit)"
+        if got.time_limited
+        else got.status,
         solve_time_s=elapsed,
         solver=got.solver,
         num_variables=prob.num_variables,
         num_constraints=prob.num_constraints,
+        bound=got.bound if got.node_limited else None,
     )
 
 
