@@ -216,6 +216,34 @@ def _grad_charges(tables: CostTables, choice: dict[str, int]) -> list[tuple[tupl
     return out
 
 
+def _edge_least(tables: CostTables) -> tuple[dict[float, float], dict[float, float]]:
+    """The edges' part of ``lower_bound_bytes``: each edge's smallest kept bytes summed per
+    position, and the largest of their smallest transients per position. Tables traded alike share
+    one list of edges (``trades._traded_edges``): computed once per list (the last few kept)."""
+    key = id(tables.edges)
+    hit = _EDGE_LEAST.get(key)
+    if hit is not None and hit[0] is tables.edges and hit[1] == id(tables.positions):
+        return hit[2]
+    at: dict[float, float] = {}
+    least: dict[float, float] = {}
+    for e in tables.edges:
+        ps = edge_charge_positions(tables, e)
+        m = min(min(row) for row in e.mem)
+        for p in ps:
+            at[p] = at.get(p, 0.0) + m / len(ps)
+        if e.peak is not None:
+            p = edge_position(tables, e)
+            least[p] = max(least.get(p, 0.0), min(min(row) for row in e.peak))
+    if len(_EDGE_LEAST) >= 16:
+        del _EDGE_LEAST[next(iter(_EDGE_LEAST))]
+    _EDGE_LEAST[key] = (tables.edges, id(tables.positions), (at, least))
+    return at, least
+
+
+# id(edges) -> (the edges, id of the positions they were placed by, their part of the bound)
+_EDGE_LEAST: dict[int, tuple[list, int, tuple[dict[float, float], dict[float, float]]]] = {}
+
+
 def lower_bound_bytes(tables: CostTables) -> float:
     """A lower bound on the peak of every plan on these tables: each node's and each edge's bytes
     at their smallest, and at each position the largest of the smallest transients there."""
@@ -230,11 +258,11 @@ def lower_bound_bytes(tables: CostTables) -> float:
         charge(positions(tables, v), min(m))
     for v, t in tables.node_peak.items():
         least[last(tables, v)] = max(least.get(last(tables, v), 0.0), min(t))
-    for e in tables.edges:
-        charge(edge_charge_positions(tables, e), min(min(row) for row in e.mem))
-        if e.peak is not None:
-            p = edge_position(tables, e)
-            least[p] = max(least.get(p, 0.0), min(min(row) for row in e.peak))
+    edge_at, edge_least = _edge_least(tables)
+    for p, m in edge_at.items():
+        at[p] = at.get(p, 0.0) + m
+    for p, m in edge_least.items():
+        least[p] = max(least.get(p, 0.0), m)
     for v, g in tables.grad_mem.items():  # each gradient at its smallest, live up to its last use
         charge((START,), min(g))
         free = tables.grad_free[v]

@@ -419,6 +419,25 @@ def apply_trades(
                     node_peak[v][i] /= k
             node_mem[v][i] = m
 
+    edges = _traded_edges(tables, infos, in_block, k)
+    return dataclasses.replace(
+        tables, node_cost=node_cost, node_mem=node_mem, node_peak=node_peak, grad_mem=grad_mem,
+        step_peak=step_peak, edges=edges, node_keep={}, peak_at={}, mem_at={},
+    )  # fmt: skip
+
+
+def _traded_edges(tables: CostTables, infos: dict[str, NodeInfo], in_block: dict, k: int) -> list:
+    """``tables``' edges under recomputation of the blocks ``in_block`` and ``k`` micro-batches:
+    what they hold and what their collectives cost then. They depend on no other trade, so the
+    search's many trades on one table (ZeRO stages, offload, precision) share them: computed once
+    per (blocks, k) and kept on ``tables``, the last ``_TRADED_EDGES_KEPT`` of them (a DeepSeek-V3's
+    climb applied 1,501 trades, 60 ms each, most of it here). Read-only: a caller that changes an
+    edge replaces it."""
+    cache = tables.__dict__.setdefault("_traded_edges", {})
+    key = (tuple(sorted(in_block)), k)
+    hit = cache.get(key)
+    if hit is not None:
+        return hit
     params = {v for v in tables.strategies if infos[v].role in (Role.PARAM, Role.BUFFER)}
     edges = []
     for e in tables.edges:
@@ -443,10 +462,14 @@ def apply_trades(
                 peak=None if e2.peak is None else [[m / k for m in row] for row in e2.peak],
             )  # fmt: skip
         edges.append(e2)
-    return dataclasses.replace(
-        tables, node_cost=node_cost, node_mem=node_mem, node_peak=node_peak, grad_mem=grad_mem,
-        step_peak=step_peak, edges=edges, node_keep={}, peak_at={}, mem_at={},
-    )  # fmt: skip
+    if len(cache) >= _TRADED_EDGES_KEPT:  # bounded: a large model's edge tables are big
+        del cache[next(iter(cache))]
+    cache[key] = edges
+    return edges
+
+
+# how many (blocks, micro-batches) variants of one table's edges ``_traded_edges`` keeps
+_TRADED_EDGES_KEPT = 8
 
 
 def _forward_s(info: NodeInfo, tables: CostTables, v: str, i: int, cluster: ClusterSpec) -> float:
