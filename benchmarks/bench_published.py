@@ -36,7 +36,7 @@ from bench_plan_quality import describe
 from published_runs import BY_NAME, FLOP_COUNTS, MEASURES, RUNS, Run
 
 import autopar
-from autopar import AxisRole, Offload, Outputs, Precision
+from autopar import AxisRole, Float8, Offload, Outputs, Precision
 from autopar.examples import gpt3, llama
 from autopar.report.parts import step_parts
 
@@ -93,6 +93,7 @@ def forced_options(run: Run) -> dict:
     if run.zero is not None:
         opts["zero_stage"] = run.zero
     opts["offload"] = Offload.NONE  # no published run here offloaded
+    opts["float8"] = run.float8  # FP8 linears where the run had them, none where it did not
     if run.kernels is not None:
         opts["kernels"] = run.kernels
     return opts
@@ -147,6 +148,8 @@ def layout(run: Run) -> str:
     mb = f"mbs {run.mbs} ({run.batch // (run.dp * run.mbs)} micro-batches)" if run.mbs else "mbs search"
     sp = {True: "SP", False: "no SP", None: ""}[run.sp]
     prec = "bf16 params" if run.bf16_params else run.precision.value
+    if run.float8 is not Float8.OFF:
+        prec += f", FP8 linears ({run.float8.value})"
     parts = [f"TP{run.tp}", pipe, f"DP{run.dp}", f"CP{run.cp}", f"EP{run.ep}" if run.ep > 1 else "", mb,
              f"recompute {known(run.recompute, run.recompute.value if run.recompute else '')}",
              f"ZeRO-{known(run.zero, int(run.zero) if run.zero is not None else '')}", sp, prec,
@@ -188,7 +191,7 @@ def run_row(run: Run, quick: bool, outputs: Outputs = Outputs.LOSS) -> dict:
         row["parts"] = step_parts(plan).describe()
     if not quick:
         own, row["t_search"], own_why = plan_one(
-            model, inputs, cluster, outputs=outputs, precision=precision(run)
+            model, inputs, cluster, outputs=outputs, precision=precision(run), float8=run.float8
         )
         if own is None:
             row["search_why"] = own_why

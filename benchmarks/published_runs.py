@@ -65,7 +65,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from autopar import Precision, Recompute, Schedule, ZeroStage
+from autopar import Float8, Precision, Recompute, Schedule, ZeroStage
 
 MEASURES = {
     "tflops": "TFLOP/s per GPU",
@@ -126,6 +126,9 @@ class Run:
     # autopar's SELECTIVE keeps every matmul's output, the scores included, so those rows take
     # "sdpa", which keeps none either (eager: the 530B row does not fit)
     attention: str = "sdpa"
+    # FP8 linears as the run had them (torchao's float8 training, Transformer Engine's current
+    # scaling: one scale per tensor); OFF: none, and the search may not add them either
+    float8: Float8 = Float8.OFF
 
 
 F16, B16 = Precision.FP16, Precision.BF16
@@ -247,13 +250,13 @@ RUNS: tuple[Run, ...] = (
         8192, B16, 4096 * 8192 / 52.04 / 1024, "tokens", "tokens", tp=2, pp=16, dp=32, ep=64,
         schedule=S1, mbs=1, zero=Z1,
         notes="as the 512-GPU row, with 16 stages"),
-    # runs autopar cannot express (reported, not priced)
+    # FP8 linears (torchao's tensorwise float8 training; Transformer Engine's current scaling)
     Run("trainy-llama3-8b-32xh200", "[TT] llama3-8b_h200_202506_trainy-whitefiber (4 nodes)", "h200:4x8", "llama",
         L8B, 8192, 64, B16, 10938, "tokens", "tokens", dp=32, mbs=2, recompute=SEL, zero=Z3, memory_gib=47.96,
-        unpriceable="Float8 linears (torchao): autopar's Precision has no fp8"),
+        float8=Float8.TENSORWISE, notes="Float8 linears (torchao, tensorwise)"),
     Run("bridge-llama3-8b-8xb200", "[BRIDGE] 25.11, DGX-B200", "b200:1x8", "llama", L8B, 8192, 128, B16, 30624,
-        "tokens", "tokens", dp=8, mbs=2, zero=Z0,
-        unpriceable="FP8 (current scaling): autopar's Precision has no fp8"),
+        "tokens", "tokens", dp=8, mbs=2, zero=Z0, float8=Float8.TENSORWISE,
+        notes="FP8 current scaling (per tensor) priced as torchao's tensorwise recipe"),
 )  # fmt: skip
 
 BY_NAME = {r.name: r for r in RUNS}
