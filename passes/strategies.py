@@ -425,7 +425,7 @@ def _placeholder_allowed(
                 and is_replicate(p)
                 and info.name not in experts
             ):
-                return False  # experts may stay whole on a tensor axis: no expert tensor parallelism yet
+                return False  # experts may stay whole on a tensor axis (split there on I: passes/rules/experts.py)
         if is_partial(p):
             return False
     return True
