@@ -131,9 +131,11 @@ def _moe_layout(plan, moe) -> str:
     via = via_from_str(d.via)
     parts = []
     for a, n in enumerate(plan.mesh_shape):
-        if n > 1 and is_shard(experts[a]):
+        if n > 1 and is_shard(experts[a]) and experts[a].dim == 0:
             how = "all-to-all" if a < len(via) and via[a] is ExpertDispatch.ALL_TO_ALL else "summands"
             parts.append(f"EP{n} on axis {a} ({how})")
+        elif n > 1 and is_shard(experts[a]):  # each expert's intermediate dim (passes/rules/experts.py)
+            parts.append(f"ETP{n} on axis {a}")
     tokens = spec_from_str(d.inputs[0])
     split = [f"axis {a}" for a, p in enumerate(tokens) if is_shard(p) and plan.mesh_shape[a] > 1]
     return "; ".join(parts or ["experts whole"]) + (f"; tokens split on {', '.join(split)}" if split else "")

@@ -90,3 +90,14 @@ def test_the_experts_grouped_gemms_are_priced_as_gemms_of_their_rows_per_expert(
     assert gemm_min_dim(MOE, shapes) == 512
     shapes[0], shapes[1], shapes[2] = (256, 512), (256, 2), (256, 2)  # 64 rows per expert
     assert gemm_min_dim(MOE, shapes) == 64
+
+
+def test_two_axes_that_split_the_batch_are_refused_with_what_to_give_instead():
+    """Expert parallelism beside data parallelism on separate axes would split the batch on two
+    axes; a tensor dim splits on at most one, so the roles are refused up front, the message saying
+    what runs instead (an axis of size 1 splits nothing and is let through)."""
+    for roles in ((AxisRole.DATA, AxisRole.EXPERT), (AxisRole.EXPERT, AxisRole.DATA), (AxisRole.DATA,) * 2):
+        with pytest.raises(autopar.SearchOptionsError, match="axes split the batch.*AxisRole.EXPERT alone"):
+            autopar.SearchOptions(mesh_shape=(2, 2), axis_roles=roles)
+    autopar.SearchOptions(mesh_shape=(1, 4), axis_roles=(AxisRole.DATA, AxisRole.EXPERT))
+    autopar.SearchOptions(mesh_shape=(2, 2), axis_roles=(AxisRole.EXPERT, AxisRole.TENSOR))

@@ -80,13 +80,17 @@ def _moe_plan(cluster):
 
     model, inputs = moe_plain_tiny(batch=4, seq=8)
     plan = autopar.plan(model, cluster, inputs, mesh_shape=(2, 2), axis_roles=(E, T))
-    return [d for d in plan.decisions if d.op == "autopar.moe_experts.default"]
+    return plan, [d for d in plan.decisions if d.op == "autopar.moe_experts.default"]
 
 
 def test_the_search_splits_the_experts_on_a_tensor_axis_only_where_it_pays():
-    free = _moe_plan(free_link_cpu(4))
-    gloo = _moe_plan(autopar.ClusterSpec.preset("cpu", devices_per_node=4))
+    (free_plan, free), (gloo_plan, gloo) = (
+        _moe_plan(c) for c in (free_link_cpu(4), autopar.ClusterSpec.preset("cpu", devices_per_node=4))
+    )
     assert free and gloo
+    # the summary's line for the tensor axis says so
+    assert "intermediate dim split in 2 of 2 MoE layers (expert tensor parallel)" in free_plan.summary()
+    assert "expert tensor parallel" not in gloo_plan.summary()
     for d in free:  # w_gate [E, H, F] on F, w_down [E, F, H] on F
         assert [spec_from_str(d.inputs[i])[1] for i in (3, 4, 5)] == [Shard(2), Shard(2), Shard(1)], d
     for d in gloo:
