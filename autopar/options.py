@@ -182,15 +182,11 @@ class SearchOptions:
                 for a, r in enumerate(roles)
                 if r.splits_batch and (self.mesh_shape is None or self.mesh_shape[a] > 1)
             ]
-            if len(batch) > 1:
-                # every placement splits a tensor dim on at most one mesh axis (passes/strategies.py:
-                # expand), so the batch (dim 0) cannot be split on two
+            if len(batch) > 1 and self.zero_stage:
                 raise SearchOptionsError(
-                    f"axis_roles {[r.value for r in roles]}: {len(batch)} axes split the batch ({', '.join(batch)}), "
-                    "but a tensor dim splits on at most one mesh axis, so the batch splits on one: give one axis "
-                    "AxisRole.DATA or AxisRole.EXPERT and the others TENSOR, SEQUENCE or AUTO (expert parallelism "
-                    "beside data parallelism on separate axes is not supported yet: AxisRole.EXPERT alone splits "
-                    "the batch and the experts over all of its ranks)"
+                    f"zero_stage={int(self.zero_stage)} with axis_roles {[r.value for r in roles]}: {len(batch)} axes "
+                    f"split the batch ({', '.join(batch)}), and ZeRO shards over one mesh axis (FSDP2, the ZeRO-1 "
+                    "optimizer); give zero_stage=0 or None, or one axis that splits the batch"
                 )
             object.__setattr__(self, "axis_roles", roles)
         for name in ("memory_limit_bytes", "time_limit_s"):

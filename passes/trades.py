@@ -696,7 +696,11 @@ def ladder(
     every combination the options allow (a forced trade fixes its dimension), ZeRO only over
     data axes (``zero_axes``), recomputation only where the model has repeated blocks,
     micro-batches only where they divide the batch. ``one_device``: the mesh is one device, where
-    ZeRO (over no one else) is offered only with offload, unless forced."""
+    ZeRO (over no one else) is offered only with offload, unless forced. Two data axes (expert
+    parallelism beside data parallelism, the batch split on both) take no ZeRO: FSDP2 and the
+    ZeRO-1 optimizer shard over one mesh axis (``codegen/zero.py:data_axis``)."""
+    if len(data_axes) > 1:
+        data_axes = ()
     if options.zero_stage and not data_axes:
         return []
     zs = (
