@@ -171,24 +171,30 @@ def _gathered(dim: int, full: float) -> float:
 
 
 def _slices_held_dim(
-    cur: Sequence[Placement], d: Placement, axis: int, dst: Sequence[Placement] = ()
+    cur: Sequence[Placement], d: Placement, axis: int, dst: Sequence[Placement], mesh_shape: Sequence[int]
 ) -> bool:
-    """Would moving ``axis`` to ``d`` slice a tensor dim another axis holds sharded now? A dim the
-    target splits on several axes (nested, as DTensor nests them: the lower axis outer) may be
-    sliced on ``axis`` under an outer axis that holds its target split already."""
+    """Would moving ``axis`` to ``d`` slice a tensor dim another axis (of more than one rank) holds
+    sharded now? A dim the target splits on several axes (nested, as DTensor nests them: the lower
+    axis outer) may be sliced on ``axis`` under an outer axis that holds its target split already."""
     if not is_shard(d):
         return False
     return any(
-        b != axis and is_shard(p) and p.dim == d.dim and not (b < axis and d == dst[axis] and p == dst[b])
+        b != axis
+        and mesh_shape[b] > 1
+        and is_shard(p)
+        and p.dim == d.dim
+        and not (b < axis and d == dst[axis] and p == dst[b])
         for b, p in enumerate(cur)
     )
 
 
-def _gathers_outer(cur: Sequence[Placement], axis: int) -> bool:
-    """Would gathering ``axis`` gather a dim an inner axis also splits (nested)? Its pieces would
-    interleave: the inner axis must be gathered first."""
+def _gathers_outer(cur: Sequence[Placement], axis: int, mesh_shape: Sequence[int]) -> bool:
+    """Would gathering ``axis`` gather a dim an inner axis (of more than one rank) also splits
+    (nested)? Its pieces would interleave: the inner axis must be gathered first."""
     p = cur[axis]
-    return is_shard(p) and any(is_shard(q) and q.dim == p.dim for q in cur[axis + 1 :])
+    return is_shard(p) and any(
+        is_shard(q) and q.dim == p.dim and mesh_shape[b] > 1 for b, q in enumerate(cur) if b > axis
+    )
 
 
 @functools.lru_cache(maxsize=1 << 16)
@@ -219,14 +225,19 @@ def reshard_plan(
         # step would, the first shard that can be is gathered first (a pending axis's, else one
         # whose target it is already: it is then pending again)
         a = next(
-            (a for a in pending if not _slices_held_dim(cur, dst[a], a, dst) and not _gathers_outer(cur, a)),
+            (
+                a
+                for a in pending
+                if not _slices_held_dim(cur, dst[a], a, dst, mesh_shape)
+                and not _gathers_outer(cur, a, mesh_shape)
+            ),
             None,
         )
         if a is None:
             a = next(
                 b
                 for b in [*pending, *range(len(cur))]
-                if is_shard(cur[b]) and mesh_shape[b] > 1 and not _gathers_outer(cur, b)
+                if is_shard(cur[b]) and mesh_shape[b] > 1 and not _gathers_outer(cur, b, mesh_shape)
             )
             if a not in pending:
                 pending = sorted([*pending, a], key=lambda b: (not is_replicate(dst[b]), b))
