@@ -188,6 +188,12 @@ class SearchOptions:
                     f"split the batch ({', '.join(batch)}), and ZeRO shards over one mesh axis (FSDP2, the ZeRO-1 "
                     "optimizer); give zero_stage=0 or None, or one axis that splits the batch"
                 )
+            if len(batch) > 1 and self.pipeline_stages is not None and self.pipeline_stages > 1:
+                raise SearchOptionsError(
+                    f"pipeline_stages={self.pipeline_stages} with axis_roles {[r.value for r in roles]}: {len(batch)} "
+                    f"axes split the batch ({', '.join(batch)}), which pipeline stages do not run yet; give "
+                    "pipeline_stages=1 or None, or one axis that splits the batch"
+                )
             object.__setattr__(self, "axis_roles", roles)
         for name in ("memory_limit_bytes", "time_limit_s"):
             v = getattr(self, name)

@@ -5,8 +5,8 @@ A 2 x 2 mesh, one axis data parallel (every expert whole there) and the other ex
 (each MoE layer's experts split over it, the pairs sent to them by all-to-all within that axis's
 group): the batch splits on both axes, nested as DTensor nests them (the lower axis outer:
 ``passes/strategies.py:nest_axes``, ``autopar/reshard.py``). In both axis orders on the plain-torch
-MoE, and on Mixtral and Qwen3-MoE. Each rank's losses of 2 Adam steps and the full state after
-them equal the single-device model's.
+MoE (one with 2 micro-batches), and on Mixtral and Qwen3-MoE. Each rank's losses of 2 Adam steps
+and the full state after them equal the single-device model's.
 """
 
 from __future__ import annotations
@@ -28,25 +28,26 @@ E = autopar.AxisRole.EXPERT
 LR, EPS, STEPS = 1e-2, 1e-5, 2
 MOE = "autopar.moe_experts.default"
 WORLD = 4
+# (model, mesh, roles, micro-batches: None the search's)
 CASES = [
-    ("plain", (2, 2), (D, E)),
-    ("plain", (2, 2), (E, D)),
-    ("mixtral", (2, 2), (D, E)),
-    ("qwen3_moe", (2, 2), (E, D)),
+    ("plain", (2, 2), (D, E), None),
+    ("plain8", (2, 2), (E, D), 2),
+    ("mixtral", (2, 2), (D, E), None),
+    ("qwen3_moe", (2, 2), (E, D), None),
 ]
 
 
 def build(name):
-    if name == "plain":
-        return moe_plain_tiny(batch=4, seq=8)
+    if name.startswith("plain"):  # plain8: 8 sequences, 2 micro-batches of 4 split 2 x 2
+        return moe_plain_tiny(batch=8 if name == "plain8" else 4, seq=8)
     return moe_tiny(name, batch=4, seq=8)
 
 
 _RUN: list = []
 
 
-def _key(name, mesh, roles):
-    return (name, mesh, tuple(r.value for r in roles))
+def _key(name, mesh, roles, micro):
+    return (name, mesh, tuple(r.value for r in roles), micro)
 
 
 def _world(tmp_path_factory):
@@ -55,14 +56,15 @@ def _world(tmp_path_factory):
         tmp = tmp_path_factory.mktemp("epdp")
         cluster = autopar.ClusterSpec.preset("cpu", devices_per_node=WORLD)
         for case in CASES:
-            name, mesh, roles = case
+            name, mesh, roles, micro = case
             try:
                 model, inputs = build(name)
-                plan = autopar.plan(model, cluster, inputs, mesh_shape=mesh, axis_roles=roles)
+                more = {"micro_batches": micro} if micro else {}
+                plan = autopar.plan(model, cluster, inputs, mesh_shape=mesh, axis_roles=roles, **more)
             except Exception:  # noqa: BLE001 - reported by that configuration's test
                 plans[_key(*case)] = traceback.format_exc()
                 continue
-            path = tmp / f"{name}_{'_'.join(_key(*case)[2])}.json"
+            path = tmp / f"{name}_{'_'.join(_key(*case)[2])}_{micro}.json"
             plan.save(path)
             plans[_key(*case)] = plan
             jobs.append((_key(*case), str(path)))
@@ -72,7 +74,7 @@ def _world(tmp_path_factory):
 
 @pytest.mark.parametrize("case", CASES, ids=str)
 def test_expert_and_data_parallel_on_separate_axes_train_as_one_device(case, tmp_path_factory):
-    name, mesh, roles = case
+    name, mesh, roles, micro = case
     plans, per_rank = _world(tmp_path_factory)
     plan = plans[_key(*case)]
     assert not isinstance(plan, str), f"planning failed:\n{plan}"
@@ -83,6 +85,7 @@ def test_expert_and_data_parallel_on_separate_axes_train_as_one_device(case, tmp
         assert spec_from_str(x.inputs[0]) == (Shard(0), Shard(0)), x
         assert spec_from_str(x.inputs[3])[e] == Shard(0) and spec_from_str(x.inputs[3])[d] == R, x
         assert via_from_str(x.via)[e] is ExpertDispatch.ALL_TO_ALL, x
+    assert micro is None or plan.trades.micro_batches == micro
     model, inputs = build(name)
     ref_losses, ref_state = adam_reference(model, inputs, STEPS, LR, EPS)
     for rank, results in enumerate(per_rank):
