@@ -2,7 +2,10 @@
 
 Per-axis options from ``rules.py`` are expanded to the mesh as their cartesian product, keeping a
 combination only if every tensor it touches divides evenly (each sharded dim by its axis size) and
-no tensor dim is sharded by two axes. Placeholders (parameters, buffers, user inputs) may take
+no tensor dim is sharded by two axes, except where two axes split the batch (``DATA`` and
+``EXPERT``: expert parallelism beside data parallelism): a dim may then be split on both, nested
+as DTensor nests them (the lower axis outer; ``nest_axes``), save by an op whose lowering cuts by
+one axis's coordinate (``_nest_ok``). Placeholders (parameters, buffers, user inputs) may take
 Replicate or Shard(d) for any dim. Ops without a rule of autopar's own take the options PyTorch's
 DTensor strategies give them (``rules/dtensor.py``); ops with neither get the all-Replicate strategy
 only, and the fallback is logged once per op.
