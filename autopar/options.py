@@ -182,11 +182,11 @@ class SearchOptions:
                 for a, r in enumerate(roles)
                 if r.splits_batch and (self.mesh_shape is None or self.mesh_shape[a] > 1)
             ]
-            if len(batch) > 1 and self.zero_stage:
+            if len(batch) > 1 and self.zero_stage is not None and int(self.zero_stage) > 1:
                 raise SearchOptionsError(
                     f"zero_stage={int(self.zero_stage)} with axis_roles {[r.value for r in roles]}: {len(batch)} axes "
-                    f"split the batch ({', '.join(batch)}), and ZeRO shards over one mesh axis (FSDP2, the ZeRO-1 "
-                    "optimizer); give zero_stage=0 or None, or one axis that splits the batch"
+                    f"split the batch ({', '.join(batch)}), and FSDP2 reduces and shards over one mesh axis; give "
+                    "zero_stage 0 or 1 (ZeRO-1 over the first of them) or None, or one axis that splits the batch"
                 )
             if len(batch) > 1 and self.pipeline_stages is not None and self.pipeline_stages > 1:
                 raise SearchOptionsError(

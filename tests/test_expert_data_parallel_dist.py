@@ -5,7 +5,8 @@ A 2 x 2 mesh, one axis data parallel (every expert whole there) and the other ex
 (each MoE layer's experts split over it, the pairs sent to them by all-to-all within that axis's
 group): the batch splits on both axes, nested as DTensor nests them (the lower axis outer:
 ``passes/strategies.py:nest_axes``, ``autopar/reshard.py``). In both axis orders on the plain-torch
-MoE (one with 2 micro-batches), and on Mixtral and Qwen3-MoE. Each rank's losses of 2 Adam steps
+MoE (one with 2 micro-batches, one with ZeRO-1 over the outer axis), and on Mixtral and Qwen3-MoE
+(ZeRO-1). Each rank's losses of 2 Adam steps
 and the full state after them equal the single-device model's.
 """
 
@@ -28,12 +29,13 @@ E = autopar.AxisRole.EXPERT
 LR, EPS, STEPS = 1e-2, 1e-5, 2
 MOE = "autopar.moe_experts.default"
 WORLD = 4
-# (model, mesh, roles, micro-batches: None the search's)
+# (model, mesh, roles, micro-batches, ZeRO stage: None the search's)
 CASES = [
-    ("plain", (2, 2), (D, E), None),
-    ("plain8", (2, 2), (E, D), 2),
-    ("mixtral", (2, 2), (D, E), None),
-    ("qwen3_moe", (2, 2), (E, D), None),
+    ("plain", (2, 2), (D, E), None, None),
+    ("plain8", (2, 2), (E, D), 2, None),
+    ("plain", (2, 2), (D, E), None, 1),
+    ("mixtral", (2, 2), (D, E), None, None),
+    ("qwen3_moe", (2, 2), (E, D), None, 1),
 ]
 
 
@@ -46,8 +48,8 @@ def build(name):
 _RUN: list = []
 
 
-def _key(name, mesh, roles, micro):
-    return (name, mesh, tuple(r.value for r in roles), micro)
+def _key(name, mesh, roles, micro, zero):
+    return (name, mesh, tuple(r.value for r in roles), micro, zero)
 
 
 def _world(tmp_path_factory):
@@ -56,15 +58,17 @@ def _world(tmp_path_factory):
         tmp = tmp_path_factory.mktemp("epdp")
         cluster = autopar.ClusterSpec.preset("cpu", devices_per_node=WORLD)
         for case in CASES:
-            name, mesh, roles, micro = case
+            name, mesh, roles, micro, zero = case
             try:
                 model, inputs = build(name)
                 more = {"micro_batches": micro} if micro else {}
+                if zero is not None:
+                    more["zero_stage"] = zero
                 plan = autopar.plan(model, cluster, inputs, mesh_shape=mesh, axis_roles=roles, **more)
             except Exception:  # noqa: BLE001 - reported by that configuration's test
                 plans[_key(*case)] = traceback.format_exc()
                 continue
-            path = tmp / f"{name}_{'_'.join(_key(*case)[2])}_{micro}.json"
+            path = tmp / f"{name}_{'_'.join(_key(*case)[2])}_{micro}_{zero}.json"
             plan.save(path)
             plans[_key(*case)] = plan
             jobs.append((_key(*case), str(path)))
@@ -74,7 +78,7 @@ def _world(tmp_path_factory):
 
 @pytest.mark.parametrize("case", CASES, ids=str)
 def test_expert_and_data_parallel_on_separate_axes_train_as_one_device(case, tmp_path_factory):
-    name, mesh, roles, micro = case
+    name, mesh, roles, micro, zero = case
     plans, per_rank = _world(tmp_path_factory)
     plan = plans[_key(*case)]
     assert not isinstance(plan, str), f"planning failed:\n{plan}"
@@ -86,6 +90,8 @@ def test_expert_and_data_parallel_on_separate_axes_train_as_one_device(case, tmp
         assert spec_from_str(x.inputs[3])[e] == Shard(0) and spec_from_str(x.inputs[3])[d] == R, x
         assert via_from_str(x.via)[e] is ExpertDispatch.ALL_TO_ALL, x
     assert micro is None or plan.trades.micro_batches == micro
+    if zero is not None:  # ZeRO-1 over the outer batch axis: the step's state sharded there
+        assert int(plan.trades.zero_stage) == zero and plan.trades.data_axes == (0,), plan.trades
     model, inputs = build(name)
     ref_losses, ref_state = adam_reference(model, inputs, STEPS, LR, EPS)
     for rank, results in enumerate(per_rank):

@@ -92,17 +92,18 @@ def test_the_experts_grouped_gemms_are_priced_as_gemms_of_their_rows_per_expert(
     assert gemm_min_dim(MOE, shapes) == 64
 
 
-def test_zero_over_two_axes_that_split_the_batch_is_refused_with_what_to_give_instead():
+def test_fsdp_over_two_axes_that_split_the_batch_is_refused_with_what_to_give_instead():
     """Expert parallelism beside data parallelism on separate axes splits the batch on both
-    (``tests/test_expert_data_parallel_dist.py``); ZeRO shards over one mesh axis, so a ZeRO stage
-    forced with such roles is refused up front, the message saying what to give instead (an axis
-    of one device splits nothing and is let through)."""
+    (``tests/test_expert_data_parallel_dist.py``); FSDP2 reduces and shards over one mesh axis, so
+    ZeRO-2 or 3 forced with such roles is refused up front, the message saying what to give
+    instead; ZeRO-1 (over the first) is taken, and an axis of one device splits nothing."""
     for roles in ((AxisRole.DATA, AxisRole.EXPERT), (AxisRole.EXPERT, AxisRole.DATA), (AxisRole.DATA,) * 2):
-        autopar.SearchOptions(mesh_shape=(2, 2), axis_roles=roles)
-        with pytest.raises(
-            autopar.SearchOptionsError, match="axes split the batch.*ZeRO shards over one mesh axis"
-        ):
-            autopar.SearchOptions(mesh_shape=(2, 2), axis_roles=roles, zero_stage=1)
+        autopar.SearchOptions(mesh_shape=(2, 2), axis_roles=roles, zero_stage=1)
+        for zero in (2, 3):
+            with pytest.raises(
+                autopar.SearchOptionsError, match="axes split the batch.*give zero_stage 0 or 1"
+            ):
+                autopar.SearchOptions(mesh_shape=(2, 2), axis_roles=roles, zero_stage=zero)
     autopar.SearchOptions(mesh_shape=(1, 4), axis_roles=(AxisRole.DATA, AxisRole.EXPERT), zero_stage=2)
 
 
