@@ -169,8 +169,13 @@ def axis_line(plan: Plan, a: int) -> str:
         )
         what = "expert parallel" + (" and data parallel" if data else "") if what == "data parallel" else what
         parts.append(f"experts of {len(ep)} of {len(moe)} MoE layers split ({how})")
+    etp = [d for d in moe if _expert_tensor_split(d, a)]
+    if etp:
+        parts.append(
+            f"each expert's intermediate dim split in {len(etp)} of {len(moe)} MoE layers (expert tensor parallel)"
+        )
     if sharded:
-        expert_w = sum(1 for d in ep for s in d.input_specs[3:] if is_shard(s[a]))
+        expert_w = sum(1 for d in ep + etp for s in d.input_specs[3:] if is_shard(s[a]))
         rest = len(sharded) - expert_w
         gathered = ", gathered whole for the matmuls" if mms and not tp and rest > 0 else ""
         parts.append(f"{len(sharded)} of {len(params)} parameters sharded{gathered}")
@@ -182,8 +187,14 @@ def axis_line(plan: Plan, a: int) -> str:
 
 
 def _expert_split(d: NodeDecision, a: int) -> bool:
-    """Are the experts of MoE decision ``d`` split on axis ``a``?"""
-    return len(d.input_specs) > 3 and is_shard(d.input_specs[3][a])
+    """Are the experts of MoE decision ``d`` split on axis ``a`` (their dim ``E``)?"""
+    return len(d.input_specs) > 3 and is_shard(d.input_specs[3][a]) and d.input_specs[3][a].dim == 0
+
+
+def _expert_tensor_split(d: NodeDecision, a: int) -> bool:
+    """Is each expert of MoE decision ``d`` split on its intermediate dim on axis ``a`` (expert tensor
+    parallelism, ``passes/rules/experts.py``)?"""
+    return len(d.input_specs) > 3 and is_shard(d.input_specs[3][a]) and d.input_specs[3][a].dim != 0
 
 
 def _via_on(d: NodeDecision, a: int) -> tuple:

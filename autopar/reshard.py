@@ -170,9 +170,31 @@ def _gathered(dim: int, full: float) -> float:
     return full if dim == 0 else 2 * full
 
 
-def _slices_held_dim(cur: Sequence[Placement], d: Placement, axis: int) -> bool:
-    """Would moving ``axis`` to ``d`` slice a tensor dim another axis holds sharded now?"""
-    return is_shard(d) and any(b != axis and is_shard(p) and p.dim == d.dim for b, p in enumerate(cur))
+def _slices_held_dim(
+    cur: Sequence[Placement], d: Placement, axis: int, dst: Sequence[Placement], mesh_shape: Sequence[int]
+) -> bool:
+    """Would moving ``axis`` to ``d`` slice a tensor dim another axis (of more than one rank) holds
+    sharded now? A dim the target splits on several axes (nested, as DTensor nests them: the lower
+    axis outer) may be sliced on ``axis`` under an outer axis that holds its target split already."""
+    if not is_shard(d):
+        return False
+    return any(
+        b != axis
+        and mesh_shape[b] > 1
+        and is_shard(p)
+        and p.dim == d.dim
+        and not (b < axis and d == dst[axis] and p == dst[b])
+        for b, p in enumerate(cur)
+    )
+
+
+def _gathers_outer(cur: Sequence[Placement], axis: int, mesh_shape: Sequence[int]) -> bool:
+    """Would gathering ``axis`` gather a dim an inner axis (of more than one rank) also splits
+    (nested)? Its pieces would interleave: the inner axis must be gathered first."""
+    p = cur[axis]
+    return is_shard(p) and any(
+        is_shard(q) and q.dim == p.dim and mesh_shape[b] > 1 for b, q in enumerate(cur) if b > axis
+    )
 
 
 @functools.lru_cache(maxsize=1 << 16)
@@ -199,10 +221,26 @@ def reshard_plan(
     while pending:
         # the first axis in order whose step does not slice a dim another axis still holds
         # sharded (that would cut the other axis's piece, not the tensor: wrong rows, or a dim of
-        # one row cut in two); where every pending step would, the first shard is gathered first
-        a = next((a for a in pending if not _slices_held_dim(cur, dst[a], a)), None)
+        # one row cut in two), nor gathers a dim an inner axis splits too; where every pending
+        # step would, the first shard that can be is gathered first (a pending axis's, else one
+        # whose target it is already: it is then pending again)
+        a = next(
+            (
+                a
+                for a in pending
+                if not _slices_held_dim(cur, dst[a], a, dst, mesh_shape)
+                and not _gathers_outer(cur, a, mesh_shape)
+            ),
+            None,
+        )
         if a is None:
-            a = next(b for b in pending if is_shard(cur[b]))
+            a = next(
+                b
+                for b in [*pending, *range(len(cur))]
+                if is_shard(cur[b]) and mesh_shape[b] > 1 and not _gathers_outer(cur, b, mesh_shape)
+            )
+            if a not in pending:
+                pending = sorted([*pending, a], key=lambda b: (not is_replicate(dst[b]), b))
             d = Replicate()
         else:
             d = dst[a]

@@ -7,7 +7,11 @@ Rows (model, cluster, global batch in sequences of ``--seq`` tokens):
 * Mixtral 8x7B (32 layers, 8 experts, top 2) on 8 and 64 H100;
 * Qwen3-235B-A22B (94 layers, 128 experts, top 8) on 256 and 1,024 H100;
 * DeepSeek-V3 671B (61 layers, 3 dense, 256 routed experts, top 8, one shared; MLA attention) on
-  256 and 2,048 H100.
+  256 and 2,048 H100;
+* the plain-torch MoE (``autopar/models/moe.py``) at Mixtral 8x7B's layer sizes, 2 layers, on 8
+  H100, free and forced on a 4 x 2 mesh (expert x tensor): its gate and up are separate tensors,
+  so expert tensor parallelism (``passes/rules/experts.py``) is open to it, where the Hugging Face
+  families' packed gate-up stacks keep each expert whole.
 
 Per row: the search's seconds, its mesh and axis roles, the MoE layers' layout (experts split over
 which axes, by all-to-all or as summands), pipeline and trades, the predicted step and peak, and
@@ -18,6 +22,7 @@ its MoE benchmarks to be.
 
     .venv/bin/python benchmarks/bench_moe.py                 # every row
     .venv/bin/python benchmarks/bench_moe.py --rows mixtral-8  # one row
+    .venv/bin/python benchmarks/bench_moe.py --rows plain-mixtral-2l-8,plain-mixtral-2l-8-ep4xt2  # not in "every"
 """
 
 from __future__ import annotations
@@ -61,7 +66,28 @@ def deepseek_v3():
     return _tf().DeepseekV3ForCausalLM, cfg
 
 
-# name -> (model, preset, nodes x 8 GPUs, global batch in sequences)
+def plain_mixtral():
+    """The plain-torch MoE with Mixtral 8x7B's layer sizes (gate and up separate), 2 layers."""
+    from types import SimpleNamespace
+
+    from autopar.models.moe import PlainMoE
+
+    cfg = SimpleNamespace(
+        num_hidden_layers=2, hidden_size=4096, num_attention_heads=32, intermediate_size=14336,
+        num_local_experts=8, num_experts_per_tok=2, vocab_size=32000, max_position_embeddings=4096,
+    )  # fmt: skip
+
+    def build(c):
+        return PlainMoE(
+            vocab=c.vocab_size, hidden=c.hidden_size, heads=c.num_attention_heads, ffn=c.intermediate_size,
+            layers=c.num_hidden_layers, experts=c.num_local_experts, top_k=c.num_experts_per_tok,
+            max_seq=c.max_position_embeddings,
+        )  # fmt: skip
+
+    return build, cfg
+
+
+# name -> (model, preset, nodes x 8 GPUs, global batch in sequences[, what the plan is told])
 ROWS = {
     "mixtral-8": (mixtral, "h100-sxm", 1, 32),
     "mixtral-64": (mixtral, "h100-sxm", 8, 256),
@@ -69,21 +95,32 @@ ROWS = {
     "qwen3-235b-1024": (qwen3_235b, "h100-sxm", 128, 4096),
     "deepseek-v3-256": (deepseek_v3, "h100-sxm", 32, 1024),
     "deepseek-v3-2048": (deepseek_v3, "h100-sxm", 256, 8192),
+    "plain-mixtral-2l-8": (plain_mixtral, "h100-sxm", 1, 32),
+    "plain-mixtral-2l-8-ep4xt2": (
+        plain_mixtral,
+        "h100-sxm",
+        1,
+        32,
+        {"mesh_shape": (4, 2), "axis_roles": (autopar.AxisRole.EXPERT, autopar.AxisRole.TENSOR)},
+    ),  # fmt: skip
 }
+# rows that are not published models: not run unless asked for by name
+EXTRA_ROWS = ("plain-mixtral-2l-8", "plain-mixtral-2l-8-ep4xt2")
 
 
-def active_params(model) -> tuple[float, float]:
+def active_params(model, cfg) -> tuple[float, float]:
     """(all parameters, those one token passes through), the input embedding left out of both:
     of each stacked experts' weight ``[E, ...]`` a token uses ``top_k`` of ``E``."""
-    cfg = model.config
     top_k = cfg.num_experts_per_tok
     total = active = 0.0
-    embed = model.get_input_embeddings().weight
+    embed = (
+        model.get_input_embeddings().weight if hasattr(model, "get_input_embeddings") else model.embed.weight
+    )
     for name, p in model.named_parameters():
         if p is embed:
             continue
         total += p.numel()
-        if ".experts." in name and p.dim() == 3:
+        if (".experts." in name or ".moe.w_" in name) and p.dim() == 3:
             active += p.numel() * top_k / p.shape[0]
         else:
             active += p.numel()
@@ -91,17 +128,22 @@ def active_params(model) -> tuple[float, float]:
 
 
 def row(name: str, seq: int) -> str:
-    make, preset, nodes, batch = ROWS[name]
+    make, preset, nodes, batch, *told = ROWS[name]
     cls, cfg = make()
     with torch.device("meta"):
         model = cls(cfg)
     ids = torch.zeros(batch, seq, dtype=torch.long, device="meta")
     cluster = autopar.ClusterSpec.preset(preset, nodes, 8)
-    total, active = active_params(model)
+    total, active = active_params(model, cfg)
     t0 = time.perf_counter()
     try:
         plan = autopar.plan(
-            model, cluster, {"input_ids": ids, "labels": ids}, outputs=Outputs.LOSS, precision=Precision.BF16
+            model,
+            cluster,
+            {"input_ids": ids, "labels": ids},
+            outputs=Outputs.LOSS,
+            precision=Precision.BF16,
+            **(told[0] if told else {}),
         )
     except autopar.AutoparError as e:
         return (
@@ -131,9 +173,11 @@ def _moe_layout(plan, moe) -> str:
     via = via_from_str(d.via)
     parts = []
     for a, n in enumerate(plan.mesh_shape):
-        if n > 1 and is_shard(experts[a]):
+        if n > 1 and is_shard(experts[a]) and experts[a].dim == 0:
             how = "all-to-all" if a < len(via) and via[a] is ExpertDispatch.ALL_TO_ALL else "summands"
             parts.append(f"EP{n} on axis {a} ({how})")
+        elif n > 1 and is_shard(experts[a]):  # each expert's intermediate dim (passes/rules/experts.py)
+            parts.append(f"ETP{n} on axis {a}")
     tokens = spec_from_str(d.inputs[0])
     split = [f"axis {a}" for a, p in enumerate(tokens) if is_shard(p) and plan.mesh_shape[a] > 1]
     return "; ".join(parts or ["experts whole"]) + (f"; tokens split on {', '.join(split)}" if split else "")
@@ -141,7 +185,9 @@ def _moe_layout(plan, moe) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--rows", default=",".join(ROWS), help="comma-separated row names")
+    ap.add_argument(
+        "--rows", default=",".join(r for r in ROWS if r not in EXTRA_ROWS), help="comma-separated row names"
+    )
     ap.add_argument("--seq", type=int, default=4096, help="tokens per sequence (default 4096)")
     args = ap.parse_args()
     print(

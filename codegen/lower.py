@@ -255,7 +255,9 @@ def batch_axis(spec: Spec, mesh_shape: Sequence[int]) -> int | None:
 
 
 def _axis_sharding(spec, dim: int) -> int | None:
-    """The mesh axis that shards tensor dim ``dim`` under ``spec`` (plans shard a dim on one axis at most)."""
+    """The first mesh axis that shards tensor dim ``dim`` under ``spec``: the only one, or, where the
+    batch splits on two axes (nested: ``passes/strategies.py:nest_axes``), the outer one; an input
+    is sliced on it and chunked on the inner one by its reshard (arange is never nested)."""
     for a, p in enumerate(spec):
         if is_shard(p) and p.dim == dim:
             return a

@@ -194,7 +194,9 @@ def foreach_kwargs(optimizer_class, shards: list, kwargs: dict) -> dict:
 
 def data_axis(axes: tuple[int, ...]) -> int:
     """The one data axis ZeRO shards over. Several data axes of more than one rank raise
-    ``TradesError``: the rules split the batch (dim 0) on one mesh axis, so no plan has them."""
+    ``TradesError``: a plan whose batch splits on two (expert parallelism beside data parallelism)
+    takes ZeRO-1 over the first alone (``passes/trades.py:ladder``), so only a plan edited by hand
+    has them."""
     if len(axes) != 1:
         raise TradesError(
             f"ZeRO over several data axes {list(axes)} is not supported: the batch splits on one mesh axis; "

@@ -55,6 +55,8 @@ class MeshRun:
         text = (
             f"{self.mesh} (axis 0 expert parallel)"
             if expert
+            else f"{self.mesh} (axis 0 data parallel, axis 1 expert parallel)"
+            if self.beside_data
             else f"{self.mesh} (axis 0 data parallel)"
             if self.data_outer or self.data_first
             else f"{self.mesh}"
@@ -68,8 +70,14 @@ class MeshRun:
             "x".join(map(str, self.mesh))
             + ("_data" if self.data_first else "")
             + ("_expert" if self.roles and self.roles[0] is AxisRole.EXPERT else "")
+            + ("_data_expert" if self.beside_data else "")
             + (f"_pp{self.stages}" if self.stages > 1 else "")
         )
+
+    @property
+    def beside_data(self) -> bool:
+        """Expert parallelism beside data parallelism: axis 0 data parallel, axis 1 expert parallel."""
+        return bool(self.roles) and self.roles[:2] == (AxisRole.DATA, AxisRole.EXPERT)
 
     @property
     def data_axes(self) -> tuple[int, ...]:
@@ -134,22 +142,29 @@ def spmd_runs(
     if options.pipeline_stages is not None and options.pipeline_stages != 1:
         return
     mirrors: dict[tuple, tuple] = {}
-    for run in _with_experts(mesh_runs(cluster, options), options, experts):
+    for run in _with_experts(mesh_runs(cluster, options), options, experts, beside_data=True):
         key = mirror_key(cluster, run)
         yield run, mirrors.get(key)
         mirrors.setdefault(key, run.mesh)
 
 
-def _with_experts(runs, options: SearchOptions, experts: bool) -> Iterator[MeshRun]:
+def _with_experts(
+    runs, options: SearchOptions, experts: bool, beside_data: bool = False
+) -> Iterator[MeshRun]:
     """``runs``, and before each whose first axis is data parallel, where the model has experts and
     no roles are forced, the same with that axis an expert axis (``AxisRole.EXPERT``: the batch
     split as on a data axis, every MoE layer's experts split over it by all-to-all) and its other
-    roles as they were (``data_outer`` too: axis 0 pinned to the one-axis expert solution)."""
+    roles as they were (``data_outer`` too: axis 0 pinned to the one-axis expert solution).
+    ``beside_data`` (SPMD meshes): a two-axis mesh's is also tried with axis 0 data parallel and
+    axis 1 expert parallel, the batch split on both (expert parallelism beside data parallelism:
+    the experts whole over the outer axis, split over the inner one)."""
     for run in runs:
         roles = run.roles
         if experts and options.axis_roles is None and roles and roles[0] is AxisRole.DATA and run.mesh[0] > 1:
             # first: where splitting the experts pays, its plan prunes the data-parallel twin
             yield dataclasses.replace(run, roles=(AxisRole.EXPERT, *roles[1:]), data_first=False)
+            if beside_data and len(run.mesh) == 2 and run.mesh[1] > 1 and run.data_first:
+                yield dataclasses.replace(run, roles=(AxisRole.DATA, AxisRole.EXPERT), data_first=False)
         yield run
 
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from torch.distributed.tensor.placement_types import Replicate
+from torch.distributed.tensor.placement_types import Replicate, Shard
 
 from autopar.errors import PlanFormatError, PlanMismatchError
 from autopar.options import AxisRole
@@ -108,7 +108,22 @@ def plan_strategies(
 ) -> dict[str, NodeStrategies]:
     """Every node's strategies on the plan's mesh, its data-parallel region's included: what the
     rules allow the plan's decisions to be."""
-    return build_strategies(tg, infos, plan.mesh_shape, regions.roles or None, regions=regions.options)
+    return build_strategies(
+        tg, infos, plan.mesh_shape, regions.roles or None, regions=regions.options,
+        nest=batch_nest(tg, decoded_choice(plan), plan.mesh_shape),
+    )  # fmt: skip
+
+
+def batch_nest(tg: TracedGraph, choice: dict[str, Strategy], mesh_shape) -> tuple[int, ...]:
+    """The axes of more than one device on which the plan splits its inputs' batch (dim 0), where
+    two or more do (expert parallelism beside data parallelism): those a dim may be split on
+    together (``passes/strategies.py:nest_axes``, which reads them off the search's axis roles)."""
+    axes = set()
+    for p in tg.placeholders:
+        s = choice.get(p.name)
+        if p.role is Role.INPUT and s is not None:
+            axes.update(a for a, x in enumerate(s.out) if x == Shard(0) and mesh_shape[a] > 1)
+    return tuple(sorted(axes)) if len(axes) > 1 else ()
 
 
 def decoded_choice(plan: Plan) -> dict[str, Strategy]:
@@ -148,8 +163,9 @@ def check_choice(
     the plan, made for the whole batch, says Shard(0)."""
     if allowed is None:
         allowed = build_strategies(
-            tg, analyze(tg), mesh_shape, regions.roles or None, regions=regions.options
-        )
+            tg, analyze(tg), mesh_shape, regions.roles or None, regions=regions.options,
+            nest=batch_nest(tg, choice, mesh_shape),
+        )  # fmt: skip
     single = [n == 1 for n in mesh_shape]
 
     def same_on_mesh(s: Strategy) -> tuple:

@@ -2,7 +2,10 @@
 
 Per-axis options from ``rules.py`` are expanded to the mesh as their cartesian product, keeping a
 combination only if every tensor it touches divides evenly (each sharded dim by its axis size) and
-no tensor dim is sharded by two axes. Placeholders (parameters, buffers, user inputs) may take
+no tensor dim is sharded by two axes, except where two axes split the batch (``DATA`` and
+``EXPERT``: expert parallelism beside data parallelism): a dim may then be split on both, nested
+as DTensor nests them (the lower axis outer; ``nest_axes``), save by an op whose lowering cuts by
+one axis's coordinate (``_nest_ok``). Placeholders (parameters, buffers, user inputs) may take
 Replicate or Shard(d) for any dim. Ops without a rule of autopar's own take the options PyTorch's
 DTensor strategies give them (``rules/dtensor.py``); ops with neither get the all-Replicate strategy
 only, and the fallback is logged once per op.
@@ -34,6 +37,7 @@ import torch.fx as fx
 from torch.distributed.tensor.placement_types import Replicate, Shard
 
 from autopar.errors import NoPlanFitsError
+from autopar.lowerings import lowering_of
 from autopar.options import AxisRole
 from autopar.passes.analyze import NodeInfo
 from autopar.passes.background import checkpoint
@@ -51,7 +55,17 @@ from autopar.passes.rules.dtensor import options as dtensor_options
 from autopar.passes.rules.experts import MOE, expert_weights, experts_strategies
 from autopar.passes.rules.matmul import GRID_3D_OPTIONS, GRID_OPTIONS
 from autopar.passes.trace import Role, TracedGraph
-from autopar.placement import Matmul2D, Matmul3D, SeqAttention, Spec, Via, is_partial, is_replicate, is_shard
+from autopar.placement import (
+    ExpertDispatch,
+    Matmul2D,
+    Matmul3D,
+    SeqAttention,
+    Spec,
+    Via,
+    is_partial,
+    is_replicate,
+    is_shard,
+)
 
 log = logging.getLogger(__name__)
 R = Replicate()
@@ -109,17 +123,69 @@ class NodeStrategies:
 _warned_fallback: set[str] = set()
 
 
-def _fits(shape: Sequence[int], spec: Spec, mesh_shape: Sequence[int]) -> bool:
-    seen = set()
-    for p, n in zip(spec, mesh_shape):
+def _fits(shape: Sequence[int], spec: Spec, mesh_shape: Sequence[int], nest: Sequence[int] = ()) -> bool:
+    """Does ``spec`` split ``shape`` evenly, each dim on one axis, or on several of ``nest`` (the
+    axes that split the batch, where two do: nested as DTensor nests them, the lower axis outer)?"""
+    held: dict[int, list[int]] = {}
+    rest = list(shape)
+    for a, (p, n) in enumerate(zip(spec, mesh_shape)):
         if is_shard(p):
             if not shape:
                 return False
             d = p.dim % len(shape)
-            if d in seen or shape[d] % n or shape[d] < n:
+            if d in held and not (a in nest and all(b in nest for b in held[d])):
                 return False
-            seen.add(d)
+            if rest[d] % n or rest[d] < n:
+                return False
+            rest[d] //= n
+            held.setdefault(d, []).append(a)
     return True
+
+
+def nested(s: Strategy, mesh_shape: Sequence[int]) -> bool:
+    """Does ``s`` split some tensor's dim on two axes of more than one rank?"""
+    for spec in (s.out, *s.ins):
+        dims = [p.dim for p, n in zip(spec, mesh_shape) if is_shard(p) and n > 1]
+        if len(dims) != len(set(dims)):
+            return True
+    return False
+
+
+def nest_axes(mesh_shape: Sequence[int], axis_roles: Sequence[AxisRole]) -> tuple[int, ...]:
+    """The axes a dim may be split on together: those of more than one rank that split the batch,
+    where two or more do (expert parallelism beside data parallelism); none otherwise."""
+    axes = tuple(a for a, (n, r) in enumerate(zip(mesh_shape, axis_roles)) if r.splits_batch and n > 1)
+    return axes if len(axes) > 1 else ()
+
+
+# the registered lowerings (autopar/lowerings) that take a dim split on several axes: they reduce
+# or dispatch per axis, or scale by the product of the axes; the others cut by one axis's
+# coordinate (their block of an embedding table, of an index's rows, of attention's query rows)
+NEST_LOWERINGS = frozenset(
+    {
+        "batch_norm_statistics",
+        "expert_all_to_all",
+        "local_experts",
+        "split_mean",
+        "split_mse_loss",
+        "cross_entropy_mean",
+        "linear_cross_entropy",
+    }
+)
+# ops codegen/lower.py cuts by one axis's coordinate with no registered lowering: its block of an arange
+ARANGE = frozenset({aten.arange.default, aten.arange.start, aten.arange.start_step})
+
+
+def _nest_ok(node: fx.Node, s: Strategy, mesh_shape: Sequence[int]) -> bool:
+    """May ``node`` take ``s``, if nested? Not where it runs by a lowering that cuts by one axis's
+    coordinate, nor under an algorithm of its own (``via``) other than the experts' dispatch, which
+    runs over the expert axis alone."""
+    if not nested(s, mesh_shape):
+        return True
+    if node.target in ARANGE or not all(v is None or isinstance(v, ExpertDispatch) for v in s.via):
+        return False
+    how = lowering_of(node, s, mesh_shape)
+    return how is None or how.name in NEST_LOWERINGS
 
 
 def _normalize(spec: Spec, ndim: int) -> Spec:
@@ -133,9 +199,11 @@ def expand(
     in_shapes: Sequence[Sequence[int]],
     mesh_shape: Sequence[int],
     pinned: dict[int, AxisOption] | None = None,
+    nest: Sequence[int] = (),
 ) -> list[Strategy]:
-    """Cartesian product of per-axis options, filtered for even, non-overlapping sharding; an axis
-    in ``pinned`` takes that one option."""
+    """Cartesian product of per-axis options, filtered for even, non-overlapping sharding (a dim
+    may be split on several axes of ``nest``: ``_fits``); an axis in ``pinned`` takes that one
+    option."""
     per_axis = [AxisOption(R, (R,) * n_in)] + [o for o in options if len(o.ins) == n_in]
     choices = [[pinned[a]] if pinned and a in pinned else per_axis for a in range(len(mesh_shape))]
     out: list[Strategy] = []
@@ -148,9 +216,9 @@ def expand(
         if out_shapes:
             o_spec = _normalize(o_spec, len(out_shapes[0]))
         ins = tuple(_normalize(s, len(shape)) for s, shape in zip(ins, in_shapes))
-        if not all(_fits(s, o_spec, mesh_shape) for s in out_shapes):
+        if not all(_fits(s, o_spec, mesh_shape, nest) for s in out_shapes):
             continue
-        if not all(_fits(shape, s, mesh_shape) for shape, s in zip(in_shapes, ins)):
+        if not all(_fits(shape, s, mesh_shape, nest) for shape, s in zip(in_shapes, ins)):
             continue
         if not _splits_fit(combo, ins, in_shapes, mesh_shape):
             continue
@@ -209,17 +277,21 @@ def build_strategies(
     fixed: dict[int, dict[str, Strategy]] | None = None,
     seq_attention: SeqAttention | None = None,
     regions: dict[str, AxisOption] | None = None,
+    nest: tuple[int, ...] | None = None,
 ) -> dict[str, NodeStrategies]:
     """Strategies of every placeholder and op node (or of the names in ``only``: class representatives).
 
     ``fixed[a][name]``: a strategy on a 1-axis mesh that node ``name`` takes on mesh axis ``a``.
     ``regions[name]``: the one option of a node of a data-parallel region (``passes/data_region.py``)
-    on the mesh's data axis; such a node is replicated on every other axis."""
+    on the mesh's data axis; such a node is replicated on every other axis. ``nest``: the axes a
+    dim may be split on together (default ``nest_axes`` of the roles; a plan read back, whose roles
+    are not recorded, passes the axes its inputs' batch is split on: ``passes/replay.py``)."""
     axis_roles = tuple(axis_roles or (AxisRole.AUTO,) * len(mesh_shape))
     if len(axis_roles) != len(mesh_shape):
         raise ValueError(f"axis_roles {axis_roles} must have one entry per mesh axis {tuple(mesh_shape)}")
     result: dict[str, NodeStrategies] = {}
     experts = expert_weights(tg) if {AxisRole.EXPERT, AxisRole.TENSOR} & set(axis_roles) else frozenset()
+    nest = nest_axes(mesh_shape, axis_roles) if nest is None else nest
     for node in tg.graph.nodes:
         checkpoint()  # on a search's worker thread: only while the search waits (passes/background.py)
         if only is not None and node.name not in only:
@@ -237,7 +309,7 @@ def build_strategies(
         if regions and node.name in regions:
             pinned = _region_pins(regions[node.name], mesh_shape, axis_roles)
         if node.op == "placeholder":
-            strategies = expand(placeholder_options(info.shape), 0, info.shapes, [], mesh_shape, pinned)
+            strategies = expand(placeholder_options(info.shape), 0, info.shapes, [], mesh_shape, pinned, nest)
             strategies = [s for s in strategies if _placeholder_allowed(s.out, info, axis_roles, experts)]
             if not strategies:
                 raise NoPlanFitsError(
@@ -258,7 +330,9 @@ def build_strategies(
                 if name not in _warned_fallback:
                     _warned_fallback.add(name)
                     log.info("no sharding rule or DTensor strategy for %s: replicated", name)
-            strategies = expand(options, len(ins), info.shapes, in_shapes, mesh_shape, pinned)
+            strategies = expand(options, len(ins), info.shapes, in_shapes, mesh_shape, pinned, nest)
+            if nest:
+                strategies = [s for s in strategies if _nest_ok(node, s, mesh_shape)]
             if options and not (regions and node.name in regions):
                 strategies += grid_strategies(
                     node, options, info.shapes, in_shapes, mesh_shape, pinned, axis_roles
@@ -441,7 +515,7 @@ def _placeholder_allowed(
                 and is_replicate(p)
                 and info.name not in experts
             ):
-                return False  # experts may stay whole on a tensor axis: no expert tensor parallelism yet
+                return False  # experts may stay whole on a tensor axis (split there on I: passes/rules/experts.py)
         if is_partial(p):
             return False
     return True

@@ -719,13 +719,27 @@ def ladder(
     every combination the options allow (a forced trade fixes its dimension), ZeRO only over
     data axes (``zero_axes``), recomputation only where the model has repeated blocks,
     micro-batches only where they divide the batch. ``one_device``: the mesh is one device, where
-    ZeRO (over no one else) is offered only with offload, unless forced."""
+    ZeRO (over no one else) is offered only with offload, unless forced. Two data axes (expert
+    parallelism beside data parallelism, the batch split on both) take ZeRO-1 over the first (the
+    ZeRO-1 optimizer shards the step over one axis; the gradients are all-reduced over both as
+    without it) and no ZeRO-2/3 (FSDP2 reduces over one axis: ``codegen/zero.py:data_axis``)."""
+    several = len(data_axes) > 1
+    if several:
+        data_axes = data_axes[:1]
+        if options.zero_stage is not None and options.zero_stage > ZeroStage.OPTIMIZER:
+            return []
     if options.zero_stage and not data_axes:
         return []
     zs = (
         [options.zero_stage]
         if options.zero_stage is not None
-        else (list(ZeroStage) if data_axes else [ZeroStage.NONE])
+        else (
+            [ZeroStage.NONE, ZeroStage.OPTIMIZER]
+            if several
+            else list(ZeroStage)
+            if data_axes
+            else [ZeroStage.NONE]
+        )
     )
     if one_device and options.zero_stage is None:
         zs = [z for z in zs if z is not ZeroStage.OPTIMIZER]  # ZeRO-1 offloads nothing

@@ -286,8 +286,8 @@ def adam_rank(rank, world, build, jobs, steps, lr, eps, check_output=None):
     """On each rank: per ``(key, plan path)`` of ``jobs`` (``key[0]`` names the model ``build``
     makes), the parallel module's losses of ``steps`` Adam steps on the model's own loss, its full
     state after them, rank 0's generated code ("" elsewhere: every graph's, a ZeRO-3 block's
-    included) and the mesh axes its collectives ran on (None for a pipelined plan, which trains by
-    ``step``); or the traceback, reported by that configuration's test. ``check_output(out)``:
+    included) and the mesh axes its collectives ran on (None for a plan of micro-batches, pipelined
+    or not, which trains by ``step``); or the traceback, reported by that configuration's test. ``check_output(out)``:
     asserts on every step's output."""
     cluster = autopar.ClusterSpec.preset("cpu", devices_per_node=world)
     results = {}
@@ -295,7 +295,9 @@ def adam_rank(rank, world, build, jobs, steps, lr, eps, check_output=None):
         try:
             model, inputs = build(key[0])
             pmodel = autopar.autoparallelize(model, cluster, inputs, plan=path)
-            pipelined = autopar.Plan.load(path).pipeline.stages > 1
+            loaded = autopar.Plan.load(path)
+            # micro-batches (pipelined or not): the module's step runs them all and the backward
+            pipelined = loaded.pipeline.stages > 1 or loaded.trades.micro_batches > 1
             opt = pmodel.optimizer(torch.optim.Adam, lr=lr, eps=eps)
             losses = []
             for _ in range(steps):

@@ -113,3 +113,47 @@ def test_the_experts_grouped_gemms_are_priced_as_gemms_of_their_rows_per_expert(
     assert gemm_min_dim(MOE, shapes) == 512
     shapes[0], shapes[1], shapes[2] = (256, 512), (256, 2), (256, 2)  # 64 rows per expert
     assert gemm_min_dim(MOE, shapes) == 64
+
+
+def test_fsdp_over_two_axes_that_split_the_batch_is_refused_with_what_to_give_instead():
+    """Expert parallelism beside data parallelism on separate axes splits the batch on both
+    (``tests/test_expert_data_parallel_dist.py``); FSDP2 reduces and shards over one mesh axis, so
+    ZeRO-2 or 3 forced with such roles is refused up front, the message saying what to give
+    instead; ZeRO-1 (over the first) is taken, and an axis of one device splits nothing."""
+    for roles in ((AxisRole.DATA, AxisRole.EXPERT), (AxisRole.EXPERT, AxisRole.DATA), (AxisRole.DATA,) * 2):
+        autopar.SearchOptions(mesh_shape=(2, 2), axis_roles=roles, zero_stage=1)
+        for zero in (2, 3):
+            with pytest.raises(
+                autopar.SearchOptionsError, match="axes split the batch.*give zero_stage 0 or 1"
+            ):
+                autopar.SearchOptions(mesh_shape=(2, 2), axis_roles=roles, zero_stage=zero)
+    autopar.SearchOptions(mesh_shape=(1, 4), axis_roles=(AxisRole.DATA, AxisRole.EXPERT), zero_stage=2)
+
+
+def test_expert_parallel_beside_data_parallel_is_a_candidate_and_can_pay():
+    """The search tries each two-axis mesh of an MoE model also with axis 0 data parallel and axis 1
+    expert parallel (``passes/candidates.py``); on 2 nodes of 4 H100 that layout (the experts split
+    inside a node, whole across the two) is priced below both one-axis layouts of all 8 GPUs:
+    expert parallel (whose all-to-all crosses nodes) and data parallel (whose experts' gradients
+    are all-reduced across them)."""
+    from autopar.options import SearchOptions
+    from autopar.passes.candidates import spmd_runs
+
+    cluster = autopar.ClusterSpec.preset("h100-sxm", 2, 4)
+    runs = [r for r, _ in spmd_runs(cluster, SearchOptions(), experts=True)]
+    assert any(r.mesh == (2, 4) and r.roles == (AxisRole.DATA, AxisRole.EXPERT) for r in runs)
+    assert not any(r.roles and AxisRole.EXPERT in r.roles[1:] for r, _ in spmd_runs(cluster, SearchOptions()))
+    model, batch = _model()
+
+    def step(mesh, roles):
+        plan = autopar.plan(
+            model, cluster, batch, outputs=Outputs.LOSS, precision=Precision.BF16, pipeline_stages=1,
+            mesh_shape=mesh, axis_roles=roles,
+        )  # fmt: skip
+        return plan
+
+    beside = step((2, 4), (AxisRole.DATA, AxisRole.EXPERT))
+    for d in (d for d in beside.decisions if d.op == MOE):
+        assert via_from_str(d.via)[1] is ExpertDispatch.ALL_TO_ALL and d.inputs[0] == "S(0),S(0)", d
+    for roles in ((AxisRole.EXPERT,), (AxisRole.DATA,)):
+        assert beside.predicted.step_time_s < step((8,), roles).predicted.step_time_s, roles

@@ -224,3 +224,37 @@ def test_a_dim_moving_to_another_axis_is_gathered_before_it_is_sliced_again():
         ("all_gather", 0, 3),
         ("chunk", 0, 1),
     ]
+
+
+@st.composite
+def _nested_cases(draw):
+    """Placement pairs on 2-3 axes where a dim may be split on several axes at once (nested, the
+    lower axis outer, as DTensor nests them): expert parallelism beside data parallelism splits
+    the batch so (``passes/strategies.py:nest_axes``)."""
+    ndim = draw(st.integers(2, 3))
+    mesh = tuple(draw(st.lists(st.integers(1, 2), min_size=ndim, max_size=ndim)))
+    rank = draw(st.integers(1, 2))
+
+    def spec():
+        return tuple(
+            draw(st.sampled_from([Replicate(), Partial(), *[Shard(d) for d in range(rank)]])) for _ in mesh
+        )
+
+    src, dst = spec(), spec()
+    f_axes = tuple(a for a in range(ndim) if is_replicate(dst[a]) and draw(st.booleans()))
+    shape = tuple(math.prod(mesh) * draw(st.integers(1, 2)) for _ in range(rank))
+    return mesh, src, dst, f_axes, shape
+
+
+@settings(max_examples=150, deadline=None)
+@given(case=_nested_cases())
+def test_a_dim_split_on_several_axes_moves_to_the_target_placement(case):
+    """As above, with a dim split on several axes in the source, the target or both: the steps
+    gather an inner axis before an outer one and slice an inner one only under its outer one."""
+    test_the_generated_reshard_moves_the_values_to_the_target_placement.hypothesis.inner_test(case)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(case=_nested_cases())
+def test_a_nested_reshard_runs_exactly_the_priced_collectives(meshes, monkeypatch, case):
+    test_generated_code_runs_exactly_the_priced_collectives.hypothesis.inner_test(meshes, monkeypatch, case)

@@ -32,8 +32,10 @@ SKEW_META = "autopar_expert_skew"  # passes/experts.py:mark_skew (SearchOptions.
 
 
 def experts_axis(s, mesh_shape) -> int | None:
-    """The axis of more than one rank that splits the experts under ``s`` (at most one does)."""
-    return next((a for a, p in enumerate(s.ins[3]) if is_shard(p) and mesh_shape[a] > 1), None)
+    """The axis of more than one rank that splits the experts (their dim ``E``) under ``s`` (at most
+    one does; a split of another dim is expert tensor parallelism, which runs the op as it is on
+    the local shards: ``passes/rules/experts.py``)."""
+    return next((a for a, p in enumerate(s.ins[3]) if is_shard(p) and p.dim == 0 and mesh_shape[a] > 1), None)
 
 
 def _all_to_all(node: fx.Node, s, mesh_shape: tuple[int, ...]) -> LoweringPlan | None:

@@ -12,8 +12,24 @@ Inputs: tokens ``x [T, H]``, router weights and ids ``[T, k]``, then the experts
   (``autopar/lowerings/experts.py`` prices it, ``codegen/experts.py`` runs it); rows out.
 * **local experts**: tokens whole, experts split on ``E``: each rank runs the pairs routed to the
   experts it holds and leaves the others out: its output is a summand (Partial) of the layer's.
+* **expert tensor parallel** (Megatron-Core's ETP): tokens whole, every expert's MLP split on its
+  intermediate dim ``I``: ``w_in`` (and ``w_up``) on their ``F`` dim (Megatron's column split),
+  ``w_out`` on its ``I`` dim (row split). Rank ``r`` computes ``act(x w_in[:, F_r]) (* x w_up[:, F_r])
+  w_out[I_r, :]``, the term of the sum over ``I`` of its block: its output is a summand (Partial).
+  That is the op itself on the local shards (its operands' shapes stay consistent: ``F_r = I_r``),
+  so it needs no lowering and issues nothing inside: the Partial output is reduced by the reshard
+  that reads it, and the Replicate inputs' gradients by their "f", both priced as reshards; the
+  work divides by the axis (``Strategy.work_divisor``). Offered only where gate and up are separate
+  tensors (or there is no gate): a packed ``[.., 2I, ..]`` gate-up stack split on its ``2I`` dim
+  would give rank 0 gate rows only and the last rank up rows only, not matching halves of each,
+  so packed layouts (Hugging Face's Mixtral, Qwen-MoE, DeepSeek-V3 ``gate_up_proj``) keep their
+  experts whole or split on ``E`` on every axis.
 
-Experts split on at most one axis of more than one rank, and by the all-to-all only there
+With ``E`` split on one axis and ``I`` on another, each rank holds one block of ``I`` of its
+experts: expert parallel over the first axis by all-to-all (tokens whole on the second), each
+expert's output a summand over the second (EP x ETP).
+
+Experts split on ``E`` on at most one axis of more than one rank, and by the all-to-all only there
 (``experts_strategies``): the dispatch runs over one axis's group.
 """
 
@@ -26,10 +42,23 @@ from torch.distributed.tensor import Shard
 
 from autopar.kernels import moe  # noqa: F401  (registers autopar::moe_experts)
 from autopar.passes.rules import AxisOption, OpCtx, P, R, _partial_ok, register
-from autopar.placement import ExpertDispatch, is_shard
+from autopar.placement import ExpertDispatch
 
 S0 = Shard(0)
 MOE = torch.ops.autopar.moe_experts.default
+
+
+def intermediate_dims(ctx: OpCtx) -> tuple[int, ...] | None:
+    """The dim of each expert weight (``w_in``, ``w_up`` where given, ``w_out``) that holds the
+    experts' intermediate size ``I``: what expert tensor parallelism splits. None where ``w_in``
+    packs gate and up (``gated`` without ``w_up``): split on its ``2I`` dim, a rank's rows would not
+    be matching halves of gate and up (module docstring)."""
+    gated, transposed = ctx.arg(7, "gated"), ctx.arg(8, "transposed")
+    separate_up = ctx.n_in == 6
+    if gated and not separate_up:
+        return None
+    f_dim, i_dim = (1, 2) if transposed else (2, 1)
+    return (f_dim,) * (2 if separate_up else 1) + (i_dim,)
 
 
 def experts_rule(ctx: OpCtx) -> list[AxisOption]:
@@ -42,17 +71,21 @@ def experts_rule(ctx: OpCtx) -> list[AxisOption]:
             opts.append(AxisOption(S0, (S0,) * (3 + n_w), via=ExpertDispatch.ALL_TO_ALL))
     if experts > 1 and _partial_ok(ctx):
         opts.append(AxisOption(P, (R, R, R) + (S0,) * n_w))
+    dims = intermediate_dims(ctx)
+    if dims is not None and ctx.in_shapes[-1][dims[-1]] > 1 and _partial_ok(ctx):
+        opts.append(AxisOption(P, (R, R, R) + tuple(Shard(d) for d in dims)))  # expert tensor parallel
     return opts
 
 
 def experts_strategies(strategies: list, mesh_shape: Sequence[int], axis_roles: Sequence) -> list:
-    """The strategies whose experts are split on at most one axis of more than one rank, by the
-    all-to-all on an ``AxisRole.EXPERT`` axis."""
+    """The strategies whose experts are split (on ``E``) on at most one axis of more than one rank,
+    by the all-to-all on an ``AxisRole.EXPERT`` axis. A split of each expert's intermediate dim
+    (expert tensor parallelism) may go with it on another axis."""
     from autopar.options import AxisRole
 
     out = []
     for s in strategies:
-        split = [a for a, p in enumerate(s.ins[3]) if is_shard(p) and mesh_shape[a] > 1]
+        split = [a for a, p in enumerate(s.ins[3]) if p == S0 and mesh_shape[a] > 1]
         if len(split) > 1:
             continue
         if any(
