@@ -143,7 +143,11 @@ def test_expert_parallel_beside_data_parallel_is_a_candidate_and_can_pay():
     runs = [r for r, _ in spmd_runs(cluster, SearchOptions(), experts=True)]
     assert any(r.mesh == (2, 4) and r.roles == (AxisRole.DATA, AxisRole.EXPERT) for r in runs)
     assert not any(r.roles and AxisRole.EXPERT in r.roles[1:] for r, _ in spmd_runs(cluster, SearchOptions()))
-    model, batch = _model()
+    model, _ = _model()
+    # 32 sequences: the tokens the all-to-all moves against the experts' gradients the data axis
+    # reduces (the dispatch's bf16 rows: 16 sequences take EP8 across nodes, 64 data parallelism)
+    ids = torch.zeros(32, 2048, dtype=torch.long, device="meta")
+    batch = {"input_ids": ids, "labels": ids}
 
     def step(mesh, roles):
         plan = autopar.plan(
