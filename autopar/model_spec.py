@@ -21,9 +21,15 @@ def _parse_kwargs(text: str | None) -> dict:
         return {}
     try:
         call = ast.parse(f"f({text})", mode="eval").body
-        return {k.arg: ast.literal_eval(k.value) for k in call.keywords}  # type: ignore[attr-defined]
+        kwargs = {k.arg: ast.literal_eval(k.value) for k in call.keywords}  # type: ignore[attr-defined]
     except (SyntaxError, ValueError) as e:
         raise ModelSpecError(f"bad keyword arguments {text!r}: use key=value with Python literals") from e
+    if call.args or any(k.arg is None for k in call.keywords):  # f('x') or f(**d): not dropped silently
+        raise ModelSpecError(
+            f"bad arguments {text!r}: name every argument (key=value with Python literals), "
+            "e.g. moe_tiny(family='mixtral')"
+        )
+    return kwargs
 
 
 def load_model_spec(spec: str):

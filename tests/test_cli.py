@@ -62,6 +62,11 @@ def test_errors_exit_2_with_a_message(argv, needle, capsys, tmp_path):
 def test_model_spec_kwargs():
     model, inputs = load_model_spec("autopar.examples:mlp(batch=3, hidden=5, ffn=7)")
     assert inputs[0].shape == (3, 5) and model.up.weight.shape == (7, 5)
+    # a positional argument was dropped without a word (moe_tiny('mixtral') built the default family)
+    from autopar.errors import ModelSpecError
+
+    with pytest.raises(ModelSpecError, match="name every argument"):
+        load_model_spec("autopar.examples:mlp(3, hidden=5)")
 
 
 def test_coverage_lists_ops_and_fallbacks(capsys):
