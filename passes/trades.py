@@ -469,14 +469,21 @@ def _traded_edges(tables: CostTables, infos: dict[str, NodeInfo], in_block: dict
 
 
 # how many (blocks, micro-batches) variants of one table's edges ``_traded_edges`` keeps
-_TRADED_EDGES_KEPT = 8
+_TRADED_EDGES_KEPT = 24
 
 
 def _forward_s(info: NodeInfo, tables: CostTables, v: str, i: int, cluster: ClusterSpec) -> float:
-    """Seconds of one forward of node ``v`` under strategy ``i`` (a recomputation)."""
-    s = tables.strategies[v][i]
-    k = s.work_divisor(tables.mesh_shape)
-    return node_time(info.flops, info.bytes, info.dtype, cluster.device, k, False, op=info.target)
+    """Seconds of one forward of node ``v`` under strategy ``i`` (a recomputation): kept on
+    ``tables`` per (node, strategy, device), as every trade with recomputation asks again."""
+    memo = tables.__dict__.setdefault("_forward_s", {})
+    key = (v, i, id(cluster.device))
+    hit = memo.get(key)
+    if hit is None or hit[0] is not cluster.device:
+        s = tables.strategies[v][i]
+        k = s.work_divisor(tables.mesh_shape)
+        t = node_time(info.flops, info.bytes, info.dtype, cluster.device, k, False, op=info.target)
+        hit = memo[key] = (cluster.device, t)
+    return hit[1]
 
 
 def trade_terms(
