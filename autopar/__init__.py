@@ -5,6 +5,7 @@ plan = autopar.plan(model, cluster_spec, example_inputs)                # offlin
 torch_plan = autopar.to_torch(plan, model, example_inputs)              # PyTorch's own TP/DP plan
 """
 
+from autopar import _quiet  # noqa: F401  (first: torchao's start-up noise, autopar/_quiet.py)
 from autopar.api import autoparallelize, plan, reprice, search
 from autopar.cluster import ClusterSpec, DeviceKind, DeviceSpec, LinkSpec
 from autopar.codegen.feeding import InputsError

@@ -195,3 +195,30 @@ def test_bad_axis_roles(tmp_path, capsys):
     # as many roles as the mesh has axes
     assert main(argv + ["--mesh", "2x2", "--axis-roles", "data"]) == 2
     assert "axis_roles has 1 entries but mesh_shape (2, 2) has 2 axes" in capsys.readouterr().err
+
+
+def test_a_cpu_start_prints_no_torchao_noise():
+    """On a torch built without CUDA, importing autopar and then building a Hugging Face model (which
+    imports torchao where it is installed) prints none of torchao's "Failed to load" warnings for
+    its CUDA-only extensions nor torch's notices about torchao's enums (``autopar/_quiet.py``):
+    without it, every rank of the demo printed them."""
+    import subprocess
+    import sys
+
+    import torch
+
+    if torch.version.cuda is not None:
+        pytest.skip("a CUDA build: torchao's messages are left as they are")
+    pytest.importorskip("torchao")
+    pytest.importorskip("transformers")
+    code = (
+        "import autopar\n"
+        "from transformers import LlamaConfig, LlamaForCausalLM\n"
+        "LlamaForCausalLM(LlamaConfig(num_hidden_layers=1, hidden_size=32, intermediate_size=64,"
+        " num_attention_heads=4, vocab_size=64))\n"
+        "import torchao.float8\n"
+        "print('built')\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0 and "built" in out.stdout, out.stderr[-2000:]
+    assert "Failed to load" not in out.stderr and "is an Enum subclass" not in out.stderr, out.stderr[-2000:]
