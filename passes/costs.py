@@ -211,6 +211,17 @@ class CostTables:
     float8: dict[str, list[Float8 | None]] = field(default_factory=dict)
 
 
+@functools.cache
+def _has_torchao() -> bool:
+    """Is torchao's float8 training installed (what ``codegen/float8.py`` runs FP8 linears with)?"""
+    import importlib.util
+
+    try:
+        return importlib.util.find_spec("torchao.float8") is not None
+    except ModuleNotFoundError:
+        return False
+
+
 @dataclass(frozen=True)
 class Float8Offer:
     """Which linears the cost tables may price as FP8 (``autopar/lowerings/float8.py``).
@@ -230,9 +241,13 @@ class Float8Offer:
     @classmethod
     def of(cls, option: Float8 | None, device: DeviceSpec) -> Float8Offer | None:
         """The offer of ``SearchOptions.float8``: auto (None) both recipes where the device has an
-        FP8 rate (``DeviceSpec.float8_flops``), none elsewhere; a recipe forced on any device."""
+        FP8 rate (``DeviceSpec.float8_flops``) and torchao, which runs them, is installed (a
+        dependency; an install without it, as on a machine given wheels by hand, plans no FP8
+        rather than a module that cannot run), none elsewhere; a recipe forced on any device."""
         if option is None:
-            return cls((Float8.TENSORWISE, Float8.ROWWISE)) if device.float8_flops else None
+            return (
+                cls((Float8.TENSORWISE, Float8.ROWWISE)) if device.float8_flops and _has_torchao() else None
+            )
         if option is Float8.OFF:
             return None
         return cls((option,), forced=True, half_only=False)

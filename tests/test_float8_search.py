@@ -70,6 +70,23 @@ def test_on_h100_the_search_runs_fp8_linears_where_they_pay():
             assert inside == 0 or sum(1 for c in own.collectives if c.site.value == "inside") == 0
 
 
+def test_without_torchao_the_search_plans_no_fp8(monkeypatch):
+    """Auto plans FP8 only where torchao, which runs it, is installed: on an install without it (a
+    GPU machine given wheels by hand) the H100 plan is the FP8-off plan, not a module that cannot
+    run; forcing a recipe still plans it (the plan may be for another machine)."""
+    from autopar.passes import costs
+
+    monkeypatch.setattr(costs, "_has_torchao", lambda: False)
+    model, inputs = _model()
+    cluster = autopar.ClusterSpec.preset("h100-sxm", devices_per_node=8)
+    auto = autopar.plan(model, cluster, inputs, **DATA)
+    _, off = _plans("h100-sxm", Float8.OFF)
+    assert not auto.float8_linears
+    assert auto.decision_parts() == off.decision_parts()
+    forced = autopar.plan(model, cluster, inputs, float8=Float8.TENSORWISE, **DATA)
+    assert forced.float8_linears
+
+
 @pytest.mark.parametrize("preset", ["a100-80gb", "cpu"])
 def test_without_an_fp8_rate_the_search_never_runs_fp8(preset):
     cluster, auto = _plans(preset)
