@@ -32,6 +32,8 @@ import torch.distributed as dist
 
 torchao_float8 = pytest.importorskip("torchao.float8")
 
+from harness import adam_reference  # noqa: E402
+
 import autopar  # noqa: E402
 from autopar import AxisRole, Float8  # noqa: E402
 from autopar.examples import llama_tiny  # noqa: E402
@@ -75,8 +77,9 @@ def test_one_fp8_linear_is_torchaos_float8_linear(recipe, bias):
     torch.testing.assert_close(w.grad, ref.weight.grad, rtol=0, atol=0)
     if bias:
         torch.testing.assert_close(b.grad, ref.bias.grad, rtol=0, atol=0)
-    # FP8 is FP8: the plain linear differs (else the comparison above could not fail)
-    assert (y - lin(x.detach())).abs().max() > 1e-3
+    # FP8 is FP8: the plain linear differs by e4m3's rounding, a few % of the output (measured:
+    # 3.5-5.5%; else the comparison above could not fail)
+    assert (y - lin(x.detach())).abs().max() > 1e-2 * y.abs().max()
 
 
 # -- a model on 2 ranks vs torchao on one -----------------------------------------------------------
@@ -89,15 +92,7 @@ def _float8_reference(recipe: Float8):
 
     model, inputs = _build()
     model = convert_to_float8_training(model, config=float8_config(recipe.value)[0])
-    opt = torch.optim.Adam(model.parameters(), lr=LR, eps=EPS)
-    losses = []
-    for _ in range(STEPS):
-        loss = model(**inputs).loss
-        loss.backward()
-        losses.append(loss.item())
-        opt.step()
-        opt.zero_grad()
-    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
+    return adam_reference(model, inputs, STEPS, LR, EPS)
 
 
 @functools.cache
