@@ -162,6 +162,27 @@ def assert_adam_state_close(got, want, lr: float, steps: int, label: str, rtol=1
     )
 
 
+def assert_rank_as_reference(rank: int, res, ref, lr: float, steps: int) -> tuple[str, set[int] | None]:
+    """One rank's ``adam_rank`` result against the single device's ``adam_reference`` ``ref``: it
+    ran, its losses equal the reference's (rtol 1e-4) and its full state after the steps equals it
+    (``assert_adam_state_close``). Returns its (generated code, collective axes) for the caller's
+    own checks of the plan it ran."""
+    assert not isinstance(res, str), f"rank {rank} failed:\n{res}"
+    losses, state, code, axes = res
+    ref_losses, ref_state = ref
+    torch.testing.assert_close(
+        torch.tensor(losses),
+        torch.tensor(ref_losses),
+        rtol=1e-4,
+        atol=1e-5,
+        msg=labelled(f"rank {rank} losses"),
+    )
+    assert set(state) == set(ref_state)
+    for k in ref_state:
+        assert_adam_state_close(state[k], ref_state[k], lr, steps, f"rank {rank} {k}")
+    return code, axes
+
+
 def reference(build: Callable, name: str):
     model, inputs = build(name)
     outs = train(model, inputs)
@@ -318,6 +339,38 @@ def adam_rank(rank, world, build, jobs, steps, lr, eps, check_output=None):
         except Exception:  # noqa: BLE001 - reported by that configuration's test
             results[key] = traceback.format_exc()
     return results
+
+
+def plan_and_train(
+    world: int,
+    build: Callable,
+    cluster,
+    cases: dict,
+    tmp,
+    steps: int,
+    lr: float,
+    eps: float,
+    check_output=None,
+    timeout_s: float = 900,
+) -> tuple[dict, list]:
+    """Each of ``cases`` (key -> ``autopar.plan`` options; ``key[0]`` names the model ``build``
+    makes) planned on ``cluster``, saved under ``tmp`` and trained by ``adam_rank`` on ``world``
+    gloo ranks, all in one spawn. Returns (key -> its plan, or where planning raised, the traceback
+    that configuration's test reports; the ranks' ``adam_rank`` results)."""
+    plans, jobs = {}, []
+    for i, (key, options) in enumerate(cases.items()):
+        try:
+            model, inputs = build(key[0])
+            plan = autopar.plan(model, cluster, inputs, **options)
+        except Exception:  # noqa: BLE001 - reported by that configuration's test
+            plans[key] = traceback.format_exc()
+            continue
+        path = tmp / f"{i}_{key[0]}.json"
+        plan.save(path)
+        plans[key] = plan
+        jobs.append((key, str(path)))
+    per_rank = run_on_ranks(adam_rank, world, build, jobs, steps, lr, eps, check_output, timeout_s=timeout_s)
+    return plans, per_rank
 
 
 def saved_bytes(pmodel, inputs) -> int:
