@@ -17,7 +17,7 @@ coefficients summed per variable, zero coefficients left out, constants moved to
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -67,7 +67,12 @@ class Model:
         self.lower: list[float] = []
         self.upper: list[float] = []
         self.integer: list[bool] = []
-        self.rows: list[tuple[list[int], list[float]]] = []
+        # the rows' coefficients one row after another (column indices, values) and each row's
+        # count: flat lists, which ``_arrays`` turns into arrays at once (a list per row cost a
+        # generator pass over every coefficient there)
+        self._row_cols: list[int] = []
+        self._row_vals: list[float] = []
+        self._row_sizes: list[int] = []
         self.row_lower: list[float] = []
         self.row_upper: list[float] = []
         self.cost: dict[int, float] = {}
@@ -80,7 +85,15 @@ class Model:
 
     @property
     def num_constraints(self) -> int:
-        return len(self.rows)
+        return len(self._row_sizes)
+
+    @property
+    def rows(self) -> Iterator[tuple[list[int], list[float]]]:
+        """Each row's (column indices, coefficients), in the order they were added."""
+        at = 0
+        for n in self._row_sizes:
+            yield self._row_cols[at : at + n], self._row_vals[at : at + n]
+            at += n
 
     def var(self, name: str, lower: float = 0.0, upper: float = math.inf, integer: bool = False) -> Var:
         self.names.append(name)
@@ -88,6 +101,16 @@ class Model:
         self.upper.append(upper)
         self.integer.append(integer)
         return Var(len(self.names) - 1)
+
+    def vars(self, names: list[str], lower: float, upper: float, integer: bool = False) -> list[Var]:
+        """A column per name, all with these bounds and kind (``var`` each, at once)."""
+        start = len(self.names)
+        self.names.extend(names)
+        n = len(names)
+        self.lower.extend([lower] * n)
+        self.upper.extend([upper] * n)
+        self.integer.extend([integer] * n)
+        return [Var(i) for i in range(start, start + n)]
 
     def set_upper(self, v: Var, upper: float) -> None:
         self.upper[v.index] = upper
@@ -110,10 +133,27 @@ class Model:
 
     def _row(self, terms: Iterable[Term], lo: float, hi: float) -> None:
         coefs, constant = _collect(terms)
-        self.rows.append(([v.index for v, c in coefs.items() if c], [c for c in coefs.values() if c]))
+        cols = [v.index for v, c in coefs.items() if c]
+        self._row_cols.extend(cols)
+        self._row_vals.extend([c for c in coefs.values() if c])
+        self._row_sizes.append(len(cols))
         # as PuLP moves the constant: the bound is -(constant - rhs), the same float as rhs - constant
         self.row_lower.append(lo - constant if math.isfinite(lo) else lo)
         self.row_upper.append(hi - constant if math.isfinite(hi) else hi)
+
+    def eq_distinct(self, columns: list[Var], coefs: list[float], rhs: float) -> None:
+        """``eq`` of the terms ``zip(columns, coefs)`` where the caller knows them to be distinct
+        columns with non-zero float coefficients (no constant, nothing to sum): the same row, built
+        without ``_collect``'s pass (the ILP's linking rows, tens of thousands on a large mesh)."""
+        self.row_distinct(columns, coefs, rhs, rhs)
+
+    def row_distinct(self, columns: list[Var], coefs: list[float], lo: float, hi: float) -> None:
+        """``lo <= sum coefs * columns <= hi`` on distinct columns, non-zero float coefficients."""
+        self._row_cols.extend([v.index for v in columns])
+        self._row_vals.extend(coefs)
+        self._row_sizes.append(len(columns))
+        self.row_lower.append(lo)
+        self.row_upper.append(hi)
 
     def solve(
         self, solver: str, time_limit_s: float | None = None, node_limit: int | None = None
@@ -169,16 +209,16 @@ class Model:
         column), and the order; built once: a model is complete when it is first solved."""
         if self._built is not None:
             return self._built
-        n, m = len(self.names), len(self.rows)
+        n, m = len(self.names), self.num_constraints
         order = self._order()
         position = np.empty(n, dtype=np.int64)
         position[order] = np.arange(n)
         # the rows as coordinates, then compressed by column (rows ascending within a column: the
         # matrix PuLP's one-row-at-a-time addRow calls leave HiGHS with)
-        counts = np.fromiter((len(ix) for ix, _ in self.rows), dtype=np.int64, count=m)
+        counts = np.asarray(self._row_sizes, dtype=np.int64)
         row = np.repeat(np.arange(m, dtype=np.int64), counts)
-        col = position[np.fromiter((j for ix, _ in self.rows for j in ix), dtype=np.int64, count=row.size)]
-        val = np.fromiter((c for _, cs in self.rows for c in cs), dtype=np.float64, count=row.size)
+        col = position[np.asarray(self._row_cols, dtype=np.int64).reshape(row.size)]
+        val = np.asarray(self._row_vals, dtype=np.float64).reshape(row.size)
         by_col = np.lexsort((row, col))
         start = np.zeros(n + 1, dtype=np.int32)
         np.cumsum(np.bincount(col, minlength=n), out=start[1:])
@@ -295,12 +335,10 @@ def _collect(terms: Iterable[Term]) -> tuple[dict[Var, float], float]:
     constant node, nothing for None."""
     constant, coefs = 0.0, {}
     for var, coef in terms:
-        if var is None:
-            continue
-        if isinstance(var, int):
-            constant += coef * var
-        else:
+        if var.__class__ is Var:
             coefs[var] = coefs.get(var, 0.0) + coef
+        elif var is not None:
+            constant += coef * var
     return coefs, constant
 
 

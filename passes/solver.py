@@ -166,6 +166,13 @@ MIP_NODE_LIMIT = 1_000
 IPM_MEMORY_SHARE = 0.25
 
 
+def memory_binds(tables: CostTables, memory_limit_bytes: float) -> bool:
+    """Whether the memory rows likely bind: the memory lower bound is at least ``IPM_MEMORY_SHARE``
+    of the limit (the LP relaxation is then solved by the interior point method, and the search
+    solves the free candidates after the data-parallel ones: ``passes/search.py:explore``)."""
+    return lower_bound_bytes(tables) >= IPM_MEMORY_SHARE * memory_limit_bytes
+
+
 def solve(
     tables: CostTables,
     memory_limit_bytes: float,
@@ -398,22 +405,25 @@ def _solve(
                 prob.set_upper(y, 0)
     objective = [(x[v][s], c) for v, cs in lin_cost.items() for s, c in enumerate(cs) if c]
     z: dict[tuple, tuple[Var, float]] = {}  # (group, key) -> (z, cost of one reshard)
+    ids: dict = {}  # placement -> a number: keys compared as Edge.share_key's, hashed once each
     for e, ys in quad:
+        group = sharing.get(id(e))
+        key = _share_keys(e, ids) if group is not None else None
         for (a, b), y in ys.items():
             c = e.cost[a][b]
             if not c or not math.isfinite(c):
                 continue
-            key = e.share_key(a, b) if id(e) in sharing else None
-            if key is None:
+            k = key(a, b) if key is not None else None
+            if k is None:
                 objective.append((y, c))
                 continue
             # z >= y for every edge of the tensor that runs this reshard: paid once, at the max
-            k = (sharing[id(e)], key)
+            k = (group, k)
             if k not in z:
                 z[k] = (prob.var(f"z_{len(z)}", 0, 1), c)
             var, c0 = z[k]
             z[k] = (var, max(c0, c))
-            prob.ge([(var, 1), (y, -1)], 0)
+            prob.row_distinct([var, y], [1.0, -1.0], 0.0, math.inf)
     objective += list(z.values())
     g: dict[int, Var] = {}  # axis -> a bucket's fixed price is paid there
     for axis, coef, const in buckets:
@@ -426,8 +436,7 @@ def _solve(
 
     name = solver_name()
     if math.isfinite(cutoff) and name == "HiGHS" and not relax:
-        tight = lower_bound_bytes(tables) >= IPM_MEMORY_SHARE * memory_limit_bytes
-        lp = prob.relaxation(time_limit_s, ipm=tight)
+        lp = prob.relaxation(time_limit_s, ipm=memory_binds(tables, memory_limit_bytes))
         if lp.status == "Infeasible":
             return None  # no fractional plan fits: nor does an integral one
         if lp.has_solution and lp.objective > cutoff + PRUNE_RTOL * abs(cutoff):
@@ -503,8 +512,8 @@ def _node_vars(prob: Model, tables: CostTables, integer: bool = True) -> dict[st
         if len(ss) == 1:
             x[v] = [1]  # constant: no variable needed
             continue
-        x[v] = [prob.var(f"x_{i}_{s}", 0, 1, integer) for s in range(len(ss))]
-        prob.eq([(var, 1) for var in x[v]], 1)
+        x[v] = prob.vars([f"x_{i}_{s}" for s in range(len(ss))], 0, 1, integer)
+        prob.eq_distinct(x[v], [1.0] * len(ss), 1)
     return x
 
 
@@ -554,6 +563,23 @@ def _sharing_groups(edges: list[Edge]) -> dict[int, tuple[str, int]]:
     return {id(e): g for g, es in groups.items() if len(es) > 1 for e in es}
 
 
+def _share_keys(e: Edge, ids: dict):
+    """``e.share_key`` as a function of (a, b) over small numbers: each placement of the edge
+    numbered once in ``ids`` (equal placements, one number), so a key hashes ints, not placements
+    (the pairs' keys were a tenth of a large mesh's ILP build)."""
+    if not e.tensor or e.have is None or e.need is None:
+        return lambda a, b: None
+    have = [ids.setdefault(h, len(ids)) for h in e.have]
+    need = [(ids.setdefault(n, len(ids)), f) for n, f in e.need]
+    out = e.dst == "output"
+
+    def key(a: int, b: int) -> tuple | None:
+        h, (n, f) = have[a], need[a if out else b]
+        return None if h == n and not f else (h, n, f)
+
+    return key
+
+
 def _edge_vars(prob: Model, e: Edge, x: dict, tables: CostTables, by_key: bool = False) -> dict:
     """y over groups of identical rows and of identical columns of the edge's (cost, memory) tables:
     strategies that differ elsewhere often reshard this tensor alike (same output placement, same
@@ -571,16 +597,18 @@ def _edge_vars(prob: Model, e: Edge, x: dict, tables: CostTables, by_key: bool =
         sig = tuple(c[b] for c in columns)
         cols.setdefault(sig + ((e.need[b],) if by_key else ()), []).append(b)
     row_groups, col_groups = list(rows.values()), list(cols.values())
-    ys = {}
-    for g in row_groups:
-        for h in col_groups:
-            ys[(g[0], h[0])] = prob.var(f"y_{idx}_{g[0]}_{h[0]}", 0, 1)
-    for g in row_groups:
-        terms = [(ys[(g[0], h[0])], 1) for h in col_groups] + [(x[e.src][a], -1) for a in g]
-        prob.eq(terms, 0)
-    for h in col_groups:
-        terms = [(ys[(g[0], h[0])], 1) for g in row_groups] + [(x[e.dst][b], -1) for b in h]
-        prob.eq(terms, 0)
+    keys = [(g[0], h[0]) for g in row_groups for h in col_groups]
+    made = prob.vars([f"y_{idx}_{a}_{b}" for a, b in keys], 0, 1)
+    ys = dict(zip(keys, made))
+    # the linking rows (module docstring, (2)): y, then x, each column once (the groups partition
+    # the strategies), so built without summing terms
+    nc = len(col_groups)
+    xs, xd = x[e.src], x[e.dst]
+    for i, g in enumerate(row_groups):
+        prob.eq_distinct(made[i * nc : (i + 1) * nc] + [xs[a] for a in g], [1.0] * nc + [-1.0] * len(g), 0)
+    nr = len(row_groups)
+    for j, h in enumerate(col_groups):
+        prob.eq_distinct(made[j::nc] + [xd[b] for b in h], [1.0] * nr + [-1.0] * len(h), 0)
     return ys
 
 
