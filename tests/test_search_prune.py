@@ -207,3 +207,27 @@ def test_climb_solves_the_sharded_step_siblings_of_its_last_plan(monkeypatch):
         (Z2, Recompute.SELECTIVE),
     ]
     assert out.objective == 9.0
+
+
+def test_free_candidates_after_the_data_parallel_ones_where_memory_binds(monkeypatch):
+    """Under a memory limit that binds, the free candidates are solved after every data-parallel
+    one (their step prunes the free ILPs, the slowest solves under memory rows); the plan is the
+    one the search finds in the usual order."""
+    from autopar.passes import search as search_mod
+
+    model, inputs = llama_tiny(batch=8, seq=32)
+    cluster = autopar.ClusterSpec.preset("cpu", devices_per_node=4)
+    free = autopar.plan(model, cluster, inputs)
+    limit = 0.6 * free.predicted.peak_memory_bytes / (1 - cluster.memory_reserve)
+    deferred = autopar.plan(model, cluster, inputs, memory_limit_bytes=limit)
+    monkeypatch.setattr(search_mod, "memory_binds", lambda tables, limit: False)
+    usual = autopar.plan(model, cluster, inputs, memory_limit_bytes=limit)
+    assert deferred.mesh_shape == usual.mesh_shape and deferred.trades == usual.trades
+    assert deferred.predicted.step_time_s == pytest.approx(usual.predicted.step_time_s, rel=1e-9)
+
+    def order(plan):  # (mesh, free?) of each SPMD candidate, in the order they were tried
+        return [(tuple(c["mesh_shape"]), c.get("axis_roles") is None) for c in plan.solver.candidates]
+
+    first_free = order(deferred).index(((4,), True))
+    assert ((2, 2), False) in order(deferred)[:first_free]  # the (2, 2) data-parallel one came first
+    assert order(usual).index(((4,), True)) < order(usual).index(((2, 2), False))
