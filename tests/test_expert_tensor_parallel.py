@@ -19,7 +19,7 @@ from harness import T, free_link_cpu
 import autopar
 from autopar.kernels import moe  # noqa: F401  (registers autopar::moe_experts)
 from autopar.lowerings.experts import PackedSplit
-from autopar.placement import Shard, spec_from_str
+from autopar.placement import Shard, is_shard, spec_from_str
 from autopar.tools import validate
 from autopar.tools.validate import check_op
 
@@ -110,6 +110,24 @@ def test_packed_split_pieces_are_matching_gate_and_up_blocks(size, parts):
 def test_packed_split_needs_whole_halves():
     with pytest.raises(ValueError, match="matching gate and up halves"):
         PackedSplit(dim=1, parts=2).to_stored(torch.zeros(2, 6))  # I = 3 does not split in 2
+
+
+def test_a_packed_gate_up_read_by_another_op_is_not_split():
+    """The module can keep a packed weight permuted only where this op alone reads it."""
+    from autopar.passes.rules import make_ctx
+    from autopar.passes.rules.experts import experts_rule
+
+    node, _ = validate.one_node_graph(MOE, _args("packed", True))
+
+    def n_etp() -> int:
+        options = experts_rule(make_ctx(node))
+        return sum(any(is_shard(p) and p.dim != 0 for p in o.ins[3:]) for o in options)
+
+    assert n_etp() == 1
+    w = node.args[3]
+    with node.graph.inserting_after(node):
+        node.graph.call_function(torch.ops.aten.clone.default, (w,))  # a second reader
+    assert n_etp() == 0
 
 
 def _moe_plan(cluster):

@@ -58,6 +58,16 @@ def intermediate_dims(ctx: OpCtx) -> tuple[int, ...]:
     return (f_dim,) * (2 if separate_up else 1) + (i_dim,)
 
 
+def _storable(ctx: OpCtx) -> bool:
+    """Whether a split of ``w_in``'s intermediate dim can run: always for separate gate and up (or
+    no gate); for a packed gate-up ``w_in`` only where it is a parameter this op alone reads, which
+    the module can keep permuted (``PackedSplit``)."""
+    if not ctx.arg(7, "gated") or ctx.n_in == 6:
+        return True
+    w = ctx.node.args[3]
+    return getattr(w, "op", None) == "placeholder" and len(w.users) == 1
+
+
 def experts_rule(ctx: OpCtx) -> list[AxisOption]:
     tokens, experts = ctx.in_shapes[0][0], ctx.in_shapes[3][0]
     n_w = ctx.n_in - 3
@@ -69,7 +79,7 @@ def experts_rule(ctx: OpCtx) -> list[AxisOption]:
     if experts > 1 and _partial_ok(ctx):
         opts.append(AxisOption(P, (R, R, R) + (S0,) * n_w))
     dims = intermediate_dims(ctx)
-    if ctx.in_shapes[-1][dims[-1]] > 1 and _partial_ok(ctx):
+    if ctx.in_shapes[-1][dims[-1]] > 1 and _partial_ok(ctx) and _storable(ctx):
         opts.append(AxisOption(P, (R, R, R) + tuple(Shard(d) for d in dims)))  # expert tensor parallel
     return opts
 
