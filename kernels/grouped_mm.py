@@ -66,12 +66,26 @@ def _check(x: Tensor, w: Tensor, offs: Tensor) -> None:
         raise ValueError(f"grouped_mm: offs are cumulative row counts (int32), not {offs.dtype}")
 
 
-def _aligned(*tensors: Tensor) -> bool:
+def strides_aligned(*tensors: Tensor) -> bool:
+    """Whether ``torch._grouped_mm`` takes these operands' layouts: 16-byte aligned data, and of the
+    last two dims one of stride 1 with the other's stride a multiple of 16 bytes and at least the
+    first's size (a row- or column-major matrix), the batch stride of a 3-D operand aligned too.
+    Which dim is the unit-stride one is decided as PyTorch's check decides it (row-major first
+    where both could be): ``x [N, 1]`` has strides ``(1, 1)`` and is read row-major, its row stride
+    4 bytes, so it is refused although no dim of size > 1 has a stride but 1."""
     for t in tensors:
-        size = t.element_size()
-        if t.data_ptr() % ALIGN_BYTES:
+        align = ALIGN_BYTES // t.element_size()
+        if t.data_ptr() % ALIGN_BYTES or ALIGN_BYTES % t.element_size():
             return False
-        if any(s != 1 and (s * size) % ALIGN_BYTES for s, n in zip(t.stride(), t.shape) if n > 1):
+        rows, cols = t.stride()[-2:]
+        n_rows, n_cols = t.shape[-2:]
+        if cols == 1 and rows >= max(1, n_cols):
+            lead = rows
+        elif rows == 1 and cols >= max(1, n_rows):
+            lead = cols
+        else:
+            return False
+        if lead % align or (t.dim() == 3 and t.shape[0] > 1 and t.stride(0) % align):
             return False
     return True
 
@@ -100,7 +114,7 @@ def uses_fast_path(*tensors: Tensor) -> bool:
         backend() is not Backend.TORCH
         and first.dtype == tensors[1].dtype
         and fast_path_runs(first.device, first.dtype)
-        and _aligned(*tensors)
+        and strides_aligned(*tensors)
     )
 
 
