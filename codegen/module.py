@@ -428,7 +428,10 @@ class ParallelModule(torch.nn.Module):
     def load_optimizer_state_dict(self, optimizer: torch.optim.Optimizer, state_dict: dict) -> None:
         """Put a state dict from ``optimizer_state_dict`` (of this plan or any other, e.g. after
         ``dcp.load`` into this module's own) into ``optimizer``."""
-        S.load_optimizer_state_dict(optimizer, self._canonical_params(), state_dict)
+        # a packed weight kept permuted: its moments are in that order only in this plan's placements
+        S.load_optimizer_state_dict(
+            optimizer, self._canonical_params(), state_dict, exact=frozenset(self._stored)
+        )
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clip the gradients of the whole model as ``torch.nn.utils.clip_grad_norm_`` clips the

@@ -7,8 +7,8 @@ the module stores the weight permuted (``autopar/lowerings/experts.py:PackedSpli
 free (``harness.free_link_cpu``). Each rank's losses of 2 Adam steps and the full state after them
 equal the single-device model's (so the permuted order never leaks out of ``full_state_dict``);
 then a second module of the same plan loads that full state and gives it back, and loads its own
-sharded ``state_dict()`` in place; a ``DTensor`` of other placements for a permuted weight is an
-error, never read in the wrong order.
+sharded ``state_dict()`` in place, and its optimizer's state likewise; a ``DTensor`` of other
+placements for a permuted weight (or its moments) is an error, never read in the wrong order.
 """
 
 from __future__ import annotations
@@ -64,6 +64,22 @@ def _round_trip(pmodel, full: dict[str, torch.Tensor]) -> str:
             return f"unexpected error: {e}"
     else:
         return "a packed weight as a DTensor of other placements was loaded"
+    # the optimizer's moments of a permuted weight: its own state loads back, another layout's not
+    opt = pmodel.optimizer(torch.optim.Adam, lr=LR)
+    saved = pmodel.optimizer_state_dict(opt)
+    pmodel.load_optimizer_state_dict(opt, saved)
+    moment = saved["state"][packed]["exp_avg"]
+    whole = DTensor.from_local(
+        moment.full_tensor(), moment.device_mesh, [Replicate()] * moment.device_mesh.ndim
+    )
+    saved["state"][packed] = {**saved["state"][packed], "exp_avg": whole}
+    try:
+        pmodel.load_optimizer_state_dict(opt, saved)
+    except ValueError as e:
+        if "kept permuted" not in str(e):
+            return f"unexpected optimizer error: {e}"
+    else:
+        return "a packed weight's moment in other placements was loaded"
     return ""
 
 
