@@ -9,9 +9,10 @@ Rows (model, cluster, global batch in sequences of ``--seq`` tokens):
 * DeepSeek-V3 671B (61 layers, 3 dense, 256 routed experts, top 8, one shared; MLA attention) on
   256 and 2,048 H100;
 * the plain-torch MoE (``autopar/models/moe.py``) at Mixtral 8x7B's layer sizes, 2 layers, on 8
-  H100, free and forced on a 4 x 2 mesh (expert x tensor): its gate and up are separate tensors,
-  so expert tensor parallelism (``passes/rules/experts.py``) is open to it, where the Hugging Face
-  families' packed gate-up stacks keep each expert whole.
+  H100, free and forced on a 4 x 2 mesh (expert x tensor): its gate and up are separate tensors;
+* Mixtral 8x7B on 8 H100 forced on that 4 x 2 mesh: its packed gate-up stack split on its ``2I``
+  dim on the tensor axis (expert tensor parallelism, ``passes/rules/experts.py``, with the weight
+  stored permuted: ``autopar/lowerings/experts.py:PackedSplit``).
 
 Per row: the search's seconds, its mesh and axis roles, the MoE layers' layout (experts split over
 which axes, by all-to-all or as summands), pipeline and trades, the predicted step and peak, and
@@ -23,6 +24,7 @@ its MoE benchmarks to be.
     .venv/bin/python benchmarks/bench_moe.py                 # every row
     .venv/bin/python benchmarks/bench_moe.py --rows mixtral-8  # one row
     .venv/bin/python benchmarks/bench_moe.py --rows plain-mixtral-2l-8,plain-mixtral-2l-8-ep4xt2  # not in "every"
+    .venv/bin/python benchmarks/bench_moe.py --rows mixtral-8,mixtral-64,mixtral-8-ep4xt2
 """
 
 from __future__ import annotations
@@ -103,9 +105,16 @@ ROWS = {
         32,
         {"mesh_shape": (4, 2), "axis_roles": (autopar.AxisRole.EXPERT, autopar.AxisRole.TENSOR)},
     ),  # fmt: skip
+    "mixtral-8-ep4xt2": (
+        mixtral,
+        "h100-sxm",
+        1,
+        32,
+        {"mesh_shape": (4, 2), "axis_roles": (autopar.AxisRole.EXPERT, autopar.AxisRole.TENSOR)},
+    ),  # fmt: skip
 }
-# rows that are not published models: not run unless asked for by name
-EXTRA_ROWS = ("plain-mixtral-2l-8", "plain-mixtral-2l-8-ep4xt2")
+# rows that are not published models, or force a layout: not run unless asked for by name
+EXTRA_ROWS = ("plain-mixtral-2l-8", "plain-mixtral-2l-8-ep4xt2", "mixtral-8-ep4xt2")
 
 
 def active_params(model, cfg) -> tuple[float, float]:

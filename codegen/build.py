@@ -27,6 +27,7 @@ from autopar.codegen.module import ParallelModule
 from autopar.codegen.weights import StandIns
 from autopar.codegen.zero import apply_trades
 from autopar.errors import DistributedSetupError, PlanFormatError
+from autopar.lowerings.experts import packed_weights
 from autopar.passes.blocks import find_blocks
 from autopar.passes.costs import resolve_source
 from autopar.passes.grad_sync import deferred_grad_axes, grad_buckets
@@ -124,7 +125,10 @@ def build_parallel_module(
     # meta stand-ins, made real group by group (codegen/weights.py): a pipelined rank makes only
     # what its chunks read, ZeRO-2/3 one FSDP2 group at a time
     specs = {p.target: choice[p.name].out for p in tg.placeholders if p.role is not Role.INPUT}
-    state = StandIns(model, tg, specs, aliases, mesh, plan.mesh_shape, device, weights)
+    # packed gate-up weights split on their 2I dim, kept permuted (autopar/lowerings/experts.py)
+    packed = packed_weights(tg.graph, choice, plan.mesh_shape)
+    stored = {p.target: packed[p.name] for p in tg.placeholders if p.name in packed}
+    state = StandIns(model, tg, specs, aliases, mesh, plan.mesh_shape, device, weights, stored)
     state_specs = {t: (mangle(t), spec) for t, spec in specs.items()}
     deferred = deferred_grad_axes(tg, choice, plan.mesh_shape)
     outputs = Outputs(plan.outputs)
@@ -134,7 +138,7 @@ def build_parallel_module(
     )  # fmt: skip
     trades = getattr(plan, "trades", Trades())
     common = _module_kwargs(model, tg, plan, choice, inputs, outputs) | dict(
-        mesh=mesh, state_specs=state_specs, aliases=aliases, extra_state=extra, device=device
+        mesh=mesh, state_specs=state_specs, aliases=aliases, extra_state=extra, device=device, stored=stored
     )
     if full_mesh is not None:
         state.load(gm, _pipeline_targets(tg, plan, gm, full_mesh))  # only what this rank's chunks read

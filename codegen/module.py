@@ -73,6 +73,7 @@ from autopar.codegen.feeding import Feeding, InputsError
 from autopar.codegen.local_params import LocalLeaf
 from autopar.codegen.micro_batches import batch_size, split_batch
 from autopar.codegen.zero import AppliedTrades
+from autopar.lowerings.experts import PackedSplit
 from autopar.placement import Spec
 from autopar.plan_axes import split_axes
 
@@ -115,8 +116,12 @@ class ParallelModule(torch.nn.Module):
         batch_axes: Sequence[int | None] = (),
         arg_names: Sequence[str] = (),
         leaves: Sequence[LocalLeaf] = (),
+        stored: dict[str, PackedSplit] | None = None,
     ):
         super().__init__()
+        # canonical FQN -> the permuted order a packed gate-up weight is kept in (ETP on its 2I
+        # dim: autopar/lowerings/experts.py:PackedSplit); whole tensors cross in the model's order
+        self._stored = dict(stored or {})
         self.local = local
         self._leaves = list(leaves)  # the parameters' plain leaves (local_leaves)
         self.mesh = mesh
@@ -321,7 +326,7 @@ class ParallelModule(torch.nn.Module):
         keep = not rank0_only or dist.get_rank() == 0
         full = {}
         for fqn, (attr, spec) in self._state_specs.items():
-            t = full_tensor(getattr(self.local, attr).detach(), spec, self.mesh)
+            t = self._model_order(fqn, full_tensor(getattr(self.local, attr).detach(), spec, self.mesh))
             if keep:
                 full[fqn] = t.cpu() if cpu else t
         if not keep:
@@ -340,7 +345,36 @@ class ParallelModule(torch.nn.Module):
         for fqn, (attr, spec) in self._state_specs.items():
             p = getattr(self.local, attr)
             if isinstance(p, torch.nn.Parameter) and p.grad is not None:
-                out[fqn] = full_tensor(p.grad, spec, self.mesh)
+                out[fqn] = self._model_order(fqn, full_tensor(p.grad, spec, self.mesh))
+        return out
+
+    def _model_order(self, fqn: str, whole: torch.Tensor) -> torch.Tensor:
+        """``whole`` (state ``fqn`` gathered as the module keeps it) in the model's order."""
+        split = self._stored.get(fqn)
+        return whole if split is None else split.from_stored(whole)
+
+    def _stored_order(self, state_dict) -> dict:
+        """``state_dict`` (the model's names) with each whole packed gate-up weight the module keeps
+        permuted put in that order. A ``DTensor`` of one is taken as this module's own state
+        (``state_dict()``, the stored order) only in its placements: of other placements its order is
+        unknown, an error."""
+        if not self._stored:
+            return state_dict
+        out = dict(state_dict)
+        for name, fqn in self._aliases.items():
+            split, src = self._stored.get(fqn), state_dict.get(name)
+            if split is None or src is None:
+                continue
+            if isinstance(src, DTensor):
+                mine = getattr(self.local, self._state_specs[fqn][0])
+                if src.placements != mine.placements or src.device_mesh != mine.device_mesh:
+                    raise ValueError(
+                        f"load_state_dict: {name} is kept permuted (its gate and up halves split by expert tensor "
+                        "parallelism) and this DTensor has other placements: load a full_state_dict() (whole tensors) "
+                        "or this module's own state_dict()"
+                    )
+                continue
+            out[name] = split.to_stored(src)
         return out
 
     def _all_entered(self, call: str, fix: str) -> None:
@@ -381,7 +415,7 @@ class ParallelModule(torch.nn.Module):
         ``state_dict()`` reads in place, and nothing is left to copy)."""
         attrs = {fqn: attr for fqn, (attr, _) in self._state_specs.items()}
         missing, unexpected = S.load_model_state_dict(
-            self._state_tensors(), self._aliases, attrs, state_dict, strict
+            self._state_tensors(), self._aliases, attrs, self._stored_order(state_dict), strict
         )
         return S.IncompatibleKeys(missing, unexpected)
 
@@ -394,7 +428,10 @@ class ParallelModule(torch.nn.Module):
     def load_optimizer_state_dict(self, optimizer: torch.optim.Optimizer, state_dict: dict) -> None:
         """Put a state dict from ``optimizer_state_dict`` (of this plan or any other, e.g. after
         ``dcp.load`` into this module's own) into ``optimizer``."""
-        S.load_optimizer_state_dict(optimizer, self._canonical_params(), state_dict)
+        # a packed weight kept permuted: its moments are in that order only in this plan's placements
+        S.load_optimizer_state_dict(
+            optimizer, self._canonical_params(), state_dict, exact=frozenset(self._stored)
+        )
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clip the gradients of the whole model as ``torch.nn.utils.clip_grad_norm_`` clips the

@@ -398,11 +398,11 @@ class PipelinedModule(ParallelModule):
         for i, (fqn, (attr, spec)) in enumerate(self._state_specs.items()):
             owner = int(owners[i])
             if owner == self.plan.pipeline.stages:  # held by no chunk: every rank has its copy
-                full[fqn] = full_tensor(self._spare[attr].detach(), spec, self.mesh)
+                full[fqn] = self._model_order(fqn, full_tensor(self._spare[attr].detach(), spec, self.mesh))
                 continue
             mine = owner == self.pipe_rank
             t = full_tensor(held[attr].detach(), spec, self.mesh) if mine else None
-            full[fqn] = _broadcast_tensor(t, owner, self.pp_group, self._device)
+            full[fqn] = self._model_order(fqn, _broadcast_tensor(t, owner, self.pp_group, self._device))
         if rank0_only and dist.get_rank() != 0:
             return {}
         out = {}

@@ -99,6 +99,15 @@ def load_model_state_dict(
     return missing, unexpected
 
 
+def _same_layout(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Both ``DTensor``s on one mesh with one placement each axis (or both plain, of one shape)."""
+    if isinstance(a, DTensor) != isinstance(b, DTensor):
+        return False
+    if not isinstance(a, DTensor):
+        return a.shape == b.shape
+    return a.device_mesh == b.device_mesh and a.placements == b.placements
+
+
 def _assign(dst: torch.Tensor, src: torch.Tensor, name: str) -> None:
     if tuple(src.shape) != tuple(dst.shape):
         raise ValueError(
@@ -190,10 +199,13 @@ def optimizer_state_dict(opt, params: Iterable[tuple[str, torch.Tensor]]) -> dic
 
 
 @torch.no_grad()
-def load_optimizer_state_dict(opt, params: Iterable[tuple[str, torch.Tensor]], state_dict: dict) -> None:
+def load_optimizer_state_dict(
+    opt, params: Iterable[tuple[str, torch.Tensor]], state_dict: dict, exact: frozenset[str] = frozenset()
+) -> None:
     """Put ``state_dict`` (``optimizer_state_dict``'s layout) into ``opt``: each state tensor
     copied into the optimizer's own (resharded where its placements differ), the groups'
-    hyperparameters set."""
+    hyperparameters set. ``exact``: parameters whose state must come in the optimizer's own
+    placements (a weight the module keeps permuted: another plan's would be in another order)."""
     _make_state(opt)
     names = _names(opt, params)
     for name, t in zip(names, _stepped(opt)):
@@ -205,6 +217,12 @@ def load_optimizer_state_dict(opt, params: Iterable[tuple[str, torch.Tensor]], s
             if k not in mine or not isinstance(v, torch.Tensor):
                 mine[k] = v
             elif v is not mine[k] and _local(v) is not _local(mine[k]):
+                if name in exact and mine[k].dim() and not _same_layout(v, mine[k]):
+                    raise ValueError(
+                        f"load_optimizer_state_dict: {name}.{k} belongs to a weight kept permuted (its gate and up "
+                        "halves split by expert tensor parallelism): only state saved by a module of this plan "
+                        "(optimizer_state_dict()) is in that order"
+                    )
                 _assign(mine[k], v, f"optimizer state {name}.{k}")
     saved_groups = state_dict["param_groups"]
     if len(saved_groups) != len(opt.param_groups):

@@ -45,6 +45,7 @@ from torch.distributed.tensor import DTensor
 from autopar.codegen.initialize import Initializer, unset
 from autopar.codegen.lower import mangle
 from autopar.errors import AutoparError
+from autopar.lowerings.experts import PackedSplit
 from autopar.passes.trace import Role
 from autopar.placement import Spec, is_shard, local_shape
 
@@ -199,9 +200,13 @@ class StateLoader:
         mesh: DeviceMesh,
         device: torch.device,
         weights=None,
+        stored: dict[str, PackedSplit] | None = None,
     ):
         self.model, self.state, self.specs, self.names = model, state, specs, names
         self.mesh, self.device = mesh, device
+        # packed gate-up weights kept permuted (autopar/lowerings/experts.py:PackedSplit): their
+        # pieces are cut from the whole tensor in stored order, so it is read whole
+        self.stored = stored or {}
         self.source = _source(weights, device)  # collective for Rank0Weights: every rank builds it
         self.held = self.source.names() if self.source is not None else set()
         self._init: Initializer | None = None
@@ -218,19 +223,26 @@ class StateLoader:
             found = next((n for n in self.names.get(target, [target]) if n in self.held), None)
             if found is not None:
                 if target in keep or collective:
-                    piece = self.source.read(found, piece_slices(full.shape, spec, self.mesh), full.shape)
+                    if target in self.stored:
+                        piece = self._piece(target, self.source.read(found, (), full.shape))
+                    else:
+                        piece = self.source.read(found, piece_slices(full.shape, spec, self.mesh), full.shape)
                     if target in keep:
                         out[target] = piece.to(device=self.device, dtype=full.dtype).contiguous()
             elif not full.is_meta:
                 if target in keep:
-                    out[target] = (
-                        full.detach()[piece_slices(full.shape, spec, self.mesh)].to(self.device).clone()
-                    )
+                    out[target] = self._piece(target, full.detach()).to(self.device).clone()
             elif target in keep:
                 missing.append(target)
         if missing:
             out.update(self._initialized(missing))
         return out
+
+    def _piece(self, target: str, whole: torch.Tensor) -> torch.Tensor:
+        """This rank's piece of ``whole`` (the model's tensor ``target``), in stored order."""
+        if target in self.stored:
+            whole = self.stored[target].to_stored(whole)
+        return whole[piece_slices(whole.shape, self.specs[target], self.mesh)]
 
     def _initialized(self, missing: list[str]) -> dict[str, torch.Tensor]:
         params = {n for n, _ in self.model.named_parameters()}
@@ -254,7 +266,7 @@ class StateLoader:
                     "_init_weights, or reset_parameters()): pass weights= (a checkpoint), build the model on a real "
                     "device, or give its module a reset_parameters()"
                 )
-            out[target] = whole.detach()[piece_slices(whole.shape, self.specs[target], self.mesh)].clone()
+            out[target] = self._piece(target, whole.detach()).clone()
         lost = [t for t in missing if t not in out]
         if lost:
             raise WeightsError(
@@ -269,7 +281,16 @@ class StandIns:
     ``load(module)``, which makes real, in place, the stand-ins registered in ``module``."""
 
     def __init__(
-        self, model, tg, specs: dict[str, Spec], aliases: dict[str, str], mesh, mesh_shape, device, weights
+        self,
+        model,
+        tg,
+        specs: dict[str, Spec],
+        aliases: dict[str, str],
+        mesh,
+        mesh_shape,
+        device,
+        weights,
+        stored: dict[str, PackedSplit] | None = None,
     ):
         self._tg, self._specs, self._mesh = tg, specs, mesh
         self._roles = {p.target: p.role for p in tg.placeholders}
@@ -285,7 +306,7 @@ class StandIns:
             tied.setdefault(fqn, [fqn])
             if name != fqn:
                 tied[fqn].append(name)
-        self._loader = StateLoader(model, tg.state, specs, tied, mesh, device, weights)
+        self._loader = StateLoader(model, tg.state, specs, tied, mesh, device, weights, stored)
 
     def _state(self, piece: torch.Tensor, target: str) -> torch.Tensor:
         """``piece`` as the module holds it: a ``DTensor`` of the plan's placement (a

@@ -3,8 +3,9 @@ intermediate dim on an axis, tokens whole there, the output a summand.
 
 Its strategies compute the op on real values (forward and backward, every rank simulated:
 ``autopar.tools.validate``), with gate and up separate or no gate, stored transposed or not, alone
-and beside the other options on a second axis. A packed gate-up stack gets no such option (a split
-of its ``2I`` dim would not give each rank matching halves). The search takes it where it pays: on
+and beside the other options on a second axis. A packed gate-up stack is split on its ``2I`` dim
+from the order the module stores it in (``PackedSplit``: each piece a gate block and the matching
+up block). The search takes it where it pays: on
 a link priced free the plain MoE's experts split on the tensor axis; on loopback gloo's ~1 ms per
 collective they stay whole there.
 """
@@ -17,7 +18,9 @@ from harness import T, free_link_cpu
 
 import autopar
 from autopar.kernels import moe  # noqa: F401  (registers autopar::moe_experts)
-from autopar.placement import Shard, spec_from_str
+from autopar.lowerings.experts import PackedSplit
+from autopar.placement import Shard, is_shard, spec_from_str
+from autopar.tools import validate
 from autopar.tools.validate import check_op
 
 MOE = torch.ops.autopar.moe_experts.default
@@ -69,10 +72,62 @@ def test_expert_tensor_parallel_strategies_compute_the_op(layout, transposed, me
         assert r.ok, (r.strategy, r.detail)
 
 
-def test_a_packed_gate_up_stack_is_not_split_on_its_intermediate_dim():
-    for transposed in (False, True):
-        results = check_op(MOE, _args("packed", transposed), None, (2,))
-        assert results and not [r.strategy for r in results if _etp(r.strategy, 2)]
+@pytest.mark.parametrize("mesh", [(2,), (4,), (2, 2)], ids=str)
+@pytest.mark.parametrize("transposed", [False, True], ids=str)
+def test_a_packed_gate_up_stack_split_on_its_intermediate_dim_computes_the_op(transposed, mesh):
+    """The packed ``w_in`` cut from its stored order (``PackedSplit``): each rank a gate block and
+    the matching up block."""
+    results = check_op(MOE, _args("packed", transposed), None, mesh)
+    etp = [r for r in results if _etp(r.strategy, 2)]
+    assert len(etp) == (1 if len(mesh) == 1 else 8), [r.strategy for r in results]
+    plain = [r for r in etp if not _experts_split(r.strategy)]
+    assert plain
+    for r in plain:
+        assert r.ok and not r.skipped, (r.strategy, r.detail)
+
+
+def test_a_packed_gate_up_stack_cut_in_the_models_order_is_wrong(monkeypatch):
+    """Without the stored order the same strategy fails: what ``PackedSplit`` is for."""
+    monkeypatch.setattr(validate, "packed_split", lambda *a: None)
+    results = check_op(MOE, _args("packed", True), None, (2,))
+    etp = [r for r in results if _etp(r.strategy, 2)]
+    assert etp and not any(r.ok for r in etp)
+
+
+@pytest.mark.parametrize("size,parts", [(8, 2), (8, 4), (12, 3), (2, 1)])
+def test_packed_split_pieces_are_matching_gate_and_up_blocks(size, parts):
+    w = torch.arange(3 * size).view(3, size)  # [E, 2I] rows numbered: gate 0..I-1, up I..2I-1
+    split = PackedSplit(dim=1, parts=parts)
+    stored = split.to_stored(w)
+    half, block = size // 2, size // (2 * parts)
+    for c, piece in enumerate(stored.chunk(parts, dim=1)):
+        gate, up = piece.chunk(2, dim=1)
+        assert torch.equal(gate, w[:, c * block : (c + 1) * block])
+        assert torch.equal(up, w[:, half + c * block : half + (c + 1) * block])
+    assert torch.equal(split.from_stored(stored), w)
+
+
+def test_packed_split_needs_whole_halves():
+    with pytest.raises(ValueError, match="matching gate and up halves"):
+        PackedSplit(dim=1, parts=2).to_stored(torch.zeros(2, 6))  # I = 3 does not split in 2
+
+
+def test_a_packed_gate_up_read_by_another_op_is_not_split():
+    """The module can keep a packed weight permuted only where this op alone reads it."""
+    from autopar.passes.rules import make_ctx
+    from autopar.passes.rules.experts import experts_rule
+
+    node, _ = validate.one_node_graph(MOE, _args("packed", True))
+
+    def n_etp() -> int:
+        options = experts_rule(make_ctx(node))
+        return sum(any(is_shard(p) and p.dim != 0 for p in o.ins[3:]) for o in options)
+
+    assert n_etp() == 1
+    w = node.args[3]
+    with node.graph.inserting_after(node):
+        node.graph.call_function(torch.ops.aten.clone.default, (w,))  # a second reader
+    assert n_etp() == 0
 
 
 def _moe_plan(cluster):

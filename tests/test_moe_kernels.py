@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 from torch.utils.flop_counter import FlopCounterMode
 
 from autopar.kernels.dispatch import ENV
-from autopar.kernels.grouped_mm import fast_path_runs, uses_fast_path
+from autopar.kernels.grouped_mm import fast_path_runs, strides_aligned, uses_fast_path
 from autopar.kernels.moe import Act
 
 grouped_mm = torch.ops.autopar.grouped_mm
@@ -87,6 +87,29 @@ def test_grouped_mm_both_paths_on_aligned_float32(backend, monkeypatch):
     for a, b in zip(got, ref):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
     assert not got[1][1].any()  # the empty group's weight gradient is zero
+
+
+@settings(max_examples=40)
+@given(
+    k=st.integers(1, 9),
+    m=st.integers(1, 9),
+    w_transposed=st.booleans(),
+    x_transposed=st.booleans(),
+)
+def test_the_fast_path_takes_only_layouts_torch_grouped_mm_runs(k, m, w_transposed, x_transposed):
+    """``strides_aligned`` against ``torch._grouped_mm`` itself (where this build runs it on CPU): every
+    layout it accepts runs (``x [N, 1]``, strides ``(1, 1)``, was accepted and raised)."""
+    if not fast_path_runs(torch.device("cpu"), torch.float32):
+        pytest.skip("torch._grouped_mm does not run on CPU float32 in this build")
+    x = torch.randn(k, 6).t() if x_transposed else torch.randn(6, k)
+    base = torch.randn(2, m, k) if w_transposed else torch.randn(2, k, m)
+    w = base.transpose(-2, -1) if w_transposed else base
+    offs = torch.tensor([2, 5], dtype=torch.int32)
+    if strides_aligned(x, w):
+        torch._grouped_mm(x, w, offs=offs)  # raises where the check let a layout through wrongly
+    if strides_aligned(x.t(), torch.randn(6, m)):  # the weight gradient's operands
+        torch._grouped_mm(x.t(), torch.randn(6, m), offs=torch.tensor([2, 6], dtype=torch.int32))
+    assert strides_aligned(torch.randn(6, 4), torch.randn(2, 4, 8))  # a 16-byte aligned pair is taken
 
 
 def test_grouped_mm_gradcheck():

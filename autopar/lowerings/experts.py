@@ -1,4 +1,4 @@
-"""The mixture-of-experts op (``autopar::moe_experts``) with its experts split over a mesh axis.
+r"""The mixture-of-experts op (``autopar::moe_experts``) with its experts split over a mesh axis.
 
 ``expert_all_to_all`` (``ExpertDispatch.ALL_TO_ALL``, ``codegen/experts.py:expert_parallel``):
 tokens and experts split on axis ``a`` of ``n`` ranks. Forward: the counts of (token, expert)
@@ -15,16 +15,37 @@ Routing is priced balanced unless the search says otherwise (``SearchOptions.exp
 on the node: ``passes/experts.py:mark_skew``): the busiest rank's experts get ``skew`` times the
 balanced ``T k / n`` pairs, so its all-to-alls move ``skew`` times the rows and its experts' matmuls
 take ``skew`` times as long (``LoweringPlan.work``), under either lowering.
+
+``packed_split`` / ``PackedSplit``: expert tensor parallelism of a packed gate-up stack (Hugging
+Face's ``gate_up_proj``, ``[E, 2I, H]`` or ``[E, H, 2I]``: the gate's ``I`` rows, then the up's). A
+``Shard`` of its ``2I`` dim in ``n`` pieces is right only where piece ``c`` holds the gate's block
+``c`` and the up's block ``c`` together. So the parallel module stores that weight permuted, as
+
+.. math::
+
+    \mathrm{stored} = [\,g_0;\ u_0;\ g_1;\ u_1;\ \dots;\ g_{n-1};\ u_{n-1}\,],\qquad
+    g_c = \mathrm{gate}[cI/n : (c+1)I/n],\ u_c = \mathrm{up}[cI/n : (c+1)I/n]
+
+on that dim (``PackedSplit.to_stored``), and every placement the plan gives the weight is one of
+the stored tensor: ``Shard`` cuts it into the ``[g_c; u_c]`` the op's ``chunk(2)`` reads as a gate
+and an up of ``I/n`` rows each (the op itself on the local shards, no collective), and a reshard of
+it (Replicate to Shard) slices the same pieces. Whole tensors cross the module's boundary in the
+model's order: its pieces are cut from the stored order (``codegen/weights.py``), and
+``full_state_dict``, ``full_grads`` and ``load_state_dict`` undo and redo the permutation
+(``PackedSplit.from_stored``); a sharded ``state_dict()`` (for ``torch.distributed.checkpoint``)
+holds the stored order. The permutation is a fixed gather on one dim: nothing at run time.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.fx as fx
 
 from autopar.kernels import moe  # noqa: F401  (registers autopar::moe_experts)
 from autopar.lowerings import Collective, Lowering, LoweringCall, LoweringPlan, Phase, register
-from autopar.placement import ExpertDispatch, is_replicate, is_shard, volume_factor
+from autopar.placement import ExpertDispatch, is_replicate, is_shard, shard_factor, volume_factor
 
 # the busiest rank's share of the pairs over a balanced share, where the search marks none
 SKEW = 1.0
@@ -73,3 +94,74 @@ def _local(node: fx.Node, s, mesh_shape: tuple[int, ...]) -> LoweringPlan | None
 MOE = torch.ops.autopar.moe_experts.default
 EXPERT_ALL_TO_ALL = register(Lowering("expert_all_to_all", (MOE,), _all_to_all))
 LOCAL_EXPERTS = register(Lowering("local_experts", (MOE,), _local))
+
+
+PACKED_INPUT = 3  # w_in: the op's tensor input a PackedSplit applies to
+
+
+@dataclass(frozen=True)
+class PackedSplit:
+    """A packed gate-up weight stored for a split of its ``2I`` dim ``dim`` in ``parts`` pieces
+    (module docstring): piece ``c`` of the stored tensor is the gate's block ``c``, then the up's."""
+
+    dim: int
+    parts: int
+
+    def __post_init__(self):
+        if self.parts < 1:
+            raise ValueError(f"PackedSplit: parts={self.parts} must be at least 1")
+
+    def index(self, size: int, device=None) -> torch.Tensor:
+        """``stored = whole.index_select(dim, index)``: the model's rows in stored order."""
+        if size % (2 * self.parts):
+            raise ValueError(
+                f"a packed gate-up dim of {size} rows does not split into {self.parts} pieces of matching "
+                "gate and up halves: use a mesh axis that divides the experts' intermediate size"
+            )
+        block = size // (2 * self.parts)
+        rows = torch.arange(size, device=device).view(2, self.parts, block)  # [gate | up][piece][row]
+        return rows.transpose(0, 1).reshape(size)
+
+    def to_stored(self, whole: torch.Tensor) -> torch.Tensor:
+        d = self.dim % whole.dim()
+        return whole.index_select(d, self.index(whole.shape[d], whole.device))
+
+    def from_stored(self, stored: torch.Tensor) -> torch.Tensor:
+        d = self.dim % stored.dim()
+        return stored.index_select(d, torch.argsort(self.index(stored.shape[d], stored.device)))
+
+
+def packed_split(node: fx.Node, s, mesh_shape) -> PackedSplit | None:
+    """The stored layout of the packed gate-up weight (``w_in`` of a gated op without ``w_up``)
+    that strategy ``s`` of MoE node ``node`` splits on its ``2I`` dim; None where it does not."""
+    if node.target is not MOE:
+        return None
+    gated, w_up, transposed = node.args[7], node.args[4], node.args[8]
+    if not gated or w_up is not None:
+        return None
+    dim = 1 if transposed else 2
+    parts = shard_factor(s.ins[3], mesh_shape, dim)
+    return PackedSplit(dim, parts) if parts > 1 else None
+
+
+def packed_weights(graph: fx.Graph, choice: dict, mesh_shape) -> dict[str, PackedSplit]:
+    """Placeholder name -> stored layout, of every packed gate-up weight that ``choice`` (node name
+    -> strategy) splits on its ``2I`` dim. A weight read by anything but that one MoE op would see
+    the stored order where it expects the model's: an error."""
+    out: dict[str, PackedSplit] = {}
+    for n in graph.nodes:
+        split = (
+            packed_split(n, choice[n.name], mesh_shape)
+            if n.op == "call_function" and n.name in choice
+            else None
+        )
+        if split is None:
+            continue
+        w = n.args[3]
+        if getattr(w, "op", None) != "placeholder" or len(w.users) != 1:
+            raise ValueError(
+                f"{n.name}: its packed gate-up weight {w} is split on its 2I dim, which needs it to be a parameter "
+                "read by this MoE op alone (it is stored permuted): plan with the experts whole on that axis"
+            )
+        out[w.name] = split
+    return out

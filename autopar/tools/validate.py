@@ -66,6 +66,7 @@ import torch.fx as fx
 import torch.utils._pytree as pytree
 
 from autopar.errors import DistributedSetupError
+from autopar.lowerings.experts import PACKED_INPUT, packed_split
 from autopar.passes.rules import RULES, map_args, tensor_inputs, written_inputs
 from autopar.passes.strategies import Strategy, axis_options, expand, grid_strategies
 from autopar.passes.trace import Role, TracedGraph, normalize_inputs
@@ -228,10 +229,13 @@ def check_strategy(
     if out_dtype.is_floating_point:
         tol = max(tol, max(_tolerance(x.dtype) for x in globals_) if globals_ else tol)
 
-    # every rank's local inputs
+    # every rank's local inputs; a packed gate-up weight split on its 2I dim is cut from the
+    # order the parallel module stores it in (autopar/lowerings/experts.py:PackedSplit)
+    packed = packed_split(node, strategy, mesh_shape)
+    stored = {PACKED_INPUT: packed} if packed is not None else {}
     local_inputs: list[list[torch.Tensor]] = []
-    for x, spec, f in zip(globals_, strategy.ins, floating):
-        pieces = _distribute(x, spec, mesh_shape, gen)
+    for k, (x, spec, f) in enumerate(zip(globals_, strategy.ins, floating)):
+        pieces = _distribute(stored[k].to_stored(x) if k in stored else x, spec, mesh_shape, gen)
         local_inputs.append([pieces[c].contiguous().clone().requires_grad_(f and backward) for c in coords])
 
     try:
@@ -294,6 +298,8 @@ def check_strategy(
                     for c, li in zip(coords, local_inputs[k])
                 }
                 got, spread = _assemble(gpieces, spec, mesh_shape, grad_conv=True)
+                if k in stored:
+                    got = stored[k].from_stored(got)
                 e = _max_err(got, ref)
                 if (e > tol or spread > tol) and not detail:
                     detail = (

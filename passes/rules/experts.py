@@ -19,11 +19,12 @@ Inputs: tokens ``x [T, H]``, router weights and ids ``[T, k]``, then the experts
   That is the op itself on the local shards (its operands' shapes stay consistent: ``F_r = I_r``),
   so it needs no lowering and issues nothing inside: the Partial output is reduced by the reshard
   that reads it, and the Replicate inputs' gradients by their "f", both priced as reshards; the
-  work divides by the axis (``Strategy.work_divisor``). Offered only where gate and up are separate
-  tensors (or there is no gate): a packed ``[.., 2I, ..]`` gate-up stack split on its ``2I`` dim
-  would give rank 0 gate rows only and the last rank up rows only, not matching halves of each,
-  so packed layouts (Hugging Face's Mixtral, Qwen-MoE, DeepSeek-V3 ``gate_up_proj``) keep their
-  experts whole or split on ``E`` on every axis.
+  work divides by the axis (``Strategy.work_divisor``). A packed ``[.., 2I, ..]`` gate-up stack
+  (Hugging Face's Mixtral, Qwen-MoE, DeepSeek-V3 ``gate_up_proj``) is split on its ``2I`` dim the
+  same way, its pieces each a gate block and the matching up block: the module stores that weight
+  permuted so that a plain ``Shard`` cuts such pieces (``autopar/lowerings/experts.py:
+  PackedSplit``). Its pieces are whole halves wherever the option applies: ``w_out``'s ``I`` dim
+  is split on the same axis, and splits only evenly.
 
 With ``E`` split on one axis and ``I`` on another, each rank holds one block of ``I`` of its
 experts: expert parallel over the first axis by all-to-all (tokens whole on the second), each
@@ -48,17 +49,23 @@ S0 = Shard(0)
 MOE = torch.ops.autopar.moe_experts.default
 
 
-def intermediate_dims(ctx: OpCtx) -> tuple[int, ...] | None:
+def intermediate_dims(ctx: OpCtx) -> tuple[int, ...]:
     """The dim of each expert weight (``w_in``, ``w_up`` where given, ``w_out``) that holds the
-    experts' intermediate size ``I``: what expert tensor parallelism splits. None where ``w_in``
-    packs gate and up (``gated`` without ``w_up``): split on its ``2I`` dim, a rank's rows would not
-    be matching halves of gate and up (module docstring)."""
-    gated, transposed = ctx.arg(7, "gated"), ctx.arg(8, "transposed")
+    experts' intermediate size ``I`` (``2I`` for a packed gate-up ``w_in``): what expert tensor
+    parallelism splits."""
     separate_up = ctx.n_in == 6
-    if gated and not separate_up:
-        return None
-    f_dim, i_dim = (1, 2) if transposed else (2, 1)
+    f_dim, i_dim = (1, 2) if ctx.arg(8, "transposed") else (2, 1)
     return (f_dim,) * (2 if separate_up else 1) + (i_dim,)
+
+
+def _storable(ctx: OpCtx) -> bool:
+    """Whether a split of ``w_in``'s intermediate dim can run: always for separate gate and up (or
+    no gate); for a packed gate-up ``w_in`` only where it is a parameter this op alone reads, which
+    the module can keep permuted (``PackedSplit``)."""
+    if not ctx.arg(7, "gated") or ctx.n_in == 6:
+        return True
+    w = ctx.node.args[3]
+    return getattr(w, "op", None) == "placeholder" and len(w.users) == 1
 
 
 def experts_rule(ctx: OpCtx) -> list[AxisOption]:
@@ -72,7 +79,7 @@ def experts_rule(ctx: OpCtx) -> list[AxisOption]:
     if experts > 1 and _partial_ok(ctx):
         opts.append(AxisOption(P, (R, R, R) + (S0,) * n_w))
     dims = intermediate_dims(ctx)
-    if dims is not None and ctx.in_shapes[-1][dims[-1]] > 1 and _partial_ok(ctx):
+    if ctx.in_shapes[-1][dims[-1]] > 1 and _partial_ok(ctx) and _storable(ctx):
         opts.append(AxisOption(P, (R, R, R) + tuple(Shard(d) for d in dims)))  # expert tensor parallel
     return opts
 
