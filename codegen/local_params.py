@@ -17,6 +17,11 @@ registers its hooks on the parameter, and on its leaf one hook that replaces ``_
 (``LocalLeaf.take_over``: it writes the gradient into its bucket's buffer), so its reductions see
 the gradient whichever of the two the forward read.
 
+Under ZeRO 2 and 3 the parameters the graph reads are FSDP2's gathered ones, set on the modules
+by FSDP2's pre-forward hook: each FSDP2 group's pre-hook after it gives those their leaves
+(``codegen/zero.py:_gathered_leaves``), and the gradient moves to the gathered parameter's
+``.grad``, which FSDP2 reduce-scatters.
+
 ``ParallelModule.forward`` calls ``refresh`` on each leaf before the graph runs: a leaf whose
 parameter's piece was replaced (``p.data = ...``, a load that assigns) or whose ``requires_grad``
 changed is rebuilt with its hooks, and ``active`` follows ``ParallelModule.local_leaves``. With
