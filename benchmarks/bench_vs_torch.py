@@ -21,7 +21,10 @@ pp         ``pipeline_stages=2``, ``(w/2,)``,            ``PipelineStage`` per h
            ``--schedule``, ``--micro-batches``           autopar's plan cuts, the same schedule
 =========  ============================================  ==========================================
 
-Each side's first step (fresh weights) must compute the same loss as the other's (rtol 1e-4);
+Feeding: under data parallelism each rank of both sides is given its own rows of the batch
+(``--feed slices``, the default; ``ParallelModule.data_rank``), as ``DistributedDataParallel``
+and FSDP2 are fed; ``--feed whole`` gives autopar the whole batch on every rank, which its module
+slices each step. Each side's first step (fresh weights) must compute the same loss as the other's (rtol 1e-4);
 a mismatch is printed as such and not timed (a ratio between different computations means
 nothing). Then ``--rounds`` interleaved rounds (after one untimed round), the order alternating
 per round, each side one untimed step and then ``--steps`` timed steps; a round's time per step
@@ -95,11 +98,14 @@ def first_line(tb: str) -> str:
 # ----------------------------------------------------------------------------------------- ranks
 
 
-def _autopar_runner(name, size, world, path, optimizer) -> refs.Runner:
+def _autopar_runner(name, size, world, path, optimizer, feed: str = "slices") -> refs.Runner:
     model, inputs = refs.build(name, size)
     cluster = autopar.ClusterSpec.preset("cpu", devices_per_node=world)
     pm = autopar.autoparallelize(model, cluster, inputs, plan=path)
     opt = pm.optimizer(refs.optimizer_class(optimizer), lr=refs.LR)
+    if feed == "slices" and pm.data_world > 1 and not pm.plan.pipeline.enabled:
+        # each data-parallel rank its own rows, as the references are fed (module docstring)
+        inputs = refs._rows(inputs, pm.data_rank, pm.data_world)
     if pm.plan.pipeline.enabled:
 
         def step():
@@ -130,23 +136,33 @@ def _time(runners: dict, rounds: int, steps: int) -> dict[str, list[float]]:
     return times
 
 
-def compare_once(name, size, layout, world, path, optimizer, cut, schedule, k) -> dict:
+def compare_once(name, size, layout, world, path, optimizer, cut, schedule, k, feed: str = "slices") -> dict:
     """Both sides built, the first step's losses (whole batch): {"autopar", "reference"} runners
     and losses, or {"na": why}."""
     ref = refs.reference(layout, name, size, optimizer, cut=cut, schedule=schedule, k=k)
     if isinstance(ref, str):
         return {"na": f"reference: {ref}"}
-    ours = _autopar_runner(name, size, world, path, optimizer)
+    ours = _autopar_runner(name, size, world, path, optimizer, feed)
     losses = (ours.global_loss(ours.step()), ref.global_loss(ref.step()))
     return {"runners": {"autopar": ours, "reference": ref}, "losses": losses}
 
 
-def _rank(rank: int, world: int, jobs: list, optimizer: str, rounds: int, steps: int, schedule: str, k: int):
+def _rank(
+    rank: int,
+    world: int,
+    jobs: list,
+    optimizer: str,
+    rounds: int,
+    steps: int,
+    schedule: str,
+    k: int,
+    feed: str,
+):
     results = {}
     for key, path, cut in jobs:
         name, size, layout = key
         try:
-            got = compare_once(name, size, layout, world, path, optimizer, cut, schedule, k)
+            got = compare_once(name, size, layout, world, path, optimizer, cut, schedule, k, feed)
             if "na" in got:
                 results[key] = got
                 continue
@@ -239,6 +255,13 @@ def main() -> None:
     ap.add_argument("--optimizer", choices=("adam", "sgd"), default="adam")
     ap.add_argument("--schedule", choices=("gpipe", "1f1b"), default="1f1b")
     ap.add_argument("--micro-batches", type=int, default=4)
+    ap.add_argument(
+        "--feed",
+        choices=("slices", "whole"),
+        default="slices",
+        help="autopar's data-parallel ranks are fed their own rows, as the references are (slices), "
+        "or the whole batch, which the module slices (whole)",
+    )
     ap.add_argument("--quick", action="store_true", help="smoke run: tiny sizes, 2 rounds of 2 steps")
     ap.add_argument("--timeout", type=float, default=3600.0, help="seconds for one world's spawn")
     args = ap.parse_args()
@@ -264,7 +287,7 @@ def main() -> None:
             print(f"world {world}: planned {len(jobs)} in {time.perf_counter() - t0:.0f} s", flush=True)
             try:
                 per_rank = run_on_ranks(
-                    _rank, world, jobs, args.optimizer, args.rounds, args.steps, args.schedule, k,
+                    _rank, world, jobs, args.optimizer, args.rounds, args.steps, args.schedule, k, args.feed,
                     timeout_s=args.timeout,
                 )  # fmt: skip
                 results = {key: merged([r[key] for r in per_rank]) for key, _, _ in jobs}
@@ -280,7 +303,8 @@ def main() -> None:
                             errors.append((key, world, results[key]["error"]))
                         rows.append((name, size, layout, world, REFERENCE[layout], *got))
     print(
-        f"\ntorch {torch.__version__}, gloo on CPU, {args.optimizer}, {args.rounds} rounds of {args.steps} steps; "
+        f"\ntorch {torch.__version__}, gloo on CPU, {args.optimizer}, {args.rounds} rounds of {args.steps} steps, "
+        f"autopar fed {args.feed}; "
         f"pp: {args.schedule}, {k} micro-batches. ratio: autopar / reference, median (least-greatest per round)\n"
     )
     print("| model | size | layout | world | reference | autopar ms | reference ms | ratio |")

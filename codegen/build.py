@@ -155,8 +155,9 @@ def build_parallel_module(
     zero = apply_trades(getattr(plan, "trades", None), gm, mesh, tg, deferred, state.load)
     buckets = grad_buckets(tg, choice, zero.bucketed(deferred), plan.mesh_shape)
     # the plain leaves the forward computes on (codegen/local_params.py); FSDP2's parameters are
-    # gathered into tensors of its own before each forward, so under ZeRO 2 and 3 none
-    leaves = attach_leaves(gm.parameters()) if trades.zero_stage < ZeroStage.GRADIENTS else []
+    # gathered into tensors of its own before each forward, so under ZeRO 2 and 3 those get
+    # theirs as FSDP2 gathers them (codegen/zero.py:_gathered_leaves); those FSDP2 leaves alone, here
+    leaves = attach_leaves(gm.parameters() if trades.zero_stage < ZeroStage.GRADIENTS else zero.ignored)
     # the parameters as the module holds them now (the pieces made after lowering, FSDP2's shards)
     grad_sync = GradSync([([getattr(gm, mangle(names[n])) for n in b.params], b.axes) for b in buckets], mesh)
     return ParallelModule(local=gm, grad_sync=grad_sync, zero=zero, leaves=leaves, **common)

@@ -239,9 +239,11 @@ def batch_slice(x: torch.Tensor, axis: int, rows: int) -> torch.Tensor:
     splits over mesh axis ``axis``: the whole batch, as every rank may pass it, is sliced
     (``chunk``); a slice of ``rows / n`` rows is taken to be this rank's already (the loader gave
     each data-parallel rank its own, ``ParallelModule.data_rank``)."""
-    n = current_mesh().size(axis)
+    mesh = current_mesh()
+    n = mesh.size(axis)
     if x.shape[0] == rows:
-        return chunk(x, 0, axis)
+        # an input that carries no gradient (ids, labels, data): the slice alone, no autograd node
+        return chunk(x, 0, axis) if x.requires_grad else _slice(x, 0, mesh, axis)
     if x.shape[0] * n == rows:
         return x
     raise ValueError(

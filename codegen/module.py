@@ -211,6 +211,7 @@ class ParallelModule(torch.nn.Module):
         flat = [t.to(self._device) if isinstance(t, torch.Tensor) else t for t in flat]
         for leaf in self._leaves:
             leaf.refresh(self.local_leaves)
+        self.zero.leaves_active = self.local_leaves  # FSDP2's gathered parameters' (codegen/zero.py)
         with C.bound_mesh(self.mesh), self.zero.autocast(self._device.type):
             outs = self.local(*self.feeding.to_graph(flat, sliced))
         enter_backward(self, list(outs))

@@ -118,6 +118,7 @@ except ImportError:  # pragma: no cover - older torch: FSDP2 over plain local te
     DataParallelMeshDims = None
     SPMD_FSDP = False
 
+from autopar.codegen.local_params import LEAF_ATTR, LocalLeaf
 from autopar.codegen.lower import mangle
 from autopar.codegen.zero_one import ZeroOneOptimizer
 from autopar.passes.trace import Role, TracedGraph
@@ -139,6 +140,12 @@ class AppliedTrades:
     # torch < 2.13: id(parameter) -> (the module's mesh, the ranks holding its piece) for the
     # parameters FSDP2 shards as plain pieces over the data axis's mesh (state.total_grad_norm)
     pieces: dict[int, tuple[DeviceMesh, int]] = field(default_factory=dict)
+    # whether the FSDP2 groups' forwards read their gathered parameters through plain leaves
+    # (``_gathered_leaves``); ``ParallelModule.forward`` sets it from ``local_leaves`` each call
+    leaves_active: bool = True
+    # the parameters FSDP2 was told to leave alone (whole on the data axis or needing no data
+    # reduction): the module's own, read through leaves of their own (codegen/build.py)
+    ignored: list = field(default_factory=list)
 
     @property
     def half(self) -> torch.dtype | None:
@@ -331,15 +338,47 @@ def _fully_shard(applied: AppliedTrades, gm: fx.GraphModule, tg: TracedGraph, de
                 )
                 pieces[(owner, leaf)] = copies
         fully_shard(m, ignored_params=set(ignored), **kwargs)
+        if SPMD_FSDP:
+            owners = [
+                key for key, p in _param_owners(m, skip=applied.fsdp_modules).items() if p not in ignored
+            ]
+            m.register_forward_pre_hook(_gathered_leaves(applied, owners))
         # FSDP2 registered its sharded parameters in place of the pieces
         applied.pieces.update({id(getattr(o, leaf)): (mesh, c) for (o, leaf), c in pieces.items()})
         pieces.clear()
         m.set_gradient_divide_factor(1.0)  # the graph's gradients are partial sums: reduce by SUM
         m.set_force_sum_reduction_for_comms(True)
         applied.fsdp_modules.append(m)
+    applied.ignored = list(ignored)
     if trades.offload is Offload.PARAMETERS:
         order = sorted((name for name, _ in gm.named_children() if _BLOCK.fullmatch(name)), key=_block_index)
         _prefetch_blocks([gm.get_submodule(name) for name in order])
+
+
+def _gathered_leaves(applied: AppliedTrades, owners: list[tuple[torch.nn.Module, str]]):
+    """A forward pre-hook of an FSDP2 group, run after FSDP2's own (which gathers the group's
+    parameters and sets them on their modules): gives each gathered ``DTensor`` parameter a plain
+    leaf sharing its storage (``codegen/local_params.py``), so the generated forward reads it with
+    no ``to_local`` autograd node and backward builds no ``DTensor`` gradient through one, as a
+    plain model under FSDP2 computes on plain gathered parameters. The leaf's gradient moves to the
+    gathered parameter's ``.grad`` as backward accumulates it, where FSDP2's post-backward reads it
+    (AccumulateGrad nodes run as soon as they are ready, before the group's post-backward).
+    FSDP2 keeps one gathered parameter per parameter and re-gathers into its storage, so the leaf
+    is made once and refreshed only where that storage changed."""
+
+    def hook(module, args) -> None:
+        active = applied.leaves_active
+        for owner, name in owners:
+            p = owner._parameters[name]
+            leaf = getattr(p, LEAF_ATTR, None)
+            if leaf is None:
+                if not isinstance(p, DTensor):
+                    continue
+                leaf = LocalLeaf(p)
+                setattr(p, LEAF_ATTR, leaf)
+            leaf.refresh(active)
+
+    return hook
 
 
 def _block_index(name: str) -> int:
