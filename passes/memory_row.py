@@ -286,21 +286,22 @@ def add_memory_rows(prob: Model, x: dict, quad: list, limit: float, shared: Fold
     # in units of the limit: byte-sized coefficients (1e10) trip HiGHS's presolve into "infeasible"
     g = 1 / limit if limit > 0 else 1.0
     # transient rows by position, and the rows bounding each shared storage
-    rows: dict[float, list[list[tuple]]] = {}
-    keeps: dict[str, list[list[tuple]]] = {}
+    # (each a row: its variables and their bytes, as two lists)
+    rows: dict[float, list[tuple[list, list[float]]]] = {}
+    keeps: dict[str, list[tuple[list, list[float]]]] = {}
     for v, d in shared.peak.items():
         for p, t in d.items():
-            rows.setdefault(p, []).append([(x[v][s], c) for s, c in enumerate(t)])
+            rows.setdefault(p, []).append((x[v], list(t)))
     for v, d in shared.keep.items():
         for o, t in d.items():
-            keeps.setdefault(o, []).append([(x[v][s], c) for s, c in enumerate(t)])
+            keeps.setdefault(o, []).append((x[v], list(t)))
     for e, ys in quad:
         if e.peak is not None and any(e.peak[a][b] for a, b in ys):
             rows.setdefault(edge_position(tables, e), []).append(
-                [(y, e.peak[a][b]) for (a, b), y in ys.items()]
+                (list(ys.values()), [e.peak[a][b] for a, b in ys])
             )
         if e.keep is not None and any(e.keep[a][b] for a, b in ys):
-            keeps.setdefault(e.owner, []).append([(y, e.keep[a][b]) for (a, b), y in ys.items()])
+            keeps.setdefault(e.owner, []).append((list(ys.values()), [e.keep[a][b] for a, b in ys]))
     # gradients: charged at START, released after each member's last use (most a position can free)
     grads = [(v, gm) for v, gm in tables.grad_mem.items() if v in x and any(gm)]
     releases: dict[float, float] = {}
@@ -312,31 +313,43 @@ def add_memory_rows(prob: Model, x: dict, quad: list, limit: float, shared: Fold
     # what each segment (p_{j-1}, p_j] is charged: (variable, bytes) pairs
     segments: list[list[tuple]] = [[] for _ in range(len(cuts) + 1)]
 
-    hits: dict[tuple[float, ...], list[tuple[int, int]]] = {}  # positions -> (segment, how many)
+    hits: dict[tuple[float, ...], list[tuple[list, int]]] = {}  # positions -> (segment, how many)
 
-    def charge(ps: tuple[float, ...], var, amount: float) -> None:
+    def where(ps: tuple[float, ...]) -> list[tuple[list, int]]:
         # a class's members share their positions across its strategies and edges: the segments
         # they fall in are found once per positions tuple (80-layer models: 80 positions each)
-        where = hits.get(ps)
-        if where is None:
+        got = hits.get(ps)
+        if got is None:
             count: dict[int, int] = {}
             for p in ps:
                 j = bisect.bisect_left(cuts, p)
                 count[j] = count.get(j, 0) + 1
-            where = hits[ps] = list(count.items())
-        for j, n in where:
-            segments[j].append((var, amount * g * n))
+            got = hits[ps] = [(segments[j], n) for j, n in count.items()]
+        return got
 
+    def charge(ps: tuple[float, ...], var, amount: float) -> None:
+        for seg, n in where(ps):
+            seg.append((var, amount * g * n))
+
+    # the two loops below are charge's, inlined: a term per strategy and per edge pair (the most
+    # calls of a large mesh's ILP build)
     for v, d in shared.mem.items():
+        xv = x[v]
         for ps, ms in d.items():
+            at, k = where(ps), len(ps)
             for s, m in enumerate(ms):
                 if m:
-                    charge(ps, x[v][s], m / len(ps))
+                    amount = m / k
+                    for seg, n in at:
+                        seg.append((xv[s], amount * g * n))
     for e, ys in quad:
         ps = edge_charge_positions(tables, e)
+        at, k, mem = where(ps), len(ps), e.mem
         for (a, b), y in ys.items():
-            if e.mem[a][b]:
-                charge(ps, y, e.mem[a][b] / len(ps))
+            if mem[a][b]:
+                amount = mem[a][b] / k
+                for seg, n in at:
+                    seg.append((y, amount * g * n))
     for v, gm in grads:
         free = tables.grad_free[v]
         for s, b in enumerate(gm):
@@ -360,7 +373,7 @@ def add_memory_rows(prob: Model, x: dict, quad: list, limit: float, shared: Fold
 
 
 def _positions_that_matter(
-    rows: dict[float, list[list[tuple]]], releases: dict[float, float] | None = None
+    rows: dict[float, list[tuple[list, list[float]]]], releases: dict[float, float] | None = None
 ) -> list[float]:
     """Positions with a transient that some plan could make binding: drop p when a later position
     q's smallest transient is at least p's largest plus the most gradients can release in (p, q]
@@ -372,8 +385,8 @@ def _positions_that_matter(
         if prev is not None:  # what (p, prev] can release lowers every later position's claim
             lo_i, hi_i = bisect.bisect_right(freed, p), bisect.bisect_right(freed, prev)
             best -= sum(releases[f] for f in freed[lo_i:hi_i])
-        hi = max(max(c for _, c in r) for r in rows[p])
-        lo = max(min(c for _, c in r) for r in rows[p])
+        hi = max(max(cs) for _, cs in rows[p])
+        lo = max(min(cs) for _, cs in rows[p])
         if hi > best:
             keep.append(p)
         best = max(best, lo)
@@ -381,13 +394,14 @@ def _positions_that_matter(
     return sorted(keep)
 
 
-def _bound(prob: Model, name: str, rows: list[list[tuple]], g: float):
-    """A variable >= every row (each a sum of variable * bytes, one term equal to 1 in any plan)."""
-    floor = max((min(c for _, c in r) for r in rows), default=0.0)
-    rows = [r for r in rows if max(c for _, c in r) > floor]
+def _bound(prob: Model, name: str, rows: list[tuple[list, list[float]]], g: float):
+    """A variable >= every row (each variables and their bytes, one variable equal to 1 in any
+    plan)."""
+    floor = max((min(cs) for _, cs in rows), default=0.0)
+    rows = [r for r in rows if max(r[1]) > floor]
     if floor == 0 and not rows:
         return None
     z = prob.var(name, floor * g)
-    for r in rows:
-        prob.le([(var, c * g) for var, c in r if c] + [(z, -1)], 0)
+    for vs, cs in rows:
+        prob.le([(var, c * g) for var, c in zip(vs, cs) if c] + [(z, -1)], 0)
     return z
