@@ -61,6 +61,9 @@ class LocalLeaf:
     def __init__(self, param: DTensor):
         self.param = param
         self.active = True
+        # grad_sync's hooks: (a factory of the tensor hook, given the leaf's AccumulateGrad node;
+        # the post-accumulate hook), registered again on every rebuilt leaf
+        self._hooks: list[tuple[Callable, Callable]] = []
         # what runs once backward accumulated into the leaf: ``_move``, or the one hook that
         # replaces it (``take_over``: grad_sync's bucket views)
         self._mover: Callable[[torch.Tensor], None] = self._move
@@ -75,11 +78,27 @@ class LocalLeaf:
             # kept alive: the leaf holds its AccumulateGrad node only weakly
             self.acc = self.leaf.view_as(self.leaf).grad_fn.next_functions[0][0]
             self.leaf.register_post_accumulate_grad_hook(self._mover)
+            for make_pre, post in self._hooks:
+                self._register(make_pre, post)
+
+    def _register(self, make_pre: Callable, post: Callable) -> None:
+        p = self.param
+        self.leaf.register_hook(make_pre(self.acc))
+        self.leaf.register_post_accumulate_grad_hook(lambda _leaf: post(p))
+
+    def add_hooks(self, make_pre: Callable, post: Callable) -> None:
+        """Register ``make_pre(acc)`` as a tensor hook and ``post(param)`` as a post-accumulate
+        hook (after the gradient moved to ``param.grad``) on this leaf and every rebuilt one."""
+        self._hooks.append((make_pre, post))
+        if self.acc is not None:
+            self._register(make_pre, post)
 
     def take_over(self, mover: Callable[[torch.Tensor], None]) -> None:
         """Make ``mover(leaf)`` the one hook that runs once backward accumulated into the leaf (on
-        this leaf and every rebuilt one), in place of ``_move``: it must take the leaf's ``.grad``
-        (set it to None) and put the gradient in the parameter's."""
+        this leaf and every rebuilt one), in place of ``_move`` and of ``add_hooks``' pair: it must
+        take the leaf's ``.grad`` (set it to None) and put the gradient in the parameter's."""
+        if self._hooks:
+            raise ValueError("take_over replaces the leaf's hooks: call it instead of add_hooks, not after")
         self._mover = mover
         self._build()
 
