@@ -28,23 +28,9 @@ returns with the same gradients as the inline version. Every rank runs the same 
 buckets start in the same order on all of them.
 
 The forward may read a parameter through its plain leaf (``codegen/local_params.py``) rather than
-through ``to_local`` (the default). Then ONE hook per parameter runs, on the leaf, once backward
-accumulated into it (``LocalLeaf.take_over``, in place of the leaf's own ``_move``): it takes the
-leaf's gradient and does what the two hooks above and ``_move`` would do, from the gradient that
-was accumulated rather than the one about to be (the same cases, the same values).
-
-Gradients as bucket views (DDP's ``gradient_as_bucket_view``), on that leaf path: a bucket whose
-members are all ``DTensor`` parameters with leaves, of one dtype and device, owns a flat buffer,
-and each member's ``.grad`` is a ``DTensor`` (the parameter's own spec) over its slice of it, made
-once. In the usual step (``.grad`` None, the sync on) the hook copies the gradient into the slice
-and sets that ``.grad``; once every member is in, the buffer itself is all-reduced, so the reduced
-values are in ``.grad`` with no ``torch.cat``, no slicing and no new ``DTensor`` per step. The
-buffer is reused only where nothing outside the bucket holds it when a backward first writes into
-it (no other tensor shares its storage, no Python reference to a slice or its ``.grad`` beyond the
-bucket's, counted as when it was made, and no member's ``.grad`` still is its slice); otherwise a
-new one is made, so a gradient a caller kept (or ``zero_grad(set_to_none=False)`` left) is never
-overwritten. Any other case (accumulation, a bucket started incomplete) takes the ``torch.cat``
-path below, with the members' slices as their gradients. ``buffers_made`` counts the buffers.
+through ``to_local``: the same two hooks are registered on the leaf too (the tensor hook sees the
+plain gradient, the post-accumulate hook runs once the gradient was moved to the parameter's
+``.grad``), so the parameter's ``.grad`` is what they read and set either way.
 
 A bucket reduced over several mesh axes starts the first asynchronously and the others after
 it completes (one process group per axis).
@@ -77,7 +63,6 @@ modules on different meshes reduce their gradients on their own groups.
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 
@@ -115,14 +100,6 @@ def _reduced(g: torch.Tensor, mesh: DeviceMesh, axes: Sequence[int]) -> torch.Te
     return out
 
 
-def _accumulate(p: torch.nn.Parameter, g: torch.Tensor) -> None:
-    """Add local gradient ``g`` to ``p.grad`` as autograd's accumulation would (set where None)."""
-    if p.grad is None:
-        p.grad = _like(p, g)
-    else:
-        _local(p.grad).add_(g)
-
-
 def _accumulates(acc) -> bool:
     """Will the running backward accumulate into ``.grad`` through ``acc`` (its AccumulateGrad)?"""
     try:
@@ -132,59 +109,12 @@ def _accumulates(acc) -> bool:
 
 
 class _Bucket:
-    """Members' gradients handed in so far: parameter -> (tensor to reduce, added to .grad after),
-    and the bucket's flat buffer whose slices are its members' gradients (module docstring,
-    "Gradients as bucket views")."""
+    """Members' gradients handed in so far: parameter -> (tensor to reduce, added to .grad after)."""
 
     def __init__(self, params: Sequence[torch.nn.Parameter], axes: tuple[int, ...]):
         self.params = list(params)
         self.axes = axes
         self.ready: dict[int, tuple[torch.Tensor, bool]] = {}
-        # bucket views: whether every member is a DTensor parameter read through its plain leaf,
-        # all of one dtype and device (else the members' gradients are flattened by torch.cat)
-        pieces = [p._local_tensor if isinstance(p, DTensor) else None for p in self.params]
-        self.viewable = all(
-            t is not None
-            and leaf_of(p) is not None
-            and t.dtype == pieces[0].dtype
-            and t.device == pieces[0].device
-            for p, t in zip(self.params, pieces)
-        )
-        self.flat: torch.Tensor | None = None
-        self.views: dict[int, tuple[torch.Tensor, DTensor]] = {}  # member -> (its slice, as its grad)
-        self.held: tuple[int, ...] = ()  # references to the buffer and slices when nothing else holds them
-        self.claimed = False  # this backward writes into the buffer (it was free when it began)
-        self.inplace: set[int] = set()  # members handed in as their slice of the buffer
-        self.made = 0  # buffers made so far (reused while nothing outside holds the last one)
-
-    def _references(self) -> tuple[int, ...]:
-        """The buffer's storage users, and the Python references to each slice and its gradient
-        (``sys.getrefcount``, counted the same way each time)."""
-        return (
-            torch._C._storage_Use_Count(self.flat.untyped_storage()._cdata),
-            *(sys.getrefcount(v) + sys.getrefcount(d) for v, d in self.views.values()),
-        )
-
-    def claim(self) -> None:
-        """At the first member handed in as a slice in a backward: reuse the buffer where nothing
-        outside the bucket holds it (no other tensor shares its storage, no gradient of the last
-        step is referenced or still a parameter's ``.grad``), else make a new one."""
-        self.claimed = True
-        if self.flat is not None and self._references() == self.held:
-            if all(p.grad is not self.views[id(p)][1] for p in self.params):
-                return
-        pieces = [p._local_tensor for p in self.params]
-        self.made += 1
-        self.flat = torch.empty(
-            sum(t.numel() for t in pieces), dtype=pieces[0].dtype, device=pieces[0].device
-        )
-        self.views, off = {}, 0
-        for p, t in zip(self.params, pieces):
-            view = self.flat[off : off + t.numel()].view(t.shape)
-            off += t.numel()
-            self.views[id(p)] = (view, grad_like(p, view))
-        del view  # counted as held by nothing but the bucket
-        self.held = self._references()
 
 
 class GradSync:
@@ -217,18 +147,14 @@ class GradSync:
                 p.register_post_accumulate_grad_hook(self._post_hook)
                 leaf = leaf_of(p)  # the plain leaf the forward may read instead (codegen/local_params.py)
                 if leaf is not None:
-                    leaf.take_over(self._leaf_hook(p, b))
+                    leaf.add_hooks(
+                        lambda acc, p=p, axes=b.axes: self._pre_hook(p, acc, axes), self._post_hook
+                    )
 
     @property
     def axes(self) -> set[int]:
         """The mesh axes the buckets' all-reduces run on."""
         return {a for b in self._buckets for a in b.axes}
-
-    @property
-    def buffers_made(self) -> int:
-        """How many flat buffers the buckets have made so far (module docstring, "Gradients as
-        bucket views"): one per bucket where every step's gradients were let go of."""
-        return sum(b.made for b in self._buckets)
 
     @property
     def num_buckets(self) -> int:
@@ -278,49 +204,6 @@ class GradSync:
 
         return hook
 
-    def _leaf_hook(self, p: torch.nn.Parameter, b: _Bucket):
-        """The one hook on parameter ``p``'s plain leaf, run once backward accumulated into it
-        (module docstring): what the tensor hook, ``LocalLeaf._move`` and the post-accumulate hook
-        do on the parameter, with the gradient written into its slice of the bucket."""
-        pid = id(p)
-
-        def hook(leaf: torch.Tensor) -> None:
-            g, leaf.grad = leaf.grad, None
-            if (
-                b.viewable
-                and self._sync
-                and p.grad is None
-                and pid not in b.ready
-                and pid not in self._unreduced
-                and pid not in self._local
-            ):
-                if not b.claimed:
-                    b.claim()
-                view, grad = b.views[pid]
-                view.copy_(g)
-                p.grad = grad
-                b.inplace.add(pid)
-                self._hand_in(p, grad, add=False)
-                return
-            if not self._sync:  # accumulate locally, reduce nothing
-                if p.grad is None or pid in self._unreduced:
-                    self._unreduced.add(pid)
-                    _accumulate(p, g)
-                else:
-                    local = self._local.get(pid)
-                    self._local[pid] = g if local is None else local.add_(g)
-                return
-            if pid in self._local:  # the local sum beside a reduced .grad, and this gradient
-                self._hand_in(p, self._local.pop(pid).add_(g), add=True)
-            elif p.grad is None or pid in self._unreduced:
-                self._unreduced.discard(pid)
-                _accumulate(p, g)
-                self._hand_in(p, p.grad, add=False)
-            else:
-                self._hand_in(p, g, add=True)
-
-        return hook
-
     def _post_hook(self, p: torch.nn.Parameter) -> None:
         if id(p) in self._marked:
             self._marked.discard(id(p))
@@ -328,8 +211,6 @@ class GradSync:
 
     def _hand_in(self, p: torch.nn.Parameter, grad: torch.Tensor, add: bool) -> None:
         b = self._bucket_of[id(p)]
-        if add:
-            b.inplace.discard(id(p))
         b.ready[id(p)] = (grad, add)
         if len(b.ready) == len(b.params):
             self._start(b)
@@ -339,11 +220,8 @@ class GradSync:
 
     def _start(self, b: _Bucket) -> None:
         members = [(p, *b.ready[id(p)]) for p in b.params if id(p) in b.ready]
-        whole = len(b.inplace) == len(b.params)  # every member's gradient is its slice of the buffer
-        b.ready, b.inplace, b.claimed = {}, set(), False
-        if whole:
-            flat, adds = b.flat, []
-        elif len(members) == 1:
+        b.ready = {}
+        if len(members) == 1:
             (p, g, add) = members[0]
             flat = _local(g)
             adds = [(p, flat)] if add else []

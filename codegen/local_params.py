@@ -13,9 +13,8 @@ accumulates into the leaf; a post-accumulate-grad hook moves that gradient to th
 ``.grad`` at once, as a ``DTensor`` of the parameter's placements (set where ``.grad`` is None,
 added in place otherwise, as autograd's accumulation does), and leaves the leaf's ``.grad`` None:
 ``p.grad`` is the only gradient a user or an optimizer reads or zeroes. ``codegen/grad_sync.py``
-registers its hooks on the parameter, and on its leaf one hook that replaces ``_move``
-(``LocalLeaf.take_over``: it writes the gradient into its bucket's buffer), so its reductions see
-the gradient whichever of the two the forward read.
+registers its hooks on both the parameter and its leaf (``LocalLeaf.add_hooks``), so its
+reductions see the gradient whichever of the two the forward read.
 
 Under ZeRO 2 and 3 the parameters the graph reads are FSDP2's gathered ones, set on the modules
 by FSDP2's pre-forward hook: each FSDP2 group's pre-hook after it gives those their leaves
@@ -64,9 +63,6 @@ class LocalLeaf:
         # grad_sync's hooks: (a factory of the tensor hook, given the leaf's AccumulateGrad node;
         # the post-accumulate hook), registered again on every rebuilt leaf
         self._hooks: list[tuple[Callable, Callable]] = []
-        # what runs once backward accumulated into the leaf: ``_move``, or the one hook that
-        # replaces it (``take_over``: grad_sync's bucket views)
-        self._mover: Callable[[torch.Tensor], None] = self._move
         self._build()
 
     def _build(self) -> None:
@@ -77,7 +73,7 @@ class LocalLeaf:
         if self.leaf.requires_grad:
             # kept alive: the leaf holds its AccumulateGrad node only weakly
             self.acc = self.leaf.view_as(self.leaf).grad_fn.next_functions[0][0]
-            self.leaf.register_post_accumulate_grad_hook(self._mover)
+            self.leaf.register_post_accumulate_grad_hook(self._move)
             for make_pre, post in self._hooks:
                 self._register(make_pre, post)
 
@@ -92,15 +88,6 @@ class LocalLeaf:
         self._hooks.append((make_pre, post))
         if self.acc is not None:
             self._register(make_pre, post)
-
-    def take_over(self, mover: Callable[[torch.Tensor], None]) -> None:
-        """Make ``mover(leaf)`` the one hook that runs once backward accumulated into the leaf (on
-        this leaf and every rebuilt one), in place of ``_move`` and of ``add_hooks``' pair: it must
-        take the leaf's ``.grad`` (set it to None) and put the gradient in the parameter's."""
-        if self._hooks:
-            raise ValueError("take_over replaces the leaf's hooks: call it instead of add_hooks, not after")
-        self._mover = mover
-        self._build()
 
     def _move(self, leaf: torch.Tensor) -> None:
         g, leaf.grad = leaf.grad, None
