@@ -105,6 +105,9 @@ class MeshProblem:
     limit: float
     trade: TradeContext | None = None
     check_micro_batches: bool = True
+    # plans of other candidates on this mesh (node -> strategy): where the ILP's LP relaxation
+    # prunes it, one of them that is a plan of these tables shows it has a plan (solver.solve)
+    hints: tuple[dict[str, Strategy], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -170,7 +173,7 @@ def solve_mesh(p: MeshProblem, best_objective: float = math.inf, st: Stages | No
     folded = exact if small and exact is not None else fold_followers(tables, exact=small)
     # the best so far as a cutoff: where the ILP's LP relaxation already passes it, the ILP itself
     # is not solved (only whether it has a plan: a candidate with none is reported as without the cutoff)
-    sol = solve(tables, limit, options.time_limit_s, folded=folded, cutoff=best_objective)
+    sol = solve(tables, limit, options.time_limit_s, folded=folded, cutoff=best_objective, hints=p.hints)
     if isinstance(sol, Pruned):
         st.say(f"solve: mesh {label}: LP relaxation {sol.bound * 1e3:.3f} ms >= best: pruned")
         return ended(Verdict.LP_PRUNED, lp_bound=sol.bound)

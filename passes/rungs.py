@@ -47,8 +47,10 @@ class SpmdRungs:
     """The rungs of one SPMD candidate ``run`` on its tables (module docstring). Holds the
     candidate's tables (its region's, once found) and its time lower bounds by trades."""
 
-    def __init__(self, pb: Problem, run: MeshRun, got: Prepared, rungs: list[Trades]):
-        self.pb, self.run, self.base, self.rungs = pb, run, got.tables, rungs
+    def __init__(
+        self, pb: Problem, run: MeshRun, got: Prepared, rungs: list[Trades], hints: tuple[dict, ...] = ()
+    ):
+        self.pb, self.run, self.base, self.rungs, self.hints = pb, run, got.tables, rungs, hints
         data_axes = run.data_axes
         # what a micro-batch must still split over: the data axes; with none, any axis may split the
         # batch: the search's own micro-batches keep it divisible by every device (the solution is
@@ -82,7 +84,9 @@ class SpmdRungs:
     def price(self, trades: Trades, tables: RungTables, best_objective: float) -> Rung:
         pb = self.pb
         ctx = TradeContext(trades, self.base, pb.blocks, pb.cinfos, self.bounds)
-        problem = MeshProblem(pb.tg, pb.cinfos, tables.ilp, pb.cluster, self.run, pb.options, pb.limit, ctx)
+        problem = MeshProblem(
+            pb.tg, pb.cinfos, tables.ilp, pb.cluster, self.run, pb.options, pb.limit, ctx, hints=self.hints
+        )
         outcome = solve_mesh(problem, best_objective, pb.st)
         entry = outcome.entry
         if entry.verdict is Verdict.BLOCKED and not self.tried_region:
@@ -117,11 +121,14 @@ class SpmdRungs:
         )  # fmt: skip
 
 
-def spmd_climb(pb: Problem, run: MeshRun, got: Prepared, best_objective: float) -> Climb:
-    """SPMD candidate ``run`` (its tables ``got``) down its ladder of trades."""
+def spmd_climb(
+    pb: Problem, run: MeshRun, got: Prepared, best_objective: float, hints: tuple[dict, ...] = ()
+) -> Climb:
+    """SPMD candidate ``run`` (its tables ``got``) down its ladder of trades. ``hints``: plans of
+    other candidates on its mesh (``MeshProblem.hints``)."""
     zaxes, one_device = zero_axes(run.mesh, run.data_axes), math.prod(run.mesh) == 1
     rungs = list(ladder(pb.options, zaxes, pb.precision, pb.batch, bool(pb.blocks), one_device))
-    return climb(rungs, SpmdRungs(pb, run, got, rungs), pb.limit, best_objective)
+    return climb(rungs, SpmdRungs(pb, run, got, rungs, hints), pb.limit, best_objective)
 
 
 class PipelineRungs:

@@ -172,6 +172,7 @@ def explore(pb: Problem) -> Found:
     found = Found()
     with Prefetcher(pb) as prefetch:
         deferred = []  # free candidates under a memory limit that binds: solved after the others
+        plans: dict[tuple[int, ...], list[Solved]] = {}  # the plans found, by mesh
         for run, mirror in spmd_runs(pb.cluster, pb.options, has_experts(pb.tg)):
             if mirror is not None:
                 found.candidates.append(Entry(run.mesh, Verdict.MIRROR, mirror_of=mirror))
@@ -185,9 +186,9 @@ def explore(pb: Problem) -> Found:
             if run.roles is None and memory_binds(got.tables, pb.limit):
                 deferred.append((run, got))
                 continue
-            _spmd(pb, run, got, found)
+            _spmd(pb, run, got, found, plans)
         for run, got in deferred:
-            _spmd(pb, run, got, found)
+            _spmd(pb, run, got, found, plans)
         for stages in stage_counts(pb.cluster.world_size, len(pb.blocks), pb.options):
             sub, runs, why = stage_runs(pb.cluster, pb.options, stages, has_experts(pb.tg))
             if sub is None:
@@ -210,7 +211,7 @@ def explore(pb: Problem) -> Found:
     return found
 
 
-def _spmd(pb: Problem, run: MeshRun, got, found: Found) -> None:
+def _spmd(pb: Problem, run: MeshRun, got, found: Found, plans: dict[tuple[int, ...], list[Solved]]) -> None:
     """SPMD candidate ``run`` (its tables ``got``) down its ladder, into ``found``.
 
     Where memory binds (``passes/solver.py:memory_binds``), ``explore`` climbs the free candidates
@@ -219,11 +220,16 @@ def _spmd(pb: Problem, run: MeshRun, got, found: Found) -> None:
     search) by their LP relaxations. A 2-layer Gemma 2 on 4 cpu devices at 0.6 of its free plan's
     peak: its (4,) free MIP (6 s) and two recomputation rungs (5 s) pruned by the (2, 2)
     data-parallel plan (benchmarks/README.md, "Planning under a memory limit"). Without a binding
-    limit the order stays: the free candidate's plan usually wins there and prunes the next mesh's."""
-    climbed = spmd_climb(pb, run, got, found.objective)
+    limit the order stays: the free candidate's plan usually wins there and prunes the next mesh's.
+
+    ``plans``: the plans found so far by mesh; those on ``run``'s mesh are the ILP's hints of a
+    plan where its LP relaxation prunes a rung (``MeshProblem.hints``), and ``run``'s join them."""
+    on_mesh = plans.setdefault(run.mesh, [])
+    climbed = spmd_climb(pb, run, got, found.objective, tuple(s.choice for s in on_mesh))
     found.add(climbed)
     for solved in climbed.solved:
         found.offer(solved)
+    on_mesh.extend(climbed.solved)
 
 
 def _micro_batches_of(s: Solved) -> int:

@@ -59,6 +59,7 @@ import dataclasses
 import math
 import os
 import time
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -67,6 +68,7 @@ from autopar.errors import SolverError
 from autopar.passes.costs import CostTables, Edge
 from autopar.passes.lp_model import Model, Var, highs_available
 from autopar.passes.memory_row import Folds, add_memory_rows, lower_bound_bytes, peak_bytes
+from autopar.passes.strategies import Strategy
 
 # the tables with followers folded in, and each follower with its producer and best responses
 Folded = tuple[CostTables, list[tuple[str, tuple[str, list[int]]]]]
@@ -180,6 +182,7 @@ def solve(
     merge_followers: bool = True,
     folded: Folded | None = None,
     cutoff: float = math.inf,
+    hints: Sequence[Mapping[str, Strategy]] = (),
 ) -> Solution | Pruned | None:
     """Return the best choice, or None if no assignment fits ``memory_limit_bytes``.
 
@@ -190,7 +193,9 @@ def solve(
     optimum above the cutoff, ``Pruned`` instead of the optimum (the search passes its best step so
     far: such a candidate cannot beat it). The relaxation costs a tenth of the ILP on a large
     mesh (benchmarks/README.md, "Planning time at scale"); whether there is a plan at all is
-    still decided (its first solution found), so what a candidate with no plan gets is unchanged."""
+    still decided (its first solution found), so what a candidate with no plan gets is unchanged.
+    ``hints``: plans (node -> strategy) the search found for another candidate on the same mesh,
+    tried as that first solution where they are plans of these tables (``_solve``)."""
     sol = None
     if merge_followers:
         reduced, merged = folded or fold_followers(tables)
@@ -200,6 +205,7 @@ def solve(
             time_limit_s,
             buckets=_bucket_rows(tables, reduced, merged),
             cutoff=cutoff,
+            hints=hints,
         )
         if isinstance(sol, Pruned):
             return sol
@@ -381,6 +387,7 @@ def _solve(
     relax: bool = False,
     buckets: list[BucketRow] = (),
     cutoff: float = math.inf,
+    hints: Sequence[Mapping[str, Strategy]] = (),
 ) -> Solution | Pruned | None:
     """The ILP on ``tables``; with ``relax``, its LP relaxation (x continuous in [0, 1]), whose
     infeasibility proves the ILP's. ``buckets``: ``_bucket_rows`` (without them the relaxation
@@ -445,10 +452,18 @@ def _solve(
             # strategy the relaxation uses at each node (where memory is short, the largest x
             # often passes it: this one saved both of the 8B-on-64 plan's first solutions, 0.25 s
             # each); else HiGHS's first
+            # each a plan at hand; then a plan of another candidate on this mesh (a data-parallel
+            # one is a plan of the free candidate: its strategies are among the free one's, priced
+            # alike: the DeepSeek-V3-style model's free 2 x 2 candidate under a memory limit, 3.6 s
+            # of CPU in HiGHS's first solution); then HiGHS's first
             if (
                 prob.integral(lp.values)
                 or prob.feasible_with(_rounded(x, lp.values), time_limit_s)
                 or prob.feasible_with(_rounded(x, lp.values, tables.node_mem), time_limit_s)
+                or any(
+                    fixed is not None and prob.feasible_with(fixed, time_limit_s)
+                    for fixed in (_hinted(x, tables, hint) for hint in hints)
+                )
                 or prob.first_solution(time_limit_s).has_solution
             ):
                 return Pruned(lp.objective, time.perf_counter() - t0)
@@ -495,6 +510,22 @@ def _rounded(x: dict[str, list], values, mem: dict[str, list[float]] | None = No
             best = min(used, key=lambda i: mem[v][i])
         out.update((var.index, float(i == best)) for i, var in enumerate(xs))
     return out
+
+
+def _hinted(x: dict[str, list], tables: CostTables, hint: Mapping[str, Strategy]) -> dict[int, float] | None:
+    """``hint``'s strategy of each node at 1, the others at 0 (as ``_rounded``), or None where some
+    node of ``tables`` has no strategy in ``hint`` that it offers."""
+    fixed = {}
+    for v, xs in x.items():
+        if isinstance(xs[0], int):
+            continue
+        want = hint.get(v)
+        if want is None or want not in tables.strategies[v]:
+            return None
+        k = tables.strategies[v].index(want)
+        for i, var in enumerate(xs):
+            fixed[var.index] = 1.0 if i == k else 0.0
+    return fixed
 
 
 def solver_name(name: str | None = None) -> str:

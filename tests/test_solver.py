@@ -430,3 +430,49 @@ def test_pinned_data_axis_is_a_restriction_of_the_full_three_axis_search():
         sum(len(ns.strategies) for ns in pinned.values())
         < sum(len(ns.strategies) for ns in full.values()) / 3
     )
+
+
+@settings(max_examples=60, deadline=None)
+@given(problems(), st.floats(0, 40, allow_nan=False), st.data())
+def test_hints_of_a_plan_never_change_what_a_solve_answers(problem, cutoff, data):
+    """``solve(..., hints=...)`` (plans of other candidates, tried where the LP relaxation prunes)
+    answers as the solve without them, whatever the hint: a plan that fits, one that does not, or
+    strategies the tables do not offer."""
+    from autopar.passes.lp_model import highs_available
+    from autopar.passes.solver import Pruned
+
+    if not highs_available():
+        pytest.skip("highspy not installed")
+    tables, limit = problem
+    # distinct strategies, so that a hint names one of them
+    tables.strategies = {
+        v: [Strategy((R,), (), (i,)) for i in range(len(ss))] for v, ss in tables.strategies.items()
+    }
+    hint = {v: data.draw(st.sampled_from(ss)) for v, ss in tables.strategies.items()}
+    foreign = {v: Strategy((R,), (), (99,)) for v in tables.strategies}
+    plain = solve(tables, limit, cutoff=cutoff)
+    for hints in ([hint], [foreign, hint], [foreign]):
+        got = solve(tables, limit, cutoff=cutoff, hints=hints)
+        assert type(got) is type(plain)
+        if isinstance(got, Pruned):
+            assert got.bound == plain.bound
+        elif got is not None:
+            assert got.choice == plain.choice and got.objective == plain.objective
+
+
+def test_a_hint_is_a_plan_of_its_strategies():
+    """``_hinted`` pins each node's hinted strategy (and only it) where the tables offer every
+    hinted strategy; otherwise it gives nothing."""
+    from autopar.passes.lp_model import Model
+    from autopar.passes.solver import _hinted, _node_vars
+
+    tables, _ = _fixed_problem()
+    tables.strategies = {v: [Strategy((R,), (), (i,)) for i in range(3)] for v in tables.strategies}
+    prob = Model()
+    x = _node_vars(prob, tables)
+    hint = {"a": tables.strategies["a"][2], "b": tables.strategies["b"][0], "c": tables.strategies["c"][1]}
+    fixed = _hinted(x, tables, hint)
+    for v, k in (("a", 2), ("b", 0), ("c", 1)):
+        assert [fixed[var.index] for var in x[v]] == [1.0 if i == k else 0.0 for i in range(3)]
+    assert _hinted(x, tables, {**hint, "c": Strategy((R,), (), (7,))}) is None
+    assert _hinted(x, tables, {"a": hint["a"]}) is None
