@@ -343,6 +343,8 @@ class PipelinedModule(ParallelModule):
         with C.bound_mesh(self.mesh):
             flat = self.feeding.to_graph(flat, sliced, k)
         named = {INPUT_PREFIX + name: t for name, t in zip(self._input_names, flat)}
+        for leaf in self._leaves:
+            leaf.refresh(self.local_leaves)
         self._step_loss_fn = loss_fn
         losses: list[torch.Tensor] = []
         if self.grad_sync is not None:
@@ -353,10 +355,12 @@ class PipelinedModule(ParallelModule):
             self._step_loss_fn = None
             if self.grad_sync is not None:
                 self.grad_sync.set_requires_gradient_sync(True)
-        with torch.no_grad():
-            for p in self.parameters():
-                if p.grad is not None and k > 1:
-                    p.grad.div_(k)
+        if k > 1:
+            with torch.no_grad():
+                for p in self.parameters():
+                    g = p.grad
+                    if g is not None:  # a DTensor's local values: no DTensor dispatch per parameter
+                        (g._local_tensor if isinstance(g, DTensor) else g).div_(k)
         if self.grad_sync is not None:
             self.grad_sync.finish()  # the data-parallel reductions, once for the whole step
         for target, group in self._tied:
