@@ -317,7 +317,11 @@ def _pipelined(tg, plan, choice, gm, mesh, full_mesh, attrs, deferred, common: d
     # registers its hooks on them; none under a schedule that splits backward into its input and
     # weight halves (zero bubble): torch's stage finds the weights' autograd nodes through the
     # chunk module's parameters, which must then be the tensors the graph reads
-    leaves = [] if pipe.schedule is Schedule.ZERO_BUBBLE else attach_leaves(v for c in chunks for v in c.params.values())
+    leaves = (
+        []
+        if pipe.schedule is Schedule.ZERO_BUBBLE
+        else attach_leaves(v for c in chunks for v in c.params.values())
+    )
     names = {p.name: p.target for p in tg.placeholders}
     buckets = grad_buckets(tg, choice, zero.bucketed(deferred), plan.mesh_shape)
     grad_sync = GradSync(
