@@ -12,11 +12,13 @@ decoder's embedding: ``passes/blocks.py:between_blocks``) in the chunk of the bl
 after the last (head, loss, the outputs' gathers) in the last. Values a node derives from the
 model's inputs and buffers alone (position ids, masks, rotary tables: *input-derived*, no parameter
 upstream) are not sent between stages: every chunk that reads one computes it again from the
-inputs, in-place writes into it included, which every stage receives as keyword arguments
-(``PipelineStage`` passes the ``step`` call's keyword arguments, split into micro-batches, to every
-stage). Every other value a later chunk reads crosses each boundary in between: chunk ``c`` takes
-the values crossing into it as positional arguments (in graph order) and returns those crossing
-out of it, passing through the ones it does not use; the last chunk returns the graph's outputs.
+inputs, in-place writes into it included. A chunk takes the model's inputs it reads
+(``Chunk.inputs``) as keyword arguments: ``PipelineStage`` passes the ``step`` call's keyword
+arguments, split into micro-batches, to every stage of a rank, and ``step`` passes only those its
+chunks read (as a hand-split pipeline feeds its first stage the ids and its last the labels).
+Every other value a later chunk reads crosses each boundary in between: chunk ``c`` takes the
+values crossing into it as positional arguments (in graph order) and returns those crossing out
+of it, passing through the ones it does not use; the last chunk returns the graph's outputs.
 
 **Parameters** live in the chunks that read them. One read by chunks on different pipeline ranks
 (tied input and output embeddings) is a copy on each: their gradients are summed across those
@@ -80,6 +82,9 @@ class Chunk:
     # the last chunk's graph outputs that are None (``Outputs.LOSS`` drops all but the loss): a
     # pipeline stage returns tensors only, so it leaves them out and the loss function puts them back
     absent: tuple[int, ...] = ()
+    # the model's inputs (placeholder names) the chunk reads, its keyword arguments: the others are
+    # neither split into micro-batches nor passed to it
+    inputs: tuple[str, ...] = ()
 
 
 def chunk_of_nodes(
@@ -206,24 +211,33 @@ def split_chunks(
             # copied, since the receiving stage's buffer is contiguous and gloo refuses strided ones
             g.output(tuple(g.call_method("contiguous", (env[x],)) for x in crossing[c]))
         g.eliminate_dead_code()
+        read = []
+        for p in inputs:  # an input the chunk does not read leaves its signature
+            if env[p].users:
+                read.append(p.name)
+            else:
+                g.erase_node(env[p])
         g.lint()
-        out.append(Chunk(c, fx.GraphModule(holder, g, class_name=f"Chunk{c}"), params, state, absent))
+        module = fx.GraphModule(holder, g, class_name=f"Chunk{c}")
+        out.append(Chunk(c, module, params, state, absent, tuple(read)))
     return out
 
 
 class _ChunkRunner(torch.nn.Module):
-    """A chunk as ``PipelineStage`` calls it: the stage mesh bound, under the plan's autocast."""
+    """A chunk as ``PipelineStage`` calls it: the stage mesh bound, under the plan's autocast, given
+    the model's inputs it reads (of the keyword arguments of the rank's stages)."""
 
     def __init__(self, chunk: Chunk, mesh: DeviceMesh, autocast: Callable[[], Any]):
         super().__init__()
         self.chunk = chunk.module
         self._mesh = mesh
         self._autocast = autocast
+        self._inputs = tuple((INPUT_PREFIX + name, name) for name in chunk.inputs)
 
     def forward(self, *received, **inputs):
-        inputs = {k.removeprefix(INPUT_PREFIX): v for k, v in inputs.items()}
+        mine = {name: inputs[key] for key, name in self._inputs}
         with C.bound_mesh(self._mesh), self._autocast():
-            out = self.chunk(*received, **inputs)
+            out = self.chunk(*received, **mine)
         return out
 
 
@@ -269,7 +283,9 @@ class PipelinedModule(ParallelModule):
         self.full_mesh = full_mesh
         self._chunks = chunks
         self._tied = tied  # [(attribute target, group)]: parameters copied on several pipeline ranks
+        # the model's inputs (placeholder names, in order) and those this rank's chunks read
         self._input_names = list(input_names)
+        self._read_inputs = {name for c in chunks for name in c.inputs}
         # state no chunk reads on a rank it is not stored on (buffers, unused parameters): each
         # rank's own copy, for ``full_state_dict``
         self._spare = spare
@@ -287,6 +303,9 @@ class PipelinedModule(ParallelModule):
         self._step_loss_fn: Callable[[Any], torch.Tensor] | None = None  # ``step``'s, while it runs
         stage_arg = self.stages if pipe.schedule.multi_chunk else self.stages[0]
         self.schedule = cls(stage_arg, n_microbatches=k, loss_fn=self._loss, scale_grads=False)
+        # the schedule's ``target``, unused by ``_loss`` but indexed per micro-batch on the last
+        # stage: made once, and given only where this rank runs the last chunk
+        self._target = torch.zeros(k) if any(c.index == pipe.chunks - 1 for c in chunks) else None
 
     @property
     def code(self) -> str:
@@ -342,7 +361,9 @@ class PipelinedModule(ParallelModule):
         flat = [t.to(self._device) if isinstance(t, torch.Tensor) else t for t in flat]
         with C.bound_mesh(self.mesh):
             flat = self.feeding.to_graph(flat, sliced, k)
-        named = {INPUT_PREFIX + name: t for name, t in zip(self._input_names, flat)}
+        named = {
+            INPUT_PREFIX + name: t for name, t in zip(self._input_names, flat) if name in self._read_inputs
+        }
         for leaf in self._leaves:
             leaf.refresh(self.local_leaves)
         self._step_loss_fn = loss_fn
@@ -350,7 +371,7 @@ class PipelinedModule(ParallelModule):
         if self.grad_sync is not None:
             self.grad_sync.set_requires_gradient_sync(False)
         try:
-            self.schedule.step(target=torch.zeros(k), losses=losses, return_outputs=False, **named)
+            self.schedule.step(target=self._target, losses=losses, return_outputs=False, **named)
         finally:
             self._step_loss_fn = None
             if self.grad_sync is not None:
