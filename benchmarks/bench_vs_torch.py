@@ -101,9 +101,12 @@ def _autopar_runner(name, size, world, path, optimizer) -> refs.Runner:
     pm = autopar.autoparallelize(model, cluster, inputs, plan=path)
     opt = pm.optimizer(refs.optimizer_class(optimizer), lr=refs.LR)
     if pm.plan.pipeline.enabled:
+        # a Hugging Face model's loss is its output's ``.loss``, step's default; the MLP's the first
+        # of its outputs
+        loss_fn = None if hasattr(model, "config") else refs._loss
 
         def step():
-            loss = pm.step(**inputs, loss_fn=refs._loss)
+            loss = pm.step(**inputs, loss_fn=loss_fn)
             opt.step()
             opt.zero_grad()
             return loss.detach()

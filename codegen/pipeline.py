@@ -301,6 +301,7 @@ class PipelinedModule(ParallelModule):
         cls = schedule_class(pipe.schedule)
         k = self.micro_batches
         self._step_loss_fn: Callable[[Any], torch.Tensor] | None = None  # ``step``'s, while it runs
+        self._loss_at: int | None = None  # which of the last stage's outputs is the model's own loss
         stage_arg = self.stages if pipe.schedule.multi_chunk else self.stages[0]
         self.schedule = cls(stage_arg, n_microbatches=k, loss_fn=self._loss, scale_grads=False)
         # the schedule's ``target``, unused by ``_loss`` but indexed per micro-batch on the last
@@ -341,10 +342,19 @@ class PipelinedModule(ParallelModule):
                     yield prefix + name, p
 
     def _loss(self, out, target):
-        outs = list(out) if isinstance(out, (tuple, list)) else [out]
+        sent = list(out) if isinstance(out, (tuple, list)) else [out]
+        if self._step_loss_fn is None and self._loss_at is not None:
+            return sent[self._loss_at]
+        outs = list(sent)
         for i in self._chunks[-1].absent:  # the last stage's rank holds the last chunk
             outs.insert(i, None)
-        return _loss_of(pytree.tree_unflatten(list(outs), self._out_spec), self._step_loss_fn)
+        loss = _loss_of(pytree.tree_unflatten(outs, self._out_spec), self._step_loss_fn)
+        if self._step_loss_fn is None:
+            # the model's own loss (``out.loss``, or the output itself): the same one of the stage's
+            # outputs at every call, as the plan fixes their structure, so later micro-batches take
+            # it from there without building the model's output (a Hugging Face ModelOutput) again
+            self._loss_at = next((i for i, t in enumerate(sent) if t is loss), None)
+        return loss
 
     def forward(self, *args, **kwargs):
         raise TypeError(
