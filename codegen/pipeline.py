@@ -32,9 +32,14 @@ autocast. ``step(**batch)`` calls the plan's schedule (``ScheduleGPipe``, ``Sche
 into the plan's micro-batches, runs forwards and backwards in its order and sends activations and
 their gradients between stages. The loss of a micro-batch is the model's (``out.loss``) or
 ``loss_fn(out)``; gradients are those of the mean over micro-batches (divided by ``k`` here, not by
-the schedule: a parameter two chunks of one rank share must be divided once). Data-parallel
+the schedule: a parameter two chunks of one rank share must be divided once). The chunks compute
+on the parameters' plain leaves (``codegen/local_params.py``; not under zero bubble, whose split
+backward finds the weights through the chunk's parameters): autograd sums the micro-batches'
+gradients on each leaf, moved to the parameter's ``.grad`` once, after the schedule. Data-parallel
 gradient all-reduces (``GradSync``) accumulate locally over the micro-batches and run once, after
-the schedule. ``step`` returns the mean loss on every rank (broadcast from the last stage).
+the schedule. A ``.grad`` that holds values when ``step`` starts (not zeroed since the last step)
+is set aside and added back at the end, so the division and the reductions see this step's
+gradients alone. ``step`` returns the mean loss on every rank (broadcast from the last stage).
 
 Hand-written here (no library does it for an FX graph that is already rank-local): the cut of the
 graph into chunk modules. ``torch.distributed.pipelining.pipeline`` splits a model by tracing it
@@ -380,24 +385,43 @@ class PipelinedModule(ParallelModule):
         losses: list[torch.Tensor] = []
         if self.grad_sync is not None:
             self.grad_sync.set_requires_gradient_sync(False)
+        # gradients ``.grad`` holds already (not zeroed since an earlier step) are set aside, and
+        # this step's added to them at its end: the division by k, the reductions of the data-parallel
+        # and tied parameters are then of this step's gradients alone, as the unpipelined step's
+        kept = {}
+        for p in self.parameters():
+            if p.grad is not None:
+                kept[id(p)], p.grad = (p, p.grad), None
+        # the micro-batches' gradients summed on the leaves by autograd, moved to ``.grad`` once
+        # (``LocalLeaf.hold``)
+        for leaf in self._leaves:
+            leaf.hold = leaf.active
         try:
             self.schedule.step(target=self._target, losses=losses, return_outputs=False, **named)
         finally:
             self._step_loss_fn = None
+            for leaf in self._leaves:
+                leaf.release()
             if self.grad_sync is not None:
                 self.grad_sync.set_requires_gradient_sync(True)
         if k > 1:
             with torch.no_grad():
                 for p in self.parameters():
                     g = p.grad
-                    if g is not None:  # a DTensor's local values: no DTensor dispatch per parameter
-                        (g._local_tensor if isinstance(g, DTensor) else g).div_(k)
+                    if g is not None:
+                        _plain(g).div_(k)
         if self.grad_sync is not None:
             self.grad_sync.finish()  # the data-parallel reductions, once for the whole step
         for target, group in self._tied:
             p = self._param_by_target(target)
             if p is not None and p.grad is not None:
                 dist.all_reduce(p.grad._local_tensor if isinstance(p.grad, DTensor) else p.grad, group=group)
+        with torch.no_grad():
+            for p, g in kept.values():
+                if p.grad is None:
+                    p.grad = g
+                else:
+                    _plain(p.grad).add_(_plain(g))
         last = self.plan.pipeline.rank_of_chunk(self.plan.pipeline.chunks - 1)
         loss = (
             torch.stack([x.detach().float() for x in losses]).mean()
@@ -445,6 +469,12 @@ class PipelinedModule(ParallelModule):
             t = full[fqn] if fqn in full else self._extra_state[name]
             out[name] = t.cpu() if cpu else t
         return out
+
+
+def _plain(t: torch.Tensor) -> torch.Tensor:
+    """A gradient's local values (a ``DTensor``'s local tensor: in-place arithmetic on it runs no
+    ``DTensor`` dispatch)."""
+    return t._local_tensor if isinstance(t, DTensor) else t
 
 
 def _broadcast_tensor(t: torch.Tensor | None, src: int, group, device) -> torch.Tensor:

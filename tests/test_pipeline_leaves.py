@@ -1,7 +1,8 @@
 """Pipelined chunks compute on the parameters' plain leaves (``codegen/local_params.py``), as the
 unpipelined forward does: a step reads no parameter through ``DTensor.to_local``, and its
 gradients and loss are bit for bit those of the same module run through ``to_local``
-(``ParallelModule.local_leaves`` False), on 2 gloo ranks, 1F1B over 4 micro-batches; with ZeRO-1
+(``ParallelModule.local_leaves`` False), summed over the micro-batches on the leaves or onto a
+``.grad`` that holds values, on 2 gloo ranks, 1F1B over 4 micro-batches; with ZeRO-1
 over a data-parallel stage mesh (4 ranks) the gradients reach the DTensor parameters' ``.grad``
 through the leaves and the bucketed reductions alike. Against the single device: the loss."""
 
@@ -37,9 +38,12 @@ def _build():
     return _Net(), {"x": torch.randn(8, 16, generator=g), "y": torch.randn(8, 16, generator=g)}
 
 
-def _step(pm, inputs, leaves: bool) -> tuple[torch.Tensor, dict, int]:
-    """(loss, local gradients by name, DTensor.to_local calls) of one step."""
+def _step(pm, inputs, leaves: bool, onto: float | None = None) -> tuple[torch.Tensor, dict, int]:
+    """(loss, local gradients by name, DTensor.to_local calls) of one step; ``onto``: the value
+    ``.grad`` holds before it (accumulated onto), else None."""
     pm.local_leaves = leaves
+    for p in pm.parameters():
+        p.grad = None if onto is None else torch.full_like(p, onto)
     calls = 0
     original = DTensor.to_local
 
@@ -67,7 +71,8 @@ def _rank(rank, world, path):
     pm = autopar.autoparallelize(model, cluster, inputs, plan=path)
     got = _step(pm, inputs, leaves=True)
     want = _step(pm, inputs, leaves=False)
-    return got, want
+    onto = _step(pm, inputs, leaves=True, onto=0.1), _step(pm, inputs, leaves=False, onto=0.1)
+    return got, want, onto
 
 
 @pytest.mark.parametrize(
@@ -86,8 +91,13 @@ def test_pipelined_step_on_leaves_equals_to_local(tmp_path, world, extra):
     )
     path = tmp_path / "plan.json"
     plan.save(path)
-    for rank, (got, want) in enumerate(run_on_ranks(_rank, world, str(path), timeout_s=240)):
+    for rank, (got, want, onto) in enumerate(run_on_ranks(_rank, world, str(path), timeout_s=240)):
         (loss, grads, calls), (loss0, grads0, calls0) = got, want
+        # accumulated onto a .grad that holds values: the same on both paths, and not the fresh one
+        (_, added, _), (_, added0, _) = onto
+        for name in grads:
+            torch.testing.assert_close(added[name], added0[name], rtol=0, atol=0, msg=f"rank {rank} {name}")
+            torch.testing.assert_close(added[name], grads[name] + 0.1, rtol=1e-6, atol=1e-6)
         assert calls == 0 and calls0 > 0, (rank, calls, calls0)  # leaves: no to_local at all
         torch.testing.assert_close(loss, loss0, rtol=0, atol=0)
         torch.testing.assert_close(loss, want_loss, rtol=1e-5, atol=1e-6)
