@@ -39,7 +39,8 @@ gradients on each leaf, moved to the parameter's ``.grad`` once, after the sched
 gradient all-reduces (``GradSync``) accumulate locally over the micro-batches and run once, after
 the schedule. A ``.grad`` that holds values when ``step`` starts (not zeroed since the last step)
 is set aside and added back at the end, so the division and the reductions see this step's
-gradients alone. ``step`` returns the mean loss on every rank (broadcast from the last stage).
+gradients alone. ``step`` returns the mean loss on every rank (broadcast from the last stage,
+which does not wait for the others to receive it: the next step does).
 
 Hand-written here (no library does it for an FX graph that is already rank-local): the cut of the
 graph into chunk modules. ``torch.distributed.pipelining.pipeline`` splits a model by tracing it
@@ -307,6 +308,7 @@ class PipelinedModule(ParallelModule):
         k = self.micro_batches
         self._step_loss_fn: Callable[[Any], torch.Tensor] | None = None  # ``step``'s, while it runs
         self._loss_at: int | None = None  # which of the last stage's outputs is the model's own loss
+        self._loss_sent: tuple[torch.Tensor, Any] | None = None  # the last step's loss broadcast, unwaited
         stage_arg = self.stages if pipe.schedule.multi_chunk else self.stages[0]
         self.schedule = cls(stage_arg, n_microbatches=k, loss_fn=self._loss, scale_grads=False)
         # the schedule's ``target``, unused by ``_loss`` but indexed per micro-batch on the last
@@ -372,6 +374,9 @@ class PipelinedModule(ParallelModule):
         """Forward and backward of one step on the GLOBAL batch through the pipeline (module
         docstring); returns the mean loss over the micro-batches on every rank."""
         k = self.micro_batches
+        if self._loss_sent is not None:  # the last step's loss, sent from this rank
+            self._loss_sent[1].wait()
+            self._loss_sent = None
         flat, sliced = self._flat_inputs(args, kwargs, k)  # of the global batch: k micro-batches
         flat = [t.to(self._device) if isinstance(t, torch.Tensor) else t for t in flat]
         with C.bound_mesh(self.mesh):
@@ -428,7 +433,15 @@ class PipelinedModule(ParallelModule):
             if losses
             else torch.zeros((), device=self._device)
         )
-        dist.broadcast(loss, group=self.pp_group, group_src=last)
+        if self.pipe_rank != last:
+            dist.broadcast(loss, group=self.pp_group, group_src=last)
+            return loss
+        # the rank with the loss sends it without waiting for the others to take it (they finish
+        # their last backwards after it): its optimizer step overlaps theirs, as in a hand-written
+        # loop that broadcasts after the optimizer. A copy is sent, so the caller may modify the
+        # loss; the send is waited for at the next step (a group runs its collectives in order)
+        sent = loss.clone()
+        self._loss_sent = (sent, dist.broadcast(sent, group=self.pp_group, group_src=last, async_op=True))
         return loss
 
     def _param_by_target(self, target: str) -> torch.nn.Parameter | None:
