@@ -1,32 +1,29 @@
-"""Where a step's host time goes: autopar's forced plan against PyTorch's own engine, per rank.
+"""Where a step's CPU time goes: autopar's forced plan against PyTorch's own engine, per rank.
 
 Builds both sides of one ``bench_vs_torch.py`` pair (same model, batch, optimizer, plan options)
 on gloo ranks and, after warm-up steps, reports per rank (``--what``):
 
 =======  =====================================================================================
-calls    Python calls of 20 steps (cProfile), the functions whose counts differ most
-ops      torch ops of one step (torch.profiler), the ops whose counts differ
-parts    CPU time per step (``time.process_time``, interleaved blocks): all, inside the pipeline
-         schedule's ``step`` (pipelined layouts), and the rest (the step's own work, optimizer)
+parts    CPU time per step (``time.process_time``, interleaved blocks of 10 steps): all, inside
+         the pipeline schedule's ``step`` (pipelined layouts), and the rest (the step's own work,
+         the optimizer)
 opt      CPU time of one optimizer step alone (every gradient set to a constant)
 =======  =====================================================================================
 
-Counts are what to compare on a shared, loaded machine: wall-clock and even CPU times move with
-the load. ``bench_vs_torch.py`` gives the step-time ratios.
+CPU time moves less with the load of a shared machine than wall-clock time, though it still
+moves; ``profile_vs_torch.py`` counts calls and ops, ``bench_vs_torch.py`` gives the step-time
+ratios.
 
-    .venv/bin/python benchmarks/profile_vs_torch.py --model llama --layout pp --what calls
+    .venv/bin/python benchmarks/time_parts_vs_torch.py --model llama --layout pp --what parts
 """
 
 from __future__ import annotations
 
 import argparse
-import cProfile
-import pstats
 import statistics
 import sys
 import tempfile
 import time
-from collections import Counter
 from pathlib import Path
 
 import torch
@@ -38,8 +35,6 @@ import bench_vs_torch as bench  # noqa: E402
 
 from autopar.launch import run_on_ranks  # noqa: E402
 
-STEPS = 20
-
 
 def _closure(fn, cls):
     """The ``cls`` instance a runner's step function closes over (its module, optimizer, schedule)."""
@@ -47,25 +42,6 @@ def _closure(fn, cls):
         if isinstance(cell.cell_contents, cls):
             return cell.cell_contents
     return None
-
-
-def _calls(runner) -> Counter:
-    prof = cProfile.Profile()
-    prof.enable()
-    for _ in range(STEPS):
-        runner.step()
-    prof.disable()
-    return Counter(
-        {f"{k[0].split('/')[-1]}:{k[1]}:{k[2]}": v[1] for k, v in pstats.Stats(prof).stats.items()}
-    )
-
-
-def _ops(runner) -> Counter:
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
-        runner.step()
-    return Counter({e.key: e.count for e in prof.key_averages()})
 
 
 def _parts(sides: dict) -> dict:
@@ -127,13 +103,7 @@ def _rank(rank, world, key, path, cut, args):
         for _ in range(3):
             runner.step()
     dist.barrier()
-    if args.what in ("parts", "opt"):
-        return (_parts if args.what == "parts" else _opt)(sides)
-    out = {}
-    for side, runner in sides.items():
-        dist.barrier()
-        out[side] = (_calls if args.what == "calls" else _ops)(runner)
-    return out
+    return (_parts if args.what == "parts" else _opt)(sides)
 
 
 def main() -> None:
@@ -142,11 +112,10 @@ def main() -> None:
     ap.add_argument("--size", default="tiny")
     ap.add_argument("--layout", default="pp", choices=bench.LAYOUTS)
     ap.add_argument("--world", type=int, default=2)
-    ap.add_argument("--what", default="calls", choices=("calls", "ops", "parts", "opt"))
+    ap.add_argument("--what", default="parts", choices=("parts", "opt"))
     ap.add_argument("--optimizer", default="adam", choices=("adam", "sgd"))
     ap.add_argument("--schedule", default="1f1b", choices=("gpipe", "1f1b"))
     ap.add_argument("--micro-batches", type=int, default=4)
-    ap.add_argument("--top", type=int, default=30, help="rows per rank for calls / ops")
     args = ap.parse_args()
     world = 1 if args.layout == "eager" else args.world
     with tempfile.TemporaryDirectory() as tmp:
@@ -158,16 +127,7 @@ def main() -> None:
         key, path, cut = jobs[0]
         results = run_on_ranks(_rank, world, key, path, cut, args, timeout_s=900)
     for rank, res in enumerate(results):
-        if "na" in res or args.what in ("parts", "opt"):
-            print(f"rank {rank}: {res}")
-            continue
-        a, b = res["autopar"], res["reference"]
-        unit = f"per {STEPS} steps" if args.what == "calls" else "per step"
-        print(f"rank {rank}: autopar {sum(a.values())}, reference {sum(b.values())} {args.what} {unit}")
-        print(f"  {'autopar':>8} {'ref':>8}")
-        for k in sorted(a.keys() | b.keys(), key=lambda k: -abs(a[k] - b[k]))[: args.top]:
-            if a[k] != b[k]:
-                print(f"  {a[k]:8d} {b[k]:8d}  {k[:100]}")
+        print(f"rank {rank}: {res}")
 
 
 if __name__ == "__main__":
