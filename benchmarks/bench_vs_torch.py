@@ -107,9 +107,12 @@ def _autopar_runner(name, size, world, path, optimizer, feed: str = "slices") ->
         # each data-parallel rank its own rows, as the references are fed (module docstring)
         inputs = refs._rows(inputs, pm.data_rank, pm.data_world)
     if pm.plan.pipeline.enabled:
+        # a Hugging Face model's loss is its output's ``.loss``, step's default; the MLP's the first
+        # of its outputs
+        loss_fn = None if hasattr(model, "config") else refs._loss
 
         def step():
-            loss = pm.step(**inputs, loss_fn=refs._loss)
+            loss = pm.step(**inputs, loss_fn=loss_fn)
             opt.step()
             opt.zero_grad()
             return loss.detach()

@@ -41,7 +41,7 @@ from autopar.passes.replay import (
 from autopar.passes.strategies import Strategy
 from autopar.passes.trace import Role, TracedGraph, normalize_inputs
 from autopar.placement import Outputs, output_placement
-from autopar.trades import Recompute, Trades, ZeroStage
+from autopar.trades import Recompute, Schedule, Trades, ZeroStage
 
 
 def _device() -> torch.device:
@@ -318,6 +318,15 @@ def _pipelined(tg, plan, choice, gm, mesh, full_mesh, attrs, deferred, common: d
     read = {n.target for n in gm.graph.nodes if n.op == "get_attr" and n.users}
     zero = apply_trades(trades, gm, mesh, tg, deferred)
     held = {id(v) for c in chunks for v in c.params.values()}
+    # the plain leaves the chunks compute on (codegen/local_params.py), attached before GradSync
+    # registers its hooks on them; none under a schedule that splits backward into its input and
+    # weight halves (zero bubble): torch's stage finds the weights' autograd nodes through the
+    # chunk module's parameters, which must then be the tensors the graph reads
+    leaves = (
+        []
+        if pipe.schedule is Schedule.ZERO_BUBBLE
+        else attach_leaves(v for c in chunks for v in c.params.values())
+    )
     names = {p.name: p.target for p in tg.placeholders}
     buckets = grad_buckets(tg, choice, zero.bucketed(deferred), plan.mesh_shape)
     grad_sync = GradSync(
@@ -336,5 +345,6 @@ def _pipelined(tg, plan, choice, gm, mesh, full_mesh, attrs, deferred, common: d
         input_names=[n.name for n in gm.graph.nodes if n.op == "placeholder"],
         grad_sync=grad_sync,
         zero=zero,
+        leaves=leaves,
         **common,
     )

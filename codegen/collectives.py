@@ -227,11 +227,15 @@ def local(x: torch.Tensor) -> torch.Tensor:
     leaf where it has an active one (``codegen/local_params.py``: its gradient is moved to the
     parameter's ``.grad``), else ``DTensor.to_local`` (the gradient flows back into the parameter
     as a ``DTensor`` of the same placements). A plain tensor (FSDP2's gathered parameter under
-    torch without SPMD meshes) is its own piece."""
+    torch without SPMD meshes) is its own piece. A ``DTensor`` that takes no gradient (a buffer:
+    rotary frequencies, masks) is read as its local tensor itself: ``to_local`` would give a view
+    of it through an autograd function, host work each call that carries nothing back."""
     leaf = getattr(x, LEAF_ATTR, None)
     if leaf is not None and leaf.active:
         return leaf.leaf
-    return x.to_local() if isinstance(x, DTensor) else x
+    if isinstance(x, DTensor):
+        return x.to_local() if x.requires_grad else x._local_tensor
+    return x
 
 
 def batch_slice(x: torch.Tensor, axis: int, rows: int) -> torch.Tensor:

@@ -21,6 +21,11 @@ by FSDP2's pre-forward hook: each FSDP2 group's pre-hook after it gives those th
 (``codegen/zero.py:_gathered_leaves``), and the gradient moves to the gathered parameter's
 ``.grad``, which FSDP2 reduce-scatters.
 
+A pipelined step (``codegen/pipeline.py``) sets ``hold`` while its schedule runs the
+micro-batches' backwards: autograd sums their gradients on the leaf, and ``release`` moves the sum
+once: the sum of the same gradients in the same order as moving each and adding it to a
+``.grad`` that was None (the step sets aside a ``.grad`` that holds values while it runs).
+
 ``ParallelModule.forward`` calls ``refresh`` on each leaf before the graph runs: a leaf whose
 parameter's piece was replaced (``p.data = ...``, a load that assigns) or whose ``requires_grad``
 changed is rebuilt with its hooks, and ``active`` follows ``ParallelModule.local_leaves``. With
@@ -60,6 +65,9 @@ class LocalLeaf:
     def __init__(self, param: DTensor):
         self.param = param
         self.active = True
+        # True: backward leaves its gradients on the leaf, summed there by autograd, until
+        # ``release`` (a pipelined step's micro-batches: one move per step, not one per backward)
+        self.hold = False
         # grad_sync's hooks: (a factory of the tensor hook, given the leaf's AccumulateGrad node;
         # the post-accumulate hook), registered again on every rebuilt leaf
         self._hooks: list[tuple[Callable, Callable]] = []
@@ -90,6 +98,8 @@ class LocalLeaf:
             self._register(make_pre, post)
 
     def _move(self, leaf: torch.Tensor) -> None:
+        if self.hold:  # accumulating over micro-batches: ``release`` moves the sum once
+            return
         g, leaf.grad = leaf.grad, None
         p = self.param
         if p.grad is None:
@@ -97,6 +107,13 @@ class LocalLeaf:
         else:
             grad = p.grad
             (grad._local_tensor if isinstance(grad, DTensor) else grad).add_(g)
+
+    def release(self) -> None:
+        """Stop holding (``hold``) and move what the leaf accumulated meanwhile to the parameter's
+        ``.grad``, as one backward's ``_move`` would have."""
+        self.hold = False
+        if self.leaf.grad is not None:
+            self._move(self.leaf)
 
     def refresh(self, active: bool) -> None:
         """Rebuild the leaf where the parameter's piece or ``requires_grad`` changed; ``active``:

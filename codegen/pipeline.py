@@ -12,11 +12,13 @@ decoder's embedding: ``passes/blocks.py:between_blocks``) in the chunk of the bl
 after the last (head, loss, the outputs' gathers) in the last. Values a node derives from the
 model's inputs and buffers alone (position ids, masks, rotary tables: *input-derived*, no parameter
 upstream) are not sent between stages: every chunk that reads one computes it again from the
-inputs, in-place writes into it included, which every stage receives as keyword arguments
-(``PipelineStage`` passes the ``step`` call's keyword arguments, split into micro-batches, to every
-stage). Every other value a later chunk reads crosses each boundary in between: chunk ``c`` takes
-the values crossing into it as positional arguments (in graph order) and returns those crossing
-out of it, passing through the ones it does not use; the last chunk returns the graph's outputs.
+inputs, in-place writes into it included. A chunk takes the model's inputs it reads
+(``Chunk.inputs``) as keyword arguments: ``PipelineStage`` passes the ``step`` call's keyword
+arguments, split into micro-batches, to every stage of a rank, and ``step`` passes only those its
+chunks read (as a hand-split pipeline feeds its first stage the ids and its last the labels).
+Every other value a later chunk reads crosses each boundary in between: chunk ``c`` takes the
+values crossing into it as positional arguments (in graph order) and returns those crossing out
+of it, passing through the ones it does not use; the last chunk returns the graph's outputs.
 
 **Parameters** live in the chunks that read them. One read by chunks on different pipeline ranks
 (tied input and output embeddings) is a copy on each: their gradients are summed across those
@@ -30,9 +32,15 @@ autocast. ``step(**batch)`` calls the plan's schedule (``ScheduleGPipe``, ``Sche
 into the plan's micro-batches, runs forwards and backwards in its order and sends activations and
 their gradients between stages. The loss of a micro-batch is the model's (``out.loss``) or
 ``loss_fn(out)``; gradients are those of the mean over micro-batches (divided by ``k`` here, not by
-the schedule: a parameter two chunks of one rank share must be divided once). Data-parallel
+the schedule: a parameter two chunks of one rank share must be divided once). The chunks compute
+on the parameters' plain leaves (``codegen/local_params.py``; not under zero bubble, whose split
+backward finds the weights through the chunk's parameters): autograd sums the micro-batches'
+gradients on each leaf, moved to the parameter's ``.grad`` once, after the schedule. Data-parallel
 gradient all-reduces (``GradSync``) accumulate locally over the micro-batches and run once, after
-the schedule. ``step`` returns the mean loss on every rank (broadcast from the last stage).
+the schedule. A ``.grad`` that holds values when ``step`` starts (not zeroed since the last step)
+is set aside and added back at the end, so the division and the reductions see this step's
+gradients alone. ``step`` returns the mean loss on every rank (broadcast from the last stage,
+which does not wait for the others to receive it: the next step does).
 
 Hand-written here (no library does it for an FX graph that is already rank-local): the cut of the
 graph into chunk modules. ``torch.distributed.pipelining.pipeline`` splits a model by tracing it
@@ -80,6 +88,9 @@ class Chunk:
     # the last chunk's graph outputs that are None (``Outputs.LOSS`` drops all but the loss): a
     # pipeline stage returns tensors only, so it leaves them out and the loss function puts them back
     absent: tuple[int, ...] = ()
+    # the model's inputs (placeholder names) the chunk reads, its keyword arguments: the others are
+    # neither split into micro-batches nor passed to it
+    inputs: tuple[str, ...] = ()
 
 
 def chunk_of_nodes(
@@ -206,24 +217,33 @@ def split_chunks(
             # copied, since the receiving stage's buffer is contiguous and gloo refuses strided ones
             g.output(tuple(g.call_method("contiguous", (env[x],)) for x in crossing[c]))
         g.eliminate_dead_code()
+        read = []
+        for p in inputs:  # an input the chunk does not read leaves its signature
+            if env[p].users:
+                read.append(p.name)
+            else:
+                g.erase_node(env[p])
         g.lint()
-        out.append(Chunk(c, fx.GraphModule(holder, g, class_name=f"Chunk{c}"), params, state, absent))
+        module = fx.GraphModule(holder, g, class_name=f"Chunk{c}")
+        out.append(Chunk(c, module, params, state, absent, tuple(read)))
     return out
 
 
 class _ChunkRunner(torch.nn.Module):
-    """A chunk as ``PipelineStage`` calls it: the stage mesh bound, under the plan's autocast."""
+    """A chunk as ``PipelineStage`` calls it: the stage mesh bound, under the plan's autocast, given
+    the model's inputs it reads (of the keyword arguments of the rank's stages)."""
 
     def __init__(self, chunk: Chunk, mesh: DeviceMesh, autocast: Callable[[], Any]):
         super().__init__()
         self.chunk = chunk.module
         self._mesh = mesh
         self._autocast = autocast
+        self._inputs = tuple((INPUT_PREFIX + name, name) for name in chunk.inputs)
 
     def forward(self, *received, **inputs):
-        inputs = {k.removeprefix(INPUT_PREFIX): v for k, v in inputs.items()}
+        mine = {name: inputs[key] for key, name in self._inputs}
         with C.bound_mesh(self._mesh), self._autocast():
-            out = self.chunk(*received, **inputs)
+            out = self.chunk(*received, **mine)
         return out
 
 
@@ -269,7 +289,9 @@ class PipelinedModule(ParallelModule):
         self.full_mesh = full_mesh
         self._chunks = chunks
         self._tied = tied  # [(attribute target, group)]: parameters copied on several pipeline ranks
+        # the model's inputs (placeholder names, in order) and those this rank's chunks read
         self._input_names = list(input_names)
+        self._read_inputs = {name for c in chunks for name in c.inputs}
         # state no chunk reads on a rank it is not stored on (buffers, unused parameters): each
         # rank's own copy, for ``full_state_dict``
         self._spare = spare
@@ -285,8 +307,13 @@ class PipelinedModule(ParallelModule):
         cls = schedule_class(pipe.schedule)
         k = self.micro_batches
         self._step_loss_fn: Callable[[Any], torch.Tensor] | None = None  # ``step``'s, while it runs
+        self._loss_at: int | None = None  # which of the last stage's outputs is the model's own loss
+        self._loss_sent: tuple[torch.Tensor, Any] | None = None  # the last step's loss broadcast, unwaited
         stage_arg = self.stages if pipe.schedule.multi_chunk else self.stages[0]
         self.schedule = cls(stage_arg, n_microbatches=k, loss_fn=self._loss, scale_grads=False)
+        # the schedule's ``target``, unused by ``_loss`` but indexed per micro-batch on the last
+        # stage: made once, and given only where this rank runs the last chunk
+        self._target = torch.zeros(k) if any(c.index == pipe.chunks - 1 for c in chunks) else None
 
     @property
     def code(self) -> str:
@@ -322,10 +349,19 @@ class PipelinedModule(ParallelModule):
                     yield prefix + name, p
 
     def _loss(self, out, target):
-        outs = list(out) if isinstance(out, (tuple, list)) else [out]
+        sent = list(out) if isinstance(out, (tuple, list)) else [out]
+        if self._step_loss_fn is None and self._loss_at is not None:
+            return sent[self._loss_at]
+        outs = list(sent)
         for i in self._chunks[-1].absent:  # the last stage's rank holds the last chunk
             outs.insert(i, None)
-        return _loss_of(pytree.tree_unflatten(list(outs), self._out_spec), self._step_loss_fn)
+        loss = _loss_of(pytree.tree_unflatten(outs, self._out_spec), self._step_loss_fn)
+        if self._step_loss_fn is None:
+            # the model's own loss (``out.loss``, or the output itself): the same one of the stage's
+            # outputs at every call, as the plan fixes their structure, so later micro-batches take
+            # it from there without building the model's output (a Hugging Face ModelOutput) again
+            self._loss_at = next((i for i, t in enumerate(sent) if t is loss), None)
+        return loss
 
     def forward(self, *args, **kwargs):
         raise TypeError(
@@ -338,38 +374,74 @@ class PipelinedModule(ParallelModule):
         """Forward and backward of one step on the GLOBAL batch through the pipeline (module
         docstring); returns the mean loss over the micro-batches on every rank."""
         k = self.micro_batches
+        if self._loss_sent is not None:  # the last step's loss, sent from this rank
+            self._loss_sent[1].wait()
+            self._loss_sent = None
         flat, sliced = self._flat_inputs(args, kwargs, k)  # of the global batch: k micro-batches
         flat = [t.to(self._device) if isinstance(t, torch.Tensor) else t for t in flat]
         with C.bound_mesh(self.mesh):
             flat = self.feeding.to_graph(flat, sliced, k)
-        named = {INPUT_PREFIX + name: t for name, t in zip(self._input_names, flat)}
+        named = {
+            INPUT_PREFIX + name: t for name, t in zip(self._input_names, flat) if name in self._read_inputs
+        }
+        for leaf in self._leaves:
+            leaf.refresh(self.local_leaves)
         self._step_loss_fn = loss_fn
         losses: list[torch.Tensor] = []
         if self.grad_sync is not None:
             self.grad_sync.set_requires_gradient_sync(False)
+        # gradients ``.grad`` holds already (not zeroed since an earlier step) are set aside, and
+        # this step's added to them at its end: the division by k, the reductions of the data-parallel
+        # and tied parameters are then of this step's gradients alone, as the unpipelined step's
+        kept = {}
+        for p in self.parameters():
+            if p.grad is not None:
+                kept[id(p)], p.grad = (p, p.grad), None
+        # the micro-batches' gradients summed on the leaves by autograd, moved to ``.grad`` once
+        # (``LocalLeaf.hold``)
+        for leaf in self._leaves:
+            leaf.hold = leaf.active
         try:
-            self.schedule.step(target=torch.zeros(k), losses=losses, return_outputs=False, **named)
+            self.schedule.step(target=self._target, losses=losses, return_outputs=False, **named)
         finally:
             self._step_loss_fn = None
+            for leaf in self._leaves:
+                leaf.release()
             if self.grad_sync is not None:
                 self.grad_sync.set_requires_gradient_sync(True)
-        with torch.no_grad():
-            for p in self.parameters():
-                if p.grad is not None and k > 1:
-                    p.grad.div_(k)
+        if k > 1:
+            with torch.no_grad():
+                for p in self.parameters():
+                    g = p.grad
+                    if g is not None:
+                        _plain(g).div_(k)
         if self.grad_sync is not None:
             self.grad_sync.finish()  # the data-parallel reductions, once for the whole step
         for target, group in self._tied:
             p = self._param_by_target(target)
             if p is not None and p.grad is not None:
                 dist.all_reduce(p.grad._local_tensor if isinstance(p.grad, DTensor) else p.grad, group=group)
+        with torch.no_grad():
+            for p, g in kept.values():
+                if p.grad is None:
+                    p.grad = g
+                else:
+                    _plain(p.grad).add_(_plain(g))
         last = self.plan.pipeline.rank_of_chunk(self.plan.pipeline.chunks - 1)
         loss = (
             torch.stack([x.detach().float() for x in losses]).mean()
             if losses
             else torch.zeros((), device=self._device)
         )
-        dist.broadcast(loss, group=self.pp_group, group_src=last)
+        if self.pipe_rank != last:
+            dist.broadcast(loss, group=self.pp_group, group_src=last)
+            return loss
+        # the rank with the loss sends it without waiting for the others to take it (they finish
+        # their last backwards after it): its optimizer step overlaps theirs, as in a hand-written
+        # loop that broadcasts after the optimizer. A copy is sent, so the caller may modify the
+        # loss; the send is waited for at the next step (a group runs its collectives in order)
+        sent = loss.clone()
+        self._loss_sent = (sent, dist.broadcast(sent, group=self.pp_group, group_src=last, async_op=True))
         return loss
 
     def _param_by_target(self, target: str) -> torch.nn.Parameter | None:
@@ -410,6 +482,12 @@ class PipelinedModule(ParallelModule):
             t = full[fqn] if fqn in full else self._extra_state[name]
             out[name] = t.cpu() if cpu else t
         return out
+
+
+def _plain(t: torch.Tensor) -> torch.Tensor:
+    """A gradient's local values (a ``DTensor``'s local tensor: in-place arithmetic on it runs no
+    ``DTensor`` dispatch)."""
+    return t._local_tensor if isinstance(t, DTensor) else t
 
 
 def _broadcast_tensor(t: torch.Tensor | None, src: int, group, device) -> torch.Tensor:

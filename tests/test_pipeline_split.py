@@ -51,6 +51,17 @@ MODELS = {
 }
 
 
+# the model's inputs each chunk reads: the encoder's blocks the source (T5's ids); T5's decoder
+# embedding, after the encoder's last block, the labels (shifted right); the loss the labels or the
+# target; a chunk of middle blocks none
+READS = {
+    ("t5", 2): [("input_ids", "labels"), ("labels",)],
+    ("t5", 4): [("input_ids",), ("labels",), (), ("labels",)],
+    ("nn_transformer", 2): [("src",), ("tgt", "target")],
+    ("nn_transformer", 4): [("src",), (), ("tgt",), ("target",)],
+}
+
+
 @pytest.fixture(scope="module")
 def world1(tmp_path_factory):
     assert not dist.is_initialized()
@@ -94,8 +105,8 @@ def test_chunks_one_after_another_compute_the_flat_module(world1, name, chunks):
 
     def chained():
         sent: tuple = ()
-        for part in parts:
-            sent = part.module(*sent, **dict(zip(names, args)))
+        for part in parts:  # each chunk takes the inputs it reads, no others
+            sent = part.module(*sent, **{n: a for n, a in zip(names, args) if n in part.inputs})
         return sent
 
     params = list(flat.parameters())
@@ -106,6 +117,8 @@ def test_chunks_one_after_another_compute_the_flat_module(world1, name, chunks):
     assert got.keys() == want.keys()
     for k in want:
         torch.testing.assert_close(got[k], want[k], rtol=0, atol=0)
+    # the inputs each chunk takes: those it reads (READS), no others
+    assert [p.inputs for p in parts] == READS[name, chunks]
     # each chunk holds a strict part of the parameters, and together they hold them all
     held = [set(map(id, p.params.values())) for p in parts]
     assert all(h < set(map(id, params)) for h in held)
