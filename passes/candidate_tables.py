@@ -19,9 +19,10 @@ from autopar.options import AxisRole, Optimizer
 from autopar.passes.analyze import NodeInfo
 from autopar.passes.candidates import MeshRun
 from autopar.passes.coarsen import Classes
-from autopar.passes.costs import CostTables, Float8Offer, NodeTimer, build_costs
+from autopar.passes.costs import CostTables, NodeTimer, build_costs
 from autopar.passes.data_region import find_region, region_parts
 from autopar.passes.dumps import Recorder, Stages, costs_tsv, strategies_tsv
+from autopar.passes.float8_price import Float8Offer
 from autopar.passes.fuse import fuse
 from autopar.passes.local_rows import trace_rows
 from autopar.passes.outcome import Entry, Verdict

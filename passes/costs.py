@@ -60,22 +60,20 @@ from autopar.cluster import ClusterSpec, DeviceSpec
 from autopar.cost_model.comm import CommModel
 from autopar.cost_model.compute import (
     accumulate_time,
-    float8_linear_time,
-    gemm_min_dim,
     node_time,
     optimizer_step_bytes,
     optimizer_step_time,
 )
 from autopar.cost_model.memory import reshard_transient
-from autopar.lowerings import LoweringPlan, Phase, describe, price_calls
-from autopar.lowerings.float8 import cast_elements as float8_casts
-from autopar.lowerings.float8 import describe as describe_float8
+from autopar.lowerings import describe
 from autopar.lowerings.matmul_nd import is_grid
 from autopar.options import Optimizer
-from autopar.passes.analyze import NodeInfo, tensor_vals
+from autopar.passes.analyze import NodeInfo
 from autopar.passes.background import checkpoint
 from autopar.passes.coarsen import Classes
 from autopar.passes.collective_matmul import LINEAR, fused_steps, overlap_saving_s, sole_use
+from autopar.passes.float8_price import Float8Offer, float8_choice
+from autopar.passes.op_price import local_gemm_min_dim, node_elements, priced_calls, run_ratio
 from autopar.passes.rules import tensor_inputs, writes_inputs
 from autopar.passes.strategies import AxisRole, NodeStrategies, Strategy, mutated_views, takes_as_stored
 from autopar.passes.trace import Role, TracedGraph
@@ -83,11 +81,10 @@ from autopar.placement import (
     Outputs,
     is_replicate,
     is_shard,
-    local_shapes,
     output_placement,
     volume_factor,
 )
-from autopar.reshard import Collective, CollectiveCall, reshard_plan
+from autopar.reshard import Collective, reshard_plan
 from autopar.trades import Float8
 
 
@@ -211,64 +208,6 @@ class CostTables:
     float8: dict[str, list[Float8 | None]] = field(default_factory=dict)
 
 
-@functools.cache
-def _has_torchao() -> bool:
-    """Is torchao's float8 training installed (what ``codegen/float8.py`` runs FP8 linears with)?"""
-    import importlib.util
-
-    try:
-        return importlib.util.find_spec("torchao.float8") is not None
-    except ModuleNotFoundError:
-        return False
-
-
-@dataclass(frozen=True)
-class Float8Offer:
-    """Which linears the cost tables may price as FP8 (``autopar/lowerings/float8.py``).
-
-    * ``recipes``: what an eligible linear may take; the tables price each and keep the cheapest of
-      them and the linear's own precision (``forced``: the cheapest recipe, whatever its own costs);
-    * ``half_only``: only linears that compute in a half type (auto: FP8 replaces bf16 GEMMs, not
-      an fp32 model's);
-    * ``nodes``: exactly these linears with these recipes (repricing a plan, ``passes/reprice.py``).
-    """
-
-    recipes: tuple[Float8, ...] = ()
-    forced: bool = False
-    half_only: bool = True
-    nodes: tuple[tuple[str, Float8], ...] | None = None
-
-    @classmethod
-    def of(cls, option: Float8 | None, device: DeviceSpec) -> Float8Offer | None:
-        """The offer of ``SearchOptions.float8``: auto (None) both recipes where the device has an
-        FP8 rate (``DeviceSpec.float8_flops``) and torchao, which runs them, is installed (a
-        dependency; an install without it, as on a machine given wheels by hand, plans no FP8
-        rather than a module that cannot run), none elsewhere; a recipe forced on any device."""
-        if option is None:
-            return (
-                cls((Float8.TENSORWISE, Float8.ROWWISE)) if device.float8_flops and _has_torchao() else None
-            )
-        if option is Float8.OFF:
-            return None
-        return cls((option,), forced=True, half_only=False)
-
-    @classmethod
-    def given(cls, nodes: dict[str, Float8]) -> Float8Offer | None:
-        return cls(nodes=tuple(sorted(nodes.items()))) if nodes else None
-
-    def recipes_for(self, name: str, dtype: torch.dtype | None) -> tuple[Float8, ...]:
-        if self.nodes is not None:
-            r = dict(self.nodes).get(name)
-            return (r,) if r is not None else ()
-        if self.half_only and dtype not in (torch.bfloat16, torch.float16):
-            return ()
-        return self.recipes
-
-    @property
-    def must(self) -> bool:
-        return self.forced or self.nodes is not None
-
-
 def resolve_source(node: fx.Node) -> fx.Node:
     while node.op == "call_function" and node.target is operator.getitem:
         node = node.args[0]
@@ -363,7 +302,7 @@ def build_costs(
             t += t_in
             own_costs.append((t, acc))
             if float8 is not None and ns.node.target is LINEAR and not calls:
-                recipe, t8, t8_in = _float8_choice(float8, name, info, ns, infos, device, k, s, comm, slow, t)
+                recipe, t8, t8_in = float8_choice(float8, name, info, ns, infos, device, k, s, comm, slow, t)
                 tables.float8.setdefault(name, [None] * len(ns.strategies))[len(costs)] = recipe
                 if recipe is None and float8.forced and float8.recipes_for(name, info.dtype):
                     # forced: a placement under which the linear cannot run FP8 (a Partial input,
@@ -823,130 +762,5 @@ def analytical_node_time(
     return node_time(
         info.flops, info.bytes, info.dtype, device, k, info.requires_grad,
         new_grads=len(new), op=info.target, elements=node_elements(info, inputs), grad_bytes=grad_bytes,
-        min_dim=_local_gemm_min_dim(info.target, inputs, s, mesh_shape),
+        min_dim=local_gemm_min_dim(info.target, inputs, s, mesh_shape),
     )  # fmt: skip
-
-
-def _float8_choice(
-    offer: Float8Offer,
-    name: str,
-    info: NodeInfo,
-    ns,
-    infos,
-    device: DeviceSpec,
-    k: int,
-    s: Strategy,
-    comm: CommModel,
-    slow: float,
-    own_s: float,
-) -> tuple[Float8 | None, float, float]:
-    """The recipe a linear under ``s`` runs (None: its own precision, which costs ``own_s``), its
-    compute seconds and its amax all-reduces' seconds: the cheapest of the offered recipes, taken
-    where it beats ``own_s`` or where the offer forces it."""
-    best: tuple[float, Float8, float, float] | None = None
-    for recipe in offer.recipes_for(name, info.dtype):
-        priced = float8_price(ns.node, s, info, ns.inputs, infos, device, k, comm, recipe)
-        if priced is None:
-            continue
-        t8, t_in = priced[0] * slow, priced[1]
-        if best is None or t8 + t_in < best[0]:
-            best = (t8 + t_in, recipe, t8, t_in)
-    if best is None or (not offer.must and best[0] >= own_s):
-        return None, 0.0, 0.0
-    return best[1], best[2], best[3]
-
-
-def float8_price(
-    node: fx.Node,
-    s: Strategy,
-    info: NodeInfo,
-    inputs: list[fx.Node],
-    infos,
-    device: DeviceSpec,
-    k: int,
-    comm: CommModel,
-    recipe: Float8,
-) -> tuple[float, float] | None:
-    """A linear run FP8 with ``recipe`` under ``s`` (``autopar/lowerings/float8.py``): its compute
-    seconds on one rank (``compute.float8_linear_time``: the scaled GEMMs and the cast kernels) and
-    its amax all-reduces' (the comm model's price of the description's calls); None where it may
-    not run FP8."""
-    plan = describe_float8(node, s, comm.mesh_shape, recipe)
-    if plan is None:
-        return None
-    fresh = info.grad_new or (True,) * len(inputs)
-    new = [a for a, f in zip(inputs, fresh) if f and infos[a.name].requires_grad]
-    casts = [(e, phase is Phase.BACKWARD) for e, phase in float8_casts(node, s, comm.mesh_shape)]
-    bias = len(inputs) > 2
-    t = float8_linear_time(
-        info.flops, info.dtype, device, k, info.requires_grad, casts, new_grads=len(new),
-        min_dim=_local_gemm_min_dim(info.target, inputs, s, comm.mesh_shape),
-        bias_elements=info.out_bytes / volume_factor(s.out, comm.mesh_shape) / max(_item_of(info.dtype), 1)
-        if bias else 0.0,
-    )  # fmt: skip
-    t_in = sum(sec for _, sec in priced_calls(plan, comm, t))
-    return t, t_in
-
-
-def _item_of(dtype: torch.dtype | None) -> int:
-    return torch.empty((), dtype=dtype or torch.float32).element_size()
-
-
-def node_elements(info: NodeInfo, inputs: list[fx.Node]) -> int:
-    """``E`` of ``cost_model.compute``: the elements of the node's largest tensor, output or input
-    (what its per-element figures count: a loss's logits, not its scalar output)."""
-    return max(
-        [math.prod(sh) for sh in info.shapes]
-        + [t.numel() for a in inputs for t in tensor_vals(a.meta.get("val"))]
-    )
-
-
-def _local_gemm_min_dim(
-    op: str, inputs: list[fx.Node], s: Strategy | None, mesh_shape: Sequence[int]
-) -> int | None:
-    """``gemm_min_dim`` of a matmul's local pieces under ``s`` (global shapes without one)."""
-    vals = [a.meta.get("val") for a in inputs]
-    if not all(isinstance(v, torch.Tensor) for v in vals):
-        return None
-    shapes = [tuple(v.shape) for v in vals]
-    if s is not None and len(s.ins) == len(shapes):
-        shapes = local_shapes(shapes, s.ins, mesh_shape) or shapes
-    return gemm_min_dim(op, shapes)
-
-
-def run_ratio(node: fx.Node, info: NodeInfo | None) -> float:
-    """The itemsize ``node`` runs in (``info``'s dtype: the half type of its autocast op under mixed
-    precision, ``passes/trades.py:half_infos``) over its traced one; 1 where either is unknown."""
-    val = node.meta.get("val")
-    if info is None or info.dtype is None or not isinstance(val, torch.Tensor):
-        return 1.0
-    return info.dtype.itemsize / val.dtype.itemsize
-
-
-def lowering_collectives(
-    node: fx.Node,
-    s: Strategy,
-    comm: CommModel,
-    compute_s: float = 0.0,
-    recipe: Float8 | None = None,
-    info: NodeInfo | None = None,
-) -> list[tuple[CollectiveCall, float]]:
-    """Each collective that the lowering of ``node`` under ``s`` issues inside the op
-    (``autopar/lowerings``: the calls codegen's code issues), with its seconds (``priced_calls``);
-    ``recipe``: a linear run FP8, whose calls are its amax all-reduces (``lowerings/float8.py``);
-    ``info``: the node's as priced, whose dtype the calls that move its operands take (``run_ratio``)."""
-    if recipe is not None:
-        plan = describe_float8(node, s, comm.mesh_shape, recipe)
-        return priced_calls(plan, comm, compute_s) if plan is not None else []
-    return priced_calls(describe(node, s, comm.mesh_shape).in_dtype(run_ratio(node, info)), comm, compute_s)
-
-
-def priced_calls(
-    lowered: LoweringPlan, comm: CommModel, compute_s: float
-) -> list[tuple[CollectiveCall, float]]:
-    """The calls of a lowering's plan with their seconds: what each adds to the step beyond the
-    op's own compute ``compute_s`` (forward + backward, per rank), which calls in an overlap window
-    hide behind (``lowerings.price_calls``)."""
-    if not lowered.calls:
-        return []
-    return price_calls(lowered.calls, lambda c: comm.time(c.kind, c.nbytes, c.axis), compute_s)

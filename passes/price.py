@@ -30,7 +30,7 @@ from autopar.cost_model.comm import CommModel
 from autopar.cost_model.sync import SyncNode, sync_wait_s
 from autopar.options import Optimizer
 from autopar.passes.analyze import NodeInfo
-from autopar.passes.costs import CostTables, lowering_collectives, resolve_source
+from autopar.passes.costs import CostTables, resolve_source
 from autopar.passes.grad_sync import (
     Bucket,
     GradSyncCost,
@@ -41,6 +41,7 @@ from autopar.passes.grad_sync import (
     use_run_s,
 )
 from autopar.passes.memory_row import peak_bytes
+from autopar.passes.op_price import lowering_collectives
 from autopar.passes.solver import Solution, objective_s
 from autopar.passes.strategies import Strategy
 from autopar.passes.trace import Role, TracedGraph, module_path

@@ -30,7 +30,8 @@ from autopar.options import Optimizer, SearchOptions
 from autopar.passes.analyze import analyze
 from autopar.passes.blocks import find_blocks
 from autopar.passes.candidates import MeshRun
-from autopar.passes.costs import Float8Offer, NodeTimer, build_costs
+from autopar.passes.costs import NodeTimer, build_costs
+from autopar.passes.float8_price import Float8Offer
 from autopar.passes.mesh_solve import MeshProblem, Solved, TradeContext, priced_solution
 from autopar.passes.pipeline import PipelineProblem, price_pipeline, stage_cluster
 from autopar.passes.replay import choice_from_plan, plan_regions, plan_strategies, traced_as_planned

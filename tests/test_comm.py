@@ -363,7 +363,7 @@ def test_split_mean_cross_entropy_pays_its_all_reduces_on_every_split_axis():
     import torch
     from torch.distributed.tensor.placement_types import Shard
 
-    from autopar.passes.costs import lowering_collectives
+    from autopar.passes.op_price import lowering_collectives
     from autopar.tools.validate import node_strategies, one_node_graph
 
     logits, target = torch.randn(8, 5), torch.randint(0, 5, (8,))

@@ -74,9 +74,9 @@ def test_without_torchao_the_search_plans_no_fp8(monkeypatch):
     """Auto plans FP8 only where torchao, which runs it, is installed: on an install without it (a
     GPU machine given wheels by hand) the H100 plan is the FP8-off plan, not a module that cannot
     run; forcing a recipe still plans it (the plan may be for another machine)."""
-    from autopar.passes import costs
+    from autopar.passes import float8_price
 
-    monkeypatch.setattr(costs, "_has_torchao", lambda: False)
+    monkeypatch.setattr(float8_price, "has_torchao", lambda: False)
     model, inputs = _model()
     cluster = autopar.ClusterSpec.preset("h100-sxm", devices_per_node=8)
     auto = autopar.plan(model, cluster, inputs, **DATA)

@@ -18,7 +18,7 @@ Three readers, one source:
 
 * ``codegen/lower.py`` emits the op's code from the plan (the axes and the order of its
   collectives) and the kernels it calls issue the rest;
-* the cost tables (``passes/costs.py:lowering_collectives``) price exactly ``calls``
+* the cost tables (``passes/op_price.py:lowering_collectives``) price exactly ``calls``
   (:func:`price_calls`: a call's seconds less what its overlap window hides);
 * the memory rows (``passes/costs.py:build_costs``) add ``saved_bytes`` to what the node keeps.
 

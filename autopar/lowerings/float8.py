@@ -38,7 +38,7 @@ Which strategies may run FP8 (``describe`` returns None elsewhere): a plain line
 or other ``via`` but a data-parallel region's ``OwnRows``, no ``Partial`` input), a 2-D weight, and local ``K`` and ``N`` that are multiples
 of 16 (``torch._scaled_mm``'s alignment on CUDA; torchtitan skips such linears too).
 
-Read by the cost tables (``passes/costs.py:float8_price``: the calls through the comm model, the
+Read by the cost tables (``passes/float8_price.py:float8_price``: the calls through the comm model, the
 casts through the compute model) and by codegen (``codegen/lower.py``: the axes of each cast,
 ``amax_axes``); ``tests/test_float8.py`` checks the all-reduces the generated code issues against
 ``describe``'s calls.

@@ -69,7 +69,8 @@ from autopar.cluster import DeviceKind, DeviceSpec
 from autopar.cost_model.compute import EFF_MAX, OPTIMIZER_TRAFFIC, T_HALF, gemm_min_dim, optimizer_step_time
 from autopar.errors import ReferenceDataError
 from autopar.passes.analyze import NodeInfo, analyze
-from autopar.passes.costs import analytical_node_time, node_elements
+from autopar.passes.costs import analytical_node_time
+from autopar.passes.op_price import node_elements
 from autopar.passes.rules import tensor_inputs
 from autopar.passes.trace import trace
 
