@@ -78,6 +78,7 @@ import operator
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 import torch.fx as fx
 
@@ -89,6 +90,7 @@ from autopar.options import Optimizer, SearchOptions
 from autopar.passes.analyze import NodeInfo
 from autopar.passes.blocks import Block
 from autopar.passes.costs import CostTables
+from autopar.passes.memory_row import EdgeTrade, lower_bound_bytes
 from autopar.passes.offload import in_flight_bytes, parameter_offload_seconds
 from autopar.passes.rules import tensor_inputs
 from autopar.passes.trace import Role, TracedGraph
@@ -363,8 +365,59 @@ def apply_trades(
     the result's rows are those parts' lists, shared between the rungs that read them. Read-only."""
     if trades == Trades(precision=Precision.PARAM) and not trades.data_axes:
         return tables
+    in_block = _in_block(tables, blocks) if trades.recompute is not Recompute.NONE else {}
+    edges = _traded_edges(tables, infos, in_block, trades.micro_batches)
+    return _traded_rows(tables, infos, trades, cluster, optimizer, blocks, in_block, edges)
+
+
+def traded_lower_bound(
+    tables: CostTables,
+    infos: dict[str, NodeInfo],
+    trades: Trades,
+    cluster: ClusterSpec,
+    optimizer: Optimizer,
+    blocks: Sequence[Block],
+) -> float:
+    """``lower_bound_bytes(apply_trades(...))`` without building the traded edges: the climb
+    bounds every rung and solves few (a DeepSeek-V3 search on 2,048 H100 bounded 1,900 rungs and
+    solved 170), and the traded edges, rebuilt per recomputation and micro-batch count, were most
+    of ``apply_trades``. The edges' part is priced from their smallest terms as the trades change
+    them (``memory_row.EdgeTrade``): the same float (``tests/test_memory_bound.py``)."""
+    if trades == Trades(precision=Precision.PARAM) and not trades.data_axes:
+        return lower_bound_bytes(tables)
     k = trades.micro_batches
     in_block = _in_block(tables, blocks) if trades.recompute is not Recompute.NONE else {}
+    rows = _traded_rows(tables, infos, trades, cluster, optimizer, blocks, in_block, tables.edges)
+    return lower_bound_bytes(rows, _edge_trade(tables, infos, in_block, k))
+
+
+def _edge_trade(tables: CostTables, infos: dict[str, NodeInfo], in_block: dict, k: int) -> EdgeTrade:
+    """Which of ``tables``' edges ``_traded_edges`` zeroes and divides (its rules, per edge)."""
+
+    def make() -> EdgeTrade:
+        params = {v for v in tables.strategies if infos[v].role in (Role.PARAM, Role.BUFFER)}
+        zero, divide = [], []
+        for e in tables.edges:
+            src_param = e.src in params
+            zero.append(e.dst in in_block and (src_param or e.src in in_block))
+            divide.append(k > 1 and not src_param)
+        return EdgeTrade(np.array(zero, bool), np.array(divide, bool), k)
+
+    return _kept(tables, "_edge_trades", (_in_block_key(tables, in_block), k), make)
+
+
+def _traded_rows(
+    tables: CostTables,
+    infos: dict[str, NodeInfo],
+    trades: Trades,
+    cluster: ClusterSpec,
+    optimizer: Optimizer,
+    blocks: Sequence[Block],
+    in_block: dict[str, Block],
+    edges: list,
+) -> CostTables:
+    """``tables`` with the nodes' rows traded (``apply_trades``) and ``edges``."""
+    k = trades.micro_batches
     outs = _block_outputs(tables, blocks)
     params = _traded_params(tables, infos, trades, cluster, optimizer)
     acts = _traded_activations(tables, infos, trades.recompute, k, in_block, outs, cluster, blocks)
@@ -380,7 +433,6 @@ def apply_trades(
         node_peak[v] = row if got is None else got[2]
     grad_mem = {v: params[v][2] if v in params else g for v, g in tables.grad_mem.items()}
     step_peak = {v: params[v][3] if v in params else p for v, p in tables.step_peak.items()}
-    edges = _traded_edges(tables, infos, in_block, k)
     return dataclasses.replace(
         tables, node_cost=node_cost, node_mem=node_mem, node_peak=node_peak, grad_mem=grad_mem,
         step_peak=step_peak, edges=edges, node_keep={}, peak_at={}, mem_at={},

@@ -19,7 +19,14 @@ from autopar.passes.memory_row import lower_bound_bytes, lower_bound_bytes_loop
 from autopar.passes.pipeline import Regions, stage_tables
 from autopar.passes.strategies import build_strategies, variable_nodes
 from autopar.passes.trace import trace
-from autopar.passes.trades import apply_trades, auto_precision, autocast_device, half_infos, ladder
+from autopar.passes.trades import (
+    apply_trades,
+    auto_precision,
+    autocast_device,
+    half_infos,
+    ladder,
+    traded_lower_bound,
+)
 
 CASES = {
     "llama-cpu4": lambda: (
@@ -59,4 +66,6 @@ def test_bound_is_the_loops_float_on_every_rung(case):
             got, want = lower_bound_bytes(rows), lower_bound_bytes_loop(rows)
             assert got == want, (t.describe(), got, want)
             seen.add(want)
+        fast = traded_lower_bound(tables, cinfos, t, cluster, Optimizer.ADAM, blocks)
+        assert fast == lower_bound_bytes_loop(traded), (t.describe(), fast)
     assert len(seen) > 5  # the rungs' bounds differ: the terms moved
