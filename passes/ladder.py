@@ -98,6 +98,8 @@ class Pricer(Protocol):
 
     def tables(self, trades: Trades) -> RungTables: ...
 
+    # optional: ``bound(trades) -> float``, the rung's memory lower bound without its tables (``_bound``)
+
     def price(self, trades: Trades, tables: RungTables, best_objective: float) -> Rung: ...
 
 
@@ -138,15 +140,14 @@ def climb(rungs: Iterable[Trades], pricer: Pricer, limit: float, best_objective:
             continue  # a rung with at least this much room each way had no plan
         if any(costs_no_less(trades, t) for t in slow):
             continue  # its bound is at least a pruned rung's, and the best only falls
-        tables = pricer.tables(trades)
-        needed = lower_bound_bytes(tables.ilp)
+        needed, tables = _bound(pricer, trades)
         if needed > limit:  # cheap: no solve, no entry
             out.mem_needed = min(out.mem_needed, needed)
             over.append(trades)
             continue
         if len(short) >= MAX_EMPTY_RUNGS and not any(relieves_more(trades, t) for t in short):
             continue
-        rung = pricer.price(trades, tables, out.objective)
+        rung = pricer.price(trades, tables if tables is not None else pricer.tables(trades), out.objective)
         if rung.restart is not None:
             todo, short, over, slow = list(rung.restart), [], [], []
             continue
@@ -179,6 +180,17 @@ def climb(rungs: Iterable[Trades], pricer: Pricer, limit: float, best_objective:
                 finishing = True
                 todo = [t for t in todo if rung.lesson is Lesson.FITS and sharded_step_sibling(t, trades)]
     return out
+
+
+def _bound(pricer: Pricer, trades: Trades) -> tuple[float, RungTables | None]:
+    """The rung's memory lower bound (``memory_row.lower_bound_bytes`` of the rows its ILP solves),
+    and its tables where they were built for it: a pricer with a ``bound`` of its own gives it
+    without them (``passes/rungs.py:SpmdRungs.bound``: most rungs are bounded, few solved)."""
+    bound = getattr(pricer, "bound", None)
+    if bound is not None:
+        return bound(trades), None
+    tables = pricer.tables(trades)
+    return lower_bound_bytes(tables.ilp), tables
 
 
 def sharded_step_sibling(a: Trades, b: Trades) -> bool:

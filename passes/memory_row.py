@@ -49,6 +49,8 @@ import bisect
 import math
 from dataclasses import dataclass
 
+import numpy as np
+
 from autopar.passes.costs import CostTables, Edge
 from autopar.passes.lp_model import Model
 
@@ -244,9 +246,62 @@ def _edge_least(tables: CostTables) -> tuple[dict[float, float], dict[float, flo
 _EDGE_LEAST: dict[int, tuple[list, int, tuple[dict[float, float], dict[float, float]]]] = {}
 
 
-def lower_bound_bytes(tables: CostTables) -> float:
+def lower_bound_bytes(tables: CostTables, edge_trade: EdgeTrade | None = None) -> float:
     """A lower bound on the peak of every plan on these tables: each node's and each edge's bytes
-    at their smallest, and at each position the largest of the smallest transients there."""
+    at their smallest, and at each position the largest of the smallest transients there.
+
+    The climb asks it of every rung (``passes/ladder.py``; a DeepSeek-V3 search 2,100 times, on
+    tables of 8,500 positions): where each term is charged depends only on the tables' layout,
+    which the rungs of one candidate share, so the positions are sorted and indexed once per
+    layout (``_BoundLayout``) and each call sums the terms with numpy, in the order the loop of
+    ``lower_bound_bytes_loop`` adds them (``np.add.at`` adds repeated indices in order; a
+    cumulative sum adds left to right): the same float, bit for bit (``tests/test_memory_bound.py``).
+
+    ``edge_trade``: the edges are ``tables.edges`` as ``passes/trades.py:_traded_edges`` would
+    trade them (some kept bytes zero, some kept bytes and transients over ``k`` micro-batches),
+    priced from their smallest terms without building them: the smallest of ``x / k`` over a row
+    is the smallest ``x`` over ``k`` (division by ``k > 0`` rounds monotonically), so the bound is
+    the one the traded edges give, bit for bit."""
+    lay = _bound_layout(tables)
+    node_min = np.fromiter((min(m) for m in tables.node_mem.values()), float, len(tables.node_mem))
+    grad_min = np.fromiter((min(g) for g in tables.grad_mem.values()), float, len(tables.grad_mem))
+    terms = _edge_terms(tables)
+    where = lay.place(terms)
+    mem, peak = terms.mem_min, terms.peak_min
+    if edge_trade is not None:
+        mem = np.where(edge_trade.zero, 0.0, mem)
+        if edge_trade.k > 1:
+            mem = np.where(edge_trade.divide, mem / edge_trade.k, mem)
+            peak = np.where(edge_trade.divide[terms.has_peak], peak / edge_trade.k, peak)
+    edge_at = np.zeros(len(where.positions))
+    np.add.at(edge_at, where.edge_at, mem[terms.charge_of] / terms.charge_len)
+    at = np.zeros(len(where.positions))
+    np.add.at(at, where.node_at, node_min[lay.node_of] / lay.node_len)
+    at += edge_at
+    grads = np.where(lay.grad_start, grad_min[lay.grad_of], -grad_min[lay.grad_of]) / lay.grad_len
+    np.add.at(at, where.grad_at, grads)
+    least = np.zeros(len(where.positions))
+    if len(tables.node_peak):
+        peak_min = np.fromiter((min(t) for t in tables.node_peak.values()), float, len(tables.node_peak))
+        np.maximum.at(least, where.node_least, peak_min)
+    np.maximum.at(least, where.edge_least, peak)
+    return max(0.0, float(np.max(np.cumsum(at) + least)))
+
+
+@dataclass(frozen=True)
+class EdgeTrade:
+    """How a rung's trades change the tables' edges (``passes/trades.py:_traded_edges``): per edge,
+    whether its kept bytes become zero (``zero``), and whether its kept bytes and transients are
+    divided by the ``k`` micro-batches (``divide``)."""
+
+    zero: np.ndarray
+    divide: np.ndarray
+    k: int
+
+
+def lower_bound_bytes_loop(tables: CostTables) -> float:
+    """``lower_bound_bytes`` as a loop over the terms: what it computes, spelled out (and the
+    reference its tests hold it to)."""
     at: dict[float, float] = {}
 
     def charge(ps: tuple[float, ...], m: float) -> None:
@@ -272,6 +327,146 @@ def lower_bound_bytes(tables: CostTables) -> float:
         total += at.get(p, 0.0)
         bound = max(bound, total + least.get(p, 0.0))
     return bound
+
+
+@dataclass
+class _EdgeTerms:
+    """One list of edges' terms for ``lower_bound_bytes``: each edge's smallest kept bytes, the
+    positions they are charged at (each a 1/len share), and, for the edges with transients, the
+    smallest transient and its position. Kept per list (the last few)."""
+
+    edges: list
+    positions_key: int  # id of the positions map they were placed by
+    mem_min: np.ndarray
+    charge_pos: tuple[float, ...]
+    charge_of: np.ndarray
+    charge_len: np.ndarray
+    has_peak: np.ndarray
+    peak_min: np.ndarray
+    peak_pos: tuple[float, ...]
+
+
+def _edge_terms(tables: CostTables) -> _EdgeTerms:
+    key = id(tables.edges)
+    hit = _EDGE_TERMS.get(key)
+    if hit is not None and hit.edges is tables.edges and hit.positions_key == id(tables.positions):
+        return hit
+    mem_min, charge_pos, charge_of, charge_len, has_peak, peak_min, peak_pos = [], [], [], [], [], [], []
+    for i, e in enumerate(tables.edges):
+        ps = edge_charge_positions(tables, e)
+        mem_min.append(min(min(row) for row in e.mem))
+        charge_pos.extend(ps)
+        charge_of.extend([i] * len(ps))
+        charge_len.extend([len(ps)] * len(ps))
+        has_peak.append(e.peak is not None)
+        if e.peak is not None:
+            peak_min.append(min(min(row) for row in e.peak))
+            peak_pos.append(edge_position(tables, e))
+    got = _EdgeTerms(
+        tables.edges, id(tables.positions), np.array(mem_min, float), tuple(charge_pos),
+        np.array(charge_of, np.intp), np.array(charge_len, float), np.array(has_peak, bool),
+        np.array(peak_min, float), tuple(peak_pos),
+    )  # fmt: skip
+    if len(_EDGE_TERMS) >= 16:
+        del _EDGE_TERMS[next(iter(_EDGE_TERMS))]
+    _EDGE_TERMS[key] = got
+    return got
+
+
+# id(edges) -> their terms
+_EDGE_TERMS: dict[int, _EdgeTerms] = {}
+
+
+@dataclass
+class _Placed:
+    """A layout's and an edge list's positions, sorted (``END`` among them), and the index of
+    every term among them, in the order the loop adds them."""
+
+    positions: np.ndarray
+    node_at: np.ndarray
+    edge_at: np.ndarray
+    grad_at: np.ndarray
+    node_least: np.ndarray
+    edge_least: np.ndarray
+
+
+@dataclass
+class _BoundLayout:
+    """Where ``lower_bound_bytes`` charges each node and gradient of tables of one layout (their
+    positions, the order of their nodes, gradients and transients): every charge as (the node it
+    reads, the share it takes), in the loop's order."""
+
+    key: tuple
+    node_pos: list[float]  # a node's charges: at its members' positions, each 1/len of its bytes
+    node_of: np.ndarray
+    node_len: np.ndarray
+    grad_pos: list[float]  # a gradient's: at START whole, then at its frees, -1/len each
+    grad_of: np.ndarray
+    grad_start: np.ndarray
+    grad_len: np.ndarray
+    peak_pos: list[float]
+    placed: dict
+
+    def place(self, terms: _EdgeTerms) -> _Placed:
+        """Every term's index among the positions: per the edges' positions (traded edges keep
+        their base's), the last few."""
+        key = (terms.charge_pos, terms.peak_pos)
+        hit = self.placed.get(key)
+        if hit is not None:
+            return hit
+        order = sorted(
+            set(self.node_pos) | set(self.grad_pos) | set(self.peak_pos) | set(terms.charge_pos)
+            | set(terms.peak_pos) | {END}
+        )  # fmt: skip
+        index = {p: i for i, p in enumerate(order)}
+
+        def at(ps) -> np.ndarray:
+            return np.fromiter((index[p] for p in ps), np.intp, len(ps))
+
+        got = _Placed(
+            np.array(order), at(self.node_pos), at(terms.charge_pos), at(self.grad_pos), at(self.peak_pos),
+            at(terms.peak_pos),
+        )  # fmt: skip
+        if len(self.placed) >= 4:
+            del self.placed[next(iter(self.placed))]
+        self.placed[key] = got
+        return got
+
+
+def _bound_layout(tables: CostTables) -> _BoundLayout:
+    """The layout of ``tables`` for ``lower_bound_bytes``: kept per positions map (the last few),
+    checked against the tables' nodes, gradients and transients."""
+    key = (tuple(tables.node_mem), tuple(tables.grad_mem), tuple(tables.node_peak))
+    hit = _LAYOUTS.get(id(tables.positions))
+    if hit is not None and hit[0] is tables.positions and hit[1] is tables.grad_free and hit[2].key == key:
+        return hit[2]
+    node_pos, node_of, node_len = [], [], []
+    for i, v in enumerate(tables.node_mem):
+        ps = positions(tables, v)
+        node_pos.extend(ps)
+        node_of.extend([i] * len(ps))
+        node_len.extend([len(ps)] * len(ps))
+    grad_pos, grad_of, grad_start, grad_len = [], [], [], []
+    for i, v in enumerate(tables.grad_mem):
+        free = tables.grad_free[v]
+        grad_pos.append(START)
+        grad_pos.extend(free)
+        grad_of.extend([i] * (1 + len(free)))
+        grad_start.extend([True] + [False] * len(free))
+        grad_len.extend([1] + [len(free)] * len(free))
+    lay = _BoundLayout(
+        key, node_pos, np.array(node_of, np.intp), np.array(node_len, float), grad_pos,
+        np.array(grad_of, np.intp), np.array(grad_start, bool), np.array(grad_len, float),
+        [last(tables, v) for v in tables.node_peak], {},
+    )  # fmt: skip
+    if len(_LAYOUTS) >= 16:
+        del _LAYOUTS[next(iter(_LAYOUTS))]
+    _LAYOUTS[id(tables.positions)] = (tables.positions, tables.grad_free, lay)
+    return lay
+
+
+# id(positions map) -> (the map, the gradients' frees, its layout)
+_LAYOUTS: dict[int, tuple[dict, dict, _BoundLayout]] = {}
 
 
 # -- the ILP's rows ---------------------------------------------------------------------------------

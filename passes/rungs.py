@@ -38,7 +38,14 @@ from autopar.passes.pipeline import (
 from autopar.passes.price import grad_sync_cost
 from autopar.passes.search_problem import Problem
 from autopar.passes.trace import Role, TracedGraph
-from autopar.passes.trades import apply_trades, ladder, micro_batch_ok, trade_terms, zero_axes
+from autopar.passes.trades import (
+    apply_trades,
+    ladder,
+    micro_batch_ok,
+    trade_terms,
+    traded_lower_bound,
+    zero_axes,
+)
 from autopar.placement import is_shard
 from autopar.trades import Offload, Schedule, Trades
 
@@ -80,6 +87,13 @@ class SpmdRungs:
             self.base, pb.tg, pb.cinfos, trades, pb.cluster, pb.options.optimizer, pb.blocks
         )
         return RungTables(traded, traded)
+
+    def bound(self, trades: Trades) -> float:
+        """The memory lower bound of ``tables(trades)``, without building its traded edges."""
+        pb = self.pb
+        return traded_lower_bound(
+            self.base, pb.cinfos, trades, pb.cluster, pb.options.optimizer, pb.blocks
+        )  # fmt: skip
 
     def price(self, trades: Trades, tables: RungTables, best_objective: float) -> Rung:
         pb = self.pb

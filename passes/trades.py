@@ -78,6 +78,7 @@ import operator
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 import torch.fx as fx
 
@@ -89,6 +90,7 @@ from autopar.options import Optimizer, SearchOptions
 from autopar.passes.analyze import NodeInfo
 from autopar.passes.blocks import Block
 from autopar.passes.costs import CostTables
+from autopar.passes.memory_row import EdgeTrade, lower_bound_bytes
 from autopar.passes.offload import in_flight_bytes, parameter_offload_seconds
 from autopar.passes.rules import tensor_inputs
 from autopar.passes.trace import Role, TracedGraph
@@ -327,8 +329,21 @@ def data_size(spec, mesh: Sequence[int], data_axes: Sequence[int]) -> int:
 
 
 def _in_block(tables: CostTables, blocks: Sequence[Block]) -> dict[str, Block]:
+    """Each of the tables' nodes inside one of ``blocks``, with its block: kept on ``tables`` per
+    list of blocks (every rung with recomputation asks again). Read-only."""
+    hit = tables.__dict__.get("_in_block")
+    if hit is not None and hit[0] is blocks:
+        return hit[1]
     where = {n: b for b in blocks for n in b.nodes}
-    return {v: where[v] for v in tables.strategies if v in where}
+    got = {v: where[v] for v in tables.strategies if v in where}
+    tables.__dict__["_in_block"] = (blocks, got, tuple(sorted(got)))
+    return got
+
+
+def _in_block_key(tables: CostTables, in_block: dict[str, Block]) -> tuple[str, ...]:
+    """``in_block``'s nodes, sorted: the key of what depends on which nodes are recomputed."""
+    hit = tables.__dict__.get("_in_block")
+    return hit[2] if hit is not None and hit[1] is in_block else tuple(sorted(in_block))
 
 
 def apply_trades(
@@ -341,89 +356,242 @@ def apply_trades(
     blocks: Sequence[Block],
 ) -> CostTables:
     """The tables as the step runs under ``trades`` (module docstring). ``infos``: as the tables
-    were built (``half_infos`` under mixed precision)."""
+    were built (``half_infos`` under mixed precision).
+
+    A parameter's rows depend on the trades but recomputation (``_traded_params``), an
+    activation's on recomputation and micro-batches alone (``_traded_activations``), an edge's on
+    those two too (``_traded_edges``): each part is kept on ``tables`` per the trades it reads, as
+    the climb applies many trades to one candidate's tables (a DeepSeek-V3 search, 1,900), and
+    the result's rows are those parts' lists, shared between the rungs that read them. Read-only."""
     if trades == Trades(precision=Precision.PARAM) and not trades.data_axes:
         return tables
-    mesh = tables.mesh_shape
-    k = trades.micro_batches
-    slow = cluster.compute_slowdown
-    node_cost = {v: list(c) for v, c in tables.node_cost.items()}
-    node_mem = {v: list(m) for v, m in tables.node_mem.items()}
-    node_peak = {v: list(p) for v, p in tables.node_peak.items()}
-    grad_mem = {v: list(g) for v, g in tables.grad_mem.items()}
-    step_peak = {v: list(p) for v, p in tables.step_peak.items()}
-    classes = tables.classes
     in_block = _in_block(tables, blocks) if trades.recompute is not Recompute.NONE else {}
-    outs = {n for b in blocks for n in b.outputs}
+    edges = _traded_edges(tables, infos, in_block, trades.micro_batches)
+    return _traded_rows(tables, infos, trades, cluster, optimizer, blocks, in_block, edges)
 
-    for v, ss in tables.strategies.items():
-        info = infos[v]
-        n = classes.count(v) if classes else 1
-        if info.role is Role.PARAM:
-            trainable = info.requires_grad
-            for i, s in enumerate(ss):
-                vol = volume_factor(s.out, mesh)
-                elems = piece_elems(info, s.out, mesh)
-                d = data_size(s.out, mesh, trades.data_axes)
-                sb = param_state(info, s.out, mesh, trades, optimizer)
-                node_mem[v][i] = n * (sb.param + sb.optimizer)
-                if v in grad_mem:
-                    grad_mem[v][i] = n * sb.grad
-                    if k > 1:  # accumulated over micro-batches: live from the first one's backward on
-                        node_mem[v][i] += grad_mem[v][i]
-                        grad_mem[v][i] = 0.0
-                if trainable:
-                    master = 4 if trades.precision.mixed else _item(info.dtype)
-                    shard = elems * master / (d if trades.zero_stage else 1)
-                    old = optimizer_step_time(
-                        info.out_bytes / vol, optimizer.value, cluster.device, optimizer.name
-                    )
-                    new = (
-                        0.0
-                        if trades.offload is not Offload.NONE  # on the host: trade_terms
-                        else optimizer_step_time(shard, optimizer.value, cluster.device, optimizer.name)
-                    )
-                    node_cost[v][i] += n * (new - old) * slow
-                    if v in step_peak:
-                        step_peak[v][i] *= (
-                            0.0
-                            if trades.offload is not Offload.NONE
-                            else shard / max(info.out_bytes / vol, 1)
-                        )
-            continue
-        if info.role is Role.BUFFER:
-            continue
-        batch = True  # inputs and activations: per micro-batch
-        blk = in_block.get(v)
-        for i, s in enumerate(ss):
-            m = node_mem[v][i]
-            if blk is not None and info.role is not Role.INPUT:
-                vol = volume_factor(s.out, mesh)
-                keep_out = v in outs
-                if trades.recompute is Recompute.FULL:
-                    m = n * info.out_bytes / vol if keep_out else 0.0
-                    node_cost[v][i] += n * _forward_s(info, tables, v, i, cluster) * slow
-                else:  # selective: the matmuls' outputs (and attention's statistics) stay
-                    if info.target in MATMULS or keep_out:
-                        work = max([vol] + [volume_factor(x, mesh) for x in s.ins])
-                        m = n * (
-                            info.out_bytes / vol
-                            + (info.saved_temp_bytes / work if info.target in MATMULS else 0)
-                        )
-                    else:
-                        m = 0.0
-                        node_cost[v][i] += n * _forward_s(info, tables, v, i, cluster) * slow
-            if batch:
-                m /= k
-                if v in node_peak:
-                    node_peak[v][i] /= k
-            node_mem[v][i] = m
 
-    edges = _traded_edges(tables, infos, in_block, k)
+def traded_lower_bound(
+    tables: CostTables,
+    infos: dict[str, NodeInfo],
+    trades: Trades,
+    cluster: ClusterSpec,
+    optimizer: Optimizer,
+    blocks: Sequence[Block],
+) -> float:
+    """``lower_bound_bytes(apply_trades(...))`` without building the traded edges: the climb
+    bounds every rung and solves few (a DeepSeek-V3 search on 2,048 H100 bounded 1,900 rungs and
+    solved 170), and the traded edges, rebuilt per recomputation and micro-batch count, were most
+    of ``apply_trades``. The edges' part is priced from their smallest terms as the trades change
+    them (``memory_row.EdgeTrade``): the same float (``tests/test_memory_bound.py``)."""
+    if trades == Trades(precision=Precision.PARAM) and not trades.data_axes:
+        return lower_bound_bytes(tables)
+    k = trades.micro_batches
+    in_block = _in_block(tables, blocks) if trades.recompute is not Recompute.NONE else {}
+    rows = _traded_rows(tables, infos, trades, cluster, optimizer, blocks, in_block, tables.edges)
+    return lower_bound_bytes(rows, _edge_trade(tables, infos, in_block, k))
+
+
+def _edge_trade(tables: CostTables, infos: dict[str, NodeInfo], in_block: dict, k: int) -> EdgeTrade:
+    """Which of ``tables``' edges ``_traded_edges`` zeroes and divides (its rules, per edge)."""
+
+    def make() -> EdgeTrade:
+        params = {v for v in tables.strategies if infos[v].role in (Role.PARAM, Role.BUFFER)}
+        zero, divide = [], []
+        for e in tables.edges:
+            src_param = e.src in params
+            zero.append(e.dst in in_block and (src_param or e.src in in_block))
+            divide.append(k > 1 and not src_param)
+        return EdgeTrade(np.array(zero, bool), np.array(divide, bool), k)
+
+    return _kept(tables, "_edge_trades", (_in_block_key(tables, in_block), k), make)
+
+
+def _traded_rows(
+    tables: CostTables,
+    infos: dict[str, NodeInfo],
+    trades: Trades,
+    cluster: ClusterSpec,
+    optimizer: Optimizer,
+    blocks: Sequence[Block],
+    in_block: dict[str, Block],
+    edges: list,
+) -> CostTables:
+    """``tables`` with the nodes' rows traded (``apply_trades``) and ``edges``."""
+    k = trades.micro_batches
+    outs = _block_outputs(tables, blocks)
+    params = _traded_params(tables, infos, trades, cluster, optimizer)
+    acts = _traded_activations(tables, infos, trades.recompute, k, in_block, outs, cluster, blocks)
+    node_cost, node_mem, node_peak = {}, {}, {}
+    for v in tables.node_cost:
+        got = params.get(v) or acts.get(v)
+        if got is None:  # a buffer: as built
+            node_cost[v], node_mem[v] = tables.node_cost[v], tables.node_mem[v]
+        else:
+            node_cost[v], node_mem[v] = got[0], got[1]
+    for v, row in tables.node_peak.items():
+        got = acts.get(v)
+        node_peak[v] = row if got is None else got[2]
+    grad_mem = {v: params[v][2] if v in params else g for v, g in tables.grad_mem.items()}
+    step_peak = {v: params[v][3] if v in params else p for v, p in tables.step_peak.items()}
     return dataclasses.replace(
         tables, node_cost=node_cost, node_mem=node_mem, node_peak=node_peak, grad_mem=grad_mem,
         step_peak=step_peak, edges=edges, node_keep={}, peak_at={}, mem_at={},
     )  # fmt: skip
+
+
+def _block_outputs(tables: CostTables, blocks: Sequence[Block]) -> set[str]:
+    hit = tables.__dict__.get("_block_outputs")
+    if hit is not None and hit[0] is blocks:
+        return hit[1]
+    got = {n for b in blocks for n in b.outputs}
+    tables.__dict__["_block_outputs"] = (blocks, got)
+    return got
+
+
+def _kept(tables: CostTables, name: str, key: tuple, make):
+    """``make()`` kept on ``tables`` under ``name`` and ``key`` (the last ``_TRADED_PARTS_KEPT``)."""
+    cache = tables.__dict__.setdefault(name, {})
+    hit = cache.get(key)
+    if hit is not None:
+        return hit
+    if len(cache) >= _TRADED_PARTS_KEPT:
+        del cache[next(iter(cache))]
+    got = cache[key] = make()
+    return got
+
+
+# how many variants of one table's parameter rows, and of its activation rows, are kept
+_TRADED_PARTS_KEPT = 32
+
+
+def _traded_params(
+    tables: CostTables, infos: dict[str, NodeInfo], trades: Trades, cluster: ClusterSpec, optimizer: Optimizer
+) -> dict[str, tuple[list, list, list | None, list | None]]:
+    """Each parameter's (seconds, bytes, gradient bytes, step temporaries) per strategy under
+    ``trades``: they read its ZeRO stage, data axes, precision, offload and whether micro-batches
+    accumulate the gradients, not its recomputation nor how many micro-batches."""
+    key = (
+        trades.zero_stage, trades.data_axes, trades.precision, trades.offload, trades.micro_batches > 1,
+        optimizer, id(cluster.device), cluster.compute_slowdown,
+    )  # fmt: skip
+
+    def make():
+        return {
+            v: _param_rows(tables, infos[v], v, trades, cluster, optimizer)
+            for v in tables.strategies
+            if infos[v].role is Role.PARAM
+        }
+
+    hit = _kept(tables, "_traded_params", key, lambda: (cluster.device, make()))
+    if hit[0] is not cluster.device:  # another device at a reused address
+        tables.__dict__["_traded_params"][key] = hit = (cluster.device, make())
+    return hit[1]
+
+
+def _param_rows(tables: CostTables, info: NodeInfo, v: str, trades: Trades, cluster: ClusterSpec, optimizer):
+    mesh = tables.mesh_shape
+    n = tables.classes.count(v) if tables.classes else 1
+    slow = cluster.compute_slowdown
+    costs = list(tables.node_cost[v])
+    mems = list(tables.node_mem[v])
+    grads = list(tables.grad_mem[v]) if v in tables.grad_mem else None
+    steps = list(tables.step_peak[v]) if v in tables.step_peak else None
+    trainable = info.requires_grad
+    for i, s in enumerate(tables.strategies[v]):
+        vol = volume_factor(s.out, mesh)
+        elems = piece_elems(info, s.out, mesh)
+        d = data_size(s.out, mesh, trades.data_axes)
+        sb = param_state(info, s.out, mesh, trades, optimizer)
+        mems[i] = n * (sb.param + sb.optimizer)
+        if grads is not None:
+            grads[i] = n * sb.grad
+            if (
+                trades.micro_batches > 1
+            ):  # accumulated over micro-batches: live from the first one's backward on
+                mems[i] += grads[i]
+                grads[i] = 0.0
+        if trainable:
+            master = 4 if trades.precision.mixed else _item(info.dtype)
+            shard = elems * master / (d if trades.zero_stage else 1)
+            old = optimizer_step_time(info.out_bytes / vol, optimizer.value, cluster.device, optimizer.name)
+            new = (
+                0.0
+                if trades.offload is not Offload.NONE  # on the host: trade_terms
+                else optimizer_step_time(shard, optimizer.value, cluster.device, optimizer.name)
+            )
+            costs[i] += n * (new - old) * slow
+            if steps is not None:
+                steps[i] *= (
+                    0.0 if trades.offload is not Offload.NONE else shard / max(info.out_bytes / vol, 1)
+                )
+    return costs, mems, grads, steps
+
+
+def _traded_activations(
+    tables: CostTables,
+    infos: dict[str, NodeInfo],
+    recompute: Recompute,
+    k: int,
+    in_block: dict[str, Block],
+    outs: set[str],
+    cluster: ClusterSpec,
+    blocks: Sequence[Block],
+) -> dict[str, tuple[list, list, list | None]]:
+    """Each input's and activation's (seconds, bytes, transient bytes) per strategy under
+    recomputation ``recompute`` of the blocks ``in_block`` and ``k`` micro-batches."""
+    key = (
+        recompute,
+        k,
+        _in_block_key(tables, in_block),
+        id(cluster.device),
+        cluster.compute_slowdown,
+        id(blocks),
+    )
+
+    def make():
+        return {
+            v: _activation_rows(tables, infos[v], v, recompute, k, in_block.get(v), v in outs, cluster)
+            for v in tables.strategies
+            if infos[v].role not in (Role.PARAM, Role.BUFFER)
+        }
+
+    hit = _kept(tables, "_traded_activations", key, lambda: (cluster.device, blocks, make()))
+    if hit[0] is not cluster.device or hit[1] is not blocks:  # others at reused addresses
+        tables.__dict__["_traded_activations"][key] = hit = (cluster.device, blocks, make())
+    return hit[2]
+
+
+def _activation_rows(
+    tables: CostTables, info: NodeInfo, v: str, recompute: Recompute, k: int, blk, keep_out: bool, cluster
+):
+    mesh = tables.mesh_shape
+    n = tables.classes.count(v) if tables.classes else 1
+    slow = cluster.compute_slowdown
+    costs = list(tables.node_cost[v])
+    mems = list(tables.node_mem[v])
+    peaks = list(tables.node_peak[v]) if v in tables.node_peak else None
+    for i, s in enumerate(tables.strategies[v]):
+        m = mems[i]
+        if blk is not None and info.role is not Role.INPUT:
+            vol = volume_factor(s.out, mesh)
+            if recompute is Recompute.FULL:
+                m = n * info.out_bytes / vol if keep_out else 0.0
+                costs[i] += n * _forward_s(info, tables, v, i, cluster) * slow
+            else:  # selective: the matmuls' outputs (and attention's statistics) stay
+                if info.target in MATMULS or keep_out:
+                    work = max([vol] + [volume_factor(x, mesh) for x in s.ins])
+                    m = n * (
+                        info.out_bytes / vol + (info.saved_temp_bytes / work if info.target in MATMULS else 0)
+                    )
+                else:
+                    m = 0.0
+                    costs[i] += n * _forward_s(info, tables, v, i, cluster) * slow
+        # inputs and activations: per micro-batch
+        m /= k
+        if peaks is not None:
+            peaks[i] /= k
+        mems[i] = m
+    return costs, mems, peaks
 
 
 def _traded_edges(tables: CostTables, infos: dict[str, NodeInfo], in_block: dict, k: int) -> list:
@@ -434,7 +602,7 @@ def _traded_edges(tables: CostTables, infos: dict[str, NodeInfo], in_block: dict
     climb applied 1,501 trades, 60 ms each, most of it here). Read-only: a caller that changes an
     edge replaces it."""
     cache = tables.__dict__.setdefault("_traded_edges", {})
-    key = (tuple(sorted(in_block)), k)
+    key = (_in_block_key(tables, in_block), k)
     hit = cache.get(key)
     if hit is not None:
         return hit
