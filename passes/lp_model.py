@@ -156,14 +156,21 @@ class Model:
         self.row_upper.append(hi)
 
     def solve(
-        self, solver: str, time_limit_s: float | None = None, node_limit: int | None = None
+        self,
+        solver: str,
+        time_limit_s: float | None = None,
+        node_limit: int | None = None,
+        objective_bound: float | None = None,
     ) -> LpResult:
         """Solve with ``solver`` ("HiGHS" or "CBC", ``passes/solver.py:solver_name``). ``node_limit``
         (HiGHS only): stop the branch and bound after this many nodes (``mip_max_nodes``), with
         the best solution found, if any, and the tree's bound (``LpResult.node_limited``): a limit
-        that counts work, not seconds, so the same model stops at the same place under any load."""
+        that counts work, not seconds, so the same model stops at the same place under any load.
+        ``objective_bound`` (HiGHS only; its option of that name): the tree drops every node whose
+        bound passes it, so the result is the optimum where that is under it, and otherwise no
+        solution (``Infeasible``) or one over it."""
         if solver == "HiGHS":
-            return self._run_highs(time_limit_s, node_limit=node_limit)
+            return self._run_highs(time_limit_s, node_limit=node_limit, objective_bound=objective_bound)
         if solver == "CBC":
             return self._solve_pulp(pulp.PULP_CBC_CMD(msg=False, timeLimit=time_limit_s))
         raise SolverError(f"unknown solver {solver!r}: use 'HiGHS' or 'CBC'")
@@ -242,6 +249,7 @@ class Model:
         fixed: dict | None = None,
         ipm: bool = False,
         node_limit: int | None = None,
+        objective_bound: float | None = None,
     ) -> LpResult:
         import highspy
 
@@ -266,6 +274,8 @@ class Model:
             h.setOptionValue("solver", "ipm")
         if node_limit is not None and not relax:
             h.setOptionValue("mip_max_nodes", int(node_limit))
+        if objective_bound is not None and not relax:
+            h.setOptionValue("objective_bound", float(objective_bound))
         if first:
             h.setOptionValue("mip_max_improving_sols", 1)
             cost = np.zeros_like(cost)

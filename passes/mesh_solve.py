@@ -175,7 +175,12 @@ def solve_mesh(p: MeshProblem, best_objective: float = math.inf, st: Stages | No
     # is not solved (only whether it has a plan: a candidate with none is reported as without the cutoff)
     sol = solve(tables, limit, options.time_limit_s, folded=folded, cutoff=best_objective, hints=p.hints)
     if isinstance(sol, Pruned):
-        st.say(f"solve: mesh {label}: LP relaxation {sol.bound * 1e3:.3f} ms >= best: pruned")
+        what = (
+            f"LP relaxation {sol.bound * 1e3:.3f} ms >= best"
+            if sol.by == "LP relaxation"
+            else f"its ILP has no plan under the best, {sol.bound * 1e3:.3f} ms"
+        )
+        st.say(f"solve: mesh {label}: {what}: pruned")
         return ended(Verdict.LP_PRUNED, lp_bound=sol.bound)
     if sol is None:
         why = blocked(tables, {n.name: n for n in p.tg.graph.nodes})

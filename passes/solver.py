@@ -143,12 +143,15 @@ def lower_bound(tables: CostTables, folded: Folded | None = None) -> float:
 
 @dataclass(frozen=True)
 class Pruned:
-    """A solve cut short by its ``cutoff``: the ILP has a plan, and the optimum of its LP
-    relaxation, ``bound`` [s], a lower bound on every plan's objective, is already above the
-    cutoff, so its optimum is too."""
+    """A solve cut short by its ``cutoff``: the ILP has a plan, and ``bound`` [s], a lower bound on
+    every plan's objective (its LP relaxation's optimum, or the cutoff where the ILP found none
+    under it), is already above the cutoff, so its optimum is too."""
 
     bound: float
     solve_time_s: float
+    # what proved it: the LP relaxation (``bound`` its optimum), or the ILP itself cut off at the
+    # cutoff (``bound`` the cutoff: no plan under it)
+    by: str = "LP relaxation"
 
 
 # an LP relaxation's optimum must pass the cutoff by this much (relative) to prune: HiGHS meets
@@ -442,33 +445,40 @@ def _solve(
     add_memory_rows(prob, x, quad, memory_limit_bytes, shared, tables)
 
     name = solver_name()
+    objective_bound = None  # the MIP's cutoff (HiGHS's objective_bound), where memory binds
     if math.isfinite(cutoff) and name == "HiGHS" and not relax:
-        lp = prob.relaxation(time_limit_s, ipm=memory_binds(tables, memory_limit_bytes))
+        binds = memory_binds(tables, memory_limit_bytes)
+        lp = prob.relaxation(time_limit_s, ipm=binds)
         if lp.status == "Infeasible":
             return None  # no fractional plan fits: nor does an integral one
+        if binds:
+            objective_bound = cutoff + PRUNE_RTOL * abs(cutoff)
         if lp.has_solution and lp.objective > cutoff + PRUNE_RTOL * abs(cutoff):
             # a plan at hand: the relaxation's own when integral, else its largest x per node
             # rounded to 1 where the rest of the model (continuous) still fits, else the leanest
             # strategy the relaxation uses at each node (where memory is short, the largest x
             # often passes it: this one saved both of the 8B-on-64 plan's first solutions, 0.25 s
-            # each); else HiGHS's first
-            # each a plan at hand; then a plan of another candidate on this mesh (a data-parallel
-            # one is a plan of the free candidate: its strategies are among the free one's, priced
-            # alike: the DeepSeek-V3-style model's free 2 x 2 candidate under a memory limit, 3.6 s
-            # of CPU in HiGHS's first solution); then HiGHS's first
-            if (
-                prob.integral(lp.values)
-                or prob.feasible_with(_rounded(x, lp.values), time_limit_s)
-                or prob.feasible_with(_rounded(x, lp.values, tables.node_mem), time_limit_s)
-                or any(
-                    fixed is not None and prob.feasible_with(fixed, time_limit_s)
-                    for fixed in (_hinted(x, tables, hint) for hint in hints)
-                )
-                or prob.first_solution(time_limit_s).has_solution
-            ):
+            # each), else a plan of another candidate on this mesh (``hints``: a data-parallel
+            # plan is one of the free candidate's; the DeepSeek-V3-style model's free 2 x 2
+            # candidate under a memory limit, 3.6 s of CPU in HiGHS's first solution), else HiGHS's
+            if prob.integral(lp.values) or _has_plan(prob, x, tables, hints, time_limit_s, lp.values):
                 return Pruned(lp.objective, time.perf_counter() - t0)
             return None  # infeasible, or no plan within the time limit: as the full solve would say
-    got = prob.solve(name, time_limit_s, node_limit=MIP_NODE_LIMIT)
+    # where memory binds (the slow MIPs), the cutoff is HiGHS's objective bound: its tree drops
+    # every node whose bound passes it, so it gives the optimum where that is under the cutoff,
+    # else nothing under it (DeepSeek-V3 on 2,048 H100: a free (256, 8) rung whose relaxation
+    # passed under the best and whose optimum did not, 10 s of branch and bound, then its re-solve
+    # under the full peak). Elsewhere the MIP runs without: a different path through the tree may
+    # take another of equal optima, and those searches are quick
+    got = prob.solve(name, time_limit_s, node_limit=MIP_NODE_LIMIT, objective_bound=objective_bound)
+    if (
+        objective_bound is not None
+        and not got.node_limited
+        and (not got.has_solution or got.objective > objective_bound)
+    ):
+        if got.has_solution or _has_plan(prob, x, tables, hints, time_limit_s):
+            return Pruned(objective_bound, time.perf_counter() - t0, by="ILP")
+        return None
     if got.node_limited and not got.has_solution:  # any plan at all, on the rows alone
         first = prob.first_solution(time_limit_s)
         got = dataclasses.replace(first, node_limited=True, bound=got.bound)
@@ -510,6 +520,27 @@ def _rounded(x: dict[str, list], values, mem: dict[str, list[float]] | None = No
             best = min(used, key=lambda i: mem[v][i])
         out.update((var.index, float(i == best)) for i, var in enumerate(xs))
     return out
+
+
+def _has_plan(
+    prob: Model,
+    x: dict[str, list],
+    tables: CostTables,
+    hints: Sequence[Mapping[str, Strategy]],
+    time_limit_s: float | None,
+    values=None,
+) -> bool:
+    """Whether ``prob`` has a plan, cheapest proofs first: ``values`` (a relaxation's) rounded,
+    by largest value then by leanest strategy; each hint; HiGHS's first solution on the rows."""
+    roundings = () if values is None else (_rounded(x, values), _rounded(x, values, tables.node_mem))
+    return (
+        any(prob.feasible_with(fixed, time_limit_s) for fixed in roundings)
+        or any(
+            fixed is not None and prob.feasible_with(fixed, time_limit_s)
+            for fixed in (_hinted(x, tables, hint) for hint in hints)
+        )
+        or prob.first_solution(time_limit_s).has_solution
+    )
 
 
 def _hinted(x: dict[str, list], tables: CostTables, hint: Mapping[str, Strategy]) -> dict[int, float] | None:

@@ -476,3 +476,38 @@ def test_a_hint_is_a_plan_of_its_strategies():
         assert [fixed[var.index] for var in x[v]] == [1.0 if i == k else 0.0 for i in range(3)]
     assert _hinted(x, tables, {**hint, "c": Strategy((R,), (), (7,))}) is None
     assert _hinted(x, tables, {"a": hint["a"]}) is None
+
+
+def _knapsack():
+    """Two nodes, each whole (free, 6 bytes) or split (10 s, 2 bytes), under 10 bytes: one may stay
+    whole. The LP relaxation keeps both half whole (5 s); the ILP's optimum is 10 s."""
+    strategies = {v: [Strategy((R,), (), (i,)) for i in range(2)] for v in ("a", "b")}
+    tables = CostTables(
+        (1,), strategies, {v: [0.0, 10.0] for v in strategies}, {v: [6.0, 2.0] for v in strategies}
+    )
+    tables.edges.append(Edge("a", "b", [[0.0, 0.0], [0.0, 0.0]], [[0.0, 0.0], [0.0, 0.0]]))
+    tables.edges.append(Edge("b", "output", [[0.0], [0.0]], [[0.0], [0.0]]))
+    return tables, 10.0
+
+
+def test_where_memory_binds_the_ilp_is_cut_off_at_the_cutoff():
+    """Where memory binds and the LP relaxation (5 s) passes under the cutoff but the optimum
+    (10 s) does not, the ILP run with the cutoff as its objective bound prunes (``by="ILP"``,
+    its bound the cutoff's); with the cutoff over the optimum it gives the optimum itself."""
+    from autopar.passes.lp_model import highs_available
+    from autopar.passes.memory_row import lower_bound_bytes
+    from autopar.passes.solver import IPM_MEMORY_SHARE, Pruned
+
+    if not highs_available():
+        pytest.skip("highspy not installed")
+    tables, limit = _knapsack()
+    assert lower_bound_bytes(tables) >= IPM_MEMORY_SHARE * limit  # memory binds
+    plain = solve(tables, limit)
+    assert plain.objective == pytest.approx(10.0)
+    got = solve(tables, limit, cutoff=7.0)
+    assert isinstance(got, Pruned) and got.by == "ILP"
+    assert 7.0 < got.bound <= plain.objective
+    over = solve(tables, limit, cutoff=12.0)
+    assert not isinstance(over, Pruned) and over.objective == pytest.approx(plain.objective)
+    assert over.choice == plain.choice
+    assert solve(tables, 3.0, cutoff=7.0) is None  # under the least memory: no plan, not pruned
