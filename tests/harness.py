@@ -50,6 +50,22 @@ def labelled(label: str):
     return lambda found: f"{label}: {found}"
 
 
+def matmul_forms(m: int) -> list[tuple]:
+    """(op, args) of each matmul form (3-D and 2-D linears with and without bias, mm, addmm with a
+    bias row or a full matrix), sized to divide over any axes of an ``m``-rank mesh."""
+    aten = torch.ops.aten
+    rows, k, n = 4 * m, 2 * m, 3 * m
+    x3, x2, w = torch.randn(m, 2 * m, k), torch.randn(rows, k), torch.randn(n, k)
+    return [
+        (aten.linear.default, (x3, w)),
+        (aten.linear.default, (x3, w, torch.randn(n))),
+        (aten.linear.default, (x2, w, torch.randn(n))),
+        (aten.mm.default, (x2, torch.randn(k, n))),
+        (aten.addmm.default, (torch.randn(n), x2, torch.randn(k, n))),
+        (aten.addmm.default, (torch.randn(rows, n), x2, torch.randn(k, n))),
+    ]
+
+
 def free_link_cpu(world: int) -> autopar.ClusterSpec:
     """CPU ranks on a link priced as free (no latency, 1 TB/s): the toy models of a test, whose ops
     take microseconds, are then data parallel wherever the batch splits; on loopback gloo's ~1 ms

@@ -21,7 +21,7 @@ from html import escape
 
 import pytest
 import torch
-from harness import adam_rank, adam_reference, assert_rank_as_reference, force_matmuls
+from harness import adam_rank, adam_reference, assert_rank_as_reference, force_matmuls, matmul_forms
 from torch.distributed.tensor.placement_types import Shard
 
 import autopar
@@ -34,27 +34,13 @@ from autopar.tools.validate import check_node, node_strategies, one_node_graph
 aten = torch.ops.aten
 
 
-def _ops(m: int):
-    """(op, args) of each matmul form, sized to divide over any axes of an ``m``-rank mesh."""
-    rows, k, n = 4 * m, 2 * m, 3 * m
-    x3, x2, w = torch.randn(m, 2 * m, k), torch.randn(rows, k), torch.randn(n, k)
-    return [
-        (aten.linear.default, (x3, w)),
-        (aten.linear.default, (x3, w, torch.randn(n))),
-        (aten.linear.default, (x2, w, torch.randn(n))),
-        (aten.mm.default, (x2, torch.randn(k, n))),
-        (aten.addmm.default, (torch.randn(n), x2, torch.randn(k, n))),
-        (aten.addmm.default, (torch.randn(rows, n), x2, torch.randn(k, n))),
-    ]
-
-
 @pytest.mark.parametrize("mesh", [(2, 2), (2, 2, 2)], ids=["2x2", "2x2x2"])
 def test_every_2d_strategy_computes_the_dense_op(mesh):
     """Each is run by the simulator: SUMMA's real steps in a thread per rank."""
     m = 1
     for n in mesh:
         m *= n
-    for op, args in _ops(m):
+    for op, args in matmul_forms(m):
         node, values = one_node_graph(op, args, {})
         grid = [s for s in node_strategies(node, mesh) if any(isinstance(v, Matmul2D) for v in s.via)]
         # on 2 x 2 both axis orders, both algorithms; on 2 x 2 x 2 every ordered pair, the third

@@ -20,7 +20,7 @@ import re
 
 import pytest
 import torch
-from harness import adam_rank, adam_reference, assert_rank_as_reference, force_matmuls
+from harness import adam_rank, adam_reference, assert_rank_as_reference, force_matmuls, matmul_forms
 from torch.distributed.tensor.placement_types import Shard
 
 import autopar
@@ -34,24 +34,10 @@ aten = torch.ops.aten
 CUBE = (2, 2, 2)
 
 
-def _ops(m: int):
-    """(op, args) of each matmul form, sized to divide over any axes of an ``m``-rank mesh."""
-    rows, k, n = 4 * m, 2 * m, 3 * m
-    x3, x2, w = torch.randn(m, 2 * m, k), torch.randn(rows, k), torch.randn(n, k)
-    return [
-        (aten.linear.default, (x3, w)),
-        (aten.linear.default, (x3, w, torch.randn(n))),
-        (aten.linear.default, (x2, w, torch.randn(n))),
-        (aten.mm.default, (x2, torch.randn(k, n))),
-        (aten.addmm.default, (torch.randn(n), x2, torch.randn(k, n))),
-        (aten.addmm.default, (torch.randn(rows, n), x2, torch.randn(k, n))),
-    ]
-
-
 def test_every_3d_strategy_computes_the_dense_op():
     """Every ordered pair of the cube's axes, every batch-like dim gathered, the third axis any
     option: forward and gradients equal the dense op's on simulated ranks."""
-    for op, args in _ops(8):
+    for op, args in matmul_forms(8):
         node, values = one_node_graph(op, args, {})
         cube = [s for s in node_strategies(node, CUBE) if any(isinstance(v, Matmul3D) for v in s.via)]
         assert cube, op
