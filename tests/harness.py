@@ -66,6 +66,37 @@ def matmul_forms(m: int) -> list[tuple]:
     ]
 
 
+def rung_tables(model, inputs, cluster: autopar.ClusterSpec, mesh: tuple[int, ...]):
+    """What the search's climb works on for ``model`` on ``mesh`` (axis 0 data parallel, coarsened
+    classes, the automatic precision): the traced graph, its classes, the infos the cost model
+    priced, the tables, the blocks and the ladder's rungs, as a namespace."""
+    import types
+
+    from autopar.options import AxisRole, Optimizer, SearchOptions
+    from autopar.passes.analyze import analyze
+    from autopar.passes.blocks import find_blocks
+    from autopar.passes.coarsen import find_classes
+    from autopar.passes.costs import build_costs
+    from autopar.passes.strategies import build_strategies, variable_nodes
+    from autopar.passes.trace import trace
+    from autopar.passes.trades import auto_precision, autocast_device, half_infos, ladder
+
+    tg = trace(model, inputs)
+    infos = analyze(tg)
+    classes = find_classes(tg, infos, variable_nodes(tg))
+    precision = auto_precision(infos)
+    cinfos = half_infos(tg, infos, precision, autocast_device(cluster))
+    roles = (AxisRole.DATA,) + (AxisRole.AUTO,) * (len(mesh) - 1)
+    strats = build_strategies(tg, infos, mesh, roles, only=set(classes.members))
+    tables = build_costs(tg, cinfos, strats, cluster, mesh, Optimizer.ADAM, roles, classes)
+    blocks = find_blocks(tg)
+    batch = next(iter(inputs.values())).shape[0]
+    rungs = ladder(SearchOptions(), (0,), precision, batch, bool(blocks))
+    return types.SimpleNamespace(
+        tg=tg, classes=classes, precision=precision, cinfos=cinfos, tables=tables, blocks=blocks, rungs=rungs
+    )
+
+
 def free_link_cpu(world: int) -> autopar.ClusterSpec:
     """CPU ranks on a link priced as free (no latency, 1 TB/s): the toy models of a test, whose ops
     take microseconds, are then data parallel wherever the batch splits; on loopback gloo's ~1 ms

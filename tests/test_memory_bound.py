@@ -7,24 +7,15 @@ and again on a pipeline stage's rows, which share the tables' positions but not 
 from __future__ import annotations
 
 import pytest
+from harness import rung_tables
 
 import autopar
 from autopar.examples import gpt2_tiny, llama_tiny
-from autopar.options import AxisRole, Optimizer, SearchOptions
-from autopar.passes.analyze import analyze
-from autopar.passes.blocks import find_blocks
-from autopar.passes.coarsen import find_classes
-from autopar.passes.costs import build_costs
+from autopar.options import Optimizer
 from autopar.passes.memory_row import lower_bound_bytes, lower_bound_bytes_loop
 from autopar.passes.pipeline import Regions, stage_tables
-from autopar.passes.strategies import build_strategies, variable_nodes
-from autopar.passes.trace import trace
 from autopar.passes.trades import (
     apply_trades,
-    auto_precision,
-    autocast_device,
-    half_infos,
-    ladder,
     traded_lower_bound,
 )
 
@@ -45,19 +36,10 @@ CASES = {
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_bound_is_the_loops_float_on_every_rung(case):
     model, inputs, cluster, mesh = CASES[case]()
-    tg = trace(model, inputs)
-    infos = analyze(tg)
-    classes = find_classes(tg, infos, variable_nodes(tg))
-    precision = auto_precision(infos)
-    cinfos = half_infos(tg, infos, precision, autocast_device(cluster))
-    roles = (AxisRole.DATA,) + (AxisRole.AUTO,) * (len(mesh) - 1)
-    strats = build_strategies(tg, infos, mesh, roles, only=set(classes.members))
-    tables = build_costs(tg, cinfos, strats, cluster, mesh, Optimizer.ADAM, roles, classes)
-    assert any(len(m) > 1 for m in classes.members.values())  # terms spread over several positions
-    blocks = find_blocks(tg)
+    r = rung_tables(model, inputs, cluster, mesh)
+    tg, cinfos, tables, blocks, rungs = r.tg, r.cinfos, r.tables, r.blocks, r.rungs
+    assert any(len(m) > 1 for m in r.classes.members.values())  # terms spread over several positions
     regions = Regions.of(tg, blocks)
-    batch = next(iter(inputs.values())).shape[0]
-    rungs = ladder(SearchOptions(), (0,), precision, batch, bool(blocks))
     assert len(rungs) > 10
     seen = set()
     for t in rungs:

@@ -10,17 +10,12 @@ import dataclasses
 
 import pytest
 import torch
+from harness import rung_tables
 
 import autopar
 from autopar.examples import llama, llama_tiny
-from autopar.options import AxisRole, Optimizer, SearchOptions
-from autopar.passes.analyze import analyze
-from autopar.passes.blocks import find_blocks
-from autopar.passes.coarsen import find_classes
-from autopar.passes.costs import build_costs
-from autopar.passes.strategies import build_strategies, variable_nodes
-from autopar.passes.trace import trace
-from autopar.passes.trades import apply_trades, auto_precision, autocast_device, half_infos, ladder
+from autopar.options import Optimizer
+from autopar.passes.trades import apply_trades
 from autopar.trades import Offload, Precision, Recompute
 
 
@@ -46,17 +41,8 @@ ROWS = ("node_cost", "node_mem", "node_peak", "grad_mem", "step_peak")
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_kept_parts_give_the_rows_of_fresh_tables(case):
     model, inputs, cluster, mesh = CASES[case]()
-    tg = trace(model, inputs)
-    infos = analyze(tg)
-    classes = find_classes(tg, infos, variable_nodes(tg))
-    precision = auto_precision(infos)
-    cinfos = half_infos(tg, infos, precision, autocast_device(cluster))
-    roles = (AxisRole.DATA,) + (AxisRole.AUTO,) * (len(mesh) - 1)
-    strats = build_strategies(tg, infos, mesh, roles, only=set(classes.members))
-    tables = build_costs(tg, cinfos, strats, cluster, mesh, Optimizer.ADAM, roles, classes)
-    blocks = find_blocks(tg)
-    batch = next(iter(inputs.values())).shape[0]
-    rungs = ladder(SearchOptions(), (0,), precision, batch, bool(blocks))
+    r = rung_tables(model, inputs, cluster, mesh)
+    tg, cinfos, tables, blocks, rungs, precision = r.tg, r.cinfos, r.tables, r.blocks, r.rungs, r.precision
     kinds = {(t.recompute, t.micro_batches > 1, t.offload is not Offload.NONE, t.zero_stage) for t in rungs}
     assert len(kinds) > 12 and any(t.recompute is Recompute.FULL for t in rungs)
     if case == "llama-h100x8":
