@@ -230,6 +230,17 @@ def assert_rank_as_reference(rank: int, res, ref, lr: float, steps: int) -> tupl
     return code, axes
 
 
+def assert_world_as_reference(per_rank, key, ref, lr: float, steps: int, mesh, code_has: str) -> None:
+    """Every rank's ``adam_rank`` result for ``key`` against the single device's ``ref``
+    (``assert_rank_as_reference``); its collectives span at least the mesh's parallel axes, and
+    rank 0's generated code holds ``code_has``."""
+    for rank, results in enumerate(per_rank):
+        code, axes = assert_rank_as_reference(rank, results[key], ref, lr, steps)
+        assert axes is None or axes >= parallel_axes(mesh)
+        if rank == 0:
+            assert code_has in code
+
+
 def reference(build: Callable, name: str):
     model, inputs = build(name)
     outs = train(model, inputs)
