@@ -363,9 +363,9 @@ def apply_trades(
     those two too (``_traded_edges``): each part is kept on ``tables`` per the trades it reads, as
     the climb applies many trades to one candidate's tables (a DeepSeek-V3 search, 1,900), and
     the result's rows are those parts' lists, shared between the rungs that read them. Read-only."""
-    if trades == Trades(precision=Precision.PARAM) and not trades.data_axes:
+    if _untraded(trades):
         return tables
-    in_block = _in_block(tables, blocks) if trades.recompute is not Recompute.NONE else {}
+    in_block = _recomputed(tables, blocks, trades)
     edges = _traded_edges(tables, infos, in_block, trades.micro_batches)
     return _traded_rows(tables, infos, trades, cluster, optimizer, blocks, in_block, edges)
 
@@ -383,12 +383,22 @@ def traded_lower_bound(
     solved 170), and the traded edges, rebuilt per recomputation and micro-batch count, were most
     of ``apply_trades``. The edges' part is priced from their smallest terms as the trades change
     them (``memory_row.EdgeTrade``): the same float (``tests/test_memory_bound.py``)."""
-    if trades == Trades(precision=Precision.PARAM) and not trades.data_axes:
+    if _untraded(trades):
         return lower_bound_bytes(tables)
     k = trades.micro_batches
-    in_block = _in_block(tables, blocks) if trades.recompute is not Recompute.NONE else {}
+    in_block = _recomputed(tables, blocks, trades)
     rows = _traded_rows(tables, infos, trades, cluster, optimizer, blocks, in_block, tables.edges)
     return lower_bound_bytes(rows, _edge_trade(tables, infos, in_block, k))
+
+
+def _untraded(trades: Trades) -> bool:
+    """``trades`` change nothing in the tables: no trade, precision as the parameters, no data axes."""
+    return trades == Trades(precision=Precision.PARAM) and not trades.data_axes
+
+
+def _recomputed(tables: CostTables, blocks: Sequence[Block], trades: Trades) -> dict[str, Block]:
+    """The nodes ``trades`` recompute, with their blocks (none without recomputation)."""
+    return _in_block(tables, blocks) if trades.recompute is not Recompute.NONE else {}
 
 
 def _edge_trade(tables: CostTables, infos: dict[str, NodeInfo], in_block: dict, k: int) -> EdgeTrade:
