@@ -37,6 +37,7 @@ from autopar.passes.pipeline import PipelinePrice
 from autopar.passes.price import expanded_choice, grad_sync_cost, plan_peak
 from autopar.passes.solver import (
     EXACT_FOLD_MAX_PAIRS,
+    Proof,
     Pruned,
     Solution,
     edge_pairs,
@@ -177,7 +178,7 @@ def solve_mesh(p: MeshProblem, best_objective: float = math.inf, st: Stages | No
     if isinstance(sol, Pruned):
         what = (
             f"LP relaxation {sol.bound * 1e3:.3f} ms >= best"
-            if sol.by == "LP relaxation"
+            if sol.by is Proof.LP
             else f"its ILP has no plan under the best, {sol.bound * 1e3:.3f} ms"
         )
         st.say(f"solve: mesh {label}: {what}: pruned")

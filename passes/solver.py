@@ -56,6 +56,7 @@ keeps the best objective.
 from __future__ import annotations
 
 import dataclasses
+import enum
 import math
 import os
 import time
@@ -141,6 +142,13 @@ def lower_bound(tables: CostTables, folded: Folded | None = None) -> float:
     return nodes + sum(min(min(row) for row in e.cost) for e in reduced.edges)
 
 
+class Proof(enum.Enum):
+    """What proved a solve ``Pruned``."""
+
+    LP = "LP relaxation"  # its LP relaxation's optimum (``Pruned.bound``) passes the cutoff
+    ILP = "ILP"  # the ILP run with the cutoff as its objective bound had no plan under it
+
+
 @dataclass(frozen=True)
 class Pruned:
     """A solve cut short by its ``cutoff``: the ILP has a plan, and ``bound`` [s], a lower bound on
@@ -149,9 +157,7 @@ class Pruned:
 
     bound: float
     solve_time_s: float
-    # what proved it: the LP relaxation (``bound`` its optimum), or the ILP itself cut off at the
-    # cutoff (``bound`` the cutoff: no plan under it)
-    by: str = "LP relaxation"
+    by: Proof = Proof.LP  # what proved it
 
 
 # an LP relaxation's optimum must pass the cutoff by this much (relative) to prune: HiGHS meets
@@ -477,7 +483,7 @@ def _solve(
         and (not got.has_solution or got.objective > objective_bound)
     ):
         if got.has_solution or _has_plan(prob, x, tables, hints, time_limit_s):
-            return Pruned(objective_bound, time.perf_counter() - t0, by="ILP")
+            return Pruned(objective_bound, time.perf_counter() - t0, by=Proof.ILP)
         return None
     if got.node_limited and not got.has_solution:  # any plan at all, on the rows alone
         first = prob.first_solution(time_limit_s)

@@ -492,11 +492,11 @@ def _knapsack():
 
 def test_where_memory_binds_the_ilp_is_cut_off_at_the_cutoff():
     """Where memory binds and the LP relaxation (5 s) passes under the cutoff but the optimum
-    (10 s) does not, the ILP run with the cutoff as its objective bound prunes (``by="ILP"``,
+    (10 s) does not, the ILP run with the cutoff as its objective bound prunes (``Proof.ILP``,
     its bound the cutoff's); with the cutoff over the optimum it gives the optimum itself."""
     from autopar.passes.lp_model import highs_available
     from autopar.passes.memory_row import lower_bound_bytes
-    from autopar.passes.solver import IPM_MEMORY_SHARE, Pruned
+    from autopar.passes.solver import IPM_MEMORY_SHARE, Proof, Pruned
 
     if not highs_available():
         pytest.skip("highspy not installed")
@@ -505,7 +505,7 @@ def test_where_memory_binds_the_ilp_is_cut_off_at_the_cutoff():
     plain = solve(tables, limit)
     assert plain.objective == pytest.approx(10.0)
     got = solve(tables, limit, cutoff=7.0)
-    assert isinstance(got, Pruned) and got.by == "ILP"
+    assert isinstance(got, Pruned) and got.by is Proof.ILP
     assert 7.0 < got.bound <= plain.objective
     over = solve(tables, limit, cutoff=12.0)
     assert not isinstance(over, Pruned) and over.objective == pytest.approx(plain.objective)
