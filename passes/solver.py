@@ -538,7 +538,8 @@ def _has_plan(
 ) -> bool:
     """Whether ``prob`` has a plan, cheapest proofs first: ``values`` (a relaxation's) rounded,
     by largest value then by leanest strategy; each hint; HiGHS's first solution on the rows."""
-    roundings = () if values is None else (_rounded(x, values), _rounded(x, values, tables.node_mem))
+    leanest = (None, tables.node_mem)  # each rounding made only if the one before does not fit
+    roundings = () if values is None else (_rounded(x, values, mem) for mem in leanest)
     return (
         any(prob.feasible_with(fixed, time_limit_s) for fixed in roundings)
         or any(
@@ -556,10 +557,10 @@ def _hinted(x: dict[str, list], tables: CostTables, hint: Mapping[str, Strategy]
     for v, xs in x.items():
         if isinstance(xs[0], int):
             continue
-        want = hint.get(v)
-        if want is None or want not in tables.strategies[v]:
+        try:
+            k = tables.strategies[v].index(hint.get(v))
+        except ValueError:  # no hint for v, or one its tables do not offer
             return None
-        k = tables.strategies[v].index(want)
         for i, var in enumerate(xs):
             fixed[var.index] = 1.0 if i == k else 0.0
     return fixed
