@@ -27,7 +27,7 @@ from autopar.errors import AutoparError
 from autopar.fusion import Kernel, KernelsError, coerce_kernels
 from autopar.options import AxisRole
 from autopar.placement import Outputs, SeqAttention
-from autopar.trades import Schedule
+from autopar.trades import Recompute, Schedule
 
 
 def _mesh(text: str) -> tuple[int, ...]:
@@ -115,9 +115,10 @@ def _build_parser() -> argparse.ArgumentParser:
     )
     pl.add_argument(
         "--recompute",
-        choices=["auto", "none", "selective", "full"],
+        choices=["auto", *(r.value for r in Recompute)],
         default="auto",
-        help="activation recomputation per repeated block (default: auto, the search chooses)",
+        help="activation recomputation per repeated block (default: auto, the search chooses): "
+        "selective keeps every matmul's output, half_matmuls every other one (torchtitan's op SAC)",
     )
     pl.add_argument(
         "--micro-batches", default="auto", metavar="K|auto", help="micro-batches per step (default: auto)"

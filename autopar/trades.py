@@ -4,7 +4,9 @@ A ``Trades`` value says, for the whole step:
 
 * ``recompute``: which activations of each repeated block are recomputed in backward instead of
   kept (``Recompute.NONE`` / ``SELECTIVE``, Megatron's selective recomputation: the matmul
-  outputs are kept, everything between them recomputed / ``FULL``: only each block's inputs kept);
+  outputs are kept, everything between them recomputed / ``HALF_MATMULS``: the same, and every
+  other matmul of a block recomputed too, torchtitan's op-level selective checkpointing
+  (``passes/blocks.py:alternate_matmuls``) / ``FULL``: only each block's inputs kept);
 * ``micro_batches``: the global batch runs as this many micro-batches per step (gradient
   accumulation); one micro-batch's activations are live at a time, gradients are reduced once;
 * ``precision``: ``Precision.PARAM`` computes in the parameters' dtype and keeps the optimizer state
@@ -46,6 +48,7 @@ class TradesError(AutoparError, ValueError):
 class Recompute(enum.Enum):
     NONE = "none"
     SELECTIVE = "selective"
+    HALF_MATMULS = "half_matmuls"
     FULL = "full"
 
 

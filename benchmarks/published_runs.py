@@ -133,6 +133,7 @@ class Run:
 
 F16, B16 = Precision.FP16, Precision.BF16
 FULL, SEL, NONE = Recompute.FULL, Recompute.SELECTIVE, Recompute.NONE
+OP = Recompute.HALF_MATMULS  # torchtitan's selective op-level checkpointing (its default option)
 Z0, Z1, Z2, Z3 = ZeroStage.NONE, ZeroStage.OPTIMIZER, ZeroStage.GRADIENTS, ZeroStage.PARAMETERS
 S1, SI = Schedule.ONE_F_ONE_B, Schedule.INTERLEAVED_1F1B
 
@@ -218,14 +219,14 @@ RUNS: tuple[Run, ...] = (
     _mcore("462b", 144, 18432, 112, 8, 16, 6144, 3072, 459.9),
     # [TT] torchtitan, Llama 3.1 on H100 (Grand Teton), bf16, seq 8192
     Run("tt-llama3-8b-8xh100", "[TT] llama3_h100_202412 Table 1 (FSDP, eager)", "h100-96gb:1x8", "llama", L8B,
-        8192, 16, B16, 5762, "tokens", "tokens", dp=8, mbs=2, recompute=SEL, zero=Z3, memory_gib=82.4,
-        kernels="none", notes="torchtitan's op-level selective checkpointing priced as Megatron-selective"),
+        8192, 16, B16, 5762, "tokens", "tokens", dp=8, mbs=2, recompute=OP, zero=Z3, memory_gib=82.4,
+        kernels="none", notes="torchtitan's op-level selective checkpointing"),
     Run("tt-llama3-8b-128xh100", "[TT] llama3_h100_202412 Table 3 (FSDP, eager)", "h100-96gb:16x8", "llama", L8B,
-        8192, 256, B16, 5605, "tokens", "tokens", dp=128, mbs=2, recompute=SEL, zero=Z3, memory_gib=67.0,
-        kernels="none", notes="torchtitan's op-level selective checkpointing priced as Megatron-selective"),
+        8192, 256, B16, 5605, "tokens", "tokens", dp=128, mbs=2, recompute=OP, zero=Z3, memory_gib=67.0,
+        kernels="none", notes="torchtitan's op-level selective checkpointing"),
     Run("tt-llama3-8b-64xh100", "[TT] asyncTP_llama3_h100_2025-06 (bf16, vanilla TP)", "h100-96gb:8x8", "llama", L8B,
-        8192, 96, B16, 4378, "tokens", "tokens", tp=8, dp=8, mbs=12, recompute=SEL, zero=Z3,
-        notes="torch.compile; per-op SAC priced as Megatron-selective"),
+        8192, 96, B16, 4378, "tokens", "tokens", tp=8, dp=8, mbs=12, recompute=OP, zero=Z3,
+        notes="torch.compile; torchtitan's op-level selective checkpointing"),
     Run("tt-llama3-70b-256xh100", "[TT] asyncTP_llama3_h100_2025-06 (bf16, vanilla TP)", "h100-96gb:32x8", "llama",
         L70B, 8192, 512, B16, 597.3, "tokens", "tokens", tp=8, dp=32, mbs=16, recompute=FULL, zero=Z3,
         notes="torch.compile"),
@@ -252,7 +253,7 @@ RUNS: tuple[Run, ...] = (
         notes="as the 512-GPU row, with 16 stages"),
     # FP8 linears (torchao's tensorwise float8 training; Transformer Engine's current scaling)
     Run("trainy-llama3-8b-32xh200", "[TT] llama3-8b_h200_202506_trainy-whitefiber (4 nodes)", "h200:4x8", "llama",
-        L8B, 8192, 64, B16, 10938, "tokens", "tokens", dp=32, mbs=2, recompute=SEL, zero=Z3, memory_gib=47.96,
+        L8B, 8192, 64, B16, 10938, "tokens", "tokens", dp=32, mbs=2, recompute=OP, zero=Z3, memory_gib=47.96,
         float8=Float8.TENSORWISE, notes="Float8 linears (torchao, tensorwise)"),
     Run("bridge-llama3-8b-8xb200", "[BRIDGE] 25.11, DGX-B200", "b200:1x8", "llama", L8B, 8192, 128, B16, 30624,
         "tokens", "tokens", dp=8, mbs=2, zero=Z0, float8=Float8.TENSORWISE,

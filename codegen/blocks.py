@@ -36,8 +36,11 @@ module hooks (FSDP2's, once a block is sharded) stay outside the checkpoint, as 
 inputs. ``Recompute.SELECTIVE`` passes ``create_selective_checkpoint_contexts`` a policy that saves
 the outputs of matmuls (aten ``mm``, ``addmm``, ``bmm``, ``baddbmm``, ``linear``, ``matmul``) and
 of scaled-dot-product attention, and recomputes everything else (norms, activations, softmax,
-reshapes, and the collectives between them): Megatron-LM's selective recomputation in the form of
-torchtitan's "op" SAC. The preserved RNG state makes recomputed dropout draw the masks the forward
+reshapes, and the collectives between them): Megatron-LM's selective recomputation.
+``Recompute.HALF_MATMULS`` recomputes every other matmul of a block as well, as torchtitan's "op"
+SAC does: ``passes/blocks.py:alternate_matmuls`` names them (the pricing reads the same set), and
+calls put in the block's graph (``_mark_matmuls``) tell the policy, while the block runs, whether
+the matmuls coming are such a one's. The preserved RNG state makes recomputed dropout draw the masks the forward
 drew.
 
 **Why ``run`` binds the mesh.** The generated code's collectives read the mesh from
@@ -52,6 +55,7 @@ from __future__ import annotations
 
 import functools
 import operator
+import threading
 from collections.abc import Sequence
 
 import torch
@@ -60,7 +64,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from autopar.codegen import collectives as C
-from autopar.passes.blocks import Block
+from autopar.passes.blocks import Block, alternate_matmuls
 from autopar.trades import Recompute
 
 aten = torch.ops.aten
@@ -263,26 +267,79 @@ SAVED_OPS = frozenset(
 )
 
 
+MATMUL_OPS = frozenset((aten.mm, aten.addmm, aten.bmm, aten.baddbmm, aten.linear, aten.matmul))
+
+
 def selective_policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
     """Save the outputs of matmuls and attention, recompute everything else."""
     return CheckpointPolicy.MUST_SAVE if op.overloadpacket in SAVED_OPS else CheckpointPolicy.PREFER_RECOMPUTE
 
 
-def apply_recompute(split_gm: fx.GraphModule, mode: Recompute, mesh: DeviceMesh) -> fx.GraphModule:
+# whether the matmuls the generated code runs next are ones ``Recompute.HALF_MATMULS`` recomputes:
+# set by the calls ``_mark_matmuls`` puts in a block's graph, read by ``half_matmuls_policy``; per
+# thread, as a CUDA backward (and so a recomputation) runs on autograd's device thread
+_AGAIN = threading.local()
+
+
+def recompute_matmuls(again: bool) -> None:
+    """The matmuls that follow, up to the next call, are recomputed (``again``) or saved."""
+    _AGAIN.on = again
+
+
+def half_matmuls_policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
+    """``selective_policy``, except that the matmuls of a traced matmul ``alternate_matmuls``
+    names (every chunk of its collective matmul too) are recomputed."""
+    packet = op.overloadpacket
+    if packet in SAVED_OPS and not (packet in MATMUL_OPS and getattr(_AGAIN, "on", False)):
+        return CheckpointPolicy.MUST_SAVE
+    return CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def _mark_matmuls(sub: fx.GraphModule, traced: fx.Graph, again: frozenset[str]) -> None:
+    """Put ``recompute_matmuls`` calls in block ``sub``'s graph where the origin of its nodes
+    (``origins``) goes from a matmul of ``again`` to any other node or back, one first: the
+    policy then tells the matmuls a traced node was lowered to by the traced node, however many
+    the lowering runs. In place."""
+    own = origins(sub, traced)
+    state = None
+    for n in list(sub.graph.nodes):
+        if n.op not in _COMPUTE:
+            continue
+        flag = own.get(n) in again
+        if flag != state:
+            with sub.graph.inserting_before(n):
+                sub.graph.call_function(recompute_matmuls, (flag,))
+            state = flag
+    sub.recompile()
+
+
+def apply_recompute(
+    split_gm: fx.GraphModule,
+    mode: Recompute,
+    mesh: DeviceMesh,
+    traced: fx.Graph | None = None,
+    blocks: Sequence[Block] = (),
+) -> fx.GraphModule:
     """Run every ``block_<i>`` of ``split_gm`` under activation checkpointing (module docstring);
     in place, returns ``split_gm``. ``Recompute.NONE`` leaves it as it is. The checkpointed forward
     is an instance attribute of each block: a ``copy.deepcopy`` of the module (which re-creates
-    each GraphModule from its graph) runs without recomputation."""
+    each GraphModule from its graph) runs without recomputation. ``Recompute.HALF_MATMULS`` needs
+    the ``traced`` graph and its ``blocks`` (which matmuls it recomputes)."""
     mode = Recompute(mode)
     if mode is Recompute.NONE:
         return split_gm
-    context_fn = (
-        functools.partial(create_selective_checkpoint_contexts, selective_policy)
-        if mode is Recompute.SELECTIVE
-        else None
-    )
+    policy = {Recompute.SELECTIVE: selective_policy, Recompute.HALF_MATMULS: half_matmuls_policy}.get(mode)
+    context_fn = functools.partial(create_selective_checkpoint_contexts, policy) if policy else None
+    again = frozenset()
+    if mode is Recompute.HALF_MATMULS:
+        if traced is None:
+            raise ValueError("Recompute.HALF_MATMULS needs the traced graph and its blocks")
+        target = {n.name: str(n.target) for n in traced.nodes}
+        again = alternate_matmuls(list(blocks), lambda v: target.get(v, ""))
     for name, block in split_gm.named_children():
         if name.startswith("block_"):
+            if again:
+                _mark_matmuls(block, traced, again)
             # an instance attribute wins over the generated class-level forward, recompiled or not
             block.forward = _checkpointed(block, mesh, context_fn)
             block.recompute = mode

@@ -148,7 +148,8 @@ def build_parallel_module(
         # one submodule per repeated block, owning its parameters (codegen/blocks.py): recomputed
         # one at a time; under ZeRO 2 and 3 one FSDP2 group each, so that a block's gradients are
         # reduce-scattered as its backward ends (one group would hold every full gradient)
-        gm = apply_recompute(split_blocks(gm, find_blocks(tg), tg.graph), trades.recompute, mesh)
+        blocks = find_blocks(tg)
+        gm = apply_recompute(split_blocks(gm, blocks, tg.graph), trades.recompute, mesh, tg.graph, blocks)
     names = {p.name: p.target for p in tg.placeholders}
     # the plan's trades (ZeRO, mixed precision, offload: codegen/zero.py); the gradients FSDP2
     # reduces are not bucketed again
@@ -314,7 +315,9 @@ def _pipelined(tg, plan, choice, gm, mesh, full_mesh, attrs, deferred, common: d
     if trades.recompute is not Recompute.NONE:  # each chunk's blocks checkpointed (codegen/blocks.py)
         for c in chunks:
             own = [b for b in blocks if pipe.chunk_of_block(b.index) == c.index]
-            c.module = apply_recompute(split_blocks(c.module, own, tg.graph), trades.recompute, mesh)
+            c.module = apply_recompute(
+                split_blocks(c.module, own, tg.graph), trades.recompute, mesh, tg.graph, own
+            )
     read = {n.target for n in gm.graph.nodes if n.op == "get_attr" and n.users}
     zero = apply_trades(trades, gm, mesh, tg, deferred)
     held = {id(v) for c in chunks for v in c.params.values()}

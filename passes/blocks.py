@@ -120,3 +120,25 @@ def between_blocks(graph: fx.Graph, blocks: list[Block]) -> dict[str, int]:
 
 def names_in_order(span: list[fx.Node]) -> list[str]:
     return [n.name for n in span]
+
+
+# matmuls as the traced graph names them (attention is not one): what ``Recompute.HALF_MATMULS``
+# alternates over
+MATMUL_TARGETS = frozenset(
+    f"aten.{op}.default" for op in ("mm", "addmm", "bmm", "baddbmm", "linear", "matmul")
+)
+
+
+def alternate_matmuls(blocks: list[Block], target_of) -> frozenset[str]:
+    """The matmul nodes ``Recompute.HALF_MATMULS`` recomputes: of each block's matmuls
+    (``MATMUL_TARGETS``; ``target_of(name)`` is a node's target as a string) in graph order, the
+    2nd, 4th, 6th, ... (a Llama layer's k, o and up projections of its q, k, v, o, gate, up, down),
+    as torchtitan's op-level selective checkpointing counts them (``_get_custom_policy`` in its
+    ``activation_checkpoint.py``: a matmul's output is saved unless it is an even one of its
+    block's). The pricing (``passes/trades.py``) and the runtime (``codegen/blocks.py``) both read
+    this set, so they drop the same outputs."""
+    out = []
+    for b in blocks:
+        mms = [v for v in b.nodes if target_of(v) in MATMUL_TARGETS]
+        out += mms[1::2]
+    return frozenset(out)

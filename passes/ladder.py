@@ -239,4 +239,4 @@ def relieves_more(a: Trades, b: Trades) -> bool:
     return relieves_no_more(b, a) and a != b
 
 
-_RECOMPUTE_ORDER = {"none": 0, "selective": 1, "full": 2}
+_RECOMPUTE_ORDER = {"none": 0, "selective": 1, "half_matmuls": 2, "full": 3}

@@ -12,7 +12,7 @@ memory row; the ladder keeps rows linear and each rung's solve as fast as the un
 **The ladder** (``ladder``): rungs in order of the time they add, the first whose plan fits is
 taken (a forced trade fixes its dimension):
 
-    ZeRO 0 -> 1 -> 2 -> 3  (on data axes)  ->  + selective recompute  ->  + full recompute
+    ZeRO 0 -> 1 -> 2 -> 3  (on data axes)  ->  + selective recompute  ->  + half the matmuls  ->  + full recompute
       ->  + micro-batches 2, 4, 8, ...  ->  + optimizer offload (ZeRO-2)  ->  + parameter offload (ZeRO-3)
 
 ZeRO 1-2 cost (almost) nothing and save much; recomputation adds one forward of what it frees;
@@ -48,7 +48,9 @@ parameter's):
   micro-batches every micro-batch reduce-scatters (gradients accumulate sharded).
 * recomputation: FULL keeps of each block only its output (the next block's input); SELECTIVE
   keeps the outputs of its matmuls and attention (Megatron's selective recomputation: what is
-  recomputed is cheap elementwise work); the bytes freed leave the tables; backward rematerializes
+  recomputed is cheap elementwise work); HALF_MATMULS keeps those of every other matmul of a block
+  (torchtitan's op-level policy, ``passes/blocks.py:alternate_matmuls``) and recomputes the rest,
+  the matmuls' forward FLOPs among them; the bytes freed leave the tables; backward rematerializes
   one block at a time (a transient: the block's kept bytes as NONE counts them); the time added is
   the forward of every recomputed op and half of the block's reshard time (its forward collectives
   run again: selective recomputation saves only the matmuls' and attention's outputs).
@@ -88,7 +90,7 @@ from autopar.cost_model.compute import host_optimizer_step_time, node_time, opti
 from autopar.hardware import DeviceKind, per_kind
 from autopar.options import Optimizer, SearchOptions
 from autopar.passes.analyze import NodeInfo
-from autopar.passes.blocks import Block
+from autopar.passes.blocks import Block, alternate_matmuls
 from autopar.passes.costs import CostTables
 from autopar.passes.memory_row import EdgeTrade, lower_bound_bytes
 from autopar.passes.offload import in_flight_bytes, parameter_offload_seconds
@@ -558,9 +560,25 @@ def _traded_activations(
         id(blocks),
     )
 
+    again = (
+        alternate_matmuls(blocks, lambda v: infos[v].target if v in infos else "")
+        if recompute is Recompute.HALF_MATMULS
+        else frozenset()
+    )
+
     def make():
         return {
-            v: _activation_rows(tables, infos[v], v, recompute, k, in_block.get(v), v in outs, cluster)
+            v: _activation_rows(
+                tables,
+                infos[v],
+                v,
+                recompute,
+                k,
+                in_block.get(v),
+                v in outs,
+                cluster,
+                v in again,
+            )  # fmt: skip
             for v in tables.strategies
             if infos[v].role not in (Role.PARAM, Role.BUFFER)
         }
@@ -572,8 +590,19 @@ def _traded_activations(
 
 
 def _activation_rows(
-    tables: CostTables, info: NodeInfo, v: str, recompute: Recompute, k: int, blk, keep_out: bool, cluster
+    tables: CostTables,
+    info: NodeInfo,
+    v: str,
+    recompute: Recompute,
+    k: int,
+    blk,
+    keep_out: bool,
+    cluster,
+    again: bool = False,
 ):
+    """Node ``v``'s (seconds, bytes, transient bytes) per strategy under ``recompute`` (``blk``: its
+    block, None outside one; ``keep_out``: the block's output, kept; ``again``: a matmul that
+    ``Recompute.HALF_MATMULS`` recomputes, ``passes/blocks.py:alternate_matmuls``)."""
     mesh = tables.mesh_shape
     n = tables.classes.count(v) if tables.classes else 1
     slow = cluster.compute_slowdown
@@ -588,7 +617,7 @@ def _activation_rows(
                 m = n * info.out_bytes / vol if keep_out else 0.0
                 costs[i] += n * _forward_s(info, tables, v, i, cluster) * slow
             else:  # selective: the matmuls' outputs (and attention's statistics) stay
-                if info.target in MATMULS or keep_out:
+                if (info.target in MATMULS and not again) or keep_out:
                     work = max([vol] + [volume_factor(x, mesh) for x in s.ins])
                     m = n * (
                         info.out_bytes / vol + (info.saved_temp_bytes / work if info.target in MATMULS else 0)
@@ -879,7 +908,12 @@ _RANK_ZERO = {
     ZeroStage.GRADIENTS: 0.1,
     ZeroStage.PARAMETERS: 1.0,
 }
-_RANK_RECOMPUTE = {Recompute.NONE: 0.0, Recompute.SELECTIVE: 1.0, Recompute.FULL: 2.5}
+_RANK_RECOMPUTE = {
+    Recompute.NONE: 0.0,
+    Recompute.SELECTIVE: 1.0,
+    Recompute.HALF_MATMULS: 1.8,
+    Recompute.FULL: 2.5,
+}
 _RANK_OFFLOAD = {Offload.NONE: 0.0, Offload.OPTIMIZER: 3.0, Offload.PARAMETERS: 3.5}
 
 

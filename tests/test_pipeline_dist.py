@@ -81,7 +81,9 @@ DP2, TP2 = ((2,), (D,)), ((2,), (T,))
 # name -> (model, stages, schedule, micro-batches, (stage mesh, roles), extra options)
 CONFIGS = {
     "gpt2 pp4 1f1b": ("gpt2", 4, Schedule.ONE_F_ONE_B, 4, ONE, {}),
-    "llama pp2xdp2 gpipe zero1": ("llama", 2, Schedule.GPIPE, 2, DP2, {"zero_stage": 1}),
+    "llama pp2xdp2 gpipe zero1 half matmuls": (
+        "llama", 2, Schedule.GPIPE, 2, DP2, {"zero_stage": 1, "recompute": "half_matmuls"},
+    ),
     "palm pp2xtp2 interleaved": ("palm", 2, Schedule.INTERLEAVED_1F1B, 2, TP2, {"virtual_stages": 2}),
     "stack pp2xdp2 1f1b": ("stack", 2, Schedule.ONE_F_ONE_B, 2, DP2, {}),
     "gpt2 pp2xtp2 interleaved recompute": (

@@ -36,7 +36,7 @@ from autopar.codegen.blocks import split_blocks
 from autopar.codegen.lower import mangle
 from autopar.examples import gpt2_tiny, llama_tiny, palm_tiny
 from autopar.launch import run_on_ranks
-from autopar.passes.blocks import find_blocks
+from autopar.passes.blocks import alternate_matmuls, find_blocks
 from autopar.passes.trace import trace
 from autopar.trades import Recompute, Trades
 
@@ -44,6 +44,7 @@ tf = pytest.importorskip("transformers")
 
 D, T = autopar.AxisRole.DATA, autopar.AxisRole.TENSOR
 FULL, SELECTIVE, NONE = Recompute.FULL, Recompute.SELECTIVE, Recompute.NONE
+HALF = Recompute.HALF_MATMULS
 STEPS, LR = 2, 1e-3
 RTOL, ATOL = 1e-4, 1e-5  # tests/harness.py's fp32 tolerance
 aten = torch.ops.aten
@@ -73,8 +74,9 @@ MODELS = {
 }
 # world size -> (model, recompute mode) -> (mesh shape, axis roles)
 RUNS = {
-    2: {(name, mode): ((2,), (T,)) for name in MODELS for mode in (FULL, SELECTIVE)},
-    4: {("llama", SELECTIVE): ((2, 2), (D, T))},
+    2: {(name, mode): ((2,), (T,)) for name in MODELS for mode in (FULL, SELECTIVE)}
+    | {("llama", HALF): ((2,), (T,))},
+    4: {("llama", SELECTIVE): ((2, 2), (D, T)), ("gpt2", HALF): ((2, 2), (D, T))},
 }
 
 
@@ -194,13 +196,14 @@ def test_recomputation_frees_activations_and_runs_the_forward_again_in_backward(
     checkpoints and the selective cache keep for backward: the storages ops returned that are still
     alive, parameters and inputs left out) fall from NONE to SELECTIVE to FULL. Saved-tensor hooks
     alone cannot count this: a checkpoint's own hooks hide what it keeps from outer ones. In
-    backward, both recomputing modes run the blocks' layer norms again (NONE never does); only
-    FULL runs their matmuls again."""
+    backward, the recomputing modes run the blocks' layer norms again (NONE never does); FULL runs
+    their matmuls again, HALF_MATMULS exactly the ones the pricing drops (``alternate_matmuls``),
+    SELECTIVE none."""
     layers = 2
     model, inputs = gpt2_tiny(batch=4, seq=32, layers=layers, hidden=64, vocab=128)
     plan = autopar.plan(model, _cpu(1), inputs)
     kept, fwd_ops, bwd_ops, losses, grads = {}, {}, {}, {}, {}
-    for mode in (NONE, SELECTIVE, FULL):
+    for mode in (NONE, SELECTIVE, HALF, FULL):
         pm = _parallel(model, inputs, plan, mode)
         state = {_local(t).untyped_storage().data_ptr() for t in [*pm.parameters(), *pm.buffers()]}
         state |= {t.untyped_storage().data_ptr() for t in inputs.values()}
@@ -212,11 +215,13 @@ def test_recomputation_frees_activations_and_runs_the_forward_again_in_backward(
             loss.backward()
         bwd_ops[mode], losses[mode], grads[mode] = bwd.ops, loss.detach(), _grads(pm)
     print("bytes kept for backward:", {m.value: b for m, b in kept.items()})
-    assert kept[FULL] < kept[SELECTIVE] < kept[NONE], kept
+    assert kept[FULL] < kept[HALF] < kept[SELECTIVE] < kept[NONE], kept
     for ops in fwd_ops.values():
         ops.pop(aten.detach, None)  # checkpoints detach what they keep
         ops.pop(aten.empty, None)  # and, on torch < 2.13, make an empty placeholder per block
-    assert fwd_ops[FULL] == fwd_ops[SELECTIVE] == fwd_ops[NONE]  # the forward itself is unchanged
+    assert (
+        fwd_ops[FULL] == fwd_ops[SELECTIVE] == fwd_ops[HALF] == fwd_ops[NONE]
+    )  # the forward itself is unchanged
 
     def count(ops, packets):
         return sum(ops[p] for p in packets)
@@ -224,9 +229,18 @@ def test_recomputation_frees_activations_and_runs_the_forward_again_in_backward(
     norms = {aten.native_layer_norm}
     assert count(bwd_ops[NONE], norms) == 0
     assert count(bwd_ops[SELECTIVE], norms) == count(bwd_ops[FULL], norms) == 2 * layers
+    assert count(bwd_ops[HALF], norms) == 2 * layers
     assert count(bwd_ops[SELECTIVE], MATMULS) == count(bwd_ops[NONE], MATMULS)
-    assert count(bwd_ops[FULL], MATMULS) > count(bwd_ops[NONE], MATMULS)
-    for mode in (SELECTIVE, FULL):
+    assert count(bwd_ops[FULL], MATMULS) > count(bwd_ops[HALF], MATMULS) > count(bwd_ops[NONE], MATMULS)
+    tg = trace(model, inputs)
+    target = {n.name: str(n.target) for n in tg.graph.nodes}
+    again = alternate_matmuls(find_blocks(tg), target.get)
+    assert len(again) == 2 * layers  # of each layer's four linears, the 2nd and 4th
+    # each layer's 2nd linear runs again; its 4th (the MLP's output projection) is not: nothing
+    # after it in the block saves a value computed from it, and the checkpoint stops recomputing
+    # once it has what backward needs (torch.utils.checkpoint's early stop)
+    assert count(bwd_ops[HALF], MATMULS) - count(bwd_ops[NONE], MATMULS) == len(again) // 2
+    for mode in (SELECTIVE, HALF, FULL):
         torch.testing.assert_close(losses[mode], losses[NONE], rtol=0, atol=0)
         assert grads[mode].keys() == grads[NONE].keys()
         for k in grads[NONE]:
