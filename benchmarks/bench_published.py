@@ -47,10 +47,10 @@ def build(run: Run):
     those implementations run them (GPT-2's [q | k | v] projection and seven-op GELU priced the
     rows 4-30% slower with reshuffles and elementwise work they never ran)."""
     dtype = "bfloat16"
-    if run.family == "deepseek_v3":  # its Hugging Face config, as bench_moe plans it
-        from bench_moe import deepseek_v3
+    if run.family in ("deepseek_v3", "qwen3_moe"):  # their Hugging Face configs, as bench_moe plans them
+        from bench_moe import deepseek_v3, qwen3_235b
 
-        cls, cfg = deepseek_v3()
+        cls, cfg = (deepseek_v3 if run.family == "deepseek_v3" else qwen3_235b)()
         with torch.device("meta"):
             model = cls(cfg)
         ids = torch.zeros(run.batch, run.seq, dtype=torch.long, device="meta")

@@ -59,6 +59,13 @@ Sources (read in the files named; the paper figures were checked against these c
   Compared here as tokens/s per GPU from the step time (seq x GBS / step / GPUs), which no FLOP
   convention enters. The model: ``bench_moe.deepseek_v3`` (its Hugging Face config, MTP left out as
   the recipe's table lists none).
+* [MZOO] yanring/Megatron-MoE-ModelZoo ``best_practice/Qwen3/readme.md`` (commit c1ad0b5c89), the
+  Megatron-Core MoE team's measured runs on 256 H100 (NVLink 4, InfiniBand 8 x 50 GB/s): Qwen3-235B-A22B
+  in BF16, seq 4096, global batch 2,048, the "cross-node EP" row without 1F1B A2A overlap: DeepEP
+  dispatcher, TP2, EP32 (ETP1, EDP1), PP8 with 4 virtual stages, DP16, micro-batch 1, selective
+  recomputation of the norms and the activation, step 19.7 s (245 TFLOP/s per GPU by its count).
+  Compared as tokens/s per GPU from the step time. Not given: the ZeRO stage (left to the search).
+  The model: ``bench_moe.qwen3_235b``.
 """
 
 from __future__ import annotations
@@ -251,6 +258,13 @@ RUNS: tuple[Run, ...] = (
         8192, B16, 4096 * 8192 / 52.04 / 1024, "tokens", "tokens", tp=2, pp=16, dp=32, ep=64,
         schedule=S1, mbs=1, zero=Z1,
         notes="as the 512-GPU row, with 16 stages"),
+    # [MZOO] Qwen3-235B-A22B on 256 H100: its experts over 32 ranks
+    Run("mzoo-qwen3-235b-256xh100", "[MZOO] Qwen3 readme, cross-node EP (DeepEP)", "h100-sxm:32x8", "qwen3_moe", {},
+        4096, 2048, B16, 4096 * 2048 / 19.7 / 256, "tokens", "tokens", tp=2, pp=8, dp=16, ep=32,
+        schedule=SI, virtual=4, mbs=1, recompute=SEL,
+        notes="EP32 folded over TP2 x DP16 in the run: priced as one 32-way expert axis, the dense "
+              "layers data parallel over it; 'norm, act' recomputation as selective (matmul outputs "
+              "kept); ZeRO stage left to the search"),
     # FP8 linears (torchao's tensorwise float8 training; Transformer Engine's current scaling)
     Run("trainy-llama3-8b-32xh200", "[TT] llama3-8b_h200_202506_trainy-whitefiber (4 nodes)", "h200:4x8", "llama",
         L8B, 8192, 64, B16, 10938, "tokens", "tokens", dp=32, mbs=2, recompute=OP, zero=Z3, memory_gib=47.96,
