@@ -119,6 +119,7 @@ except ImportError:  # pragma: no cover - older torch: FSDP2 over plain local te
     SPMD_FSDP = False
 
 from autopar.codegen.local_params import LEAF_ATTR, LocalLeaf
+from autopar.codegen.local_step import LocalStepOptimizer, all_replicated
 from autopar.codegen.lower import mangle
 from autopar.codegen.zero_one import ZeroOneOptimizer
 from autopar.passes.trace import Role, TracedGraph
@@ -170,6 +171,9 @@ class AppliedTrades:
         shards = [p for p in params if isinstance(p, DTensor)]
         plain = [p for p in params if not isinstance(p, DTensor)]
         kwargs = foreach_kwargs(optimizer_class, shards, kwargs)
+        if self.trades.zero_stage < ZeroStage.GRADIENTS and all_replicated(params):
+            # data parallel: every parameter whole, stepped on its local tensor (codegen/local_step.py)
+            return LocalStepOptimizer(params, optimizer_class, **kwargs)
         if shards and plain:  # foreach kernels take DTensors or plain tensors, not both
             return optimizer_class([{"params": shards}, {"params": plain}], **kwargs)
         return optimizer_class(params, **kwargs)
