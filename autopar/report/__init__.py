@@ -516,8 +516,8 @@ def _candidates_parts(plan: Plan) -> list[str]:
         "<p>Letters under a mesh: each axis's role in its search (D data parallel, A any placement, "
         "T tensor, S sequence) and the trades of that rung ("
         + ("P<i>n</i> <i>n</i> pipeline stages of that mesh, " if piped else "")
-        + "Z<i>n</i> ZeRO stage <i>n</i>, Rs / Rf "
-        "selective / full recomputation, k<i>n</i> micro-batches, off optimizer offload, offp parameter offload).</p>",
+        + "Z<i>n</i> ZeRO stage <i>n</i>, Rs / Rh / Rf "
+        "selective / half the matmuls / full recomputation, k<i>n</i> micro-batches, off optimizer offload, offp parameter offload).</p>",
     ]
 
 
