@@ -58,6 +58,7 @@ from autopar.lowerings.loss import CROSS_ENTROPY_MEAN, LINEAR_CROSS_ENTROPY, fus
 from autopar.lowerings.matmul_nd import MATMUL_2D, MATMUL_3D, OPERANDS, SUMMA, cube_axes, grid_axes, is_grid
 from autopar.passes.collective_matmul import LINEAR, gather_step, scatter_step, sole_use
 from autopar.passes.grad_sync import emitted_f_axes, plan_uses, reshard_key
+from autopar.passes.half_reshard import casts_before_reshard
 from autopar.passes.local_rows import local_call
 from autopar.passes.rules import map_args
 from autopar.passes.rules.shape import arange_range
@@ -470,6 +471,7 @@ def lower(
     outputs: Outputs = Outputs.FULL,
     overlap_matmuls: bool = False,
     float8: dict[str, Float8] | None = None,
+    half: torch.dtype | None = None,
 ) -> fx.GraphModule:
     """Return the rank-local GraphModule; ``attrs`` maps mangled names to local parameter/buffer
     shards. The code names no device (``collectives.run_device``, ``device_free``).
@@ -479,7 +481,9 @@ def lower(
     as one collective matmul where ``passes/collective_matmul.py`` says they fuse (``Plan.overlap_matmuls``).
     ``float8``: the linears that run FP8, by node name, with their recipes (``Plan.float8_linears``):
     each runs ``codegen/float8.py:float8_linear`` with the amax axes its description gives
-    (``autopar/lowerings/float8.py``), never as a collective matmul."""
+    (``autopar/lowerings/float8.py``), never as a collective matmul. ``half``: the autocast dtype
+    under mixed precision (else None): an activation whose every use is an autocast GEMM is cast
+    to it once, before its reshards (``passes/half_reshard.py``), so they move the half copy."""
     deferred = deferred or {}
     float8 = float8 or {}
     if float8:  # torchao, imported only for a plan that runs FP8
@@ -503,6 +507,19 @@ def lower(
 
     # a parameter or buffer resharded for a use: (leaf, key) -> the chain's last node
     state_made: dict[tuple, fx.Node] = {}
+    # activations resharded as their half copy (passes/half_reshard.py): leaf -> the cast, made
+    # at the first use that reshards it, taken by the others
+    half_leaves = {n for n in src_graph.nodes if casts_before_reshard(n)} if half is not None else set()
+    casts: dict[fx.Node, fx.Node] = {}
+
+    def moved(leaf: fx.Node, steps: Sequence[ReshardStep]) -> fx.Node:
+        """What ``leaf``'s reshard of ``steps`` starts from: its half copy where every use casts it
+        so anyway and a collective runs, else the tensor itself."""
+        if leaf not in half_leaves or not steps:
+            return env[leaf]
+        if leaf not in casts:
+            casts[leaf] = g.call_method("to", (env[leaf], half))
+        return casts[leaf]
 
     def reshard(fops, leaf: fx.Node, need: Spec, user: fx.Node) -> fx.Node:
         """``leaf`` in placement ``need`` for ``user``: the collectives an earlier use with the same
@@ -513,9 +530,8 @@ def lower(
         the block, ``codegen/blocks.py``; a tied one is read in each pipeline chunk)."""
         key = reshard_key(leaf, spec[leaf], need, fops, user)
         if leaf not in state_leaves:
-            return emit_reshard(
-                g, env[leaf], spec[leaf], need, mesh_shape, fops, made if key is not None else None
-            )
+            steps = reshard_steps(spec[leaf], need, mesh_shape, fops)
+            return emit_steps(g, moved(leaf, steps), steps, made if key is not None else None)
         if key is not None and (leaf, key) in state_made:
             return state_made[(leaf, key)]
         x = g.call_function(C.local, (env[leaf],))
@@ -544,7 +560,7 @@ def lower(
             return None
         key = reshard_key(leaf, spec[leaf], need, fops, user)
         shared = made if key is not None else None
-        x = emit_steps(g, env[leaf], steps[:-1], shared)
+        x = emit_steps(g, moved(leaf, steps), steps[:-1], shared)
         call = _STEP_CALLS[StepKind.ALL_GATHER](x, step)
         if shared is not None and call in shared:
             return None

@@ -357,7 +357,7 @@ def build_costs(
                 continue
             info = infos[inp.name]
             orig, owner = _owner(kept, (name, i), infos, classes)
-            key = (classes.rep[src], rep, i, info.out_bytes, info.requires_grad, orig, owner)
+            key = (classes.rep[src], rep, i, info.moved_bytes, info.requires_grad, orig, owner)
             groups.setdefault(key, [inp, 0, node])[1] += 1
     grad_total = trainable_bytes(tg, infos)
     data_axes = tuple(a for a, r in enumerate(axis_roles or ()) if r.splits_batch and mesh_shape[a] > 1)
@@ -628,7 +628,7 @@ def _fuse_matmuls(
                 return matmul_s[e.dst][b] if linear is user else matmul_s[e.src][a]
 
             e.cost[a][b] -= overlap_price(
-                comm, user, i, inp, su.out, sv.ins[i], info.out_bytes, info.requires_grad, f_axes(sv, i),
+                comm, user, i, inp, su.out, sv.ins[i], info.moved_bytes, info.requires_grad, f_axes(sv, i),
                 compute, sv.out, state, (is_grid(su), is_grid(sv)),
             )  # fmt: skip
 
@@ -691,7 +691,7 @@ def _edge(
     pairs priced by earlier edges of the same tables (``comm`` and ``data_axes`` fixed)."""
     memo = {} if memo is None else memo
     info = infos[inp.name]
-    nbytes = info.out_bytes
+    nbytes = info.moved_bytes  # in the half type where every use casts it so (passes/half_reshard.py)
     rg = info.requires_grad
     param = grad_total if infos[src].role is Role.PARAM else 0.0
     checked = () if _takes_whole(strats[dst].node) or _indexes_whole(strats[dst].node, i, info) else data_axes

@@ -269,7 +269,7 @@ def _node_collectives(
         if not u.runs or u.user.op not in ("call_function", "output"):
             continue
         info = infos[u.inp.name]
-        c, called = comm.reshard(choice[u.src].out, u.need, info.out_bytes, info.requires_grad, u.fops)
+        c, called = comm.reshard(choice[u.src].out, u.need, info.moved_bytes, info.requires_grad, u.fops)
         if u.user.op == "call_function":
             c = use_run_s(u, infos, choice, comm, matmul_s)
         if u.user.op == "output":
