@@ -346,13 +346,16 @@ def all_gather_linear(
     axis: int,
     fused_f: bool = True,
     keep_gathered: bool = False,
+    regather: bool = False,
 ):
     """``all_gather(x, dim, axis, fused_f)`` then ``aten.linear`` with ``weight`` and ``bias``, as
     one collective matmul (``kernels/collective_matmul.py``): its ring's hops overlap the matmul's
     chunks, forward and (``fused_f``: the gathered input's gradient reduce-scattered) backward.
-    ``keep_gathered``: also returns the gathered input, for the other uses of that gather. Runs on
-    the bound mesh's group of ``axis``, which the kernel keeps for backward."""
-    return K.all_gather_linear(x, weight, bias, dim, axis_group(current_mesh(), axis), fused_f, keep_gathered)
+    ``keep_gathered``: also returns the gathered input, for the other uses of that gather.
+    ``regather``: keeps only ``x`` for backward and gathers it again there. Runs on the bound
+    mesh's group of ``axis``, which the kernel keeps for backward."""
+    group = axis_group(current_mesh(), axis)
+    return K.all_gather_linear(x, weight, bias, dim, group, fused_f, keep_gathered, regather)
 
 
 def linear_reduce_scatter(

@@ -56,7 +56,7 @@ from autopar.lowerings.experts import EXPERT_ALL_TO_ALL, experts_axis
 from autopar.lowerings.local import EMBEDDING, INDEX, MEAN, MSE, mean_dims
 from autopar.lowerings.loss import CROSS_ENTROPY_MEAN, LINEAR_CROSS_ENTROPY, fused_axes
 from autopar.lowerings.matmul_nd import MATMUL_2D, MATMUL_3D, OPERANDS, SUMMA, cube_axes, grid_axes, is_grid
-from autopar.passes.collective_matmul import LINEAR, gather_step, scatter_step, sole_use
+from autopar.passes.collective_matmul import LINEAR, gather_step, regathers, scatter_step, sole_use
 from autopar.passes.grad_sync import emitted_f_axes, plan_uses, reshard_key
 from autopar.passes.half_reshard import casts_before_reshard
 from autopar.passes.local_rows import local_call
@@ -431,13 +431,18 @@ def _lower_cube(g, node, args, kwargs, s):
     return _add_bias(g, node, args, kwargs, y)
 
 
-def _emit_gather_linear(g, args, kwargs, x: fx.Node, step: ReshardStep, call, made: dict) -> fx.Node:
+def _emit_gather_linear(
+    g, args, kwargs, x: fx.Node, step: ReshardStep, call, regather: bool, made: dict
+) -> fx.Node:
     """``all_gather_linear`` of the linear's input ``x`` (before its last reshard step, the
     all-gather ``step``) with its weight and bias; where later uses share the gather (``call``:
-    its ``made`` key), the gathered input is its second output and theirs."""
+    its ``made`` key), the gathered input is its second output and theirs; else, where the linear
+    is its tensor's only use (``regather``), it keeps the shard and gathers again in backward."""
     bias = args[2] if len(args) > 2 else kwargs.get("bias")
     if call is None:
-        return g.call_function(C.all_gather_linear, (x, args[1], bias, step.dim, step.axis, step.fused_f))
+        return g.call_function(
+            C.all_gather_linear, (x, args[1], bias, step.dim, step.axis, step.fused_f), {"regather": regather}
+        )
     fused = g.call_function(
         C.all_gather_linear, (x, args[1], bias, step.dim, step.axis, step.fused_f), {"keep_gathered": True}
     )
@@ -564,7 +569,7 @@ def lower(
         call = _STEP_CALLS[StepKind.ALL_GATHER](x, step)
         if shared is not None and call in shared:
             return None
-        return x, step, call if key in shared_keys else None
+        return x, step, call if key in shared_keys else None, regathers(user, 0, leaf)
 
     def scatter_after(node: fx.Node, s: Strategy) -> ReshardStep | None:
         """The reduce-scatter a collective matmul runs after the linear ``node`` for its one use."""

@@ -20,9 +20,15 @@ rank of the group, so each chunk's matmul can run while the next chunk travels:
   ``r - 2``, adds its own chunk for it (computed while the sum travelled) and sends that on, ...,
   ending with the sum for itself. Without ``reduce_grad`` (the gradient is already whole on every
   rank) ``dx_r = (g W)_r``, no communication.
-  ``dW = g^T x`` needs the gathered input: it is kept from forward (``n`` times the local input
-  per rank, as the unfused all-gather + linear keeps it: the linear saves its gathered input),
-  and computed chunk by chunk inside the backward ring.
+  ``dW = g^T x`` needs the gathered input. **Backward re-gathers** (Megatron-LM's sequence
+  parallelism; Korthikanti et al. 2022, section 4.2.2): forward keeps only the local shard
+  ``x_r`` (``1/n`` of the gathered bytes), and backward runs the ring gather again, computing
+  each arriving piece's ``g_j^T x_j`` (and the bias's ``sum g_j``) while the next travels, then
+  the reduce-scatter ring above with the chunks ``g_j W`` alone: the gather hides behind the
+  weight's gradient, the reduce-scatter behind the input's. Where other ops read the gathered
+  input (``keep_gathered``: they keep it anyway), or the input needs no gradient, the gathered
+  input is kept from forward as the unfused all-gather + linear keeps it, and ``g_j^T x_j``
+  computed inside the reduce-scatter ring.
 
 ``linear_reduce_scatter(x, W, b, dim, group)`` = ``reduce_scatter(F.linear(x, W, b), dim)``: the
   sum over the group of every rank's linear, rank ``r`` keeping piece ``r`` along ``dim``. Each
@@ -150,7 +156,7 @@ def _norm_dim(dim: int, ndim: int) -> int:
 
 class _AllGatherLinear(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, bias, dim, group, reduce_grad, keep_gathered):
+    def forward(ctx, x, weight, bias, dim, group, reduce_grad, keep_gathered, regather):
         d = _norm_dim(dim, x.dim())
         if d == x.dim() - 1:
             raise CollectiveMatmulError(
@@ -169,7 +175,10 @@ class _AllGatherLinear(torch.autograd.Function):
         else:
             gathered = torch.cat(ring_gather(x, group, chunk), dim=d)
         out = torch.cat([outs.pop(j) for j in range(n)], dim=d)
-        ctx.save_for_backward(gathered, weight)
+        # the shard alone is kept where nothing else reads the gathered input and backward needs it
+        # for the weight's gradient: gathered again there (module docstring, "Backward re-gathers")
+        ctx.regather = regather and not keep_gathered and x.requires_grad
+        ctx.save_for_backward(x if ctx.regather else gathered, weight)
         ctx.dim, ctx.group, ctx.reduce_grad = d, group, reduce_grad
         ctx.device_type = x.device.type
         ctx.autocast = _autocast_state(x.device.type)
@@ -179,24 +188,36 @@ class _AllGatherLinear(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g, *rest):
-        gathered, weight = ctx.saved_tensors
+        kept, weight = ctx.saved_tensors
         g_gathered = rest[0] if rest else None
         n, r, _, _ = _ring(ctx.group)
         d = ctx.dim
-        c = gathered.shape[d] // n
+        c = kept.shape[d] if ctx.regather else kept.shape[d] // n
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
         enabled, dtype = ctx.autocast
         acc = _Sums()  # the weight's and bias's gradients, summed over the pieces as they come
         with torch.autocast(ctx.device_type, dtype=dtype, enabled=enabled):
 
-            def piece_grads(j: int, want_x: bool = True) -> torch.Tensor | None:
-                """Piece ``j``'s share of the weight's and bias's gradients (added up), and, where
-                ``want_x``, the gathered input's gradient on piece ``j``."""
+            def weight_grads(j: int, x_j: torch.Tensor) -> None:
+                """Piece ``j``'s share of the weight's and bias's gradients, added up."""
                 g_j = _flat(g.narrow(d, j * c, c))
                 if need_w:
-                    acc.add("w", g_j.t() @ _flat(gathered.narrow(d, j * c, c)).to(g_j.dtype))
+                    acc.add("w", g_j.t() @ _flat(x_j).to(g_j.dtype))
                 if need_b:
                     acc.add("b", g_j.sum(0))
+
+            gathered = kept
+            if ctx.regather:  # the input gathered again, each piece's weight gradient behind the next hop
+                if need_w or need_b:
+                    ring_gather(kept, ctx.group, weight_grads)
+                gathered = None
+
+            def piece_grads(j: int, want_x: bool = True) -> torch.Tensor | None:
+                """Piece ``j``'s share of the weight's and bias's gradients (added up, where the
+                gathered input was kept), and, where ``want_x``, the gathered input's gradient on
+                piece ``j``."""
+                if gathered is not None:
+                    weight_grads(j, gathered.narrow(d, j * c, c))
                 if not want_x:
                     return None
                 dx = g.narrow(d, j * c, c) @ weight.to(g.dtype)
@@ -209,11 +230,11 @@ class _AllGatherLinear(torch.autograd.Function):
             else:  # the gradient is whole on every rank: this rank's piece, no communication
                 dx = piece_grads(r, need_x)
                 for j in range(n):
-                    if j != r:
+                    if j != r and gathered is not None:
                         piece_grads(j, False)
         dw = acc.get("w").to(weight.dtype) if need_w else None
-        dx = dx.to(gathered.dtype) if dx is not None else None
-        return dx, dw, acc.get("b") if need_b else None, None, None, None, None
+        dx = dx.to(kept.dtype) if dx is not None else None
+        return dx, dw, acc.get("b") if need_b else None, None, None, None, None, None
 
 
 class _Sums:
@@ -302,13 +323,16 @@ def all_gather_linear(
     group,
     reduce_grad: bool = True,
     keep_gathered: bool = False,
+    regather: bool = False,
 ):
     """``F.linear(all_gather(x_shard, dim), weight, bias)`` over ``group``, its ring's hops behind
     the chunks' matmuls (module docstring). ``reduce_grad``: backward reduce-scatters the gathered
     input's gradient (it is a partial sum on each rank: the linear's weight is split over the
     group); else each rank's piece of it is its own. ``keep_gathered``: also return the gathered
-    input (for other ops that read it; their gradient joins the reduction)."""
-    return _AllGatherLinear.apply(x_shard, weight, bias, dim, group, reduce_grad, keep_gathered)
+    input (for other ops that read it; their gradient joins the reduction). ``regather``: keep only
+    ``x_shard`` for backward and gather it again there (module docstring; not with
+    ``keep_gathered``, nor where ``x_shard`` needs no gradient)."""
+    return _AllGatherLinear.apply(x_shard, weight, bias, dim, group, reduce_grad, keep_gathered, regather)
 
 
 def linear_reduce_scatter(

@@ -54,7 +54,7 @@ def _off(got: torch.Tensor, ref: torch.Tensor, k: int) -> float:
     return (got - ref).abs().max().item() / bound
 
 
-def _gather_case(group, dim: int, split_weight: bool, keep: bool) -> dict[str, float]:
+def _gather_case(group, dim: int, split_weight: bool, keep: bool, regather: bool = False) -> dict[str, float]:
     import torch.distributed as dist
 
     from autopar.kernels.collective_matmul import all_gather_linear
@@ -80,7 +80,11 @@ def _gather_case(group, dim: int, split_weight: bool, keep: bool) -> dict[str, f
     blk = (lambda t: t.chunk(n, -1)[r]) if split_weight else (lambda t: t)
     w = (w_full.chunk(n, 0)[r] if split_weight else w_full).clone().requires_grad_()
     b, g = blk(b_full).clone().requires_grad_(), blk(g_full)
-    res = all_gather_linear(x, w, b, dim, group, reduce_grad=split_weight, keep_gathered=keep)
+    saved = []  # elements autograd keeps for backward (the kernel's input, gathered or not, and weight)
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.numel()) or t, lambda t: t):
+        res = all_gather_linear(
+            x, w, b, dim, group, reduce_grad=split_weight, keep_gathered=keep, regather=regather
+        )
     y, gathered = res if keep else (res, None)
     loss = (y * g).sum()
     if keep:
@@ -93,6 +97,8 @@ def _gather_case(group, dim: int, split_weight: bool, keep: bool) -> dict[str, f
         "grad w": _off(w.grad, W.grad.chunk(n, 0)[r] if split_weight else W.grad, k),
         "grad b": _off(b.grad, blk(Bb.grad), k),
         **({"gathered": _off(gathered, x_full, k)} if keep else {}),
+        # what forward keeps, in local inputs (x's elements): n where it keeps the gathered input, 1 the shard
+        "kept": (sum(saved) - w.numel()) / x.numel(),
     }
 
 
@@ -155,8 +161,9 @@ def _kernel_rank(rank: int, world: int):
     for name, group in groups.items():
         for dim in (0, 1):
             for split in (True, False):
-                for keep in (False, True):
-                    results[(name, "gather", dim, split, keep)] = _gather_case(group, dim, split, keep)
+                for keep, regather in ((False, False), (False, True), (True, False)):
+                    case = (name, "gather", dim, split, keep, regather)
+                    results[case] = _gather_case(group, dim, split, keep, regather)
         for dim in (0, 1, 2):
             results[(name, "scatter", dim)] = _scatter_case(group, dim)
     return results, _errors(dist.group.WORLD)
@@ -176,8 +183,11 @@ def kernel_runs(request):
 def test_collective_matmuls_equal_the_unfused_collectives(kernel_runs):
     world, per_rank = kernel_runs
     for rank, (results, _) in enumerate(per_rank):
-        assert len(results) == (1 if world == 2 else 3) * 11
+        assert len(results) == (1 if world == 2 else 3) * 15
         for case, errs in results.items():
+            if case[1] == "gather":  # a re-gather keeps the shard alone; the others the gathered input
+                n = 2 if world == 2 or case[0] != "world" else 4
+                assert errs.pop("kept") == (1 if case[-1] else n), f"world {world} rank {rank} {case}"
             for what, err in errs.items():
                 # within the rounding of the sums (``_off``): at most 4 units
                 assert err <= 4.0, f"world {world} rank {rank} {case}: {what} off by {err:.3g} rounding units"
@@ -350,6 +360,7 @@ def test_the_plan_prices_the_collective_matmuls_codegen_emits():
     )
     # a fused gather's saving, from the comm model and the linear's compute as the plan has them
     comm, e = CommModel(h100, (2,)), h100.device.comm_overlap
+    regathered = 0
     for n in gm.graph.nodes:
         if n.target is C.all_gather_linear:
             linear = next(u for u in [n, *n.users] if "traced" in u.meta).meta["traced"]
@@ -357,5 +368,12 @@ def test_the_plan_prices_the_collective_matmuls_codegen_emits():
             full = x.numel() * x.element_size()
             t = comm.time(Collective.ALL_GATHER, full, 0)  # forward; backward reduce-scatters as much
             c = on[linear].compute_s
-            want = ring_hidden_s(t, c / 3, 2, e) + ring_hidden_s(t, 2 * c / 3, 2, e)
+            if n.kwargs.get("regather"):  # the linear is its input's only use: the shard kept, gathered again
+                assert sole_use(nodes[linear].args[0]) == (nodes[linear], 0)
+                # backward's two rings, each behind half its compute; the re-gather's exposed part paid
+                want = 2 * ring_hidden_s(t, c / 3, 2, e) - (t - ring_hidden_s(t, c / 3, 2, e))
+                regathered += 1
+            else:
+                want = ring_hidden_s(t, c / 3, 2, e) + ring_hidden_s(t, 2 * c / 3, 2, e)
             assert saved[linear] == pytest.approx(want, rel=1e-9), linear
+    assert regathered, "no fused gather re-gathers in backward"

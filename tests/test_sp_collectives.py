@@ -1,20 +1,28 @@
-"""Reshards in the half type under mixed precision (``passes/half_reshard.py``): an fp32 activation
-whose every use is an autocast GEMM (a layer norm's output before Q, K and V) is cast to bf16 before
-its reshards, so sequence parallelism all-gathers it in bf16, as Megatron-LM does; the cost model
-prices those collectives at the half type's bytes.
+"""Sequence parallelism's collectives as Megatron-LM runs them.
+
+(a) Reshards in the half type under mixed precision (``passes/half_reshard.py``): an fp32 activation
+whose every use is an autocast GEMM (a layer norm's output before Q, K and V) is cast to bf16
+before its reshards, so sequence parallelism all-gathers it in bf16; the cost model prices those
+collectives at the half type's bytes.
+(b) A collective matmul whose linear is its input's only use keeps the shard and gathers it again
+in backward (``kernels/collective_matmul.py``, ``passes/collective_matmul.py``): forward keeps
+``1/n`` of the gathered bytes.
 
 Checked here: Llama's sequence-parallel plan (``test_collective_matmul._sequence_parallel``) under
 bf16 mixed precision, with and without collective matmuls, trains on gloo ranks as the single
 device does under ``torch.autocast`` (the tolerances of ``test_zero.py``'s bf16 runs), its code
-casting before the gathers; and the plan's gathers into linears are priced at half the bytes of the
-fp32 plan's, the others at the same."""
+casting before the gathers; the bytes autograd saves drop, with collective matmuls on, by what the
+memory model prices; and the plan's gathers into linears are priced at half the bytes of the
+same plan's reshards in the tensor's own dtype, the others at the same."""
 
 from __future__ import annotations
 
 import dataclasses
+from contextlib import nullcontext
 
 import pytest
 import torch
+from harness import saved_bytes
 from test_collective_matmul import _sp_plan, build
 
 import autopar
@@ -31,14 +39,24 @@ def _bf16(plan, overlap: bool):
     return dataclasses.replace(plan, trades=trades, overlap_matmuls=overlap)
 
 
+def _no_regather(*args) -> bool:
+    return False
+
+
 def _rank(rank, world, jobs):
+    from unittest import mock
+
     from autopar.codegen.module import full_tensor
 
     cluster = autopar.ClusterSpec.preset("cpu", devices_per_node=world)
     results = {}
     for key, path in jobs:
-        model, inputs = build("llama")
-        pmodel = autopar.autoparallelize(model, cluster, inputs, plan=path)
+        # "kept": the collective matmuls keep the gathered input, as before they re-gathered
+        with mock.patch("autopar.codegen.lower.regathers", _no_regather) if key == "kept" else nullcontext():
+            model, inputs = build("llama")
+            pmodel = autopar.autoparallelize(model, cluster, inputs, plan=path)
+            fresh_model, fresh_inputs = build("llama")
+            fresh = autopar.autoparallelize(fresh_model, cluster, fresh_inputs, plan=path)
         out = pmodel(**inputs)
         out.loss.backward()
         grads = {}
@@ -47,7 +65,8 @@ def _rank(rank, world, jobs):
             if isinstance(p, torch.nn.Parameter) and p.grad is not None:
                 grads[fqn] = full_tensor(p.grad, spec, pmodel.mesh).clone()
         grads = {name: grads[fqn] for name, fqn in pmodel._aliases.items() if fqn in grads}
-        results[key] = (out.loss.detach().float(), grads, pmodel.code if rank == 0 else "")
+        saved = saved_bytes(fresh, fresh_inputs)
+        results[key] = (out.loss.detach().float(), grads, pmodel.code if rank == 0 else "", saved)
     return results
 
 
@@ -60,28 +79,50 @@ def _reference():
 
 
 @pytest.mark.slow
-def test_sequence_parallel_gathers_in_bf16_and_trains_as_one_device(tmp_path):
+def test_sequence_parallel_gathers_in_bf16_and_trains_as_one_device(tmp_path, monkeypatch):
     sp = _sp_plan("llama")
     jobs = []
-    for overlap in (True, False):
-        path = tmp_path / f"llama_{overlap}.json"
+    for key, overlap in (("fused", True), ("unfused", False), ("kept", True)):
+        path = tmp_path / f"llama_{key}.json"
         _bf16(sp, overlap).save(path)
-        jobs.append((overlap, str(path)))
+        jobs.append((key, str(path)))
     per_rank = run_on_ranks(_rank, 2, jobs, timeout_s=300)
     ref_loss, ref_grads = _reference()
-    for overlap, _ in jobs:
+    for key, _ in jobs:
         for rank, results in enumerate(per_rank):
-            loss, grads, code = results[overlap]
-            where = f"overlap {overlap} rank {rank}"
+            loss, grads, code, _ = results[key]
+            where = f"{key} rank {rank}"
             torch.testing.assert_close(loss, ref_loss, **BF16_LOSS, msg=f"{where}: loss")
             assert set(grads) == set(ref_grads), where
             for k in ref_grads:
                 torch.testing.assert_close(
                     grads[k], ref_grads[k], **BF16_GRAD, msg=f"{where}: gradient of {k}"
                 )
+                if key == "fused":  # re-gathered: the gradients of the path that kept the gathered input
+                    torch.testing.assert_close(
+                        grads[k], results["kept"][1][k], **BF16_GRAD, msg=f"{where}: gradient of {k}"
+                    )
             if rank == 0:  # the norms' outputs cast to bf16, then gathered (fused with the linear or not)
-                gather = "all_gather_linear(to" if overlap else "all_gather(to"
+                gather = "all_gather_linear(to" if key != "unfused" else "all_gather(to"
                 assert ".to(torch.bfloat16)" in code and gather in code, code
+                assert ("regather = True" in code) is (key == "fused"), code
+    # the peak the memory model prices drops by (n - 1) / n of each re-gathered input (the lm head's
+    # here: its input, the final norm's output, has no other use); autograd saves that much less
+    model, inputs = build("llama")
+    cpu = autopar.ClusterSpec.preset("cpu", devices_per_node=2)
+    regather = autopar.reprice(model, cpu, inputs, _bf16(sp, True)).predicted.peak_memory_bytes
+    monkeypatch.setattr("autopar.passes.collective_matmul.regathers", _no_regather)
+    kept = autopar.reprice(model, cpu, inputs, _bf16(sp, True)).predicted.peak_memory_bytes
+    head = _linears(model, inputs)[-1]
+    assert len(head.args[0].users) == 1
+    want = head.args[0].meta["val"].numel() * 2 / 2  # bf16, the half of it the other rank holds
+    assert kept - regather == want
+    for rank, results in enumerate(per_rank):  # measured: what autograd saves, on each rank
+        assert results["kept"][3] - results["fused"][3] == want, (
+            rank,
+            results["kept"][3],
+            results["fused"][3],
+        )
 
 
 def test_gathers_into_linears_are_priced_in_the_half_type(monkeypatch):
