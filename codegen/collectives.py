@@ -358,6 +358,16 @@ def all_gather_linear(
     return K.all_gather_linear(x, weight, bias, dim, group, fused_f, keep_gathered, regather)
 
 
+def all_gather_linears(
+    x: torch.Tensor, weights: list, biases: list | None, dim: int, axis: int, fused_f: bool = True
+):
+    """``all_gather_linear`` of several linears that take one gathered input (Q, K and V), as one
+    collective matmul (``kernels/collective_matmul.py:all_gather_linears``) that keeps only ``x``
+    for backward and gathers it again there: a tuple of their outputs."""
+    group = axis_group(current_mesh(), axis)
+    return K.all_gather_linears(x, weights, biases, dim, group, fused_f, regather=True)
+
+
 def linear_reduce_scatter(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, dim: int, axis: int
 ) -> torch.Tensor:

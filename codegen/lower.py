@@ -60,7 +60,7 @@ from autopar.passes.collective_matmul import LINEAR, gather_step, regathers, sca
 from autopar.passes.grad_sync import emitted_f_axes, plan_uses, reshard_key
 from autopar.passes.half_reshard import casts_before_reshard
 from autopar.passes.local_rows import local_call
-from autopar.passes.rules import map_args
+from autopar.passes.rules import map_args, tensor_inputs
 from autopar.passes.rules.shape import arange_range
 from autopar.passes.strategies import Strategy
 from autopar.passes.trace import AUTOCAST_REGION, Role, TracedGraph, retarget_region
@@ -548,12 +548,55 @@ def lower(
     # reshards that several uses share (``reshard_key``): a collective matmul that gathers for the
     # first of them hands the gathered input to the others
     shared_keys: set[tuple] = set()
+    groups: dict[tuple, list] = {}  # a shared reshard's uses, in graph order
     if overlap_matmuls:
-        counts: dict[tuple, int] = {}
         for u in plan_uses(tg, choice, deferred, outputs):
             key = reshard_key(u.inp, choice[u.src].out, u.need, u.fops, u.user)
-            counts[key] = counts.get(key, 0) + 1
-        shared_keys = {k for k, c in counts.items() if k is not None and c > 1}
+            groups.setdefault(key, []).append(u)
+        shared_keys = {k for k, us in groups.items() if k is not None and len(us) > 1}
+    # the outputs of linears computed by an earlier one's stacked collective matmul (stack_linears)
+    stacked: dict[fx.Node, fx.Node] = {}
+
+    def stackable(key) -> list[fx.Node] | None:
+        """The linears sharing the gather of ``key``, where they run as one collective matmul over
+        their stacked weights (Megatron's fused QKV): each takes the tensor as input 0 through a
+        fused gather (``passes/collective_matmul.py``), none is 2D or FP8, their weights (and
+        biases, all or none) are parameters, and the tensor has no other use (``regathers``:
+        then the stacked matmul keeps the shard alone); else None."""
+        users = [u.user for u in groups.get(key, ())]
+        if len(users) < 2 or not regathers(users[0], 0, groups[key][0].inp):
+            return None
+        for u in users:
+            if u.target is not LINEAR or is_grid(choice[u.name]) or u.name in float8:
+                return None
+            steps = reshard_steps(
+                spec[groups[key][0].inp], choice[u.name].ins[0], mesh_shape, groups[key][0].fops
+            )
+            if gather_step(u, 0, steps, choice[u.name].out) is None:
+                return None
+            ins = tensor_inputs(u)
+            if any(a not in state_leaves for a in ins[1:]) or len(ins) != len(tensor_inputs(users[0])):
+                return None
+        return users
+
+    def stack_linears(users: list[fx.Node], x: fx.Node, step: ReshardStep, first: list) -> fx.Node:
+        """One ``all_gather_linears`` of ``x`` with the ``users``' weights (and biases),
+        re-gathering in backward; its outputs theirs (``stacked``). ``first``: the first user's
+        weight (and bias), resharded already. Returns the first's output."""
+        ws, bs = [first[0]], first[1:]
+        for u in users:
+            su = choice[u.name]
+            ins = tensor_inputs(u)
+            if u is not users[0]:
+                for j, (leaf, into) in enumerate(zip(ins[1:], (ws, bs)), start=1):
+                    fops = emitted_f_axes(su, j, leaf, deferred.get(leaf.name, ()))
+                    into.append(reshard(fops, leaf, su.ins[j], u))
+        parts = g.call_function(C.all_gather_linears, (x, ws, bs or None, step.dim, step.axis, step.fused_f))
+        for j, u in enumerate(users):
+            out = g.call_function(operator.getitem, (parts, j))
+            out.meta["traced"] = u.name
+            stacked[u] = out
+        return stacked[users[0]]
 
     def gather_input(fops, leaf: fx.Node, need: Spec, user: fx.Node):
         """Input 0 of the linear ``user`` up to the all-gather a collective matmul runs for it
@@ -569,6 +612,8 @@ def lower(
         call = _STEP_CALLS[StepKind.ALL_GATHER](x, step)
         if shared is not None and call in shared:
             return None
+        if key in shared_keys and (users := stackable(key)) is not None:
+            return x, step, users
         return x, step, call if key in shared_keys else None, regathers(user, 0, leaf)
 
     def scatter_after(node: fx.Node, s: Strategy) -> ReshardStep | None:
@@ -609,6 +654,9 @@ def lower(
         elif node.op == "call_function" and node.target is operator.getitem:
             env[node] = g.call_function(operator.getitem, (env[node.args[0]], node.args[1]))
             spec[node] = spec[node.args[0]]
+        elif node.op == "call_function" and node in stacked:  # computed by an earlier stacked matmul
+            env[node] = stacked[node]
+            spec[node] = choice[node.name].out
         elif node.op == "call_function":
             s = choice[node.name]
             # a 2D or 3D linear gathers inside its own lowering, an FP8 one casts first: no
@@ -644,6 +692,11 @@ def lower(
                 bias = args[2] if len(args) > 2 else kwargs.get("bias")
                 axes = F8.amax_axes(node, s, recipe)
                 out = g.call_function(float8_linear, (args[0], args[1], bias, recipe.value, axes))
+            elif gather and len(gather[0]) == 3:  # the linears that share the gather, stacked
+                bias = args[2] if len(args) > 2 else kwargs.get("bias")
+                out = stack_linears(
+                    gather[0][2], *gather[0][:2], [args[1]] + ([bias] if bias is not None else [])
+                )
             elif gather:
                 out = _emit_gather_linear(g, args, kwargs, *gather[0], made)
             elif scatter is not None:  # the linear's one use takes it reduce-scattered

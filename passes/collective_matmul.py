@@ -105,10 +105,19 @@ class FusedStep:
 
 def regathers(user: fx.Node, k: int, inp: fx.Node) -> bool:
     """Does the gather fused into input ``k`` of ``user`` keep only the shard and gather again in
-    backward (``kernels/collective_matmul.py``, "Backward re-gathers")? Where ``user`` is the
-    tensor's only use: uses that share a gather read the gathered input (``keep_gathered``) and
-    keep it for their own backward, so the shard alone would save nothing there."""
-    return sole_use(inp) == (user, k)
+    backward (``kernels/collective_matmul.py``, "Backward re-gathers")? Where every use of the
+    tensor is a linear taking it as its input (Q, K and V of one norm): codegen runs each alone,
+    or those that share a gather as one collective matmul over their stacked weights
+    (``codegen/lower.py``, Megatron's fused QKV); another use would read the gathered input and
+    keep it for its own backward, so the shard alone would save nothing."""
+    if k != 0 or not inp.users:
+        return False
+    return all(
+        u.op == "call_function"
+        and u.target is LINEAR
+        and [a is inp for a in tensor_inputs(u)] == [True] + [False] * (len(tensor_inputs(u)) - 1)
+        for u in inp.users
+    )
 
 
 def sole_use(node: fx.Node) -> tuple[fx.Node, int] | None:

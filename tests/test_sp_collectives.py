@@ -27,6 +27,8 @@ from test_collective_matmul import _sp_plan, build
 
 import autopar
 from autopar.launch import run_on_ranks
+from autopar.passes.collective_matmul import regathers
+from autopar.placement import R, spec_from_str
 from autopar.reshard import Collective
 from autopar.trades import Precision
 
@@ -106,19 +108,32 @@ def test_sequence_parallel_gathers_in_bf16_and_trains_as_one_device(tmp_path, mo
                 gather = "all_gather_linear(to" if key != "unfused" else "all_gather(to"
                 assert ".to(torch.bfloat16)" in code and gather in code, code
                 assert ("regather = True" in code) is (key == "fused"), code
-    # the peak the memory model prices drops by (n - 1) / n of each re-gathered input (the lm head's
-    # here: its input, the final norm's output, has no other use); autograd saves that much less
+    # the peak the memory model prices drops by (n - 1) / n of each re-gathered input (the stacked
+    # Q, K and V's, gate and up's, the head's); autograd saves that much less
     model, inputs = build("llama")
     cpu = autopar.ClusterSpec.preset("cpu", devices_per_node=2)
     regather = autopar.reprice(model, cpu, inputs, _bf16(sp, True)).predicted.peak_memory_bytes
+    # the inputs gathered into linears that only linears read: each norm's output (Q, K and V's,
+    # gate and up's, the head's)
+    gathered = {
+        n.args[0]
+        for n in _linears(model, inputs)
+        if spec_from_str(sp[n.name].inputs[0]) == (R,) and regathers(n, 0, n.args[0])
+    }
     monkeypatch.setattr("autopar.passes.collective_matmul.regathers", _no_regather)
     kept = autopar.reprice(model, cpu, inputs, _bf16(sp, True)).predicted.peak_memory_bytes
-    head = _linears(model, inputs)[-1]
-    assert len(head.args[0].users) == 1
-    want = head.args[0].meta["val"].numel() * 2 / 2  # bf16, the half of it the other rank holds
+    assert len(gathered) == 5
+    want = sum(x.meta["val"].numel() * 2 / 2 for x in gathered)  # bf16, the half the other rank holds
     assert kept - regather == want
-    for rank, results in enumerate(per_rank):  # measured: what autograd saves, on each rank
-        assert results["kept"][3] - results["fused"][3] == want, (
+    # measured, what autograd saves on each rank: that, and the bf16 copies autocast makes of the
+    # weights of K, V and up (the linears after the first of each group) when they run as
+    # aten.linear (kept for their backward); the stacked matmul keeps the masters it casts again in
+    # backward (the memory model prices the parameters' half copies as parameter memory, not here)
+    later = [n for x in gathered for n in list(x.users)[1:]]
+    copies = sum(n.args[1].meta["val"].numel() // 2 * 2 for n in later)  # column-parallel: half each
+    assert len(later) == 6
+    for rank, results in enumerate(per_rank):
+        assert results["kept"][3] - results["fused"][3] == want + copies, (
             rank,
             results["kept"][3],
             results["fused"][3],
