@@ -21,7 +21,8 @@ scatter            reduce_scatter              backward
 =================  ==========================  ======================================
 
 The last two are collective matmuls (``kernels/collective_matmul.py``): the collective runs as
-ring hops that overlap the matmul's chunks, forward and backward.
+ring hops that overlap the matmul's chunks, forward and backward; ``all_gather_linears`` is the
+first for several linears of one input, keeping the shard and gathering it again in backward.
 
 Which mesh. The generated code names a mesh axis, never a process group or a mesh
 (``all_gather(x, dim, axis)``), so one graph runs on whichever mesh its module was built with.

@@ -20,7 +20,10 @@ For every node, in order:
    ``all_gather_linear`` (the reshard's earlier steps emitted as they are), and one whose output's
    only use reshards it starting with a reduce-scatter as ``linear_reduce_scatter`` (the use then
    reshards the rest of the way): collective matmuls, where ``passes/collective_matmul.py`` says
-   they fuse, the same test the cost tables price them by;
+   they fuse, the same test the cost tables price them by; linears that share one gathered input
+   read by linears alone (Q, K and V) run as one ``all_gather_linears`` that keeps the shard and
+   gathers it again in backward (``regathers``); under mixed precision an activation only GEMMs
+   read is cast to the half type before its reshards (``passes/half_reshard.py``);
 3. outputs are gathered to Replicate (full tensors) before they leave the module, or, with
    ``Outputs.LOCAL``, leave as this rank's piece (pending sums reduced).
 

@@ -37,18 +37,22 @@ split as ``cost_model/compute.py`` splits an op with two new gradients:
 with ``T`` each collective's seconds on the step's axis of ``n`` ranks and ``e`` the device's
 ``comm_overlap``. The use's price is its unfused price less the saving.
 
-**Re-gather** (``regathers``: a gather into a linear that is its tensor's only use, the input
-needing a gradient): forward keeps the shard, ``1/n`` of the gathered bytes (the edge's kept copy,
-``passes/costs.py``), and backward gathers it again (``kernels/collective_matmul.py``): a ring
-hidden behind the weight's gradient chunks, the reduce-scatter's behind the input's, each half of
-the backward:
+**Re-gather** (``regathers``: a gather into a linear where every use of the tensor is a linear
+taking it as input, the input needing a gradient; the uses that share the gather run as one
+``all_gather_linears``, ``codegen/lower.py``): forward keeps the shard, ``1/n`` of the gathered
+bytes (the edge's kept copy, ``passes/costs.py``; uses that share a reshard keep one copy,
+``passes/memory_row.py``), and backward gathers it again (``kernels/collective_matmul.py``): a
+ring hidden behind the weights' gradient chunks, the reduce-scatter's behind the input's, each half
+of the backward (per use, against its own linear's compute: the shared gather is priced on the
+first use, so the stacked matmul's ring, which hides behind all of them, is priced conservatively):
 
     saving = ring_hidden_s(T_fwd, forward) + ring_hidden_s(T_rs, backward / 2)
              - (T_ag - ring_hidden_s(T_ag, backward / 2))                                        [s]
 
 the last term the re-gather's exposed seconds (``FusedStep.extra_calls``: the plan lists it).
-Always on where it applies: it trades those seconds (none where the linear's weight gradient
-outlasts the gather, as on NVLink) for ``(n - 1) / n`` of the gathered input's bytes per linear.
+Always on where it applies, not a search choice: it trades those seconds (none where the weight
+gradient outlasts the gather, as with TP8 on NVLink at the published rows' sizes) for ``(n - 1) / n``
+of the gathered input's bytes, which the trades ladder turns into less recomputation.
 """
 
 from __future__ import annotations
