@@ -25,7 +25,7 @@ from autopar.codegen.lower import batch_axis, lower, mangle
 from autopar.codegen.micro_batches import MicroBatchError, check_same_graph, micro_batch_inputs
 from autopar.codegen.module import ParallelModule
 from autopar.codegen.weights import StandIns
-from autopar.codegen.zero import apply_trades
+from autopar.codegen.zero import HALF, apply_trades
 from autopar.errors import DistributedSetupError, PlanFormatError
 from autopar.lowerings.experts import packed_weights
 from autopar.passes.blocks import find_blocks
@@ -132,11 +132,11 @@ def build_parallel_module(
     state_specs = {t: (mangle(t), spec) for t, spec in specs.items()}
     deferred = deferred_grad_axes(tg, choice, plan.mesh_shape)
     outputs = Outputs(plan.outputs)
+    trades = getattr(plan, "trades", Trades())
     gm = lower(
         tg, choice, plan.mesh_shape, state.attrs, deferred, outputs, getattr(plan, "overlap_matmuls", False),
-        getattr(plan, "float8_linears", None),
+        getattr(plan, "float8_linears", None), HALF.get(trades.precision),
     )  # fmt: skip
-    trades = getattr(plan, "trades", Trades())
     common = _module_kwargs(model, tg, plan, choice, inputs, outputs) | dict(
         mesh=mesh, state_specs=state_specs, aliases=aliases, extra_state=extra, device=device, stored=stored
     )

@@ -21,7 +21,8 @@ scatter            reduce_scatter              backward
 =================  ==========================  ======================================
 
 The last two are collective matmuls (``kernels/collective_matmul.py``): the collective runs as
-ring hops that overlap the matmul's chunks, forward and backward.
+ring hops that overlap the matmul's chunks, forward and backward; ``all_gather_linears`` is the
+first for several linears of one input, keeping the shard and gathering it again in backward.
 
 Which mesh. The generated code names a mesh axis, never a process group or a mesh
 (``all_gather(x, dim, axis)``), so one graph runs on whichever mesh its module was built with.
@@ -346,13 +347,26 @@ def all_gather_linear(
     axis: int,
     fused_f: bool = True,
     keep_gathered: bool = False,
+    regather: bool = False,
 ):
     """``all_gather(x, dim, axis, fused_f)`` then ``aten.linear`` with ``weight`` and ``bias``, as
     one collective matmul (``kernels/collective_matmul.py``): its ring's hops overlap the matmul's
     chunks, forward and (``fused_f``: the gathered input's gradient reduce-scattered) backward.
-    ``keep_gathered``: also returns the gathered input, for the other uses of that gather. Runs on
-    the bound mesh's group of ``axis``, which the kernel keeps for backward."""
-    return K.all_gather_linear(x, weight, bias, dim, axis_group(current_mesh(), axis), fused_f, keep_gathered)
+    ``keep_gathered``: also returns the gathered input, for the other uses of that gather.
+    ``regather``: keeps only ``x`` for backward and gathers it again there. Runs on the bound
+    mesh's group of ``axis``, which the kernel keeps for backward."""
+    group = axis_group(current_mesh(), axis)
+    return K.all_gather_linear(x, weight, bias, dim, group, fused_f, keep_gathered, regather)
+
+
+def all_gather_linears(
+    x: torch.Tensor, weights: list, biases: list | None, dim: int, axis: int, fused_f: bool = True
+):
+    """``all_gather_linear`` of several linears that take one gathered input (Q, K and V), as one
+    collective matmul (``kernels/collective_matmul.py:all_gather_linears``) that keeps only ``x``
+    for backward and gathers it again there: a tuple of their outputs."""
+    group = axis_group(current_mesh(), axis)
+    return K.all_gather_linears(x, weights, biases, dim, group, fused_f, regather=True)
 
 
 def linear_reduce_scatter(

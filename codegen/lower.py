@@ -20,7 +20,10 @@ For every node, in order:
    ``all_gather_linear`` (the reshard's earlier steps emitted as they are), and one whose output's
    only use reshards it starting with a reduce-scatter as ``linear_reduce_scatter`` (the use then
    reshards the rest of the way): collective matmuls, where ``passes/collective_matmul.py`` says
-   they fuse, the same test the cost tables price them by;
+   they fuse, the same test the cost tables price them by; linears that share one gathered input
+   read by linears alone (Q, K and V) run as one ``all_gather_linears`` that keeps the shard and
+   gathers it again in backward (``regathers``); under mixed precision an activation only GEMMs
+   read is cast to the half type before its reshards (``passes/half_reshard.py``);
 3. outputs are gathered to Replicate (full tensors) before they leave the module, or, with
    ``Outputs.LOCAL``, leave as this rank's piece (pending sums reduced).
 
@@ -56,10 +59,11 @@ from autopar.lowerings.experts import EXPERT_ALL_TO_ALL, experts_axis
 from autopar.lowerings.local import EMBEDDING, INDEX, MEAN, MSE, mean_dims
 from autopar.lowerings.loss import CROSS_ENTROPY_MEAN, LINEAR_CROSS_ENTROPY, fused_axes
 from autopar.lowerings.matmul_nd import MATMUL_2D, MATMUL_3D, OPERANDS, SUMMA, cube_axes, grid_axes, is_grid
-from autopar.passes.collective_matmul import LINEAR, gather_step, scatter_step, sole_use
+from autopar.passes.collective_matmul import LINEAR, gather_step, regathers, scatter_step, sole_use
 from autopar.passes.grad_sync import emitted_f_axes, plan_uses, reshard_key
+from autopar.passes.half_reshard import casts_before_reshard
 from autopar.passes.local_rows import local_call
-from autopar.passes.rules import map_args
+from autopar.passes.rules import map_args, tensor_inputs
 from autopar.passes.rules.shape import arange_range
 from autopar.passes.strategies import Strategy
 from autopar.passes.trace import AUTOCAST_REGION, Role, TracedGraph, retarget_region
@@ -430,13 +434,18 @@ def _lower_cube(g, node, args, kwargs, s):
     return _add_bias(g, node, args, kwargs, y)
 
 
-def _emit_gather_linear(g, args, kwargs, x: fx.Node, step: ReshardStep, call, made: dict) -> fx.Node:
+def _emit_gather_linear(
+    g, args, kwargs, x: fx.Node, step: ReshardStep, call, regather: bool, made: dict
+) -> fx.Node:
     """``all_gather_linear`` of the linear's input ``x`` (before its last reshard step, the
     all-gather ``step``) with its weight and bias; where later uses share the gather (``call``:
-    its ``made`` key), the gathered input is its second output and theirs."""
+    its ``made`` key), the gathered input is its second output and theirs; else, where the linear
+    is its tensor's only use (``regather``), it keeps the shard and gathers again in backward."""
     bias = args[2] if len(args) > 2 else kwargs.get("bias")
     if call is None:
-        return g.call_function(C.all_gather_linear, (x, args[1], bias, step.dim, step.axis, step.fused_f))
+        return g.call_function(
+            C.all_gather_linear, (x, args[1], bias, step.dim, step.axis, step.fused_f), {"regather": regather}
+        )
     fused = g.call_function(
         C.all_gather_linear, (x, args[1], bias, step.dim, step.axis, step.fused_f), {"keep_gathered": True}
     )
@@ -470,6 +479,7 @@ def lower(
     outputs: Outputs = Outputs.FULL,
     overlap_matmuls: bool = False,
     float8: dict[str, Float8] | None = None,
+    half: torch.dtype | None = None,
 ) -> fx.GraphModule:
     """Return the rank-local GraphModule; ``attrs`` maps mangled names to local parameter/buffer
     shards. The code names no device (``collectives.run_device``, ``device_free``).
@@ -479,7 +489,9 @@ def lower(
     as one collective matmul where ``passes/collective_matmul.py`` says they fuse (``Plan.overlap_matmuls``).
     ``float8``: the linears that run FP8, by node name, with their recipes (``Plan.float8_linears``):
     each runs ``codegen/float8.py:float8_linear`` with the amax axes its description gives
-    (``autopar/lowerings/float8.py``), never as a collective matmul."""
+    (``autopar/lowerings/float8.py``), never as a collective matmul. ``half``: the autocast dtype
+    under mixed precision (else None): an activation whose every use is an autocast GEMM is cast
+    to it once, before its reshards (``passes/half_reshard.py``), so they move the half copy."""
     deferred = deferred or {}
     float8 = float8 or {}
     if float8:  # torchao, imported only for a plan that runs FP8
@@ -503,6 +515,19 @@ def lower(
 
     # a parameter or buffer resharded for a use: (leaf, key) -> the chain's last node
     state_made: dict[tuple, fx.Node] = {}
+    # activations resharded as their half copy (passes/half_reshard.py): leaf -> the cast, made
+    # at the first use that reshards it, taken by the others
+    half_leaves = {n for n in src_graph.nodes if casts_before_reshard(n)} if half is not None else set()
+    casts: dict[fx.Node, fx.Node] = {}
+
+    def moved(leaf: fx.Node, steps: Sequence[ReshardStep]) -> fx.Node:
+        """What ``leaf``'s reshard of ``steps`` starts from: its half copy where every use casts it
+        so anyway and a collective runs, else the tensor itself."""
+        if leaf not in half_leaves or not steps:
+            return env[leaf]
+        if leaf not in casts:
+            casts[leaf] = g.call_method("to", (env[leaf], half))
+        return casts[leaf]
 
     def reshard(fops, leaf: fx.Node, need: Spec, user: fx.Node) -> fx.Node:
         """``leaf`` in placement ``need`` for ``user``: the collectives an earlier use with the same
@@ -513,9 +538,8 @@ def lower(
         the block, ``codegen/blocks.py``; a tied one is read in each pipeline chunk)."""
         key = reshard_key(leaf, spec[leaf], need, fops, user)
         if leaf not in state_leaves:
-            return emit_reshard(
-                g, env[leaf], spec[leaf], need, mesh_shape, fops, made if key is not None else None
-            )
+            steps = reshard_steps(spec[leaf], need, mesh_shape, fops)
+            return emit_steps(g, moved(leaf, steps), steps, made if key is not None else None)
         if key is not None and (leaf, key) in state_made:
             return state_made[(leaf, key)]
         x = g.call_function(C.local, (env[leaf],))
@@ -527,12 +551,55 @@ def lower(
     # reshards that several uses share (``reshard_key``): a collective matmul that gathers for the
     # first of them hands the gathered input to the others
     shared_keys: set[tuple] = set()
+    groups: dict[tuple, list] = {}  # a shared reshard's uses, in graph order
     if overlap_matmuls:
-        counts: dict[tuple, int] = {}
         for u in plan_uses(tg, choice, deferred, outputs):
             key = reshard_key(u.inp, choice[u.src].out, u.need, u.fops, u.user)
-            counts[key] = counts.get(key, 0) + 1
-        shared_keys = {k for k, c in counts.items() if k is not None and c > 1}
+            groups.setdefault(key, []).append(u)
+        shared_keys = {k for k, us in groups.items() if k is not None and len(us) > 1}
+    # the outputs of linears computed by an earlier one's stacked collective matmul (stack_linears)
+    stacked: dict[fx.Node, fx.Node] = {}
+
+    def stackable(key) -> list[fx.Node] | None:
+        """The linears sharing the gather of ``key``, where they run as one collective matmul over
+        their stacked weights (Megatron's fused QKV): each takes the tensor as input 0 through a
+        fused gather (``passes/collective_matmul.py``), none is 2D or FP8, their weights (and
+        biases, all or none) are parameters, and the tensor has no other use (``regathers``:
+        then the stacked matmul keeps the shard alone); else None."""
+        users = [u.user for u in groups.get(key, ())]
+        if len(users) < 2 or not regathers(users[0], 0, groups[key][0].inp):
+            return None
+        for u in users:
+            if u.target is not LINEAR or is_grid(choice[u.name]) or u.name in float8:
+                return None
+            steps = reshard_steps(
+                spec[groups[key][0].inp], choice[u.name].ins[0], mesh_shape, groups[key][0].fops
+            )
+            if gather_step(u, 0, steps, choice[u.name].out) is None:
+                return None
+            ins = tensor_inputs(u)
+            if any(a not in state_leaves for a in ins[1:]) or len(ins) != len(tensor_inputs(users[0])):
+                return None
+        return users
+
+    def stack_linears(users: list[fx.Node], x: fx.Node, step: ReshardStep, first: list) -> fx.Node:
+        """One ``all_gather_linears`` of ``x`` with the ``users``' weights (and biases),
+        re-gathering in backward; its outputs theirs (``stacked``). ``first``: the first user's
+        weight (and bias), resharded already. Returns the first's output."""
+        ws, bs = [first[0]], first[1:]
+        for u in users:
+            su = choice[u.name]
+            ins = tensor_inputs(u)
+            if u is not users[0]:
+                for j, (leaf, into) in enumerate(zip(ins[1:], (ws, bs)), start=1):
+                    fops = emitted_f_axes(su, j, leaf, deferred.get(leaf.name, ()))
+                    into.append(reshard(fops, leaf, su.ins[j], u))
+        parts = g.call_function(C.all_gather_linears, (x, ws, bs or None, step.dim, step.axis, step.fused_f))
+        for j, u in enumerate(users):
+            out = g.call_function(operator.getitem, (parts, j))
+            out.meta["traced"] = u.name
+            stacked[u] = out
+        return stacked[users[0]]
 
     def gather_input(fops, leaf: fx.Node, need: Spec, user: fx.Node):
         """Input 0 of the linear ``user`` up to the all-gather a collective matmul runs for it
@@ -544,11 +611,13 @@ def lower(
             return None
         key = reshard_key(leaf, spec[leaf], need, fops, user)
         shared = made if key is not None else None
-        x = emit_steps(g, env[leaf], steps[:-1], shared)
+        x = emit_steps(g, moved(leaf, steps), steps[:-1], shared)
         call = _STEP_CALLS[StepKind.ALL_GATHER](x, step)
         if shared is not None and call in shared:
             return None
-        return x, step, call if key in shared_keys else None
+        if key in shared_keys and (users := stackable(key)) is not None:
+            return x, step, users
+        return x, step, call if key in shared_keys else None, regathers(user, 0, leaf)
 
     def scatter_after(node: fx.Node, s: Strategy) -> ReshardStep | None:
         """The reduce-scatter a collective matmul runs after the linear ``node`` for its one use."""
@@ -588,6 +657,9 @@ def lower(
         elif node.op == "call_function" and node.target is operator.getitem:
             env[node] = g.call_function(operator.getitem, (env[node.args[0]], node.args[1]))
             spec[node] = spec[node.args[0]]
+        elif node.op == "call_function" and node in stacked:  # computed by an earlier stacked matmul
+            env[node] = stacked[node]
+            spec[node] = choice[node.name].out
         elif node.op == "call_function":
             s = choice[node.name]
             # a 2D or 3D linear gathers inside its own lowering, an FP8 one casts first: no
@@ -623,6 +695,11 @@ def lower(
                 bias = args[2] if len(args) > 2 else kwargs.get("bias")
                 axes = F8.amax_axes(node, s, recipe)
                 out = g.call_function(float8_linear, (args[0], args[1], bias, recipe.value, axes))
+            elif gather and len(gather[0]) == 3:  # the linears that share the gather, stacked
+                bias = args[2] if len(args) > 2 else kwargs.get("bias")
+                out = stack_linears(
+                    gather[0][2], *gather[0][:2], [args[1]] + ([bias] if bias is not None else [])
+                )
             elif gather:
                 out = _emit_gather_linear(g, args, kwargs, *gather[0], made)
             elif scatter is not None:  # the linear's one use takes it reduce-scattered

@@ -20,9 +20,15 @@ rank of the group, so each chunk's matmul can run while the next chunk travels:
   ``r - 2``, adds its own chunk for it (computed while the sum travelled) and sends that on, ...,
   ending with the sum for itself. Without ``reduce_grad`` (the gradient is already whole on every
   rank) ``dx_r = (g W)_r``, no communication.
-  ``dW = g^T x`` needs the gathered input: it is kept from forward (``n`` times the local input
-  per rank, as the unfused all-gather + linear keeps it: the linear saves its gathered input),
-  and computed chunk by chunk inside the backward ring.
+  ``dW = g^T x`` needs the gathered input. **Backward re-gathers** (Megatron-LM's sequence
+  parallelism; Korthikanti et al. 2022, section 4.2.2): forward keeps only the local shard
+  ``x_r`` (``1/n`` of the gathered bytes), and backward runs the ring gather again, computing
+  each arriving piece's ``g_j^T x_j`` (and the bias's ``sum g_j``) while the next travels, then
+  the reduce-scatter ring above with the chunks ``g_j W`` alone: the gather hides behind the
+  weight's gradient, the reduce-scatter behind the input's. Where other ops read the gathered
+  input (``keep_gathered``: they keep it anyway), or the input needs no gradient, the gathered
+  input is kept from forward as the unfused all-gather + linear keeps it, and ``g_j^T x_j``
+  computed inside the reduce-scatter ring.
 
 ``linear_reduce_scatter(x, W, b, dim, group)`` = ``reduce_scatter(F.linear(x, W, b), dim)``: the
   sum over the group of every rank's linear, rank ``r`` keeping piece ``r`` along ``dim``. Each
@@ -59,7 +65,7 @@ hierarchical collectives, ``cost_model/comm.py``, a flat ring is slower); uneven
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -149,8 +155,14 @@ def _norm_dim(dim: int, ndim: int) -> int:
 
 
 class _AllGatherLinear(torch.autograd.Function):
+    """``k`` linears of one gathered input (their weights ``params[:k]``, biases ``params[k:]``):
+    one ring, each arriving piece's ``k`` matmuls behind the next hop; ``k = 1`` is
+    ``all_gather_linear``, ``k > 1`` ``all_gather_linears`` (Megatron's fused QKV without a
+    stacked weight)."""
+
     @staticmethod
-    def forward(ctx, x, weight, bias, dim, group, reduce_grad, keep_gathered):
+    def forward(ctx, x, dim, group, reduce_grad, keep_gathered, regather, k, *params):
+        weights, biases = params[:k], params[k:]
         d = _norm_dim(dim, x.dim())
         if d == x.dim() - 1:
             raise CollectiveMatmulError(
@@ -158,48 +170,66 @@ class _AllGatherLinear(torch.autograd.Function):
                 "pieces' products would be summed, not concatenated; gather before the linear instead"
             )
         n, c = dist.get_world_size(group), x.shape[d]
-        outs: dict[int, torch.Tensor] = {}
+        outs: list[dict[int, torch.Tensor]] = [{} for _ in range(k)]
 
         def chunk(j: int, piece: torch.Tensor) -> None:
-            outs[j] = F.linear(piece, weight, bias)
+            for i in range(k):
+                outs[i][j] = F.linear(piece, weights[i], biases[i])
 
         if math.prod(x.shape[:d]) == 1:  # the pieces are consecutive: received into the gathered tensor
             gathered = x.new_empty((*x.shape[:d], n * c, *x.shape[d + 1 :]))
             ring_gather(x, group, chunk, [gathered.narrow(d, j * c, c) for j in range(n)])
         else:
             gathered = torch.cat(ring_gather(x, group, chunk), dim=d)
-        out = torch.cat([outs.pop(j) for j in range(n)], dim=d)
-        ctx.save_for_backward(gathered, weight)
-        ctx.dim, ctx.group, ctx.reduce_grad = d, group, reduce_grad
+        out = [torch.cat([o.pop(j) for j in range(n)], dim=d) for o in outs]
+        # the shard alone is kept where nothing else reads the gathered input and backward needs it
+        # for the weights' gradients: gathered again there (module docstring, "Backward re-gathers")
+        ctx.regather = regather and not keep_gathered and x.requires_grad
+        ctx.save_for_backward(x if ctx.regather else gathered, *weights)
+        ctx.dim, ctx.group, ctx.reduce_grad, ctx.k = d, group, reduce_grad, k
         ctx.device_type = x.device.type
         ctx.autocast = _autocast_state(x.device.type)
-        if keep_gathered:
-            return out, gathered
-        return out
+        return (*out, gathered) if keep_gathered else tuple(out) if k > 1 else out[0]
 
     @staticmethod
-    def backward(ctx, g, *rest):
-        gathered, weight = ctx.saved_tensors
-        g_gathered = rest[0] if rest else None
+    def backward(ctx, *grads):
+        kept, *weights = ctx.saved_tensors
+        k = ctx.k
+        gs, g_gathered = grads[:k], (grads[k] if len(grads) > k else None)
         n, r, _, _ = _ring(ctx.group)
         d = ctx.dim
-        c = gathered.shape[d] // n
-        need_x, need_w, need_b = ctx.needs_input_grad[:3]
+        c = kept.shape[d] if ctx.regather else kept.shape[d] // n
+        need_x = ctx.needs_input_grad[0]
+        need_w = ctx.needs_input_grad[7 : 7 + k]
+        need_b = ctx.needs_input_grad[7 + k : 7 + 2 * k]
         enabled, dtype = ctx.autocast
-        acc = _Sums()  # the weight's and bias's gradients, summed over the pieces as they come
+        acc = _Sums()  # the weights' and biases' gradients, summed over the pieces as they come
         with torch.autocast(ctx.device_type, dtype=dtype, enabled=enabled):
 
+            def weight_grads(j: int, x_j: torch.Tensor) -> None:
+                """Piece ``j``'s share of the weights' and biases' gradients, added up."""
+                for i, g in enumerate(gs):
+                    g_j = _flat(g.narrow(d, j * c, c))
+                    if need_w[i]:
+                        acc.add(("w", i), g_j.t() @ _flat(x_j).to(g_j.dtype))
+                    if need_b[i]:
+                        acc.add(("b", i), g_j.sum(0))
+
+            gathered = kept
+            if ctx.regather:  # the input gathered again, each piece's weight gradients behind the next hop
+                if any(need_w) or any(need_b):
+                    ring_gather(kept, ctx.group, weight_grads)
+                gathered = None
+
             def piece_grads(j: int, want_x: bool = True) -> torch.Tensor | None:
-                """Piece ``j``'s share of the weight's and bias's gradients (added up), and, where
-                ``want_x``, the gathered input's gradient on piece ``j``."""
-                g_j = _flat(g.narrow(d, j * c, c))
-                if need_w:
-                    acc.add("w", g_j.t() @ _flat(gathered.narrow(d, j * c, c)).to(g_j.dtype))
-                if need_b:
-                    acc.add("b", g_j.sum(0))
+                """Piece ``j``'s share of the weights' and biases' gradients (added up, where the
+                gathered input was kept), and, where ``want_x``, the gathered input's gradient on
+                piece ``j``."""
+                if gathered is not None:
+                    weight_grads(j, gathered.narrow(d, j * c, c))
                 if not want_x:
                     return None
-                dx = g.narrow(d, j * c, c) @ weight.to(g.dtype)
+                dx = sum(g.narrow(d, j * c, c) @ w.to(g.dtype) for g, w in zip(gs, weights))
                 if g_gathered is not None:  # other ops' gradient of the gathered input
                     dx = dx + g_gathered.narrow(d, j * c, c)
                 return dx
@@ -209,11 +239,12 @@ class _AllGatherLinear(torch.autograd.Function):
             else:  # the gradient is whole on every rank: this rank's piece, no communication
                 dx = piece_grads(r, need_x)
                 for j in range(n):
-                    if j != r:
+                    if j != r and gathered is not None:
                         piece_grads(j, False)
-        dw = acc.get("w").to(weight.dtype) if need_w else None
-        dx = dx.to(gathered.dtype) if dx is not None else None
-        return dx, dw, acc.get("b") if need_b else None, None, None, None, None
+        dws = [acc.get(("w", i)).to(w.dtype) if need_w[i] else None for i, w in enumerate(weights)]
+        dbs = [acc.get(("b", i)) if need_b[i] else None for i in range(k)]
+        dx = dx.to(kept.dtype) if dx is not None else None
+        return dx, None, None, None, None, None, None, *dws, *dbs
 
 
 class _Sums:
@@ -221,12 +252,12 @@ class _Sums:
     tensor each, never a list of ``n`` of them."""
 
     def __init__(self):
-        self.sums: dict[str, torch.Tensor] = {}
+        self.sums: dict = {}
 
-    def add(self, name: str, t: torch.Tensor) -> None:
+    def add(self, name, t: torch.Tensor) -> None:
         self.sums[name] = self.sums[name].add_(t) if name in self.sums else t
 
-    def get(self, name: str) -> torch.Tensor:
+    def get(self, name) -> torch.Tensor:
         return self.sums[name]
 
 
@@ -302,13 +333,36 @@ def all_gather_linear(
     group,
     reduce_grad: bool = True,
     keep_gathered: bool = False,
+    regather: bool = False,
 ):
     """``F.linear(all_gather(x_shard, dim), weight, bias)`` over ``group``, its ring's hops behind
     the chunks' matmuls (module docstring). ``reduce_grad``: backward reduce-scatters the gathered
     input's gradient (it is a partial sum on each rank: the linear's weight is split over the
     group); else each rank's piece of it is its own. ``keep_gathered``: also return the gathered
-    input (for other ops that read it; their gradient joins the reduction)."""
-    return _AllGatherLinear.apply(x_shard, weight, bias, dim, group, reduce_grad, keep_gathered)
+    input (for other ops that read it; their gradient joins the reduction). ``regather``: keep only
+    ``x_shard`` for backward and gather it again there (module docstring; not with
+    ``keep_gathered``, nor where ``x_shard`` needs no gradient)."""
+    return _AllGatherLinear.apply(x_shard, dim, group, reduce_grad, keep_gathered, regather, 1, weight, bias)
+
+
+def all_gather_linears(
+    x_shard: torch.Tensor,
+    weights: Sequence[torch.Tensor],
+    biases: Sequence[torch.Tensor | None] | None,
+    dim: int,
+    group,
+    reduce_grad: bool = True,
+    regather: bool = True,
+) -> tuple[torch.Tensor, ...]:
+    """``F.linear(all_gather(x_shard, dim), w_i, b_i)`` for each weight ``w_i`` (and bias ``b_i``;
+    ``biases`` None: none), as ``all_gather_linear`` does for one: one ring, each piece's matmuls
+    behind the next hop, backward's input gradient the sum of theirs (Megatron's fused QKV, with
+    no stacked copy of the weights). ``regather``: keep only ``x_shard`` for backward."""
+    k = len(weights)
+    bs = list(biases) if biases is not None else [None] * k
+    if len(bs) != k:
+        raise CollectiveMatmulError(f"all_gather_linears takes one bias per weight ({k}), got {len(bs)}")
+    return _AllGatherLinear.apply(x_shard, dim, group, reduce_grad, False, regather, k, *weights, *bs)
 
 
 def linear_reduce_scatter(

@@ -66,6 +66,9 @@ class NodeInfo:
     grad_temp_bytes: int = 0  # other tensors the backward holds at once, at most (CE's log-prob gradient)
     # why a figure above is a fallback, not derived: "flops: <why>", "saved tensors: <why>" ("" none)
     unpriced: tuple[str, ...] = ()
+    # the dtype its reshards move, where not its own: the half type under mixed precision where
+    # every use casts it so (``passes/half_reshard.py``, set by ``passes/trades.py:half_infos``)
+    moved_dtype: torch.dtype | None = None
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -76,6 +79,13 @@ class NodeInfo:
         if self.dtype is None:
             return 0
         return sum(_numel(s) for s in self.shapes) * self.dtype.itemsize
+
+    @functools.cached_property
+    def moved_bytes(self) -> int:
+        """Bytes its reshards move (and their consumers keep): ``out_bytes`` in ``moved_dtype``."""
+        if self.moved_dtype is None or self.dtype is None:
+            return self.out_bytes
+        return self.out_bytes * self.moved_dtype.itemsize // self.dtype.itemsize
 
 
 def _numel(shape) -> int:

@@ -36,6 +36,23 @@ split as ``cost_model/compute.py`` splits an op with two new gradients:
 
 with ``T`` each collective's seconds on the step's axis of ``n`` ranks and ``e`` the device's
 ``comm_overlap``. The use's price is its unfused price less the saving.
+
+**Re-gather** (``regathers``: a gather into a linear where every use of the tensor is a linear
+taking it as input, the input needing a gradient; the uses that share the gather run as one
+``all_gather_linears``, ``codegen/lower.py``): forward keeps the shard, ``1/n`` of the gathered
+bytes (the edge's kept copy, ``passes/costs.py``; uses that share a reshard keep one copy,
+``passes/memory_row.py``), and backward gathers it again (``kernels/collective_matmul.py``): a
+ring hidden behind the weights' gradient chunks, the reduce-scatter's behind the input's, each half
+of the backward (per use, against its own linear's compute: the shared gather is priced on the
+first use, so the stacked matmul's ring, which hides behind all of them, is priced conservatively):
+
+    saving = ring_hidden_s(T_fwd, forward) + ring_hidden_s(T_rs, backward / 2)
+             - (T_ag - ring_hidden_s(T_ag, backward / 2))                                        [s]
+
+the last term the re-gather's exposed seconds (``FusedStep.extra_calls``: the plan lists it).
+Always on where it applies, not a search choice: it trades those seconds (none where the weight
+gradient outlasts the gather, as with TP8 on NVLink at the published rows' sizes) for ``(n - 1) / n``
+of the gathered input's bytes, which the trades ladder turns into less recomputation.
 """
 
 from __future__ import annotations
@@ -53,7 +70,7 @@ from autopar.cost_model.compute import BACKWARD_FACTOR
 from autopar.cost_model.overlap import ring_hidden_s
 from autopar.passes.rules import tensor_inputs
 from autopar.placement import Spec, is_partial
-from autopar.reshard import ReshardStep, StepKind
+from autopar.reshard import CollectiveCall, Phase, ReshardStep, StepKind
 
 LINEAR = torch.ops.aten.linear.default
 
@@ -73,11 +90,38 @@ class FusedStep:
     kind: Fusion
     step: ReshardStep
     linear: fx.Node
+    regather: bool = False  # a gather whose backward gathers the kept shard again (``regathers``)
 
     def __post_init__(self) -> None:
         want = StepKind.ALL_GATHER if self.kind is Fusion.GATHER else StepKind.REDUCE_SCATTER
         if self.step.kind is not want or self.linear.target is not LINEAR:
             raise ValueError(f"a {self.kind.value} fuses an {want.value} step with aten.linear, got {self}")
+        if self.regather and self.kind is not Fusion.GATHER:
+            raise ValueError(f"only a gather re-gathers in backward, got {self}")
+
+    def extra_calls(self, requires_grad: bool) -> tuple[CollectiveCall, ...]:
+        """Collectives it runs beyond its step's: a re-gather's backward all-gather."""
+        if not (self.regather and requires_grad):
+            return ()
+        fwd = self.step.forward
+        return (CollectiveCall(fwd.kind, fwd.axis, fwd.nbytes, Phase.BACKWARD),)
+
+
+def regathers(user: fx.Node, k: int, inp: fx.Node) -> bool:
+    """Does the gather fused into input ``k`` of ``user`` keep only the shard and gather again in
+    backward (``kernels/collective_matmul.py``, "Backward re-gathers")? Where every use of the
+    tensor is a linear taking it as its input (Q, K and V of one norm): codegen runs each alone,
+    or those that share a gather as one collective matmul over their stacked weights
+    (``codegen/lower.py``, Megatron's fused QKV); another use would read the gathered input and
+    keep it for its own backward, so the shard alone would save nothing."""
+    if k != 0 or not inp.users:
+        return False
+    return all(
+        u.op == "call_function"
+        and u.target is LINEAR
+        and [a is inp for a in tensor_inputs(u)] == [True] + [False] * (len(tensor_inputs(u)) - 1)
+        for u in inp.users
+    )
 
 
 def sole_use(node: fx.Node) -> tuple[fx.Node, int] | None:
@@ -134,7 +178,7 @@ def fused_steps(
         out.append(FusedStep(Fusion.SCATTER, s, inp))
     g = None if grid[1] else gather_step(user, k, steps, user_out, state)
     if g is not None and g is not s:
-        out.append(FusedStep(Fusion.GATHER, g, user))
+        out.append(FusedStep(Fusion.GATHER, g, user, regathers(user, k, inp)))
     return tuple(out)
 
 
@@ -151,10 +195,15 @@ def overlap_saving_s(
         t = matmul_s(f.linear)
         a = f.step.axis
         n = comm.mesh_shape[a]
+        backward = t * (1.0 - share)
         calls = [(f.step.forward, t * share)]
-        if requires_grad:
-            calls.append((f.step.backward, t * (1.0 - share)))
+        extra = f.extra_calls(requires_grad)
+        if requires_grad:  # a re-gather's two rings split the backward: weight's, then input's gradient
+            calls.append((f.step.backward, backward / 2 if extra else backward))
         for call, compute in calls:
             if call is not None:
                 total += ring_hidden_s(comm.time(call.kind, call.nbytes, a), compute, n, efficiency)
+        for call in extra:  # the re-gather runs beyond the step's collectives: its exposed part costs
+            seconds = comm.time(call.kind, call.nbytes, a)
+            total -= seconds - ring_hidden_s(seconds, backward / 2, n, efficiency)
     return total

@@ -357,7 +357,7 @@ def build_costs(
                 continue
             info = infos[inp.name]
             orig, owner = _owner(kept, (name, i), infos, classes)
-            key = (classes.rep[src], rep, i, info.out_bytes, info.requires_grad, orig, owner)
+            key = (classes.rep[src], rep, i, info.moved_bytes, info.requires_grad, orig, owner)
             groups.setdefault(key, [inp, 0, node])[1] += 1
     grad_total = trainable_bytes(tg, infos)
     data_axes = tuple(a for a, r in enumerate(axis_roles or ()) if r.splits_batch and mesh_shape[a] > 1)
@@ -603,9 +603,17 @@ def overlap_price(
     fuses; its price is ``use_price`` less these. ``matmul_s(linear)``: the linear's tabled
     compute under the strategy in question; ``user_out``: ``user``'s output placement under it;
     ``state``: ``inp`` is a parameter or buffer; ``grid``: ``collective_matmul.fused_steps``'s."""
-    steps = reshard_plan(tuple(have), tuple(need), comm.mesh_shape, nbytes, tuple(f)).steps
-    fused = fused_steps(user, k, inp, steps, user_out, state, grid)
+    fused = use_fusions(comm, user, k, inp, have, need, nbytes, f, user_out, state, grid)
     return overlap_saving_s(comm, fused, matmul_s, rg) if fused else 0.0
+
+
+def use_fusions(
+    comm: CommModel, user, k, inp, have, need, nbytes, f, user_out, state=False, grid=(False, False)
+):
+    """The collective matmuls of a use (``overlap_price``'s arguments): ``collective_matmul.fused_steps``
+    of its reshard plan."""
+    steps = reshard_plan(tuple(have), tuple(need), comm.mesh_shape, nbytes, tuple(f)).steps
+    return fused_steps(user, k, inp, steps, user_out, state, grid)
 
 
 def _fuse_matmuls(
@@ -619,6 +627,7 @@ def _fuse_matmuls(
         return
     info = infos[inp.name]
     state = infos[e.src].role in (Role.PARAM, Role.BUFFER)
+    rg = info.requires_grad
     for a, su in enumerate(strats[e.src].strategies):
         for b, sv in enumerate(strats[e.dst].strategies):
             if not math.isfinite(e.cost[a][b]):
@@ -627,10 +636,17 @@ def _fuse_matmuls(
             def compute(linear: fx.Node, a=a, b=b) -> float:
                 return matmul_s[e.dst][b] if linear is user else matmul_s[e.src][a]
 
-            e.cost[a][b] -= overlap_price(
-                comm, user, i, inp, su.out, sv.ins[i], info.out_bytes, info.requires_grad, f_axes(sv, i),
-                compute, sv.out, state, (is_grid(su), is_grid(sv)),
-            )  # fmt: skip
+            f = f_axes(sv, i)
+            steps = reshard_plan(tuple(su.out), tuple(sv.ins[i]), comm.mesh_shape, info.moved_bytes, f).steps
+            fused = fused_steps(user, i, inp, steps, sv.out, state, (is_grid(su), is_grid(sv)))
+            if not fused:
+                continue
+            e.cost[a][b] -= overlap_saving_s(comm, fused, compute, rg)
+            for fs in fused:  # a re-gather keeps the shard: 1/n of the gathered copy
+                if fs.extra_calls(rg) and e.copy is not None:
+                    cut = e.copy[a][b] * (1 - 1 / comm.mesh_shape[fs.step.axis])
+                    e.copy[a] = [x - cut if j == b else x for j, x in enumerate(e.copy[a])]
+                    e.mem[a] = [x - cut if j == b else x for j, x in enumerate(e.mem[a])]
 
 
 def data_parallel_pair(have, need, param: bool, data_axes: Sequence[int]) -> bool:
@@ -691,7 +707,7 @@ def _edge(
     pairs priced by earlier edges of the same tables (``comm`` and ``data_axes`` fixed)."""
     memo = {} if memo is None else memo
     info = infos[inp.name]
-    nbytes = info.out_bytes
+    nbytes = info.moved_bytes  # in the half type where every use casts it so (passes/half_reshard.py)
     rg = info.requires_grad
     param = grad_total if infos[src].role is Role.PARAM else 0.0
     checked = () if _takes_whole(strats[dst].node) or _indexes_whole(strats[dst].node, i, info) else data_axes

@@ -151,11 +151,11 @@ def use_run_s(u: Use, infos: dict, choice: dict[str, Strategy], comm: CommModel,
     info = infos[u.inp.name]
     have = choice[u.src].out
     rg = info.requires_grad and u.user.op == "call_function"
-    t = comm.reshard(have, u.need, info.out_bytes, rg, u.fops)[0]
+    t = comm.reshard(have, u.need, info.moved_bytes, rg, u.fops)[0]
     if matmul_s is not None and u.user.op == "call_function":
         state = infos[u.src].role in (Role.PARAM, Role.BUFFER)
         t -= overlap_price(
-            comm, u.user, u.k, u.inp, have, u.need, info.out_bytes, rg, u.fops, matmul_s,
+            comm, u.user, u.k, u.inp, have, u.need, info.moved_bytes, rg, u.fops, matmul_s,
             choice[u.user.name].out, state, (is_grid(choice[u.src]), is_grid(choice[u.user.name])),
         )  # fmt: skip
     return t
@@ -342,10 +342,10 @@ def price_grad_sync(
             # what the tables charged (a parameter's pure "f" as a bucket share), and what runs inline
             param = grad_total if infos[u.src].role is Role.PARAM and rg else 0.0
             priced, bucketed = use_price(
-                comm, have, u.need, info.out_bytes, rg, f_axes(s, u.k), param, bucket_axes
+                comm, have, u.need, info.moved_bytes, rg, f_axes(s, u.k), param, bucket_axes
             )
             run = use_run_s(u, infos, choice, comm, matmul_s)
-            priced -= comm.reshard(have, u.need, info.out_bytes, rg, u.fops)[0] - run  # the matmuls' part
+            priced -= comm.reshard(have, u.need, info.moved_bytes, rg, u.fops)[0] - run  # the matmuls' part
             fixed_axes.update(bucketed)
             inline_f += priced - run
             if u.src in deferred:

@@ -28,9 +28,10 @@ import torch.fx as fx
 from autopar.cluster import ClusterSpec, DeviceSpec
 from autopar.cost_model.comm import CommModel
 from autopar.cost_model.sync import SyncNode, sync_wait_s
+from autopar.lowerings.matmul_nd import is_grid
 from autopar.options import Optimizer
 from autopar.passes.analyze import NodeInfo
-from autopar.passes.costs import CostTables, resolve_source
+from autopar.passes.costs import CostTables, resolve_source, use_fusions
 from autopar.passes.grad_sync import (
     Bucket,
     GradSyncCost,
@@ -269,9 +270,17 @@ def _node_collectives(
         if not u.runs or u.user.op not in ("call_function", "output"):
             continue
         info = infos[u.inp.name]
-        c, called = comm.reshard(choice[u.src].out, u.need, info.out_bytes, info.requires_grad, u.fops)
+        c, called = comm.reshard(choice[u.src].out, u.need, info.moved_bytes, info.requires_grad, u.fops)
         if u.user.op == "call_function":
             c = use_run_s(u, infos, choice, comm, matmul_s)
+            if matmul_s is not None:  # a collective matmul's re-gather in backward (collective_matmul.py)
+                state = infos[u.src].role in (Role.PARAM, Role.BUFFER)
+                grid = (is_grid(choice[u.src]), is_grid(choice[u.user.name]))
+                fused = use_fusions(
+                    comm, u.user, u.k, u.inp, choice[u.src].out, u.need, info.moved_bytes, u.fops,
+                    choice[u.user.name].out, state, grid,
+                )  # fmt: skip
+                called = (*called, *(x for f in fused for x in f.extra_calls(info.requires_grad)))
         if u.user.op == "output":
             out_calls.extend(called)
         elif called:

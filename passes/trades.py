@@ -92,6 +92,7 @@ from autopar.options import Optimizer, SearchOptions
 from autopar.passes.analyze import NodeInfo
 from autopar.passes.blocks import Block, alternate_matmuls
 from autopar.passes.costs import CostTables
+from autopar.passes.half_reshard import casts_before_reshard
 from autopar.passes.memory_row import EdgeTrade, lower_bound_bytes
 from autopar.passes.offload import in_flight_bytes, parameter_offload_seconds
 from autopar.passes.rules import tensor_inputs
@@ -196,8 +197,9 @@ def half_infos(
     CPU's: losses) fp32, explicit casts what they cast to, and the
     rest the widest floating dtype among their inputs (a residual stream fed by an fp32 embedding
     stays fp32). Bytes (moved, kept, temporaries) follow the dtype. Parameters keep their traced
-    dtype here (``apply_trades`` prices masters and copies). Halving every fp32 value instead
-    prices a Llama's activations on an H200 at 7.7 GiB where a forward keeps 11.2 GiB
+    dtype here (``apply_trades`` prices masters and copies). A value whose every use is an
+    autocast GEMM moves through its reshards as its half copy (``NodeInfo.moved_dtype``,
+    ``passes/half_reshard.py``). Halving every fp32 value instead prices a Llama's activations on an H200 at 7.7 GiB where a forward keeps 11.2 GiB
     (``benchmarks/bench_gpu_trades.py``)."""
     if not precision.mixed:
         return infos
@@ -237,12 +239,14 @@ def half_infos(
             else:
                 rt = max(floats, key=lambda d: (d.itemsize, d == traced))
         runtime[node.name] = rt
-        if info.role is Role.PARAM or rt == traced:
+        # its reshards move the half copy every use casts it to (passes/half_reshard.py)
+        moved = half if rt.itemsize > half.itemsize and casts_before_reshard(node) else None
+        if info.role is Role.PARAM or (rt == traced and moved is None):
             continue
         r = rt.itemsize / traced.itemsize
         out[node.name] = dataclasses.replace(
             info, dtype=rt, bytes=int(info.bytes * r), saved_temp_bytes=int(info.saved_temp_bytes * r),
-            grad_temp_bytes=int(info.grad_temp_bytes * r),
+            grad_temp_bytes=int(info.grad_temp_bytes * r), moved_dtype=moved,
         )  # fmt: skip
     return out
 

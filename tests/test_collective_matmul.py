@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import operator
 
 import pytest
 import torch
@@ -54,7 +55,7 @@ def _off(got: torch.Tensor, ref: torch.Tensor, k: int) -> float:
     return (got - ref).abs().max().item() / bound
 
 
-def _gather_case(group, dim: int, split_weight: bool, keep: bool) -> dict[str, float]:
+def _gather_case(group, dim: int, split_weight: bool, keep: bool, regather: bool = False) -> dict[str, float]:
     import torch.distributed as dist
 
     from autopar.kernels.collective_matmul import all_gather_linear
@@ -80,7 +81,11 @@ def _gather_case(group, dim: int, split_weight: bool, keep: bool) -> dict[str, f
     blk = (lambda t: t.chunk(n, -1)[r]) if split_weight else (lambda t: t)
     w = (w_full.chunk(n, 0)[r] if split_weight else w_full).clone().requires_grad_()
     b, g = blk(b_full).clone().requires_grad_(), blk(g_full)
-    res = all_gather_linear(x, w, b, dim, group, reduce_grad=split_weight, keep_gathered=keep)
+    saved = []  # elements autograd keeps for backward (the kernel's input, gathered or not, and weight)
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.numel()) or t, lambda t: t):
+        res = all_gather_linear(
+            x, w, b, dim, group, reduce_grad=split_weight, keep_gathered=keep, regather=regather
+        )
     y, gathered = res if keep else (res, None)
     loss = (y * g).sum()
     if keep:
@@ -93,7 +98,44 @@ def _gather_case(group, dim: int, split_weight: bool, keep: bool) -> dict[str, f
         "grad w": _off(w.grad, W.grad.chunk(n, 0)[r] if split_weight else W.grad, k),
         "grad b": _off(b.grad, blk(Bb.grad), k),
         **({"gathered": _off(gathered, x_full, k)} if keep else {}),
+        # what forward keeps, in local inputs (x's elements): n where it keeps the gathered input, 1 the shard
+        "kept": (sum(saved) - w.numel()) / x.numel(),
     }
+
+
+def _gathers_case(group, dim: int) -> dict[str, float]:
+    """``all_gather_linears`` of two column-parallel linears (Q and K of one input) against both on
+    the full tensors: outputs, the input's gradient (the sum of theirs, reduce-scattered), each
+    weight's and bias's; and the elements it keeps (the shard: 1)."""
+    import torch.distributed as dist
+
+    from autopar.kernels.collective_matmul import all_gather_linears
+
+    n, r = dist.get_world_size(group), dist.get_rank(group)
+    x_full = _randn(B * n if dim == 0 else B, S * n if dim == 1 else S, IN, seed=21)
+    ws = [_randn(OUT * n, IN, seed=22 + j) for j in range(2)]
+    bs = [_randn(OUT * n, seed=24 + j) for j in range(2)]
+    gs = [_randn(*x_full.shape[:-1], OUT * n, seed=26 + j) for j in range(2)]
+    X = x_full.clone().requires_grad_()
+    W = [w.clone().requires_grad_() for w in ws]
+    Bb = [b.clone().requires_grad_() for b in bs]
+    Y = [F.linear(X, w, b) for w, b in zip(W, Bb)]
+    sum((y * g).sum() for y, g in zip(Y, gs)).backward()
+    x = x_full.chunk(n, dim)[r].clone().requires_grad_()
+    w = [t.chunk(n, 0)[r].clone().requires_grad_() for t in ws]
+    b = [t.chunk(n, 0)[r].clone().requires_grad_() for t in bs]
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.numel()) or t, lambda t: t):
+        ys = all_gather_linears(x, w, b, dim, group)
+    sum((y * g.chunk(n, -1)[r]).sum() for y, g in zip(ys, gs)).backward()
+    k = 2 * _sum_length(x_full, OUT * n)
+    out = {"grad x": _off(x.grad, X.grad.chunk(n, dim)[r], k)}
+    for j in range(2):
+        out[f"out {j}"] = _off(ys[j], Y[j].detach().chunk(n, -1)[r], k)
+        out[f"grad w{j}"] = _off(w[j].grad, W[j].grad.chunk(n, 0)[r], k)
+        out[f"grad b{j}"] = _off(b[j].grad, Bb[j].grad.chunk(n, 0)[r], k)
+    out["kept"] = (sum(saved) - sum(t.numel() for t in w)) / x.numel()
+    return out
 
 
 def _scatter_case(group, dim: int) -> dict[str, float]:
@@ -155,8 +197,10 @@ def _kernel_rank(rank: int, world: int):
     for name, group in groups.items():
         for dim in (0, 1):
             for split in (True, False):
-                for keep in (False, True):
-                    results[(name, "gather", dim, split, keep)] = _gather_case(group, dim, split, keep)
+                for keep, regather in ((False, False), (False, True), (True, False)):
+                    case = (name, "gather", dim, split, keep, regather)
+                    results[case] = _gather_case(group, dim, split, keep, regather)
+            results[(name, "gathers", dim, True)] = _gathers_case(group, dim)
         for dim in (0, 1, 2):
             results[(name, "scatter", dim)] = _scatter_case(group, dim)
     return results, _errors(dist.group.WORLD)
@@ -176,8 +220,11 @@ def kernel_runs(request):
 def test_collective_matmuls_equal_the_unfused_collectives(kernel_runs):
     world, per_rank = kernel_runs
     for rank, (results, _) in enumerate(per_rank):
-        assert len(results) == (1 if world == 2 else 3) * 11
+        assert len(results) == (1 if world == 2 else 3) * 17
         for case, errs in results.items():
+            if case[1] in ("gather", "gathers"):  # a re-gather keeps the shard alone; the others the gathered
+                n = 2 if world == 2 or case[0] != "world" else 4
+                assert errs.pop("kept") == (1 if case[-1] else n), f"world {world} rank {rank} {case}"
             for what, err in errs.items():
                 # within the rounding of the sums (``_off``): at most 4 units
                 assert err <= 4.0, f"world {world} rank {rank} {case}: {what} off by {err:.3g} rounding units"
@@ -311,6 +358,15 @@ def _lowered(model, inputs, plan):
     return gm, tg
 
 
+def _gathering_linear(n) -> str:
+    """The traced linear an ``all_gather_linear`` node computes, or the first of those an
+    ``all_gather_linears`` computes (the one the plan prices it on)."""
+    for m in [n, *sorted(n.users, key=lambda u: u.args[1] if u.target is operator.getitem else -1)]:
+        if "traced" in m.meta:
+            return m.meta["traced"]
+    raise AssertionError(f"{n} computes no traced linear")
+
+
 def test_the_plan_prices_the_collective_matmuls_codegen_emits():
     """Priced on a device that overlaps communication with compute (the h100-sxm preset's
     ``comm_overlap``), Llama's sequence-parallel plan with collective matmuls costs what it costs
@@ -320,7 +376,7 @@ def test_the_plan_prices_the_collective_matmuls_codegen_emits():
     from autopar.codegen import collectives as C
     from autopar.cost_model.comm import CommModel
     from autopar.cost_model.overlap import ring_hidden_s
-    from autopar.passes.collective_matmul import sole_use
+    from autopar.passes.collective_matmul import LINEAR, sole_use
     from autopar.reshard import Collective
 
     model, inputs = build("llama")
@@ -336,8 +392,8 @@ def test_the_plan_prices_the_collective_matmuls_codegen_emits():
     nodes = {n.name: n for n in tg.graph.nodes}
     emitted = set()
     for n in gm.graph.nodes:
-        if n.target is C.all_gather_linear:
-            emitted.add(next(u for u in [n, *n.users] if "traced" in u.meta).meta["traced"])
+        if n.target in (C.all_gather_linear, C.all_gather_linears):
+            emitted.add(_gathering_linear(n))
         elif n.target is C.linear_reduce_scatter:
             emitted.add(sole_use(nodes[n.meta["traced"]])[0].name)
     assert emitted and priced == emitted
@@ -350,12 +406,20 @@ def test_the_plan_prices_the_collective_matmuls_codegen_emits():
     )
     # a fused gather's saving, from the comm model and the linear's compute as the plan has them
     comm, e = CommModel(h100, (2,)), h100.device.comm_overlap
+    regathered = 0
     for n in gm.graph.nodes:
-        if n.target is C.all_gather_linear:
-            linear = next(u for u in [n, *n.users] if "traced" in u.meta).meta["traced"]
+        if n.target in (C.all_gather_linear, C.all_gather_linears):
+            linear = _gathering_linear(n)
             x = nodes[linear].args[0].meta["val"]
             full = x.numel() * x.element_size()
             t = comm.time(Collective.ALL_GATHER, full, 0)  # forward; backward reduce-scatters as much
             c = on[linear].compute_s
-            want = ring_hidden_s(t, c / 3, 2, e) + ring_hidden_s(t, 2 * c / 3, 2, e)
+            if n.kwargs.get("regather") or n.target is C.all_gather_linears:  # only linears read its input
+                assert all(u.target is LINEAR for u in nodes[linear].args[0].users)
+                # backward's two rings, each behind half its compute; the re-gather's exposed part paid
+                want = 2 * ring_hidden_s(t, c / 3, 2, e) - (t - ring_hidden_s(t, c / 3, 2, e))
+                regathered += 1
+            else:
+                want = ring_hidden_s(t, c / 3, 2, e) + ring_hidden_s(t, 2 * c / 3, 2, e)
             assert saved[linear] == pytest.approx(want, rel=1e-9), linear
+    assert regathered, "no fused gather re-gathers in backward"
