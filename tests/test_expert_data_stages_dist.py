@@ -3,11 +3,14 @@
 
 Two pipeline stages, each on a stage mesh whose roles are (DATA, EXPERT): the batch split on both
 axes, the experts whole on the data axis and split on the expert axis by all-to-all
-(``passes/candidates.py:stage_mesh_runs`` offers these meshes to the search). Four ranks fit two
-stages of two: the (1, 2) stage mesh (the data axis of one rank, the layout's roles as at any size)
-and the (2, 1) one (the expert axis of one rank: experts whole, the batch split over the data
-axis). With ZeRO-1 over the batch axes and without, on the plain-torch MoE and Qwen3-MoE. Each
-rank's losses of 2 Adam steps and the full state after them equal the single-device model's.
+(``passes/candidates.py:stage_runs`` offers these meshes to the search). Four ranks fit two
+stages of two: the (1, 2) stage mesh, the data axis of one rank (the roles ask nothing of it), the
+expert axis of two. Two stages of (2, 2), both batch axes of two ranks, need 8 ranks, more than a
+test here may spawn; the same code trains them as one device (checked by hand on 8 gloo ranks,
+ZeRO-1 over both axes on the plain MoE, none on Qwen3-MoE), and
+``tests/test_expert_data_zero_dist.py`` covers gradients and ZeRO over two batch axes on SPMD
+meshes. With and without ZeRO-1, on the plain-torch MoE and Qwen3-MoE. Each rank's losses of 2
+Adam steps and the full state after them equal the single-device model's.
 """
 
 from __future__ import annotations
