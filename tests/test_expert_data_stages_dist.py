@@ -7,7 +7,8 @@ axes, the experts whole on the data axis and split on the expert axis by all-to-
 stages of two: the (1, 2) stage mesh, the data axis of one rank (the roles ask nothing of it), the
 expert axis of two. Two stages of (2, 2), both batch axes of two ranks, need 8 ranks, more than a
 test here may spawn; the same code trains them as one device (checked by hand on 8 gloo ranks,
-ZeRO-1 over both axes on the plain MoE, none on Qwen3-MoE), and
+ZeRO-1 over both axes on the plain MoE, none on Qwen3-MoE; and 2 stages of (1, 2, 2) data x expert
+x tensor on Qwen3-MoE, an SPMD (2, 2, 2) of those roles with ZeRO-1 on the plain MoE), and
 ``tests/test_expert_data_zero_dist.py`` covers gradients and ZeRO over two batch axes on SPMD
 meshes. With and without ZeRO-1, on the plain-torch MoE and Qwen3-MoE. Each rank's losses of 2
 Adam steps and the full state after them equal the single-device model's.
