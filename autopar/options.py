@@ -187,23 +187,6 @@ class SearchOptions:
                     f"axis_roles has {len(roles)} entries but mesh_shape {self.mesh_shape} has "
                     f"{len(self.mesh_shape)} axes: give one role per mesh axis"
                 )
-            batch = [
-                r.value
-                for a, r in enumerate(roles)
-                if r.splits_batch and (self.mesh_shape is None or self.mesh_shape[a] > 1)
-            ]
-            if len(batch) > 1 and self.zero_stage is not None and int(self.zero_stage) > 1:
-                raise SearchOptionsError(
-                    f"zero_stage={int(self.zero_stage)} with axis_roles {[r.value for r in roles]}: {len(batch)} axes "
-                    f"split the batch ({', '.join(batch)}), and FSDP2 reduces and shards over one mesh axis; give "
-                    "zero_stage 0 or 1 (ZeRO-1 over the first of them) or None, or one axis that splits the batch"
-                )
-            if len(batch) > 1 and self.pipeline_stages is not None and self.pipeline_stages > 1:
-                raise SearchOptionsError(
-                    f"pipeline_stages={self.pipeline_stages} with axis_roles {[r.value for r in roles]}: {len(batch)} "
-                    f"axes split the batch ({', '.join(batch)}), which pipeline stages do not run yet; give "
-                    "pipeline_stages=1 or None, or one axis that splits the batch"
-                )
             object.__setattr__(self, "axis_roles", roles)
         for name in ("memory_limit_bytes", "time_limit_s"):
             v = getattr(self, name)

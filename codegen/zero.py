@@ -7,7 +7,10 @@ Which engine does what, and why
 -------------------------------
 
 * **ZeRO-2 and ZeRO-3: FSDP2** (``torch.distributed.fsdp.fully_shard``) over the plan's data axis
-  (``Trades.data_axes`` of more than one rank). FSDP2 already does what ZeRO-2/3 need and nothing
+  (``Trades.data_axes`` of more than one rank; where two split the batch, expert parallelism beside
+  data parallelism, over both, flattened into one shard dimension by ``DataParallelMeshDims``: a
+  parameter whole on both is sharded over all their ranks, an expert split on one of them is left
+  out as on one expert axis). FSDP2 already does what ZeRO-2/3 need and nothing
   here should rewrite: it shards each parameter on dim 0 over the data axis, all-gathers before
   forward (a module pre-hook, so the generated graph's ``get_attr`` reads the gathered parameter),
   reduce-scatters gradients after backward, and overlaps both with compute. The module's
@@ -22,7 +25,8 @@ Which engine does what, and why
   (embeddings, head, loss) the root's; ZeRO-2 is ``reshard_after_forward=False`` (parameters
   stay gathered from forward through backward, FSDP2's ZeRO-2). Between steps FSDP2 keeps only
   the shards in both stages.
-* **ZeRO-1: ``codegen/zero_one.py:ZeroOneOptimizer``** on the data axis: each rank keeps the
+* **ZeRO-1: ``codegen/zero_one.py:ZeroOneOptimizer``** on the data axes (each parameter over those
+  it is whole on): each rank keeps the
   optimizer state of ``1/d`` of every parameter, steps it and all-gathers the parameters after;
   gradients are all-reduced whole as without ZeRO (``codegen/grad_sync.py``). Written here
   because torch's ``ZeroRedundancyOptimizer`` cannot take ``DTensor`` parameters and FSDP2
@@ -167,7 +171,7 @@ class AppliedTrades:
         """``optimizer_class`` over ``params`` as this stage needs it (module docstring)."""
         params = list(params)
         if self.trades.zero_stage is ZeroStage.OPTIMIZER and self.data_axes:
-            return ZeroOneOptimizer(params, optimizer_class, self.mesh, self.data_axes[0], **kwargs)
+            return ZeroOneOptimizer(params, optimizer_class, self.mesh, self.data_axes, **kwargs)
         shards = [p for p in params if isinstance(p, DTensor)]
         plain = [p for p in params if not isinstance(p, DTensor)]
         kwargs = foreach_kwargs(optimizer_class, shards, kwargs)
@@ -203,17 +207,15 @@ def foreach_kwargs(optimizer_class, shards: list, kwargs: dict) -> dict:
     return {**kwargs, "foreach": True}
 
 
-def data_axis(axes: tuple[int, ...]) -> int:
-    """The one data axis ZeRO shards over. Several data axes of more than one rank raise
-    ``TradesError``: a plan whose batch splits on two (expert parallelism beside data parallelism)
-    takes ZeRO-1 over the first alone (``passes/trades.py:ladder``), so only a plan edited by hand
-    has them."""
-    if len(axes) != 1:
-        raise TradesError(
-            f"ZeRO over several data axes {list(axes)} is not supported: the batch splits on one mesh axis; "
-            "give one axis AxisRole.DATA"
-        )
-    return axes[0]
+def data_axes_of(axes: tuple[int, ...], mesh: DeviceMesh) -> tuple[int, ...]:
+    """The data axes ZeRO shards over, in mesh order, each once. Several (expert parallelism beside
+    data parallelism, the batch split on both) are sharded over together: FSDP2 flattens them into
+    one shard dimension, ZeRO-1 shards each parameter over those it is whole on. An axis that is not
+    the mesh's raises ``TradesError``."""
+    out = tuple(sorted(set(axes)))
+    if not out or out[0] < 0 or out[-1] >= mesh.ndim:
+        raise TradesError(f"ZeRO over data axes {list(axes)}: the mesh has axes 0..{mesh.ndim - 1}; re-plan")
+    return out
 
 
 def sharded_params(
@@ -254,7 +256,7 @@ def apply_trades(
         # one device (passes/trades.py:zero_axes): FSDP2 over it shards nothing, but offloads
         axes = trades.data_axes[:1]
     if trades.zero_stage and axes:
-        applied.data_axes = (data_axis(axes),)
+        applied.data_axes = data_axes_of(axes, mesh)
         applied.mesh = mesh
     if trades.zero_stage < ZeroStage.GRADIENTS or not axes:
         load(gm)
@@ -280,9 +282,10 @@ def _fully_shard(applied: AppliedTrades, gm: fx.GraphModule, tg: TracedGraph, de
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
     trades, mesh = applied.trades, applied.mesh
-    axis = applied.data_axes[0]
+    axes = applied.data_axes
+    names = tuple(mesh.mesh_dim_names[a] for a in axes)
     # on one device no gradient is partial on any axis: FSDP2 takes those left complete
-    applied.sharded = sharded_params(tg, deferred, tuple(a for a in applied.data_axes if mesh.size(a) > 1))
+    applied.sharded = sharded_params(tg, deferred, tuple(a for a in axes if mesh.size(a) > 1))
     keep = {
         mangle(p.target) for p in tg.placeholders if p.role is Role.PARAM and p.name not in applied.sharded
     }
@@ -297,10 +300,19 @@ def _fully_shard(applied: AppliedTrades, gm: fx.GraphModule, tg: TracedGraph, de
         else OffloadPolicy(),
     )
     if SPMD_FSDP:
-        # the parameters are DTensors on the module's mesh, whole on the data axis: FSDP2 shards
-        # them over it and keeps every parameter on that one mesh (clip_grad_norm_ needs one)
-        kwargs.update(mesh=mesh, dp_mesh_dims=DataParallelMeshDims(shard=mesh.mesh_dim_names[axis]))
+        # the parameters are DTensors on the module's mesh, whole on the data axes: FSDP2 shards
+        # them over them (several flattened into one shard dimension: expert parallelism beside
+        # data parallelism) and keeps every parameter on that one mesh (clip_grad_norm_ needs one)
+        kwargs.update(
+            mesh=mesh, dp_mesh_dims=DataParallelMeshDims(shard=names[0] if len(names) == 1 else names)
+        )
     else:
+        if len(axes) > 1:
+            raise TradesError(
+                f"ZeRO-{int(trades.zero_stage)} over data axes {list(axes)} needs FSDP2 over SPMD meshes "
+                f"(torch >= 2.13, this is {torch.__version__}): re-plan with zero_stage<=1"
+            )
+        axis = axes[0]
         # torch without SPMD meshes (< 2.13): FSDP2 shards plain tensors over a 1-D data mesh, so
         # the parameters it manages are handed to it as their local pieces (their DTensors end
         # on that mesh; the others stay on the module's: ParallelModule.clip_grad_norm_)
@@ -320,17 +332,20 @@ def _fully_shard(applied: AppliedTrades, gm: fx.GraphModule, tg: TracedGraph, de
         load(m)
         _upcast(applied, m)
         for (owner, leaf), p in _param_owners(m, skip=applied.fsdp_modules).items():
-            if (
-                isinstance(p, DTensor)
-                and mesh.size(axis) == 1
-                and not isinstance(p.placements[axis], Replicate)
+            for a in axes:
+                if (
+                    isinstance(p, DTensor)
+                    and mesh.size(a) == 1
+                    and not isinstance(p.placements[a], Replicate)
+                ):
+                    # a shard over one device is the whole tensor (the ILP breaks ties between such
+                    # placements either way): FSDP2 takes it, as whole, to offload it
+                    p = _whole_on(p, a)
+                    owner.register_parameter(leaf, p)
+            if leaf in keep or (
+                isinstance(p, DTensor) and not all(isinstance(p.placements[a], Replicate) for a in axes)
             ):
-                # a shard over one device is the whole tensor (the ILP breaks ties between such
-                # placements either way): FSDP2 takes it, as whole, to offload it
-                p = _whole_on(p, axis)
-                owner.register_parameter(leaf, p)
-            if leaf in keep or (isinstance(p, DTensor) and not isinstance(p.placements[axis], Replicate)):
-                ignored.add(p)  # FSDP2 shards over the data axis what is whole on it
+                ignored.add(p)  # FSDP2 shards over the data axes what is whole on all of them
             elif not SPMD_FSDP and isinstance(p, DTensor):
                 owner.register_parameter(
                     leaf, torch.nn.Parameter(p._local_tensor, requires_grad=p.requires_grad)
@@ -338,7 +353,7 @@ def _fully_shard(applied: AppliedTrades, gm: fx.GraphModule, tg: TracedGraph, de
                 copies = math.prod(
                     mesh.size(a)
                     for a, pl in enumerate(p.placements)
-                    if a != axis and isinstance(pl, Replicate)
+                    if a != axes[0] and isinstance(pl, Replicate)
                 )
                 pieces[(owner, leaf)] = copies
         fully_shard(m, ignored_params=set(ignored), **kwargs)

@@ -9,9 +9,12 @@ shares and the gather after it; the step itself is the user's optimizer class, u
 
 **Shares.** A parameter ``p`` (a ``DTensor`` whose placement on the data axis is ``Replicate``:
 the gradient reduction made it whole there) is cut on dim 0 of its local piece into ``d`` equal
-parts, ``d`` the data axis's size; the rank at coordinate ``r`` on that axis owns part ``r``: a
-*share*, a ``DTensor`` whose local tensor is a view of ``p``'s local piece (no copy) and whose
-placement on the data axis is ``Shard(0)`` (``_StridedShard`` where a later axis also shards dim 0,
+parts, ``d`` the data axis's size; the rank at coordinate ``r`` on that axis owns part ``r``. Over
+several data axes (expert parallelism beside data parallelism) a parameter is cut over those it is
+whole on: ``d`` their sizes' product, ``r`` the coordinates read outer axis first (a dense weight
+over both, an expert split on the expert axis over the data axis alone), and its parts gathered
+back one axis at a time, the inner first. The part is a *share*, a ``DTensor`` whose local tensor
+is a view of ``p``'s local piece (no copy) and whose placement on the data axis is ``Shard(0)`` (``_StridedShard`` where a later axis also shards dim 0,
 as FSDP2 writes it), so that its optimizer state (``zeros_like(share)``) is ``1/d`` of the
 parameter's and checkpoints (``torch.distributed.checkpoint``) see where each piece belongs. A
 parameter whose local dim 0 does not divide by ``d`` (or a scalar) is its own share on every rank,
@@ -41,49 +44,59 @@ from autopar.placement import is_shard
 BUCKET_BYTES = 25 * 2**20  # shares gathered per all-gather, as DistributedDataParallel's buckets
 
 
-def _share_placements(p: DTensor, axis: int):
-    """``p``'s placements with dim 0 of its local piece cut over ``axis``."""
-    later = math.prod(
-        p.device_mesh.size(b)
-        for b, q in enumerate(p.placements)
-        if b > axis and is_shard(q) and q.dim % max(p.dim(), 1) == 0
-    )
+def _share_placements(p: DTensor, axes: tuple[int, ...]):
+    """``p``'s placements with dim 0 of its local piece cut over ``axes`` (the outer axis's
+    coordinate the outer index, as DTensor nests a dim split on several axes)."""
     out = list(p.placements)
-    out[axis] = _StridedShard(0, split_factor=later) if later > 1 else Shard(0)
+    for axis in reversed(axes):  # inner first: an outer axis's split is strided by the inner ones'
+        later = math.prod(
+            p.device_mesh.size(b)
+            for b, q in enumerate(out)
+            if b > axis and is_shard(q) and q.dim % max(p.dim(), 1) == 0
+        )
+        out[axis] = _StridedShard(0, split_factor=later) if later > 1 else Shard(0)
     return tuple(out)
 
 
 class ZeroOneOptimizer(torch.optim.Optimizer):
-    """``optimizer_class`` over this rank's shares of ``params`` on data axis ``axis`` of ``mesh``
-    (module docstring). ``step``, ``zero_grad``, ``param_groups`` and ``state_dict`` behave as the
-    inner optimizer's; ``shares`` maps each parameter to the tensor the state is kept for."""
+    """``optimizer_class`` over this rank's shares of ``params`` on data axes ``axes`` of ``mesh``
+    (module docstring; one axis as an int). ``step``, ``zero_grad``, ``param_groups`` and
+    ``state_dict`` behave as the inner optimizer's; ``shares`` maps each parameter to the tensor
+    the state is kept for."""
 
     def __init__(
-        self, params: Iterable[torch.nn.Parameter], optimizer_class, mesh: DeviceMesh, axis: int, **kwargs
+        self,
+        params: Iterable[torch.nn.Parameter],
+        optimizer_class,
+        mesh: DeviceMesh,
+        axes: int | tuple[int, ...],
+        **kwargs,
     ):
         self.params = [p for p in params if p.requires_grad]
-        self.mesh, self.axis = mesh, axis
-        d, r = mesh.size(axis), mesh.get_local_rank(axis)
+        self.mesh = mesh
+        self.axes = (axes,) if isinstance(axes, int) else tuple(sorted(axes))
         self.shares: dict[int, torch.Tensor] = {}
-        self._split: list[tuple[torch.nn.Parameter, torch.Tensor]] = []  # (parameter, its share)
+        # (parameter, its share, the axes it is cut over)
+        self._split: list[tuple[torch.nn.Parameter, torch.Tensor, tuple[int, ...]]] = []
         for p in self.params:
             local = p._local_tensor if isinstance(p, DTensor) else p
-            even = (
-                isinstance(p, DTensor)
-                and isinstance(p.placements[axis], Replicate)
-                and local.dim() > 0
-                and local.shape[0] % d == 0
-                and local.is_contiguous()
+            # the data axes p is whole on (an expert split on one of them: shared over the others)
+            on = (
+                tuple(a for a in self.axes if mesh.size(a) > 1 and isinstance(p.placements[a], Replicate))
+                if isinstance(p, DTensor)
+                else ()
             )
+            d = self._size(on)
+            even = on and local.dim() > 0 and local.shape[0] % d == 0 and local.is_contiguous()
             if not even:
                 self.shares[id(p)] = p
                 continue
-            view = local.detach().chunk(d, dim=0)[r]
+            view = local.detach().chunk(d, dim=0)[self._rank(on)]
             share = torch.nn.Parameter(
-                DTensor.from_local(view, mesh, _share_placements(p, axis), run_check=False)
+                DTensor.from_local(view, mesh, _share_placements(p, on), run_check=False)
             )
             self.shares[id(p)] = share
-            self._split.append((p, share))
+            self._split.append((p, share, on))
         self.inner = optimizer_class([self.shares[id(p)] for p in self.params], **kwargs)
         super().__init__([self.shares[id(p)] for p in self.params], self.inner.defaults)
         # one set of groups and state: a scheduler changing a group's lr changes the inner one's
@@ -91,14 +104,30 @@ class ZeroOneOptimizer(torch.optim.Optimizer):
         self.state = self.inner.state
         self._buckets = self._bucket()
 
-    def _bucket(self) -> list[list[tuple[torch.nn.Parameter, torch.Tensor]]]:
+    @property
+    def axis(self) -> int:
+        """The outer data axis (one data axis: the one)."""
+        return self.axes[0]
+
+    def _size(self, axes: tuple[int, ...]) -> int:
+        return math.prod(self.mesh.size(a) for a in axes)
+
+    def _rank(self, axes: tuple[int, ...]) -> int:
+        """This rank's share index over ``axes``: the outer axis's coordinate the outer index."""
+        r = 0
+        for a in axes:
+            r = r * self.mesh.size(a) + self.mesh.get_local_rank(a)
+        return r
+
+    def _bucket(self) -> list[list[tuple[torch.nn.Parameter, torch.Tensor, tuple[int, ...]]]]:
         buckets, size = [[]], 0
-        for p, share in self._split:
+        for p, share, on in sorted(self._split, key=lambda x: x[2]):  # one bucket, one set of axes
             nbytes = share._local_tensor.numel() * share._local_tensor.element_size()
-            if buckets[-1] and (size + nbytes > BUCKET_BYTES or share.dtype != buckets[-1][0][1].dtype):
+            last = buckets[-1]
+            if last and (size + nbytes > BUCKET_BYTES or share.dtype != last[0][1].dtype or on != last[0][2]):
                 buckets.append([])
                 size = 0
-            buckets[-1].append((p, share))
+            buckets[-1].append((p, share, on))
             size += nbytes
         return [b for b in buckets if b]
 
@@ -108,30 +137,34 @@ class ZeroOneOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        d, r = self.mesh.size(self.axis), self.mesh.get_local_rank(self.axis)
-        for p, share in self._split:  # each share's gradient: its part of the reduced gradient
+        for p, share, on in self._split:  # each share's gradient: its part of the reduced gradient
             if p.grad is None:
                 share.grad = None
                 continue
             g = p.grad._local_tensor if isinstance(p.grad, DTensor) else p.grad
             share.grad = DTensor.from_local(
-                g.chunk(d, dim=0)[r], self.mesh, share.placements, run_check=False
+                g.chunk(self._size(on), dim=0)[self._rank(on)], self.mesh, share.placements, run_check=False
             )
         self.inner.step()
-        group = self.mesh.get_group(self.axis)
         for bucket in self._buckets:
-            mine = torch.cat([s._local_tensor.reshape(-1) for _, s in bucket])
-            parts = mine.new_empty(d * mine.numel())
-            gather_into(parts, mine, group=group)
-            parts = parts.view(d, mine.numel())
+            on = bucket[0][2]
+            d, r = self._size(on), self._rank(on)
+            parts = torch.cat([s._local_tensor.reshape(-1) for _, s, _ in bucket])
+            n = parts.numel()
+            # over several axes, one gather per axis, the inner first: each concatenates the
+            # pieces of its group in its coordinate's order, so the last holds all d in share order
+            for a in reversed(on):
+                mine, parts = parts, parts.new_empty(self.mesh.size(a) * parts.numel())
+                gather_into(parts, mine, group=self.mesh.get_group(a))
+            parts = parts.view(d, n)
             off = 0
-            for p, s in bucket:
-                n = s._local_tensor.numel()
+            for p, s, _ in bucket:
+                k = s._local_tensor.numel()
                 for q, part in enumerate(p._local_tensor.chunk(d, dim=0)):
                     if q != r:
-                        part.copy_(parts[q, off : off + n].view_as(part))
-                off += n
-        for _, share in self._split:
+                        part.copy_(parts[q, off : off + k].view_as(part))
+                off += k
+        for _, share, _ in self._split:
             share.grad = None
         return loss
 

@@ -171,15 +171,44 @@ def _with_experts(
 def stage_runs(
     cluster: ClusterSpec, options: SearchOptions, stages: int, experts: bool = False
 ) -> tuple[ClusterSpec | None, list[MeshRun], str]:
-    """The cluster one of ``stages`` pipeline stages sees and its candidates (``stage_mesh_runs``),
-    or (None, [], why there are none)."""
+    """The cluster one of ``stages`` pipeline stages sees and its candidates (``stage_mesh_runs``;
+    where the model has experts, each data-parallel one also with an expert axis beside its data
+    axis: ``_beside_data``), or (None, [], why there are none)."""
     sub = stage_cluster(cluster, stages)
     if sub is None:
         return None, [], f"pipeline: {stages} stages would split a node's devices unevenly: skipped"
     if options.zero_stage is not None and options.zero_stage >= ZeroStage.GRADIENTS:
         why = f"ZeRO-{int(options.zero_stage)} does not run with pipeline stages"
         return None, [], f"pipeline: {stages} stages: {why}: skipped"
-    return sub, list(_with_experts(stage_mesh_runs(sub, options, stages), options, experts)), ""
+    runs = []
+    for run in _with_experts(stage_mesh_runs(sub, options, stages), options, experts):
+        beside = _beside_data(run, sub.devices_per_node) if experts and options.axis_roles is None else None
+        runs += [beside, run] if beside is not None else [run]
+    return sub, runs, ""
+
+
+def _beside_data(run: MeshRun, devices_per_node: int) -> MeshRun | None:
+    """A stage mesh ``(d,)`` or ``(d, t)`` whose axis 0 is data parallel (tensor parallel after it)
+    as ``(d / e, e)`` or ``(d / e, e, t)``, roles data x expert (x tensor): expert parallelism
+    beside data parallelism inside the stage, as Megatron-Bridge runs MoE models (EP beside DP in
+    each pipeline stage), the batch split on both axes. One expert degree per stage mesh, to keep
+    the search's candidates few: the largest ``e < d`` dividing ``d`` whose expert and tensor axes
+    fit in a node together (the all-to-all on the node's links). None where no such ``e`` exists."""
+    if not run.roles or run.roles[0] is not AxisRole.DATA:
+        return None
+    d, rest = run.mesh[0], run.mesh[1:]
+    inner = math.prod(rest)
+    es = [e for e in range(2, d) if d % e == 0 and e * inner <= devices_per_node]
+    if not es:
+        return None
+    mesh = (d // max(es), max(es), *rest)
+    return dataclasses.replace(
+        run,
+        mesh=mesh,
+        roles=(AxisRole.DATA, AxisRole.EXPERT, *run.roles[1:]),
+        data_outer=len(mesh) >= DATA_OUTER_MIN_AXES,
+        data_first=False,
+    )
 
 
 def stage_mesh_runs(sub: ClusterSpec, options: SearchOptions, stages: int) -> list[MeshRun]:

@@ -310,7 +310,9 @@ def build_strategies(
             pinned = _region_pins(regions[node.name], mesh_shape, axis_roles)
         if node.op == "placeholder":
             strategies = expand(placeholder_options(info.shape), 0, info.shapes, [], mesh_shape, pinned, nest)
-            strategies = [s for s in strategies if _placeholder_allowed(s.out, info, axis_roles, experts)]
+            strategies = [
+                s for s in strategies if _placeholder_allowed(s.out, info, axis_roles, experts, mesh_shape)
+            ]
             if not strategies:
                 raise NoPlanFitsError(
                     f"{info.role.value} {info.target} of shape {info.shape} has no placement allowed by axis roles "
@@ -491,11 +493,22 @@ def written_in_place(graph: fx.Graph) -> dict[str, tuple[fx.Node, fx.Node]]:
 
 
 def _placeholder_allowed(
-    spec: Spec, info: NodeInfo, axis_roles: Sequence[AxisRole], experts: frozenset[str] = frozenset()
+    spec: Spec,
+    info: NodeInfo,
+    axis_roles: Sequence[AxisRole],
+    experts: frozenset[str] = frozenset(),
+    mesh_shape: Sequence[int] | None = None,
 ) -> bool:
     """May a placeholder take ``spec`` under ``axis_roles``? ``experts``: the names of the experts'
-    weights (split over an ``EXPERT`` axis, every other parameter whole there)."""
-    for p, role in zip(spec, axis_roles):
+    weights (split over an ``EXPERT`` axis, every other parameter whole there). An axis of one
+    device (``mesh_shape``) holds the whole tensor whatever its role: its role asks nothing there
+    (a (1, e) stage mesh of data x expert roles, its data axis of one rank)."""
+    sizes = mesh_shape if mesh_shape is not None else (2,) * len(axis_roles)
+    for p, role, n in zip(spec, axis_roles, sizes):
+        if n == 1:
+            if is_partial(p):
+                return False
+            continue
         if info.role is Role.INPUT:
             if role.splits_batch and not (is_shard(p) and p.dim == 0):
                 return False

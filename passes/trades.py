@@ -325,8 +325,20 @@ def param_state(
 ) -> StateBytes:
     """``state_bytes`` of parameter ``info``'s piece under ``spec``, ZeRO over the trades' data
     axes it is replicated on."""
-    d = data_size(spec, mesh, trades.data_axes)
+    d = zero_size(spec, mesh, trades)
     return state_bytes(piece_elems(info, spec, mesh), info.dtype, d, trades, optimizer, info.requires_grad)
+
+
+def zero_size(spec, mesh: Sequence[int], trades: Trades) -> int:
+    """Over how many devices ZeRO shards a parameter's state under ``spec``. ZeRO-1
+    (``codegen/zero_one.py``) shards it over every data axis it is whole on (``data_size``); FSDP2
+    (ZeRO-2/3) over all of the trades' data axes together, so on several (expert parallelism beside
+    data parallelism) it shards only what is whole on all of them, and leaves the experts split on
+    one of them whole on the others (``codegen/zero.py:sharded_params``)."""
+    axes = [a for a in trades.data_axes if mesh[a] > 1]
+    if trades.zero_stage >= ZeroStage.GRADIENTS and len(axes) > 1:
+        return math.prod(mesh[a] for a in axes) if all(is_replicate(spec[a]) for a in axes) else 1
+    return data_size(spec, mesh, trades.data_axes)
 
 
 def data_size(spec, mesh: Sequence[int], data_axes: Sequence[int]) -> int:
@@ -516,7 +528,7 @@ def _param_rows(tables: CostTables, info: NodeInfo, v: str, trades: Trades, clus
     for i, s in enumerate(tables.strategies[v]):
         vol = volume_factor(s.out, mesh)
         elems = piece_elems(info, s.out, mesh)
-        d = data_size(s.out, mesh, trades.data_axes)
+        d = zero_size(s.out, mesh, trades)
         sb = param_state(info, s.out, mesh, trades, optimizer)
         mems[i] = n * (sb.param + sb.optimizer)
         if grads is not None:
@@ -943,26 +955,16 @@ def ladder(
     data axes (``zero_axes``), recomputation only where the model has repeated blocks,
     micro-batches only where they divide the batch. ``one_device``: the mesh is one device, where
     ZeRO (over no one else) is offered only with offload, unless forced. Two data axes (expert
-    parallelism beside data parallelism, the batch split on both) take ZeRO-1 over the first (the
-    ZeRO-1 optimizer shards the step over one axis; the gradients are all-reduced over both as
-    without it) and no ZeRO-2/3 (FSDP2 reduces over one axis: ``codegen/zero.py:data_axis``)."""
-    several = len(data_axes) > 1
-    if several:
-        data_axes = data_axes[:1]
-        if options.zero_stage is not None and options.zero_stage > ZeroStage.OPTIMIZER:
-            return []
+    parallelism beside data parallelism, the batch split on both) take ZeRO over both: a
+    parameter's state is sharded over the data axes it is whole on (``zero_size``)."""
     if options.zero_stage and not data_axes:
         return []
     zs = (
         [options.zero_stage]
         if options.zero_stage is not None
-        else (
-            [ZeroStage.NONE, ZeroStage.OPTIMIZER]
-            if several
-            else list(ZeroStage)
-            if data_axes
-            else [ZeroStage.NONE]
-        )
+        else list(ZeroStage)
+        if data_axes
+        else [ZeroStage.NONE]
     )
     if one_device and options.zero_stage is None:
         zs = [z for z in zs if z is not ZeroStage.OPTIMIZER]  # ZeRO-1 offloads nothing

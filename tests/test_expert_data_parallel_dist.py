@@ -5,7 +5,7 @@ A 2 x 2 mesh, one axis data parallel (every expert whole there) and the other ex
 (each MoE layer's experts split over it, the pairs sent to them by all-to-all within that axis's
 group): the batch splits on both axes, nested as DTensor nests them (the lower axis outer:
 ``passes/strategies.py:nest_axes``, ``autopar/reshard.py``). In both axis orders on the plain-torch
-MoE (one with 2 micro-batches, one with ZeRO-1 over the outer axis), and on Mixtral and Qwen3-MoE
+MoE (one with 2 micro-batches, one with ZeRO-1 over both batch axes), and on Mixtral and Qwen3-MoE
 (ZeRO-1). Each rank's losses of 2 Adam steps
 and the full state after them equal the single-device model's.
 """
@@ -77,8 +77,8 @@ def test_expert_and_data_parallel_on_separate_axes_train_as_one_device(case, tmp
         assert spec_from_str(x.inputs[3])[e] == Shard(0) and spec_from_str(x.inputs[3])[d] == R, x
         assert via_from_str(x.via)[e] is ExpertDispatch.ALL_TO_ALL, x
     assert micro is None or plan.trades.micro_batches == micro
-    if zero is not None:  # ZeRO-1 over the outer batch axis: the step's state sharded there
-        assert int(plan.trades.zero_stage) == zero and plan.trades.data_axes == (0,), plan.trades
+    if zero is not None:  # ZeRO-1 over both batch axes: the step's state sharded over them
+        assert int(plan.trades.zero_stage) == zero and plan.trades.data_axes == (0, 1), plan.trades
     model, inputs = build(name)
     ref = adam_reference(model, inputs, STEPS, LR, EPS)
     assert_world_as_reference(per_rank, _key(*case), ref, LR, STEPS, mesh, "expert_parallel")

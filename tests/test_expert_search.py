@@ -12,7 +12,7 @@ import torch
 
 import autopar
 from autopar import AxisRole, Outputs, Precision
-from autopar.placement import ExpertDispatch, via_from_str
+from autopar.placement import ExpertDispatch, R, Shard, via_from_str
 from autopar.report import render_report
 
 tf = pytest.importorskip("transformers")
@@ -115,19 +115,25 @@ def test_the_experts_grouped_gemms_are_priced_as_gemms_of_their_rows_per_expert(
     assert gemm_min_dim(MOE, shapes) == 64
 
 
-def test_fsdp_over_two_axes_that_split_the_batch_is_refused_with_what_to_give_instead():
+def test_zero_over_two_axes_that_split_the_batch_is_planned_over_both():
     """Expert parallelism beside data parallelism on separate axes splits the batch on both
-    (``tests/test_expert_data_parallel_dist.py``); FSDP2 reduces and shards over one mesh axis, so
-    ZeRO-2 or 3 forced with such roles is refused up front, the message saying what to give
-    instead; ZeRO-1 (over the first) is taken, and an axis of one device splits nothing."""
+    (``tests/test_expert_data_parallel_dist.py``). ZeRO 1, 2 and 3 forced with such roles shard over
+    both axes (``tests/test_expert_data_zero_dist.py`` trains them), and the memory priced follows
+    what each engine shards (``passes/trades.py:zero_size``): ZeRO-1 a parameter over every data
+    axis it is whole on (an expert split on the expert axis over the data axis), FSDP2 only what is
+    whole on both (the experts left whole)."""
+    from autopar.passes.trades import zero_size
+    from autopar.trades import Trades, ZeroStage
+
     for roles in ((AxisRole.DATA, AxisRole.EXPERT), (AxisRole.EXPERT, AxisRole.DATA), (AxisRole.DATA,) * 2):
-        autopar.SearchOptions(mesh_shape=(2, 2), axis_roles=roles, zero_stage=1)
-        for zero in (2, 3):
-            with pytest.raises(
-                autopar.SearchOptionsError, match="axes split the batch.*give zero_stage 0 or 1"
-            ):
-                autopar.SearchOptions(mesh_shape=(2, 2), axis_roles=roles, zero_stage=zero)
-    autopar.SearchOptions(mesh_shape=(1, 4), axis_roles=(AxisRole.DATA, AxisRole.EXPERT), zero_stage=2)
+        for zero in (1, 2, 3):
+            autopar.SearchOptions(mesh_shape=(2, 2), axis_roles=roles, zero_stage=zero)
+    dense, expert, mesh = (R, R), (R, Shard(0)), (2, 4)
+    one, fsdp = (Trades(zero_stage=z, data_axes=(0, 1)) for z in (ZeroStage.OPTIMIZER, ZeroStage.PARAMETERS))
+    assert (zero_size(dense, mesh, one), zero_size(expert, mesh, one)) == (8, 2)
+    assert (zero_size(dense, mesh, fsdp), zero_size(expert, mesh, fsdp)) == (8, 1)
+    single = Trades(zero_stage=ZeroStage.PARAMETERS, data_axes=(0,))
+    assert (zero_size(dense, mesh, single), zero_size(expert, mesh, single)) == (2, 2)
 
 
 def test_expert_parallel_beside_data_parallel_is_a_candidate_and_can_pay():
