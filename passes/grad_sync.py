@@ -307,6 +307,7 @@ def price_grad_sync(
     outputs: Outputs = Outputs.FULL,
     bucket_axes: Collection[int] = (),
     matmul_s=None,
+    micro_batches: int = 1,
 ) -> GradSyncCost:
     """Price the deferred all-reduces of a plan on the backward timeline.
 
@@ -318,8 +319,17 @@ def price_grad_sync(
     of its earliest-used member, the last of their uses that backward reaches. ``bucket_axes``:
     the tables' data-parallel axes, where they price a parameter's "f" as a bucket share
     (``CostTables.bucket_fixed``). ``matmul_s``: each linear's compute under the plan, where it
-    runs collective matmuls (``use_run_s``); a use's reshard runs what they leave exposed."""
+    runs collective matmuls (``use_run_s``); a use's reshard runs what they leave exposed.
+
+    With ``micro_batches`` ``k > 1`` the buckets are reduced in the last micro-batch's backward
+    only (``ParallelModule.step`` turns the reductions off for the others: ``GradSync.
+    set_requires_gradient_sync``), so the timeline is that backward: each step ``1/k`` of the
+    tables' compute and collectives, which hold the whole step's. Megatron-LM does the same
+    (``--overlap-grad-reduce``: its schedules run every micro-batch but the last under the
+    DDP's ``no_sync``, ``megatron/core/pipeline_parallel/schedules.py``), so there too only the last
+    micro-batch's backward hides the data-parallel reduction."""
     mesh = comm.mesh_shape
+    share = 1.0 / max(micro_batches, 1)  # of the tables' seconds, in the backward that reduces
     deferred = deferred_grad_axes(tg, choice, mesh)
     grad_total = trainable_bytes(tg, infos)
     fixed_axes: set[int] = set()  # axes where the tables charged a bucket's fixed price
@@ -352,7 +362,7 @@ def price_grad_sync(
                 first_use.setdefault(u.src, len(steps))
             t_comm += run * (0.5 if rg and u.runs else 0.0)
         rg = infos[node.name].requires_grad
-        steps.append((compute_s.get(node.name, 0.0) * (bwd_share if rg else 0.0) + t_comm, []))
+        steps.append(((compute_s.get(node.name, 0.0) * (bwd_share if rg else 0.0) + t_comm) * share, []))
     allreduce = copy = 0.0
     buckets = grad_buckets(tg, choice, deferred, mesh)
     for b in buckets:

@@ -200,7 +200,9 @@ class PipelineRungs:
         # the gradient sync reads only their seconds, which the rows (``stage_tables``) keep:
         # solve_mesh's holds unless the micro-batches changed above
         if trades is not solved.trades:
-            gs = grad_sync_cost(tg, cinfos, traded, solved.sol, solved.choice, sub, run.mesh, options.outputs)
+            gs = grad_sync_cost(
+                tg, cinfos, traded, solved.sol, solved.choice, sub, run.mesh, options.outputs, trades.micro_batches
+            )  # fmt: skip
         else:
             gs = solved.gs
         terms = trade_terms(
