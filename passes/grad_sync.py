@@ -28,6 +28,7 @@ time, and the timeline leaves them out.
 
 from __future__ import annotations
 
+import dataclasses
 import operator
 from collections.abc import Collection, Iterable, Iterator, Sequence
 from dataclasses import dataclass
@@ -374,3 +375,15 @@ def price_grad_sync(
     hidden = hidden_seconds(list(reversed(steps)), efficiency)
     shared = shared_reshards_s(every, infos, choice, comm, matmul_s)
     return GradSyncCost(deferred, inline_f, allreduce, hidden, shared, copy, tuple(buckets))
+
+
+def reduced_after_schedule(gs: GradSyncCost, comm: CommModel, efficiency: float) -> GradSyncCost:
+    """``gs`` as a pipelined step runs its buckets: ``PipelinedModule.step`` (``codegen/
+    pipeline.py``) turns the reductions off while the schedule runs every micro-batch's backward
+    and reduces every bucket once it has ended (``GradSync.finish``), so none hides behind
+    backward compute: the buckets are issued together, the first on an idle stream and the others
+    queued behind it (``cost_model/overlap.py``: only what queueing saves; nothing on a preset
+    without queued prices). Megatron-LM starts each model chunk's reduction as that chunk's last
+    backward ends, which autopar's pipelined runtime does not: priced as it runs."""
+    burst = [(0.0, [bucket_all_reduce_s(b, comm) for b in gs.buckets])]
+    return dataclasses.replace(gs, hidden_s=hidden_seconds(burst, efficiency))

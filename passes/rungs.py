@@ -19,11 +19,13 @@ import dataclasses
 import math
 
 from autopar.cluster import ClusterSpec
+from autopar.cost_model.comm import CommModel
 from autopar.passes.analyze import NodeInfo
 from autopar.passes.candidate_tables import Prepared, region_stage
 from autopar.passes.candidates import MeshRun
 from autopar.passes.costs import CostTables
 from autopar.passes.data_region import region_parts
+from autopar.passes.grad_sync import reduced_after_schedule
 from autopar.passes.ladder import Climb, Lesson, Rung, RungTables, climb
 from autopar.passes.mesh_solve import MeshProblem, TradeContext, solve_mesh
 from autopar.passes.outcome import Verdict
@@ -205,6 +207,8 @@ class PipelineRungs:
             )  # fmt: skip
         else:
             gs = solved.gs
+        # the pipelined runtime reduces the buckets after its schedule: nothing hides behind backward
+        gs = reduced_after_schedule(gs, CommModel(sub, run.mesh), sub.device.comm_overlap)
         terms = trade_terms(
             self.base, traded, solved.sol.choice, cinfos, trades, sub, options.optimizer, pb.blocks
         )

@@ -179,3 +179,25 @@ def test_gradient_buckets_hide_behind_the_last_micro_batch_only(monkeypatch):
     whole, last = sum(c for c, _ in steps[0]), sum(c for c, _ in steps[1])
     assert whole > 0 and last == pytest.approx(whole / 4)
     assert [r for _, rs in steps[0] for r in rs] == [r for _, rs in steps[1] for r in rs]
+
+
+def test_pipelined_plan_hides_no_gradient_reduction(monkeypatch):
+    """A pipelined step reduces its buckets after the schedule (``PipelinedModule.step``): the same
+    small buckets that hide behind an unpipelined backward hide behind nothing there."""
+    from autopar.passes import grad_sync
+
+    monkeypatch.setattr(grad_sync, "BUCKET_BYTES", 16 * 2**10)
+    model, inputs = gpt2_tiny(batch=8, seq=32, hidden=64, vocab=256)
+    hidden = {}
+    for stages in (1, 2):
+        cl = free_link_cpu(2 * stages)
+        cl = cl.with_overrides(device=dataclasses.replace(cl.device, comm_overlap=1.0))
+        plan = autopar.plan(
+            model, cl, inputs, mesh_shape=(2,), axis_roles=(autopar.AxisRole.DATA,), pipeline_stages=stages,
+            micro_batches=2, optimizer=autopar.Optimizer.SGD,
+        )  # fmt: skip
+        assert plan.pipeline.stages == stages and any(
+            c.site is autopar.Site.BUCKET for d in plan.decisions for c in d.collectives
+        )
+        hidden[stages] = plan.predicted.grad_sync_hidden_s
+    assert hidden[1] > 0.0 and hidden[2] == 0.0
