@@ -53,7 +53,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
-from autopar.codegen.local_params import LEAF_ATTR
+from autopar.codegen.local_params import LEAF_ATTR, PENDING_ATTR
 from autopar.errors import DistributedSetupError
 from autopar.kernels import collective_matmul as K
 from autopar.placement import is_partial, is_shard
@@ -230,7 +230,12 @@ def local(x: torch.Tensor) -> torch.Tensor:
     as a ``DTensor`` of the same placements). A plain tensor (FSDP2's gathered parameter under
     torch without SPMD meshes) is its own piece. A ``DTensor`` that takes no gradient (a buffer:
     rotary frequencies, masks) is read as its local tensor itself: ``to_local`` would give a view
-    of it through an autograd function, host work each call that carries nothing back."""
+    of it through an autograd function, host work each call that carries nothing back. A
+    parameter whose ZeRO-1 all-gather is still in flight (``codegen/zero_one.py``) is waited for
+    first: this is where the gathers started after the optimizer step meet the next forward."""
+    pending = getattr(x, PENDING_ATTR, None)
+    if pending is not None:
+        pending[0].wait(pending[1])
     leaf = getattr(x, LEAF_ATTR, None)
     if leaf is not None and leaf.active:
         return leaf.leaf

@@ -45,6 +45,23 @@ from torch.distributed.tensor import DTensor
 
 # the attribute of a DTensor parameter that holds its LocalLeaf
 LEAF_ATTR = "_autopar_local_leaf"
+# the attribute of a parameter whose ZeRO-1 all-gather is in flight: (the optimizer, its bucket)
+# (``codegen/zero_one.py``: the gathers run behind the next forward)
+PENDING_ATTR = "_autopar_pending_gather"
+
+
+def wait_param(p: torch.Tensor) -> None:
+    """Before ``p`` is read: wait for its ZeRO-1 bucket's all-gather (and the buckets before it)
+    where one is in flight (``codegen/zero_one.py``); nothing otherwise."""
+    pending = getattr(p, PENDING_ATTR, None)
+    if pending is not None:
+        pending[0].wait(pending[1])
+
+
+def wait_params(tensors: Iterable[torch.Tensor]) -> None:
+    """``wait_param`` of each of ``tensors``: every ZeRO-1 gather in flight into them completes."""
+    for t in tensors:
+        wait_param(t)
 
 
 def grad_like(p: DTensor, g: torch.Tensor) -> DTensor:

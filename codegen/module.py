@@ -70,7 +70,7 @@ from autopar.codegen import collectives as C
 from autopar.codegen import state as S
 from autopar.codegen.agree import ENTRY_TIMEOUT_S, agree, all_entered, collective_section, enter_backward
 from autopar.codegen.feeding import Feeding, InputsError
-from autopar.codegen.local_params import LocalLeaf
+from autopar.codegen.local_params import LocalLeaf, wait_params
 from autopar.codegen.micro_batches import batch_size, split_batch
 from autopar.codegen.zero import AppliedTrades
 from autopar.lowerings.experts import PackedSplit
@@ -299,7 +299,38 @@ class ParallelModule(torch.nn.Module):
         plain optimizer over the FSDP2-sharded ``DTensor`` parameters for ZeRO-2/3 (on the host
         under offload), the plain optimizer otherwise. E.g. ``pmodel.optimizer(torch.optim.AdamW,
         lr=3e-4)``."""
-        return self.zero.optimizer(self.parameters(), optimizer_class, **kwargs)
+        return self.zero.optimizer(self.parameters(), optimizer_class, order=self._read_order(), **kwargs)
+
+    def _read_order(self) -> list[torch.Tensor]:
+        """The state the generated forward reads, in the order it first reads it (the root's graph,
+        each block's graph where the root calls it): ZeRO-1's buckets follow it, so that the
+        gathers started after a step complete in the order the next forward needs them
+        (``codegen/zero_one.py``). Empty where the module is no graph (a pipeline's chunks: their
+        parameters come in chunk order already)."""
+        out: list[torch.Tensor] = []
+
+        def walk(gm: fx.GraphModule) -> None:
+            for n in gm.graph.nodes:
+                if n.op == "get_attr":
+                    t = gm
+                    for name in n.target.split("."):
+                        t = getattr(t, name, None)
+                    if isinstance(t, torch.Tensor):
+                        out.append(t)
+                elif n.op == "call_module":
+                    sub = gm.get_submodule(n.target)
+                    if isinstance(sub, fx.GraphModule):
+                        walk(sub)
+
+        if isinstance(self.local, fx.GraphModule):
+            walk(self.local)
+        return out
+
+    def _settle(self) -> None:
+        """Complete the ZeRO-1 all-gathers still in flight into the parameters (started by the
+        optimizer step, waited for by the next forward: ``codegen/zero_one.py``) before anything
+        outside the forward reads or writes them."""
+        wait_params(self.parameters())
 
     @torch.no_grad()
     def full_output(self, piece: torch.Tensor, index: int) -> torch.Tensor:
@@ -323,6 +354,7 @@ class ParallelModule(torch.nn.Module):
         others return an empty dict), for ``save_pretrained``-style exports; ``cpu``: kept on
         the host. Called on some ranks only (``if rank == 0: ...``), it raises
         ``CollectiveCallError`` on those, after ``entry_timeout_s`` (module docstring)."""
+        self._settle()
         self._all_entered("full_state_dict", FULL_STATE_FIX)
         keep = not rank0_only or dist.get_rank() == 0
         full = {}
@@ -402,6 +434,7 @@ class ParallelModule(torch.nn.Module):
         """The state under the original model's state-dict names (tied names included), each this
         rank's tensor with the plan's placements (a ``DTensor``; never gathered): what
         ``torch.distributed.checkpoint.save`` / ``load`` take (``codegen/state.py``)."""
+        self._settle()
         attrs = {fqn: attr for fqn, (attr, _) in self._state_specs.items()}
         out = S.model_state_dict(self._state_tensors(), self._aliases, attrs, self._extra_state, keep_vars)
         out = {prefix + k: v for k, v in out.items()}
@@ -414,6 +447,7 @@ class ParallelModule(torch.nn.Module):
         """Load a state dict under the original names: whole tensors (e.g. a single-device model's
         ``state_dict()``), or ``DTensor``s in any placements (``dcp.load`` into this module's own
         ``state_dict()`` reads in place, and nothing is left to copy)."""
+        self._settle()
         attrs = {fqn: attr for fqn, (attr, _) in self._state_specs.items()}
         missing, unexpected = S.load_model_state_dict(
             self._state_tensors(), self._aliases, attrs, self._stored_order(state_dict), strict
@@ -424,11 +458,13 @@ class ParallelModule(torch.nn.Module):
         """``optimizer``'s state under the model's parameter names, each tensor the optimizer's own
         (sharded as it keeps it): save it with ``torch.distributed.checkpoint`` beside
         ``state_dict()``, load it back with ``load_optimizer_state_dict`` (``codegen/state.py``)."""
+        self._settle()
         return S.optimizer_state_dict(optimizer, self._canonical_params())
 
     def load_optimizer_state_dict(self, optimizer: torch.optim.Optimizer, state_dict: dict) -> None:
         """Put a state dict from ``optimizer_state_dict`` (of this plan or any other, e.g. after
         ``dcp.load`` into this module's own) into ``optimizer``."""
+        self._settle()
         # a packed weight kept permuted: its moments are in that order only in this plan's placements
         S.load_optimizer_state_dict(
             optimizer, self._canonical_params(), state_dict, exact=frozenset(self._stored)

@@ -458,6 +458,7 @@ class PipelinedModule(ParallelModule):
         and broadcast over the pipeline. Called on some ranks only, it raises
         ``CollectiveCallError`` on those (``codegen/module.py``'s docstring)."""
         self._all_entered("full_state_dict", FULL_STATE_FIX)
+        self._settle()  # ZeRO-1's gathers still in flight since the step (codegen/zero_one.py)
         held = {}
         for c in self._chunks:
             for name, t in c.state.items():

@@ -178,6 +178,9 @@ def _make_state(opt) -> None:
         if "lr" in g:
             g["lr"] = torch.tensor(0.0) if isinstance(g["lr"], torch.Tensor) else 0.0
     opt.step()
+    wait = getattr(opt, "wait", None)
+    if wait is not None:  # ZeRO-1's gathers of this step: landed now, not over what a load writes next
+        wait()
     for g, lr in zip(opt.param_groups, lrs):
         if lr is not None:
             g["lr"] = lr

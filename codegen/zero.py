@@ -106,7 +106,7 @@ import contextlib
 import math
 import re
 import warnings
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -167,11 +167,18 @@ class AppliedTrades:
             return contextlib.nullcontext()
         return torch.autocast(device_type, dtype=self.half)
 
-    def optimizer(self, params: Iterable[torch.nn.Parameter], optimizer_class, **kwargs):
-        """``optimizer_class`` over ``params`` as this stage needs it (module docstring)."""
+    def optimizer(
+        self,
+        params: Iterable[torch.nn.Parameter],
+        optimizer_class,
+        order: Sequence[torch.Tensor] = (),
+        **kwargs,
+    ):
+        """``optimizer_class`` over ``params`` as this stage needs it (module docstring); ``order``:
+        the parameters in the order the forward reads them (ZeRO-1's gather buckets follow it)."""
         params = list(params)
         if self.trades.zero_stage is ZeroStage.OPTIMIZER and self.data_axes:
-            return ZeroOneOptimizer(params, optimizer_class, self.mesh, self.data_axes, **kwargs)
+            return ZeroOneOptimizer(params, optimizer_class, self.mesh, self.data_axes, order=order, **kwargs)
         shards = [p for p in params if isinstance(p, DTensor)]
         plain = [p for p in params if not isinstance(p, DTensor)]
         kwargs = foreach_kwargs(optimizer_class, shards, kwargs)

@@ -26,12 +26,32 @@ inner optimizer (``optimizer_class`` over the shares, whose ``param_groups`` are
 so learning-rate schedulers work as on any optimizer) steps the shares in place, which updates
 part ``r`` of each parameter; then each bucket of shares (about ``BUCKET_BYTES``) is all-gathered
 over the data axis, one collective per bucket, and the other ranks' parts copied into place.
+
+**The gathers behind the next forward** (Megatron-LM's ``--overlap-param-gather``: its
+distributed optimizer starts the first bucket's all-gather after the step and, in a forward
+pre-hook, waits for bucket ``k`` and starts bucket ``k + 1``'s, ``megatron/core/distributed/
+param_and_grad_buffer.py``). The buckets are formed in the order the next forward first reads the
+parameters (``order``: ``ParallelModule.optimizer`` passes the generated graph's read order). The
+step starts the first ``IN_FLIGHT`` buckets' all-gathers asynchronously and returns; each
+parameter of a bucket in flight carries ``PENDING_ATTR``, and the generated code reads every
+parameter through ``collectives.local``, which calls ``wait_param`` first: the bucket (and every
+bucket before it) is waited for, its parts copied into place, and the next bucket's all-gather
+started, so at most ``IN_FLIGHT`` buckets' gathered parts are held at once and bucket ``k + 1``
+travels while the layers reading bucket ``k`` compute. Every rank reads its parameters in the same
+order, so the all-gathers are issued in the same order everywhere. What reads parameters outside
+the generated forward waits for all first: ``wait`` (``step`` itself, ``ParallelModule``'s
+``state_dict``, ``full_state_dict``, ``load_state_dict`` and the optimizer-state methods through
+``wait_params``); ``zero_grad`` touches gradients only and the gathers write parameters only, so it
+does not wait (waiting there would serialize every gather, since a loop zeroes right after the
+step). A user who reads ``pmodel.parameters()`` directly between the step and the next forward
+calls ``opt.wait()`` first. ``overlap=False`` waits for every bucket inside ``step``: the same
+collectives on the same values, so the same parameters.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
@@ -39,9 +59,13 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from autopar.codegen.collectives import gather_into
+from autopar.codegen.local_params import PENDING_ATTR, wait_param, wait_params
 from autopar.placement import is_shard
 
+__all__ = ["PENDING_ATTR", "ZeroOneOptimizer", "wait_param", "wait_params"]
+
 BUCKET_BYTES = 25 * 2**20  # shares gathered per all-gather, as DistributedDataParallel's buckets
+IN_FLIGHT = 2  # buckets whose all-gathers run at once between a step and the forward reading them
 
 
 def _share_placements(p: DTensor, axes: tuple[int, ...]):
@@ -60,9 +84,11 @@ def _share_placements(p: DTensor, axes: tuple[int, ...]):
 
 class ZeroOneOptimizer(torch.optim.Optimizer):
     """``optimizer_class`` over this rank's shares of ``params`` on data axes ``axes`` of ``mesh``
-    (module docstring; one axis as an int). ``step``, ``zero_grad``, ``param_groups`` and
-    ``state_dict`` behave as the inner optimizer's; ``shares`` maps each parameter to the tensor
-    the state is kept for."""
+    (module docstring; one axis as an int). ``step``, ``zero_grad``, ``param_groups`` and ``state_dict`` behave as the
+    inner optimizer's; ``shares`` maps each parameter to the tensor the state is kept for.
+    ``overlap``: the gathers run behind the next forward (module docstring), else inside ``step``;
+    ``order``: the parameters in the order the forward reads them (the buckets' order; those not
+    listed last, in ``params``' order)."""
 
     def __init__(
         self,
@@ -70,11 +96,21 @@ class ZeroOneOptimizer(torch.optim.Optimizer):
         optimizer_class,
         mesh: DeviceMesh,
         axes: int | tuple[int, ...],
+        *,
+        overlap: bool = True,
+        order: Sequence[torch.Tensor] = (),
         **kwargs,
     ):
         self.params = [p for p in params if p.requires_grad]
         self.mesh = mesh
         self.axes = (axes,) if isinstance(axes, int) else tuple(sorted(axes))
+        self.overlap = overlap
+        self._order: dict[int, int] = {}  # id(parameter) -> its first place in ``order``
+        for t in order:
+            self._order.setdefault(id(t), len(self._order))
+        # the all-gathers started and not yet waited for: (bucket index, work, gathered parts)
+        self._inflight: list[tuple[int, object, torch.Tensor]] = []
+        self._next = 0  # the next bucket whose all-gather is to start
         self.shares: dict[int, torch.Tensor] = {}
         # (parameter, its share, the axes it is cut over)
         self._split: list[tuple[torch.nn.Parameter, torch.Tensor, tuple[int, ...]]] = []
@@ -120,11 +156,15 @@ class ZeroOneOptimizer(torch.optim.Optimizer):
         return r
 
     def _bucket(self) -> list[list[tuple[torch.nn.Parameter, torch.Tensor, tuple[int, ...]]]]:
+        """The shares in buckets of about ``BUCKET_BYTES`` (one dtype and one set of axes each), in
+        read order."""
+        last = len(self._order)
+        ranked = sorted(self._split, key=lambda ps: self._order.get(id(ps[0]), last))  # stable
         buckets, size = [[]], 0
-        for p, share, on in sorted(self._split, key=lambda x: x[2]):  # one bucket, one set of axes
+        for p, share, on in ranked:
             nbytes = share._local_tensor.numel() * share._local_tensor.element_size()
-            last = buckets[-1]
-            if last and (size + nbytes > BUCKET_BYTES or share.dtype != last[0][1].dtype or on != last[0][2]):
+            prev = buckets[-1]
+            if prev and (size + nbytes > BUCKET_BYTES or share.dtype != prev[0][1].dtype or on != prev[0][2]):
                 buckets.append([])
                 size = 0
             buckets[-1].append((p, share, on))
@@ -133,6 +173,7 @@ class ZeroOneOptimizer(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure=None):
+        self.wait()  # a step with no forward since the last: its gathers land first
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -146,27 +187,61 @@ class ZeroOneOptimizer(torch.optim.Optimizer):
                 g.chunk(self._size(on), dim=0)[self._rank(on)], self.mesh, share.placements, run_check=False
             )
         self.inner.step()
-        for bucket in self._buckets:
-            on = bucket[0][2]
-            d, r = self._size(on), self._rank(on)
-            parts = torch.cat([s._local_tensor.reshape(-1) for _, s, _ in bucket])
-            n = parts.numel()
-            # over several axes, one gather per axis, the inner first: each concatenates the
-            # pieces of its group in its coordinate's order, so the last holds all d in share order
-            for a in reversed(on):
-                mine, parts = parts, parts.new_empty(self.mesh.size(a) * parts.numel())
-                gather_into(parts, mine, group=self.mesh.get_group(a))
-            parts = parts.view(d, n)
-            off = 0
-            for p, s, _ in bucket:
-                k = s._local_tensor.numel()
-                for q, part in enumerate(p._local_tensor.chunk(d, dim=0)):
-                    if q != r:
-                        part.copy_(parts[q, off : off + k].view_as(part))
-                off += k
         for _, share, _ in self._split:
             share.grad = None
+        self._next = 0
+        for _ in range(min(IN_FLIGHT, len(self._buckets))):
+            self._start_next()
+        if not self.overlap:
+            self.wait()
         return loss
+
+    def _start_next(self) -> None:
+        """Start the next bucket's all-gather (asynchronous) and mark its parameters pending. Over
+        several axes, one gather per axis, the inner first (each concatenates its group's pieces in
+        its coordinate's order, so the last holds all ``d`` in share order): the inner ones run
+        here, the outer one asynchronously."""
+        j, self._next = self._next, self._next + 1
+        bucket = self._buckets[j]
+        on = bucket[0][2]
+        parts = torch.cat([s._local_tensor.reshape(-1) for _, s, _ in bucket])
+        n = parts.numel()
+        work = None
+        for k, a in enumerate(reversed(on)):
+            mine, parts = parts, parts.new_empty(self.mesh.size(a) * parts.numel())
+            outer = k == len(on) - 1
+            work = gather_into(parts, mine, group=self.mesh.get_group(a), async_op=outer)
+        self._inflight.append((j, work, parts.view(self._size(on), n)))
+        for p, _, _ in bucket:
+            setattr(p, PENDING_ATTR, (self, j))
+
+    @torch.no_grad()
+    def wait(self, upto: int | None = None) -> None:
+        """Complete the all-gathers in flight, in bucket order, up to bucket ``upto`` (None: all of
+        them, every bucket not started yet too): each waited for, the other ranks' parts copied
+        into the parameters, and for each bucket completed the next one started (at most
+        ``IN_FLIGHT`` in flight)."""
+        last = len(self._buckets) - 1 if upto is None else upto
+        while self._inflight and self._inflight[0][0] <= last:
+            j, work, parts = self._inflight.pop(0)
+            work.wait()
+            on = self._buckets[j][0][2]
+            d, r = self._size(on), self._rank(on)
+            off = 0
+            for p, s, _ in self._buckets[j]:
+                n = s._local_tensor.numel()
+                for q, part in enumerate(p._local_tensor.chunk(d, dim=0)):
+                    if q != r:
+                        part.copy_(parts[q, off : off + n].view_as(part))
+                off += n
+                setattr(p, PENDING_ATTR, None)
+            if self._next < len(self._buckets):
+                self._start_next()
+
+    @property
+    def in_flight(self) -> int:
+        """How many buckets' all-gathers are started and not yet waited for."""
+        return len(self._inflight)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         for p in self.params:
@@ -182,6 +257,7 @@ class ZeroOneOptimizer(torch.optim.Optimizer):
         return self.inner.state_dict()
 
     def load_state_dict(self, state_dict) -> None:
+        self.wait()
         self.inner.load_state_dict(state_dict)
         self.param_groups = self.inner.param_groups
         self.state = self.inner.state

@@ -87,3 +87,32 @@ def ring_hidden_s(comm_s: float, compute_s: float, n: int, efficiency: float) ->
     if n <= 1 or comm_s <= 0 or compute_s <= 0:
         return 0.0
     return efficiency * min(comm_s, (n - 1) / n * compute_s)
+
+
+def gathers_ahead_exposed_s(gathers: Sequence[float], windows: Sequence[float], efficiency: float) -> float:
+    """Seconds of parameter all-gathers started ahead of the compute that reads them that the step
+    still waits for (ZeRO-1's gathers after the optimizer step, waited for bucket by bucket by
+    the next forward: ``codegen/zero_one.py``, as Megatron-LM's ``--overlap-param-gather``).
+    ``gathers[j]`` [s]: bucket ``j``'s all-gather, in the order the forward reads the buckets;
+    ``windows[j]`` [s]: the compute stream's time from the first read of bucket ``j`` to that of
+    bucket ``j + 1``. The gathers run back to back on the communication stream from time 0, and
+    the compute reading bucket ``j`` starts once the bucket has landed and the compute before it
+    is done:
+
+        landed_j = g_0 + ... + g_j,       start_j = max(start_{j-1} + w_{j-1}, landed_j)
+        ideal    = start_last + w_last - sum w        (the compute stream's waits)
+        exposed  = sum g - efficiency * (sum g - ideal)                                       [s]
+
+    The first bucket is always exposed; a bucket whose gather is shorter than the compute before
+    it hides. ``efficiency`` (``DeviceSpec.comm_overlap``) is the fraction of the ideal overlap a
+    device realizes, as for the gradient buckets above. The runtime keeps two buckets in flight
+    (``zero_one.IN_FLIGHT``), not all: the link then idles only where the compute outruns it,
+    where nothing is exposed anyway."""
+    start = end = landed = 0.0
+    for g, w in zip(gathers, windows):
+        landed += g
+        start = max(end, landed)
+        end = start + w
+    total = sum(gathers)
+    ideal = end - sum(windows)
+    return max(0.0, total - efficiency * max(0.0, total - ideal))

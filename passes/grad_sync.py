@@ -28,6 +28,7 @@ time, and the timeline leaves them out.
 
 from __future__ import annotations
 
+import dataclasses
 import operator
 from collections.abc import Collection, Iterable, Iterator, Sequence
 from dataclasses import dataclass
@@ -307,6 +308,7 @@ def price_grad_sync(
     outputs: Outputs = Outputs.FULL,
     bucket_axes: Collection[int] = (),
     matmul_s=None,
+    micro_batches: int = 1,
 ) -> GradSyncCost:
     """Price the deferred all-reduces of a plan on the backward timeline.
 
@@ -318,8 +320,17 @@ def price_grad_sync(
     of its earliest-used member, the last of their uses that backward reaches. ``bucket_axes``:
     the tables' data-parallel axes, where they price a parameter's "f" as a bucket share
     (``CostTables.bucket_fixed``). ``matmul_s``: each linear's compute under the plan, where it
-    runs collective matmuls (``use_run_s``); a use's reshard runs what they leave exposed."""
+    runs collective matmuls (``use_run_s``); a use's reshard runs what they leave exposed.
+
+    With ``micro_batches`` ``k > 1`` the buckets are reduced in the last micro-batch's backward
+    only (``ParallelModule.step`` turns the reductions off for the others: ``GradSync.
+    set_requires_gradient_sync``), so the timeline is that backward: each step ``1/k`` of the
+    tables' compute and collectives, which hold the whole step's. Megatron-LM does the same
+    (``--overlap-grad-reduce``: its schedules run every micro-batch but the last under the
+    DDP's ``no_sync``, ``megatron/core/pipeline_parallel/schedules.py``), so there too only the last
+    micro-batch's backward hides the data-parallel reduction."""
     mesh = comm.mesh_shape
+    share = 1.0 / max(micro_batches, 1)  # of the tables' seconds, in the backward that reduces
     deferred = deferred_grad_axes(tg, choice, mesh)
     grad_total = trainable_bytes(tg, infos)
     fixed_axes: set[int] = set()  # axes where the tables charged a bucket's fixed price
@@ -352,7 +363,7 @@ def price_grad_sync(
                 first_use.setdefault(u.src, len(steps))
             t_comm += run * (0.5 if rg and u.runs else 0.0)
         rg = infos[node.name].requires_grad
-        steps.append((compute_s.get(node.name, 0.0) * (bwd_share if rg else 0.0) + t_comm, []))
+        steps.append(((compute_s.get(node.name, 0.0) * (bwd_share if rg else 0.0) + t_comm) * share, []))
     allreduce = copy = 0.0
     buckets = grad_buckets(tg, choice, deferred, mesh)
     for b in buckets:
@@ -364,3 +375,15 @@ def price_grad_sync(
     hidden = hidden_seconds(list(reversed(steps)), efficiency)
     shared = shared_reshards_s(every, infos, choice, comm, matmul_s)
     return GradSyncCost(deferred, inline_f, allreduce, hidden, shared, copy, tuple(buckets))
+
+
+def reduced_after_schedule(gs: GradSyncCost, comm: CommModel, efficiency: float) -> GradSyncCost:
+    """``gs`` as a pipelined step runs its buckets: ``PipelinedModule.step`` (``codegen/
+    pipeline.py``) turns the reductions off while the schedule runs every micro-batch's backward
+    and reduces every bucket once it has ended (``GradSync.finish``), so none hides behind
+    backward compute: the buckets are issued together, the first on an idle stream and the others
+    queued behind it (``cost_model/overlap.py``: only what queueing saves; nothing on a preset
+    without queued prices). Megatron-LM starts each model chunk's reduction as that chunk's last
+    backward ends, which autopar's pipelined runtime does not: priced as it runs."""
+    burst = [(0.0, [bucket_all_reduce_s(b, comm) for b in gs.buckets])]
+    return dataclasses.replace(gs, hidden_s=hidden_seconds(burst, efficiency))

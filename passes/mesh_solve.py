@@ -243,8 +243,9 @@ def solve_mesh(p: MeshProblem, best_objective: float = math.inf, st: Stages | No
 def priced_solution(p: MeshProblem, sol: Solution) -> tuple[dict[str, Strategy], GradSyncCost, TradeTerms]:
     """A solution's placements of every node, its gradient sync and its trades' terms."""
     choice = expanded_choice(p.tg, p.tables, sol)
-    gs = grad_sync_cost(p.tg, p.infos, p.tables, sol, choice, p.cluster, p.run.mesh, p.options.outputs)
     ctx = p.trade
+    k = ctx.trades.micro_batches if ctx is not None else 1
+    gs = grad_sync_cost(p.tg, p.infos, p.tables, sol, choice, p.cluster, p.run.mesh, p.options.outputs, k)
     if ctx is None:
         return choice, gs, TradeTerms()
     terms = trade_terms(

@@ -71,13 +71,23 @@ def _node_compute(tables: CostTables, sol: Solution, node: str) -> float:
 
 
 def grad_sync_cost(
-    tg, infos, tables: CostTables, sol: Solution, choice, cluster: ClusterSpec, mesh, outputs: Outputs
+    tg,
+    infos,
+    tables: CostTables,
+    sol: Solution,
+    choice,
+    cluster: ClusterSpec,
+    mesh,
+    outputs: Outputs,
+    micro_batches: int = 1,
 ) -> GradSyncCost:
+    """The solution's gradient buckets on the backward timeline (``price_grad_sync``; with
+    ``micro_batches``, that of the last micro-batch, which alone reduces)."""
     compute = {n: _node_compute(tables, sol, n) for n in choice}
     comm = CommModel(cluster, mesh)
     return price_grad_sync(
         tg, infos, choice, compute, comm, cluster.device.comm_overlap, outputs, tuple(tables.bucket_fixed),
-        chosen_matmul_s(tables, sol),
+        chosen_matmul_s(tables, sol), micro_batches,
     )  # fmt: skip
 
 

@@ -25,6 +25,7 @@ import math
 from dataclasses import dataclass
 
 from autopar.cluster import ClusterSpec
+from autopar.cost_model.comm import CommModel
 from autopar.errors import PlanMismatchError
 from autopar.options import Optimizer, SearchOptions
 from autopar.passes.analyze import analyze
@@ -32,6 +33,7 @@ from autopar.passes.blocks import find_blocks
 from autopar.passes.candidates import MeshRun
 from autopar.passes.costs import NodeTimer, build_costs
 from autopar.passes.float8_price import Float8Offer
+from autopar.passes.grad_sync import reduced_after_schedule
 from autopar.passes.mesh_solve import MeshProblem, Solved, TradeContext, priced_solution
 from autopar.passes.pipeline import PipelineProblem, price_pipeline, stage_cluster
 from autopar.passes.replay import choice_from_plan, plan_regions, plan_strategies, traced_as_planned
@@ -130,6 +132,9 @@ def solved_as_searched(given: GivenChoice) -> Solved:
     )  # fmt: skip
     if not plan.pipeline.enabled:
         return solved
+    # the pipelined runtime reduces the buckets after its schedule, as ``passes/rungs.py`` prices it
+    gs = reduced_after_schedule(gs, CommModel(p.cluster, p.run.mesh), p.cluster.device.comm_overlap)
+    solved = dataclasses.replace(solved, gs=gs, t_step=sol.objective + gs.adjustment_s + terms.total_s)
     pipe = price_pipeline(
         PipelineProblem(
             tg=p.tg, infos=p.infos, base=p.trade.base, tables=p.tables, picks=picks, choice=choice,

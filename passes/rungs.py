@@ -19,11 +19,13 @@ import dataclasses
 import math
 
 from autopar.cluster import ClusterSpec
+from autopar.cost_model.comm import CommModel
 from autopar.passes.analyze import NodeInfo
 from autopar.passes.candidate_tables import Prepared, region_stage
 from autopar.passes.candidates import MeshRun
 from autopar.passes.costs import CostTables
 from autopar.passes.data_region import region_parts
+from autopar.passes.grad_sync import reduced_after_schedule
 from autopar.passes.ladder import Climb, Lesson, Rung, RungTables, climb
 from autopar.passes.mesh_solve import MeshProblem, TradeContext, solve_mesh
 from autopar.passes.outcome import Verdict
@@ -200,9 +202,13 @@ class PipelineRungs:
         # the gradient sync reads only their seconds, which the rows (``stage_tables``) keep:
         # solve_mesh's holds unless the micro-batches changed above
         if trades is not solved.trades:
-            gs = grad_sync_cost(tg, cinfos, traded, solved.sol, solved.choice, sub, run.mesh, options.outputs)
+            gs = grad_sync_cost(
+                tg, cinfos, traded, solved.sol, solved.choice, sub, run.mesh, options.outputs, trades.micro_batches
+            )  # fmt: skip
         else:
             gs = solved.gs
+        # the pipelined runtime reduces the buckets after its schedule: nothing hides behind backward
+        gs = reduced_after_schedule(gs, CommModel(sub, run.mesh), sub.device.comm_overlap)
         terms = trade_terms(
             self.base, traded, solved.sol.choice, cinfos, trades, sub, options.optimizer, pb.blocks
         )

@@ -96,6 +96,8 @@ def with_pipeline(plan: Plan, price: PipelinePrice, cluster: ClusterSpec) -> Pla
         grad_bytes=int(grad),
         optimizer_bytes=int(opt),
         activation_bytes=int(price.worst_activations),
+        # the gradient buckets were priced on the whole model, as the trades: a stage's are 1/S
+        grad_sync_hidden_s=p.grad_sync_hidden_s / price.pipeline.stages,
     )
     trades = dataclasses.replace(plan.trades, micro_batches=price.micro_batches)
     s = price.pipeline.stages  # the trades were priced on the whole model: each stage runs 1/S of it

@@ -34,7 +34,13 @@ parameter's):
   device keeps ZeRO-2's gathered parameters only, under ``Offload.PARAMETERS`` ZeRO-3's blocks in
   flight only (its transient). The optimizer step runs on ``1/d`` of the elements
   from ZeRO-1 (``compute.optimizer_step_time``).
-* ZeRO-1 all-gathers the updated parameters after the step; ZeRO-2 gathers them before forward
+* ZeRO-1 all-gathers the updated parameters after the step, behind the next forward
+  (``codegen/zero_one.py``; Megatron-LM's ``--overlap-param-gather``): the gathers run back to
+  back from the step's end, bucket ``j``'s readers start once it has landed, and the windows they
+  hide behind are the first micro-batch's forward (the gathers run once a step), block by block:
+  a block's forward compute and the forward half of its activations' collectives, over ``k``;
+  the parameters outside blocks (embeddings, head) gathered first, behind nothing
+  (``cost_model/overlap.py:gathers_ahead_exposed_s``, at the device's ``comm_overlap``). ZeRO-2 gathers them before forward
   (one FSDP2 group per block, prefetched as ZeRO-3's forward gathers are) and reduce-scatters
   gradients; the gradient reduction is priced as
   the all-reduce buckets it replaces (``passes/grad_sync.py``, partly hidden behind backward): a
@@ -86,7 +92,13 @@ import torch.fx as fx
 
 from autopar.cluster import ClusterSpec
 from autopar.cost_model.comm import CommModel
-from autopar.cost_model.compute import host_optimizer_step_time, node_time, optimizer_step_time
+from autopar.cost_model.compute import (
+    BACKWARD_FACTOR,
+    host_optimizer_step_time,
+    node_time,
+    optimizer_step_time,
+)
+from autopar.cost_model.overlap import gathers_ahead_exposed_s
 from autopar.hardware import DeviceKind, per_kind
 from autopar.options import Optimizer, SearchOptions
 from autopar.passes.analyze import NodeInfo
@@ -742,6 +754,9 @@ def trade_terms(
             # what recomputation rematerializes: what the block keeps without it, less with it
             block_kept[b] += (base.node_mem[v][i] - tables.node_mem[v][i] * k) / len(ms)
     params = _params(infos, choice)
+    # per block: its activations' collectives, forward and backward (an edge's collective and its
+    # transpose, the same size: half of it runs in forward)
+    block_comm = [0.0] * len(blocks)
     for e0, e1 in zip(base.edges, tables.edges):  # what the block's ops keep of their inputs
         if e0.dst == "output" or e0.src not in choice or e0.dst not in choice:
             continue
@@ -749,6 +764,8 @@ def trade_terms(
         a, b_ = choice[e0.src], choice[e0.dst]
         for b in [pos_block[m] for m in ms if m in pos_block]:
             block_kept[b] += (e0.mem[a][b_] - e1.mem[a][b_] * (1 if e0.src in params else k)) / len(ms)
+            if e0.src not in params:
+                block_comm[b] += e0.cost[a][b_] / len(ms)
 
     # ZeRO: gathers and their exposure, host traffic under offload
     z = trades.zero_stage
@@ -792,9 +809,10 @@ def trade_terms(
         return sum(comm.time(Collective.REDUCE_SCATTER, nbytes, a) for a in axis_parts)
 
     if z and axis_parts:
-        total_gather = gather_out + sum(gather.values())
-        if z == ZeroStage.OPTIMIZER:
-            terms.seconds["zero"] = ag(total_gather)
+        if z == ZeroStage.OPTIMIZER:  # behind the first micro-batch's forward, block by block
+            windows = [0.0] + [(c / (1 + BACKWARD_FACTOR) + m / 2) / k for c, m in zip(block_c, block_comm)]
+            gathers = [ag(gather_out)] + [ag(gather[b.index]) for b in blocks]
+            terms.seconds["zero"] = gathers_ahead_exposed_s(gathers, windows, cluster.device.comm_overlap)
         else:  # FSDP2, one group per block and the root's
             g = [ag(gather[b.index]) for b in blocks]
             fwd = g[0] + sum(max(0.0, g[j + 1] - block_c[j] / 3) for j in range(len(g) - 1)) if g else 0.0
