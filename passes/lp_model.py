@@ -41,9 +41,9 @@ class Var:
 Term = tuple
 
 
-# the dual simplex's iterations before a relaxation asked for by the interior point method is left
-# to it, per row of the model (``Model.relaxation``)
-SIMPLEX_FIRST_ROWS = 2
+# the dual simplex's work before a relaxation asked for by the interior point method is left to
+# it (``Model.relaxation``): iterations times the matrix's nonzeros
+SIMPLEX_FIRST_WORK = 1e9
 
 
 @dataclass(frozen=True)
@@ -189,16 +189,18 @@ class Model:
         against 17.5 s; without a binding row the simplex is the faster (a 2-layer Llama's 2 x 2
         mesh, 64,561 columns: 0.2 s against 2.3 s).
 
-        With ``ipm`` the dual simplex still runs first, stopped after ``SIMPLEX_FIRST_ROWS`` times
-        as many iterations as the model has rows (a count of work, not seconds: the same model
-        stops at the same place under any load); the interior point method runs only where that
-        did not end in an optimum or a proof of infeasibility. Where memory binds on DeepSeek-V3's
-        3-axis meshes (26,000-29,000 columns, 10,000-11,500 rows) the simplex ends in 2,400-8,600
-        iterations and 0.15-0.5 s of CPU against 0.8-1.4 s for the interior point method, the
-        same optimum to 1e-9 (benchmarks/README.md, "Where DeepSeek-V3's planning time goes")."""
+        With ``ipm`` the dual simplex still runs first, stopped after ``SIMPLEX_FIRST_WORK`` over
+        the matrix's nonzeros iterations (a count of work, not seconds: the same model stops at the
+        same place under any load); the interior point method runs only where that did not end in
+        an optimum or a proof of infeasibility. Where memory binds on DeepSeek-V3's 3-axis meshes
+        on 2,048 H100 (26,000-29,000 columns, 74,000-87,000 nonzeros) the simplex ends in
+        2,400-8,600 iterations (at most 7.4e8 of work) and 0.15-0.5 s of CPU against 0.8-1.4 s for
+        the interior point method, the same optimum to 1e-9; the 2 x 2 Gemma 2 above (321,585
+        nonzeros) took 10 s of simplex to end, so it is stopped early and left to the interior
+        point method (benchmarks/README.md, "Where DeepSeek-V3's planning time goes")."""
         if ipm:
-            rows = max(len(self.row_lower), 1)
-            got = self._run_highs(time_limit_s, relax=True, iteration_limit=SIMPLEX_FIRST_ROWS * rows)
+            iterations = int(SIMPLEX_FIRST_WORK / max(len(self._row_vals), 1))
+            got = self._run_highs(time_limit_s, relax=True, iteration_limit=iterations)
             if got.status in ("Optimal", "Infeasible") and not got.time_limited:
                 return got
         return self._run_highs(time_limit_s, relax=True, ipm=ipm)

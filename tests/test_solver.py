@@ -531,21 +531,21 @@ def _lps(draw):
 
 
 @settings(max_examples=40, deadline=None)
-@given(_lps(), st.sampled_from([0, 2]))
-def test_relaxation_by_simplex_first_is_the_interior_point_ones(lp, per_row):
-    """``Model.relaxation(ipm=True)`` runs the dual simplex first (up to ``SIMPLEX_FIRST_ROWS``
-    iterations per row; 0: none, so the interior point method decides): the same status and
-    optimum as the interior point method alone."""
+@given(_lps(), st.sampled_from([0, 1e9]))
+def test_relaxation_by_simplex_first_is_the_interior_point_ones(lp, work):
+    """``Model.relaxation(ipm=True)`` runs the dual simplex first (up to ``SIMPLEX_FIRST_WORK``;
+    0: no iteration, so the interior point method decides): the same status and optimum as the
+    interior point method alone."""
     from autopar.passes import lp_model
 
     if not lp_model.highs_available():
         pytest.skip("highspy not installed")
-    was = lp_model.SIMPLEX_FIRST_ROWS
-    lp_model.SIMPLEX_FIRST_ROWS = per_row
+    was = lp_model.SIMPLEX_FIRST_WORK
+    lp_model.SIMPLEX_FIRST_WORK = work
     try:
         got = lp.relaxation(ipm=True)
     finally:
-        lp_model.SIMPLEX_FIRST_ROWS = was
+        lp_model.SIMPLEX_FIRST_WORK = was
     want = lp._run_highs(None, relax=True, ipm=True)
     assert got.status == want.status
     if want.status == "Optimal":
