@@ -26,7 +26,7 @@ from __future__ import annotations
 import enum
 import math
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Protocol
 
 from autopar.passes.costs import CostTables
@@ -69,6 +69,9 @@ class RungTables:
 
     traded: CostTables
     ilp: CostTables
+    # the memory lower bound of ``ilp`` where the climb computed it (``_bound``; the same float as
+    # ``lower_bound_bytes(ilp)``, ``tests/test_memory_bound.py``): ``solve_mesh`` takes it as is
+    needed: float | None = None
 
 
 @dataclass(frozen=True)
@@ -147,7 +150,8 @@ def climb(rungs: Iterable[Trades], pricer: Pricer, limit: float, best_objective:
             continue
         if len(short) >= MAX_EMPTY_RUNGS and not any(relieves_more(trades, t) for t in short):
             continue
-        rung = pricer.price(trades, tables if tables is not None else pricer.tables(trades), out.objective)
+        tables = tables if tables is not None else pricer.tables(trades)
+        rung = pricer.price(trades, replace(tables, needed=needed), out.objective)
         if rung.restart is not None:
             todo, short, over, slow = list(rung.restart), [], [], []
             continue

@@ -41,6 +41,11 @@ class Var:
 Term = tuple
 
 
+# the dual simplex's work before a relaxation asked for by the interior point method is left to
+# it (``Model.relaxation``): iterations times the matrix's nonzeros
+SIMPLEX_FIRST_WORK = 1e9
+
+
 @dataclass(frozen=True)
 class LpResult:
     """What a solve gave: the status in PuLP's words (``Optimal``, ``Infeasible``, ...), whether a
@@ -182,7 +187,22 @@ class Model:
         values), where the dual simplex is slow: under memory rows that bind, on the 90,948
         columns of a 2 x 2 mesh of a 2-layer Gemma 2 held to 0.6 of its free plan's peak, 5.3 s
         against 17.5 s; without a binding row the simplex is the faster (a 2-layer Llama's 2 x 2
-        mesh, 64,561 columns: 0.2 s against 2.3 s)."""
+        mesh, 64,561 columns: 0.2 s against 2.3 s).
+
+        With ``ipm`` the dual simplex still runs first, stopped after ``SIMPLEX_FIRST_WORK`` over
+        the matrix's nonzeros iterations (a count of work, not seconds: the same model stops at the
+        same place under any load); the interior point method runs only where that did not end in
+        an optimum or a proof of infeasibility. Where memory binds on DeepSeek-V3's 3-axis meshes
+        on 2,048 H100 (26,000-29,000 columns, 74,000-87,000 nonzeros) the simplex ends in
+        2,400-8,600 iterations (at most 7.4e8 of work) and 0.15-0.5 s of CPU against 0.8-1.4 s for
+        the interior point method, the same optimum to 1e-9; the 2 x 2 Gemma 2 above (321,585
+        nonzeros) took 10 s of simplex to end, so it is stopped early and left to the interior
+        point method (benchmarks/README.md, "Where DeepSeek-V3's planning time goes")."""
+        if ipm:
+            iterations = int(SIMPLEX_FIRST_WORK / max(len(self._row_vals), 1))
+            got = self._run_highs(time_limit_s, relax=True, iteration_limit=iterations)
+            if got.status in ("Optimal", "Infeasible") and not got.time_limited:
+                return got
         return self._run_highs(time_limit_s, relax=True, ipm=ipm)
 
     def integral(self, values: np.ndarray, tol: float = 1e-6) -> bool:
@@ -250,6 +270,7 @@ class Model:
         ipm: bool = False,
         node_limit: int | None = None,
         objective_bound: float | None = None,
+        iteration_limit: int | None = None,
     ) -> LpResult:
         import highspy
 
@@ -272,6 +293,8 @@ class Model:
             h.setOptionValue("time_limit", float(time_limit_s))
         if ipm:
             h.setOptionValue("solver", "ipm")
+        if iteration_limit is not None:  # the simplex's: stopped there, kIterationLimit
+            h.setOptionValue("simplex_iteration_limit", int(iteration_limit))
         if node_limit is not None and not relax:
             h.setOptionValue("mip_max_nodes", int(node_limit))
         if objective_bound is not None and not relax:
@@ -290,6 +313,8 @@ class Model:
         values[order] = np.asarray(h.getSolution().col_value, dtype=np.float64)
         objective = h.getObjectiveValue()
         status, has_solution, limited = _highs_status(h.getModelStatus(), objective)
+        if iteration_limit is not None and h.getModelStatus() == highspy.HighsModelStatus.kIterationLimit:
+            status, has_solution, limited = "Not Solved", False, True  # not an optimum: no bound
         info = h.getInfo()
         cut = h.getModelStatus() == highspy.HighsModelStatus.kSolutionLimit
         if cut and not has_solution:  # stopped at its first solution or node limit: limits PuLP never sets

@@ -109,6 +109,9 @@ class MeshProblem:
     # plans of other candidates on this mesh (node -> strategy): where the ILP's LP relaxation
     # prunes it, one of them that is a plan of these tables shows it has a plan (solver.solve)
     hints: tuple[dict[str, Strategy], ...] = ()
+    # the memory lower bound of ``tables`` where the caller has it (the trades ladder computes it
+    # for every rung, ``passes/ladder.py:_bound``); None: ``solve_mesh`` computes it
+    mem_needed: float | None = None
 
 
 @dataclass(frozen=True)
@@ -140,7 +143,7 @@ def solve_mesh(p: MeshProblem, best_objective: float = math.inf, st: Stages | No
     trades = ctx.trades if ctx else Trades()
     if not trades.is_default:
         label = f"{label} [{trades.describe()}]"
-    mem_needed = lower_bound_bytes(tables)
+    mem_needed = p.mem_needed if p.mem_needed is not None else lower_bound_bytes(tables)
     exact = None
     if ctx is not None and ctx.bound_key in ctx.bounds:
         bound = ctx.bounds[ctx.bound_key]

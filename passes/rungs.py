@@ -101,8 +101,9 @@ class SpmdRungs:
         pb = self.pb
         ctx = TradeContext(trades, self.base, pb.blocks, pb.cinfos, self.bounds)
         problem = MeshProblem(
-            pb.tg, pb.cinfos, tables.ilp, pb.cluster, self.run, pb.options, pb.limit, ctx, hints=self.hints
-        )
+            pb.tg, pb.cinfos, tables.ilp, pb.cluster, self.run, pb.options, pb.limit, ctx, hints=self.hints,
+            mem_needed=tables.needed,
+        )  # fmt: skip
         outcome = solve_mesh(problem, best_objective, pb.st)
         entry = outcome.entry
         if entry.verdict is Verdict.BLOCKED and not self.tried_region:
@@ -177,8 +178,9 @@ class PipelineRungs:
         tg, cinfos, options = pb.tg, pb.cinfos, pb.options
         ctx = TradeContext(trades, self.base, pb.blocks, cinfos, self.bounds)
         problem = MeshProblem(
-            tg, cinfos, tables.ilp, sub, run, options, pb.limit, ctx, check_micro_batches=False
-        )
+            tg, cinfos, tables.ilp, sub, run, options, pb.limit, ctx, check_micro_batches=False,
+            mem_needed=tables.needed,
+        )  # fmt: skip
         # pruned against the best step: a pipeline of S stages runs at best 1/S of the model's time
         outcome = solve_mesh(problem, best_objective * stages, pb.st)
         needed, entry = outcome.mem_needed, dataclasses.replace(outcome.entry, pipeline_stages=stages)

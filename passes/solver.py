@@ -172,8 +172,8 @@ PRUNE_RTOL = 1e-6
 # root node (2026-11-28), so it cuts only a tree gone astray, and says so
 MIP_NODE_LIMIT = 1_000
 # the LP relaxation is solved by the interior point method where the memory lower bound is at least
-# this share of the limit (the memory rows likely bind: lp_model.Model.relaxation), by the dual
-# simplex below it
+# this share of the limit (the memory rows likely bind), after a dual simplex capped by its work
+# (lp_model.Model.relaxation); by the dual simplex alone below it
 IPM_MEMORY_SHARE = 0.25
 
 

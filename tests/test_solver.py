@@ -511,3 +511,43 @@ def test_where_memory_binds_the_ilp_is_cut_off_at_the_cutoff():
     assert not isinstance(over, Pruned) and over.objective == pytest.approx(plain.objective)
     assert over.choice == plain.choice
     assert solve(tables, 3.0, cutoff=7.0) is None  # under the least memory: no plan, not pruned
+
+
+@st.composite
+def _lps(draw):
+    """A small LP over [0, 1] columns (one-choice rows as the ILP has, and a few random rows)."""
+    from autopar.passes.lp_model import Model
+
+    m = Model()
+    groups = [m.vars([f"x{g}_{i}" for i in range(draw(st.integers(2, 4)))], 0, 1, True) for g in range(6)]
+    for xs in groups:
+        m.eq_distinct(xs, [1.0] * len(xs), 1)
+    cols = [v for xs in groups for v in xs]
+    num = st.floats(0, 10, allow_nan=False)
+    for _ in range(draw(st.integers(2, 5))):
+        m.row_distinct(cols, [draw(num) for _ in cols], -math.inf, draw(st.floats(0, 40, allow_nan=False)))
+    m.objective([(v, draw(num)) for v in cols])
+    return m
+
+
+@settings(max_examples=40, deadline=None)
+@given(_lps(), st.sampled_from([0, 1e9]))
+def test_relaxation_by_simplex_first_is_the_interior_point_ones(lp, work):
+    """``Model.relaxation(ipm=True)`` runs the dual simplex first (up to ``SIMPLEX_FIRST_WORK``;
+    0: no iteration, so the interior point method decides): the same status and optimum as the
+    interior point method alone."""
+    from autopar.passes import lp_model
+
+    if not lp_model.highs_available():
+        pytest.skip("highspy not installed")
+    was = lp_model.SIMPLEX_FIRST_WORK
+    lp_model.SIMPLEX_FIRST_WORK = work
+    try:
+        got = lp.relaxation(ipm=True)
+    finally:
+        lp_model.SIMPLEX_FIRST_WORK = was
+    want = lp._run_highs(None, relax=True, ipm=True)
+    assert got.status == want.status
+    if want.status == "Optimal":
+        assert got.objective == pytest.approx(want.objective, rel=1e-7, abs=1e-9)
+        assert len(got.values) == len(want.values)
