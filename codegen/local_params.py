@@ -76,6 +76,18 @@ def grad_like(p: DTensor, g: torch.Tensor) -> DTensor:
     return DTensor.from_local(g, p.device_mesh, p.placements, run_check=False)
 
 
+def clear_grads(params, set_to_none: bool = True) -> None:
+    """``torch.optim.Optimizer.zero_grad`` over ``params`` (an optimizer that steps other tensors
+    than the module's parameters clears the parameters' gradients with it)."""
+    for p in params:
+        if p.grad is None:
+            continue
+        if set_to_none:
+            p.grad = None
+        else:
+            p.grad.detach_().zero_()
+
+
 class LocalLeaf:
     """The plain leaf of one ``DTensor`` parameter (module docstring)."""
 

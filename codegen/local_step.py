@@ -35,6 +35,8 @@ from collections.abc import Iterable, Iterator, Mapping
 import torch
 from torch.distributed.tensor import DTensor, Replicate
 
+from autopar.codegen.local_params import clear_grads
+
 
 def all_replicated(params: list[torch.Tensor]) -> bool:
     """Every parameter a ``DTensor`` whole on every axis of its mesh (and at least one)."""
@@ -111,13 +113,7 @@ class LocalStepOptimizer(torch.optim.Optimizer):
         return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        for p in self.params:
-            if p.grad is None:
-                continue
-            if set_to_none:
-                p.grad = None
-            else:
-                p.grad.detach_().zero_()
+        clear_grads(self.params, set_to_none)
 
     def add_param_group(self, param_group: dict) -> None:
         if not getattr(self, "_built", True):  # torch.optim.Optimizer.__init__ adds the first group

@@ -59,7 +59,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from autopar.codegen.collectives import gather_into
-from autopar.codegen.local_params import PENDING_ATTR, wait_param, wait_params
+from autopar.codegen.local_params import PENDING_ATTR, clear_grads, wait_param, wait_params
 from autopar.placement import is_shard
 
 __all__ = ["PENDING_ATTR", "ZeroOneOptimizer", "wait_param", "wait_params"]
@@ -244,13 +244,7 @@ class ZeroOneOptimizer(torch.optim.Optimizer):
         return len(self._inflight)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        for p in self.params:
-            if p.grad is None:
-                continue
-            if set_to_none:
-                p.grad = None
-            else:
-                p.grad.detach_().zero_()
+        clear_grads(self.params, set_to_none)
         self.inner.zero_grad(set_to_none)
 
     def state_dict(self):

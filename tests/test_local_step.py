@@ -57,45 +57,11 @@ def _dispatches(opt, params, grads) -> int:
     return Count.n
 
 
-def _rank(rank: int, world: int, names: list[str]) -> dict:
-    from torch.distributed.device_mesh import init_device_mesh
+def _train(cls, mesh):
+    """``STEPS`` of ``cls`` through ``ParallelModule.optimizer``'s path, with the lr change and the
+    replaced parameter ``_single`` makes: (the parameters, the optimizer)."""
     from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
 
-    from autopar.codegen.local_step import LocalStepOptimizer
-
-    mesh = init_device_mesh("cpu", (world,))
-    classes = {c.__name__: c for c in FOREACH_EXACT}
-    out = {}
-    for name in names:
-        weights, grads = _case()
-        params = [torch.nn.Parameter(distribute_tensor(w, mesh, [Replicate()])) for w in weights]
-        opt = AppliedTrades().optimizer(params, classes[name], lr=1e-2)
-        assert isinstance(opt, LocalStepOptimizer), type(opt)
-        for i, step in enumerate(grads):
-            if i == 2:
-                opt.param_groups[0]["lr"] = 3e-3
-                p = params[0]
-                p.data = DTensor.from_local(p._local_tensor.clone(), mesh, [Replicate()], run_check=False)
-            for p, gr in zip(params, step):
-                p.grad = distribute_tensor(gr, mesh, [Replicate()])
-            opt.step()
-        # every alias's state under its parameter (SGD without momentum keeps none)
-        keyed = len(opt.state) == len(opt.inner.state) and all(
-            opt.state[p] is opt.inner.state[opt._alias[id(p)]] for p in params if p in opt.state
-        )
-        # the dispatch the local step avoids: the same optimizer over the DTensor parameters pays it
-        plain = classes[name](params, lr=1e-2, foreach=True)
-        g = [distribute_tensor(t, mesh, [Replicate()]) for t in grads[0]]
-        counts = (_dispatches(opt, params, g), _dispatches(plain, params, g))
-        out[name] = ([t.full_tensor() for t in _replay(name, mesh)], keyed, counts)
-    return out
-
-
-def _replay(name, mesh):
-    """The first part again, without the dispatch count's extra steps: the weights after STEPS."""
-    from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
-
-    cls = next(c for c in FOREACH_EXACT if c.__name__ == name)
     weights, grads = _case()
     params = [torch.nn.Parameter(distribute_tensor(w, mesh, [Replicate()])) for w in weights]
     opt = AppliedTrades().optimizer(params, cls, lr=1e-2)
@@ -107,7 +73,32 @@ def _replay(name, mesh):
         for p, gr in zip(params, step):
             p.grad = distribute_tensor(gr, mesh, [Replicate()])
         opt.step()
-    return params
+    return params, opt
+
+
+def _rank(rank: int, world: int, names: list[str]) -> dict:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, distribute_tensor
+
+    from autopar.codegen.local_step import LocalStepOptimizer
+
+    mesh = init_device_mesh("cpu", (world,))
+    classes = {c.__name__: c for c in FOREACH_EXACT}
+    out = {}
+    for name in names:
+        params, opt = _train(classes[name], mesh)
+        assert isinstance(opt, LocalStepOptimizer), type(opt)
+        weights = [t.full_tensor().clone() for t in params]  # before the dispatch count's extra steps
+        # every alias's state under its parameter (SGD without momentum keeps none)
+        keyed = len(opt.state) == len(opt.inner.state) and all(
+            opt.state[p] is opt.inner.state[opt._alias[id(p)]] for p in params if p in opt.state
+        )
+        # the dispatch the local step avoids: the same optimizer over the DTensor parameters pays it
+        plain = classes[name](params, lr=1e-2, foreach=True)
+        g = [distribute_tensor(t, mesh, [Replicate()]) for t in _case()[1][0]]
+        counts = (_dispatches(opt, params, g), _dispatches(plain, params, g))
+        out[name] = (weights, keyed, counts)
+    return out
 
 
 def test_replicated_parameters_step_on_their_local_tensors_as_one_device_does():
