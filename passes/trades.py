@@ -588,13 +588,12 @@ def _traded_activations(
         id(blocks),
     )
 
-    again = (
-        alternate_matmuls(blocks, lambda v: infos[v].target if v in infos else "")
-        if recompute is Recompute.HALF_MATMULS
-        else frozenset()
-    )
-
     def make():
+        again = (  # on a miss only: the cached rows already read it
+            alternate_matmuls(blocks, lambda v: infos[v].target if v in infos else "")
+            if recompute is Recompute.HALF_MATMULS
+            else frozenset()
+        )
         return {
             v: _activation_rows(
                 tables,
