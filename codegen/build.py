@@ -40,6 +40,7 @@ from autopar.passes.replay import (
 )
 from autopar.passes.strategies import Strategy
 from autopar.passes.trace import Role, TracedGraph, normalize_inputs
+from autopar.passes.trades import grad_dtype
 from autopar.placement import Outputs, output_placement
 from autopar.trades import Recompute, Schedule, Trades, ZeroStage
 
@@ -58,6 +59,13 @@ class ModuleGraph:
     traced: TracedGraph
     inputs: tuple[tuple, dict]
     choice: dict[str, Strategy]
+
+
+def _grad_dtype(plan) -> torch.dtype | None:
+    """The gradients' dtype at run time where it is not the traced one (fp32 masters under mixed
+    precision): the buckets are formed by what they hold, as the cost model forms them."""
+    trades = getattr(plan, "trades", None)
+    return grad_dtype(trades.precision) if trades is not None else None
 
 
 def module_graph(
@@ -154,7 +162,7 @@ def build_parallel_module(
     # the plan's trades (ZeRO, mixed precision, offload: codegen/zero.py); the gradients FSDP2
     # reduces are not bucketed again
     zero = apply_trades(getattr(plan, "trades", None), gm, mesh, tg, deferred, state.load)
-    buckets = grad_buckets(tg, choice, zero.bucketed(deferred), plan.mesh_shape)
+    buckets = grad_buckets(tg, choice, zero.bucketed(deferred), plan.mesh_shape, grad_dtype=_grad_dtype(plan))
     # the plain leaves the forward computes on (codegen/local_params.py); FSDP2's parameters are
     # gathered into tensors of its own before each forward, so under ZeRO 2 and 3 those get
     # theirs as FSDP2 gathers them (codegen/zero.py:_gathered_leaves); those FSDP2 leaves alone, here
@@ -331,7 +339,7 @@ def _pipelined(tg, plan, choice, gm, mesh, full_mesh, attrs, deferred, common: d
         else attach_leaves(v for c in chunks for v in c.params.values())
     )
     names = {p.name: p.target for p in tg.placeholders}
-    buckets = grad_buckets(tg, choice, zero.bucketed(deferred), plan.mesh_shape)
+    buckets = grad_buckets(tg, choice, zero.bucketed(deferred), plan.mesh_shape, grad_dtype=_grad_dtype(plan))
     grad_sync = GradSync(
         [
             (ps, b.axes)

@@ -178,6 +178,7 @@ def grad_buckets(
     deferred: dict[str, tuple[int, ...]],
     mesh_shape: Sequence[int],
     cap: float | None = None,
+    grad_dtype: torch.dtype | None = None,
 ) -> list[Bucket]:
     """The deferred parameters in buckets, as DistributedDataParallel forms them, in the order
     backward completes the buckets.
@@ -186,7 +187,10 @@ def grad_buckets(
     Parameters are taken in that order, the latest first (ties: the later placeholder first).
     Consecutive parameters with the same axes and dtype share a bucket until it holds ``cap``
     bytes (default ``BUCKET_BYTES``). A bucket is reduced once every member's gradient is
-    complete. Codegen and the cost model both call this function, so they form the same buckets."""
+    complete. Codegen and the cost model both call this function, so they form the same buckets.
+    ``grad_dtype``: the dtype a floating parameter's gradient has at run time where it is not the
+    traced one: fp32 under mixed precision, whose parameters are fp32 masters
+    (``codegen/zero.py``), a model traced in bf16 included (``passes/trades.py:grad_dtype``)."""
     cap = BUCKET_BYTES if cap is None else cap
     order = {n.name: i for i, n in enumerate(tg.graph.nodes)}
     nodes = {n.name: n for n in tg.graph.nodes if n.name in deferred}
@@ -200,8 +204,9 @@ def grad_buckets(
     done: list[tuple[tuple, list[str], float]] = []
     for p in ranked:
         val = nodes[p].meta["val"]
-        key = (deferred[p], val.dtype)
-        b = val.numel() * val.element_size() / volume_factor(choice[p].out, mesh_shape)
+        dtype = grad_dtype if grad_dtype is not None and val.dtype.is_floating_point else val.dtype
+        key = (deferred[p], dtype)
+        b = val.numel() * dtype.itemsize / volume_factor(choice[p].out, mesh_shape)
         open_.setdefault(key, []).append(p)
         size[key] = size.get(key, 0.0) + b
         if size[key] >= cap:
@@ -309,6 +314,7 @@ def price_grad_sync(
     bucket_axes: Collection[int] = (),
     matmul_s=None,
     micro_batches: int = 1,
+    grad_dtype: torch.dtype | None = None,
 ) -> GradSyncCost:
     """Price the deferred all-reduces of a plan on the backward timeline.
 
@@ -328,7 +334,8 @@ def price_grad_sync(
     tables' compute and collectives, which hold the whole step's. Megatron-LM does the same
     (``--overlap-grad-reduce``: its schedules run every micro-batch but the last under the
     DDP's ``no_sync``, ``megatron/core/pipeline_parallel/schedules.py``), so there too only the last
-    micro-batch's backward hides the data-parallel reduction."""
+    micro-batch's backward hides the data-parallel reduction. ``grad_dtype``: the gradients' dtype
+    at run time (``grad_buckets``): the buckets hold, and the all-reduces send, what runs."""
     mesh = comm.mesh_shape
     share = 1.0 / max(micro_batches, 1)  # of the tables' seconds, in the backward that reduces
     deferred = deferred_grad_axes(tg, choice, mesh)
@@ -365,7 +372,7 @@ def price_grad_sync(
         rg = infos[node.name].requires_grad
         steps.append(((compute_s.get(node.name, 0.0) * (bwd_share if rg else 0.0) + t_comm) * share, []))
     allreduce = copy = 0.0
-    buckets = grad_buckets(tg, choice, deferred, mesh)
+    buckets = grad_buckets(tg, choice, deferred, mesh, grad_dtype=grad_dtype)
     for b in buckets:
         t, t_q = bucket_all_reduce_s(b, comm)
         allreduce += t

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
 
+import torch
 import torch.fx as fx
 
 from autopar.cluster import ClusterSpec, DeviceSpec
@@ -80,14 +81,16 @@ def grad_sync_cost(
     mesh,
     outputs: Outputs,
     micro_batches: int = 1,
+    grad_dtype: torch.dtype | None = None,
 ) -> GradSyncCost:
     """The solution's gradient buckets on the backward timeline (``price_grad_sync``; with
-    ``micro_batches``, that of the last micro-batch, which alone reduces)."""
+    ``micro_batches``, that of the last micro-batch, which alone reduces; ``grad_dtype``: the
+    gradients' dtype at run time, ``passes/trades.py:grad_dtype``)."""
     compute = {n: _node_compute(tables, sol, n) for n in choice}
     comm = CommModel(cluster, mesh)
     return price_grad_sync(
         tg, infos, choice, compute, comm, cluster.device.comm_overlap, outputs, tuple(tables.bucket_fixed),
-        chosen_matmul_s(tables, sol), micro_batches,
+        chosen_matmul_s(tables, sol), micro_batches, grad_dtype,
     )  # fmt: skip
 
 

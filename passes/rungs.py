@@ -42,6 +42,7 @@ from autopar.passes.search_problem import Problem
 from autopar.passes.trace import Role, TracedGraph
 from autopar.passes.trades import (
     apply_trades,
+    grad_dtype,
     ladder,
     micro_batch_ok,
     trade_terms,
@@ -205,7 +206,8 @@ class PipelineRungs:
         # solve_mesh's holds unless the micro-batches changed above
         if trades is not solved.trades:
             gs = grad_sync_cost(
-                tg, cinfos, traded, solved.sol, solved.choice, sub, run.mesh, options.outputs, trades.micro_batches
+                tg, cinfos, traded, solved.sol, solved.choice, sub, run.mesh, options.outputs, trades.micro_batches,
+                grad_dtype(trades.precision),
             )  # fmt: skip
         else:
             gs = solved.gs

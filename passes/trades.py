@@ -34,7 +34,8 @@ parameter's):
   device keeps ZeRO-2's gathered parameters only, under ``Offload.PARAMETERS`` ZeRO-3's blocks in
   flight only (its transient). The optimizer step runs on ``1/d`` of the elements
   from ZeRO-1 (``compute.optimizer_step_time``).
-* ZeRO-1 all-gathers the updated parameters after the step, behind the next forward
+* ZeRO-1 all-gathers the updated parameters (the fp32 masters under mixed precision, as the
+  data-parallel all-reduce sends fp32 gradients: ``grad_dtype``) after the step, behind the next forward
   (``codegen/zero_one.py``; Megatron-LM's ``--overlap-param-gather``): the gathers run back to
   back from the step's end, bucket ``j``'s readers start once it has landed, and the windows they
   hide behind are the first micro-batch's forward (the gathers run once a step), block by block:
@@ -132,6 +133,13 @@ def _item(dtype: torch.dtype | None) -> int:
 
 def half_dtype(precision: Precision) -> torch.dtype:
     return torch.float16 if precision is Precision.FP16 else torch.bfloat16
+
+
+def grad_dtype(precision: Precision | None) -> torch.dtype | None:
+    """The dtype of a floating parameter's gradient at run time where it is not the traced one:
+    fp32 under mixed precision, whose parameters are fp32 masters (``codegen/zero.py``: a model
+    traced in bf16 is upcast), so its data-parallel all-reduces and ZeRO-1's gathers send fp32."""
+    return torch.float32 if precision is not None and precision.mixed else None
 
 
 def auto_precision(infos: dict[str, NodeInfo]) -> Precision:
@@ -783,8 +791,14 @@ def trade_terms(
         if info.role is not Role.PARAM or not info.requires_grad:
             continue
         elems = piece_elems(info, tables.strategies[v][i].out, mesh)
-        cbytes = elems * (2 if trades.precision.mixed else _item(info.dtype))
+        # FSDP2 gathers the half copies (``MixedPrecisionPolicy.param_dtype``), ZeRO-1 the fp32
+        # masters it steps (``codegen/zero_one.py``)
         gbytes = elems * (4 if trades.precision.mixed else _item(info.dtype))  # the masters' too
+        cbytes = (
+            gbytes
+            if z == ZeroStage.OPTIMIZER
+            else elems * (2 if trades.precision.mixed else _item(info.dtype))
+        )
         for m in members[v]:
             b = next((blk.index for blk in blocks if m in blk.params), None)
             if b is None:

@@ -204,3 +204,60 @@ def test_a_bucket_backward_does_not_complete_starts_when_backward_ends(tmp_path)
         assert set(got) == {"a.weight", "a.bias"}
         for name, g in got.items():
             torch.testing.assert_close(g, model.get_parameter(name).grad, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("zero", [0, 1, 2, 3])
+def test_half_model_priced_as_its_fp32_twin(zero):
+    """Under bf16 mixed precision a model traced in bf16 runs as its fp32 twin does: the
+    parameters are upcast to fp32 masters (``codegen/zero.py``), so the gradients all-reduced,
+    and ZeRO-1's gathered parameters, are fp32 for both. The plans are priced the same (they were
+    16-19% apart when the buckets and gathers took the traced dtype's bytes), and the buckets hold
+    fp32 bytes."""
+    import copy
+
+    from autopar.examples import mlp
+    from autopar.trades import Precision
+
+    model, inputs = mlp(batch=64, hidden=512, ffn=2048)
+    half = copy.deepcopy(model).to(torch.bfloat16)
+    cluster = autopar.ClusterSpec.parse("h100-sxm:2x8")
+    got = []
+    for m in (model, half):
+        res = autopar.search(
+            m, cluster, inputs, mesh_shape=(16,), axis_roles=(D,), zero_stage=zero,
+            precision=Precision.BF16, recompute="none", micro_batches=1,
+        )  # fmt: skip
+        got.append(res.plan.predicted)
+        if zero == 0:
+            deferred = deferred_grad_axes(res.traced, res.choice, (16,))
+            buckets = grad_buckets(res.traced, res.choice, deferred, (16,), grad_dtype=torch.float32)
+            assert sum(b.nbytes for b in buckets) == 4 * sum(
+                n.meta["val"].numel() for n in res.traced.graph.nodes if n.name in deferred
+            )
+    fp32, bf16 = got
+    assert bf16.step_time_s == pytest.approx(fp32.step_time_s, rel=1e-9)
+    assert bf16.comm_s == pytest.approx(fp32.comm_s, rel=1e-9)
+    assert bf16.peak_memory_bytes == fp32.peak_memory_bytes
+
+
+def test_zero_one_gathers_priced_as_fp32_masters():
+    """ZeRO-1 steps the fp32 masters and all-gathers them (``codegen/zero_one.py``), under mixed
+    precision too: on a model with no blocks (its gathers hide behind nothing) the plan's
+    communication exceeds ZeRO-0's by one all-gather of every parameter's fp32 bytes."""
+    from autopar.cost_model.comm import Collective, CommModel
+    from autopar.examples import mlp
+    from autopar.trades import Precision
+
+    model, inputs = mlp(batch=64, hidden=512, ffn=2048)
+    model = model.to(torch.bfloat16)
+    cluster = autopar.ClusterSpec.parse("h100-sxm:2x8")
+    comm = {}
+    for zero in (0, 1):
+        res = autopar.search(
+            model, cluster, inputs, mesh_shape=(16,), axis_roles=(D,), zero_stage=zero,
+            precision=Precision.BF16, recompute="none", micro_batches=1,
+        )  # fmt: skip
+        comm[zero] = res.plan.predicted.comm_s
+    elems = sum(p.numel() for p in model.parameters())
+    gather = CommModel(cluster, (16,)).time(Collective.ALL_GATHER, 4 * elems, 0)
+    assert comm[1] - comm[0] == pytest.approx(gather, rel=1e-6)
