@@ -40,7 +40,7 @@ from autopar.passes.replay import (
 )
 from autopar.passes.strategies import Strategy
 from autopar.passes.trace import Role, TracedGraph, normalize_inputs
-from autopar.passes.trades import grad_dtype
+from autopar.passes.trades import grad_dtype, zero_one_axes
 from autopar.placement import Outputs, output_placement
 from autopar.trades import Recompute, Schedule, Trades, ZeroStage
 
@@ -162,13 +162,22 @@ def build_parallel_module(
     # the plan's trades (ZeRO, mixed precision, offload: codegen/zero.py); the gradients FSDP2
     # reduces are not bucketed again
     zero = apply_trades(getattr(plan, "trades", None), gm, mesh, tg, deferred, state.load)
-    buckets = grad_buckets(tg, choice, zero.bucketed(deferred), plan.mesh_shape, grad_dtype=_grad_dtype(plan))
+    buckets = grad_buckets(
+        tg,
+        choice,
+        zero.bucketed(deferred),
+        plan.mesh_shape,
+        grad_dtype=_grad_dtype(plan),
+        scatter_axes=zero_one_axes(getattr(plan, "trades", None)),
+    )
     # the plain leaves the forward computes on (codegen/local_params.py); FSDP2's parameters are
     # gathered into tensors of its own before each forward, so under ZeRO 2 and 3 those get
     # theirs as FSDP2 gathers them (codegen/zero.py:_gathered_leaves); those FSDP2 leaves alone, here
     leaves = attach_leaves(gm.parameters() if trades.zero_stage < ZeroStage.GRADIENTS else zero.ignored)
     # the parameters as the module holds them now (the pieces made after lowering, FSDP2's shards)
-    grad_sync = GradSync([([getattr(gm, mangle(names[n])) for n in b.params], b.axes) for b in buckets], mesh)
+    grad_sync = GradSync(
+        [([getattr(gm, mangle(names[n])) for n in b.params], b.axes, b.scatter) for b in buckets], mesh
+    )
     return ParallelModule(local=gm, grad_sync=grad_sync, zero=zero, leaves=leaves, **common)
 
 
@@ -339,10 +348,17 @@ def _pipelined(tg, plan, choice, gm, mesh, full_mesh, attrs, deferred, common: d
         else attach_leaves(v for c in chunks for v in c.params.values())
     )
     names = {p.name: p.target for p in tg.placeholders}
-    buckets = grad_buckets(tg, choice, zero.bucketed(deferred), plan.mesh_shape, grad_dtype=_grad_dtype(plan))
+    buckets = grad_buckets(
+        tg,
+        choice,
+        zero.bucketed(deferred),
+        plan.mesh_shape,
+        grad_dtype=_grad_dtype(plan),
+        scatter_axes=zero_one_axes(getattr(plan, "trades", None)),
+    )
     grad_sync = GradSync(
         [
-            (ps, b.axes)
+            (ps, b.axes, b.scatter)
             for b in buckets
             if (ps := [attrs[mangle(names[n])] for n in b.params if id(attrs[mangle(names[n])]) in held])
         ],

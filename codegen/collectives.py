@@ -92,6 +92,8 @@ def axis_group(mesh: DeviceMesh, axis: int) -> dist.ProcessGroup:
 
 # ``all_gather_single`` is ``all_gather_into_tensor``'s newer name (torch >= 2.13 warns on the old one)
 gather_into = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+# and ``reduce_scatter_single`` is ``reduce_scatter_tensor``'s
+scatter_into = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 def _gather(x: torch.Tensor, dim: int, mesh: DeviceMesh, axis: int) -> torch.Tensor:

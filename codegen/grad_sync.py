@@ -35,6 +35,19 @@ plain gradient, the post-accumulate hook runs once the gradient was moved to the
 A bucket reduced over several mesh axes starts the first asynchronously and the others after
 it completes (one process group per axis).
 
+**Reduce-scattered buckets (ZeRO-1).** A bucket the plan marks ``scatter`` (``passes/grad_sync.py:
+grad_buckets``: its members are the parameters ZeRO-1 cuts into shares over exactly the bucket's
+axes, ``codegen/zero_one.py:share_axes``) is reduce-scattered: its members' gradients are laid
+out share by share (``[d, n/d]`` each, concatenated along the second dim, ``d`` the shares), one
+reduce-scatter per axis (the outer first, the next on what it left) gives each rank the
+sum of its own shares, and each member's ``.grad`` becomes that share: a ``DTensor`` of the
+parameter's global shape placed as its share (``Shard(0)`` on those axes), so the value is whole
+where read as a ``DTensor`` (``full_tensor``, ``clip_grad_norm_``), and ZeRO-1's step reads its
+shares with no slicing. Half an all-reduce's bytes go over the link (Megatron-LM's distributed
+optimizer reduce-scatters its gradient buffer so), and the gradients held after backward are
+``1/d`` of the parameters'. A gradient accumulated onto such a ``.grad`` (not zeroed) is added
+share-wise. Where a member turns out not to cut as the plan said, the bucket is all-reduced.
+
 Gradient accumulation with one reduction (``ParallelModule.step`` over micro-batches, or a user's
 loop). ``set_requires_gradient_sync(False)`` (or ``with grad_sync.accumulating():``, as
 ``DistributedDataParallel.no_sync``; the name is FSDP2's) turns the reductions off: the next
@@ -63,6 +76,7 @@ modules on different meshes reduce their gradients on their own groups.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 
@@ -74,6 +88,7 @@ from torch.distributed.tensor import DTensor
 
 from autopar.codegen import collectives as C
 from autopar.codegen.local_params import grad_like, leaf_of
+from autopar.codegen.zero_one import share_axes, share_index, share_placements
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -109,30 +124,44 @@ def _accumulates(acc) -> bool:
 
 
 class _Bucket:
-    """Members' gradients handed in so far: parameter -> (tensor to reduce, added to .grad after)."""
+    """Members' gradients handed in so far: parameter -> (tensor to reduce, added to .grad after).
+    ``scatter``: the axes its members' shares are cut over (reduce-scattered), else ()."""
 
-    def __init__(self, params: Sequence[torch.nn.Parameter], axes: tuple[int, ...]):
+    def __init__(self, params: Sequence[torch.nn.Parameter], axes: tuple[int, ...], scatter: tuple[int, ...]):
         self.params = list(params)
         self.axes = axes
+        self.scatter = scatter
         self.ready: dict[int, tuple[torch.Tensor, bool]] = {}
+
+
+def _scatter_axes(
+    params: Sequence[torch.nn.Parameter], axes: tuple[int, ...], mesh: DeviceMesh
+) -> tuple[int, ...]:
+    """The axes a bucket marked ``scatter`` reduce-scatters over: its axes in mesh order, where
+    every member is cut into shares over exactly those (``share_axes``); else () (all-reduced)."""
+    on = tuple(sorted(axes))
+    return on if all(share_axes(p, mesh, on) == on for p in params) else ()
 
 
 class GradSync:
     """``buckets``: lists of parameters, each reduced over its ``axes`` of ``mesh``, in the order
-    backward completes them (``passes/grad_sync.py:grad_buckets``)."""
+    backward completes them (``passes/grad_sync.py:grad_buckets``), and whether it is
+    reduce-scattered into ZeRO-1's shares (module docstring; absent: False)."""
 
-    def __init__(
-        self, buckets: Sequence[tuple[Sequence[torch.nn.Parameter], tuple[int, ...]]], mesh: DeviceMesh
-    ):
+    def __init__(self, buckets: Sequence[tuple], mesh: DeviceMesh):
         self._mesh = mesh
-        self._buckets = [_Bucket(ps, axes) for ps, axes in buckets]
+        self._buckets = [
+            _Bucket(b[0], b[1], _scatter_axes(b[0], b[1], mesh) if len(b) > 2 and b[2] else ())
+            for b in buckets
+        ]
         self._bucket_of = {id(p): b for b in self._buckets for p in b.params}
         self._marked: set[int] = set()
         self._param = {id(p): p for b in self._buckets for p in b.params}
         self._sync = True  # False: backward accumulates locally, no reduction (module docstring)
         self._unreduced: set[int] = set()  # .grad holds only local, unreduced sums
         self._local: dict[int, torch.Tensor] = {}  # unreduced sums kept beside a reduced .grad
-        self.reductions = 0  # bucket all-reduces started so far
+        self.reductions = 0  # bucket reductions started so far
+        self.scatters = 0  # of them, reduce-scatters (ZeRO-1's shares)
         # started reductions: (bucket, the tensor reduced, its work, [(param, slice) to add])
         self._pending: list[tuple[_Bucket, torch.Tensor, object, list]] = []
         self._queued = False
@@ -221,6 +250,9 @@ class GradSync:
     def _start(self, b: _Bucket) -> None:
         members = [(p, *b.ready[id(p)]) for p in b.params if id(p) in b.ready]
         b.ready = {}
+        if b.scatter:
+            self._start_scatter(b, members)
+            return
         if len(members) == 1:
             (p, g, add) = members[0]
             flat = _local(g)
@@ -240,6 +272,50 @@ class GradSync:
         self.reductions += 1
         self._pending.append((b, flat, work, adds))
 
+    def _start_scatter(self, b: _Bucket, members: list) -> None:
+        """Reduce-scatter ``members``' gradients into this rank's shares (module docstring): the
+        outer axis's asynchronously, the others in ``finish``. The whole gradients are dropped
+        from ``.grad`` here (the laid-out copy holds them), so they are freed as the copy is."""
+        d = math.prod(self._mesh.size(a) for a in b.scatter)
+        rows = [_local(g).reshape(d, -1) for _, g, _ in members]
+        laid = rows[0] if len(rows) == 1 else torch.cat(rows, dim=1)
+        parts = []
+        for p, g, add in members:
+            parts.append((p, _local(g).numel() // d))
+            if not add:
+                p.grad = None
+        a = b.scatter[0]
+        out = laid.new_empty(laid.numel() // self._mesh.size(a))
+        work = C.scatter_into(out, laid.reshape(-1), group=C.axis_group(self._mesh, a), async_op=True)
+        self.reductions += 1
+        self.scatters += 1
+        self._pending.append((b, out, work, (parts, laid)))  # laid: alive until the work completes
+
+    def _land_scatter(self, b: _Bucket, out: torch.Tensor, parts: list) -> None:
+        """The other axes' reduce-scatters, then each member's share as its ``.grad``."""
+        for a in b.scatter[1:]:
+            nxt = out.new_empty(out.numel() // self._mesh.size(a))
+            C.scatter_into(nxt, out, group=C.axis_group(self._mesh, a))
+            out = nxt
+        off = 0
+        for p, n in parts:
+            local = p._local_tensor
+            piece = out[off : off + n].view(local.shape[0] * n // local.numel(), *local.shape[1:])
+            off += n
+            g = p.grad
+            if g is None:
+                p.grad = DTensor.from_local(
+                    piece, p.device_mesh, share_placements(p, b.scatter), run_check=False
+                )
+            elif _local(g).shape == piece.shape:  # a share kept from an earlier backward
+                _local(g).add_(piece)
+            else:  # a whole gradient kept (set by hand): its share, plus this one
+                d = math.prod(self._mesh.size(a) for a in b.scatter)
+                mine = _local(g).chunk(d, dim=0)[share_index(self._mesh, b.scatter)] + piece
+                p.grad = DTensor.from_local(
+                    mine, p.device_mesh, share_placements(p, b.scatter), run_check=False
+                )
+
     def finish(self) -> None:
         """Start the incomplete buckets and wait for every reduction started in this backward
         (runs when backward ends). With the sync on, accumulated gradients this backward did not
@@ -258,6 +334,9 @@ class GradSync:
         pending, self._pending, self._queued = self._pending, [], False
         for b, flat, work, adds in pending:
             work.wait()
+            if b.scatter:
+                self._land_scatter(b, flat, adds[0])
+                continue
             for a in b.axes[1:]:
                 dist.all_reduce(flat, group=C.axis_group(self._mesh, a))
             for p, piece in adds:

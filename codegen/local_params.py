@@ -133,9 +133,13 @@ class LocalLeaf:
         p = self.param
         if p.grad is None:
             p.grad = grad_like(p, g)
-        else:
-            grad = p.grad
-            (grad._local_tensor if isinstance(grad, DTensor) else grad).add_(g)
+            return
+        grad = p.grad
+        local = grad._local_tensor if isinstance(grad, DTensor) else grad
+        if local.shape == g.shape:
+            local.add_(g)
+        else:  # a gradient kept placed otherwise (ZeRO-1's reduce-scattered shares): DTensor adds
+            grad.add_(grad_like(p, g))
 
     def release(self) -> None:
         """Stop holding (``hold``) and move what the leaf accumulated meanwhile to the parameter's

@@ -425,8 +425,10 @@ class PipelinedModule(ParallelModule):
             for p, g in kept.values():
                 if p.grad is None:
                     p.grad = g
-                else:
+                elif _plain(p.grad).shape == _plain(g).shape:
                     _plain(p.grad).add_(_plain(g))
+                else:  # placed otherwise (one of them ZeRO-1's reduce-scattered shares): DTensor adds
+                    p.grad = p.grad + g
         last = self.plan.pipeline.rank_of_chunk(self.plan.pipeline.chunks - 1)
         loss = (
             torch.stack([x.detach().float() for x in losses]).mean()

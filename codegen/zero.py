@@ -28,7 +28,9 @@ Which engine does what, and why
 * **ZeRO-1: ``codegen/zero_one.py:ZeroOneOptimizer``** on the data axes (each parameter over those
   it is whole on): each rank keeps the
   optimizer state of ``1/d`` of every parameter, steps it and all-gathers the parameters after;
-  gradients are all-reduced whole as without ZeRO (``codegen/grad_sync.py``). Written here
+  the gradient buckets of the parameters it cuts into shares are reduce-scattered into them
+  (``codegen/grad_sync.py``; Megatron-LM's distributed optimizer), the others all-reduced whole
+  as without ZeRO. Written here
   because torch's ``ZeroRedundancyOptimizer`` cannot take ``DTensor`` parameters and FSDP2
   cannot leave gradients whole (that module's docstring).
 * **Mixed precision: ``torch.autocast``** around the generated graph (``ParallelModule.forward``;

@@ -21,7 +21,9 @@ parameter whose local dim 0 does not divide by ``d`` (or a scalar) is its own sh
 stepped in full everywhere (as ZeRO implementations leave small tensors); the plan prices every
 parameter's state as sharded, a difference of a few bias vectors.
 
-**Step.** Each share's gradient is the matching view of the parameter's reduced gradient; the
+**Step.** Each share's gradient is the parameter's gradient where the bucket was reduce-scattered
+into the shares (``codegen/grad_sync.py``: ``.grad`` is then the share), else the matching view of
+the parameter's all-reduced gradient; the
 inner optimizer (``optimizer_class`` over the shares, whose ``param_groups`` are this object's,
 so learning-rate schedulers work as on any optimizer) steps the shares in place, which updates
 part ``r`` of each parameter; then each bucket of shares (about ``BUCKET_BYTES``) is all-gathered
@@ -62,24 +64,60 @@ from autopar.codegen.collectives import gather_into
 from autopar.codegen.local_params import PENDING_ATTR, clear_grads, wait_param, wait_params
 from autopar.placement import is_shard
 
-__all__ = ["PENDING_ATTR", "ZeroOneOptimizer", "wait_param", "wait_params"]
+__all__ = [
+    "PENDING_ATTR",
+    "ZeroOneOptimizer",
+    "share_axes",
+    "share_index",
+    "share_placements",
+    "wait_param",
+    "wait_params",
+]
 
 BUCKET_BYTES = 25 * 2**20  # shares gathered per all-gather, as DistributedDataParallel's buckets
 IN_FLIGHT = 2  # buckets whose all-gathers run at once between a step and the forward reading them
 
 
-def _share_placements(p: DTensor, axes: tuple[int, ...]):
+def share_placements(p: DTensor, axes: tuple[int, ...]):
     """``p``'s placements with dim 0 of its local piece cut over ``axes`` (the outer axis's
-    coordinate the outer index, as DTensor nests a dim split on several axes)."""
+    coordinate the outer index, as DTensor nests a dim split on several axes: ``Shard(0)`` on each,
+    so that rank ``(i_0, i_1)`` holds chunk ``i_0 n_1 + i_1``, the share ``share_index`` names).
+    Where a later axis not among ``axes`` already shards dim 0 (tensor parallelism), the shares cut
+    each of its pieces, so each of ``axes`` is strided by those axes' sizes (``_StridedShard``, as
+    FSDP2 writes its shards over a tensor-parallel piece)."""
     out = list(p.placements)
-    for axis in reversed(axes):  # inner first: an outer axis's split is strided by the inner ones'
+    for axis in axes:
         later = math.prod(
             p.device_mesh.size(b)
-            for b, q in enumerate(out)
-            if b > axis and is_shard(q) and q.dim % max(p.dim(), 1) == 0
+            for b, q in enumerate(p.placements)
+            if b > axis and b not in axes and is_shard(q) and q.dim % max(p.dim(), 1) == 0
         )
         out[axis] = _StridedShard(0, split_factor=later) if later > 1 else Shard(0)
     return tuple(out)
+
+
+def share_axes(p: torch.Tensor, mesh: DeviceMesh, axes: Sequence[int]) -> tuple[int, ...]:
+    """The data axes (of ``axes``) parameter ``p`` is cut into shares over: those of more than one
+    rank it is whole on (``Replicate``; an expert split on one of them is shared over the others),
+    in mesh order; none where its local piece does not cut evenly on dim 0 (or is a scalar, or not
+    contiguous): such a parameter is its own share on every rank. The gradient buckets use the same
+    rule (``passes/grad_sync.py:scatters``), so a bucket of shares is reduce-scattered into them."""
+    if not isinstance(p, DTensor):
+        return ()
+    on = tuple(a for a in sorted(axes) if mesh.size(a) > 1 and isinstance(p.placements[a], Replicate))
+    local = p._local_tensor
+    d = math.prod(mesh.size(a) for a in on)
+    if not on or local.dim() == 0 or local.shape[0] % d or not local.is_contiguous():
+        return ()
+    return on
+
+
+def share_index(mesh: DeviceMesh, axes: tuple[int, ...]) -> int:
+    """This rank's share index over ``axes``: the outer axis's coordinate the outer index."""
+    r = 0
+    for a in axes:
+        r = r * mesh.size(a) + mesh.get_local_rank(a)
+    return r
 
 
 class ZeroOneOptimizer(torch.optim.Optimizer):
@@ -115,21 +153,13 @@ class ZeroOneOptimizer(torch.optim.Optimizer):
         # (parameter, its share, the axes it is cut over)
         self._split: list[tuple[torch.nn.Parameter, torch.Tensor, tuple[int, ...]]] = []
         for p in self.params:
-            local = p._local_tensor if isinstance(p, DTensor) else p
-            # the data axes p is whole on (an expert split on one of them: shared over the others)
-            on = (
-                tuple(a for a in self.axes if mesh.size(a) > 1 and isinstance(p.placements[a], Replicate))
-                if isinstance(p, DTensor)
-                else ()
-            )
-            d = self._size(on)
-            even = on and local.dim() > 0 and local.shape[0] % d == 0 and local.is_contiguous()
-            if not even:
+            on = share_axes(p, mesh, self.axes)
+            if not on:
                 self.shares[id(p)] = p
                 continue
-            view = local.detach().chunk(d, dim=0)[self._rank(on)]
+            view = p._local_tensor.detach().chunk(self._size(on), dim=0)[self._rank(on)]
             share = torch.nn.Parameter(
-                DTensor.from_local(view, mesh, _share_placements(p, on), run_check=False)
+                DTensor.from_local(view, mesh, share_placements(p, on), run_check=False)
             )
             self.shares[id(p)] = share
             self._split.append((p, share, on))
@@ -149,11 +179,7 @@ class ZeroOneOptimizer(torch.optim.Optimizer):
         return math.prod(self.mesh.size(a) for a in axes)
 
     def _rank(self, axes: tuple[int, ...]) -> int:
-        """This rank's share index over ``axes``: the outer axis's coordinate the outer index."""
-        r = 0
-        for a in axes:
-            r = r * self.mesh.size(a) + self.mesh.get_local_rank(a)
-        return r
+        return share_index(self.mesh, axes)
 
     def _bucket(self) -> list[list[tuple[torch.nn.Parameter, torch.Tensor, tuple[int, ...]]]]:
         """The shares in buckets of about ``BUCKET_BYTES`` (one dtype and one set of axes each), in
@@ -183,9 +209,9 @@ class ZeroOneOptimizer(torch.optim.Optimizer):
                 share.grad = None
                 continue
             g = p.grad._local_tensor if isinstance(p.grad, DTensor) else p.grad
-            share.grad = DTensor.from_local(
-                g.chunk(self._size(on), dim=0)[self._rank(on)], self.mesh, share.placements, run_check=False
-            )
+            if g.shape != share._local_tensor.shape:  # whole (all-reduced), not reduce-scattered
+                g = g.chunk(self._size(on), dim=0)[self._rank(on)]
+            share.grad = DTensor.from_local(g, self.mesh, share.placements, run_check=False)
         self.inner.step()
         for _, share, _ in self._split:
             share.grad = None

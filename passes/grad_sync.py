@@ -18,6 +18,12 @@ A pure "f" on axis ``a`` is one where the stored placement already equals the us
 Where the stored piece is a shard, the "f" fuses into the all-gather's backward reduce-scatter
 (``codegen/lower.py:emit_reshard``) and stays inline; so do parameters whose uses disagree on ``D``.
 
+Under ZeRO-1 a bucket whose members the optimizer cuts into shares (``scatter_axes``: a
+parameter whole on those data axes, its local dim 0 dividing by their sizes' product, as
+``codegen/zero_one.py`` cuts it) is **reduce-scattered** instead: each rank receives only the sum
+of its shares, the only part its optimizer steps (Megatron-LM's distributed optimizer reduce-
+scatters its gradient buffer the same way). A reduce-scatter moves half an all-reduce's bytes.
+
 The same linearity lets uses of an activation share a reshard (``reshard_key``, ``plan_uses``):
 uses that need the tensor in the same placement with the same "f" take one copy, made at the
 first, and backward reduces the sum of their gradients once. The cost tables price every use on
@@ -29,6 +35,7 @@ time, and the timeline leaves them out.
 from __future__ import annotations
 
 import dataclasses
+import math
 import operator
 from collections.abc import Collection, Iterable, Iterator, Sequence
 from dataclasses import dataclass
@@ -53,7 +60,7 @@ from autopar.passes.costs import (
 from autopar.passes.rules import tensor_inputs, writes_inputs
 from autopar.passes.strategies import Strategy
 from autopar.passes.trace import Role, TracedGraph
-from autopar.placement import Outputs, Spec, output_placement, volume_factor
+from autopar.placement import Outputs, Spec, is_shard, local_shape, output_placement, volume_factor
 from autopar.reshard import Collective
 
 
@@ -170,6 +177,8 @@ class Bucket:
     params: tuple[str, ...]  # parameter placeholders, in the order backward completes them
     nbytes: float  # local bytes per rank (the sum of the members' local pieces)
     ready: int  # graph position of the op whose backward completes the bucket (its earliest use)
+    # reduce-scattered into ZeRO-1's shares (each rank receives its own), else all-reduced
+    scatter: bool = False
 
 
 def grad_buckets(
@@ -179,6 +188,7 @@ def grad_buckets(
     mesh_shape: Sequence[int],
     cap: float | None = None,
     grad_dtype: torch.dtype | None = None,
+    scatter_axes: Collection[int] = (),
 ) -> list[Bucket]:
     """The deferred parameters in buckets, as DistributedDataParallel forms them, in the order
     backward completes the buckets.
@@ -190,7 +200,9 @@ def grad_buckets(
     complete. Codegen and the cost model both call this function, so they form the same buckets.
     ``grad_dtype``: the dtype a floating parameter's gradient has at run time where it is not the
     traced one: fp32 under mixed precision, whose parameters are fp32 masters
-    (``codegen/zero.py``), a model traced in bf16 included (``passes/trades.py:grad_dtype``)."""
+    (``codegen/zero.py``), a model traced in bf16 included (``passes/trades.py:grad_dtype``).
+    ``scatter_axes``: ZeRO-1's data axes; a parameter its optimizer cuts into shares over exactly
+    its reduction axes (``scatters``) goes to a bucket of such parameters, reduce-scattered."""
     cap = BUCKET_BYTES if cap is None else cap
     order = {n.name: i for i, n in enumerate(tg.graph.nodes)}
     nodes = {n.name: n for n in tg.graph.nodes if n.name in deferred}
@@ -205,20 +217,46 @@ def grad_buckets(
     for p in ranked:
         val = nodes[p].meta["val"]
         dtype = grad_dtype if grad_dtype is not None and val.dtype.is_floating_point else val.dtype
-        key = (deferred[p], dtype)
+        key = (deferred[p], dtype, scatters(val.shape, choice[p].out, deferred[p], scatter_axes, mesh_shape))
         b = val.numel() * dtype.itemsize / volume_factor(choice[p].out, mesh_shape)
         open_.setdefault(key, []).append(p)
         size[key] = size.get(key, 0.0) + b
         if size[key] >= cap:
             done.append((key, open_.pop(key), size.pop(key)))
     done += [(key, ps, size[key]) for key, ps in open_.items()]
-    buckets = [Bucket(key[0], tuple(ps), nb, min(first_use(p) for p in ps)) for key, ps, nb in done]
+    buckets = [Bucket(key[0], tuple(ps), nb, min(first_use(p) for p in ps), key[2]) for key, ps, nb in done]
     return sorted(buckets, key=lambda b: -b.ready)
+
+
+def scatters(
+    shape: Sequence[int],
+    spec: Spec,
+    axes: tuple[int, ...],
+    scatter_axes: Collection[int],
+    mesh_shape: Sequence[int],
+) -> bool:
+    """Whether ZeRO-1 reduce-scatters the gradient of a parameter of ``shape`` stored as ``spec``
+    and reduced over ``axes``: its optimizer cuts it into shares on dim 0 of its local piece over
+    the data axes (``scatter_axes``) of more than one rank it is whole on (``codegen/zero_one.py:
+    share_axes``), those are exactly ``axes``, and dim 0 divides by their sizes' product."""
+    on = tuple(a for a in sorted(scatter_axes) if mesh_shape[a] > 1 and not is_shard(spec[a]))
+    if not on or tuple(sorted(axes)) != on or not len(shape):
+        return False
+    rows = local_shape(shape, spec, mesh_shape)[0]
+    return rows % math.prod(mesh_shape[a] for a in on) == 0
 
 
 def bucket_all_reduce_s(bucket: Bucket, comm: CommModel) -> tuple[float, float]:
     """Seconds of a bucket's all-reduce: issued on an idle stream, and issued behind another still
-    in flight (only the first axis's runs queued; the others follow it when backward ends)."""
+    in flight (only the first axis's runs queued; the others follow it when backward ends). A
+    scattered bucket (``Bucket.scatter``) reduce-scatters instead, the outer axis first, each next
+    axis on what the previous left (``1/n`` of it): no queued prices exist for reduce-scatters."""
+    if bucket.scatter:
+        t, nbytes = 0.0, bucket.nbytes
+        for a in sorted(bucket.axes):
+            t += comm.time(Collective.REDUCE_SCATTER, nbytes, a)
+            nbytes /= comm.mesh_shape[a]
+        return t, t
     first = comm.time(Collective.ALL_REDUCE, bucket.nbytes, bucket.axes[0])
     rest = sum(comm.time(Collective.ALL_REDUCE, bucket.nbytes, a) for a in bucket.axes[1:])
     return first + rest, comm.queued_all_reduce_time(bucket.nbytes, bucket.axes[0]) + rest
@@ -315,6 +353,7 @@ def price_grad_sync(
     matmul_s=None,
     micro_batches: int = 1,
     grad_dtype: torch.dtype | None = None,
+    scatter_axes: Collection[int] = (),
 ) -> GradSyncCost:
     """Price the deferred all-reduces of a plan on the backward timeline.
 
@@ -335,7 +374,8 @@ def price_grad_sync(
     (``--overlap-grad-reduce``: its schedules run every micro-batch but the last under the
     DDP's ``no_sync``, ``megatron/core/pipeline_parallel/schedules.py``), so there too only the last
     micro-batch's backward hides the data-parallel reduction. ``grad_dtype``: the gradients' dtype
-    at run time (``grad_buckets``): the buckets hold, and the all-reduces send, what runs."""
+    at run time (``grad_buckets``): the buckets hold, and the all-reduces send, what runs;
+    ``scatter_axes``: ZeRO-1's data axes, whose shares' buckets are reduce-scattered."""
     mesh = comm.mesh_shape
     share = 1.0 / max(micro_batches, 1)  # of the tables' seconds, in the backward that reduces
     deferred = deferred_grad_axes(tg, choice, mesh)
@@ -372,7 +412,7 @@ def price_grad_sync(
         rg = infos[node.name].requires_grad
         steps.append(((compute_s.get(node.name, 0.0) * (bwd_share if rg else 0.0) + t_comm) * share, []))
     allreduce = copy = 0.0
-    buckets = grad_buckets(tg, choice, deferred, mesh, grad_dtype=grad_dtype)
+    buckets = grad_buckets(tg, choice, deferred, mesh, grad_dtype=grad_dtype, scatter_axes=scatter_axes)
     for b in buckets:
         t, t_q = bucket_all_reduce_s(b, comm)
         allreduce += t

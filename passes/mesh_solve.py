@@ -47,7 +47,7 @@ from autopar.passes.solver import (
 )
 from autopar.passes.strategies import Strategy
 from autopar.passes.trace import TracedGraph
-from autopar.passes.trades import TradeTerms, grad_dtype, micro_batch_ok, trade_terms
+from autopar.passes.trades import TradeTerms, grad_dtype, micro_batch_ok, trade_terms, zero_one_axes
 from autopar.trades import Trades, ZeroStage
 
 
@@ -249,7 +249,10 @@ def priced_solution(p: MeshProblem, sol: Solution) -> tuple[dict[str, Strategy],
     ctx = p.trade
     k = ctx.trades.micro_batches if ctx is not None else 1
     gd = grad_dtype(ctx.trades.precision) if ctx is not None else None
-    gs = grad_sync_cost(p.tg, p.infos, p.tables, sol, choice, p.cluster, p.run.mesh, p.options.outputs, k, gd)
+    sa = zero_one_axes(ctx.trades) if ctx is not None else ()
+    gs = grad_sync_cost(
+        p.tg, p.infos, p.tables, sol, choice, p.cluster, p.run.mesh, p.options.outputs, k, gd, sa
+    )
     if ctx is None:
         return choice, gs, TradeTerms()
     terms = trade_terms(

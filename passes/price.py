@@ -82,15 +82,17 @@ def grad_sync_cost(
     outputs: Outputs,
     micro_batches: int = 1,
     grad_dtype: torch.dtype | None = None,
+    scatter_axes: tuple[int, ...] = (),
 ) -> GradSyncCost:
     """The solution's gradient buckets on the backward timeline (``price_grad_sync``; with
     ``micro_batches``, that of the last micro-batch, which alone reduces; ``grad_dtype``: the
-    gradients' dtype at run time, ``passes/trades.py:grad_dtype``)."""
+    gradients' dtype at run time, ``passes/trades.py:grad_dtype``; ``scatter_axes``: ZeRO-1's,
+    ``passes/trades.py:zero_one_axes``)."""
     compute = {n: _node_compute(tables, sol, n) for n in choice}
     comm = CommModel(cluster, mesh)
     return price_grad_sync(
         tg, infos, choice, compute, comm, cluster.device.comm_overlap, outputs, tuple(tables.bucket_fixed),
-        chosen_matmul_s(tables, sol), micro_batches, grad_dtype,
+        chosen_matmul_s(tables, sol), micro_batches, grad_dtype, scatter_axes,
     )  # fmt: skip
 
 

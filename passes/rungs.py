@@ -48,6 +48,7 @@ from autopar.passes.trades import (
     trade_terms,
     traded_lower_bound,
     zero_axes,
+    zero_one_axes,
 )
 from autopar.placement import is_shard
 from autopar.trades import Offload, Schedule, Trades
@@ -207,7 +208,7 @@ class PipelineRungs:
         if trades is not solved.trades:
             gs = grad_sync_cost(
                 tg, cinfos, traded, solved.sol, solved.choice, sub, run.mesh, options.outputs, trades.micro_batches,
-                grad_dtype(trades.precision),
+                grad_dtype(trades.precision), zero_one_axes(trades),
             )  # fmt: skip
         else:
             gs = solved.gs

@@ -28,7 +28,9 @@ parameter's):
 * parameter memory: ``e b`` (+ ``2e`` under mixed precision: the half copy autocast makes and
   backward keeps) below ZeRO-2; from ZeRO-2 (FSDP2) a shard ``e b / d`` and, under ZeRO-2 only,
   the gathered parameter kept through the step (``2e`` under mixed precision, FSDP2 gathering in
-  the half type); gradients ``e b / (d if ZeRO >= 2)``; optimizer state ``q e b / (d if ZeRO >= 1)``.
+  the half type); gradients ``e b / (d if ZeRO >= 2)`` (ZeRO-1's reduce-scatters leave ``1/d`` of
+  them once backward has reduced each bucket, but the whole gradients are built first: priced
+  whole, an upper bound); optimizer state ``q e b / (d if ZeRO >= 1)``.
   Offloaded (FSDP2's ``CPUOffloadPolicy``), the shards, gradients and optimizer state are in host
   memory (counted against ``ClusterSpec.host_memory_bytes``): under ``Offload.OPTIMIZER`` the
   device keeps ZeRO-2's gathered parameters only, under ``Offload.PARAMETERS`` ZeRO-3's blocks in
@@ -140,6 +142,14 @@ def grad_dtype(precision: Precision | None) -> torch.dtype | None:
     fp32 under mixed precision, whose parameters are fp32 masters (``codegen/zero.py``: a model
     traced in bf16 is upcast), so its data-parallel all-reduces and ZeRO-1's gathers send fp32."""
     return torch.float32 if precision is not None and precision.mixed else None
+
+
+def zero_one_axes(trades: Trades | None) -> tuple[int, ...]:
+    """The data axes whose gradient buckets ZeRO-1 reduce-scatters into its shares
+    (``passes/grad_sync.py:scatters``); none below or above ZeRO-1."""
+    if trades is None or trades.zero_stage != ZeroStage.OPTIMIZER:
+        return ()
+    return tuple(trades.data_axes)
 
 
 def auto_precision(infos: dict[str, NodeInfo]) -> Precision:

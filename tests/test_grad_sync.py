@@ -242,22 +242,46 @@ def test_half_model_priced_as_its_fp32_twin(zero):
 
 def test_zero_one_gathers_priced_as_fp32_masters():
     """ZeRO-1 steps the fp32 masters and all-gathers them (``codegen/zero_one.py``), under mixed
-    precision too: on a model with no blocks (its gathers hide behind nothing) the plan's
-    communication exceeds ZeRO-0's by one all-gather of every parameter's fp32 bytes."""
-    from autopar.cost_model.comm import Collective, CommModel
+    precision too, as it reduces fp32 gradients: its communication under bf16 mixed precision is
+    that of the same fp32 model trained in fp32 (the data-parallel plan sends nothing else). It was
+    priced with half-type gathers."""
     from autopar.examples import mlp
     from autopar.trades import Precision
 
     model, inputs = mlp(batch=64, hidden=512, ffn=2048)
-    model = model.to(torch.bfloat16)
     cluster = autopar.ClusterSpec.parse("h100-sxm:2x8")
     comm = {}
-    for zero in (0, 1):
+    for precision in (Precision.PARAM, Precision.BF16):
         res = autopar.search(
-            model, cluster, inputs, mesh_shape=(16,), axis_roles=(D,), zero_stage=zero,
-            precision=Precision.BF16, recompute="none", micro_batches=1,
+            model, cluster, inputs, mesh_shape=(16,), axis_roles=(D,), zero_stage=1,
+            precision=precision, recompute="none", micro_batches=1,
         )  # fmt: skip
-        comm[zero] = res.plan.predicted.comm_s
-    elems = sum(p.numel() for p in model.parameters())
-    gather = CommModel(cluster, (16,)).time(Collective.ALL_GATHER, 4 * elems, 0)
-    assert comm[1] - comm[0] == pytest.approx(gather, rel=1e-6)
+        comm[precision] = res.plan.predicted.comm_s
+    assert comm[Precision.BF16] == pytest.approx(comm[Precision.PARAM], rel=1e-9)
+
+
+def test_zero_one_buckets_are_reduce_scattered():
+    """Under ZeRO-1 the buckets of parameters its optimizer cuts into shares are reduce-scattered
+    (``scatters``), priced as reduce-scatters, outer axis first, the next on ``1/n`` of the bytes:
+    half an all-reduce's bytes on one axis."""
+    from autopar.cost_model.comm import Collective, CommModel
+    from autopar.passes.grad_sync import Bucket, bucket_all_reduce_s
+
+    model, inputs = _build()
+    res = autopar.search(model, free_link_cpu(2), inputs, mesh_shape=(2,), axis_roles=(D,), zero_stage=1)
+    deferred = deferred_grad_axes(res.traced, res.choice, (2,))
+    plain = grad_buckets(res.traced, res.choice, deferred, (2,))
+    shared = grad_buckets(res.traced, res.choice, deferred, (2,), scatter_axes=(0,))
+    assert not any(b.scatter for b in plain)
+    assert any(b.scatter for b in shared)
+    assert sorted(p for b in shared for p in b.params) == sorted(deferred)
+    vals = {n.name: n.meta["val"] for n in res.traced.graph.nodes if n.name in deferred}
+    for b in shared:  # a bucket of shares: every member cuts evenly on dim 0
+        assert all((vals[p].dim() > 0 and vals[p].shape[0] % 2 == 0) == b.scatter for p in b.params)
+    comm = CommModel(autopar.ClusterSpec.parse("h100-sxm:2x8"), (2, 8))
+    b = Bucket((0, 1), ("w",), 2**26, 0, scatter=True)
+    t, _ = bucket_all_reduce_s(b, comm)
+    rs = comm.time(Collective.REDUCE_SCATTER, 2**26, 0) + comm.time(Collective.REDUCE_SCATTER, 2**25, 1)
+    assert t == pytest.approx(rs)
+    ar, _ = bucket_all_reduce_s(Bucket((0,), ("w",), 2**26, 0), comm)
+    assert bucket_all_reduce_s(Bucket((0,), ("w",), 2**26, 0, scatter=True), comm)[0] < 0.6 * ar

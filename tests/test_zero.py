@@ -14,7 +14,8 @@ moves as each stage says, per rank, measured as the bytes of the distinct local 
 (``_bytes``) against ``whole``, the bytes of this rank's parameters without ZeRO (the plan's
 tensor-parallel pieces): with ``d`` the data axis's size, the optimizer state held after the step
 is ``2 whole / d`` from ZeRO-1 on (Adam's two moments; else ``2 whole``), the gradients ``whole / d``
-from ZeRO-2 on, the parameters the forward leaves gathered ``whole / d`` under ZeRO-3 only (ZeRO-2
+from ZeRO-1 on (ZeRO-1 reduce-scatters its gradient buckets into the shares it steps; a
+parameter reduced inline keeps its whole gradient, a few percent here), the parameters the forward leaves gathered ``whole / d`` under ZeRO-3 only (ZeRO-2
 keeps them gathered until backward ends), the parameters held after the step ``whole / d`` from
 ZeRO-2 on (FSDP2 keeps only the shards between steps), each within 10%. Parameters FSDP2 must not shard (their
 gradient is whole already, ``codegen/zero.py``) stay whole: a few percent at most here.
@@ -207,7 +208,8 @@ def _expected(zero: int, whole: int, d: int) -> dict[str, float]:
     """Bytes each stage leaves per rank (module docstring)."""
     return {
         "optimizer": 2 * whole / (d if zero >= 1 else 1),
-        "grads": whole / (d if zero >= 2 else 1),
+        # ZeRO-1 reduce-scatters its buckets into the shares (codegen/grad_sync.py), ZeRO-2/3 FSDP2
+        "grads": whole / (d if zero >= 1 else 1),
         "params_forward": whole / (d if zero >= 3 else 1),
         "params": whole / (d if zero >= 2 else 1),  # FSDP2 keeps only the shards between steps
     }
