@@ -100,6 +100,9 @@ class LocalLeaf:
         # grad_sync's hooks: (a factory of the tensor hook, given the leaf's AccumulateGrad node;
         # the post-accumulate hook), registered again on every rebuilt leaf
         self._hooks: list[tuple[Callable, Callable]] = []
+        # called with the leaf's gradient before it moves: one that returns True took it (the
+        # gradient sync hands it to its bucket as it is, which then sets ``.grad``)
+        self._takers: list[Callable[[torch.Tensor], bool]] = []
         self._build()
 
     def _build(self) -> None:
@@ -126,10 +129,18 @@ class LocalLeaf:
         if self.acc is not None:
             self._register(make_pre, post)
 
+    def add_taker(self, take: Callable[[torch.Tensor], bool]) -> None:
+        """``take(gradient)`` is asked first, each time the leaf's gradient would move to the
+        parameter's ``.grad``: True, it took the gradient (and sets ``.grad`` itself)."""
+        self._takers.append(take)
+
     def _move(self, leaf: torch.Tensor) -> None:
         if self.hold:  # accumulating over micro-batches: ``release`` moves the sum once
             return
         g, leaf.grad = leaf.grad, None
+        for take in self._takers:
+            if take(g):
+                return
         p = self.param
         if p.grad is None:
             p.grad = grad_like(p, g)
