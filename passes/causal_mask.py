@@ -22,9 +22,18 @@ was) when it can *prove* the mask is the causal one:
 
 Only one slice is compared per broadcast dimension: a leading dim of size 1 or of stride 0 (an
 ``expand``) holds one distinct slice, index 0; a leading dim that is really materialized (the batch
-dim of Hugging Face's mask, built by indexing with ``arange(batch)``) is compared in full. Anything
-else (a mask that fails to evaluate, a padding or sliding-window mask, an evaluation that would hold
-more than ``EVAL_BUDGET_BYTES`` at once, counted as the evaluation allocates, op by op) is left as
+dim of Hugging Face's mask, built by indexing with ``arange(batch)``) is compared in full.
+
+A mask too large to hold (a 128K-token sequence's is 16 GiB of booleans per batch row) is not
+computed whole: an op that would take the evaluation past ``EVAL_BUDGET_BYTES`` (counted as the
+evaluation allocates, op by op), and every op reading its result, is kept as its expression where
+it is elementwise, a size-1 view or ``tril``/``triu``, and proven causal from that expression
+(``passes/mask_blocks.py``): on its ``L + S - 1`` diagonals where it is shown to depend on ``j - i``
+alone (``passes/mask_diagonals.py``), else element by element in blocks of query rows, each within
+the budget. A constant fill too large to hold is one element, broadcast.
+
+Anything else (a mask that fails to evaluate, a padding or sliding-window mask, a mask over the
+budget read by an op that is not blockwise, a budget that cannot hold one block of rows) is left as
 it is: never guessed.
 
 Only the top-level graph is visited: an SDPA call inside a higher-order op's region (a
@@ -51,6 +60,7 @@ from autopar.passes.mask_blocks import (
     Lazy,
     NotBlockwise,
     causal_blockwise,
+    constant_fill,
     lazy_call,
     matches_causal,
 )
@@ -248,7 +258,7 @@ class _Broadcasts(fx.Interpreter):
                 self._within_budget(target, args, kwargs)
                 out = target(*args, **kwargs)
         except _OverBudget:  # too large to hold: a constant, or kept as its expression
-            out = _constant_fill(target, args, kwargs)
+            out = constant_fill(target, args, kwargs)
             if out is None:
                 return self._lazy(target, args, kwargs)
         return _shared_slices(out)
@@ -269,29 +279,6 @@ class _Broadcasts(fx.Interpreter):
                     held[t.untyped_storage()._cdata] = t.untyped_storage().nbytes()
         if sum(held.values()) + _allocates(target, args, kwargs) > EVAL_BUDGET_BYTES:
             raise _OverBudget(target)
-
-
-# ops filling a new tensor of the size they are given with one value -> the index of that size
-_FILLS = {
-    torch.ops.aten.zeros.default: 0,
-    torch.ops.aten.ones.default: 0,
-    torch.ops.aten.full.default: 0,
-    torch.ops.aten.new_zeros.default: 1,
-    torch.ops.aten.new_ones.default: 1,
-    torch.ops.aten.new_full.default: 1,
-}
-
-
-def _constant_fill(target, args, kwargs) -> torch.Tensor | None:
-    """A fill too large to hold as a broadcast of one element (the same value at every index);
-    None for any other op."""
-    at = _FILLS.get(target)
-    if at is None or len(args) <= at:
-        return None
-    size = list(args[at])
-    one = list(args)
-    one[at] = [1] * len(size)
-    return target(*one, **kwargs).expand(size)
 
 
 class _OverBudget(Exception):

@@ -70,6 +70,29 @@ TRIANGLES = {_aten.tril.default: False, _aten.triu.default: True}  # op -> upper
 COMPARE_BYTES_PER_ELEMENT = 8
 
 
+# ops filling a new tensor of the size they are given with one value -> the index of that size
+FILLS = {
+    _aten.zeros.default: 0,
+    _aten.ones.default: 0,
+    _aten.full.default: 0,
+    _aten.new_zeros.default: 1,
+    _aten.new_ones.default: 1,
+    _aten.new_full.default: 1,
+}
+
+
+def constant_fill(target, args, kwargs) -> torch.Tensor | None:
+    """A fill too large to hold as a broadcast of one element (the same value at every index);
+    None for any other op."""
+    at = FILLS.get(target)
+    if at is None or len(args) <= at:
+        return None
+    size = list(args[at])
+    one = list(args)
+    one[at] = [1] * len(size)
+    return target(*one, **kwargs).expand(size)
+
+
 class NotBlockwise(Exception):
     """The op cannot be kept as a lazy value: its block is not the op of its inputs' blocks."""
 
