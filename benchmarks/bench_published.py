@@ -36,7 +36,7 @@ from bench_plan_quality import describe
 from published_runs import BY_NAME, FLOP_COUNTS, MEASURES, RUNS, Run
 
 import autopar
-from autopar import AxisRole, Float8, Offload, Outputs, Precision
+from autopar import AxisRole, Float8, Offload, Outputs, Precision, Recompute
 from autopar.examples import gpt3, llama
 from autopar.report.parts import step_parts
 
@@ -268,8 +268,14 @@ def main() -> None:
         "--outputs", choices=[o.value for o in Outputs], default=Outputs.LOSS.value,
         help="what the planned module returns (default: the loss alone, as a training step needs)",
     )  # fmt: skip
+    ap.add_argument(
+        "--recompute", choices=[r.value for r in Recompute], default=None,
+        help="force this recomputation on the rows' forced layouts (what one the source leaves out costs)",
+    )  # fmt: skip
     args = ap.parse_args()
     runs = [BY_NAME[n] for n in args.row] if args.row else list(RUNS)
+    if args.recompute:
+        runs = [dataclasses.replace(run, recompute=Recompute(args.recompute)) for run in runs]
     if args.list:
         for run in runs:
             print(f"{run.name}: {run.cluster}, {layout(run)}; {run.source}")
