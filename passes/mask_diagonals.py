@@ -18,7 +18,8 @@ slice of its leading dims, as ``causal_blockwise`` takes them):
   (refused where ``|b*d| + |c|`` could reach 2**62, so int64 never overflows);
 - any other elementwise op whose operands are all functions of ``d`` is run on their vectors (an
   operand constant everywhere as a one-element vector, so type promotion is the op's own), and
-  ``tril(x, k)`` keeps ``x`` where ``d <= k`` (``triu``: ``d >= k``);
+  ``tril(x, k)`` keeps ``x`` where ``d <= k`` (``triu``: ``d >= k``), where its own rows and
+  columns are the mask's (not broadcast);
 - anything else (a leaf varying along both dims, a boolean or float leaf varying along one, a form
   with ``a != -b`` reaching a non-comparison, a view that moves the last two dims) is refused:
   ``None``, and ``causal_blockwise`` computes the elements.
@@ -100,6 +101,8 @@ def _eval(x, rows: int, cols: int):
     if isinstance(x, torch.Tensor):
         return _leaf(x, rows, cols)
     if isinstance(x, Triangle):
+        if tuple(x.shape[-2:]) != (rows, cols):  # its rows or columns broadcast: i or j is not its own
+            raise _Refused
         d = _diagonals(rows, cols)
         g = _vector(_eval(x.inner, rows, cols), d)
         keep = d >= x.diagonal if x.upper else d <= x.diagonal

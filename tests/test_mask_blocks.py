@@ -228,3 +228,68 @@ def test_an_op_that_is_not_blockwise_refuses(monkeypatch):
     monkeypatch.setattr(cm, "EVAL_BUDGET_BYTES", 128 * 128 * 3 // 4)
     assert _masks(trace(_Transposed(True), (q, q, q)))[0] is not None
     assert _masks(trace(_Transposed(False), (q, q, q)))[0] is None
+
+
+def _col(n: int, start: int = 0) -> torch.Tensor:
+    return torch.arange(start, start + n)[None, :]
+
+
+def _row(n: int, start: int = 0) -> torch.Tensor:
+    return torch.arange(start, start + n)[:, None]
+
+
+@pytest.mark.parametrize(
+    "build,found",
+    [
+        (lambda: mb.Elementwise(torch.ops.aten.le.Tensor, *_flat(_col(8), _row(8)), (8, 8), torch.bool), True),
+        (lambda: mb.Elementwise(torch.ops.aten.le.Tensor, *_flat(_col(8), _row(8, 1)), (8, 8), torch.bool), True),
+        (lambda: mb.Triangle(torch.ones((), dtype=torch.bool).expand(8, 8), 1, False), True),
+        (lambda: mb.Triangle(torch.ones((), dtype=torch.bool).expand(8, 8), -2, True), True),
+        # a triangle of one row, broadcast over the rows: j <= 0 at every row, not a function of j - i
+        (lambda: mb.View.of(mb.Triangle(torch.ones((), dtype=torch.bool).expand(1, 8), 0, False), (8, 8)), False),
+        (lambda: mb.Elementwise(torch.ops.aten.lt.Scalar, *_flat(_col(8), 3), (1, 8), torch.bool), False),
+        (lambda: mb.View.of(mb.Elementwise(torch.ops.aten.lt.Scalar, *_flat(_col(8), 3), (1, 8), torch.bool), (8, 8)), False),
+    ],
+)  # fmt: skip
+def test_diagonal_vector_of_hand_built_expressions(build, found):
+    """Where found, the vector is the expression's materialized value on every diagonal; an
+    expression that is not a function of ``j - i`` has none."""
+    lazy = build()
+    full = mb.View.of(lazy, (8, 8)) if tuple(lazy.shape) != (8, 8) else lazy
+    g = diagonal_vector(full, 8, 8)
+    assert (g is not None) == found
+    if found:
+        i, j = torch.arange(8)[:, None], torch.arange(8)[None, :]
+        assert torch.equal(g[j - i + 7], full.materialize())
+
+
+def _flat(*args):
+    import torch.utils._pytree as pytree
+
+    return pytree.tree_flatten((args, {}))
+
+
+@pytest.mark.parametrize("window,causal", [(16, False), (512, True)])
+def test_hugging_face_sliding_window_over_the_budget(monkeypatch, window, causal):
+    """Mistral's sliding-window mask (Hugging Face's own mask code) over the budget: a window
+    shorter than the sequence is not causal and stays; one longer than it is, and is rewritten."""
+    import transformers as tf
+
+    cfg = tf.MistralConfig(
+        num_hidden_layers=1, hidden_size=64, intermediate_size=128, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=256, max_position_embeddings=256, use_cache=False,
+        sliding_window=window, bos_token_id=0, eos_token_id=0, pad_token_id=0,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = tf.MistralForCausalLM(cfg)
+    ids = torch.randint(0, 256, (2, 256))
+    batch = {"input_ids": ids, "labels": ids}
+    monkeypatch.setattr(cm, "EVAL_BUDGET_BYTES", BUDGET)
+    spy = _Spy(monkeypatch)
+    tg = trace(model, batch)
+    assert all((m is None) == causal for m in _masks(tg))
+    assert spy.vectors == 1  # proven (or disproven) from the diagonals, not refused
+    model.eval()
+    with torch.no_grad():
+        logits = tg.graph_module(*placeholder_values(tg, batch, seed=0))[1]
+        torch.testing.assert_close(logits, model(**batch).logits)
