@@ -176,8 +176,8 @@ class Elementwise(Lazy):
     def materialize(self):
         args, kwargs = pytree.tree_unflatten([_materialize(a) for a in self.flat], self.spec)
         out = self.target(*args, **kwargs)
-        if tuple(out.shape) != tuple(self.shape):  # a broadcast the expression did not foresee
-            out = out.expand(self.shape)
+        if tuple(out.shape) != tuple(self.shape):  # never expected: refused, not broadcast on trust
+            raise NotBlockwise(f"{self.target} gave {tuple(out.shape)}, its block is {tuple(self.shape)}")
         return out
 
     def varies(self, dim):
@@ -300,10 +300,19 @@ def causal_blockwise(mask: Lazy, rows: int, cols: int, budget: float, diagonals=
         return False
     if any(s not in (1, want) for s, want in zip(mask.shape[-2:], (rows, cols), strict=True)):
         return False
+    if rows < 1 or cols < 1 or any(s < 1 for s in mask.shape):  # nothing to compare: not proven
+        return False
+    try:
+        return _causal_blockwise(mask, rows, cols, budget, diagonals)
+    except Exception:  # noqa: BLE001 - a block that cannot be computed: not proven, left as it is
+        return False
+
+
+def _causal_blockwise(mask: Lazy, rows: int, cols: int, budget: float, diagonals) -> bool:
     m = View.of(mask, (*mask.shape[:-2], rows, cols)) if mask.shape[-2:] != (rows, cols) else mask
     lead = len(m.shape) - 2
     # one slice of a leading dim no leaf holds (every slice equal), each index of one a leaf holds
-    indices = [range(m.shape[d]) if m.varies(d) else range(min(1, m.shape[d])) for d in range(lead)]
+    indices = [range(m.shape[d]) if m.varies(d) else range(1) for d in range(lead)]
     step = block_rows(m, cols, budget)
     if step < 1:
         return False
