@@ -174,8 +174,8 @@ def _live_peak(nodes: list[fx.Node]) -> int:
 
 def _evaluate(mask: fx.Node) -> torch.Tensor | Lazy | None:
     """The mask's value computed on the CPU (a :class:`Lazy` expression where too large to hold),
-    or None where it depends on more than shapes, would
-    hold more than ``EVAL_BUDGET_BYTES``, or fails to run."""
+    or None where it depends on more than shapes, would hold more than ``EVAL_BUDGET_BYTES`` even
+    so, or fails to run."""
     nodes = ancestors(mask)
     if not _shape_only(nodes):
         return None
