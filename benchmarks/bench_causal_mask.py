@@ -11,7 +11,9 @@ mask), measured alternately in one process:
   the model's fp32 weights under ``--dtype`` autocast (bf16: what the plan runs for a bf16 model;
   float32: no autocast);
 * ``pass``: the seconds the pass itself adds to tracing, on a Llama built on the meta device at
-  batch 8 and sequence 4096 (the mask it evaluates on the CPU is 8 x 4096 x 4096).
+  batch 8 and sequence 4096 (the mask it evaluates on the CPU is 8 x 4096 x 4096), or at
+  ``--pass-only BATCHxSEQ`` alone (``128x131072``: the 128K-context row's mask, too large to hold,
+  proven from its diagonals; ``--blocks-only``: element by element, in blocks of rows).
 
 ``--clock cpu`` times this process's CPU seconds instead of the wall clock (``--threads 1``: the
 work itself, less what other processes on a shared machine take from it). Median of
@@ -21,6 +23,7 @@ includes the same difference plus the plan's collectives (none at world 1).
 
     python benchmarks/bench_causal_mask.py [--repeats 5] [--seq 128] [--dtype bfloat16]
                                            [--threads N] [--clock wall|cpu]
+                                           [--pass-only BATCHxSEQ [--blocks-only]]
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ import time
 import torch
 
 from autopar import examples
+from autopar.passes import causal_mask
 from autopar.passes.causal_mask import SDPA
 from autopar.passes.trace import trace
 from autopar.tools.validate import placeholder_values
@@ -98,10 +102,10 @@ def bench_graph(name: str, seq: int, dtype: torch.dtype, repeats: int) -> tuple[
     return before, after, sizes[0], sizes[1]
 
 
-def bench_pass(repeats: int) -> tuple[float, float]:
+def bench_pass(repeats: int, batch: int = 8, seq: int = 4096) -> tuple[float, float]:
     with torch.device("meta"):
         model, _ = examples.llama_tiny(layers=2, hidden=256, vocab=320)
-    ids = torch.randint(0, 320, (8, 4096))
+    ids = torch.randint(0, 320, (batch, seq))
     inputs = {"input_ids": ids, "labels": ids}
     off, on = _interleaved_s(
         [lambda: trace(model, inputs, causal_masks=False), lambda: trace(model, inputs)], repeats
@@ -116,13 +120,33 @@ def main() -> None:
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
     ap.add_argument("--clock", choices=sorted(CLOCKS), default="wall", help="cpu: this process's CPU seconds")
+    ap.add_argument(
+        "--pass-only",
+        metavar="BATCHxSEQ",
+        default=None,
+        help="only the pass's reading, at this batch and sequence (128x131072: the 128K-context row)",
+    )
+    ap.add_argument(
+        "--blocks-only",
+        action="store_true",
+        help="prove masks too large to hold in blocks of rows only, not from their diagonals",
+    )
     args = ap.parse_args()
+    if args.blocks_only:  # what the proof costs where a mask is not shown to depend on j - i alone
+        causal_mask.diagonal_vector = lambda *_: None
     global clock
     clock = CLOCKS[args.clock]
     if args.threads:
         torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {args.clock} clock")
+    if args.pass_only:
+        batch, seq = (int(x) for x in args.pass_only.split("x"))
+        off, on = bench_pass(args.repeats, batch, seq)
+        print(
+            f"trace of a meta Llama, batch {batch}, seq {seq}: {off:.2f} s without the pass, {on:.2f} s with it"
+        )
+        return
     print(f"sdpa fwd+bwd, {args.dtype}: (batch, heads, seq, 64)  masked ms  causal ms  causal/masked")
     for seq in (128, 512, 1024):
         masked, causal = bench_sdpa(4, 4, seq, dtype, args.repeats)

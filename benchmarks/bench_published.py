@@ -36,8 +36,9 @@ from bench_plan_quality import describe
 from published_runs import BY_NAME, FLOP_COUNTS, MEASURES, RUNS, Run
 
 import autopar
-from autopar import AxisRole, Float8, Offload, Outputs, Precision
+from autopar import AxisRole, Float8, Offload, Outputs, Precision, Recompute
 from autopar.examples import gpt3, llama
+from autopar.report.memory import memory_parts
 from autopar.report.parts import step_parts
 
 
@@ -167,7 +168,7 @@ def plan_one(model, inputs, cluster, **options):
     return plan, time.perf_counter() - t0, ""
 
 
-def run_row(run: Run, quick: bool, outputs: Outputs = Outputs.LOSS) -> dict:
+def run_row(run: Run, quick: bool, outputs: Outputs = Outputs.LOSS, limit_gib: float | None = None) -> dict:
     row = dict(run=run, error=None, forced=None, search=None, why="", t_forced=0.0, t_search=0.0)
     if run.unpriceable:
         row["why"] = f"not expressible: {run.unpriceable}"
@@ -178,7 +179,8 @@ def run_row(run: Run, quick: bool, outputs: Outputs = Outputs.LOSS) -> dict:
     # the layout ran, so it fits: priced without the margin a plan keeps for what it cannot see
     # (``ClusterSpec.memory_reserve``), which the search's own plan below keeps
     ran = dataclasses.replace(cluster, memory_reserve=0.0)
-    plan, row["t_forced"], why = plan_one(model, inputs, ran, outputs=outputs, **forced_options(run))
+    limit = {} if limit_gib is None else {"memory_limit_bytes": limit_gib * 2**30}
+    plan, row["t_forced"], why = plan_one(model, inputs, ran, outputs=outputs, **forced_options(run), **limit)
     if plan is None:
         row["why"] = f"refused: {why}"
     else:
@@ -189,6 +191,10 @@ def run_row(run: Run, quick: bool, outputs: Outputs = Outputs.LOSS) -> dict:
         row["forced_plan"] = describe(plan)
         row["forced_parts"] = (p.step_time_s, p.compute_s, p.comm_s)
         row["parts"] = step_parts(plan).describe()
+        mem = memory_parts(plan)
+        row["memory"] = f"rank {mem.rank}: " + ", ".join(
+            f"{name} {b / 2**30:.1f} GiB" for name, b, _ in mem.parts
+        )
     if not quick:
         own, row["t_search"], own_why = plan_one(
             model, inputs, cluster, outputs=outputs, precision=precision(run), float8=run.float8
@@ -216,6 +222,7 @@ def report(row: dict) -> None:
             flush=True,
         )
         print(f"  parts per device: {row['parts']}", flush=True)
+        print(f"  peak's parts, {row['memory']}", flush=True)
     if row.get("search_plan"):
         print(
             f"  autopar: {fmt(run, row['search'])}; {row['search_plan']}; {row['t_search']:.1f} s", flush=True
@@ -268,8 +275,18 @@ def main() -> None:
         "--outputs", choices=[o.value for o in Outputs], default=Outputs.LOSS.value,
         help="what the planned module returns (default: the loss alone, as a training step needs)",
     )  # fmt: skip
+    ap.add_argument(
+        "--recompute", choices=[r.value for r in Recompute], default=None,
+        help="force this recomputation on the rows' forced layouts (what one the source leaves out costs)",
+    )  # fmt: skip
+    ap.add_argument(
+        "--memory-limit-gib", type=float, default=None,
+        help="price the forced layouts under this memory per device (what a refused one would need)",
+    )  # fmt: skip
     args = ap.parse_args()
     runs = [BY_NAME[n] for n in args.row] if args.row else list(RUNS)
+    if args.recompute:
+        runs = [dataclasses.replace(run, recompute=Recompute(args.recompute)) for run in runs]
     if args.list:
         for run in runs:
             print(f"{run.name}: {run.cluster}, {layout(run)}; {run.source}")
@@ -280,7 +297,7 @@ def main() -> None:
     )
     rows = []
     for run in runs:
-        rows.append(run_row(run, args.quick, Outputs(args.outputs)))
+        rows.append(run_row(run, args.quick, Outputs(args.outputs), args.memory_limit_gib))
         report(rows[-1])
     table(rows)
 

@@ -22,9 +22,18 @@ was) when it can *prove* the mask is the causal one:
 
 Only one slice is compared per broadcast dimension: a leading dim of size 1 or of stride 0 (an
 ``expand``) holds one distinct slice, index 0; a leading dim that is really materialized (the batch
-dim of Hugging Face's mask, built by indexing with ``arange(batch)``) is compared in full. Anything
-else (a mask that fails to evaluate, a padding or sliding-window mask, an evaluation that would hold
-more than ``EVAL_BUDGET_BYTES`` at once, counted as the evaluation allocates, op by op) is left as
+dim of Hugging Face's mask, built by indexing with ``arange(batch)``) is compared in full.
+
+A mask too large to hold (a 128K-token sequence's is 16 GiB of booleans per batch row) is not
+computed whole: an op that would take the evaluation past ``EVAL_BUDGET_BYTES`` (counted as the
+evaluation allocates, op by op), and every op reading its result, is kept as its expression where
+it is elementwise, a size-1 view or ``tril``/``triu``, and proven causal from that expression
+(``passes/mask_blocks.py``): on its ``L + S - 1`` diagonals where it is shown to depend on ``j - i``
+alone (``passes/mask_diagonals.py``), else element by element in blocks of query rows, each within
+the budget. A constant fill too large to hold is one element, broadcast.
+
+Anything else (a mask that fails to evaluate, a padding or sliding-window mask, a mask over the
+budget read by an op that is not blockwise, a budget that cannot hold one block of rows) is left as
 it is: never guessed.
 
 Only the top-level graph is visited: an SDPA call inside a higher-order op's region (a
@@ -46,6 +55,17 @@ import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
 
+from autopar.passes.mask_blocks import (
+    BITWISE_ALIASES,
+    Lazy,
+    NotBlockwise,
+    causal_blockwise,
+    constant_fill,
+    lazy_call,
+    matches_causal,
+)
+from autopar.passes.mask_diagonals import diagonal_vector
+
 SDPA = torch.ops.aten.scaled_dot_product_attention.default
 # SDPA's schema, in order (aten::scaled_dot_product_attention)
 SDPA_ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
@@ -58,7 +78,7 @@ EVAL_BUDGET_BYTES = 4 * 2**30
 def rewrite_causal_masks(gm: fx.GraphModule, recompile: bool = True) -> int:
     """Rewrite every SDPA call of ``gm``'s graph whose mask is proven causal (module docstring);
     return how many were rewritten. ``recompile=False``: the caller regenerates ``gm``'s code."""
-    values: dict[fx.Node, torch.Tensor | None] = {}  # one evaluation per mask (every layer shares it)
+    values: dict[fx.Node, torch.Tensor | Lazy | None] = {}  # one evaluation per mask (every layer shares it)
     verdicts: dict[tuple[fx.Node, tuple[int, int]], bool] = {}
     rewritten = 0
     for node in list(gm.graph.nodes):
@@ -152,9 +172,10 @@ def _live_peak(nodes: list[fx.Node]) -> int:
     return peak
 
 
-def _evaluate(mask: fx.Node) -> torch.Tensor | None:
-    """The mask's value computed on the CPU, or None where it depends on more than shapes, would
-    hold more than ``EVAL_BUDGET_BYTES``, or fails to run."""
+def _evaluate(mask: fx.Node) -> torch.Tensor | Lazy | None:
+    """The mask's value computed on the CPU (a :class:`Lazy` expression where too large to hold),
+    or None where it depends on more than shapes, would hold more than ``EVAL_BUDGET_BYTES`` even
+    so, or fails to run."""
     nodes = ancestors(mask)
     if not _shape_only(nodes):
         return None
@@ -176,7 +197,7 @@ def _evaluate(mask: fx.Node) -> torch.Tensor | None:
         try:
             with torch.no_grad():
                 value = _Broadcasts(gm).run()
-            return value if isinstance(value, torch.Tensor) else None
+            return value if isinstance(value, (torch.Tensor, Lazy)) else None
         except _OverBudget:  # as written, it would hold more still
             return None
         except Exception:  # noqa: BLE001 - e.g. a view a broadcast cannot take: evaluated as written
@@ -192,11 +213,7 @@ def _evaluate(mask: fx.Node) -> torch.Tensor | None:
 
 
 # the bitwise operators torch does not tag pointwise (their ``bitwise_*`` ops are)
-_POINTWISE_ALIASES = {
-    getattr(getattr(torch.ops.aten, f"__{op}__"), o)
-    for op in ("and", "or", "xor")
-    for o in ("Tensor", "Scalar")
-}
+_POINTWISE_ALIASES = BITWISE_ALIASES
 # broadcast slices are looked for in bool and integer values of at most this many elements (a
 # full compare each; float values are never merged: -0.0 equals 0.0)
 SHARED_SLICE_MAX_ELEMENTS = 2**24
@@ -231,19 +248,35 @@ class _Broadcasts(fx.Interpreter):
     ``EVAL_BUDGET_BYTES`` with what is held, ``_OverBudget`` is raised before anything is allocated."""
 
     def call_function(self, target, args, kwargs):
-        out = None
-        if _pointwise(target):
-            out = _on_one_slice(target, args, kwargs, self._within_budget)
-        if out is None:
-            self._within_budget(target, args, kwargs)
-            out = target(*args, **kwargs)
+        if any(isinstance(a, Lazy) for a in pytree.tree_leaves((args, kwargs))):
+            return self._lazy(target, args, kwargs)
+        try:
+            out = None
+            if _pointwise(target):
+                out = _on_one_slice(target, args, kwargs, self._within_budget)
+            if out is None:
+                self._within_budget(target, args, kwargs)
+                out = target(*args, **kwargs)
+        except _OverBudget:  # too large to hold: a constant, or kept as its expression
+            out = constant_fill(target, args, kwargs)
+            if out is None:
+                return self._lazy(target, args, kwargs)
         return _shared_slices(out)
+
+    def _lazy(self, target, args, kwargs) -> Lazy:
+        """The op's result kept as its expression (``passes/mask_blocks.py``); ``_OverBudget``
+        where it cannot be (the mask is then left as it is)."""
+        try:
+            return lazy_call(target, args, kwargs, _on_meta(target, args, kwargs))
+        except NotBlockwise as e:
+            raise _OverBudget(target) from e
 
     def _within_budget(self, target, args, kwargs) -> None:
         held = {}
         for v in pytree.tree_leaves(list(self.env.values())):
-            if isinstance(v, torch.Tensor):
-                held[v.untyped_storage()._cdata] = v.untyped_storage().nbytes()
+            for t in v.leaves() if isinstance(v, Lazy) else [v]:
+                if isinstance(t, torch.Tensor):
+                    held[t.untyped_storage()._cdata] = t.untyped_storage().nbytes()
         if sum(held.values()) + _allocates(target, args, kwargs) > EVAL_BUDGET_BYTES:
             raise _OverBudget(target)
 
@@ -252,17 +285,37 @@ class _OverBudget(Exception):
     """The mask's evaluation would hold more than ``EVAL_BUDGET_BYTES``."""
 
 
-def _allocates(target, args, kwargs) -> float:
-    """Bytes of new storage ``target(*args, **kwargs)`` allocates, found by running it on meta
-    tensors of the inputs' shapes, strides and dtypes (0 where its results alias an input); inf
-    where that dry run fails (a result whose shape depends on values)."""
+def _meta_args(args, kwargs):
+    """The arguments as meta tensors of the same shapes, strides and dtypes (a lazy value: its
+    shape, contiguous), devices as the meta device."""
 
     def on_meta(a):
+        if isinstance(a, Lazy):
+            return torch.empty(a.shape, dtype=a.dtype, device="meta")
         if isinstance(a, torch.Tensor):
             return torch.empty_strided(a.shape, a.stride(), dtype=a.dtype, device="meta")
         return torch.device("meta") if isinstance(a, torch.device) else a
 
-    margs, mkwargs = pytree.tree_map(on_meta, (args, kwargs))
+    return pytree.tree_map(on_meta, (args, kwargs), is_leaf=lambda a: isinstance(a, Lazy))
+
+
+def _on_meta(target, args, kwargs) -> torch.Tensor:
+    """The op's single tensor result run on meta arguments; ``NotBlockwise`` where it has none."""
+    margs, mkwargs = _meta_args(args, kwargs)
+    try:
+        out = target(*margs, **mkwargs)
+    except Exception as e:  # noqa: BLE001 - not to be run blind
+        raise NotBlockwise(f"{target} does not run on meta tensors") from e
+    if not isinstance(out, torch.Tensor):
+        raise NotBlockwise(f"{target} returns {type(out).__name__}")
+    return out
+
+
+def _allocates(target, args, kwargs) -> float:
+    """Bytes of new storage ``target(*args, **kwargs)`` allocates, found by running it on meta
+    tensors of the inputs' shapes, strides and dtypes (0 where its results alias an input); inf
+    where that dry run fails (a result whose shape depends on values)."""
+    margs, mkwargs = _meta_args(args, kwargs)
     try:
         out = target(*margs, **mkwargs)
     except Exception:  # noqa: BLE001 - not to be run blind
@@ -332,10 +385,13 @@ def _shared_slices(value):
     return value
 
 
-def is_causal_mask(mask: torch.Tensor | None, rows: int, cols: int) -> bool:
+def is_causal_mask(mask: torch.Tensor | Lazy | None, rows: int, cols: int) -> bool:
     """Whether ``mask``, broadcast to ``(..., rows, cols)``, is SDPA's ``is_causal`` mask at every
     index (module docstring): True attends in a boolean mask; 0 attends and ``-inf`` (or at most the
-    dtype's lowest finite value) masks in a float one."""
+    dtype's lowest finite value) masks in a float one. A :class:`Lazy` mask is compared in blocks
+    of rows (``passes/mask_blocks.py``) within ``EVAL_BUDGET_BYTES``."""
+    if isinstance(mask, Lazy):
+        return causal_blockwise(mask, rows, cols, EVAL_BUDGET_BYTES, diagonal_vector)
     if mask is None or mask.dim() < 2 or not (mask.dtype == torch.bool or mask.dtype.is_floating_point):
         return False
     try:
@@ -344,11 +400,7 @@ def is_causal_mask(mask: torch.Tensor | None, rows: int, cols: int) -> bool:
         return False
     # one slice of every broadcast leading dim; a materialized one is compared in full
     m = m[tuple(0 if m.shape[d] == 1 or m.stride(d) == 0 else slice(None) for d in range(m.dim() - 2))]
-    causal = torch.ones(rows, cols, dtype=torch.bool).tril()
-    if m.dtype == torch.bool:
-        return bool((m == causal).all())
-    masked = (m == float("-inf")) | (m <= torch.finfo(m.dtype).min)
-    return bool(((m == 0) == causal).all() and (masked == ~causal).all())
+    return matches_causal(m, torch.ones(rows, cols, dtype=torch.bool).tril())
 
 
 def _erase_dead(masks: set[fx.Node]) -> None:

@@ -191,7 +191,9 @@ def test_is_causal_mask_reads_one_slice_of_broadcast_dims():
 
 
 def test_mask_too_large_to_evaluate_is_left_alone(monkeypatch):
-    """Past the evaluation budget the mask cannot be proven causal: it stays (never guessed)."""
+    """Under a budget smaller than the mask and too small for the values it is computed from, it
+    cannot be proven causal: it stays (never guessed). A mask over the budget that is proven
+    without being held: tests/test_mask_blocks.py."""
     import autopar.passes.causal_mask as cm
 
     model, batch = llama_tiny(batch=2, seq=16)
