@@ -92,7 +92,7 @@ from torch.distributed.tensor import DTensor
 
 from autopar.codegen import collectives as C
 from autopar.codegen.local_params import grad_like, leaf_of
-from autopar.codegen.zero_one import share_axes, share_index, share_placements
+from autopar.codegen.zero_one import share_axes, share_index, share_placements, share_rows, slot_elements
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -291,16 +291,21 @@ class GradSync:
 
     def _start_scatter(self, b: _Bucket, members: list) -> None:
         """Reduce-scatter ``members``' gradients into this rank's shares (module docstring): the
-        outer axis's asynchronously, the others in ``finish``. The whole gradients are dropped
-        from ``.grad`` here (the laid-out copy holds them), so they are freed as the copy is."""
+        outer axis's asynchronously, the others in ``finish``. Each member takes ``d`` slots of
+        ``c`` rows (``share_rows``; an uneven cut padded with zeros). The whole gradients are
+        dropped from ``.grad`` here (the laid-out copy holds them), so they are freed as it is."""
         d = math.prod(self._mesh.size(a) for a in b.scatter)
-        rows = [_local(g).reshape(d, -1) for _, g, _ in members]
-        laid = rows[0] if len(rows) == 1 else torch.cat(rows, dim=1)
-        parts = []
+        rows, parts = [], []
         for p, g, add in members:
-            parts.append((p, _local(g).numel() // d))
+            flat = _local(g).reshape(_local(g).shape[0], -1)
+            c = share_rows(flat.shape[0], d, 0)[2]
+            if c * d > flat.shape[0]:
+                flat = torch.cat([flat, flat.new_zeros(c * d - flat.shape[0], flat.shape[1])])
+            rows.append(flat.reshape(d, -1))
+            parts.append(p)
             if not add:
                 p.grad = None
+        laid = rows[0] if len(rows) == 1 else torch.cat(rows, dim=1)
         a = b.scatter[0]
         out = laid.new_empty(laid.numel() // self._mesh.size(a))
         work = C.scatter_into(out, laid.reshape(-1), group=C.axis_group(self._mesh, a), async_op=True)
@@ -314,24 +319,29 @@ class GradSync:
             nxt = out.new_empty(out.numel() // self._mesh.size(a))
             C.scatter_into(nxt, out, group=C.axis_group(self._mesh, a))
             out = nxt
+        d = math.prod(self._mesh.size(a) for a in b.scatter)
+        r = share_index(self._mesh, b.scatter)
         off = 0
-        for p, n in parts:
+        for p in parts:
             local = p._local_tensor
-            piece = out[off : off + n].view(local.shape[0] * n // local.numel(), *local.shape[1:])
-            off += n
+            start, stop, _ = share_rows(local.shape[0], d, r)
+            row = local.numel() // max(local.shape[0], 1)
+            piece = out[off : off + (stop - start) * row].view(stop - start, *local.shape[1:])
+            off += slot_elements(p, d)
             g = p.grad
-            if g is None:
-                p.grad = DTensor.from_local(
-                    piece, p.device_mesh, share_placements(p, b.scatter), run_check=False
-                )
-            elif _local(g).shape == piece.shape:  # a share kept from an earlier backward
+            if g is not None and _local(g).shape == piece.shape:  # a share kept from an earlier backward
                 _local(g).add_(piece)
-            else:  # a whole gradient kept (set by hand): its share, plus this one
-                d = math.prod(self._mesh.size(a) for a in b.scatter)
-                mine = _local(g).chunk(d, dim=0)[share_index(self._mesh, b.scatter)] + piece
-                p.grad = DTensor.from_local(
-                    mine, p.device_mesh, share_placements(p, b.scatter), run_check=False
-                )
+                continue
+            if g is not None:  # a whole gradient kept (set by hand): its share, plus this one
+                piece = _local(g)[start:stop] + piece
+            p.grad = DTensor.from_local(
+                piece,
+                p.device_mesh,
+                share_placements(p, b.scatter),
+                run_check=False,
+                shape=p.shape,
+                stride=p.stride(),
+            )
 
     def finish(self) -> None:
         """Start the incomplete buckets and wait for every reduction started in this backward

@@ -70,6 +70,8 @@ __all__ = [
     "share_axes",
     "share_index",
     "share_placements",
+    "share_rows",
+    "slot_elements",
     "wait_param",
     "wait_params",
 ]
@@ -99,17 +101,37 @@ def share_placements(p: DTensor, axes: tuple[int, ...]):
 def share_axes(p: torch.Tensor, mesh: DeviceMesh, axes: Sequence[int]) -> tuple[int, ...]:
     """The data axes (of ``axes``) parameter ``p`` is cut into shares over: those of more than one
     rank it is whole on (``Replicate``; an expert split on one of them is shared over the others),
-    in mesh order; none where its local piece does not cut evenly on dim 0 (or is a scalar, or not
-    contiguous): such a parameter is its own share on every rank. The gradient buckets use the same
-    rule (``passes/grad_sync.py:scatters``), so a bucket of shares is reduce-scattered into them."""
+    in mesh order; none for a scalar or a local piece that is not contiguous, and none where dim 0
+    does not divide by their sizes' product unless the cut is one DTensor can say (``uneven``):
+    such a parameter is its own share on every rank. The gradient buckets use the same rule
+    (``passes/grad_sync.py:scatters``), so a bucket of shares is reduce-scattered into them."""
     if not isinstance(p, DTensor):
         return ()
     on = tuple(a for a in sorted(axes) if mesh.size(a) > 1 and isinstance(p.placements[a], Replicate))
     local = p._local_tensor
-    d = math.prod(mesh.size(a) for a in on)
-    if not on or local.dim() == 0 or local.shape[0] % d or not local.is_contiguous():
+    if not on or local.dim() == 0 or not local.is_contiguous():
+        return ()
+    if local.shape[0] % math.prod(mesh.size(a) for a in on) and not uneven_ok(p.placements, on, p.dim()):
         return ()
     return on
+
+
+def uneven_ok(placements, on: tuple[int, ...], ndim: int) -> bool:
+    """Whether shares over ``on`` may be uneven (``share_rows``): over one axis, with no later axis
+    sharding dim 0 too, the cut is DTensor's own uneven ``Shard(0)`` (``torch.chunk``'s); over
+    several, or strided over a later axis's pieces, DTensor's nested cut would differ from the
+    shares' (then only an even cut is taken)."""
+    if len(on) != 1:
+        return False
+    return not any(b > on[0] and is_shard(q) and q.dim % max(ndim, 1) == 0 for b, q in enumerate(placements))
+
+
+def share_rows(rows: int, d: int, r: int) -> tuple[int, int, int]:
+    """Share ``r`` of ``d`` of ``rows`` rows, as ``torch.chunk`` (and DTensor's ``Shard``) cut
+    them: ``c = ceil(rows / d)`` rows a share, the last ones shorter or empty; (start, stop, c).
+    Collectives carry ``c`` rows for every share (padded), so their pieces are equal."""
+    c = -(-rows // d)
+    return min(rows, r * c), min(rows, (r + 1) * c), c
 
 
 def share_index(mesh: DeviceMesh, axes: tuple[int, ...]) -> int:
@@ -118,6 +140,12 @@ def share_index(mesh: DeviceMesh, axes: tuple[int, ...]) -> int:
     for a in axes:
         r = r * mesh.size(a) + mesh.get_local_rank(a)
     return r
+
+
+def slot_elements(p: torch.Tensor, d: int) -> int:
+    """Elements a share of ``p`` takes in a gather or reduce-scatter: ``c`` rows (``share_rows``)."""
+    local = p._local_tensor
+    return share_rows(local.shape[0], d, 0)[2] * (local.numel() // max(local.shape[0], 1))
 
 
 class ZeroOneOptimizer(torch.optim.Optimizer):
@@ -157,9 +185,17 @@ class ZeroOneOptimizer(torch.optim.Optimizer):
             if not on:
                 self.shares[id(p)] = p
                 continue
-            view = p._local_tensor.detach().chunk(self._size(on), dim=0)[self._rank(on)]
+            local = p._local_tensor.detach()
+            start, stop, _ = share_rows(local.shape[0], self._size(on), self._rank(on))
             share = torch.nn.Parameter(
-                DTensor.from_local(view, mesh, share_placements(p, on), run_check=False)
+                DTensor.from_local(
+                    local[start:stop],
+                    mesh,
+                    share_placements(p, on),
+                    run_check=False,
+                    shape=p.shape,
+                    stride=p.stride(),
+                )
             )
             self.shares[id(p)] = share
             self._split.append((p, share, on))
@@ -188,7 +224,8 @@ class ZeroOneOptimizer(torch.optim.Optimizer):
         ranked = sorted(self._split, key=lambda ps: self._order.get(id(ps[0]), last))  # stable
         buckets, size = [[]], 0
         for p, share, on in ranked:
-            nbytes = share._local_tensor.numel() * share._local_tensor.element_size()
+            # the slot, not the share: uneven shares differ by rank, the buckets may not
+            nbytes = slot_elements(p, self._size(on)) * share._local_tensor.element_size()
             prev = buckets[-1]
             if prev and (size + nbytes > BUCKET_BYTES or share.dtype != prev[0][1].dtype or on != prev[0][2]):
                 buckets.append([])
@@ -210,8 +247,11 @@ class ZeroOneOptimizer(torch.optim.Optimizer):
                 continue
             g = p.grad._local_tensor if isinstance(p.grad, DTensor) else p.grad
             if g.shape != share._local_tensor.shape:  # whole (all-reduced), not reduce-scattered
-                g = g.chunk(self._size(on), dim=0)[self._rank(on)]
-            share.grad = DTensor.from_local(g, self.mesh, share.placements, run_check=False)
+                start, stop, _ = share_rows(g.shape[0], self._size(on), self._rank(on))
+                g = g[start:stop]
+            share.grad = DTensor.from_local(
+                g, self.mesh, share.placements, run_check=False, shape=share.shape, stride=share.stride()
+            )
         self.inner.step()
         for _, share, _ in self._split:
             share.grad = None
@@ -230,7 +270,16 @@ class ZeroOneOptimizer(torch.optim.Optimizer):
         j, self._next = self._next, self._next + 1
         bucket = self._buckets[j]
         on = bucket[0][2]
-        parts = torch.cat([s._local_tensor.reshape(-1) for _, s, _ in bucket])
+        d = self._size(on)
+        slots = [slot_elements(p, d) for p, _, _ in bucket]
+        if all(s._local_tensor.numel() == n for (_, s, _), n in zip(bucket, slots)):
+            parts = torch.cat([s._local_tensor.reshape(-1) for _, s, _ in bucket])
+        else:  # uneven shares: each in a slot of ``c`` rows (share_rows), the rest padding
+            parts = bucket[0][1]._local_tensor.new_zeros(sum(slots))
+            off = 0
+            for (_, s, _), n in zip(bucket, slots):
+                parts[off : off + s._local_tensor.numel()].copy_(s._local_tensor.reshape(-1))
+                off += n
         n = parts.numel()
         work = None
         for k, a in enumerate(reversed(on)):
@@ -254,12 +303,14 @@ class ZeroOneOptimizer(torch.optim.Optimizer):
             on = self._buckets[j][0][2]
             d, r = self._size(on), self._rank(on)
             off = 0
-            for p, s, _ in self._buckets[j]:
-                n = s._local_tensor.numel()
-                for q, part in enumerate(p._local_tensor.chunk(d, dim=0)):
-                    if q != r:
-                        part.copy_(parts[q, off : off + n].view_as(part))
-                off += n
+            for p, _, _ in self._buckets[j]:
+                local = p._local_tensor
+                for q in range(d):
+                    start, stop, _ = share_rows(local.shape[0], d, q)
+                    if q != r and stop > start:
+                        part = local[start:stop]
+                        part.copy_(parts[q, off : off + part.numel()].view_as(part))
+                off += slot_elements(p, d)
                 setattr(p, PENDING_ATTR, None)
             if self._next < len(self._buckets):
                 self._start_next()

@@ -237,13 +237,18 @@ def scatters(
 ) -> bool:
     """Whether ZeRO-1 reduce-scatters the gradient of a parameter of ``shape`` stored as ``spec``
     and reduced over ``axes``: its optimizer cuts it into shares on dim 0 of its local piece over
-    the data axes (``scatter_axes``) of more than one rank it is whole on (``codegen/zero_one.py:
-    share_axes``), those are exactly ``axes``, and dim 0 divides by their sizes' product."""
+    the data axes (``scatter_axes``) of more than one rank it is whole on, and those are exactly
+    ``axes``; dim 0 divides by their sizes' product, or the uneven cut is one DTensor can say
+    (``codegen/zero_one.py:share_axes``, ``uneven_ok``: one axis, no later axis sharding dim 0)."""
     on = tuple(a for a in sorted(scatter_axes) if mesh_shape[a] > 1 and not is_shard(spec[a]))
     if not on or tuple(sorted(axes)) != on or not len(shape):
         return False
     rows = local_shape(shape, spec, mesh_shape)[0]
-    return rows % math.prod(mesh_shape[a] for a in on) == 0
+    if rows % math.prod(mesh_shape[a] for a in on) == 0:
+        return True
+    return len(on) == 1 and not any(
+        b > on[0] and is_shard(q) and q.dim % len(shape) == 0 for b, q in enumerate(spec)
+    )
 
 
 def bucket_all_reduce_s(bucket: Bucket, comm: CommModel) -> tuple[float, float]:
