@@ -1,0 +1,195 @@
+r"""Expert parallelism over an axis that spans nodes: each token crosses the inter-node link once per
+node that holds any of its experts (DeepEP's normal-mode dispatch and combine, as Megatron-Core's
+``MoEFlexTokenDispatcher`` runs it), instead of once per (token, expert) pair as the flat
+all-to-all of ``codegen/experts.py:expert_parallel`` sends it.
+
+Layout. Mesh axis ``axis`` of ``n`` ranks, ``m`` of them in each node: coordinates ``q m .. q m +
+m - 1`` are node ``q`` (``N = n / m`` nodes; ranks are numbered node by node and an axis's group
+is a run of consecutive ranks, ``cost_model/comm.py:node_split``: on CPU/gloo ranks the "nodes"
+are these runs). Coordinate ``r = q m + l`` (``l`` its local index) holds experts ``r E/n .. (r+1)
+E/n - 1``, as the flat form does, so node ``q`` holds ``q E/N .. (q+1) E/N - 1``. Two groups of
+the axis: the *rail* of ``r``, the ``N`` coordinates ``q' m + l`` with its local index (one per
+node, joined by the inter-node network: a rail-aligned all-to-all), and its *node*, the ``m``
+coordinates ``q m + l'`` (joined by NVLink).
+
+One dispatch level (``_dedup``): a group of ``G`` members, each holding the experts of one block
+(``B = E / G`` consecutive experts). For each token ``t`` with destination blocks ``D_t = {ids[t,
+j] // B}``:
+
+1. counts first: the copies for each member (``|{t : d in D_t}|``), one all-to-all of ``G`` int64;
+2. one copy of ``x[t]``, of ``weights[t]`` and of ``ids[t]`` to each member ``d in D_t``, ordered
+   by member, then token (three all-to-alls: rows, weights, ids);
+3. each member computes, for each copy it received, the *partial* sum over the pairs of the copy
+   whose experts it holds, ``p_d[t] = sum_{j : ids[t,j] in block d} weights[t,j] expert(x[t])``
+   (the level below, or at the bottom ``moe_experts`` on the rank's experts, where a pair outside
+   them contributes nothing);
+4. the partials back, one row per copy (one all-to-all), summed at home over ``d in D_t`` in
+   increasing ``d``: ``out[t] = (..(p_{d_0}[t] + p_{d_1}[t]) + ..)``, starting from zeros.
+
+The hierarchical dispatch is two levels: the rail (``G = N``, a block a node's experts), whose
+step 3 is the node level (``G = m``, a block one rank's experts) on the copies that arrived,
+whose step 3 is ``moe_experts`` on the rank's experts. So a token crosses the inter-node link
+once per destination node and fans out over NVLink once per destination rank inside it; its
+result is summed inside the destination rank over its pairs there, inside the destination node
+over its ranks, and at home over its nodes.
+
+Summation order (fixed): ``out[t] = sum_q^{asc} (sum_l^{asc} (sum_j^{order of moe_experts}
+w_{tj} y_{tj}))`` over the destination nodes ``q``, their ranks ``l`` and the token's pairs on
+that rank; the single-device op sums over ``j`` alone, so the two agree up to the rounding of a
+reordered sum (tests scale their tolerance with the values). Each step of the forward sums a
+fixed number of terms in a fixed order; nothing depends on the arrival of messages.
+
+Autograd: every all-to-all of rows or weights is ``codegen/experts.py:all_to_all_rows``, whose
+backward sends the gradient back the way the rows came; counts and ids carry none. Gradients:
+``x``'s and ``weights``' rows of this rank, the gradient of this rank's slice of the experts'
+weights (every token routed to them), as the flat form gives. Dropless (no capacity). Rows
+travel in the experts' matmuls' dtype (``autocast_operands``), the partials too.
+
+Collectives per level and direction, in this order: counts (``G`` int64), rows (``copies x H``
+in the op dtype), weights (``copies x k`` in the weights' dtype), ids (``copies x k`` int64), then
+the partials back (``copies x H``); backward: the partials' gradient forward, the rows' and
+weights' back. ``autopar/lowerings/experts.py:EXPERT_NODE_ALL_TO_ALL`` prices exactly these.
+
+Groups: the rail and node groups are made once per (mesh, axis, m) on first use, each by its own
+members only (``new_group(use_local_synchronization=True)``), so ranks that never run the layer
+(other pipeline stages) need not take part.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+from torch.distributed.device_mesh import DeviceMesh
+
+from autopar.codegen.collectives import current_mesh
+from autopar.kernels.moe import Act, autocast_operands, moe_experts
+
+_GROUPS: dict[tuple, dist.ProcessGroup] = {}
+
+
+def _group(ranks: list[int]) -> dist.ProcessGroup:
+    key = tuple(ranks)
+    if key not in _GROUPS:
+        _GROUPS[key] = dist.new_group(ranks, use_local_synchronization=True)
+    return _GROUPS[key]
+
+
+def axis_ranks(mesh: DeviceMesh, axis: int) -> list[int]:
+    """The global ranks of this rank's group along ``axis``, by coordinate."""
+    coord = mesh.get_coordinate()
+    index = tuple(slice(None) if a == axis else c for a, c in enumerate(coord))
+    return mesh.mesh[index].tolist()
+
+
+def node_groups(mesh: DeviceMesh, axis: int, m: int) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
+    """This rank's rail group (the axis's coordinates with its local index, one per node) and node
+    group (the ``m`` coordinates of its node), for ``m`` coordinates of ``axis`` per node."""
+    ranks = axis_ranks(mesh, axis)
+    n, r = len(ranks), mesh.get_local_rank(axis)
+    if m < 1 or n % m:
+        raise ValueError(
+            f"a node-deduplicated expert dispatch over {n} ranks with {m} per node: the axis must span "
+            "whole nodes (plan with the flat all-to-all where it does not)"
+        )
+    q, local = divmod(r, m)
+    return _group(ranks[local::m]), _group(ranks[q * m : (q + 1) * m])
+
+
+def _exchange(x: Tensor, send: list[int], recv: list[int], group) -> Tensor:
+    x = x.contiguous()
+    out = x.new_empty((sum(recv), *x.shape[1:]))
+    dist.all_to_all_single(out, x, output_split_sizes=recv, input_split_sizes=send, group=group)
+    return out
+
+
+class _AllToAllV(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, send, recv, group):
+        ctx.splits, ctx.group = (send, recv), group
+        return _exchange(x, send, recv, group)
+
+    @staticmethod
+    def backward(ctx, g):
+        send, recv = ctx.splits
+        return _exchange(g, recv, send, ctx.group), None, None, None
+
+
+def destinations(ids: Tensor, block: int, size: int, first: int = 0) -> tuple[Tensor, Tensor, Tensor]:
+    """For routing ``ids`` ``[T, k]`` and ``size`` members holding ``block`` experts each, member
+    ``d`` experts ``(first + d) block ..``: the copies to send, ordered by member then token, as
+    (member, token) index pairs, and the copies per member ``[size]``. A token goes once to each
+    member that holds any of its experts; pairs of experts no member holds go nowhere (a copy that
+    reached a node carries its pairs on other nodes too)."""
+    tokens, k = ids.shape
+    member = (torch.div(ids, block, rounding_mode="floor") - first).t().reshape(-1)
+    token = torch.arange(tokens, device=ids.device).repeat(k)
+    held = (member >= 0) & (member < size)
+    hit = torch.zeros(size, tokens, dtype=torch.bool, device=ids.device)
+    hit[member[held], token[held]] = True
+    member, token = hit.nonzero(as_tuple=True)  # row-major: by member, then token
+    return member, token, hit.sum(1)
+
+
+def _dedup(
+    x: Tensor, weights: Tensor, ids: Tensor, block: int, first: int, group, size: int, inner: Callable
+) -> Tensor:
+    """One dispatch level over ``group`` of ``size`` members (module docstring): each token's
+    rows once to each member holding any of its experts, ``inner`` there, partials back, summed
+    at home in member order."""
+    _, token, counts = destinations(ids, block, size, first)
+    recv_counts = torch.empty_like(counts)
+    dist.all_to_all_single(recv_counts, counts.contiguous(), group=group)
+    send, recv = counts.tolist(), recv_counts.tolist()
+    rows = _AllToAllV.apply(x[token], send, recv, group)
+    w = _AllToAllV.apply(weights[token], send, recv, group)
+    i = _exchange(ids[token], send, recv, group)
+    back = _AllToAllV.apply(inner(rows, w, i), recv, send, group)
+    out = x.new_zeros(x.shape[0], back.shape[1], dtype=back.dtype)
+    start = 0
+    for c in send:  # members in increasing order; one member's tokens are distinct
+        out = out.index_add(0, token[start : start + c], back[start : start + c])
+        start += c
+    return out
+
+
+def expert_parallel_nodes(
+    x: Tensor,
+    weights: Tensor,
+    ids: Tensor,
+    w_in: Tensor,
+    w_up: Tensor | None,
+    w_out: Tensor,
+    act: str | Act,
+    gated: bool,
+    transposed: bool,
+    num_experts: int,
+    axis: int,
+    ranks_per_node: int,
+) -> Tensor:
+    """This rank's rows of the layer's output, its tokens dispatched once per destination node over
+    the rail, then once per destination rank inside the node, and combined the reverse way
+    (module docstring). ``ranks_per_node``: the coordinates of ``axis`` in one node."""
+    act = Act.of(act)
+    mesh = current_mesh()
+    n, m = mesh.size(axis), ranks_per_node
+    if num_experts % n or w_in.shape[0] != num_experts // n:
+        raise ValueError(
+            f"expert parallelism over {n} ranks: each holds num_experts / {n} experts, {num_experts} / {n}; "
+            f"this rank's w_in holds {w_in.shape[0]} (split the experts in {n} equal contiguous blocks)"
+        )
+    rail, node = node_groups(mesh, axis, m)
+    dtype = x.dtype
+    x, w_in, w_up, w_out = autocast_operands(x, w_in, w_up, w_out)
+    first = mesh.get_local_rank(axis) * (num_experts // n)
+
+    def on_rank(rows, w, i):
+        return moe_experts(rows, w, i, w_in, w_up, w_out, act.value, gated, transposed, num_experts, first)
+
+    def on_node(rows, w, i):  # the copies that reached this node: to its ranks (node q's first is q m)
+        return _dedup(rows, w, i, num_experts // n, first_rank, node, m, on_rank)
+
+    first_rank = mesh.get_local_rank(axis) // m * m
+    return _dedup(x.to(w_in.dtype), weights, ids, num_experts // (n // m), 0, rail, n // m, on_node).to(dtype)
