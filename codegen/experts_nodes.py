@@ -67,14 +67,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from autopar.codegen.collectives import current_mesh
 from autopar.kernels.moe import Act, autocast_operands, moe_experts
 
-_GROUPS: dict[tuple, dist.ProcessGroup] = {}
-
-
-def _group(ranks: list[int]) -> dist.ProcessGroup:
-    key = tuple(ranks)
-    if key not in _GROUPS:
-        _GROUPS[key] = dist.new_group(ranks, use_local_synchronization=True)
-    return _GROUPS[key]
+# the mesh attribute that keeps its groups made here: (axis, m) -> (rail, node)
+NODE_GROUPS_ATTR = "_autopar_node_groups"
 
 
 def axis_ranks(mesh: DeviceMesh, axis: int) -> list[int]:
@@ -84,9 +78,13 @@ def axis_ranks(mesh: DeviceMesh, axis: int) -> list[int]:
     return mesh.mesh[index].tolist()
 
 
-def node_groups(mesh: DeviceMesh, axis: int, m: int) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
+def node_groups(
+    mesh: DeviceMesh, axis: int, m: int
+) -> tuple[dist.ProcessGroup | None, dist.ProcessGroup | None]:
     """This rank's rail group (the axis's coordinates with its local index, one per node) and node
-    group (the ``m`` coordinates of its node), for ``m`` coordinates of ``axis`` per node."""
+    group (the ``m`` coordinates of its node), for ``m`` coordinates of ``axis`` per node; None
+    for a group of one rank (no collective runs there). Made on first use and kept on the mesh
+    (a new process group, a new mesh: new groups)."""
     ranks = axis_ranks(mesh, axis)
     n, r = len(ranks), mesh.get_local_rank(axis)
     if m < 1 or n % m:
@@ -94,8 +92,14 @@ def node_groups(mesh: DeviceMesh, axis: int, m: int) -> tuple[dist.ProcessGroup,
             f"a node-deduplicated expert dispatch over {n} ranks with {m} per node: the axis must span "
             "whole nodes (plan with the flat all-to-all where it does not)"
         )
-    q, local = divmod(r, m)
-    return _group(ranks[local::m]), _group(ranks[q * m : (q + 1) * m])
+    cache = mesh.__dict__.setdefault(NODE_GROUPS_ATTR, {})
+    if (axis, m) not in cache:
+        q, local = divmod(r, m)
+        cache[axis, m] = tuple(
+            dist.new_group(members, use_local_synchronization=True) if len(members) > 1 else None
+            for members in (ranks[local::m], ranks[q * m : (q + 1) * m])
+        )
+    return cache[axis, m]
 
 
 def _exchange(x: Tensor, send: list[int], recv: list[int], group) -> Tensor:
@@ -138,7 +142,10 @@ def _dedup(
 ) -> Tensor:
     """One dispatch level over ``group`` of ``size`` members (module docstring): each token's
     rows once to each member holding any of its experts, ``inner`` there, partials back, summed
-    at home in member order."""
+    at home in member order. A group of one rank (None): ``inner`` on every copy, which is every
+    token (each has a pair there), the same sums."""
+    if group is None:
+        return inner(x, weights, ids)
     _, token, counts = destinations(ids, block, size, first)
     recv_counts = torch.empty_like(counts)
     dist.all_to_all_single(recv_counts, counts.contiguous(), group=group)

@@ -59,29 +59,33 @@ def _drawn(count: int) -> list[Case]:
 
 
 def _counting():
-    """Record (group size, rows sent to other members, bytes each) of every all-to-all the node
-    dispatch issues in forward; returns the record and the undo."""
+    """Record (process group, bytes sent) of every all-to-all issued until the undo (the node
+    dispatch's forward); returns the record and the undo."""
     import torch.distributed as dist
 
-    from autopar.codegen import experts_nodes
-
-    sent: list[tuple[int, list[int], int]] = []
+    sent: list[tuple] = []
     real = dist.all_to_all_single
 
-    def counted(out, inp, output_split_sizes=None, input_split_sizes=None, group=None, **kw):
-        size = dist.get_world_size(group)
-        me = dist.get_rank(group)
-        splits = input_split_sizes or [inp.shape[0] // size] * size
-        row = inp[0].numel() * inp.element_size() if inp.shape[0] else 0
-        sent.append((size, [c for d, c in enumerate(splits) if d != me], row, inp.dtype))
-        return real(out, inp, output_split_sizes, input_split_sizes, group=group, **kw)
+    def counted(out, inp, *args, group=None, **kw):
+        sent.append((group, inp.numel() * inp.element_size()))
+        return real(out, inp, *args, group=group, **kw)
 
-    experts_nodes.dist.all_to_all_single = counted
+    dist.all_to_all_single = counted
 
     def undo():
-        experts_nodes.dist.all_to_all_single = real
+        dist.all_to_all_single = real
 
     return sent, undo
+
+
+def _parts(sent, m):
+    """The record with each group named by its part of the axis (``node_groups``)."""
+    from autopar.codegen.collectives import current_mesh
+    from autopar.codegen.experts_nodes import NODE_GROUPS_ATTR
+    from autopar.reshard import AxisGroup
+
+    rail, node = current_mesh().__dict__[NODE_GROUPS_ATTR][0, m]
+    return [(AxisGroup.RAIL if g is rail else AxisGroup.NODE if g is node else None, b) for g, b in sent]
 
 
 def _run(rank: int, case: Case, m: int, count: bool):
@@ -101,7 +105,7 @@ def _run(rank: int, case: Case, m: int, count: bool):
         finally:
             undo()
         y.backward(mine["grad"])
-        out[name] = (y.detach(), _grads(leaves), sent)
+        out[name] = (y.detach(), _grads(leaves), _parts(sent, m) if sent is not None else None)
     return out
 
 
@@ -158,3 +162,47 @@ def test_node_dispatch_equals_flat_and_one_device():
                 gscale = want_grads[name].abs().max() if want_grads[name].numel() else 1.0
                 _near(g, want, gscale, f"grad {name} vs one device, {what}")
                 _near(g, flat_grads[name], gscale, f"grad {name} vs flat, {what}")
+
+
+def _copies(case: Case, m: int, rank: int) -> tuple[int, int, int, int]:
+    """The rows ``rank`` sends over its rail (one per its tokens' destination nodes) and inside its
+    node (one per destination rank there, of each copy its rail brought), and the rows it receives
+    over each (which it sends back)."""
+    ids = _tensors(case)["ids"]
+    per = case.experts // WORLD
+    node, local = divmod(rank, m)
+
+    def node_of(e):
+        return e // (per * m)
+
+    rail = sum(len({node_of(e) for e in t}) for t in ids[_rows(case, rank)].tolist())
+    arrived = [
+        t for src in range(local, WORLD, m) for t in ids[_rows(case, src)].tolist() if node in map(node_of, t)
+    ]
+    inside = sum(len({e // per for e in t if node_of(e) == node}) for t in arrived)
+    # inside the node, from each rank of it, the copies its rail brought that have a pair here
+    got = sum(
+        rank in {e // per for e in t}
+        for peer in range(node * m, node * m + m)
+        for src in range(peer % m, WORLD, m)
+        for t in ids[_rows(case, src)].tolist()
+        if node in map(node_of, t)
+    )
+    return rail, inside, len(arrived), got
+
+
+def test_node_dispatch_sends_what_its_lowering_prices():
+    """Per stage, the bytes each rank's forward all-to-alls send (counts, rows, weights, ids,
+    partials back) on each routing equal ``node_dispatch_calls`` at the routing's own copies: one
+    row per (token, destination node) over the rail, one per (copy, destination rank) inside."""
+    from autopar.lowerings import Phase
+    from autopar.lowerings.experts import node_dispatch_calls
+
+    jobs, per_rank = _results()
+    for j, (case, m) in enumerate(jobs):
+        for rank in range(WORLD):
+            rail, inside, *received = _copies(case, m, rank)
+            calls = node_dispatch_calls(0, WORLD // m, m, rail, inside, case.k, case.hidden * 8, 8, received)
+            want = [(c.group, c.nbytes) for c in calls if c.phase is Phase.FORWARD]
+            got = per_rank[rank][j]["nodes"][2]
+            assert got == want, (rank, m, case)

@@ -49,9 +49,10 @@ from dataclasses import dataclass
 
 import torch.fx as fx
 
-from autopar.reshard import Collective, CollectiveCall, Phase
+from autopar.reshard import AxisGroup, Collective, CollectiveCall, Phase
 
 __all__ = [
+    "AxisGroup",
     "Collective",
     "LOWERINGS",
     "Lowering",
@@ -80,6 +81,8 @@ class LoweringCall:
     # runs in: under mixed precision the half type (``LoweringPlan.in_dtype``); False: a dtype of
     # its own (a loss's fp32 sums, accumulated gradients)
     op_dtype: bool = False
+    # the part of the axis's group it runs over: a rail or a node of an axis that spans nodes
+    group: AxisGroup = AxisGroup.WHOLE
 
     def __post_init__(self) -> None:
         if self.axis < 0 or self.nbytes < 0:
@@ -90,7 +93,7 @@ class LoweringCall:
             raise ValueError(f"bad lowering call {self}: a call that hides needs a window")
 
     def collective(self) -> CollectiveCall:
-        return CollectiveCall(self.kind, self.axis, self.nbytes, self.phase)
+        return CollectiveCall(self.kind, self.axis, self.nbytes, self.phase, self.group)
 
 
 @dataclass(frozen=True)
