@@ -21,20 +21,20 @@ j] // B}``:
    by member, then token (three all-to-alls: rows, weights, ids);
 3. each member computes, for each copy it received, the *partial* sum over the pairs of the copy
    whose experts it holds, ``p_d[t] = sum_{j : ids[t,j] in block d} weights[t,j] expert(x[t])``
-   (the level below, or at the bottom ``moe_experts`` on the rank's experts, where a pair outside
-   them contributes nothing);
+   (the level below, or at the bottom ``local_pairs``: the experts' grouped MLPs on the rows of
+   the rank's own pairs only, a pair outside its experts contributing nothing);
 4. the partials back, one row per copy (one all-to-all), summed at home over ``d in D_t`` in
    increasing ``d``: ``out[t] = (..(p_{d_0}[t] + p_{d_1}[t]) + ..)``, starting from zeros.
 
 The hierarchical dispatch is two levels: the rail (``G = N``, a block a node's experts), whose
 step 3 is the node level (``G = m``, a block one rank's experts) on the copies that arrived,
-whose step 3 is ``moe_experts`` on the rank's experts. So a token crosses the inter-node link
+whose step 3 is ``local_pairs`` on the rank's experts. So a token crosses the inter-node link
 once per destination node and fans out over NVLink once per destination rank inside it; its
 result is summed inside the destination rank over its pairs there, inside the destination node
 over its ranks, and at home over its nodes.
 
-Summation order (fixed): ``out[t] = sum_q^{asc} (sum_l^{asc} (sum_j^{order of moe_experts}
-w_{tj} y_{tj}))`` over the destination nodes ``q``, their ranks ``l`` and the token's pairs on
+Summation order (fixed): ``out[t] = sum_q^{asc} (sum_l^{asc} (sum_j^{asc} w_{tj} y_{tj}))``, each
+sum sequential from zeros, over the destination nodes ``q``, their ranks ``l`` and the token's pairs on
 that rank; the single-device op sums over ``j`` alone, so the two agree up to the rounding of a
 reordered sum (tests scale their tolerance with the values). Each step of the forward sums a
 fixed number of terms in a fixed order; nothing depends on the arrival of messages.
@@ -65,7 +65,7 @@ from torch import Tensor
 from torch.distributed.device_mesh import DeviceMesh
 
 from autopar.codegen.collectives import current_mesh
-from autopar.kernels.moe import Act, autocast_operands, moe_experts
+from autopar.kernels.moe import Act, autocast_operands, experts_mlp, route
 
 # the mesh attribute that keeps its groups made here: (axis, m) -> (rail, node)
 NODE_GROUPS_ATTR = "_autopar_node_groups"
@@ -162,6 +162,50 @@ def _dedup(
     return out
 
 
+def local_pairs(
+    rows: Tensor,
+    weights: Tensor,
+    ids: Tensor,
+    w_in: Tensor,
+    w_up: Tensor | None,
+    w_out: Tensor,
+    act: Act,
+    gated: bool,
+    transposed: bool,
+    num_experts: int,
+    first: int,
+) -> Tensor:
+    """Each copy's partial over the pairs of this rank's experts (``first ..``): ``moe_experts``'s
+    sum, but only those pairs' rows gathered and run (a copy carries all ``k`` of its token's
+    pairs, most of them elsewhere), each copy's terms added in increasing ``j`` from zeros: one
+    ``index_add`` per rank of a pair among its copy's local pairs, whose copies are distinct."""
+    tokens, k = ids.shape
+    routing = route(ids, num_experts, first, w_in.shape[0])
+    mine = routing.order[: int(routing.counts.sum())]
+    out = experts_mlp(
+        rows[torch.div(mine, k, rounding_mode="floor")],
+        routing.counts,
+        w_in,
+        w_up,
+        w_out,
+        act,
+        gated,
+        transposed,
+    )
+    weighted = out * weights.reshape(-1)[mine].unsqueeze(-1)
+    pair = torch.sort(mine).indices  # the local pairs by copy, then j
+    copy = torch.div(mine[pair], k, rounding_mode="floor")
+    first_of = torch.searchsorted(copy, copy)  # each pair's copy's first local pair
+    nth = torch.arange(copy.numel(), device=copy.device) - first_of
+    total = rows.new_zeros(tokens, rows.shape[1], dtype=weighted.dtype)
+    # once at least: a rank with no pair of its own still joins autograd's graph (its backward
+    # all-to-alls must run as every other rank's do)
+    for j in range(int(nth.max()) + 1 if nth.numel() else 1):
+        at = pair[nth == j]
+        total = total.index_add(0, torch.div(mine[at], k, rounding_mode="floor"), weighted[at])
+    return total.to(rows.dtype)  # the partials travel in the op dtype, as moe_experts returns them
+
+
 def expert_parallel_nodes(
     x: Tensor,
     weights: Tensor,
@@ -193,7 +237,7 @@ def expert_parallel_nodes(
     first = mesh.get_local_rank(axis) * (num_experts // n)
 
     def on_rank(rows, w, i):
-        return moe_experts(rows, w, i, w_in, w_up, w_out, act.value, gated, transposed, num_experts, first)
+        return local_pairs(rows, w, i, w_in, w_up, w_out, act, gated, transposed, num_experts, first)
 
     def on_node(rows, w, i):  # the copies that reached this node: to its ranks (node q's first is q m)
         return _dedup(rows, w, i, num_experts // n, first_rank, node, m, on_rank)

@@ -31,10 +31,10 @@ rows' element size (the op's dtype), ``w`` the router weights': per level (rail 
 D_N`` copies, then node with ``c = T D_n``): counts (``G`` int64), rows ``c H e``, weights ``c k
 w``, ids ``c k 8``, the node level inside the rail's, each level's partials back ``c H e``;
 backward, the partials' gradients forward and the rows' and weights' back. The rows move
-``skew`` times as many bytes on the busiest rank, as under the flat form. What the lowering
-keeps beyond the op: the rows its rail received (``T D_N H e``), read again in backward. The
-local permutes (gathers of the copies, the sum at home) are memory-bound copies of the same
-rows, not priced.
+``skew`` times as many bytes on the busiest rank, as under the flat form. It keeps nothing for
+backward beyond what the op keeps (the copies are gathered by index, and each rank's experts see
+only their own pairs' rows, as under the flat form). The local permutes (gathers of the copies,
+the sums at home) are memory-bound copies of the same rows, not priced.
 
 ``local_experts`` (experts split, tokens whole; ``codegen/experts.py:local_experts``): each rank
 runs the pairs of the experts it holds; its output is a summand, reduced by the reshard that reads
@@ -196,7 +196,7 @@ def _node_all_to_all(node: fx.Node, s, mesh_shape: tuple[int, ...]) -> LoweringP
     inside = tokens * expected_distinct(experts, k, m * nodes) * skew
     row = x.shape[1] * w_in.element_size()
     calls = node_dispatch_calls(a, nodes, m, rail, inside, k, row, weights.element_size())
-    return LoweringPlan(work=skew, calls=calls, saved_bytes=rail * row)
+    return LoweringPlan(work=skew, calls=calls)
 
 
 def ranks_per_node(node: fx.Node, mesh_shape: Sequence[int], axis: int) -> tuple[int, int] | None:
