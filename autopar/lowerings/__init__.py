@@ -30,6 +30,9 @@ Byte convention: a call's ``nbytes`` is what the comm model prices it at
 (``autopar/reshard.py:CollectiveCall``): the full tensor over the axis for a gather or
 reduce-scatter, the local tensor for an all-reduce or all-to-all, the bytes one rank sends for a
 point-to-point hop (``SEND_RECV``: one send to the next rank and one receive from the previous).
+A call's ``group`` says which ranks of its axis's group it runs over: all of them, or a rail or a
+node of an axis that spans whole nodes (``AxisGroup``: the expert dispatch once per node), priced
+on the inter- or intra-node link over those ranks (``cost_model/comm.py:CommModel.time``).
 
 Overlap: calls that share a ``window`` run while the same slice of the op's compute runs; together
 they cost ``max(0, sum of their seconds - hides * compute_s)``, with ``compute_s`` the op's own
