@@ -185,9 +185,14 @@ class ExpertDispatch(enum.Enum):
     a mesh axis and its tokens too (expert parallelism): ``ALL_TO_ALL`` sends each (token, expert)
     pair to the rank that holds its expert and the results back, as Megatron-Core's and
     torchtitan's dropless all-to-all dispatchers do (``codegen/experts.py``). Placements alone do
-    not say it: the op on local pieces would look up experts this rank does not hold."""
+    not say it: the op on local pieces would look up experts this rank does not hold.
+    ``NODE_ALL_TO_ALL``, on an axis whose group spans whole nodes: each token once to each node
+    that holds any of its experts (a rail-aligned all-to-all), then once to each rank there that
+    holds any (an all-to-all inside the node), the partial sums back the same way (DeepEP's
+    dispatch and combine; ``codegen/experts_nodes.py``)."""
 
     ALL_TO_ALL = "expert_all_to_all"
+    NODE_ALL_TO_ALL = "expert_node_all_to_all"
 
 
 class Matmul2D(enum.Enum):

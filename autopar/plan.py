@@ -59,7 +59,7 @@ from autopar.errors import PlanFormatError, PlanMismatchError
 from autopar.fusion import KernelUse
 from autopar.placement import VIA_NAMES, Outputs, Spec, is_shard, spec_from_str, via_from_str
 from autopar.plan_axes import axis_lines, replicated_line
-from autopar.reshard import Collective, CollectiveCall, Phase
+from autopar.reshard import AxisGroup, Collective, CollectiveCall, Phase
 from autopar.trades import Float8, Pipeline, Trades
 
 FLOAT8_RECIPES = tuple(f.value for f in Float8 if f is not Float8.OFF)
@@ -88,6 +88,7 @@ class PlannedCollective:
     phase: Phase
     site: Site
     bucket: int | None = None
+    group: AxisGroup = AxisGroup.WHOLE  # a rail or a node of the axis's group (expert dispatch once per node)
 
     def __post_init__(self) -> None:
         if self.axis < 0 or self.nbytes < 0:
@@ -97,11 +98,12 @@ class PlannedCollective:
 
     @classmethod
     def of(cls, call: CollectiveCall, site: Site, bucket: int | None = None) -> PlannedCollective:
-        return cls(call.kind, call.axis, call.nbytes, call.phase, site, bucket)
+        return cls(call.kind, call.axis, call.nbytes, call.phase, site, bucket, call.group)
 
     def __str__(self) -> str:
         where = f"bucket {self.bucket}" if self.bucket is not None else self.site.value
-        return f"{self.kind.value}@{self.axis} {self.phase.value} ({where}) {self.nbytes:.0f} B"
+        part = "" if self.group is AxisGroup.WHOLE else f" {self.group.value}"
+        return f"{self.kind.value}@{self.axis}{part} {self.phase.value} ({where}) {self.nbytes:.0f} B"
 
     def to_dict(self) -> dict[str, Any]:
         d = {
@@ -113,6 +115,8 @@ class PlannedCollective:
         }
         if self.bucket is not None:
             d["bucket"] = self.bucket
+        if self.group is not AxisGroup.WHOLE:
+            d["group"] = self.group.value
         return d
 
     @classmethod
@@ -121,7 +125,7 @@ class PlannedCollective:
             return _legacy_collective(d)
         return cls(
             Collective(d["kind"]), int(d["axis"]), float(d["nbytes"]), Phase(d["phase"]), Site(d["site"]),
-            d.get("bucket"),
+            d.get("bucket"), AxisGroup(d.get("group", AxisGroup.WHOLE.value)),
         )  # fmt: skip
 
 

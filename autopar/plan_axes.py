@@ -162,9 +162,12 @@ def axis_line(plan: Plan, a: int) -> str:
     moe = [d for d in ops if d.op == MOE]
     ep = [d for d in moe if _expert_split(d, a)]
     if ep:
+        on = _via_on(ep[0], a)
         how = (
             "by all-to-all"
-            if ExpertDispatch.ALL_TO_ALL in _via_on(ep[0], a)
+            if ExpertDispatch.ALL_TO_ALL in on
+            else "by all-to-all, once per node then inside it"
+            if ExpertDispatch.NODE_ALL_TO_ALL in on
             else "tokens whole, outputs summed"
         )
         what = "expert parallel" + (" and data parallel" if data else "") if what == "data parallel" else what

@@ -60,6 +60,7 @@ from __future__ import annotations
 
 import enum
 import functools
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -78,6 +79,43 @@ class Collective(enum.Enum):
     SEND_RECV = "send_recv"
     BROADCAST = "broadcast"  # one rank's tensor to every rank of the axis (SUMMA's steps)
     REDUCE = "reduce"  # the sum of the axis's tensors to one rank
+
+
+class AxisGroup(enum.Enum):
+    """The ranks of one mesh axis's group a collective runs over: all of them (``WHOLE``), or, on an
+    axis whose group spans whole nodes (``m`` of its ranks in each), the ranks with this rank's
+    local index, one per node (``RAIL``: the inter-node link), or the ``m`` of this rank's node
+    (``NODE``: the intra-node link). The node-deduplicated expert dispatch issues the last two
+    (``codegen/experts_nodes.py``)."""
+
+    WHOLE = "whole"
+    RAIL = "rail"
+    NODE = "node"
+
+
+def axis_nodes(mesh_shape: Sequence[int], axis: int, devices_per_node: int) -> tuple[int, int] | None:
+    """(m, k) when the groups of mesh axis ``axis`` span k > 1 whole nodes of ``devices_per_node``
+    devices with m of the axis's ranks in each (ranks row-major over the mesh, numbered node by
+    node: a group is ``mesh_shape[axis]`` ranks ``stride = prod(mesh_shape[axis+1:])`` apart, and
+    ``stride * m = devices_per_node``); None otherwise."""
+    stride = math.prod(mesh_shape[axis + 1 :])
+    n, d = mesh_shape[axis], devices_per_node
+    if stride >= d or stride * n <= d or d % stride or n % (d // stride):
+        return None
+    m = d // stride
+    return m, n // m
+
+
+def expert_nodes(mesh_shape: Sequence[int], axis: int, devices_per_node: int) -> tuple[int, int] | None:
+    """(m, N) for the expert dispatch once per node (``AxisGroup``): ``axis_nodes``, or, where each
+    of the axis's ``n > 1`` ranks lies in a node of its own (its stride a multiple of the node),
+    ``(1, n)``: every rail is the whole group, every node one rank. None where the group does not
+    span whole nodes."""
+    split = axis_nodes(mesh_shape, axis, devices_per_node)
+    if split is not None:
+        return split
+    stride, n = math.prod(mesh_shape[axis + 1 :]), mesh_shape[axis]
+    return (1, n) if n > 1 and stride % devices_per_node == 0 else None
 
 
 class Phase(enum.Enum):
@@ -107,6 +145,7 @@ class CollectiveCall:
     axis: int
     nbytes: float
     phase: Phase
+    group: AxisGroup = AxisGroup.WHOLE  # the part of the axis's group it runs over
 
     def __post_init__(self) -> None:
         if self.axis < 0 or self.nbytes < 0:

@@ -188,7 +188,11 @@ def _moe_layout(plan, moe) -> str:
     parts = []
     for a, n in enumerate(plan.mesh_shape):
         if n > 1 and is_shard(experts[a]) and experts[a].dim == 0:
-            how = "all-to-all" if a < len(via) and via[a] is ExpertDispatch.ALL_TO_ALL else "summands"
+            on = via[a] if a < len(via) else None
+            how = {
+                ExpertDispatch.ALL_TO_ALL: "all-to-all",
+                ExpertDispatch.NODE_ALL_TO_ALL: "all-to-all once per node",
+            }.get(on, "summands")
             parts.append(f"EP{n} on axis {a} ({how})")
         elif n > 1 and is_shard(experts[a]):  # each expert's intermediate dim (passes/rules/experts.py)
             parts.append(f"ETP{n} on axis {a}")

@@ -47,6 +47,7 @@ from torch.distributed.tensor import Shard
 from autopar.codegen import collectives as C
 from autopar.codegen import context_parallel as CP
 from autopar.codegen import experts as EX
+from autopar.codegen import experts_nodes as EXN
 from autopar.codegen import local_ops as L
 from autopar.codegen import summa as SM
 from autopar.errors import PlanMismatchError
@@ -55,7 +56,13 @@ from autopar.lowerings import float8 as F8
 from autopar.lowerings import lowering_of
 from autopar.lowerings.attention import ALL_TO_ALL, RING, SDPA_ARGS, is_causal, query_rows_axis
 from autopar.lowerings.batch_norm import BATCH_NORM
-from autopar.lowerings.experts import EXPERT_ALL_TO_ALL, experts_axis
+from autopar.lowerings.experts import (
+    EXPERT_ALL_TO_ALL,
+    EXPERT_NODE_ALL_TO_ALL,
+    NODES_META,
+    experts_axis,
+    ranks_per_node,
+)
 from autopar.lowerings.local import EMBEDDING, INDEX, MEAN, MSE, mean_dims
 from autopar.lowerings.loss import CROSS_ENTROPY_MEAN, LINEAR_CROSS_ENTROPY, fused_axes
 from autopar.lowerings.matmul_nd import MATMUL_2D, MATMUL_3D, OPERANDS, SUMMA, cube_axes, grid_axes, is_grid
@@ -68,6 +75,7 @@ from autopar.passes.rules.shape import arange_range
 from autopar.passes.strategies import Strategy
 from autopar.passes.trace import AUTOCAST_REGION, Role, TracedGraph, retarget_region
 from autopar.placement import (
+    ExpertDispatch,
     Outputs,
     R,
     Spec,
@@ -334,11 +342,21 @@ def _lower_ulysses(g, node, full: dict, a: int):
 def _lower_moe_experts(g, node, args, kwargs, s, mesh_shape):
     """A mixture-of-experts layer with its experts split over an axis
     (``autopar/lowerings/experts.py``): its pairs sent to their experts' ranks and back by
-    all-to-all, or, tokens whole, this rank's experts alone (a summand)."""
+    all-to-all (flat, or once per node where the axis spans nodes), or, tokens whole, this rank's
+    experts alone (a summand)."""
     how = lowering_of(node, s, mesh_shape)
+    if how is None and any(v is ExpertDispatch.NODE_ALL_TO_ALL for v in s.via):
+        raise PlanMismatchError(
+            f"{node.name}: the plan dispatches its experts once per node over an axis of {tuple(mesh_shape)} "
+            f"whose group spans no whole nodes of {node.meta.get(NODES_META)} devices: re-plan for this cluster"
+        )
     if how is None:
         return g.call_function(node.target, args, kwargs)
     full = list(args) + [kwargs[k] for k in ("first_expert",) if k in kwargs]
+    if how is EXPERT_NODE_ALL_TO_ALL:
+        a = experts_axis(s, mesh_shape)
+        m, _ = ranks_per_node(node, mesh_shape, a)
+        return g.call_function(EXN.expert_parallel_nodes, (*full[:10], a, m))
     call = EX.expert_parallel if how is EXPERT_ALL_TO_ALL else EX.local_experts
     return g.call_function(call, (*full[:10], experts_axis(s, mesh_shape)))
 

@@ -54,7 +54,7 @@ from collections.abc import Sequence
 
 from autopar.cluster import ClusterSpec, LinkSpec
 from autopar.placement import Spec
-from autopar.reshard import Collective, CollectiveCall, reshard_plan
+from autopar.reshard import AxisGroup, Collective, CollectiveCall, axis_nodes, expert_nodes, reshard_plan
 
 # ``LinkSpec.ranges`` name of the all-reduce issued behind another one still in flight
 QUEUED_ALL_REDUCE = "all_reduce_queued"
@@ -101,12 +101,7 @@ def node_split(cluster: ClusterSpec, mesh_shape: Sequence[int], axis: int) -> tu
     """(m, k) when the axis's groups span k whole nodes with m ranks in each (consecutive ranks,
     ``stride * m = devices_per_node``: the hierarchical algorithm of the module docstring
     applies); None otherwise."""
-    stride = math.prod(mesh_shape[axis + 1 :])
-    n, d = mesh_shape[axis], cluster.devices_per_node
-    if stride >= d or stride * n <= d or d % stride or n % (d // stride):
-        return None
-    m = d // stride
-    return m, n // m
+    return axis_nodes(mesh_shape, axis, cluster.devices_per_node)
 
 
 def crosses_nodes(mesh_shape: Sequence[int], axis: int, devices_per_node: int) -> bool:
@@ -147,8 +142,22 @@ class CommModel:
                 return key
         return name
 
-    def time(self, kind: Collective, nbytes: float, axis: int) -> float:
-        """Seconds for one collective on ``axis``: the cheapest of ring, tree and hierarchical."""
+    def time(self, kind: Collective, nbytes: float, axis: int, group: AxisGroup = AxisGroup.WHOLE) -> float:
+        """Seconds for one collective on ``axis``: the cheapest of ring, tree and hierarchical.
+        ``group``: a rail (the axis's ranks with this rank's local index, one per node: ``k``
+        ranks on the inter-node link) or a node (its ``m`` ranks on the intra-node link) of an
+        axis that spans whole nodes (``node_split``), priced as a ring over those ranks."""
+        if group is not AxisGroup.WHOLE:
+            split = expert_nodes(self.mesh_shape, axis, self.cluster.devices_per_node)
+            if split is None:
+                raise ValueError(
+                    f"a collective over a {group.value} of mesh axis {axis} ({self.mesh_shape}), whose groups do "
+                    f"not span whole nodes of {self.cluster.devices_per_node} devices"
+                )
+            m, k = split
+            if group is AxisGroup.RAIL:
+                return _flat(kind, nbytes, k, self.cluster.inter_node)
+            return _flat(kind, nbytes, m, self.cluster.intra_node)
         n, link = self.mesh_shape[axis], self.links[axis]
         # a tree only across nodes (inside a node NCCL rings); not ``link is inter_node``, which
         # also holds where a one-node calibration gave both links the same figures
@@ -215,7 +224,7 @@ class CommModel:
 
     def calls_time(self, calls: Sequence[CollectiveCall]) -> float:
         """Seconds of ``calls`` run one after the other."""
-        return sum(self.time(c.kind, c.nbytes, c.axis) for c in calls)
+        return sum(self.time(c.kind, c.nbytes, c.axis, c.group) for c in calls)
 
 
 def _flat(

@@ -418,6 +418,21 @@ def mark_skew(tg, skew: float) -> None:
             n.meta[SKEW_META] = float(skew)
 
 
+def mark_nodes(tg, devices_per_node: int | None) -> None:
+    """Record on each MoE op of ``tg`` the devices per node of the cluster it is planned for
+    (under the key ``autopar/lowerings/experts.py:NODES_META``): where an expert axis spans
+    nodes, the dispatch once per node may run (None: no mark, only the flat one)."""
+    from autopar.lowerings.experts import NODES_META
+
+    op = _moe_op()
+    for n in tg.graph.nodes:
+        if n.op == "call_function" and n.target is op:
+            if devices_per_node is None:
+                n.meta.pop(NODES_META, None)
+            else:
+                n.meta[NODES_META] = int(devices_per_node)
+
+
 def has_experts(tg) -> bool:
     """Does the traced graph hold a mixture-of-experts op (``fold_experts``)?"""
     op = _moe_op()

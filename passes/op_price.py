@@ -84,4 +84,4 @@ def priced_calls(
     hide behind (``lowerings.price_calls``)."""
     if not lowered.calls:
         return []
-    return price_calls(lowered.calls, lambda c: comm.time(c.kind, c.nbytes, c.axis), compute_s)
+    return price_calls(lowered.calls, lambda c: comm.time(c.kind, c.nbytes, c.axis, c.group), compute_s)

@@ -25,7 +25,7 @@ from autopar.errors import PlanFormatError, PlanMismatchError
 from autopar.options import AxisRole
 from autopar.passes.analyze import NodeInfo, analyze
 from autopar.passes.data_region import plan_region
-from autopar.passes.experts import mark_skew
+from autopar.passes.experts import mark_nodes, mark_skew
 from autopar.passes.fuse import fuse_as_planned
 from autopar.passes.local_rows import trace_rows
 from autopar.passes.rules import AxisOption
@@ -56,6 +56,7 @@ def rewrite_as_planned(tg: TracedGraph, plan: Plan) -> None:
         keep_loss_only(tg)
     fuse_as_planned(tg, plan.kernels)
     mark_skew(tg, plan.expert_skew or 1.0)
+    mark_nodes(tg, plan.cluster.get("devices_per_node"))
 
 
 def traced_as_planned(model, example_inputs, plan: Plan) -> TracedGraph:

@@ -53,7 +53,7 @@ from autopar.passes.candidates import MeshRun, spmd_runs, stage_runs
 from autopar.passes.coarsen import find_classes
 from autopar.passes.costs import NodeTimer
 from autopar.passes.dumps import Stages, classes_tsv, infos_tsv
-from autopar.passes.experts import has_experts, mark_skew
+from autopar.passes.experts import has_experts, mark_nodes, mark_skew
 from autopar.passes.fuse import chosen_kernels, fuse
 from autopar.passes.mesh_solve import Solved
 from autopar.passes.micro_batch_check import MicroBatchCheck
@@ -140,6 +140,7 @@ def _search(
 ) -> SearchResult:
     tg = trace_stage(model, example_inputs, st)
     mark_skew(tg, options.expert_skew)  # the routing skew the MoE ops are priced at
+    mark_nodes(tg, cluster.devices_per_node)  # where an expert axis spans nodes: the dispatch once per node
     freeze()  # what is alive now lives through the search: out of the collector's full passes
     micro = MicroBatchCheck(model, example_inputs, tg, options.micro_batches, st.say)
     fuse_stage(tg, cluster, options, st)

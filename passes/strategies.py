@@ -38,6 +38,7 @@ from torch.distributed.tensor.placement_types import Replicate, Shard
 
 from autopar.errors import NoPlanFitsError
 from autopar.lowerings import lowering_of
+from autopar.lowerings.experts import NODES_META
 from autopar.options import AxisRole
 from autopar.passes.analyze import NodeInfo
 from autopar.passes.background import checkpoint
@@ -165,6 +166,7 @@ NEST_LOWERINGS = frozenset(
     {
         "batch_norm_statistics",
         "expert_all_to_all",
+        "expert_node_all_to_all",
         "local_experts",
         "split_mean",
         "split_mse_loss",
@@ -344,7 +346,7 @@ def build_strategies(
                     strategies, in_shapes, mesh_shape, axis_roles, seq_attention
                 )
             elif node.target is MOE:
-                strategies = experts_strategies(strategies, mesh_shape, axis_roles)
+                strategies = experts_strategies(strategies, mesh_shape, axis_roles, node.meta.get(NODES_META))
             result[node.name] = NodeStrategies(node, strategies, ins, rule is not None or bool(options))
     return result
 

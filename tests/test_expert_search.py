@@ -139,9 +139,11 @@ def test_zero_over_two_axes_that_split_the_batch_is_planned_over_both():
 def test_expert_parallel_beside_data_parallel_is_a_candidate_and_can_pay():
     """The search tries each two-axis mesh of an MoE model also with axis 0 data parallel and axis 1
     expert parallel (``passes/candidates.py``); on 2 nodes of 4 H100 that layout (the experts split
-    inside a node, whole across the two) is priced below both one-axis layouts of all 8 GPUs:
-    expert parallel (whose all-to-all crosses nodes) and data parallel (whose experts' gradients
-    are all-reduced across them)."""
+    inside a node, whole across the two) is priced below data parallel over all 8 GPUs (whose
+    experts' gradients are all-reduced across nodes) and below expert parallel over all 8 by the
+    flat all-to-all (every pair's row across nodes), but above expert parallel over all 8
+    dispatched once per node (``ExpertDispatch.NODE_ALL_TO_ALL``: 1.57 rows a token cross the
+    nodes, not 2, and no expert's gradient does)."""
     from autopar.options import SearchOptions
     from autopar.passes.candidates import spmd_runs
 
@@ -165,5 +167,23 @@ def test_expert_parallel_beside_data_parallel_is_a_candidate_and_can_pay():
     beside = step((2, 4), (AxisRole.DATA, AxisRole.EXPERT))
     for d in (d for d in beside.decisions if d.op == MOE):
         assert via_from_str(d.via)[1] is ExpertDispatch.ALL_TO_ALL and d.inputs[0] == "S(0),S(0)", d
-    for roles in ((AxisRole.EXPERT,), (AxisRole.DATA,)):
-        assert beside.predicted.step_time_s < step((8,), roles).predicted.step_time_s, roles
+    assert beside.predicted.step_time_s < step((8,), (AxisRole.DATA,)).predicted.step_time_s
+    over_nodes = step((8,), (AxisRole.EXPERT,))
+    moe = [d for d in over_nodes.decisions if d.op == MOE]
+    assert moe and all(via_from_str(d.via)[0] is ExpertDispatch.NODE_ALL_TO_ALL for d in moe)
+    assert over_nodes.predicted.step_time_s < beside.predicted.step_time_s
+    # the flat dispatch of the same plan: each MoE op's collectives priced as the flat all-to-all's
+    from autopar.cost_model.comm import CommModel
+    from autopar.reshard import Collective
+
+    comm = CommModel(cluster, (8,))
+    tokens = 32 * 2048 // 8  # a rank's
+    pairs = tokens * 2 * 1024 * 2  # top 2, hidden 1024, bf16
+    flat = comm.time(Collective.ALL_TO_ALL, 8 * 8, 0) + 4 * comm.time(Collective.ALL_TO_ALL, pairs, 0)
+    for d in moe:
+        inside = sum(
+            comm.time(c.kind, c.nbytes, c.axis, c.group) for c in d.collectives if c.site.value == "inside"
+        )
+        saved = flat - inside
+        assert saved > 0
+        assert beside.predicted.step_time_s < over_nodes.predicted.step_time_s + len(moe) * saved

@@ -40,8 +40,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from autopar import lowerings
 from autopar.codegen import collectives as C
+from autopar.codegen.experts_nodes import NODE_GROUPS_ATTR
 from autopar.codegen.lower import LOWERINGS as EMITTERS
-from autopar.lowerings import LOWERINGS, Collective, Phase, lowering_of
+from autopar.lowerings import LOWERINGS, AxisGroup, Collective, Phase, lowering_of
 from autopar.passes.rules import map_args, tensor_inputs
 from autopar.placement import is_shard
 from autopar.tools.validate import node_strategies, one_node_graph
@@ -134,6 +135,17 @@ def _moe(m, k, pick):
     return torch.ops.autopar.moe_experts.default, args, {}
 
 
+def _moe_nodes(m, k, pick):
+    """``_moe`` marked as planned for nodes of ``m / 2`` devices: on a mesh of one axis (or whose
+    first axis strides by less than that) the axis spans whole nodes, and the dispatch once per node
+    runs."""
+    from autopar.lowerings.experts import NODES_META
+
+    node, values = one_node_graph(*_moe(m, k, pick))
+    node.meta[NODES_META] = max(1, m // 2)
+    return node, values
+
+
 def _matmul(m, k, pick):
     """A linear (3-D or 2-D input), ``mm`` or ``addmm`` (1-D or 2-D bias) whose rows, ``K`` and
     ``N`` divide over any axes of an ``m``-rank mesh; a linear's bias where ``pick >= 4``."""
@@ -153,6 +165,7 @@ def _matmul(m, k, pick):
 
 EXAMPLES = {
     "expert_all_to_all": _moe,
+    "expert_node_all_to_all": _moe_nodes,
     "local_experts": _moe,
     "cross_entropy_mean": _cross_entropy,
     "linear_cross_entropy": _linear_cross_entropy,
@@ -207,24 +220,34 @@ def _nbytes(t) -> int:
 
 
 class _Recorder(TorchDispatchMode):
-    """Records ``(kind, axis, bytes, phase)`` of each c10d collective (a receive is the other half
-    of its hop's send; a reduce-scatter is recorded by ``_reduce_scatter`` as one call)."""
+    """Records ``(kind, axis, bytes, phase, group)`` of each c10d collective (a receive is the
+    other half of its hop's send; a reduce-scatter is recorded by ``_reduce_scatter`` as one call);
+    ``group``: the whole axis's, or a rail or a node of it (``codegen/experts_nodes.py`` keeps
+    those it makes on the mesh)."""
 
     def __init__(self, mesh):
         super().__init__()
+        self.mesh = mesh
         self.groups = [mesh.get_group(a) for a in range(mesh.ndim)]
         self.phase = Phase.FORWARD
         self.calls: list[tuple] = []
         self.paused = False
 
-    def axis(self, args) -> int:
+    def axis(self, args) -> tuple[int, AxisGroup]:
         for a in args:
             if isinstance(a, torch.ScriptObject):
                 try:
                     pg = dist.ProcessGroup.unbox(a)
                 except RuntimeError:  # a ReduceOp
                     continue
-                return next(i for i, g in enumerate(self.groups) if g is pg)
+                whole = [(i, AxisGroup.WHOLE) for i, g in enumerate(self.groups) if g is pg]
+                parts = [
+                    (axis, part)
+                    for (axis, _), groups in getattr(self.mesh, NODE_GROUPS_ATTR, {}).items()
+                    for part, g in zip((AxisGroup.RAIL, AxisGroup.NODE), groups)
+                    if g is pg
+                ]
+                return (whole + parts)[0]
         raise AssertionError("a collective without a process group")
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -235,7 +258,8 @@ class _Recorder(TorchDispatchMode):
                 nbytes = _nbytes(args[0])  # the gathered output (a list of parts, or one tensor)
             else:
                 nbytes = _nbytes(args[0] if kind is not Collective.ALL_TO_ALL else args[1])
-            self.calls.append((kind, self.axis(args), nbytes, self.phase))
+            axis, group = self.axis(args)
+            self.calls.append((kind, axis, nbytes, self.phase, group))
         out = func(*args, **(kwargs or {}))
         if name == "alltoall_base_" and args[0].numel() == args[1].numel():
             # a symmetric world: every rank sends what this one sends (the fake backend moves
@@ -249,7 +273,7 @@ def _reduce_scatters_recorded(rec: _Recorder):
     orig = C._reduce_scatter
 
     def recorded(x, dim, mesh, axis):
-        rec.calls.append((Collective.REDUCE_SCATTER, axis, _nbytes(x), rec.phase))
+        rec.calls.append((Collective.REDUCE_SCATTER, axis, _nbytes(x), rec.phase, AxisGroup.WHOLE))
         rec.paused = True
         try:
             return orig(x, dim, mesh, axis)
@@ -307,15 +331,57 @@ def issued(node, values, s, mesh_shape, rank: int) -> list[tuple]:
     return rec.calls
 
 
-def described(node, s, mesh_shape) -> list[tuple]:
-    return [(c.kind, c.axis, c.nbytes, c.phase) for c in lowerings.describe(node, s, mesh_shape).calls]
+def described(node, s, mesh_shape, values=None, rank: int = 0) -> list[tuple]:
+    """The calls ``describe`` prices; for the dispatch once per node, whose bytes it prices at a
+    balanced routing's expected copies, the same calls at the copies of this example's routing on
+    ``rank`` (``_routed_copies``), after checking that ``describe`` is those calls at its copies."""
+    calls = lowerings.describe(node, s, mesh_shape).calls
+    if values is not None and lowering_of(node, s, mesh_shape) is LOWERINGS["expert_node_all_to_all"]:
+        calls = _node_calls_as_routed(node, values, s, mesh_shape, rank, calls)
+    return [(c.kind, c.axis, c.nbytes, c.phase, c.group) for c in calls]
+
+
+def _node_calls_as_routed(node, values, s, mesh_shape, rank, calls):
+    from autopar.lowerings.experts import expected_distinct, experts_axis, node_dispatch_calls, ranks_per_node
+
+    a = experts_axis(s, mesh_shape)
+    m, nodes = ranks_per_node(node, mesh_shape, a)
+    x, weights, ids, w_in = (node.args[i].meta["val"] for i in range(4))
+    experts, k, h = w_in.shape[0], ids.shape[1], x.shape[1]
+    row, w = h * w_in.element_size(), weights.element_size()
+    tokens = _local_inputs(values, s, mesh_shape, rank)[0].shape[0]
+    expected = node_dispatch_calls(
+        a, nodes, m, tokens * expected_distinct(experts, k, nodes),
+        tokens * expected_distinct(experts, k, nodes * m), k, row, w,
+    )  # fmt: skip
+    assert tuple(calls) == expected, f"describe's calls are not node_dispatch_calls': {calls}"
+    rail, inside = _routed_copies(
+        _local_inputs(values, s, mesh_shape, rank)[2], experts, m, nodes, mesh_shape, a, rank
+    )
+    return node_dispatch_calls(a, nodes, m, rail, inside, k, row, w)
+
+
+def _routed_copies(ids, experts, m, nodes, mesh_shape, axis, rank):
+    """The rows rank ``rank`` sends over its rail and inside its node for its tokens' ``ids`` on the
+    fake world (every rank sends what it receives: the copies that reach this rank's node are its
+    own, whatever their destination node)."""
+    coord = list(itertools.product(*[range(n) for n in mesh_shape]))[rank][axis]
+    per_rank = experts // (m * nodes)
+    my_node = coord // m
+    rail = inside = 0
+    for t in ids.tolist():
+        dest_nodes = {e // (per_rank * m) for e in t}
+        here = {e // per_rank for e in t if e // (per_rank * m) == my_node}
+        rail += len(dest_nodes)
+        inside += len(dest_nodes) * len(here)
+    return rail, inside
 
 
 def same_calls(got: list[tuple], want: list[tuple]) -> bool:
     """Forward in order, backward as a multiset; bytes to float rounding."""
 
     def key(c):
-        return (c[0].value, c[1], round(float(c[2]), 6), c[3].value)
+        return (c[0].value, c[1], round(float(c[2]), 6), c[3].value, c[4].value)
 
     fwd = [key(c) for c in got if c[3] is Phase.FORWARD], [key(c) for c in want if c[3] is Phase.FORWARD]
     bwd = (
@@ -356,14 +422,14 @@ def test_generated_code_issues_what_the_lowering_describes(name, data):
     case = _case(name, data)
     assume(case is not None)  # a mesh or an example under which this lowering never runs
     node, values, s, mesh_shape, rank = case
-    got, want = issued(node, values, s, mesh_shape, rank), described(node, s, mesh_shape)
+    got, want = issued(node, values, s, mesh_shape, rank), described(node, s, mesh_shape, values, rank)
     assert same_calls(got, want), (
         f"{name} on {mesh_shape} rank {rank} under {s}:\nissued {got}\npriced {want}"
     )
 
 
 # the smallest mesh each lowering runs on, where it is not 2 x 2: a 3D matmul's cube
-SMALLEST = {"matmul_3d": (2, 2, 2)}
+SMALLEST = {"matmul_3d": (2, 2, 2), "expert_node_all_to_all": (4,)}
 
 
 def _on_smallest(name: str):
@@ -382,11 +448,14 @@ def _on_smallest(name: str):
 
 
 def _mutations(want: list[tuple]) -> list[list[tuple]]:
-    out = [want[:-1]] if want else [[(Collective.ALL_REDUCE, 0, 8.0, Phase.FORWARD)]]
+    out = [want[:-1]] if want else [[(Collective.ALL_REDUCE, 0, 8.0, Phase.FORWARD, AxisGroup.WHOLE)]]
     if want:
-        kind, axis, nbytes, phase = want[0]
-        out.append([(kind, axis, nbytes * 2 + 4, phase)] + want[1:])
-        out.append([(kind, axis + 1, nbytes, phase)] + want[1:])
+        kind, axis, nbytes, phase, group = want[0]
+        out.append([(kind, axis, nbytes * 2 + 4, phase, group)] + want[1:])
+        out.append([(kind, axis + 1, nbytes, phase, group)] + want[1:])
+        if group is not AxisGroup.WHOLE:  # the other part of the axis's group
+            other = AxisGroup.NODE if group is AxisGroup.RAIL else AxisGroup.RAIL
+            out.append([(kind, axis, nbytes, phase, other)] + want[1:])
     return out
 
 
@@ -405,7 +474,7 @@ def test_a_wrong_description_fails(name):
             cases.append((node, values, s))
     assert cases, f"no example of {name} runs under a strategy of a {mesh} mesh"
     for node, values, s in cases:
-        got, want = issued(node, values, s, mesh, 1), described(node, s, mesh)
+        got, want = issued(node, values, s, mesh, 1), described(node, s, mesh, values, 1)
         assert same_calls(got, want), f"{name} under {s}: issued {got}, priced {want}"
         for bad in _mutations(want):
             assert not same_calls(got, bad), f"{name}: {bad} passed for {got}"

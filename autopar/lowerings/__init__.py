@@ -30,6 +30,9 @@ Byte convention: a call's ``nbytes`` is what the comm model prices it at
 (``autopar/reshard.py:CollectiveCall``): the full tensor over the axis for a gather or
 reduce-scatter, the local tensor for an all-reduce or all-to-all, the bytes one rank sends for a
 point-to-point hop (``SEND_RECV``: one send to the next rank and one receive from the previous).
+A call's ``group`` says which ranks of its axis's group it runs over: all of them, or a rail or a
+node of an axis that spans whole nodes (``AxisGroup``: the expert dispatch once per node), priced
+on the inter- or intra-node link over those ranks (``cost_model/comm.py:CommModel.time``).
 
 Overlap: calls that share a ``window`` run while the same slice of the op's compute runs; together
 they cost ``max(0, sum of their seconds - hides * compute_s)``, with ``compute_s`` the op's own
@@ -49,9 +52,10 @@ from dataclasses import dataclass
 
 import torch.fx as fx
 
-from autopar.reshard import Collective, CollectiveCall, Phase
+from autopar.reshard import AxisGroup, Collective, CollectiveCall, Phase
 
 __all__ = [
+    "AxisGroup",
     "Collective",
     "LOWERINGS",
     "Lowering",
@@ -80,6 +84,8 @@ class LoweringCall:
     # runs in: under mixed precision the half type (``LoweringPlan.in_dtype``); False: a dtype of
     # its own (a loss's fp32 sums, accumulated gradients)
     op_dtype: bool = False
+    # the part of the axis's group it runs over: a rail or a node of an axis that spans nodes
+    group: AxisGroup = AxisGroup.WHOLE
 
     def __post_init__(self) -> None:
         if self.axis < 0 or self.nbytes < 0:
@@ -90,7 +96,7 @@ class LoweringCall:
             raise ValueError(f"bad lowering call {self}: a call that hides needs a window")
 
     def collective(self) -> CollectiveCall:
-        return CollectiveCall(self.kind, self.axis, self.nbytes, self.phase)
+        return CollectiveCall(self.kind, self.axis, self.nbytes, self.phase, self.group)
 
 
 @dataclass(frozen=True)

@@ -7,6 +7,35 @@ pairs per expert go to every rank first (``E`` int64 per rank), then the pairs' 
 the experts' results back the same way. Backward: the results' gradients to the experts' ranks and
 the rows' gradients back. None hides behind compute: each waits for the one before it.
 
+``expert_node_all_to_all`` (``ExpertDispatch.NODE_ALL_TO_ALL``,
+``codegen/experts_nodes.py:expert_parallel_nodes``): the same split on an axis whose group spans
+``N`` whole nodes with ``m`` of its ``n`` ranks in each (``autopar/reshard.py:expert_nodes``:
+``m = 1`` where each rank of the axis is in a node of its own, then the rail is the whole group
+and the node level is skipped; the
+MoE op marked with the cluster's devices per node, ``NODES_META``). A token goes once to each
+node that holds any of its experts, over the rail (``AxisGroup.RAIL``: ``N`` ranks, the
+inter-node link), and once from there to each rank of the node that holds any
+(``AxisGroup.NODE``: ``m`` ranks, the intra-node link). Under balanced routing (each token's
+``k`` experts ``k`` distinct ones of ``E``, uniformly), the expected distinct holders among ``G``
+equal blocks of experts is
+
+.. math::
+
+    D_G = G \left(1 - \binom{E - E/G}{k} \Big/ \binom{E}{k}\right)
+
+(``expected_distinct``: a block is missed when all ``k`` fall outside it), so a rank of ``T``
+tokens sends ``T D_N`` copies over its rail and its node sends ``T D_n`` over NVLink in all, its
+ranks ``T D_n`` each on average (``D_n`` over the ``n`` ranks of the axis). The calls, in the
+order the code issues them (``node_dispatch_calls``), with ``H`` the hidden size, ``e`` the
+rows' element size (the op's dtype), ``w`` the router weights': per level (rail with ``c = T
+D_N`` copies, then node with ``c = T D_n``): counts (``G`` int64), rows ``c H e``, weights ``c k
+w``, ids ``c k 8``, the node level inside the rail's, each level's partials back ``c H e``;
+backward, the partials' gradients forward and the rows' and weights' back. The rows move
+``skew`` times as many bytes on the busiest rank, as under the flat form. It keeps nothing for
+backward beyond what the op keeps (the copies are gathered by index, and each rank's experts see
+only their own pairs' rows, as under the flat form). The local permutes (gathers of the copies,
+the sums at home) are memory-bound copies of the same rows, not priced.
+
 ``local_experts`` (experts split, tokens whole; ``codegen/experts.py:local_experts``): each rank
 runs the pairs of the experts it holds; its output is a summand, reduced by the reshard that reads
 it. No collective inside.
@@ -38,18 +67,22 @@ holds the stored order. The permutation is a fixed gather on one dim: nothing at
 
 from __future__ import annotations
 
+import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 import torch.fx as fx
 
 from autopar.kernels import moe  # noqa: F401  (registers autopar::moe_experts)
-from autopar.lowerings import Collective, Lowering, LoweringCall, LoweringPlan, Phase, register
+from autopar.lowerings import AxisGroup, Collective, Lowering, LoweringCall, LoweringPlan, Phase, register
 from autopar.placement import ExpertDispatch, is_replicate, is_shard, shard_factor, volume_factor
+from autopar.reshard import expert_nodes
 
 # the busiest rank's share of the pairs over a balanced share, where the search marks none
 SKEW = 1.0
 SKEW_META = "autopar_expert_skew"  # passes/experts.py:mark_skew (SearchOptions.expert_skew)
+NODES_META = "autopar_devices_per_node"  # passes/experts.py:mark_nodes (the cluster's)
 
 
 def experts_axis(s, mesh_shape) -> int | None:
@@ -84,15 +117,110 @@ def _all_to_all(node: fx.Node, s, mesh_shape: tuple[int, ...]) -> LoweringPlan |
     )
 
 
+def expected_distinct(experts: int, k: int, groups: int) -> float:
+    """The expected number of ``groups`` equal blocks of ``experts`` that hold any of a token's ``k``
+    distinct experts, drawn uniformly (module docstring)."""
+    if experts % groups:
+        raise ValueError(f"{experts} experts do not split in {groups} equal blocks")
+    k = min(k, experts)
+    return groups * (1 - math.comb(experts - experts // groups, k) / math.comb(experts, k))
+
+
+def node_dispatch_calls(
+    axis: int,
+    nodes: int,
+    per_node: int,
+    rail_copies: float,
+    node_copies: float,
+    k: int,
+    row_bytes: float,
+    weight_bytes: float,
+    received: tuple[float, float] | None = None,
+) -> tuple[LoweringCall, ...]:
+    """The collectives of ``expert_parallel_nodes`` on one rank that sends ``rail_copies`` rows
+    over its rail (of ``nodes`` ranks) and ``node_copies`` inside its node (of ``per_node``), each
+    row ``row_bytes`` (``H e``), each router weight ``weight_bytes``: forward in the code's order,
+    then backward. ``received``: the rows it receives over its rail and inside its node, which it
+    sends back (the partials, the rows' and the weights' gradients); None: as many as it sends
+    (balanced routing). A group of one rank issues nothing."""
+    send, fwd, bwd = Collective.ALL_TO_ALL, Phase.FORWARD, Phase.BACKWARD
+    got = received or (rail_copies, node_copies)
+    levels = [
+        (group, copies, back, size)
+        for group, copies, back, size in (
+            (AxisGroup.RAIL, rail_copies, got[0], nodes),
+            (AxisGroup.NODE, node_copies, got[1], per_node),
+        )
+        if size > 1
+    ]
+
+    def rows(group, copies, phase):
+        return LoweringCall(send, axis, copies * row_bytes, phase, op_dtype=True, group=group)
+
+    def weights(group, copies, phase):
+        return LoweringCall(send, axis, copies * k * weight_bytes, phase, group=group)
+
+    forward = [
+        c
+        for group, copies, _, size in levels
+        for c in (
+            LoweringCall(send, axis, size * 8, fwd, group=group),  # the counts
+            rows(group, copies, fwd),
+            weights(group, copies, fwd),
+            LoweringCall(send, axis, copies * k * 8, fwd, group=group),  # the ids
+        )
+    ]
+    forward += [rows(group, back, fwd) for group, _, back, _ in reversed(levels)]  # the partials back
+    backward = [
+        c
+        for group, copies, back, _ in levels
+        # the partials' gradient out, the rows' and the weights' back
+        for c in (rows(group, copies, bwd), rows(group, back, bwd), weights(group, back, bwd))
+    ]
+    return (*forward, *backward)
+
+
+def _node_all_to_all(node: fx.Node, s, mesh_shape: tuple[int, ...]) -> LoweringPlan | None:
+    a = experts_axis(s, mesh_shape)
+    if a is None or s.via_axis(ExpertDispatch.NODE_ALL_TO_ALL) != a:
+        return None
+    split = ranks_per_node(node, mesh_shape, a)
+    if split is None:
+        return None
+    m, nodes = split
+    x, weights, ids, w_in = (node.args[i].meta["val"] for i in (0, 1, 2, 3))
+    k, experts = ids.shape[1], w_in.shape[0]
+    tokens = x.shape[0] / volume_factor(s.ins[0], mesh_shape)
+    skew = node.meta.get(SKEW_META, SKEW)
+    rail = tokens * expected_distinct(experts, k, nodes) * skew
+    inside = tokens * expected_distinct(experts, k, m * nodes) * skew
+    row = x.shape[1] * w_in.element_size()
+    calls = node_dispatch_calls(a, nodes, m, rail, inside, k, row, weights.element_size())
+    return LoweringPlan(work=skew, calls=calls)
+
+
+def ranks_per_node(node: fx.Node, mesh_shape: Sequence[int], axis: int) -> tuple[int, int] | None:
+    """(m, N): the ranks of ``axis`` in one node and the nodes its group spans, from the devices per
+    node the MoE op ``node`` is marked with (None: not marked, or not whole nodes)."""
+    dpn = node.meta.get(NODES_META)
+    return None if dpn is None else expert_nodes(mesh_shape, axis, dpn)
+
+
 def _local(node: fx.Node, s, mesh_shape: tuple[int, ...]) -> LoweringPlan | None:
     a = experts_axis(s, mesh_shape)
-    if a is None or s.via_axis(ExpertDispatch.ALL_TO_ALL) is not None or not is_replicate(s.ins[0][a]):
+    if a is None or not is_replicate(s.ins[0][a]):
+        return None
+    if (
+        s.via_axis(ExpertDispatch.ALL_TO_ALL) is not None
+        or s.via_axis(ExpertDispatch.NODE_ALL_TO_ALL) is not None
+    ):
         return None
     return LoweringPlan(work=node.meta.get(SKEW_META, SKEW))
 
 
 MOE = torch.ops.autopar.moe_experts.default
 EXPERT_ALL_TO_ALL = register(Lowering("expert_all_to_all", (MOE,), _all_to_all))
+EXPERT_NODE_ALL_TO_ALL = register(Lowering("expert_node_all_to_all", (MOE,), _node_all_to_all))
 LOCAL_EXPERTS = register(Lowering("local_experts", (MOE,), _local))
 
 

@@ -10,6 +10,10 @@ Inputs: tokens ``x [T, H]``, router weights and ids ``[T, k]``, then the experts
   split on ``E`` (rank ``r`` holds experts ``r E / n .. (r + 1) E / n - 1``): each (token, expert)
   pair is sent to its expert's rank and its result back, by all-to-all
   (``autopar/lowerings/experts.py`` prices it, ``codegen/experts.py`` runs it); rows out.
+* **expert parallel once per node** (``ExpertDispatch.NODE_ALL_TO_ALL``): the same placements,
+  each token sent once per node that holds any of its experts, then inside the node
+  (``codegen/experts_nodes.py``); offered where the op is marked with the cluster's devices per
+  node (``passes/experts.py:mark_nodes``) and kept where the axis's group spans whole nodes.
 * **local experts**: tokens whole, experts split on ``E``: each rank runs the pairs routed to the
   experts it holds and leaves the others out: its output is a summand (Partial) of the layer's.
 * **expert tensor parallel** (Megatron-Core's ETP): tokens whole, every expert's MLP split on its
@@ -42,8 +46,10 @@ import torch
 from torch.distributed.tensor import Shard
 
 from autopar.kernels import moe  # noqa: F401  (registers autopar::moe_experts)
+from autopar.lowerings.experts import NODES_META
 from autopar.passes.rules import AxisOption, OpCtx, P, R, _partial_ok, register
 from autopar.placement import ExpertDispatch
+from autopar.reshard import expert_nodes
 
 S0 = Shard(0)
 MOE = torch.ops.autopar.moe_experts.default
@@ -76,6 +82,10 @@ def experts_rule(ctx: OpCtx) -> list[AxisOption]:
         opts.append(AxisOption(S0, (S0, S0, S0) + (R,) * n_w))
         if experts > 1:
             opts.append(AxisOption(S0, (S0,) * (3 + n_w), via=ExpertDispatch.ALL_TO_ALL))
+            if ctx.node.meta.get(NODES_META) is not None:
+                # the same split, dispatched once per node, for a cluster of nodes: kept where the
+                # axis spans them (experts_strategies)
+                opts.append(AxisOption(S0, (S0,) * (3 + n_w), via=ExpertDispatch.NODE_ALL_TO_ALL))
     if experts > 1 and _partial_ok(ctx):
         opts.append(AxisOption(P, (R, R, R) + (S0,) * n_w))
     dims = intermediate_dims(ctx)
@@ -84,10 +94,19 @@ def experts_rule(ctx: OpCtx) -> list[AxisOption]:
     return opts
 
 
-def experts_strategies(strategies: list, mesh_shape: Sequence[int], axis_roles: Sequence) -> list:
+def dispatch_axis(s) -> int | None:
+    """The axis whose all-to-all (flat or once per node) dispatches the tokens under ``s``."""
+    a = s.via_axis(ExpertDispatch.ALL_TO_ALL)
+    return a if a is not None else s.via_axis(ExpertDispatch.NODE_ALL_TO_ALL)
+
+
+def experts_strategies(
+    strategies: list, mesh_shape: Sequence[int], axis_roles: Sequence, devices_per_node: int | None = None
+) -> list:
     """The strategies whose experts are split (on ``E``) on at most one axis of more than one rank,
     by the all-to-all on an ``AxisRole.EXPERT`` axis. A split of each expert's intermediate dim
-    (expert tensor parallelism) may go with it on another axis."""
+    (expert tensor parallelism) may go with it on another axis. The dispatch once per node only
+    where its axis's group spans whole nodes of ``devices_per_node`` (None: not known, none)."""
     from autopar.options import AxisRole
 
     out = []
@@ -96,8 +115,13 @@ def experts_strategies(strategies: list, mesh_shape: Sequence[int], axis_roles: 
         if len(split) > 1:
             continue
         if any(
-            r is AxisRole.EXPERT and n > 1 and s.via_axis(ExpertDispatch.ALL_TO_ALL) != a
+            r is AxisRole.EXPERT and n > 1 and dispatch_axis(s) != a
             for a, (n, r) in enumerate(zip(mesh_shape, axis_roles))
+        ):
+            continue
+        nodes = s.via_axis(ExpertDispatch.NODE_ALL_TO_ALL)
+        if nodes is not None and (
+            devices_per_node is None or expert_nodes(mesh_shape, nodes, devices_per_node) is None
         ):
             continue
         out.append(s)
