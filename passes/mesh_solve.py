@@ -47,7 +47,7 @@ from autopar.passes.solver import (
 )
 from autopar.passes.strategies import Strategy
 from autopar.passes.trace import TracedGraph
-from autopar.passes.trades import TradeTerms, micro_batch_ok, trade_terms
+from autopar.passes.trades import TradeTerms, micro_batch_ok, terms_lower_bound, trade_terms
 from autopar.trades import Trades, ZeroStage
 
 
@@ -169,8 +169,15 @@ def solve_mesh(p: MeshProblem, best_objective: float = math.inf, st: Stages | No
         if why is not None:
             st.say(f"solve: mesh {label}: no plan under its axis roles: {why}")
             return ended(Verdict.BLOCKED, blocked=why)
-    if bound >= best_objective:
-        st.say(f"solve: mesh {label}: lower bound {bound * 1e3:.3f} ms >= best: pruned")
+    # the trades' own seconds that no choice avoids (ZeRO-2/3's exposed gathers and per-micro-batch
+    # reduce-scatters): the rung's objective is the tables' plus its terms
+    extra = (
+        terms_lower_bound(tables, p.infos, trades, p.cluster, ctx.blocks, ctx.bounds)
+        if ctx is not None
+        else 0.0
+    )
+    if bound + extra >= best_objective:
+        st.say(f"solve: mesh {label}: lower bound {(bound + extra) * 1e3:.3f} ms >= best: pruned")
         return ended(Verdict.BOUND_PRUNED)
     # the ILP's tables: only meshes that get solved pay for this fold
     small = edge_pairs(tables) <= EXACT_FOLD_MAX_PAIRS
@@ -198,7 +205,11 @@ def solve_mesh(p: MeshProblem, best_objective: float = math.inf, st: Stages | No
     choice, gs, terms = priced_solution(p, sol)
     peak = plan_peak(tables, sol, gs) + terms.transient
     if peak > limit:
-        sol = solve(tables, limit - (peak - limit), options.time_limit_s, folded=folded)
+        # with as much less room as the peak passed the limit by; where the rung's memory lower
+        # bound already passes that room, no plan of these tables fits it (every plan's rows hold
+        # at least the bound: tests/test_solver.py), so the ILP is not built to say so
+        lower = limit - (peak - limit)
+        sol = solve(tables, lower, options.time_limit_s, folded=folded) if mem_needed <= lower else None
         if sol is not None:
             choice, gs, terms = priced_solution(p, sol)
             peak = plan_peak(tables, sol, gs) + terms.transient
