@@ -185,7 +185,7 @@ def solve_mesh(p: MeshProblem, best_objective: float = math.inf, st: Stages | No
     # the tables' alone, since the rungs it prunes do not end the climb: on DeepSeek-V3 on 256 H100
     # adding the terms there let a (4, 8, 8) climb go on to two infeasible ILPs of 13 and 27 s.)
     extra = (
-        terms_lower_bound(tables, p.infos, trades, p.cluster, ctx.blocks, ctx.bounds)
+        terms_lower_bound(tables, ctx.infos, trades, p.cluster, ctx.blocks, ctx.bounds)
         if ctx is not None
         else 0.0
     )
