@@ -1,8 +1,8 @@
 """The two proofs the search's rungs are cut short by (``passes/mesh_solve.py``) hold:
 
-* the trades' time lower bound (``passes/trades.py:terms_lower_bound``), added to a rung's time
-  bound before its ILP, is at most the trades' terms (``trade_terms``) of every choice on the
-  rung's tables: checked on real tables (a coarsened Llama on a 2 x 2 mesh of CPU ranks, every
+* the trades' time lower bound (``passes/trades.py:terms_lower_bound``), taken off the ILP's
+  cutoff (the best objective so far), is at most the trades' terms (``trade_terms``) of every
+  choice on the rung's tables: checked on real tables (a coarsened Llama on a 2 x 2 mesh of CPU ranks, every
   ZeRO-2/3 rung of its ladder) against random choices and the choice of each parameter's
   smallest piece;
 * a re-solve under less room than the rung's memory lower bound is skipped as having no plan:
