@@ -128,6 +128,9 @@ def climb(rungs: Iterable[Trades], pricer: Pricer, limit: float, best_objective:
     ``best_objective`` and the plans it finds."""
     out = Climb(best_objective)
     todo = list(rungs)
+    known: dict[Trades, tuple[float, RungTables | None]] = {}  # bounds computed ahead (``_refused``)
+    if _refused(todo, pricer, limit, known, out):
+        return out
     short: list[Trades] = []  # rungs the ILP found no plan on
     over: list[Trades] = []  # rungs past the memory limit
     slow: list[Trades] = []  # rungs whose time lower bound is no better than the best
@@ -143,7 +146,7 @@ def climb(rungs: Iterable[Trades], pricer: Pricer, limit: float, best_objective:
             continue  # a rung with at least this much room each way had no plan
         if any(costs_no_less(trades, t) for t in slow):
             continue  # its bound is at least a pruned rung's, and the best only falls
-        needed, tables = _bound(pricer, trades)
+        needed, tables = known.pop(trades) if trades in known else _bound(pricer, trades)
         if needed > limit:  # cheap: no solve, no entry
             out.mem_needed = min(out.mem_needed, needed)
             over.append(trades)
@@ -154,6 +157,7 @@ def climb(rungs: Iterable[Trades], pricer: Pricer, limit: float, best_objective:
         rung = pricer.price(trades, replace(tables, needed=needed), out.objective)
         if rung.restart is not None:
             todo, short, over, slow = list(rung.restart), [], [], []
+            known.clear()  # bounds of the tables before the restart
             continue
         out.mem_needed = min(out.mem_needed, rung.mem_needed)
         out.refused_at_full_peak |= rung.refused_at_full_peak
@@ -184,6 +188,38 @@ def climb(rungs: Iterable[Trades], pricer: Pricer, limit: float, best_objective:
                 finishing = True
                 todo = [t for t in todo if rung.lesson is Lesson.FITS and sharded_step_sibling(t, trades)]
     return out
+
+
+def _refused(rungs: list[Trades], pricer: Pricer, limit: float, known: dict, out: Climb) -> bool:
+    """Whether the whole ladder is past the memory limit, shown by its *top* rungs alone (those
+    no other rung relieves more than: every rung relieves no more than one of them), each bounded
+    past the limit: ``climb`` skips a rung that relieves no more than one past the limit, and
+    with every top past it would skip or bound past it every rung. Then ``out`` is what that
+    climb gives (every admitted rung tried, the least bound needed, no entry) and True. Else
+    False, the bounds computed kept in ``known`` for the climb (the same floats).
+
+    Only for ladders without ZeRO-3, whose gathered blocks are the one trade whose bytes do not
+    only fall as it climbs (``relieves_no_more``): there a top could need more than a rung under
+    it. A pipeline candidate's ladder (ZeRO 0-1, at its micro-batches) has one top, ZeRO-1 with
+    full recomputation, and most stage meshes of a large model fit at no rung: DeepSeek-V3 on 256
+    H100, 41 of 53 pipeline climbs, each of whose 8 rungs built its traded tables and stage rows
+    to be bounded. ``tests/test_ladder_refused.py``: the climb's result is the same as without
+    this, and the pipeline rows' bound falls as rungs relieve more."""
+    admitted = [t for t in rungs if pricer.admits(t)]
+    if not admitted or any(t.zero_stage >= ZeroStage.PARAMETERS for t in admitted):
+        return False
+    tops = [
+        t for t in admitted if not any(relieves_more(u, t) and not relieves_no_more(u, t) for u in admitted)
+    ]
+    least = math.inf
+    for t in tops:
+        known[t] = _bound(pricer, t)
+        if known[t][0] <= limit:
+            return False
+        least = min(least, known[t][0])
+    out.tried.extend(admitted)
+    out.mem_needed = least
+    return True
 
 
 def _bound(pricer: Pricer, trades: Trades) -> tuple[float, RungTables | None]:

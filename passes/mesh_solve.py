@@ -47,7 +47,14 @@ from autopar.passes.solver import (
 )
 from autopar.passes.strategies import Strategy
 from autopar.passes.trace import TracedGraph
-from autopar.passes.trades import TradeTerms, grad_dtype, micro_batch_ok, trade_terms, zero_one_axes
+from autopar.passes.trades import (
+    TradeTerms,
+    grad_dtype,
+    micro_batch_ok,
+    terms_lower_bound,
+    trade_terms,
+    zero_one_axes,
+)
 from autopar.trades import Trades, ZeroStage
 
 
@@ -177,15 +184,29 @@ def solve_mesh(p: MeshProblem, best_objective: float = math.inf, st: Stages | No
     folded = exact if small and exact is not None else fold_followers(tables, exact=small)
     # the best so far as a cutoff: where the ILP's LP relaxation already passes it, the ILP itself
     # is not solved (only whether it has a plan: a candidate with none is reported as without the cutoff)
-    sol = solve(tables, limit, options.time_limit_s, folded=folded, cutoff=best_objective, hints=p.hints)
+    # the ILP's objective is the tables' alone, the rung's is that plus its trades' terms: the
+    # cutoff leaves out the terms' seconds no choice avoids (ZeRO-2/3's exposed gathers and
+    # per-micro-batch reduce-scatters, ``terms_lower_bound``), so a relaxation that passes it proves
+    # every plan's objective past the best. (Only here: a rung pruned so has a plan, as one pruned
+    # by the relaxation alone, and the climb learns the same from it; the time bound above stays
+    # the tables' alone, since the rungs it prunes do not end the climb: on DeepSeek-V3 on 256 H100
+    # adding the terms there let a (4, 8, 8) climb go on to two infeasible ILPs of 13 and 27 s.)
+    extra = (
+        terms_lower_bound(tables, ctx.infos, trades, p.cluster, ctx.blocks, ctx.bounds)
+        if ctx is not None
+        else 0.0
+    )
+    cutoff = best_objective - extra
+    sol = solve(tables, limit, options.time_limit_s, folded=folded, cutoff=cutoff, hints=p.hints)
     if isinstance(sol, Pruned):
+        with_terms = f" + {extra * 1e3:.3f} ms of trades" if extra else ""
         what = (
-            f"LP relaxation {sol.bound * 1e3:.3f} ms >= best"
+            f"LP relaxation {sol.bound * 1e3:.3f} ms{with_terms} >= best"
             if sol.by is Proof.LP
-            else f"its ILP has no plan under the best, {sol.bound * 1e3:.3f} ms"
+            else f"its ILP has no plan under the best, {(sol.bound + extra) * 1e3:.3f} ms"
         )
         st.say(f"solve: mesh {label}: {what}: pruned")
-        return ended(Verdict.LP_PRUNED, lp_bound=sol.bound)
+        return ended(Verdict.LP_PRUNED, lp_bound=sol.bound + extra)
     if sol is None:
         why = blocked(tables, {n.name: n for n in p.tg.graph.nodes})
         if why is not None:  # no choice at all, whatever the memory: name the op
@@ -198,7 +219,11 @@ def solve_mesh(p: MeshProblem, best_objective: float = math.inf, st: Stages | No
     choice, gs, terms = priced_solution(p, sol)
     peak = plan_peak(tables, sol, gs) + terms.transient
     if peak > limit:
-        sol = solve(tables, limit - (peak - limit), options.time_limit_s, folded=folded)
+        # with as much less room as the peak passed the limit by; where the rung's memory lower
+        # bound already passes that room, no plan of these tables fits it (every plan's rows hold
+        # at least the bound: tests/test_solver.py), so the ILP is not built to say so
+        lower = limit - (peak - limit)
+        sol = solve(tables, lower, options.time_limit_s, folded=folded) if mem_needed <= lower else None
         if sol is not None:
             choice, gs, terms = priced_solution(p, sol)
             peak = plan_peak(tables, sol, gs) + terms.transient

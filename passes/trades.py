@@ -911,6 +911,71 @@ def trade_terms(
     return terms
 
 
+def terms_lower_bound(
+    tables: CostTables,
+    infos: dict[str, NodeInfo],
+    trades: Trades,
+    cluster: ClusterSpec,
+    blocks: Sequence[Block],
+    least: dict | None = None,
+) -> float:
+    """A lower bound on ``trade_terms(...).total_s`` over every choice on ``tables``: the seconds
+    of ZeRO-2/3 that no compute hides, each parameter's piece at its smallest over its strategies
+    (the root group's gathers, once per micro-batch and twice under ZeRO-3; the first block's
+    forward gather and, under ZeRO-3, the last block's backward one, each exposed before any
+    compute; every micro-batch but the last reduce-scattering the whole gradient). Every other
+    term of ``trade_terms`` is at least zero and is left out, so the bound is 0 below ZeRO-2.
+
+    It holds because the collectives' time does not fall as bytes grow (latency plus bytes over
+    bandwidth, the least of such algorithms: ``cost_model/comm.py``); a link calibrated with
+    size ranges (``LinkSpec.ranges``) is not held to that, and the bound is then 0.
+    ``least``: a cache of the smallest pieces, per candidate (whose rungs share its strategies).
+    ``tests/test_trades_bound.py`` holds it under the terms of every choice."""
+    z = trades.zero_stage
+    mesh = tables.mesh_shape
+    axis_parts = [a for a in trades.data_axes if mesh[a] > 1]
+    if z < ZeroStage.GRADIENTS or not axis_parts or not blocks:
+        return 0.0
+    comm = CommModel(cluster, mesh)
+    links = [comm.links[a] for a in axis_parts] + [cluster.intra_node, cluster.inter_node]
+    if any(link.ranges for link in links):
+        return 0.0
+    least = {} if least is None else least
+    key = ("terms_lower_bound", trades.precision.mixed)
+    if key not in least:
+        classes = tables.classes
+        members = classes.members if classes else {v: [v] for v in tables.strategies}
+        block_of = {p: b.index for b in blocks for p in b.params}
+        gather = [0.0] * len(blocks)
+        gather_out = grads = 0.0
+        for v, specs in tables.strategies.items():
+            info = infos[v]
+            if info.role is not Role.PARAM or not info.requires_grad:
+                continue
+            elems = min(piece_elems(info, s.out, mesh) for s in specs)
+            cbytes = elems * (2 if trades.precision.mixed else _item(info.dtype))
+            grads += len(members[v]) * elems * (4 if trades.precision.mixed else _item(info.dtype))
+            for m in members[v]:
+                b = block_of.get(m)
+                if b is None:
+                    gather_out += cbytes
+                else:
+                    gather[b] += cbytes
+        least[key] = (gather, gather_out, grads)
+    gather, gather_out, grads = least[key]
+
+    def ag(nbytes: float) -> float:
+        return sum(comm.time(Collective.ALL_GATHER, nbytes, a) for a in axis_parts)
+
+    k = trades.micro_batches
+    if z == ZeroStage.GRADIENTS:
+        exposed = ag(gather_out) + ag(gather[0])
+    else:
+        exposed = 2 * ag(gather_out) + ag(gather[0]) + ag(gather[-1])
+    reduced = (k - 1) * sum(comm.time(Collective.REDUCE_SCATTER, grads, a) for a in axis_parts)
+    return k * exposed + reduced
+
+
 def activation_saving(
     base: CostTables, tables: CostTables, choice: dict[str, int], infos: dict[str, NodeInfo]
 ) -> float:
