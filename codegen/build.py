@@ -61,11 +61,15 @@ class ModuleGraph:
     choice: dict[str, Strategy]
 
 
-def _grad_dtype(plan) -> torch.dtype | None:
-    """The gradients' dtype at run time where it is not the traced one (fp32 masters under mixed
-    precision): the buckets are formed by what they hold, as the cost model forms them."""
+def _grad_buckets(tg: TracedGraph, choice, deferred: dict, plan) -> list:
+    """The gradient buckets as the cost model forms them (``passes/grad_sync.py:grad_buckets``):
+    by what they hold at run time (fp32 masters' gradients under mixed precision), and under ZeRO-1
+    reduce-scattered into the shares where its optimizer cuts them."""
     trades = getattr(plan, "trades", None)
-    return grad_dtype(trades.precision) if trades is not None else None
+    gd = grad_dtype(trades.precision) if trades is not None else None
+    return grad_buckets(
+        tg, choice, deferred, plan.mesh_shape, grad_dtype=gd, scatter_axes=zero_one_axes(trades)
+    )
 
 
 def module_graph(
@@ -162,14 +166,7 @@ def build_parallel_module(
     # the plan's trades (ZeRO, mixed precision, offload: codegen/zero.py); the gradients FSDP2
     # reduces are not bucketed again
     zero = apply_trades(getattr(plan, "trades", None), gm, mesh, tg, deferred, state.load)
-    buckets = grad_buckets(
-        tg,
-        choice,
-        zero.bucketed(deferred),
-        plan.mesh_shape,
-        grad_dtype=_grad_dtype(plan),
-        scatter_axes=zero_one_axes(getattr(plan, "trades", None)),
-    )
+    buckets = _grad_buckets(tg, choice, zero.bucketed(deferred), plan)
     # the plain leaves the forward computes on (codegen/local_params.py); FSDP2's parameters are
     # gathered into tensors of its own before each forward, so under ZeRO 2 and 3 those get
     # theirs as FSDP2 gathers them (codegen/zero.py:_gathered_leaves); those FSDP2 leaves alone, here
@@ -348,14 +345,7 @@ def _pipelined(tg, plan, choice, gm, mesh, full_mesh, attrs, deferred, common: d
         else attach_leaves(v for c in chunks for v in c.params.values())
     )
     names = {p.name: p.target for p in tg.placeholders}
-    buckets = grad_buckets(
-        tg,
-        choice,
-        zero.bucketed(deferred),
-        plan.mesh_shape,
-        grad_dtype=_grad_dtype(plan),
-        scatter_axes=zero_one_axes(getattr(plan, "trades", None)),
-    )
+    buckets = _grad_buckets(tg, choice, zero.bucketed(deferred), plan)
     grad_sync = GradSync(
         [
             (ps, b.axes, b.scatter)
