@@ -15,7 +15,7 @@ from dataclasses import dataclass, fields
 
 from autopar.errors import AutoparError
 from autopar.fusion import Kernel, KernelsError, coerce_kernels
-from autopar.placement import Outputs, SeqAttention
+from autopar.placement import ExpertDispatch, Outputs, SeqAttention
 from autopar.trades import (
     ENUM_FIELDS,
     Float8,
@@ -101,6 +101,12 @@ class SearchOptions:
       (``kernels/collective_matmul.py``; where it applies: ``passes/collective_matmul.py``), and
       price it so. None (auto): on where the devices overlap communication with compute
       (``DeviceSpec.comm_overlap`` > 0: GPUs), off on CPUs; False: off; True: on.
+    * ``expert_dispatch``: how tokens travel to the experts where an axis splits them
+      (``ExpertDispatch``). None (auto): the search chooses per MoE layer between the flat
+      all-to-all and, where the expert axis spans nodes, the dispatch once per node (DeepEP's);
+      ``ALL_TO_ALL``: the flat all-to-all only (Megatron's "alltoall" dispatcher: a run made with
+      it is priced so). The dispatch once per node is not forced: it runs where the search finds it
+      faster, and only where the axis spans whole nodes.
     * ``float8``: FP8 linears (``autopar.trades.Float8``, ``autopar/lowerings/float8.py``), a
       precision decision per linear. None (auto): where the device has an FP8 rate
       (``DeviceSpec.float8_flops``: H100, H200, B200; not A100 or CPUs), each linear that computes
@@ -130,6 +136,7 @@ class SearchOptions:
     overlap_matmuls: bool | None = None
     expert_skew: float = 1.0
     float8: Float8 | None = None
+    expert_dispatch: ExpertDispatch | None = None
 
     def __post_init__(self) -> None:
         if self.float8 is not None:
@@ -150,6 +157,20 @@ class SearchOptions:
                     f"sequence_attention must be one of {[v.value for v in SeqAttention]} (or None: auto), got "
                     f"{self.sequence_attention!r}"
                 ) from None
+        if self.expert_dispatch is not None:
+            try:
+                object.__setattr__(self, "expert_dispatch", ExpertDispatch(self.expert_dispatch))
+            except ValueError:
+                raise SearchOptionsError(
+                    f"expert_dispatch must be {ExpertDispatch.ALL_TO_ALL.value!r} (or None: auto), got "
+                    f"{self.expert_dispatch!r}"
+                ) from None
+            if self.expert_dispatch is not ExpertDispatch.ALL_TO_ALL:
+                raise SearchOptionsError(
+                    f"expert_dispatch={self.expert_dispatch.value!r} cannot be forced: leave it None and the search "
+                    "dispatches once per node where the expert axis spans nodes and that is faster; "
+                    f"{ExpertDispatch.ALL_TO_ALL.value!r} forces the flat all-to-all"
+                )
         for name in ("pipeline_stages", "virtual_stages"):
             v = getattr(self, name)
             if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):

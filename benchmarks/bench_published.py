@@ -97,6 +97,8 @@ def forced_options(run: Run) -> dict:
     opts["float8"] = run.float8  # FP8 linears where the run had them, none where it did not
     if run.kernels is not None:
         opts["kernels"] = run.kernels
+    if run.dispatch is not None:
+        opts["expert_dispatch"] = run.dispatch
     return opts
 
 

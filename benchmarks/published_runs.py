@@ -58,7 +58,10 @@ Sources (read in the files named; the paper figures were checked against these c
   step 48.948 / 52.04 s (iterations 11-44), 174.02 / 163.7 TFLOP/s per GPU by NeMo's own count.
   Compared here as tokens/s per GPU from the step time (seq x GBS / step / GPUs), which no FLOP
   convention enters. The model: ``bench_moe.deepseek_v3`` (its Hugging Face config, MTP left out as
-  the recipe's table lists none).
+  the recipe's table lists none). The dispatcher: the launcher runs NeMo's
+  ``scripts/performance/llm/pretrain_deepseek_v3.py``, which adds ``MegatronTokenDropCallback``
+  (capacity factor 1, padded), and that callback asserts Megatron's ``"alltoall"`` dispatcher: the
+  flat all-to-all, forced here (``Run.dispatch``), not DeepEP's dispatch once per node.
 * [MZOO] yanring/Megatron-MoE-ModelZoo ``best_practice/Qwen3/readme.md`` (commit c1ad0b5c89), the
   Megatron-Core MoE team's measured runs on 256 H100 (NVLink 4, InfiniBand 8 x 50 GB/s): Qwen3-235B-A22B
   in BF16, seq 4096, global batch 2,048, the "cross-node EP" row without 1F1B A2A overlap: DeepEP
@@ -73,6 +76,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from autopar import Float8, Precision, Recompute, Schedule, ZeroStage
+from autopar.placement import ExpertDispatch
 
 MEASURES = {
     "tflops": "TFLOP/s per GPU",
@@ -127,6 +131,9 @@ class Run:
     # the fused kernels the run's implementation had, as ``autopar.plan``'s ``kernels`` ("none": an
     # eager run of torch's own ops); None: autopar's choice (every kernel on a GPU)
     kernels: str | None = None
+    # how the run dispatched tokens to experts: ExpertDispatch.ALL_TO_ALL for Megatron's "alltoall"
+    # dispatcher (forced: no dispatch once per node); None: autopar's choice (DeepEP's runs)
+    dispatch: ExpertDispatch | None = None
     # how the run computed attention: "sdpa" (FlashAttention, fused) or "eager" (the s^2 scores
     # materialized, as Megatron-LM did before FlashAttention: [SC21]). [SAR]'s runs materialized them
     # too, but its selective recomputation recomputes exactly that core, keeping no s^2 tensor;
@@ -250,13 +257,15 @@ RUNS: tuple[Run, ...] = (
     # [DGXC] DeepSeek-V3 671B, BF16, on H100: its experts over 64 ranks
     Run("dgxc-deepseek-v3-512xh100", "[DGXC] H100 Performance", "h100-sxm:64x8", "deepseek_v3", {}, 4096, 4096,
         B16, 4096 * 4096 / 48.948 / 512, "tokens", "tokens", tp=2, pp=8, dp=32, ep=64,
-        schedule=S1, mbs=1, zero=Z1,
+        schedule=S1, mbs=1, zero=Z1, dispatch=ExpertDispatch.ALL_TO_ALL,
         notes="EP64 folded over TP2 x DP32 in the run: priced as one 64-way expert axis, the dense "
               "layers data parallel over it (autopar splits experts over one mesh axis, a tensor dim "
-              "over one); distributed optimizer (ZeRO-1); recomputation left to the search"),
+              "over one); distributed optimizer (ZeRO-1); recomputation left to the search; the "
+              "flat all-to-all dispatcher (NeMo's MegatronTokenDropCallback, which the performance "
+              "script adds, asserts Megatron's 'alltoall' dispatcher)"),
     Run("dgxc-deepseek-v3-1024xh100", "[DGXC] H100 Performance", "h100-sxm:128x8", "deepseek_v3", {}, 4096,
         8192, B16, 4096 * 8192 / 52.04 / 1024, "tokens", "tokens", tp=2, pp=16, dp=32, ep=64,
-        schedule=S1, mbs=1, zero=Z1,
+        schedule=S1, mbs=1, zero=Z1, dispatch=ExpertDispatch.ALL_TO_ALL,
         notes="as the 512-GPU row, with 16 stages"),
     # [MZOO] Qwen3-235B-A22B on 256 H100: its experts over 32 ranks
     Run("mzoo-qwen3-235b-256xh100", "[MZOO] Qwen3 readme, cross-node EP (DeepEP)", "h100-sxm:32x8", "qwen3_moe", {},

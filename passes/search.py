@@ -68,7 +68,7 @@ from autopar.passes.solver import memory_binds
 from autopar.passes.strategies import Strategy, variable_nodes
 from autopar.passes.trace import TracedGraph, keep_loss_only, trace
 from autopar.passes.trades import auto_precision, autocast_device, batch_size, half_infos
-from autopar.placement import Outputs
+from autopar.placement import ExpertDispatch, Outputs
 from autopar.plan import Plan
 
 # names other modules import from here; each lives in the module of its idea
@@ -140,7 +140,8 @@ def _search(
 ) -> SearchResult:
     tg = trace_stage(model, example_inputs, st)
     mark_skew(tg, options.expert_skew)  # the routing skew the MoE ops are priced at
-    mark_nodes(tg, cluster.devices_per_node)  # where an expert axis spans nodes: the dispatch once per node
+    # where an expert axis spans nodes: the dispatch once per node (unless the flat one is forced)
+    mark_nodes(tg, None if options.expert_dispatch is ExpertDispatch.ALL_TO_ALL else cluster.devices_per_node)
     freeze()  # what is alive now lives through the search: out of the collector's full passes
     micro = MicroBatchCheck(model, example_inputs, tg, options.micro_batches, st.say)
     fuse_stage(tg, cluster, options, st)

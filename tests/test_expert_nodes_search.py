@@ -69,7 +69,7 @@ tf = pytest.importorskip("transformers")
 TOKENS, HIDDEN = 16 * 1024, 1024
 
 
-def _plan(nodes: int, per_node: int):
+def _plan(nodes: int, per_node: int, **options):
     cfg = tf.MixtralConfig(
         num_hidden_layers=2, hidden_size=HIDDEN, intermediate_size=3584, num_attention_heads=16,
         num_key_value_heads=4, num_local_experts=8, num_experts_per_tok=2, vocab_size=8192, use_cache=False,
@@ -80,7 +80,7 @@ def _plan(nodes: int, per_node: int):
     cluster = autopar.ClusterSpec.preset("h100-sxm", nodes, per_node)
     return autopar.plan(
         model, cluster, {"input_ids": ids, "labels": ids}, outputs=Outputs.LOSS, precision=Precision.BF16,
-        pipeline_stages=1, mesh_shape=(8,), axis_roles=(AxisRole.EXPERT,),
+        pipeline_stages=1, mesh_shape=(8,), axis_roles=(AxisRole.EXPERT,), **options,
     )  # fmt: skip
 
 
@@ -123,3 +123,16 @@ def test_once_per_node_is_cheaper_than_the_flat_all_to_all_over_nodes(plans):
     pairs = TOKENS // 8 * 2 * HIDDEN * 2
     flat_s = comm.time(Collective.ALL_TO_ALL, 8 * 8, 0) + 4 * comm.time(Collective.ALL_TO_ALL, pairs, 0)
     assert node_s < flat_s
+
+
+def test_the_flat_dispatch_can_be_forced(plans):
+    """``expert_dispatch=ALL_TO_ALL`` (a run made with Megatron's "alltoall" dispatcher) keeps the
+    flat all-to-all over nodes, priced slower than the search's own dispatch once per node; the
+    node dispatch itself cannot be forced (the search takes it where it applies)."""
+    nodes, _ = plans
+    flat = _plan(2, 4, expert_dispatch=ExpertDispatch.ALL_TO_ALL)
+    moe = [d for d in flat.decisions if d.op == MOE]
+    assert moe and all(via_from_str(d.via)[0] is ExpertDispatch.ALL_TO_ALL for d in moe), flat.summary()
+    assert flat.predicted.step_time_s > nodes.predicted.step_time_s
+    with pytest.raises(autopar.SearchOptionsError, match="cannot be forced"):
+        _plan(2, 4, expert_dispatch=ExpertDispatch.NODE_ALL_TO_ALL)
