@@ -26,7 +26,7 @@ into the shares (``codegen/grad_sync.py``: ``.grad`` is then the share), else th
 the parameter's all-reduced gradient; the
 inner optimizer (``optimizer_class`` over the shares, whose ``param_groups`` are this object's,
 so learning-rate schedulers work as on any optimizer) steps the shares in place, which updates
-part ``r`` of each parameter; then each bucket of shares (about ``BUCKET_BYTES``) is all-gathered
+part ``r`` of each parameter; then each bucket of shares (its gather filling about ``BUCKET_BYTES``) is all-gathered
 over the data axis, one collective per bucket, and the other ranks' parts copied into place.
 
 **The gathers behind the next forward** (Megatron-LM's ``--overlap-param-gather``: its
@@ -62,6 +62,7 @@ from torch.distributed.tensor.placement_types import _StridedShard
 
 from autopar.codegen.collectives import gather_into
 from autopar.codegen.local_params import PENDING_ATTR, clear_grads, wait_param, wait_params
+from autopar.passes.trades import ZERO_ONE_BUCKET_BYTES, ZERO_ONE_IN_FLIGHT
 from autopar.placement import is_shard
 
 __all__ = [
@@ -76,8 +77,11 @@ __all__ = [
     "wait_params",
 ]
 
-BUCKET_BYTES = 25 * 2**20  # shares gathered per all-gather, as DistributedDataParallel's buckets
-IN_FLIGHT = 2  # buckets whose all-gathers run at once between a step and the forward reading them
+# the bytes one all-gather fills (a bucket's whole parameters: d shares each; so the buffers held
+# in flight are at most IN_FLIGHT of these, whatever d is), and how many run at once between a step
+# and the forward reading them; the cost model prices those buffers (passes/trades.py)
+BUCKET_BYTES = ZERO_ONE_BUCKET_BYTES
+IN_FLIGHT = ZERO_ONE_IN_FLIGHT
 
 
 def share_placements(p: DTensor, axes: tuple[int, ...]):
@@ -218,14 +222,15 @@ class ZeroOneOptimizer(torch.optim.Optimizer):
         return share_index(self.mesh, axes)
 
     def _bucket(self) -> list[list[tuple[torch.nn.Parameter, torch.Tensor, tuple[int, ...]]]]:
-        """The shares in buckets of about ``BUCKET_BYTES`` (one dtype and one set of axes each), in
-        read order."""
+        """The shares in buckets whose gathers fill about ``BUCKET_BYTES`` (one dtype and one set of
+        axes each), in read order."""
         last = len(self._order)
         ranked = sorted(self._split, key=lambda ps: self._order.get(id(ps[0]), last))  # stable
         buckets, size = [[]], 0
         for p, share, on in ranked:
-            # the slot, not the share: uneven shares differ by rank, the buckets may not
-            nbytes = slot_elements(p, self._size(on)) * share._local_tensor.element_size()
+            # what the gather fills: d slots (not the share: uneven shares differ by rank, the
+            # buckets may not)
+            nbytes = self._size(on) * slot_elements(p, self._size(on)) * share._local_tensor.element_size()
             prev = buckets[-1]
             if prev and (size + nbytes > BUCKET_BYTES or share.dtype != prev[0][1].dtype or on != prev[0][2]):
                 buckets.append([])
