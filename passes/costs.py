@@ -249,8 +249,8 @@ def build_costs(
     tables.step_position = max((order[p.name] for p in tg.placeholders), default=0)
     last_use = {n.name: max((order[u.name] for u in n.users), default=order[n.name]) for n in tg.graph.nodes}
     for base in sorted(kept.shared, key=order.__getitem__):
-        if base in classes.rep:
-            rep = classes.rep[base]
+        if kept.source.get(base, base) in classes.rep:
+            rep = classes.rep[kept.source.get(base, base)]
             tables.keep_positions[rep] = (*tables.keep_positions.get(rep, ()), order[base])
     uses = grad_uses(tg, infos)
     for name, ns in strats.items():
@@ -319,7 +319,7 @@ def build_costs(
             # internal saved tensors are cut like the op's work: by its largest split (e.g. a loss's
             # log-probabilities follow the logits, not the scalar output)
             work_vol = max([vol] + [volume_factor(x, mesh_shape) for x in s.ins])
-            saved = (info.out_bytes if name in kept.at_node else 0) / vol + info.saved_temp_bytes / work_vol
+            saved = kept.at_node_bytes(name, info) / vol + info.saved_temp_bytes / work_vol
             saved += lowered.saved_bytes  # what the op's lowering keeps beyond the traced op
             mems.append(n * saved)
             if info.requires_grad:  # its output's gradient, the new input gradients, internal temporaries
@@ -429,6 +429,27 @@ def _base(node: fx.Node, infos: dict[str, NodeInfo]) -> fx.Node:
     return node
 
 
+def _base_output(node: fx.Node, infos: dict[str, NodeInfo]) -> fx.Node:
+    """The storage a use of ``node`` keeps: ``_base``'s node, or, for one output of an op with several
+    that the op does not keep itself (``NodeInfo.saved_outputs``), that output's ``getitem``: its own
+    storage, which the op's backward never holds (``autopar::rms_norm`` keeps the residual sum; its
+    normed value is kept by whoever saves it, or by nobody: under autocast its linears save their
+    half-type casts of it)."""
+    part = None
+    while node.op == "call_function":
+        if node.target is operator.getitem:
+            part, node = node, node.args[0]
+        elif infos.get(node.name) is not None and infos[node.name].view_of:
+            view_of = infos[node.name].view_of
+            node = next(a for a in node.all_input_nodes if a.name == view_of)
+        else:
+            break
+    which = infos[node.name].saved_outputs if node.name in infos else ()
+    if part is not None and isinstance(part.args[1], int) and part.args[1] < len(which):
+        return node if which[part.args[1]] else part
+    return node
+
+
 @dataclass(frozen=True)
 class Kept:
     """Which activation storages autograd (or the caller) keeps until backward, and who pays for them.
@@ -441,21 +462,40 @@ class Kept:
     (consumer, input index) -> base; the graph output's index is its position among the output's
     inputs): a copy where the edge reshards, the storage itself where it does not, counted once
     however many consumers keep it as it is (``shared``: those with several keepers; a max over
-    their edges, ``Edge.keep``). A storage its own op saves is paid at its node (``at_node``)."""
+    their edges, ``Edge.keep``). A storage its own op saves is paid at its node (``at_node``): of an
+    op with several outputs, the outputs it saves (``node_bytes``); another output is a storage of
+    its own (its ``getitem``, ``_base_output``), paid by its keepers like any other (``source``:
+    that ``getitem`` -> the op, whose class it is charged to)."""
 
     at_node: frozenset[str]
     keeper: dict[tuple[str, int], str]
     shared: frozenset[str]
+    node_bytes: dict[str, int] = field(default_factory=dict)
+    source: dict[str, str] = field(default_factory=dict)
+
+    def at_node_bytes(self, name: str, info: NodeInfo) -> int:
+        """Bytes of ``name``'s own outputs kept at it (0 when it is not in ``at_node``)."""
+        if name not in self.at_node:
+            return 0
+        return self.node_bytes.get(name, info.out_bytes)
 
 
 def kept_for_backward(tg: TracedGraph, infos: dict[str, NodeInfo]) -> Kept:
     uses: dict[str, list[tuple[str, int]]] = {}
     self_saved: set[str] = set()
+    source: dict[str, str] = {}
+
+    def base_of(inp: fx.Node) -> str:
+        b = _base_output(inp, infos)
+        if b.target is operator.getitem:
+            source[b.name] = b.args[0].name
+        return b.name
+
     for node in tg.graph.nodes:
         if node.op == "output":
             for k, inp in enumerate(node.all_input_nodes):
                 if isinstance(inp.meta.get("val"), torch.Tensor):
-                    uses.setdefault(_base(inp, infos).name, []).append(("output", k))
+                    uses.setdefault(base_of(inp), []).append(("output", k))
             continue
         info = infos.get(node.name)
         if node.op != "call_function" or info is None or not info.requires_grad:
@@ -464,24 +504,33 @@ def kept_for_backward(tg: TracedGraph, infos: dict[str, NodeInfo]) -> Kept:
             self_saved.add(_base(node, infos).name)
         for i, (inp, saved) in enumerate(zip(tensor_inputs(node), info.saves_inputs)):
             if saved:
-                uses.setdefault(_base(inp, infos).name, []).append((node.name, i))
+                uses.setdefault(base_of(inp), []).append((node.name, i))
     at_node, keeper, shared = set(self_saved), {}, set()
     for base, users in uses.items():
         if base in self_saved or infos[base].role is not Role.ACTIVATION:
             at_node.add(base)
             continue
         keeper.update((u, base) for u in users)
-        if len(users) > 1:
+        # several keepers of one storage keep it once; but autocast GEMMs each keep their own cast
+        if len(users) > 1 and infos[base].moved_dtype is None:
             shared.add(base)
-    return Kept(frozenset(at_node), keeper, frozenset(shared))
+    node_bytes = {
+        b: sum(infos[b].output_bytes(k) for k, kept in enumerate(infos[b].saved_outputs) if kept)
+        for b in at_node
+        if infos[b].saved_outputs
+    }
+    return Kept(frozenset(at_node), keeper, frozenset(shared), node_bytes, source)
 
 
 def _owner(kept: Kept, use: tuple[str, int], infos, classes: Classes) -> tuple[int, str]:
-    """(bytes of the storage this use keeps when it takes it as it is, owner if others keep it too)."""
+    """(bytes of the storage this use keeps when it takes it as it is, owner if others keep it too).
+    A storage whose every use is an autocast GEMM under mixed precision is kept as the half-type
+    cast each makes of it (``NodeInfo.moved_bytes``; ``passes/half_reshard.py``), not as itself."""
     base = kept.keeper.get(use)
-    if base is None or base not in classes.rep:
+    node = kept.source.get(base, base)
+    if base is None or node not in classes.rep:
         return 0, ""
-    return infos[base].out_bytes, (classes.rep[base] if base in kept.shared else "")
+    return infos[base].moved_bytes, (classes.rep[node] if base in kept.shared else "")
 
 
 def _kept_bytes(have, need, nbytes: int, keeps: bool, orig: int, mesh_shape) -> tuple[float, float]:
