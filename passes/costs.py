@@ -357,7 +357,10 @@ def build_costs(
                 continue
             info = infos[inp.name]
             orig, owner = _owner(kept, (name, i), infos, classes)
-            key = (classes.rep[src], rep, i, info.moved_bytes, info.requires_grad, orig, owner)
+            cast = kept.keeper.get((name, i)) in kept.cast_each
+            if name in kept.kept_views and infos[name].view_of == inp.name:
+                cast = None  # the view's copy is kept (Kept.kept_views); None: no GEMM casts it
+            key = (classes.rep[src], rep, i, info.moved_bytes, info.requires_grad, orig, owner, cast)
             groups.setdefault(key, [inp, 0, node])[1] += 1
     grad_total = trainable_bytes(tg, infos)
     data_axes = tuple(a for a, r in enumerate(axis_roles or ()) if r.splits_batch and mesh_shape[a] > 1)
@@ -365,12 +368,14 @@ def build_costs(
     matmul_s = tables.matmul_s if overlap_matmuls else None
     memo: dict = {}
     mutated = mutated_views(tg)
-    for (src, dst, i, _, _, orig, owner), (inp, count, user) in groups.items():
+    for (src, dst, i, _, _, orig, owner, cast), (inp, count, user) in groups.items():
         checkpoint()
         pinned = _pinned_axes(infos[src], axis_roles)
         if takes_as_stored(user, inp, mutated):  # a written chain's link: never moved (on any axis)
             pinned = list(range(len(mesh_shape)))
-        e = _edge(src, dst, i, inp, infos, strats, comm, pinned, orig, owner, grad_total, data_axes, memo)
+        e = _edge(
+            src, dst, i, inp, infos, strats, comm, pinned, orig, owner, grad_total, data_axes, memo, cast
+        )
         if matmul_s is not None:
             _fuse_matmuls(e, user, i, inp, infos, strats, comm, matmul_s)
         tables.edges.append(e.scaled(count))
@@ -462,7 +467,7 @@ class Kept:
     (consumer, input index) -> base; the graph output's index is its position among the output's
     inputs): a copy where the edge reshards, the storage itself where it does not, counted once
     however many consumers keep it as it is (``shared``: those with several keepers; a max over
-    their edges, ``Edge.keep``). A storage its own op saves is paid at its node (``at_node``): of an
+    their edges, ``Edge.keep``; a GEMM's own half-type cast is its alone: ``cast_each``). A storage its own op saves is paid at its node (``at_node``): of an
     op with several outputs, the outputs it saves (``node_bytes``); another output is a storage of
     its own (its ``getitem``, ``_base_output``), paid by its keepers like any other (``source``:
     that ``getitem`` -> the op, whose class it is charged to)."""
@@ -472,6 +477,15 @@ class Kept:
     shared: frozenset[str]
     node_bytes: dict[str, int] = field(default_factory=dict)
     source: dict[str, str] = field(default_factory=dict)
+    # storages whose every use is an autocast GEMM under mixed precision: kept as half-type casts
+    # (``_owner``), one per GEMM that takes it as it is and casts it itself; one for all where
+    # the generated code casts it first, before a collective or the Megatron "f" of its uses
+    # (``codegen/lower.py``, ``passes/half_reshard.py``): ``_edge``'s ``cast_each``
+    cast_each: frozenset[str] = frozenset()
+    # views (and ops returning their input) whose output some op keeps through them: where the
+    # edge into one reshards, the view is of the resharded copy, a new storage, which is kept
+    # (a view of a gathered attention output that the output projection saves)
+    kept_views: frozenset[str] = frozenset()
 
     def at_node_bytes(self, name: str, info: NodeInfo) -> int:
         """Bytes of ``name``'s own outputs kept at it (0 when it is not in ``at_node``)."""
@@ -484,8 +498,13 @@ def kept_for_backward(tg: TracedGraph, infos: dict[str, NodeInfo]) -> Kept:
     uses: dict[str, list[tuple[str, int]]] = {}
     self_saved: set[str] = set()
     source: dict[str, str] = {}
+    views: set[str] = set()
 
     def base_of(inp: fx.Node) -> str:
+        v = inp
+        while v.op == "call_function" and infos.get(v.name) is not None and infos[v.name].view_of:
+            views.add(v.name)
+            v = next(a for a in v.all_input_nodes if a.name == infos[v.name].view_of)
         b = _base_output(inp, infos)
         if b.target is operator.getitem:
             source[b.name] = b.args[0].name
@@ -511,15 +530,17 @@ def kept_for_backward(tg: TracedGraph, infos: dict[str, NodeInfo]) -> Kept:
             at_node.add(base)
             continue
         keeper.update((u, base) for u in users)
-        # several keepers of one storage keep it once; but autocast GEMMs each keep their own cast
-        if len(users) > 1 and infos[base].moved_dtype is None:
+        if len(users) > 1:
             shared.add(base)
     node_bytes = {
         b: sum(infos[b].output_bytes(k) for k, kept in enumerate(infos[b].saved_outputs) if kept)
         for b in at_node
         if infos[b].saved_outputs
     }
-    return Kept(frozenset(at_node), keeper, frozenset(shared), node_bytes, source)
+    cast_each = frozenset(b for b in keeper.values() if infos[b].moved_dtype is not None)
+    return Kept(
+        frozenset(at_node), keeper, frozenset(shared), node_bytes, source, cast_each, frozenset(views)
+    )
 
 
 def _owner(kept: Kept, use: tuple[str, int], infos, classes: Classes) -> tuple[int, str]:
@@ -749,7 +770,7 @@ def _indexes_whole(node: fx.Node, i: int, info: NodeInfo) -> bool:
 
 def _edge(
     src, dst, i, inp, infos, strats, comm: CommModel, pinned=(), orig: int = 0, owner: str = "",
-    grad_total: float = 0.0, data_axes: Sequence[int] = (), memo: dict | None = None,
+    grad_total: float = 0.0, data_axes: Sequence[int] = (), memo: dict | None = None, cast_each: bool | None = False,
 ) -> Edge:  # fmt: skip
     """The edge of ``inp`` into input ``i`` of ``dst``: per (source, destination) strategy pair
     its seconds, kept bytes, transient, storage kept as it is, copy and bucketed axes. ``memo``:
@@ -762,6 +783,8 @@ def _edge(
     checked = () if _takes_whole(strats[dst].node) or _indexes_whole(strats[dst].node, i, info) else data_axes
     saves = infos[dst].saves_inputs
     keeps = infos[dst].requires_grad and (saves[i] if i < len(saves) else True)
+    if cast_each is None:  # a view kept through (Kept.kept_views): a resharded input's copy is kept
+        keeps, cast_each = True, False
     # strategies share output placements and input requirements: price each distinct pair once
     have_ix: dict = {}
     rows = [have_ix.setdefault(su.out, len(have_ix)) for su in strats[src].strategies]
@@ -770,7 +793,7 @@ def _edge(
     is_param = infos[src].role is Role.PARAM
     # what a pair costs depends on these and the placements alone: edges of one size share it
     # (three in four pairs of a Llama's tables are priced by an earlier edge)
-    alike = (nbytes, rg, param, tuple(pinned), is_param, checked, keeps, orig)
+    alike = (nbytes, rg, param, tuple(pinned), is_param, checked, keeps, orig, cast_each)
     row_c, row_m, row_p, row_k, row_cp, row_b = [], [], [], [], [], []
     for have in have_ix:
         rc, rm, rp, rk, rcp, rb = [], [], [], [], [], []
@@ -788,7 +811,10 @@ def _edge(
             c, bucketed, copy, own, peak = hit
             rb.append(bucketed)
             rc.append(c)
-            rm.append(copy + (0.0 if owner else own))
+            # a GEMM that casts the storage itself (no collective, no "f" before it) keeps its own cast
+            mine = own if cast_each and not f else 0.0
+            own -= mine
+            rm.append(copy + mine + (0.0 if owner else own))
             rcp.append(copy)
             rk.append(own)
             rp.append(peak)

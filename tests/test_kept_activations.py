@@ -15,10 +15,10 @@ import torch
 import torch.distributed as dist
 
 import autopar
-from autopar import Precision, Recompute
+from autopar import Precision, Recompute, SeqAttention
 from autopar.examples import llama
 from autopar.fusion import Kernel
-from autopar.launch import free_port
+from autopar.launch import free_port, run_on_ranks
 from autopar.options import Optimizer
 from autopar.passes.analyze import analyze
 from autopar.passes.costs import build_costs, kept_for_backward
@@ -26,6 +26,7 @@ from autopar.passes.fuse import fuse
 from autopar.passes.strategies import build_strategies
 from autopar.passes.trace import Role, trace
 from autopar.passes.trades import half_infos
+from autopar.placement import spec_to_str, via_to_str
 
 CPU1 = autopar.ClusterSpec.preset("cpu", devices_per_node=1)
 # one head: attention's output transposed back is contiguous on every device (CPU's kernel lays
@@ -41,46 +42,63 @@ def one_rank():
     dist.destroy_process_group()
 
 
-def _model(layers: int):
+def _model(layers: int, shape=SHAPE):
     torch.manual_seed(0)
-    return llama(layers=layers, **SHAPE)
+    return llama(layers=layers, **shape)
 
 
-def _tables_kept(layers: int) -> float:
-    """Bytes the cost tables keep for backward on one device: nodes, edges, shared storages once."""
-    model, inputs = _model(layers)
+def _tables_kept(layers: int, plan=None, shape=SHAPE, cluster=CPU1, plan_roles=()) -> float:
+    """Bytes the cost tables keep for backward on one device under ``plan``'s strategies (one
+    device: the only one): nodes, edges, and each storage several consumers keep, once."""
+    model, inputs = _model(layers, shape)
     tg = trace(model, inputs)
     fuse(tg, set(Kernel))
     infos = analyze(tg)
-    cinfos = half_infos(tg, infos, Precision.BF16, CPU1.device.kind)
-    roles = (autopar.AxisRole.DATA,)
-    strats = build_strategies(tg, infos, (1,), roles)
-    tables = build_costs(tg, cinfos, strats, CPU1, (1,), Optimizer.ADAM, roles)
+    cinfos = half_infos(tg, infos, Precision.BF16, cluster.device.kind)
+    mesh = tuple(plan.mesh_shape) if plan is not None else (1,)
+    roles = tuple(plan_roles) if plan is not None else (autopar.AxisRole.DATA,)
+    strats = build_strategies(tg, infos, mesh, roles)
+    tables = build_costs(tg, cinfos, strats, cluster, mesh, Optimizer.ADAM, roles)
+    choice = {v: 0 for v in tables.strategies}
+    if plan is not None:
+        for d in plan.decisions:
+            if d.name not in tables.strategies:
+                continue
+            hits = [
+                i
+                for i, st in enumerate(tables.strategies[d.name])
+                if (spec_to_str(st.out), tuple(spec_to_str(x) for x in st.ins), via_to_str(st.via))
+                == (d.output, d.inputs, d.via)
+            ]
+            assert hits, f"the plan's strategy of {d.name} is not in the tables"
+            choice[d.name] = hits[0]
     total = sum(
-        tables.node_mem[v][0] for v in tables.strategies if infos[v].role in (Role.ACTIVATION, Role.INPUT)
+        tables.node_mem[v][choice[v]]
+        for v in tables.strategies
+        if infos[v].role in (Role.ACTIVATION, Role.INPUT)
     )
     shared: dict[str, float] = {}
     for e in tables.edges:
-        total += e.mem[0][0]
+        a, b = choice[e.src], (choice[e.dst] if e.dst in choice else 0)
+        total += e.mem[a][b]
         if e.owner:
-            shared[e.owner] = max(shared.get(e.owner, 0.0), e.keep[0][0])
+            shared[e.owner] = max(shared.get(e.owner, 0.0), e.keep[a][b])
     return total + sum(shared.values())
 
 
-def _saved(layers: int) -> tuple[int, int]:
+def _plan(layers: int, shape=SHAPE, cluster=CPU1, **layout):
+    model, inputs = _model(layers, shape)
+    return autopar.plan(
+        model, cluster, inputs, precision=Precision.BF16, recompute=Recompute.NONE, kernels="all", **layout
+    )
+
+
+def _saved(layers: int, plan=None, shape=SHAPE, cluster=CPU1) -> tuple[int, int]:
     """(bytes of the storages autograd saves in one forward of the generated module, those of them
     that are bf16 casts of its parameters)."""
-    model, inputs = _model(layers)
-    plan = autopar.plan(
-        model,
-        CPU1,
-        inputs,
-        precision=Precision.BF16,
-        recompute=Recompute.NONE,
-        kernels="all",
-        mesh_shape=(1,),
-    )
-    pmodel = autopar.autoparallelize(model, CPU1, inputs, plan=plan)
+    model, inputs = _model(layers, shape)
+    plan = plan if plan is not None else _plan(layers, mesh_shape=(1,))
+    pmodel = autopar.autoparallelize(model, cluster, inputs, plan=plan)
     from torch.distributed.tensor import DTensor
 
     local = [
@@ -127,3 +145,58 @@ def test_a_layers_kept_bytes_are_what_autograd_saves_under_mixed_precision(one_r
     measured = (all2 - casts2) - (all1 - casts1)
     assert casts2 > casts1 > 0  # the weight casts were told apart
     assert per_layer == measured, (per_layer, measured)
+
+
+# two ranks: tensor parallel (two heads, one per rank: its attention output is contiguous), and
+# context parallel as a ring (one head) and as all-to-all (two heads, one per rank after it)
+LAYOUTS = {
+    "tp2": (dict(SHAPE, heads=2, kv_heads=2), dict(mesh_shape=(2,), axis_roles=(autopar.AxisRole.TENSOR,))),
+    "cp2-a2a": (
+        dict(SHAPE, heads=2, kv_heads=2),
+        dict(
+            mesh_shape=(2,),
+            axis_roles=(autopar.AxisRole.SEQUENCE,),
+            sequence_attention=SeqAttention.ALL_TO_ALL,
+        ),
+    ),
+    "cp2-ring": (
+        SHAPE,
+        dict(mesh_shape=(2,), axis_roles=(autopar.AxisRole.SEQUENCE,), sequence_attention=SeqAttention.RING),
+    ),
+}
+
+
+def _saved_rank(rank, world, paths):
+    cluster = autopar.ClusterSpec.preset("cpu", devices_per_node=world)
+    out = {}
+    for key, layers, path in paths:
+        shape = LAYOUTS[key][0]
+        out[(key, layers)] = _saved(layers, autopar.Plan.load(path), shape, cluster)
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("key", sorted(LAYOUTS))
+def test_a_layers_kept_bytes_on_two_ranks_are_what_autograd_saves(key, tmp_path):
+    """As above, on each of two gloo ranks, for a tensor-parallel and a context-parallel layout:
+    the tables' kept bytes per layer under the plan's strategies against each rank's saved bytes."""
+    shape, layout = LAYOUTS[key]
+    cluster = autopar.ClusterSpec.preset("cpu", devices_per_node=2)
+    plans, paths = {}, []
+    for layers in (1, 2):
+        plans[layers] = _plan(layers, shape, cluster, **layout)
+        path = tmp_path / f"{key}{layers}.json"
+        plans[layers].save(path)
+        paths.append((key, layers, str(path)))
+    attn = [d for d in plans[2].decisions if d.op == "aten.scaled_dot_product_attention.default"]
+    # the layout is what it says: attention over the sequence by its algorithm, or its heads split
+    assert attn and all((d.via != "") if key.startswith("cp") else d.output == "S(1)" for d in attn), attn
+    roles = layout["axis_roles"]
+    per_layer = _tables_kept(2, plans[2], shape, cluster, roles) - _tables_kept(
+        1, plans[1], shape, cluster, roles
+    )
+    per_rank = run_on_ranks(_saved_rank, 2, paths, timeout_s=600)
+    for got in per_rank:
+        (all2, casts2), (all1, casts1) = got[(key, 2)], got[(key, 1)]
+        measured = (all2 - casts2) - (all1 - casts1)
+        assert per_layer == measured, (key, per_layer, measured)
