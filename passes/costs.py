@@ -482,9 +482,10 @@ class Kept:
     # the generated code casts it first, before a collective or the Megatron "f" of its uses
     # (``codegen/lower.py``, ``passes/half_reshard.py``): ``_edge``'s ``cast_each``
     cast_each: frozenset[str] = frozenset()
-    # views (and ops returning their input) whose output some op keeps through them: where the
-    # edge into one reshards, the view is of the resharded copy, a new storage, which is kept
-    # (a view of a gathered attention output that the output projection saves)
+    # views (and ops returning their input) of an ``at_node`` storage whose output some op keeps
+    # through them: where the edge into one reshards, the view is of the resharded copy, a new
+    # storage, which is kept (a view of a gathered attention output that the output projection
+    # saves); charged on that edge
     kept_views: frozenset[str] = frozenset()
 
     def at_node_bytes(self, name: str, info: NodeInfo) -> int:
@@ -498,16 +499,17 @@ def kept_for_backward(tg: TracedGraph, infos: dict[str, NodeInfo]) -> Kept:
     uses: dict[str, list[tuple[str, int]]] = {}
     self_saved: set[str] = set()
     source: dict[str, str] = {}
-    views: set[str] = set()
+    views: dict[str, set[str]] = {}  # storage -> the views its keepers keep it through
 
     def base_of(inp: fx.Node) -> str:
-        v = inp
+        v, seen = inp, []
         while v.op == "call_function" and infos.get(v.name) is not None and infos[v.name].view_of:
-            views.add(v.name)
+            seen.append(v.name)
             v = next(a for a in v.all_input_nodes if a.name == infos[v.name].view_of)
         b = _base_output(inp, infos)
         if b.target is operator.getitem:
             source[b.name] = b.args[0].name
+        views.setdefault(b.name, set()).update(seen)
         return b.name
 
     for node in tg.graph.nodes:
@@ -539,7 +541,15 @@ def kept_for_backward(tg: TracedGraph, infos: dict[str, NodeInfo]) -> Kept:
     }
     cast_each = frozenset(b for b in keeper.values() if infos[b].moved_dtype is not None)
     return Kept(
-        frozenset(at_node), keeper, frozenset(shared), node_bytes, source, cast_each, frozenset(views)
+        frozenset(at_node),
+        keeper,
+        frozenset(shared),
+        node_bytes,
+        source,
+        cast_each,
+        # only of a storage its own op keeps: its keepers pay nothing for it (a storage they keep
+        # is charged on their edges, as it is where no reshard comes between: a copy there too)
+        frozenset(v for b in at_node if infos[b].role is Role.ACTIVATION for v in views.get(b, ())),
     )
 
 
