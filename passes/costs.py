@@ -793,7 +793,8 @@ def _edge(
     checked = () if _takes_whole(strats[dst].node) or _indexes_whole(strats[dst].node, i, info) else data_axes
     saves = infos[dst].saves_inputs
     keeps = infos[dst].requires_grad and (saves[i] if i < len(saves) else True)
-    if cast_each is None:  # a view kept through (Kept.kept_views): a resharded input's copy is kept
+    view = cast_each is None  # a view kept through (Kept.kept_views): a gathered input's copy is kept
+    if view:
         keeps, cast_each = True, False
     # strategies share output placements and input requirements: price each distinct pair once
     have_ix: dict = {}
@@ -803,7 +804,7 @@ def _edge(
     is_param = infos[src].role is Role.PARAM
     # what a pair costs depends on these and the placements alone: edges of one size share it
     # (three in four pairs of a Llama's tables are priced by an earlier edge)
-    alike = (nbytes, rg, param, tuple(pinned), is_param, checked, keeps, orig, cast_each)
+    alike = (nbytes, rg, param, tuple(pinned), is_param, checked, keeps, orig, cast_each, view)
     row_c, row_m, row_p, row_k, row_cp, row_b = [], [], [], [], [], []
     for have in have_ix:
         rc, rm, rp, rk, rcp, rb = [], [], [], [], [], []
@@ -816,6 +817,8 @@ def _edge(
                 if pinned_moves or not data_parallel_pair(have, need, is_param, checked):
                     c = math.inf  # forbidden pair (see _pinned_axes, data_parallel_pair)
                 copy, own = _kept_bytes(have, need, nbytes, keeps, orig, comm.mesh_shape)
+                if view and all(is_replicate(h) for h, w in zip(have, need) if h != w):
+                    copy = 0.0  # a slice of a replicated tensor: a view of the storage kept anyway
                 peak = reshard_transient(have, need, nbytes, comm.mesh_shape, rg, f, keeps)
                 hit = memo[key] = (c, bucketed, copy, own, peak)
             c, bucketed, copy, own, peak = hit
