@@ -1,11 +1,13 @@
 """What the cost tables say a layer keeps for backward under bf16 mixed precision, against what
-autograd saves in a real forward of the generated module (one gloo rank, CPU autocast).
+autograd saves in a real forward of the generated module (CPU autocast; one gloo rank, and two:
+TP2, CP2 as a ring and as all-to-all).
 
 Under mixed precision (fp32 masters, ``torch.autocast``) a Llama's residual stream is fp32 (the
 fp32 embedding feeds it) and the fused ``autopar::rms_norm`` keeps only its residual sum; its
 normed output is fp32 too, but nobody keeps it: each linear that reads it saves its own bf16
-cast (autocast caches casts of leaf parameters only). The tables once charged the norm with both
-of its outputs (the normed fp32 value it never keeps) and its linears with nothing.
+cast (autocast caches casts of leaf parameters only), or, under TP, the one cast the generated
+code makes before their Megatron "f". The tables once charged the norm with both of its outputs
+(the normed fp32 value it never keeps) and its linears with nothing.
 """
 
 from __future__ import annotations
