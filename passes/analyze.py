@@ -69,6 +69,9 @@ class NodeInfo:
     # the dtype its reshards move, where not its own: the half type under mixed precision where
     # every use casts it so (``passes/half_reshard.py``, set by ``passes/trades.py:half_infos``)
     moved_dtype: torch.dtype | None = None
+    # per tensor output of an op with several: the op itself keeps it for backward (empty: one
+    # output, or it keeps none); ``autopar::rms_norm`` keeps the residual sum, not the normed value
+    saved_outputs: tuple[bool, ...] = ()
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -79,6 +82,10 @@ class NodeInfo:
         if self.dtype is None:
             return 0
         return sum(_numel(s) for s in self.shapes) * self.dtype.itemsize
+
+    def output_bytes(self, k: int) -> int:
+        """Bytes of tensor output ``k`` (``out_bytes`` is their sum)."""
+        return _numel(self.shapes[k]) * self.dtype.itemsize if self.dtype is not None else 0
 
     @functools.cached_property
     def moved_bytes(self) -> int:
@@ -242,6 +249,7 @@ class _Probe:
     saved_temp_bytes: int = 0
     grad_new: tuple[bool, ...] = ()
     grad_temp_bytes: int = 0
+    saved_outputs: tuple[bool, ...] = ()  # per tensor output, of an op with several: it keeps it
 
 
 def _saved_for_backward(node: fx.Node, grads: tuple[bool, ...]) -> tuple[_Probe, str]:
@@ -319,11 +327,13 @@ def _run_probe(node: fx.Node, grads: tuple[bool, ...]) -> _Probe:
     outs = [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
     out_ids = {_sid(t) for t in outs}
     saves, saves_out, temp, temps = [False] * len(ins), False, 0, set()
+    kept_outs = [False] * len(outs)
     for t in saved:
         if _sid(t) in in_ids:
             saves[in_ids.index(_sid(t))] = True
         elif _sid(t) in out_ids:
             saves_out = True
+            kept_outs = [k or _sid(o) == _sid(t) for k, o in zip(kept_outs, outs)]
         elif _sid(t) not in temps:  # one storage saved twice (log_softmax's output by nll_loss) is kept once
             temps.add(_sid(t))
             temp += t.untyped_storage().nbytes()
@@ -342,7 +352,8 @@ def _run_probe(node: fx.Node, grads: tuple[bool, ...]) -> _Probe:
                 grad_new[i] = True
                 new_ids.add(_sid(g))
         grad_temp = max(0, tracker.peak - sum(tracker.sizes[k] for k in new_ids))
-    return _Probe(tuple(saves), saves_out, temp, tuple(grad_new), grad_temp)
+    which = tuple(kept_outs) if len(outs) > 1 and saves_out else ()
+    return _Probe(tuple(saves), saves_out, temp, tuple(grad_new), grad_temp, which)
 
 
 def _sid(t: torch.Tensor) -> int:
@@ -475,6 +486,7 @@ def analyze(tg: TracedGraph, strict: bool | None = None) -> dict[str, NodeInfo]:
                 probe.grad_new,
                 probe.grad_temp_bytes,
                 _unpriced(node, flops_why, saved_why, strict),
+                saved_outputs=probe.saved_outputs,
             )
         elif node.op == "output":
             infos[node.name] = NodeInfo(node.name, Role.OUTPUT, "output", (), None, 0.0, 0, False)

@@ -249,8 +249,8 @@ def build_costs(
     tables.step_position = max((order[p.name] for p in tg.placeholders), default=0)
     last_use = {n.name: max((order[u.name] for u in n.users), default=order[n.name]) for n in tg.graph.nodes}
     for base in sorted(kept.shared, key=order.__getitem__):
-        if base in classes.rep:
-            rep = classes.rep[base]
+        if kept.source.get(base, base) in classes.rep:
+            rep = classes.rep[kept.source.get(base, base)]
             tables.keep_positions[rep] = (*tables.keep_positions.get(rep, ()), order[base])
     uses = grad_uses(tg, infos)
     for name, ns in strats.items():
@@ -319,7 +319,7 @@ def build_costs(
             # internal saved tensors are cut like the op's work: by its largest split (e.g. a loss's
             # log-probabilities follow the logits, not the scalar output)
             work_vol = max([vol] + [volume_factor(x, mesh_shape) for x in s.ins])
-            saved = (info.out_bytes if name in kept.at_node else 0) / vol + info.saved_temp_bytes / work_vol
+            saved = kept.at_node_bytes(name, info) / vol + info.saved_temp_bytes / work_vol
             saved += lowered.saved_bytes  # what the op's lowering keeps beyond the traced op
             mems.append(n * saved)
             if info.requires_grad:  # its output's gradient, the new input gradients, internal temporaries
@@ -357,7 +357,10 @@ def build_costs(
                 continue
             info = infos[inp.name]
             orig, owner = _owner(kept, (name, i), infos, classes)
-            key = (classes.rep[src], rep, i, info.moved_bytes, info.requires_grad, orig, owner)
+            cast = kept.keeper.get((name, i)) in kept.cast_each
+            if name in kept.kept_views and infos[name].view_of == inp.name:
+                cast = None  # the view's copy is kept (Kept.kept_views); None: no GEMM casts it
+            key = (classes.rep[src], rep, i, info.moved_bytes, info.requires_grad, orig, owner, cast)
             groups.setdefault(key, [inp, 0, node])[1] += 1
     grad_total = trainable_bytes(tg, infos)
     data_axes = tuple(a for a, r in enumerate(axis_roles or ()) if r.splits_batch and mesh_shape[a] > 1)
@@ -365,12 +368,14 @@ def build_costs(
     matmul_s = tables.matmul_s if overlap_matmuls else None
     memo: dict = {}
     mutated = mutated_views(tg)
-    for (src, dst, i, _, _, orig, owner), (inp, count, user) in groups.items():
+    for (src, dst, i, _, _, orig, owner, cast), (inp, count, user) in groups.items():
         checkpoint()
         pinned = _pinned_axes(infos[src], axis_roles)
         if takes_as_stored(user, inp, mutated):  # a written chain's link: never moved (on any axis)
             pinned = list(range(len(mesh_shape)))
-        e = _edge(src, dst, i, inp, infos, strats, comm, pinned, orig, owner, grad_total, data_axes, memo)
+        e = _edge(
+            src, dst, i, inp, infos, strats, comm, pinned, orig, owner, grad_total, data_axes, memo, cast
+        )
         if matmul_s is not None:
             _fuse_matmuls(e, user, i, inp, infos, strats, comm, matmul_s)
         tables.edges.append(e.scaled(count))
@@ -429,6 +434,27 @@ def _base(node: fx.Node, infos: dict[str, NodeInfo]) -> fx.Node:
     return node
 
 
+def _base_output(node: fx.Node, infos: dict[str, NodeInfo]) -> fx.Node:
+    """The storage a use of ``node`` keeps: ``_base``'s node, or, for one output of an op with several
+    that the op does not keep itself (``NodeInfo.saved_outputs``), that output's ``getitem``: its own
+    storage, which the op's backward never holds (``autopar::rms_norm`` keeps the residual sum; its
+    normed value is kept by whoever saves it, or by nobody: under autocast its linears save their
+    half-type casts of it)."""
+    part = None
+    while node.op == "call_function":
+        if node.target is operator.getitem:
+            part, node = node, node.args[0]
+        elif infos.get(node.name) is not None and infos[node.name].view_of:
+            view_of = infos[node.name].view_of
+            node = next(a for a in node.all_input_nodes if a.name == view_of)
+        else:
+            break
+    which = infos[node.name].saved_outputs if node.name in infos else ()
+    if part is not None and isinstance(part.args[1], int) and part.args[1] < len(which):
+        return node if which[part.args[1]] else part
+    return node
+
+
 @dataclass(frozen=True)
 class Kept:
     """Which activation storages autograd (or the caller) keeps until backward, and who pays for them.
@@ -441,21 +467,56 @@ class Kept:
     (consumer, input index) -> base; the graph output's index is its position among the output's
     inputs): a copy where the edge reshards, the storage itself where it does not, counted once
     however many consumers keep it as it is (``shared``: those with several keepers; a max over
-    their edges, ``Edge.keep``). A storage its own op saves is paid at its node (``at_node``)."""
+    their edges, ``Edge.keep``; a GEMM's own half-type cast is its alone: ``cast_each``). A storage its own op saves is paid at its node (``at_node``): of an
+    op with several outputs, the outputs it saves (``node_bytes``); another output is a storage of
+    its own (its ``getitem``, ``_base_output``), paid by its keepers like any other (``source``:
+    that ``getitem`` -> the op, whose class it is charged to)."""
 
     at_node: frozenset[str]
     keeper: dict[tuple[str, int], str]
     shared: frozenset[str]
+    node_bytes: dict[str, int] = field(default_factory=dict)
+    source: dict[str, str] = field(default_factory=dict)
+    # storages whose every use is an autocast GEMM under mixed precision: kept as half-type casts
+    # (``_owner``), one per GEMM that takes it as it is and casts it itself; one for all where
+    # the generated code casts it first, before a collective or the Megatron "f" of its uses
+    # (``codegen/lower.py``, ``passes/half_reshard.py``): ``_edge``'s ``cast_each``
+    cast_each: frozenset[str] = frozenset()
+    # views (and ops returning their input) of an ``at_node`` storage whose output some op keeps
+    # through them: where the edge into one reshards, the view is of the resharded copy, a new
+    # storage, which is kept (a view of a gathered attention output that the output projection
+    # saves); charged on that edge
+    kept_views: frozenset[str] = frozenset()
+
+    def at_node_bytes(self, name: str, info: NodeInfo) -> int:
+        """Bytes of ``name``'s own outputs kept at it (0 when it is not in ``at_node``)."""
+        if name not in self.at_node:
+            return 0
+        return self.node_bytes.get(name, info.out_bytes)
 
 
 def kept_for_backward(tg: TracedGraph, infos: dict[str, NodeInfo]) -> Kept:
     uses: dict[str, list[tuple[str, int]]] = {}
     self_saved: set[str] = set()
+    source: dict[str, str] = {}
+    views: dict[str, set[str]] = {}  # storage -> the views its keepers keep it through
+
+    def base_of(inp: fx.Node) -> str:
+        v, seen = inp, []
+        while v.op == "call_function" and infos.get(v.name) is not None and infos[v.name].view_of:
+            seen.append(v.name)
+            v = next(a for a in v.all_input_nodes if a.name == infos[v.name].view_of)
+        b = _base_output(inp, infos)
+        if b.target is operator.getitem:
+            source[b.name] = b.args[0].name
+        views.setdefault(b.name, set()).update(seen)
+        return b.name
+
     for node in tg.graph.nodes:
         if node.op == "output":
             for k, inp in enumerate(node.all_input_nodes):
                 if isinstance(inp.meta.get("val"), torch.Tensor):
-                    uses.setdefault(_base(inp, infos).name, []).append(("output", k))
+                    uses.setdefault(base_of(inp), []).append(("output", k))
             continue
         info = infos.get(node.name)
         if node.op != "call_function" or info is None or not info.requires_grad:
@@ -464,7 +525,7 @@ def kept_for_backward(tg: TracedGraph, infos: dict[str, NodeInfo]) -> Kept:
             self_saved.add(_base(node, infos).name)
         for i, (inp, saved) in enumerate(zip(tensor_inputs(node), info.saves_inputs)):
             if saved:
-                uses.setdefault(_base(inp, infos).name, []).append((node.name, i))
+                uses.setdefault(base_of(inp), []).append((node.name, i))
     at_node, keeper, shared = set(self_saved), {}, set()
     for base, users in uses.items():
         if base in self_saved or infos[base].role is not Role.ACTIVATION:
@@ -473,15 +534,34 @@ def kept_for_backward(tg: TracedGraph, infos: dict[str, NodeInfo]) -> Kept:
         keeper.update((u, base) for u in users)
         if len(users) > 1:
             shared.add(base)
-    return Kept(frozenset(at_node), keeper, frozenset(shared))
+    node_bytes = {
+        b: sum(infos[b].output_bytes(k) for k, kept in enumerate(infos[b].saved_outputs) if kept)
+        for b in at_node
+        if infos[b].saved_outputs
+    }
+    cast_each = frozenset(b for b in keeper.values() if infos[b].moved_dtype is not None)
+    return Kept(
+        frozenset(at_node),
+        keeper,
+        frozenset(shared),
+        node_bytes,
+        source,
+        cast_each,
+        # only of a storage its own op keeps: its keepers pay nothing for it (a storage they keep
+        # is charged on their edges, as it is where no reshard comes between: a copy there too)
+        frozenset(v for b in at_node if infos[b].role is Role.ACTIVATION for v in views.get(b, ())),
+    )
 
 
 def _owner(kept: Kept, use: tuple[str, int], infos, classes: Classes) -> tuple[int, str]:
-    """(bytes of the storage this use keeps when it takes it as it is, owner if others keep it too)."""
+    """(bytes of the storage this use keeps when it takes it as it is, owner if others keep it too).
+    A storage whose every use is an autocast GEMM under mixed precision is kept as the half-type
+    cast each makes of it (``NodeInfo.moved_bytes``; ``passes/half_reshard.py``), not as itself."""
     base = kept.keeper.get(use)
-    if base is None or base not in classes.rep:
+    node = kept.source.get(base, base)
+    if base is None or node not in classes.rep:
         return 0, ""
-    return infos[base].out_bytes, (classes.rep[base] if base in kept.shared else "")
+    return infos[base].moved_bytes, (classes.rep[node] if base in kept.shared else "")
 
 
 def _kept_bytes(have, need, nbytes: int, keeps: bool, orig: int, mesh_shape) -> tuple[float, float]:
@@ -700,7 +780,7 @@ def _indexes_whole(node: fx.Node, i: int, info: NodeInfo) -> bool:
 
 def _edge(
     src, dst, i, inp, infos, strats, comm: CommModel, pinned=(), orig: int = 0, owner: str = "",
-    grad_total: float = 0.0, data_axes: Sequence[int] = (), memo: dict | None = None,
+    grad_total: float = 0.0, data_axes: Sequence[int] = (), memo: dict | None = None, cast_each: bool | None = False,
 ) -> Edge:  # fmt: skip
     """The edge of ``inp`` into input ``i`` of ``dst``: per (source, destination) strategy pair
     its seconds, kept bytes, transient, storage kept as it is, copy and bucketed axes. ``memo``:
@@ -713,6 +793,9 @@ def _edge(
     checked = () if _takes_whole(strats[dst].node) or _indexes_whole(strats[dst].node, i, info) else data_axes
     saves = infos[dst].saves_inputs
     keeps = infos[dst].requires_grad and (saves[i] if i < len(saves) else True)
+    view = cast_each is None  # a view kept through (Kept.kept_views): a gathered input's copy is kept
+    if view:
+        keeps, cast_each = True, False
     # strategies share output placements and input requirements: price each distinct pair once
     have_ix: dict = {}
     rows = [have_ix.setdefault(su.out, len(have_ix)) for su in strats[src].strategies]
@@ -721,7 +804,7 @@ def _edge(
     is_param = infos[src].role is Role.PARAM
     # what a pair costs depends on these and the placements alone: edges of one size share it
     # (three in four pairs of a Llama's tables are priced by an earlier edge)
-    alike = (nbytes, rg, param, tuple(pinned), is_param, checked, keeps, orig)
+    alike = (nbytes, rg, param, tuple(pinned), is_param, checked, keeps, orig, cast_each, view)
     row_c, row_m, row_p, row_k, row_cp, row_b = [], [], [], [], [], []
     for have in have_ix:
         rc, rm, rp, rk, rcp, rb = [], [], [], [], [], []
@@ -734,12 +817,17 @@ def _edge(
                 if pinned_moves or not data_parallel_pair(have, need, is_param, checked):
                     c = math.inf  # forbidden pair (see _pinned_axes, data_parallel_pair)
                 copy, own = _kept_bytes(have, need, nbytes, keeps, orig, comm.mesh_shape)
+                if view and all(is_replicate(h) for h, w in zip(have, need) if h != w):
+                    copy = 0.0  # a slice of a replicated tensor: a view of the storage kept anyway
                 peak = reshard_transient(have, need, nbytes, comm.mesh_shape, rg, f, keeps)
                 hit = memo[key] = (c, bucketed, copy, own, peak)
             c, bucketed, copy, own, peak = hit
             rb.append(bucketed)
             rc.append(c)
-            rm.append(copy + (0.0 if owner else own))
+            # a GEMM that casts the storage itself (no collective, no "f" before it) keeps its own cast
+            mine = own if cast_each and not f else 0.0
+            own -= mine
+            rm.append(copy + mine + (0.0 if owner else own))
             rcp.append(copy)
             rk.append(own)
             rp.append(peak)

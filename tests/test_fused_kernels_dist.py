@@ -157,8 +157,10 @@ def _predicted_saved(model, inputs, kernels) -> int:
     fuse(tg, kernels)
     infos = analyze(tg)
     kept = kept_for_backward(tg, infos)
-    bases = set(kept.at_node) | set(kept.keeper.values())
-    total = sum(infos[b].out_bytes for b in bases if infos[b].role is Role.ACTIVATION)
+    # an op with several outputs keeps the ones it saves at its node; another output is its own storage
+    bases = {b: kept.at_node_bytes(b, infos[b]) for b in kept.at_node}
+    bases.update({b: infos[b].out_bytes for b in kept.keeper.values()})
+    total = sum(n for b, n in bases.items() if infos[b].role is Role.ACTIVATION)
     return total + sum(i.saved_temp_bytes for i in infos.values() if i.requires_grad)
 
 
