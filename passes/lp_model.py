@@ -309,8 +309,10 @@ class Model:
         )  # fmt: skip
         with owner_idle():  # HiGHS releases the GIL: a search's worker builds tables meanwhile
             h.run()
-        values = np.empty(n)
-        values[order] = np.asarray(h.getSolution().col_value, dtype=np.float64)
+        values = np.zeros(n)
+        col = np.asarray(h.getSolution().col_value, dtype=np.float64)
+        if col.size == n:  # none where HiGHS proved the model infeasible before it had columns
+            values[order] = col
         objective = h.getObjectiveValue()
         status, has_solution, limited = _highs_status(h.getModelStatus(), objective)
         if iteration_limit is not None and h.getModelStatus() == highspy.HighsModelStatus.kIterationLimit:

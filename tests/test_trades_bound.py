@@ -76,11 +76,8 @@ def test_no_plan_under_the_memory_lower_bound(problem, share):
     tables, _ = problem
     needed = lower_bound_bytes(tables)
     assume(needed > 0.1)  # a limit under zero bytes is no question the search asks
-    # (tables whose every node has one strategy: HiGHS returns no column values there, which
-    # lp_model does not expect; no search builds such tables, each has a placement to choose)
-    assume(any(len(s) > 1 for s in tables.strategies.values()))
-    # under the bound by 0.1-50%, past the solvers' tolerances (the re-solve's room is the limit less
-    # what the full peak passed it by; a room of ~1e-280 bytes makes HiGHS return no values)
+    # under the bound by 0.1-50%, past the solvers' tolerances (tables whose every node has one
+    # strategy included: HiGHS proves those infeasible with no column values, lp_model.py)
     limit = needed * share
     assert brute_force(tables, limit) is None
     assert solve(tables, limit) is None
