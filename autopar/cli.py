@@ -5,7 +5,7 @@
                  [--mesh AxB] [--axis-roles data,tensor] [--recompute ..] [--micro-batches K] [--zero-stage ..] [--offload ..]
                  [--precision ..] [--float8 ..] [--pipeline-stages N] [--schedule ..] [--virtual-stages N]
                  [--sequence-attention gather|ring|all_to_all] [--kernels auto|all|none|K1,K2]
-                 [--overlap-matmuls auto|on|off]
+                 [--overlap-matmuls auto|on|off] [--expert-skew X] [--expert-dispatch auto|expert_all_to_all]
                  [--profile [--profile-cache PATH] [--profile-threads N]]
     autopar report PLAN.json [--out report.html] [--title TEXT]
     autopar calibrate [--world-size N] [--out cluster.json] [--quick]
@@ -26,7 +26,7 @@ from autopar.demo import DEMO_MODEL
 from autopar.errors import AutoparError
 from autopar.fusion import Kernel, KernelsError, coerce_kernels
 from autopar.options import AxisRole
-from autopar.placement import Outputs, SeqAttention
+from autopar.placement import ExpertDispatch, Outputs, SeqAttention
 from autopar.trades import Recompute, Schedule
 
 
@@ -104,6 +104,11 @@ def _build_parser() -> argparse.ArgumentParser:
     pl.add_argument(
         "--expert-skew", type=float, default=1.0,
         help="price mixture-of-experts routing with the busiest rank this many times a balanced share (default 1)",
+    )  # fmt: skip
+    pl.add_argument(
+        "--expert-dispatch", choices=["auto", ExpertDispatch.ALL_TO_ALL.value], default="auto",
+        help="how tokens travel to experts split over an axis: auto (the search takes the dispatch once per "
+        "node where the axis spans nodes and that is faster) or the flat all-to-all only",
     )  # fmt: skip
     pl.add_argument("--meta", action="store_true", help="build the model on the meta device (no weights)")
     pl.add_argument(
@@ -302,6 +307,7 @@ def _cmd_plan(args) -> int:
         memory_limit_bytes=args.memory_limit_gib * 2**30 if args.memory_limit_gib is not None else None,
         time_limit_s=args.time_limit,
         expert_skew=args.expert_skew,
+        expert_dispatch=auto(args.expert_dispatch),
         outputs=Outputs(args.outputs),
     )
     # the profiler (a measuring resource, not a search option) goes in beside the options

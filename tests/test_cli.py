@@ -222,3 +222,20 @@ def test_a_cpu_start_prints_no_torchao_noise():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0 and "built" in out.stdout, out.stderr[-2000:]
     assert "Failed to load" not in out.stderr and "is an Enum subclass" not in out.stderr, out.stderr[-2000:]
+
+
+def test_plan_takes_expert_dispatch(tmp_path):
+    """On 2 H100 nodes an expert axis over both is dispatched once per node by default (the
+    search's choice there, tests/test_expert_nodes_search.py) and with the flat all-to-all under
+    ``--expert-dispatch expert_all_to_all``."""
+    spec = "autopar.examples:moe_plain_tiny(batch=64, seq=256, hidden=1024, experts=8)"
+    vias = {}
+    for flag in ("auto", "expert_all_to_all"):
+        out = tmp_path / f"{flag}.json"
+        argv = ["plan", spec, "--cluster", "h100-sxm:2x4", "--mesh", "8", "--axis-roles", "expert", "--meta"]
+        assert main(argv + ["--out", str(out), "--expert-dispatch", flag]) == 0
+        vias[flag] = {
+            d["via"] for d in json.loads(out.read_text())["decisions"] if "expert" in d.get("via", "")
+        }
+    assert any("expert_node_all_to_all" in v for v in vias["auto"]), vias
+    assert vias["expert_all_to_all"] and not any("node" in v for v in vias["expert_all_to_all"]), vias
