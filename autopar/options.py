@@ -149,28 +149,20 @@ class SearchOptions:
             raise SearchOptionsError(
                 f"overlap_matmuls must be True, False or None (auto), got {self.overlap_matmuls!r}"
             )
-        if self.sequence_attention is not None:
-            try:
-                object.__setattr__(self, "sequence_attention", SeqAttention(self.sequence_attention))
-            except ValueError:
-                raise SearchOptionsError(
-                    f"sequence_attention must be one of {[v.value for v in SeqAttention]} (or None: auto), got "
-                    f"{self.sequence_attention!r}"
-                ) from None
-        if self.expert_dispatch is not None:
-            try:
-                object.__setattr__(self, "expert_dispatch", ExpertDispatch(self.expert_dispatch))
-            except ValueError:
-                raise SearchOptionsError(
-                    f"expert_dispatch must be {ExpertDispatch.ALL_TO_ALL.value!r} (or None: auto), got "
-                    f"{self.expert_dispatch!r}"
-                ) from None
-            if self.expert_dispatch is not ExpertDispatch.ALL_TO_ALL:
-                raise SearchOptionsError(
-                    f"expert_dispatch={self.expert_dispatch.value!r} cannot be forced: leave it None and the search "
-                    "dispatches once per node where the expert axis spans nodes and that is faster; "
-                    f"{ExpertDispatch.ALL_TO_ALL.value!r} forces the flat all-to-all"
-                )
+        for name, kind in (("sequence_attention", SeqAttention), ("expert_dispatch", ExpertDispatch)):
+            if (v := getattr(self, name)) is not None:
+                try:
+                    object.__setattr__(self, name, kind(v))
+                except ValueError:
+                    raise SearchOptionsError(
+                        f"{name} must be one of {[m.value for m in kind]} (or None: auto), got {v!r}"
+                    ) from None
+        if self.expert_dispatch not in (None, ExpertDispatch.ALL_TO_ALL):
+            raise SearchOptionsError(
+                f"expert_dispatch={self.expert_dispatch.value!r} cannot be forced: leave it None and the search "
+                "dispatches once per node where the expert axis spans nodes and that is faster; "
+                f"{ExpertDispatch.ALL_TO_ALL.value!r} forces the flat all-to-all"
+            )
         for name in ("pipeline_stages", "virtual_stages"):
             v = getattr(self, name)
             if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):

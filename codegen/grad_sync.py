@@ -129,12 +129,21 @@ def _accumulates(acc) -> bool:
 
 class _Bucket:
     """Members' gradients handed in so far: parameter -> (tensor to reduce, added to .grad after).
-    ``scatter``: the axes its members' shares are cut over (reduce-scattered), else ()."""
+    ``scatter``: the axes its members' shares are cut over (reduce-scattered), else (); ``shares``
+    and ``mine``: how many shares that cuts, and this rank's (``share_index``)."""
 
-    def __init__(self, params: Sequence[torch.nn.Parameter], axes: tuple[int, ...], scatter: tuple[int, ...]):
+    def __init__(
+        self,
+        params: Sequence[torch.nn.Parameter],
+        axes: tuple[int, ...],
+        scatter: tuple[int, ...],
+        mesh: DeviceMesh,
+    ):
         self.params = list(params)
         self.axes = axes
         self.scatter = scatter
+        self.shares = math.prod(mesh.size(a) for a in scatter)
+        self.mine = share_index(mesh, scatter)
         self.ready: dict[int, tuple[torch.Tensor, bool]] = {}
 
 
@@ -155,7 +164,7 @@ class GradSync:
     def __init__(self, buckets: Sequence[tuple], mesh: DeviceMesh):
         self._mesh = mesh
         self._buckets = [
-            _Bucket(b[0], b[1], _scatter_axes(b[0], b[1], mesh) if len(b) > 2 and b[2] else ())
+            _Bucket(b[0], b[1], _scatter_axes(b[0], b[1], mesh) if len(b) > 2 and b[2] else (), mesh)
             for b in buckets
         ]
         self._bucket_of = {id(p): b for b in self._buckets for p in b.params}
@@ -294,7 +303,7 @@ class GradSync:
         outer axis's asynchronously, the others in ``finish``. Each member takes ``d`` slots of
         ``c`` rows (``share_rows``; an uneven cut padded with zeros). The whole gradients are
         dropped from ``.grad`` here (the laid-out copy holds them), so they are freed as it is."""
-        d = math.prod(self._mesh.size(a) for a in b.scatter)
+        d = b.shares
         rows, parts = [], []
         for p, g, add in members:
             flat = _local(g).reshape(_local(g).shape[0], -1)
@@ -319,8 +328,7 @@ class GradSync:
             nxt = out.new_empty(out.numel() // self._mesh.size(a))
             C.scatter_into(nxt, out, group=C.axis_group(self._mesh, a))
             out = nxt
-        d = math.prod(self._mesh.size(a) for a in b.scatter)
-        r = share_index(self._mesh, b.scatter)
+        d, r = b.shares, b.mine
         off = 0
         for p in parts:
             local = p._local_tensor

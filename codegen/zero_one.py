@@ -17,9 +17,11 @@ back one axis at a time, the inner first. The part is a *share*, a ``DTensor`` w
 is a view of ``p``'s local piece (no copy) and whose placement on the data axis is ``Shard(0)`` (``_StridedShard`` where a later axis also shards dim 0,
 as FSDP2 writes it), so that its optimizer state (``zeros_like(share)``) is ``1/d`` of the
 parameter's and checkpoints (``torch.distributed.checkpoint``) see where each piece belongs. A
-parameter whose local dim 0 does not divide by ``d`` (or a scalar) is its own share on every rank,
-stepped in full everywhere (as ZeRO implementations leave small tensors); the plan prices every
-parameter's state as sharded, a difference of a few bias vectors.
+local dim 0 that does not divide by ``d`` is cut as ``torch.chunk`` cuts it (``share_rows``:
+``ceil(rows / d)`` rows a share, the last ones shorter or empty; gathers carry padded slots), which
+is DTensor's own uneven ``Shard(0)``, where the parameter is cut over one axis and no later axis
+cuts its dim 0; otherwise (and for a scalar) the parameter is its own share on every rank,
+stepped in full everywhere (``share_axes``); the plan prices every parameter's state as sharded.
 
 **Step.** Each share's gradient is the parameter's gradient where the bucket was reduce-scattered
 into the shares (``codegen/grad_sync.py``: ``.grad`` is then the share), else the matching view of
@@ -57,11 +59,12 @@ from collections.abc import Iterable, Sequence
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from autopar.codegen.collectives import gather_into
 from autopar.codegen.local_params import PENDING_ATTR, clear_grads, wait_param, wait_params
+from autopar.passes.grad_sync import share_axes_of
 from autopar.passes.trades import ZERO_ONE_BUCKET_BYTES, ZERO_ONE_IN_FLIGHT
 from autopar.placement import is_shard
 
@@ -103,31 +106,13 @@ def share_placements(p: DTensor, axes: tuple[int, ...]):
 
 
 def share_axes(p: torch.Tensor, mesh: DeviceMesh, axes: Sequence[int]) -> tuple[int, ...]:
-    """The data axes (of ``axes``) parameter ``p`` is cut into shares over: those of more than one
-    rank it is whole on (``Replicate``; an expert split on one of them is shared over the others),
-    in mesh order; none for a scalar or a local piece that is not contiguous, and none where dim 0
-    does not divide by their sizes' product unless the cut is one DTensor can say (``uneven``):
-    such a parameter is its own share on every rank. The gradient buckets use the same rule
-    (``passes/grad_sync.py:scatters``), so a bucket of shares is reduce-scattered into them."""
-    if not isinstance(p, DTensor):
+    """The data axes (of ``axes``) parameter ``p`` is cut into shares over, by the rule the
+    gradient buckets follow (``passes/grad_sync.py:share_axes_of``, so a bucket of shares is
+    reduce-scattered into them); none for a piece that is not contiguous: such a parameter is its
+    own share on every rank."""
+    if not isinstance(p, DTensor) or not p._local_tensor.is_contiguous():
         return ()
-    on = tuple(a for a in sorted(axes) if mesh.size(a) > 1 and isinstance(p.placements[a], Replicate))
-    local = p._local_tensor
-    if not on or local.dim() == 0 or not local.is_contiguous():
-        return ()
-    if local.shape[0] % math.prod(mesh.size(a) for a in on) and not uneven_ok(p.placements, on, p.dim()):
-        return ()
-    return on
-
-
-def uneven_ok(placements, on: tuple[int, ...], ndim: int) -> bool:
-    """Whether shares over ``on`` may be uneven (``share_rows``): over one axis, with no later axis
-    sharding dim 0 too, the cut is DTensor's own uneven ``Shard(0)`` (``torch.chunk``'s); over
-    several, or strided over a later axis's pieces, DTensor's nested cut would differ from the
-    shares' (then only an even cut is taken)."""
-    if len(on) != 1:
-        return False
-    return not any(b > on[0] and is_shard(q) and q.dim % max(ndim, 1) == 0 for b, q in enumerate(placements))
+    return share_axes_of(p.shape, p.placements, axes, tuple(mesh.shape))
 
 
 def share_rows(rows: int, d: int, r: int) -> tuple[int, int, int]:

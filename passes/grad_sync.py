@@ -60,7 +60,15 @@ from autopar.passes.costs import (
 from autopar.passes.rules import tensor_inputs, writes_inputs
 from autopar.passes.strategies import Strategy
 from autopar.passes.trace import Role, TracedGraph
-from autopar.placement import Outputs, Spec, is_shard, local_shape, output_placement, volume_factor
+from autopar.placement import (
+    Outputs,
+    Spec,
+    is_replicate,
+    is_shard,
+    local_shape,
+    output_placement,
+    volume_factor,
+)
 from autopar.reshard import Collective
 
 
@@ -228,6 +236,25 @@ def grad_buckets(
     return sorted(buckets, key=lambda b: -b.ready)
 
 
+def share_axes_of(
+    shape: Sequence[int], spec: Spec, scatter_axes: Collection[int], mesh_shape: Sequence[int]
+) -> tuple[int, ...]:
+    """The data axes ZeRO-1's optimizer cuts a parameter of ``shape`` stored as ``spec`` into
+    shares over (``codegen/zero_one.py:share_axes`` runs this rule on the parameter itself): those of
+    ``scatter_axes`` of more than one rank it is whole on, in mesh order, cutting dim 0 of its local
+    piece; none for a scalar, and none where dim 0 does not divide by their sizes' product unless the
+    cut is one DTensor can say: over one axis with no later axis cutting dim 0 too, DTensor's own
+    uneven ``Shard(0)`` (``torch.chunk``'s); over several, or strided over a later axis's pieces,
+    DTensor's nested cut would differ from the shares'."""
+    on = tuple(a for a in sorted(scatter_axes) if mesh_shape[a] > 1 and is_replicate(spec[a]))
+    if not on or not len(shape):
+        return ()
+    if local_shape(shape, spec, mesh_shape)[0] % math.prod(mesh_shape[a] for a in on) == 0:
+        return on
+    later = any(b > on[0] and is_shard(q) and q.dim % len(shape) == 0 for b, q in enumerate(spec))
+    return on if len(on) == 1 and not later else ()
+
+
 def scatters(
     shape: Sequence[int],
     spec: Spec,
@@ -236,19 +263,10 @@ def scatters(
     mesh_shape: Sequence[int],
 ) -> bool:
     """Whether ZeRO-1 reduce-scatters the gradient of a parameter of ``shape`` stored as ``spec``
-    and reduced over ``axes``: its optimizer cuts it into shares on dim 0 of its local piece over
-    the data axes (``scatter_axes``) of more than one rank it is whole on, and those are exactly
-    ``axes``; dim 0 divides by their sizes' product, or the uneven cut is one DTensor can say
-    (``codegen/zero_one.py:share_axes``, ``uneven_ok``: one axis, no later axis sharding dim 0)."""
-    on = tuple(a for a in sorted(scatter_axes) if mesh_shape[a] > 1 and not is_shard(spec[a]))
-    if not on or tuple(sorted(axes)) != on or not len(shape):
-        return False
-    rows = local_shape(shape, spec, mesh_shape)[0]
-    if rows % math.prod(mesh_shape[a] for a in on) == 0:
-        return True
-    return len(on) == 1 and not any(
-        b > on[0] and is_shard(q) and q.dim % len(shape) == 0 for b, q in enumerate(spec)
-    )
+    and reduced over ``axes``: its optimizer cuts it into shares (``share_axes_of``) over exactly
+    ``axes``."""
+    on = share_axes_of(shape, spec, scatter_axes, mesh_shape)
+    return bool(on) and tuple(sorted(axes)) == on
 
 
 def bucket_all_reduce_s(bucket: Bucket, comm: CommModel) -> tuple[float, float]:
