@@ -85,26 +85,23 @@ def gpt3(
     layers: int = 96, hidden: int = 12288, heads: int = 96, vocab: int = 51200, batch: int = 8,
     seq: int = 2048, dtype: str = "bfloat16", attention: str = "sdpa",
 ):  # fmt: skip
-    """A GPT-3 decoder as Megatron-LM's GPT runs it, for pricing Megatron's layouts: pre-norm
-    LayerNorm, learned positions, 4h MLP, biases, tied embeddings, as ``gpt``; but queries, keys and
-    values projected per head (Megatron's fused QKV weight is laid out head by head, so splitting
-    heads over a tensor axis needs no reshuffle, where GPT-2's ``c_attn`` is [q | k | v]) and GELU
-    as one op (Megatron fuses bias and GELU; GPT-2's ``gelu_new`` is seven elementwise ops). Built
-    on transformers' OPT (pre-norm, exact GELU, no dropout). ``attention``: "sdpa" (fused, as
-    FlashAttention runs it) or "eager" (the scores materialized: matmul, softmax, matmul, as
-    Megatron-LM ran attention before FlashAttention, 2022)."""
-    tf = _transformers()
+    """A GPT-3 decoder as Megatron-LM's GPT runs it, for pricing Megatron's layouts (the plain-torch
+    ``autopar.models.gpt``): pre-norm LayerNorm, learned positions, 4h MLP, biases, tied
+    embeddings, as ``gpt``; but queries, keys and values projected per head (Megatron's fused QKV
+    weight is laid out head by head, so splitting heads over a tensor axis needs no reshuffle, where
+    GPT-2's ``c_attn`` is [q | k | v]), GELU as one op (Megatron fuses bias and GELU; GPT-2's
+    ``gelu_new`` is seven elementwise ops) and activations kept ``[batch, seq, hidden]`` throughout
+    (Hugging Face's OPT flattens them around its MLP, where sequence parallelism cannot follow).
+    ``attention``: "sdpa" (fused, as FlashAttention runs it) or "eager" (the scores materialized:
+    matmul, softmax, matmul, as Megatron-LM ran attention before FlashAttention, 2022)."""
+    from autopar.models.gpt import GPT
+
     torch.manual_seed(0)
-    cfg = tf.OPTConfig(
-        num_hidden_layers=layers, hidden_size=hidden, ffn_dim=4 * hidden, num_attention_heads=heads,
-        vocab_size=vocab, max_position_embeddings=max(seq, 64), word_embed_proj_dim=hidden,
-        do_layer_norm_before=True, activation_function="gelu", dropout=0.0, attention_dropout=0.0,
-        enable_bias=True, tie_word_embeddings=True, use_cache=False, bos_token_id=0, eos_token_id=0,
-        pad_token_id=0,
-    )  # fmt: skip
-    cfg._attn_implementation = attention
+    model = GPT(
+        vocab=vocab, hidden=hidden, layers=layers, heads=heads, max_seq=max(seq, 64), attention=attention
+    )
     ids = _tokens(batch, seq, vocab)
-    return tf.OPTForCausalLM(cfg).to(getattr(torch, dtype)), {"input_ids": ids, "labels": ids}
+    return model.to(getattr(torch, dtype)), {"input_ids": ids, "labels": ids}
 
 
 def bert_tiny(batch: int = 8, seq: int = 32, layers: int = 2, hidden: int = 64, vocab: int = 256):
