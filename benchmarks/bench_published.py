@@ -99,6 +99,8 @@ def forced_options(run: Run) -> dict:
         opts["kernels"] = run.kernels
     if run.dispatch is not None:
         opts["expert_dispatch"] = run.dispatch
+    if run.tp_overlap is not None:
+        opts["overlap_matmuls"] = run.tp_overlap
     return opts
 
 
@@ -156,7 +158,8 @@ def layout(run: Run) -> str:
     parts = [f"TP{run.tp}", pipe, f"DP{run.dp}", f"CP{run.cp}", f"EP{run.ep}" if run.ep > 1 else "", mb,
              f"recompute {known(run.recompute, run.recompute.value if run.recompute else '')}",
              f"ZeRO-{known(run.zero, int(run.zero) if run.zero is not None else '')}", sp, prec,
-             f"kernels {run.kernels}" if run.kernels else ""]  # fmt: skip
+             f"kernels {run.kernels}" if run.kernels else "",
+             "TP comm not overlapped" if run.tp_overlap is False and run.tp > 1 else ""]  # fmt: skip
     return ", ".join(p for p in parts if p)
 
 

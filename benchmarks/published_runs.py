@@ -124,6 +124,11 @@ class Run:
     recompute: Recompute | None = None
     zero: ZeroStage | None = None
     sp: bool | None = None  # Megatron sequence parallelism over the TP group
+    # whether the run overlapped its tensor-parallel collectives with the matmuls next to them
+    # (Transformer Engine's userbuffers, torchtitan's async TP), as ``autopar.plan``'s
+    # ``overlap_matmuls``: False where the source ran them blocking (Megatron-LM before TE's TP
+    # overlap, 2021-22: [SC21], [SAR]; torchtitan's "vanilla TP" rows); None: autopar's choice
+    tp_overlap: bool | None = None
     memory_gib: float | None = None
     unpriceable: str | None = None
     notes: str = ""
@@ -160,7 +165,7 @@ def _sc21(size, hidden, layers, heads, tp, pp, mbs, gbs, gpus, tflops, virtual=N
         dict(layers=layers, hidden=hidden, heads=heads, vocab=51200), 2048, gbs, F16, tflops, "tflops", "sc21",
         tp=tp, pp=pp, dp=gpus // (tp * pp), schedule=(SI if virtual else S1) if pp > 1 else None,
         virtual=virtual if pp > 1 else None, mbs=mbs, recompute=FULL, zero=Z0, sp=False,
-        attention="eager",
+        attention="eager", tp_overlap=False,
     )  # fmt: skip
 
 
@@ -170,7 +175,7 @@ def _sar(size, hidden, layers, heads, pp, gbs, mbs, gpus, mfu, virtual=None):
         f"sar-{size}-{gpus}xa100", "[SAR] Tables 3, 5", f"a100-80gb:{gpus // 8}x8", "gpt",
         dict(layers=layers, hidden=hidden, heads=heads, vocab=51200), 2048, gbs, B16, mfu, "mfu", "megatron",
         tp=8, pp=pp, dp=1, schedule=(SI if virtual else S1) if pp > 1 else None, virtual=virtual, mbs=mbs,
-        recompute=SEL, zero=Z0, sp=True,
+        recompute=SEL, zero=Z0, sp=True, tp_overlap=False,
         notes="mixed precision (type not stated; bf16 priced, fp16 is priced the same)",
     )  # fmt: skip
 
@@ -239,10 +244,10 @@ RUNS: tuple[Run, ...] = (
         8192, 256, B16, 5605, "tokens", "tokens", dp=128, mbs=2, recompute=OP, zero=Z3, memory_gib=67.0,
         kernels="none", notes="torchtitan's op-level selective checkpointing"),
     Run("tt-llama3-8b-64xh100", "[TT] asyncTP_llama3_h100_2025-06 (bf16, vanilla TP)", "h100-96gb:8x8", "llama", L8B,
-        8192, 96, B16, 4378, "tokens", "tokens", tp=8, dp=8, mbs=12, recompute=OP, zero=Z3,
+        8192, 96, B16, 4378, "tokens", "tokens", tp=8, dp=8, mbs=12, recompute=OP, zero=Z3, tp_overlap=False,
         notes="torch.compile; torchtitan's op-level selective checkpointing"),
     Run("tt-llama3-70b-256xh100", "[TT] asyncTP_llama3_h100_2025-06 (bf16, vanilla TP)", "h100-96gb:32x8", "llama",
-        L70B, 8192, 512, B16, 597.3, "tokens", "tokens", tp=8, dp=32, mbs=16, recompute=FULL, zero=Z3,
+        L70B, 8192, 512, B16, 597.3, "tokens", "tokens", tp=8, dp=32, mbs=16, recompute=FULL, zero=Z3, tp_overlap=False,
         notes="torch.compile"),
     # [LLAMA3] Table 4 (H100 80GB, 700 W)
     Run("llama3-405b-8192xh100", "[LLAMA3] Table 4 row 1", "h100-sxm:1024x8", "llama", L405B, 8192, 2048, B16,
