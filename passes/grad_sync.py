@@ -60,6 +60,7 @@ from autopar.passes.costs import (
 from autopar.passes.rules import tensor_inputs, writes_inputs
 from autopar.passes.strategies import Strategy
 from autopar.passes.trace import Role, TracedGraph
+from autopar.passes.trades import ZERO_ONE_BUCKET_BYTES, ZERO_ONE_IN_FLIGHT
 from autopar.placement import (
     Outputs,
     Spec,
@@ -358,6 +359,11 @@ class GradSyncCost:
     # buckets price their time (an upper bound), but at run time FSDP2 reduce-scatters them per
     # group, so no bucket of theirs alone is flattened (``bucket_transients``)
     fsdp: frozenset[str] = frozenset()
+    # ZeRO-1's parameter all-gathers in flight between the optimizer step and the forward that
+    # waits for them (``zero_one_gathers_bytes``): bytes held at the step's position beyond what
+    # the tables charge there (less the gradients reduce-scattered into shares, which the tables
+    # count whole)
+    gathers_bytes: float = 0.0
 
     @property
     def adjustment_s(self) -> float:
@@ -444,7 +450,64 @@ def price_grad_sync(
     inline_f += sum(bucket_fixed_s(comm, a) for a in fixed_axes)
     hidden = hidden_seconds(list(reversed(steps)), efficiency)
     shared = shared_reshards_s(every, infos, choice, comm, matmul_s)
-    return GradSyncCost(deferred, inline_f, allreduce, hidden, shared, copy, tuple(buckets))
+    # at the step, a reduce-scattered bucket's gradients are this rank's shares only, where the
+    # tables hold them whole: the gathers in flight then add only what exceeds that
+    shares_saved = sum(b.nbytes * (1 - 1 / math.prod(mesh[a] for a in b.axes)) for b in buckets if b.scatter)
+    gathers = max(0.0, zero_one_gathers_bytes(tg, choice, mesh, scatter_axes, grad_dtype) - shares_saved)
+    return GradSyncCost(
+        deferred, inline_f, allreduce, hidden, shared, copy, tuple(buckets), gathers_bytes=gathers
+    )
+
+
+def zero_one_gathers_bytes(
+    tg: TracedGraph,
+    choice: dict[str, Strategy],
+    mesh_shape: Sequence[int],
+    scatter_axes: Collection[int],
+    param_dtype: torch.dtype | None = None,
+    cap: float = ZERO_ONE_BUCKET_BYTES,
+    in_flight: int = ZERO_ONE_IN_FLIGHT,
+) -> float:
+    """The most bytes ZeRO-1's parameter all-gathers hold at once (``codegen/zero_one.py``): after
+    the optimizer step, the parameters cut into shares (``share_axes_of`` over ``scatter_axes``) are
+    gathered in buckets, in the order the forward first reads them, each filling about ``cap``
+    bytes of gathered parameters, ``in_flight`` of them at a time. A bucket in flight holds its
+    gathered parameters (every rank's slot) and this rank's shares concatenated to send (``1 / d``
+    of that), until the forward waits for it and its parts are copied into place. They start while
+    the step's gradients are still held (a training loop zeroes them after ``step`` returns), so the
+    plan's peak counts them at the step's position (``plan_peak``). ``param_dtype``: the masters'
+    dtype where it is not the traced one (fp32 under mixed precision, ``passes/trades.py:
+    grad_dtype``). 0 without ZeRO-1's axes. Buckets of one dtype and one set of axes, as codegen
+    forms them, are not told apart here (a model has one of each under one plan)."""
+    if not scatter_axes:
+        return 0.0
+    order = {n.name: i for i, n in enumerate(tg.graph.nodes)}
+    params = {p.name for p in tg.placeholders if p.role is Role.PARAM}
+    sizes: list[tuple[int, float, int]] = []  # (first read, gathered bytes, d)
+    for node in tg.graph.nodes:
+        if node.name not in params or node.name not in choice or not _needs_grad(node):
+            continue
+        val, spec = node.meta["val"], choice[node.name].out
+        on = share_axes_of(tuple(val.shape), spec, scatter_axes, mesh_shape)
+        if not on:
+            continue
+        d = math.prod(mesh_shape[a] for a in on)
+        dtype = param_dtype if param_dtype is not None and val.dtype.is_floating_point else val.dtype
+        local = local_shape(tuple(val.shape), spec, mesh_shape)
+        slot = -(-local[0] // d) * (math.prod(local) // max(local[0], 1))  # ``zero_one.slot_elements``
+        first = min((order[u.name] for u in node.users), default=order[node.name])
+        sizes.append((first, d * slot * dtype.itemsize, d))
+    buckets: list[float] = []
+    size = 0.0
+    for _, nbytes, d in sorted(sizes, key=lambda x: x[0]):
+        if buckets and size + nbytes <= cap:
+            buckets[-1] += nbytes * (1 + 1 / d)
+            size += nbytes
+        else:
+            buckets.append(nbytes * (1 + 1 / d))
+            size = nbytes
+    n = min(in_flight, len(buckets))
+    return max((sum(buckets[j : j + n]) for j in range(len(buckets) - n + 1)), default=0.0)
 
 
 def reduced_after_schedule(gs: GradSyncCost, comm: CommModel, efficiency: float) -> GradSyncCost:

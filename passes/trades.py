@@ -843,10 +843,10 @@ def trade_terms(
             windows = [0.0] + [(c / (1 + BACKWARD_FACTOR) + m / 2) / k for c, m in zip(block_c, block_comm)]
             gathers = [ag(gather_out)] + [ag(gather[b.index]) for b in blocks]
             terms.seconds["zero"] = gathers_ahead_exposed_s(gathers, windows, cluster.device.comm_overlap)
-            # not in the peak: the buckets in flight (their gathered parameters, at most
-            # ZERO_ONE_IN_FLIGHT x ZERO_ONE_BUCKET_BYTES, and the shares concatenated to send) live
-            # from the step into the next forward, when no gradient is held: a flat transient on
-            # the peak over-counts it (test_trades_memory's ZeRO-1 peak +28%)
+            # the buckets in flight (their gathered parameters, at most ZERO_ONE_IN_FLIGHT x
+            # ZERO_ONE_BUCKET_BYTES, and the shares concatenated to send) live from the step into
+            # the next forward: the peak counts them at the step's position, not flat
+            # (``passes/grad_sync.py:zero_one_gathers_bytes``, ``GradSyncCost.gathers_bytes``)
         else:  # FSDP2, one group per block and the root's
             g = [ag(gather[b.index]) for b in blocks]
             fwd = g[0] + sum(max(0.0, g[j + 1] - block_c[j] / 3) for j in range(len(g) - 1)) if g else 0.0
