@@ -18,7 +18,9 @@ every parameter of a reduce-scattered bucket has a ``.grad`` of this rank's shar
 keeps its whole gradient); the
 losses, Adam's first moments gathered whole from the shares' ``DTensor`` state
 (``optimizer_state_dict``: the shares' placements say where each piece is) and the full state after
-the steps (``harness.assert_adam_state_close``). The plan's buckets marked ``scatter`` are
+the steps (``harness.assert_adam_state_close``); the optimizer state saved with ``dcp.save``
+(each rank its shares, where their placements say) and read back whole with no process group
+holds those moments. The plan's buckets marked ``scatter`` are
 the ones the runtime reduce-scatters, and their count is what ran.
 """
 
@@ -31,7 +33,9 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+import torch.distributed.checkpoint as dcp
 from harness import D, T, assert_adam_state_close
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 import autopar
 from autopar.codegen import zero_one
@@ -93,7 +97,7 @@ def _reference(name):
     return losses, grads, norm, moments, {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
-def _rank(rank, world, path, name):
+def _rank(rank, world, path, name, ckpt):
     cluster = autopar.ClusterSpec.preset("cpu", devices_per_node=world)
     model, inputs = BUILDS[name]()
     pmodel = autopar.autoparallelize(model, cluster, inputs, plan=path)
@@ -136,6 +140,8 @@ def _rank(rank, world, path, name):
     out["reductions"] = sync.reductions
     out["planned"] = sum(1 for b in sync._buckets if b.scatter)
     out["full"] = pmodel.full_state_dict()
+    # each rank writes its shares' state where their placements say (a sharded checkpoint)
+    dcp.save({"optim": pmodel.optimizer_state_dict(opt)}, checkpoint_id=ckpt)
     return out
 
 
@@ -149,8 +155,16 @@ def test_zero_one_reduce_scatters_into_shares_and_trains_as_one_device(case, tmp
     plan = autopar.plan(model, cluster, inputs, mesh_shape=mesh, axis_roles=roles)
     path = tmp_path / f"zero1_{case}.json"
     dataclasses.replace(plan, trades=Trades(zero_stage=ZeroStage.OPTIMIZER, data_axes=data)).save(path)
-    per_rank = run_on_ranks(_rank, world, str(path), name, timeout_s=300)
+    ckpt = tmp_path / "ckpt"
+    per_rank = run_on_ranks(_rank, world, str(path), name, str(ckpt), timeout_s=300)
     losses, grads, norm, moments, state = _reference(name)
+    # the checkpoint read back whole, with no process group: every share's state in its place
+    dcp_to_torch_save(ckpt, tmp_path / "whole.pt")
+    saved = torch.load(tmp_path / "whole.pt")["optim"]["state"]
+    for k, m in moments.items():
+        torch.testing.assert_close(
+            saved[k]["exp_avg"], m, rtol=1e-4, atol=1e-7, msg=f"{case}: saved exp_avg {k}"
+        )
     for rank, r in enumerate(per_rank):
         where = f"{case} rank {rank}"
         assert r["planned"] > 0, f"{where}: no bucket planned as a reduce-scatter"
