@@ -42,10 +42,11 @@ it completes (one process group per axis).
 **Reduce-scattered buckets (ZeRO-1).** A bucket the plan marks ``scatter`` (``passes/grad_sync.py:
 grad_buckets``: its members are the parameters ZeRO-1 cuts into shares over exactly the bucket's
 axes, ``codegen/zero_one.py:share_axes``) is reduce-scattered: its members' gradients are laid
-out share by share (``[d, n/d]`` each, concatenated along the second dim, ``d`` the shares), one
+out share by share (``[d, n/d]`` each, concatenated along the second dim, ``d`` the shares; a share cut on
+another dim than 0 copied contiguous into its slot), one
 reduce-scatter per axis (the outer first, the next on what it left) gives each rank the
 sum of its own shares, and each member's ``.grad`` becomes that share: a ``DTensor`` of the
-parameter's global shape placed as its share (``Shard(0)`` on those axes), so the value is whole
+parameter's global shape placed as its share (``Shard(dim)`` on those axes), so the value is whole
 where read as a ``DTensor`` (``full_tensor``, ``clip_grad_norm_``), and ZeRO-1's step reads its
 shares with no slicing. Half an all-reduce's bytes go over the link (Megatron-LM's distributed
 optimizer reduce-scatters its gradient buffer so), and the gradients held after backward are
@@ -92,7 +93,14 @@ from torch.distributed.tensor import DTensor
 
 from autopar.codegen import collectives as C
 from autopar.codegen.local_params import grad_like, leaf_of
-from autopar.codegen.zero_one import share_axes, share_index, share_placements, share_rows, slot_elements
+from autopar.codegen.zero_one import (
+    share_cut,
+    share_index,
+    share_of,
+    share_placements,
+    slot_elements,
+    slots_of,
+)
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -129,31 +137,36 @@ def _accumulates(acc) -> bool:
 
 class _Bucket:
     """Members' gradients handed in so far: parameter -> (tensor to reduce, added to .grad after).
-    ``scatter``: the axes its members' shares are cut over (reduce-scattered), else (); ``shares``
-    and ``mine``: how many shares that cuts, and this rank's (``share_index``)."""
+    ``scatter``: the axes its members' shares are cut over (reduce-scattered), else (); ``dims``:
+    id(member) -> the dim of its local piece its shares cut; ``shares`` and ``mine``: how many
+    shares that cuts, and this rank's (``share_index``)."""
 
     def __init__(
         self,
         params: Sequence[torch.nn.Parameter],
         axes: tuple[int, ...],
-        scatter: tuple[int, ...],
+        scatter: tuple[tuple[int, ...], dict[int, int]],
         mesh: DeviceMesh,
     ):
         self.params = list(params)
         self.axes = axes
-        self.scatter = scatter
-        self.shares = math.prod(mesh.size(a) for a in scatter)
-        self.mine = share_index(mesh, scatter)
+        self.scatter, self.dims = scatter
+        self.shares = math.prod(mesh.size(a) for a in self.scatter)
+        self.mine = share_index(mesh, self.scatter)
         self.ready: dict[int, tuple[torch.Tensor, bool]] = {}
 
 
-def _scatter_axes(
+def _scatter_cut(
     params: Sequence[torch.nn.Parameter], axes: tuple[int, ...], mesh: DeviceMesh
-) -> tuple[int, ...]:
-    """The axes a bucket marked ``scatter`` reduce-scatters over: its axes in mesh order, where
-    every member is cut into shares over exactly those (``share_axes``); else () (all-reduced)."""
+) -> tuple[tuple[int, ...], dict[int, int]]:
+    """The axes a bucket marked ``scatter`` reduce-scatters over, and id(member) -> the dim its
+    shares cut: its axes in mesh order, where every member is cut into shares over exactly those
+    (``share_cut``); else ``(), {}`` (all-reduced)."""
     on = tuple(sorted(axes))
-    return on if all(share_axes(p, mesh, on) == on for p in params) else ()
+    cuts = {id(p): share_cut(p, mesh, on) for p in params}
+    return (
+        (on, {k: dim for k, (_, dim) in cuts.items()}) if all(a == on for a, _ in cuts.values()) else ((), {})
+    )
 
 
 class GradSync:
@@ -164,7 +177,7 @@ class GradSync:
     def __init__(self, buckets: Sequence[tuple], mesh: DeviceMesh):
         self._mesh = mesh
         self._buckets = [
-            _Bucket(b[0], b[1], _scatter_axes(b[0], b[1], mesh) if len(b) > 2 and b[2] else (), mesh)
+            _Bucket(b[0], b[1], _scatter_cut(b[0], b[1], mesh) if len(b) > 2 and b[2] else ((), {}), mesh)
             for b in buckets
         ]
         self._bucket_of = {id(p): b for b in self._buckets for p in b.params}
@@ -301,16 +314,13 @@ class GradSync:
     def _start_scatter(self, b: _Bucket, members: list) -> None:
         """Reduce-scatter ``members``' gradients into this rank's shares (module docstring): the
         outer axis's asynchronously, the others in ``finish``. Each member takes ``d`` slots of
-        ``c`` rows (``share_rows``; an uneven cut padded with zeros). The whole gradients are
-        dropped from ``.grad`` here (the laid-out copy holds them), so they are freed as it is."""
+        ``c`` rows of the dim its shares cut (``zero_one.slots_of``: each share's contiguous copy;
+        an uneven cut padded with zeros). The whole gradients are dropped from ``.grad`` here (the
+        laid-out copy holds them), so they are freed as it is."""
         d = b.shares
         rows, parts = [], []
         for p, g, add in members:
-            flat = _local(g).reshape(_local(g).shape[0], -1)
-            c = share_rows(flat.shape[0], d, 0)[2]
-            if c * d > flat.shape[0]:
-                flat = torch.cat([flat, flat.new_zeros(c * d - flat.shape[0], flat.shape[1])])
-            rows.append(flat.reshape(d, -1))
+            rows.append(slots_of(_local(g), d, b.dims[id(p)]))
             parts.append(p)
             if not add:
                 p.grad = None
@@ -331,21 +341,20 @@ class GradSync:
         d, r = b.shares, b.mine
         off = 0
         for p in parts:
-            local = p._local_tensor
-            start, stop, _ = share_rows(local.shape[0], d, r)
-            row = local.numel() // max(local.shape[0], 1)
-            piece = out[off : off + (stop - start) * row].view(stop - start, *local.shape[1:])
-            off += slot_elements(p, d)
+            dim = b.dims[id(p)]
+            shape = share_of(p._local_tensor, d, r, dim).shape
+            piece = out[off : off + shape.numel()].view(shape)  # the slot: the share's contiguous copy
+            off += slot_elements(p, d, dim)
             g = p.grad
             if g is not None and _local(g).shape == piece.shape:  # a share kept from an earlier backward
                 _local(g).add_(piece)
                 continue
             if g is not None:  # a whole gradient kept (set by hand): its share, plus this one
-                piece = _local(g)[start:stop] + piece
+                piece = share_of(_local(g), d, r, dim) + piece
             p.grad = DTensor.from_local(
                 piece,
                 p.device_mesh,
-                share_placements(p, b.scatter),
+                share_placements(p, b.scatter, dim),
                 run_check=False,
                 shape=p.shape,
                 stride=p.stride(),

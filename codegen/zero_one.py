@@ -8,20 +8,26 @@ reduce-scatters gradients (ZeRO-2). What is written here is the part neither doe
 shares and the gather after it; the step itself is the user's optimizer class, unchanged.
 
 **Shares.** A parameter ``p`` (a ``DTensor`` whose placement on the data axis is ``Replicate``:
-the gradient reduction made it whole there) is cut on dim 0 of its local piece into ``d`` equal
-parts, ``d`` the data axis's size; the rank at coordinate ``r`` on that axis owns part ``r``. Over
+the gradient reduction made it whole there) is cut on one dim of its local piece into ``d`` parts,
+``d`` the data axis's size; the rank at coordinate ``r`` on that axis owns part ``r``. Over
 several data axes (expert parallelism beside data parallelism) a parameter is cut over those it is
 whole on: ``d`` their sizes' product, ``r`` the coordinates read outer axis first (a dense weight
 over both, an expert split on the expert axis over the data axis alone), and its parts gathered
 back one axis at a time, the inner first. The part is a *share*, a ``DTensor`` whose local tensor
-is a view of ``p``'s local piece (no copy) and whose placement on the data axis is ``Shard(0)`` (``_StridedShard`` where a later axis also shards dim 0,
-as FSDP2 writes it), so that its optimizer state (``zeros_like(share)``) is ``1/d`` of the
-parameter's and checkpoints (``torch.distributed.checkpoint``) see where each piece belongs. A
-local dim 0 that does not divide by ``d`` is cut as ``torch.chunk`` cuts it (``share_rows``:
-``ceil(rows / d)`` rows a share, the last ones shorter or empty; gathers carry padded slots), which
-is DTensor's own uneven ``Shard(0)``, where the parameter is cut over one axis and no later axis
-cuts its dim 0; otherwise (and for a scalar) the parameter is its own share on every rank,
-stepped in full everywhere (``share_axes``); the plan prices every parameter's state as sharded.
+is a view of ``p``'s local piece (no copy) and whose placement on the data axis is
+``Shard(dim)`` (``_StridedShard`` where a later axis also shards that dim, as FSDP2 writes it), so
+that its optimizer state (``zeros_like(share)``) is ``1/d`` of the parameter's and checkpoints
+(``torch.distributed.checkpoint``) see where each piece belongs. Which dim and which axes is one
+rule, ``passes/grad_sync.py:share_cut_of`` (``share_cut`` here), which the gradient buckets'
+reduce-scatters and their price follow too: dim 0 wherever DTensor's placement says the cut
+exactly (even; over one axis, uneven too, strided over a tensor-parallel piece included), else the
+first dim no mesh axis shards that the shares divide (a weight over two data axes whose rows do
+not divide by their product: its columns; the share is then a strided view, and each gather or
+reduce-scatter slot its contiguous copy, ``slots_of``), else none. A dim that does not divide by
+``d`` is cut as ``torch.chunk`` cuts it (``share_rows``: ``ceil(n / d)`` a share, the last ones
+shorter or empty; gathers carry padded slots), which is DTensor's own uneven ``Shard``. A
+parameter the rule cuts nowhere (a scalar too) is its own share on every rank, stepped in full
+everywhere; the plan prices every parameter's state as sharded.
 
 **Step.** Each share's gradient is the parameter's gradient where the bucket was reduce-scattered
 into the shares (``codegen/grad_sync.py``: ``.grad`` is then the share), else the matching view of
@@ -64,7 +70,7 @@ from torch.distributed.tensor.placement_types import _StridedShard
 
 from autopar.codegen.collectives import gather_into
 from autopar.codegen.local_params import PENDING_ATTR, clear_grads, wait_param, wait_params
-from autopar.passes.grad_sync import share_axes_of
+from autopar.passes.grad_sync import share_cut_of
 from autopar.passes.trades import ZERO_ONE_BUCKET_BYTES, ZERO_ONE_IN_FLIGHT
 from autopar.placement import is_shard
 
@@ -72,9 +78,12 @@ __all__ = [
     "PENDING_ATTR",
     "ZeroOneOptimizer",
     "share_axes",
+    "share_cut",
     "share_index",
+    "share_of",
     "share_placements",
     "share_rows",
+    "slots_of",
     "slot_elements",
     "wait_param",
     "wait_params",
@@ -87,32 +96,37 @@ BUCKET_BYTES = ZERO_ONE_BUCKET_BYTES
 IN_FLIGHT = ZERO_ONE_IN_FLIGHT
 
 
-def share_placements(p: DTensor, axes: tuple[int, ...]):
-    """``p``'s placements with dim 0 of its local piece cut over ``axes`` (the outer axis's
-    coordinate the outer index, as DTensor nests a dim split on several axes: ``Shard(0)`` on each,
-    so that rank ``(i_0, i_1)`` holds chunk ``i_0 n_1 + i_1``, the share ``share_index`` names).
-    Where a later axis not among ``axes`` already shards dim 0 (tensor parallelism), the shares cut
-    each of its pieces, so each of ``axes`` is strided by those axes' sizes (``_StridedShard``, as
-    FSDP2 writes its shards over a tensor-parallel piece)."""
+def share_placements(p: DTensor, axes: tuple[int, ...], dim: int = 0):
+    """``p``'s placements with dim ``dim`` of its local piece cut over ``axes`` (the outer axis's
+    coordinate the outer index, as DTensor nests a dim split on several axes: ``Shard(dim)`` on
+    each, so that rank ``(i_0, i_1)`` holds chunk ``i_0 n_1 + i_1``, the share ``share_index``
+    names). Where a later axis not among ``axes`` already shards that dim (tensor parallelism on
+    dim 0), the shares cut each of its pieces, so each of ``axes`` is strided by those axes' sizes
+    (``_StridedShard``, as FSDP2 writes its shards over a tensor-parallel piece)."""
     out = list(p.placements)
     for axis in axes:
         later = math.prod(
             p.device_mesh.size(b)
             for b, q in enumerate(p.placements)
-            if b > axis and b not in axes and is_shard(q) and q.dim % max(p.dim(), 1) == 0
+            if b > axis and b not in axes and is_shard(q) and q.dim % max(p.dim(), 1) == dim
         )
-        out[axis] = _StridedShard(0, split_factor=later) if later > 1 else Shard(0)
+        out[axis] = _StridedShard(dim, split_factor=later) if later > 1 else Shard(dim)
     return tuple(out)
 
 
-def share_axes(p: torch.Tensor, mesh: DeviceMesh, axes: Sequence[int]) -> tuple[int, ...]:
-    """The data axes (of ``axes``) parameter ``p`` is cut into shares over, by the rule the
-    gradient buckets follow (``passes/grad_sync.py:share_axes_of``, so a bucket of shares is
-    reduce-scattered into them); none for a piece that is not contiguous: such a parameter is its
-    own share on every rank."""
+def share_cut(p: torch.Tensor, mesh: DeviceMesh, axes: Sequence[int]) -> tuple[tuple[int, ...], int]:
+    """The data axes (of ``axes``) parameter ``p`` is cut into shares over, and the dim of its
+    local piece cut, by the rule the gradient buckets follow (``passes/grad_sync.py:
+    share_cut_of``, so a bucket of shares is reduce-scattered into them); none (``(), 0``) for a
+    piece that is not contiguous: such a parameter is its own share on every rank."""
     if not isinstance(p, DTensor) or not p._local_tensor.is_contiguous():
-        return ()
-    return share_axes_of(p.shape, p.placements, axes, tuple(mesh.shape))
+        return (), 0
+    return share_cut_of(p.shape, p.placements, axes, tuple(mesh.shape))
+
+
+def share_axes(p: torch.Tensor, mesh: DeviceMesh, axes: Sequence[int]) -> tuple[int, ...]:
+    """``share_cut``'s axes."""
+    return share_cut(p, mesh, axes)[0]
 
 
 def share_rows(rows: int, d: int, r: int) -> tuple[int, int, int]:
@@ -131,10 +145,35 @@ def share_index(mesh: DeviceMesh, axes: tuple[int, ...]) -> int:
     return r
 
 
-def slot_elements(p: torch.Tensor, d: int) -> int:
-    """Elements a share of ``p`` takes in a gather or reduce-scatter: ``c`` rows (``share_rows``)."""
+def share_of(local: torch.Tensor, d: int, r: int, dim: int = 0) -> torch.Tensor:
+    """Share ``r`` of ``d`` of ``local`` cut on ``dim`` (``share_rows``): a view, no copy
+    (not contiguous where ``dim`` is not the outer one)."""
+    start, stop, _ = share_rows(local.shape[dim], d, r)
+    return local.narrow(dim, start, stop - start)
+
+
+def slot_elements(p: torch.Tensor, d: int, dim: int = 0) -> int:
+    """Elements a share of ``p`` cut on ``dim`` takes in a gather or reduce-scatter: ``c`` rows
+    of that dim (``share_rows``)."""
     local = p._local_tensor
-    return share_rows(local.shape[0], d, 0)[2] * (local.numel() // max(local.shape[0], 1))
+    return share_rows(local.shape[dim], d, 0)[2] * (local.numel() // max(local.shape[dim], 1))
+
+
+def slots_of(local: torch.Tensor, d: int, dim: int = 0) -> torch.Tensor:
+    """``local`` laid out as ``[d, slot]``: row ``q`` the contiguous copy of share ``q``
+    (``share_of``, flattened), padded with zeros to ``slot_elements``. On dim 0 this is ``local``'s
+    rows themselves (a view where they divide); on another dim each share is copied."""
+    c = share_rows(local.shape[dim], d, 0)[2]
+    if dim == 0:
+        flat = local.reshape(local.shape[0], -1) if local.dim() else local.reshape(1, 1)
+        if c * d > flat.shape[0]:
+            flat = torch.cat([flat, flat.new_zeros(c * d - flat.shape[0], flat.shape[1])])
+        return flat.reshape(d, -1)
+    out = local.new_zeros(d, c * (local.numel() // max(local.shape[dim], 1)))
+    for q in range(d):
+        part = share_of(local, d, q, dim)
+        out[q, : part.numel()].view(part.shape).copy_(part)
+    return out
 
 
 class ZeroOneOptimizer(torch.optim.Optimizer):
@@ -167,27 +206,26 @@ class ZeroOneOptimizer(torch.optim.Optimizer):
         self._inflight: list[tuple[int, object, torch.Tensor]] = []
         self._next = 0  # the next bucket whose all-gather is to start
         self.shares: dict[int, torch.Tensor] = {}
-        # (parameter, its share, the axes it is cut over)
-        self._split: list[tuple[torch.nn.Parameter, torch.Tensor, tuple[int, ...]]] = []
+        # (parameter, its share, the axes it is cut over, the dim of its local piece cut)
+        self._split: list[tuple[torch.nn.Parameter, torch.Tensor, tuple[int, ...], int]] = []
         for p in self.params:
-            on = share_axes(p, mesh, self.axes)
+            on, dim = share_cut(p, mesh, self.axes)
             if not on:
                 self.shares[id(p)] = p
                 continue
             local = p._local_tensor.detach()
-            start, stop, _ = share_rows(local.shape[0], self._size(on), self._rank(on))
             share = torch.nn.Parameter(
                 DTensor.from_local(
-                    local[start:stop],
+                    share_of(local, self._size(on), self._rank(on), dim),
                     mesh,
-                    share_placements(p, on),
+                    share_placements(p, on, dim),
                     run_check=False,
                     shape=p.shape,
                     stride=p.stride(),
                 )
             )
             self.shares[id(p)] = share
-            self._split.append((p, share, on))
+            self._split.append((p, share, on, dim))
         self.inner = optimizer_class([self.shares[id(p)] for p in self.params], **kwargs)
         super().__init__([self.shares[id(p)] for p in self.params], self.inner.defaults)
         # one set of groups and state: a scheduler changing a group's lr changes the inner one's
@@ -206,21 +244,23 @@ class ZeroOneOptimizer(torch.optim.Optimizer):
     def _rank(self, axes: tuple[int, ...]) -> int:
         return share_index(self.mesh, axes)
 
-    def _bucket(self) -> list[list[tuple[torch.nn.Parameter, torch.Tensor, tuple[int, ...]]]]:
+    def _bucket(self) -> list[list[tuple[torch.nn.Parameter, torch.Tensor, tuple[int, ...], int]]]:
         """The shares in buckets whose gathers fill about ``BUCKET_BYTES`` (one dtype and one set of
         axes each), in read order."""
         last = len(self._order)
         ranked = sorted(self._split, key=lambda ps: self._order.get(id(ps[0]), last))  # stable
         buckets, size = [[]], 0
-        for p, share, on in ranked:
+        for p, share, on, dim in ranked:
             # what the gather fills: d slots (not the share: uneven shares differ by rank, the
             # buckets may not)
-            nbytes = self._size(on) * slot_elements(p, self._size(on)) * share._local_tensor.element_size()
+            nbytes = (
+                self._size(on) * slot_elements(p, self._size(on), dim) * share._local_tensor.element_size()
+            )
             prev = buckets[-1]
             if prev and (size + nbytes > BUCKET_BYTES or share.dtype != prev[0][1].dtype or on != prev[0][2]):
                 buckets.append([])
                 size = 0
-            buckets[-1].append((p, share, on))
+            buckets[-1].append((p, share, on, dim))
             size += nbytes
         return [b for b in buckets if b]
 
@@ -231,19 +271,18 @@ class ZeroOneOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        for p, share, on in self._split:  # each share's gradient: its part of the reduced gradient
+        for p, share, on, dim in self._split:  # each share's gradient: its part of the reduced gradient
             if p.grad is None:
                 share.grad = None
                 continue
             g = p.grad._local_tensor if isinstance(p.grad, DTensor) else p.grad
             if g.shape != share._local_tensor.shape:  # whole (all-reduced), not reduce-scattered
-                start, stop, _ = share_rows(g.shape[0], self._size(on), self._rank(on))
-                g = g[start:stop]
+                g = share_of(g, self._size(on), self._rank(on), dim)
             share.grad = DTensor.from_local(
                 g, self.mesh, share.placements, run_check=False, shape=share.shape, stride=share.stride()
             )
         self.inner.step()
-        for _, share, _ in self._split:
+        for _, share, _, _ in self._split:
             share.grad = None
         self._next = 0
         for _ in range(min(IN_FLIGHT, len(self._buckets))):
@@ -261,13 +300,14 @@ class ZeroOneOptimizer(torch.optim.Optimizer):
         bucket = self._buckets[j]
         on = bucket[0][2]
         d = self._size(on)
-        slots = [slot_elements(p, d) for p, _, _ in bucket]
-        if all(s._local_tensor.numel() == n for (_, s, _), n in zip(bucket, slots)):
-            parts = torch.cat([s._local_tensor.reshape(-1) for _, s, _ in bucket])
+        slots = [slot_elements(p, d, dim) for p, _, _, dim in bucket]
+        # each share flattened (a contiguous copy where it is cut on another dim than 0)
+        if all(s._local_tensor.numel() == n for (_, s, _, _), n in zip(bucket, slots)):
+            parts = torch.cat([s._local_tensor.reshape(-1) for _, s, _, _ in bucket])
         else:  # uneven shares: each in a slot of ``c`` rows (share_rows), the rest padding
             parts = bucket[0][1]._local_tensor.new_zeros(sum(slots))
             off = 0
-            for (_, s, _), n in zip(bucket, slots):
+            for (_, s, _, _), n in zip(bucket, slots):
                 parts[off : off + s._local_tensor.numel()].copy_(s._local_tensor.reshape(-1))
                 off += n
         n = parts.numel()
@@ -277,7 +317,7 @@ class ZeroOneOptimizer(torch.optim.Optimizer):
             outer = k == len(on) - 1
             work = gather_into(parts, mine, group=self.mesh.get_group(a), async_op=outer)
         self._inflight.append((j, work, parts.view(self._size(on), n)))
-        for p, _, _ in bucket:
+        for p, _, _, _ in bucket:
             setattr(p, PENDING_ATTR, (self, j))
 
     @torch.no_grad()
@@ -293,14 +333,13 @@ class ZeroOneOptimizer(torch.optim.Optimizer):
             on = self._buckets[j][0][2]
             d, r = self._size(on), self._rank(on)
             off = 0
-            for p, _, _ in self._buckets[j]:
+            for p, _, _, dim in self._buckets[j]:
                 local = p._local_tensor
                 for q in range(d):
-                    start, stop, _ = share_rows(local.shape[0], d, q)
-                    if q != r and stop > start:
-                        part = local[start:stop]
-                        part.copy_(parts[q, off : off + part.numel()].view_as(part))
-                off += slot_elements(p, d)
+                    part = share_of(local, d, q, dim)
+                    if q != r and part.numel():
+                        part.copy_(parts[q, off : off + part.numel()].view(part.shape))
+                off += slot_elements(p, d, dim)
                 setattr(p, PENDING_ATTR, None)
             if self._next < len(self._buckets):
                 self._start_next()

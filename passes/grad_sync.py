@@ -19,7 +19,7 @@ Where the stored piece is a shard, the "f" fuses into the all-gather's backward 
 (``codegen/lower.py:emit_reshard``) and stays inline; so do parameters whose uses disagree on ``D``.
 
 Under ZeRO-1 a bucket whose members the optimizer cuts into shares (``scatter_axes``: a
-parameter whole on those data axes, its local dim 0 dividing by their sizes' product, as
+parameter whole on those data axes, cut on a dim DTensor can say, ``share_cut_of``, as
 ``codegen/zero_one.py`` cuts it) is **reduce-scattered** instead: each rank receives only the sum
 of its shares, the only part its optimizer steps (Megatron-LM's distributed optimizer reduce-
 scatters its gradient buffer the same way). A reduce-scatter moves half an all-reduce's bytes.
@@ -237,23 +237,79 @@ def grad_buckets(
     return sorted(buckets, key=lambda b: -b.ready)
 
 
+def share_cut_of(
+    shape: Sequence[int], spec: Spec, scatter_axes: Collection[int], mesh_shape: Sequence[int]
+) -> tuple[tuple[int, ...], int]:
+    """The data axes ZeRO-1's optimizer cuts a parameter of ``shape`` stored as ``spec`` into
+    shares over, and the dim of its local piece it cuts (``codegen/zero_one.py:share_cut`` runs
+    this rule on the parameter itself; ``(), 0``: none, the parameter is its own share). The axes:
+    those of ``scatter_axes`` of more than one rank it is whole on, in mesh order; none for a
+    scalar. The dim: one whose cut DTensor's placement for the share says exactly
+    (``codegen/zero_one.py:share_placements``), so checkpoints and ``full_tensor`` read the
+    shares right:
+
+    * dim 0 where its local size divides by the axes' sizes' product ``d``, or where the cut is
+      over one axis: ``torch.chunk``'s cut of the local piece (``ceil(rows / d)`` a share, the last
+      ones shorter or empty), which is DTensor's own uneven ``Shard(0)``, and, where a later axis
+      cuts dim 0 too (a column-parallel weight ``[out, in]`` stored ``S(0)`` on the tensor axis),
+      its uneven ``_StridedShard(0)`` over the later axes' pieces as FSDP2 writes it over tensor
+      parallelism (DTensor cuts it so since pytorch/pytorch#150490, torch 2.8; the project needs
+      2.11). Over several axes DTensor nests the cut (chunk ``i_1`` of chunk ``i_0``), which
+      differs from the shares' for most sizes ``d`` does not divide: taken only where it does not
+      (``nested_cut_is_chunk``) and no later axis cuts dim 0.
+    * else the first other dim no mesh axis cuts and ``d`` divides (a weight replicated over two
+      data axes whose rows do not divide by their product, but whose columns do): a plain
+      ``Shard(dim)`` on each data axis.
+
+    Megatron-LM's distributed optimizer shards every parameter whatever its shape (its buffer is
+    flat); a parameter left uncut is stepped whole on every rank and its gradient all-reduced
+    (before the strided uneven cut, Megatron's 32B row, DP 48 over TP-8 pieces of 7168 / 8 = 896
+    rows, left 9 of its 14 GiB of gradients so)."""
+    on = tuple(a for a in sorted(scatter_axes) if mesh_shape[a] > 1 and is_replicate(spec[a]))
+    if not on or not len(shape):
+        return (), 0
+    nd, d = len(shape), math.prod(mesh_shape[a] for a in on)
+    local = local_shape(shape, spec, mesh_shape)
+    sizes = [mesh_shape[a] for a in on]
+    later = any(b > on[0] and b not in on and is_shard(q) and q.dim % nd == 0 for b, q in enumerate(spec))
+    if local[0] % d == 0 or len(on) == 1 or (not later and nested_cut_is_chunk(local[0], sizes)):
+        return on, 0
+    for k in range(1, nd):
+        if local[k] % d == 0 and not any(is_shard(q) and q.dim % nd == k for q in spec):
+            return on, k
+    return (), 0
+
+
+def nested_cut_is_chunk(n: int, sizes: Sequence[int]) -> bool:
+    """Whether DTensor's nested cut of ``n`` over axes of ``sizes`` (``Shard`` on each, the outer
+    first: rank ``(i_0, i_1, ...)`` holds chunk ``i_1`` of chunk ``i_0``, each ``torch.chunk``'s) is
+    ``torch.chunk``'s cut of ``n`` into ``prod(sizes)``, share ``i_0 n_1 + i_1`` on that rank (the
+    shares' cut): always where the product divides ``n``, for some sizes it does not."""
+
+    def chunk(m: int, k: int, r: int) -> tuple[int, int]:
+        c = -(-m // k)
+        return min(m, r * c), min(m, (r + 1) * c)
+
+    d = math.prod(sizes)
+    for r in range(d):
+        lo, hi, rest = 0, n, r
+        for k, s in enumerate(sizes):
+            i = rest // math.prod(sizes[k + 1 :])
+            rest -= i * math.prod(sizes[k + 1 :])
+            a, b = chunk(hi - lo, s, i)
+            lo, hi = lo + a, lo + b
+        a, b = chunk(n, d, r)
+        if (hi - lo, lo if hi > lo else 0) != (b - a, a if b > a else 0):
+            return False
+    return True
+
+
 def share_axes_of(
     shape: Sequence[int], spec: Spec, scatter_axes: Collection[int], mesh_shape: Sequence[int]
 ) -> tuple[int, ...]:
     """The data axes ZeRO-1's optimizer cuts a parameter of ``shape`` stored as ``spec`` into
-    shares over (``codegen/zero_one.py:share_axes`` runs this rule on the parameter itself): those of
-    ``scatter_axes`` of more than one rank it is whole on, in mesh order, cutting dim 0 of its local
-    piece; none for a scalar, and none where dim 0 does not divide by their sizes' product unless the
-    cut is one DTensor can say: over one axis with no later axis cutting dim 0 too, DTensor's own
-    uneven ``Shard(0)`` (``torch.chunk``'s); over several, or strided over a later axis's pieces,
-    DTensor's nested cut would differ from the shares'."""
-    on = tuple(a for a in sorted(scatter_axes) if mesh_shape[a] > 1 and is_replicate(spec[a]))
-    if not on or not len(shape):
-        return ()
-    if local_shape(shape, spec, mesh_shape)[0] % math.prod(mesh_shape[a] for a in on) == 0:
-        return on
-    later = any(b > on[0] and is_shard(q) and q.dim % len(shape) == 0 for b, q in enumerate(spec))
-    return on if len(on) == 1 and not later else ()
+    shares over (``share_cut_of``'s axes); none where it is its own share on every rank."""
+    return share_cut_of(shape, spec, scatter_axes, mesh_shape)[0]
 
 
 def scatters(

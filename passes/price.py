@@ -310,11 +310,25 @@ def _node_collectives(
         t = bucket_all_reduce_s(b, comm)[0]
         for p in b.params:  # each member's share of its bucket, by bytes
             seconds[p] = t * infos[p].out_bytes / volume_factor(choice[p].out, comm.mesh_shape) / b.nbytes
-            calls[p] = [
-                PlannedCollective(Collective.ALL_REDUCE, a, b.nbytes, Phase.BACKWARD, Site.BUCKET, k)
-                for a in b.axes
-            ]
+            calls[p] = bucket_collectives(b, k, comm.mesh_shape)
     return seconds, calls, out_calls
+
+
+def bucket_collectives(bucket: Bucket, k: int, mesh_shape) -> list[PlannedCollective]:
+    """The collectives of gradient bucket ``k`` as the runtime issues them and
+    ``bucket_all_reduce_s`` prices them: an all-reduce of its bytes per axis, or where it is
+    reduce-scattered into ZeRO-1's shares (``Bucket.scatter``), a reduce-scatter per axis in mesh
+    order, each on what the one before left (``1/n`` of it)."""
+    if not bucket.scatter:
+        return [
+            PlannedCollective(Collective.ALL_REDUCE, a, bucket.nbytes, Phase.BACKWARD, Site.BUCKET, k)
+            for a in bucket.axes
+        ]
+    out, nbytes = [], bucket.nbytes
+    for a in sorted(bucket.axes):
+        out.append(PlannedCollective(Collective.REDUCE_SCATTER, a, nbytes, Phase.BACKWARD, Site.BUCKET, k))
+        nbytes /= mesh_shape[a]
+    return out
 
 
 def buffers_inputs_bytes(infos: dict[str, NodeInfo], choice, mesh) -> float:

@@ -276,8 +276,8 @@ def test_zero_one_buckets_are_reduce_scattered():
     assert any(b.scatter for b in shared)
     assert sorted(p for b in shared for p in b.params) == sorted(deferred)
     vals = {n.name: n.meta["val"] for n in res.traced.graph.nodes if n.name in deferred}
-    for b in shared:  # a bucket of shares: every member cuts evenly on dim 0
-        assert all((vals[p].dim() > 0 and vals[p].shape[0] % 2 == 0) == b.scatter for p in b.params)
+    for b in shared:  # over one data axis every parameter but a scalar is cut (share_cut_of)
+        assert all((vals[p].dim() > 0) == b.scatter for p in b.params)
     comm = CommModel(autopar.ClusterSpec.parse("h100-sxm:2x8"), (2, 8))
     b = Bucket((0, 1), ("w",), 2**26, 0, scatter=True)
     t, _ = bucket_all_reduce_s(b, comm)
@@ -285,3 +285,43 @@ def test_zero_one_buckets_are_reduce_scattered():
     assert t == pytest.approx(rs)
     ar, _ = bucket_all_reduce_s(Bucket((0,), ("w",), 2**26, 0), comm)
     assert bucket_all_reduce_s(Bucket((0,), ("w",), 2**26, 0, scatter=True), comm)[0] < 0.6 * ar
+
+
+def test_plan_lists_scattered_buckets_as_reduce_scatters():
+    """The plan's collectives name a bucket's reduction as it runs and is priced
+    (``passes/price.py:bucket_collectives``): a ZeRO-1 bucket reduce-scattered into the shares
+    (``Bucket.scatter``) as reduce-scatters, the outer axis's on its bytes and the next on ``1/n``
+    of them; the others as all-reduces. Every scattered bucket's members were listed as
+    all-reduces before."""
+    import dataclasses
+
+    from autopar.passes.grad_sync import Bucket
+    from autopar.passes.price import bucket_collectives
+    from autopar.passes.trades import zero_one_axes
+    from autopar.plan import Site
+    from autopar.reshard import Collective
+
+    model, inputs = _build()
+    res = autopar.search(model, free_link_cpu(2), inputs, mesh_shape=(2,), axis_roles=(D,), zero_stage=1)
+    deferred = deferred_grad_axes(res.traced, res.choice, (2,))
+    buckets = grad_buckets(
+        res.traced, res.choice, deferred, (2,), scatter_axes=zero_one_axes(res.plan.trades)
+    )
+    scattered = {p for b in buckets if b.scatter for p in b.params}
+    assert scattered, "no bucket reduce-scattered under ZeRO-1"
+    listed = {d.name: {c.kind for c in d.collectives if c.site is Site.BUCKET} for d in res.plan.decisions}
+    for b in buckets:
+        for p in b.params:
+            want = Collective.REDUCE_SCATTER if b.scatter else Collective.ALL_REDUCE
+            assert listed[p] == {want}, (p, listed[p])
+    b = Bucket((0, 1), ("w",), 2**26, 0, scatter=True)
+    calls = bucket_collectives(b, 3, (2, 8))
+    assert [(c.kind, c.axis, c.nbytes, c.bucket) for c in calls] == [
+        (Collective.REDUCE_SCATTER, 0, 2**26, 3),
+        (Collective.REDUCE_SCATTER, 1, 2**25, 3),
+    ]
+    plain = bucket_collectives(dataclasses.replace(b, scatter=False), 3, (2, 8))
+    assert [(c.kind, c.axis, c.nbytes) for c in plain] == [
+        (Collective.ALL_REDUCE, 0, 2**26),
+        (Collective.ALL_REDUCE, 1, 2**26),
+    ]

@@ -56,7 +56,7 @@ def _rank(rank, world, path):
         ref.parameters(), torch.optim.Adam, ref.mesh, ref.zero.data_axes[0], overlap=False, lr=LR
     )
     read = {id(t): i for i, t in reversed(list(enumerate(ovl._read_order())))}
-    firsts = [min(read[id(p)] for p, _, _ in b) for b in opt._buckets]
+    firsts = [min(read[id(p)] for p, *_ in b) for b in opt._buckets]
     out = dict(buckets=len(opt._buckets), in_read_order=firsts == sorted(firsts), losses=[], ref_losses=[])
     out.update(
         after_step=[], after_zero_grad=[], after_forward=[], ref_in_flight=[], state_same=[], eval_same=[]
