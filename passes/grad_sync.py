@@ -525,7 +525,7 @@ def zero_one_gathers_bytes(
     in_flight: int = ZERO_ONE_IN_FLIGHT,
 ) -> float:
     """The most bytes ZeRO-1's parameter all-gathers hold at once (``codegen/zero_one.py``): after
-    the optimizer step, the parameters cut into shares (``share_axes_of`` over ``scatter_axes``) are
+    the optimizer step, the parameters cut into shares (``share_cut_of`` over ``scatter_axes``) are
     gathered in buckets, in the order the forward first reads them, each filling about ``cap``
     bytes of gathered parameters, ``in_flight`` of them at a time. A bucket in flight holds its
     gathered parameters (every rank's slot) and this rank's shares concatenated to send (``1 / d``
@@ -544,13 +544,13 @@ def zero_one_gathers_bytes(
         if node.name not in params or node.name not in choice or not _needs_grad(node):
             continue
         val, spec = node.meta["val"], choice[node.name].out
-        on = share_axes_of(tuple(val.shape), spec, scatter_axes, mesh_shape)
+        on, dim = share_cut_of(tuple(val.shape), spec, scatter_axes, mesh_shape)
         if not on:
             continue
         d = math.prod(mesh_shape[a] for a in on)
         dtype = param_dtype if param_dtype is not None and val.dtype.is_floating_point else val.dtype
         local = local_shape(tuple(val.shape), spec, mesh_shape)
-        slot = -(-local[0] // d) * (math.prod(local) // max(local[0], 1))  # ``zero_one.slot_elements``
+        slot = -(-local[dim] // d) * (math.prod(local) // max(local[dim], 1))  # ``zero_one.slot_elements``
         first = min((order[u.name] for u in node.users), default=order[node.name])
         sizes.append((first, d * slot * dtype.itemsize, d))
     buckets: list[float] = []
