@@ -416,10 +416,17 @@ class GradSyncCost:
     # group, so no bucket of theirs alone is flattened (``bucket_transients``)
     fsdp: frozenset[str] = frozenset()
     # ZeRO-1's parameter all-gathers in flight between the optimizer step and the forward that
-    # waits for them (``zero_one_gathers_bytes``): bytes held at the step's position beyond what
-    # the tables charge there (less the gradients reduce-scattered into shares, which the tables
-    # count whole)
+    # waits for them (``zero_one_gathers_bytes``), and what the gradients reduce-scattered into
+    # shares free by then, which the tables count whole: the step's position holds
+    # ``step_gathers_bytes`` beyond what the tables charge there
     gathers_bytes: float = 0.0
+    shares_saved_bytes: float = 0.0
+
+    def step_gathers_bytes(self, stages: int = 1) -> float:
+        """The bytes ZeRO-1's gathers add at the optimizer step beyond the tables' charge there; on
+        one of ``stages`` pipeline ranks, whose gradients are about ``1 / stages`` of the model's
+        (the largest buckets in flight are a bound for any rank's)."""
+        return max(0.0, self.gathers_bytes - self.shares_saved_bytes / max(stages, 1))
 
     @property
     def adjustment_s(self) -> float:
@@ -508,11 +515,12 @@ def price_grad_sync(
     shared = shared_reshards_s(every, infos, choice, comm, matmul_s)
     # at the step, a reduce-scattered bucket's gradients are this rank's shares only, where the
     # tables hold them whole: the gathers in flight then add only what exceeds that
-    shares_saved = sum(b.nbytes * (1 - 1 / math.prod(mesh[a] for a in b.axes)) for b in buckets if b.scatter)
-    gathers = max(0.0, zero_one_gathers_bytes(tg, choice, mesh, scatter_axes, grad_dtype) - shares_saved)
+    saved = sum(b.nbytes * (1 - 1 / math.prod(mesh[a] for a in b.axes)) for b in buckets if b.scatter)
+    gathers = zero_one_gathers_bytes(tg, choice, mesh, scatter_axes, grad_dtype)
     return GradSyncCost(
-        deferred, inline_f, allreduce, hidden, shared, copy, tuple(buckets), gathers_bytes=gathers
-    )
+        deferred, inline_f, allreduce, hidden, shared, copy, tuple(buckets),
+        gathers_bytes=gathers, shares_saved_bytes=saved,
+    )  # fmt: skip
 
 
 def zero_one_gathers_bytes(

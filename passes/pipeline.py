@@ -447,7 +447,9 @@ class PipelineProblem:
     picks and every node's strategy (``choice``), the model's repeated blocks, the whole
     ``cluster`` and the ``options``, ``limit`` bytes per device, ``extra_s`` the seconds the
     whole-model step adds beyond the tables (gradient buckets' adjustment, trade terms), divided
-    among the stages, and ``transient`` the bytes added to every rank's peak. ``fixed``: price
+    among the stages, ``transient`` the bytes added to every rank's peak, and ``step_transient``
+    those held beside a rank's state alone when the optimizer step ends (ZeRO-1's gathers in
+    flight, ``GradSyncCost.step_gathers_bytes``: no activation is kept then). ``fixed``: price
     this pipeline (its schedule, chunks and cuts) as it is, whatever its memory
     (``autopar.reprice``)."""
 
@@ -466,6 +468,7 @@ class PipelineProblem:
     extra_s: float
     transient: float
     fixed: Pipeline | None = None
+    step_transient: float = 0.0
 
 
 def price_pipeline(p: PipelineProblem, why: list[str] | None = None) -> PipelinePrice | None:
@@ -535,7 +538,7 @@ def price_pipeline(p: PipelineProblem, why: list[str] | None = None) -> Pipeline
             why.append(str(e))
             return
         step = timeline.makespan + max(once) + p.extra_s / stages
-        peak = tuple(state[r] + timeline.peak_bytes[r] + top for r in range(stages))
+        peak = tuple(state[r] + max(timeline.peak_bytes[r] + top, p.step_transient) for r in range(stages))
         compute = max(timeline.busy)
         pipe = Pipeline(stages, schedule, v, cuts)
         fits = max(peak) <= limit or fixed is not None  # a given pipeline is priced as it is

@@ -56,9 +56,9 @@ def plan_peak(tables: CostTables, sol: Solution, gs: GradSyncCost) -> float:
     """The plan's peak bytes per device: the tables' liveness, the gradient buckets' flattening,
     the optimizer step's temporaries and ZeRO-1's gathers in flight after it."""
     extra = bucket_transients(gs.buckets, gs.fsdp)
-    if gs.gathers_bytes:  # ZeRO-1's gathers in flight after the step, the gradients still held
+    if gs.step_gathers_bytes():  # ZeRO-1's gathers in flight after the step, the gradients still held
         pos = tables.step_position
-        extra[pos] = max(extra.get(pos, 0.0), gs.gathers_bytes)
+        extra[pos] = max(extra.get(pos, 0.0), gs.step_gathers_bytes())
     return peak_bytes(tables, sol.choice, extra, set(gs.deferred))
 
 

@@ -140,7 +140,7 @@ def solved_as_searched(given: GivenChoice) -> Solved:
             tg=p.tg, infos=p.infos, base=p.trade.base, tables=p.tables, picks=picks, choice=choice,
             blocks=p.trade.blocks, trades=plan.trades, stages=plan.pipeline.stages, cluster=given.cluster,
             options=p.options, limit=math.inf, extra_s=gs.adjustment_s + terms.total_s,
-            transient=terms.transient, fixed=plan.pipeline,
+            transient=terms.transient, fixed=plan.pipeline, step_transient=gs.step_gathers_bytes(plan.pipeline.stages),
         )
     )  # fmt: skip
     return dataclasses.replace(solved, t_step=pipe.step_s, pipe=pipe)

@@ -223,6 +223,7 @@ class PipelineRungs:
             PipelineProblem(
                 tg, cinfos, self.base, traded, solved.sol.choice, solved.choice, pb.blocks, trades, stages,
                 pb.cluster, options, pb.limit, gs.adjustment_s + terms.total_s, terms.transient,
+                step_transient=gs.step_gathers_bytes(stages),
             ),
             why=why,
         )  # fmt: skip

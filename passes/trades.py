@@ -846,7 +846,7 @@ def trade_terms(
             # the buckets in flight (their gathered parameters, at most ZERO_ONE_IN_FLIGHT x
             # ZERO_ONE_BUCKET_BYTES, and the shares concatenated to send) live from the step into
             # the next forward: the peak counts them at the step's position, not flat
-            # (``passes/grad_sync.py:zero_one_gathers_bytes``, ``GradSyncCost.gathers_bytes``)
+            # (``passes/grad_sync.py:zero_one_gathers_bytes``, ``GradSyncCost.step_gathers_bytes``)
         else:  # FSDP2, one group per block and the root's
             g = [ag(gather[b.index]) for b in blocks]
             fwd = g[0] + sum(max(0.0, g[j + 1] - block_c[j] / 3) for j in range(len(g) - 1)) if g else 0.0
