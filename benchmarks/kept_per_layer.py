@@ -28,9 +28,9 @@ from autopar.options import Optimizer
 from autopar.passes.analyze import analyze
 from autopar.passes.costs import build_costs
 from autopar.passes.fuse import fuse
+from autopar.passes.precision import half_infos
 from autopar.passes.strategies import build_strategies
 from autopar.passes.trace import Role, trace
-from autopar.passes.trades import half_infos
 from autopar.placement import spec_to_str, via_to_str
 
 SHAPE = dict(hidden=16384, ffn=53248, heads=128, kv_heads=8, batch=1, dtype="bfloat16")

@@ -31,6 +31,7 @@ from autopar.lowerings.experts import packed_weights
 from autopar.passes.blocks import find_blocks
 from autopar.passes.costs import resolve_source
 from autopar.passes.grad_sync import deferred_grad_axes, grad_buckets
+from autopar.passes.precision import grad_dtype
 from autopar.passes.replay import (
     check_choice,
     choice_from_plan,
@@ -40,7 +41,7 @@ from autopar.passes.replay import (
 )
 from autopar.passes.strategies import Strategy
 from autopar.passes.trace import Role, TracedGraph, normalize_inputs
-from autopar.passes.trades import grad_dtype, zero_one_axes
+from autopar.passes.trade_terms import zero_one_axes
 from autopar.placement import Outputs, output_placement
 from autopar.trades import Recompute, Schedule, Trades, ZeroStage
 

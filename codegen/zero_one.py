@@ -70,8 +70,7 @@ from torch.distributed.tensor.placement_types import _StridedShard
 
 from autopar.codegen.collectives import gather_into
 from autopar.codegen.local_params import PENDING_ATTR, clear_grads, wait_param, wait_params
-from autopar.passes.grad_sync import share_cut_of
-from autopar.passes.trades import ZERO_ONE_BUCKET_BYTES, ZERO_ONE_IN_FLIGHT
+from autopar.passes.grad_sync import ZERO_ONE_BUCKET_BYTES, ZERO_ONE_IN_FLIGHT, share_cut_of
 from autopar.placement import is_shard
 
 __all__ = [

@@ -67,7 +67,7 @@ class NodeInfo:
     # why a figure above is a fallback, not derived: "flops: <why>", "saved tensors: <why>" ("" none)
     unpriced: tuple[str, ...] = ()
     # the dtype its reshards move, where not its own: the half type under mixed precision where
-    # every use casts it so (``passes/half_reshard.py``, set by ``passes/trades.py:half_infos``)
+    # every use casts it so (``passes/half_reshard.py``, set by ``passes/precision.py:half_infos``)
     moved_dtype: torch.dtype | None = None
     # per tensor output of an op with several: the op itself keeps it for backward (empty: one
     # output, or it keeps none); ``autopar::rms_norm`` keeps the residual sum, not the normed value

@@ -60,7 +60,6 @@ from autopar.passes.costs import (
 from autopar.passes.rules import tensor_inputs, writes_inputs
 from autopar.passes.strategies import Strategy
 from autopar.passes.trace import Role, TracedGraph
-from autopar.passes.trades import ZERO_ONE_BUCKET_BYTES, ZERO_ONE_IN_FLIGHT
 from autopar.placement import (
     Outputs,
     Spec,
@@ -71,6 +70,12 @@ from autopar.placement import (
     volume_factor,
 )
 from autopar.reshard import Collective
+
+# ZeRO-1's parameter all-gathers (``codegen/zero_one.py``): the bytes one gathers (the whole
+# parameters of a bucket, every rank's shares), and how many run at once between a step and the
+# forward reading them
+ZERO_ONE_BUCKET_BYTES = 25 * 2**20
+ZERO_ONE_IN_FLIGHT = 2
 
 
 def pure_f_axes(stored, s: Strategy, k: int, mesh_shape: Sequence[int]) -> tuple[int, ...]:
@@ -209,7 +214,7 @@ def grad_buckets(
     complete. Codegen and the cost model both call this function, so they form the same buckets.
     ``grad_dtype``: the dtype a floating parameter's gradient has at run time where it is not the
     traced one: fp32 under mixed precision, whose parameters are fp32 masters
-    (``codegen/zero.py``), a model traced in bf16 included (``passes/trades.py:grad_dtype``).
+    (``codegen/zero.py``), a model traced in bf16 included (``passes/precision.py:grad_dtype``).
     ``scatter_axes``: ZeRO-1's data axes; a parameter its optimizer cuts into shares over exactly
     its reduction axes (``scatters``) goes to a bucket of such parameters, reduce-scattered."""
     cap = BUCKET_BYTES if cap is None else cap

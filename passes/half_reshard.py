@@ -2,7 +2,7 @@
 
 Under mixed precision (``torch.autocast``, fp32 masters; ``codegen/zero.py``) the residual stream
 and the layer norms run in fp32 (a norm is one of autocast's fp32 ops, and the stream is fed by an
-fp32 embedding: ``passes/trades.py:half_infos``). Under sequence parallelism each norm's output is
+fp32 embedding: ``passes/precision.py:half_infos``). Under sequence parallelism each norm's output is
 all-gathered over the tensor axis before the column-parallel linears that read it, and those
 linears cast it to the half type anyway: autocast's GEMMs (``aten.linear``, ``mm``, ``matmul``,
 ...) cast every floating operand to the half type before they compute. So where *every* use of a

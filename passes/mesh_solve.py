@@ -8,7 +8,7 @@ In order, each step cheaper than the next and skipping the rest where it decides
 3. the ILP (``passes/solver.py:solve``), the best so far as its cutoff: pruned where its LP
    relaxation already passes it;
 4. on the chosen solution: the gradient buckets (``passes/price.py:grad_sync_cost``) and the
-   trades' terms (``passes/trades.py:trade_terms``), the full peak against the limit (solving
+   trades' terms (``passes/trade_terms.py:trade_terms``), the full peak against the limit (solving
    again, once, with as much less room as that peak passes it: the buckets' flattening and the
    optimizer step's temporaries are not in the ILP's rows), the micro-batches' split of the batch
    and the host memory offload needs.
@@ -34,6 +34,7 @@ from autopar.passes.infeasible import blocked
 from autopar.passes.memory_row import lower_bound_bytes
 from autopar.passes.outcome import Entry, Verdict
 from autopar.passes.pipeline import PipelinePrice
+from autopar.passes.precision import grad_dtype
 from autopar.passes.price import expanded_choice, grad_sync_cost, plan_peak
 from autopar.passes.solver import (
     EXACT_FOLD_MAX_PAIRS,
@@ -47,14 +48,8 @@ from autopar.passes.solver import (
 )
 from autopar.passes.strategies import Strategy
 from autopar.passes.trace import TracedGraph
-from autopar.passes.trades import (
-    TradeTerms,
-    grad_dtype,
-    micro_batch_ok,
-    terms_lower_bound,
-    trade_terms,
-    zero_one_axes,
-)
+from autopar.passes.trade_terms import TradeTerms, terms_lower_bound, trade_terms, zero_one_axes
+from autopar.passes.trades import micro_batch_ok
 from autopar.trades import Trades, ZeroStage
 
 

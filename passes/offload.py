@@ -4,7 +4,7 @@ Under ``Offload.PARAMETERS`` (ZeRO-3 with FSDP2's ``CPUOffloadPolicy``, ``codege
 master shards, their gradients and the optimizer state live in host memory. Every gather of a
 block first copies its shards from the host onto the device, in forward and again in backward,
 and every gradient reduce-scatter copies the gradient shards back; the optimizer steps on the
-host. ``passes/trades.py:trade_terms`` prices the gathers themselves as ZeRO-3's; this module
+host. ``passes/trade_terms.py:trade_terms`` prices the gathers themselves as ZeRO-3's; this module
 prices what the host adds on top, per device and per step (``k`` micro-batches), in seconds:
 
 * **parameters up** (host to device): block ``b``'s shard ``s_b`` bytes (the masters' dtype:
@@ -87,5 +87,5 @@ def in_flight_bytes(
 ) -> float:
     """Bytes the device holds for the blocks in flight: the two largest blocks' gathered
     parameters (this one and the prefetched one) and the root's, the largest block's whole
-    gradient and the root's (ZeRO-3's transient, ``passes/trades.py:trade_terms``)."""
+    gradient and the root's (ZeRO-3's transient, ``passes/trade_terms.py:trade_terms``)."""
     return sum(sorted(gathered)[-2:]) + root_gathered + max(grads, default=0.0) + root_grads

@@ -51,7 +51,7 @@ def local_gemm_min_dim(
 
 def run_ratio(node: fx.Node, info: NodeInfo | None) -> float:
     """The itemsize ``node`` runs in (``info``'s dtype: the half type of its autocast op under mixed
-    precision, ``passes/trades.py:half_infos``) over its traced one; 1 where either is unknown."""
+    precision, ``passes/precision.py:half_infos``) over its traced one; 1 where either is unknown."""
     val = node.meta.get("val")
     if info is None or info.dtype is None or not isinstance(val, torch.Tensor):
         return 1.0

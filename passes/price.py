@@ -90,8 +90,8 @@ def grad_sync_cost(
 ) -> GradSyncCost:
     """The solution's gradient buckets on the backward timeline (``price_grad_sync``; with
     ``micro_batches``, that of the last micro-batch, which alone reduces; ``grad_dtype``: the
-    gradients' dtype at run time, ``passes/trades.py:grad_dtype``; ``scatter_axes``: ZeRO-1's,
-    ``passes/trades.py:zero_one_axes``)."""
+    gradients' dtype at run time, ``passes/precision.py:grad_dtype``; ``scatter_axes``: ZeRO-1's,
+    ``passes/trade_terms.py:zero_one_axes``)."""
     compute = {n: _node_compute(tables, sol, n) for n in choice}
     comm = CommModel(cluster, mesh)
     return price_grad_sync(

@@ -36,11 +36,12 @@ from autopar.passes.float8_price import Float8Offer
 from autopar.passes.grad_sync import reduced_after_schedule
 from autopar.passes.mesh_solve import MeshProblem, Solved, TradeContext, priced_solution
 from autopar.passes.pipeline import PipelineProblem, price_pipeline, stage_cluster
+from autopar.passes.precision import autocast_device, half_infos
 from autopar.passes.replay import choice_from_plan, plan_regions, plan_strategies, traced_as_planned
 from autopar.passes.solved_plan import price_solved
 from autopar.passes.solver import Solution, objective_s
 from autopar.passes.strategies import Strategy
-from autopar.passes.trades import apply_trades, autocast_device, half_infos
+from autopar.passes.trades import apply_trades
 from autopar.placement import Outputs
 from autopar.plan import Plan
 

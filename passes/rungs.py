@@ -37,19 +37,12 @@ from autopar.passes.pipeline import (
     price_pipeline,
     stage_tables,
 )
+from autopar.passes.precision import grad_dtype
 from autopar.passes.price import grad_sync_cost
 from autopar.passes.search_problem import Problem
 from autopar.passes.trace import Role, TracedGraph
-from autopar.passes.trades import (
-    apply_trades,
-    grad_dtype,
-    ladder,
-    micro_batch_ok,
-    trade_terms,
-    traded_lower_bound,
-    zero_axes,
-    zero_one_axes,
-)
+from autopar.passes.trade_terms import trade_terms, zero_one_axes
+from autopar.passes.trades import apply_trades, ladder, micro_batch_ok, traded_lower_bound, zero_axes
 from autopar.placement import is_shard
 from autopar.trades import Offload, Schedule, Trades
 

@@ -60,6 +60,7 @@ from autopar.passes.micro_batch_check import MicroBatchCheck
 from autopar.passes.no_fit import no_fit_message
 from autopar.passes.outcome import Entry, Verdict
 from autopar.passes.pipeline import stage_counts
+from autopar.passes.precision import auto_precision, autocast_device, half_infos
 from autopar.passes.prefetch import Prefetcher
 from autopar.passes.rungs import pipeline_climb, spmd_climb
 from autopar.passes.search_problem import Found, Problem
@@ -67,7 +68,7 @@ from autopar.passes.solved_plan import price_solved, with_pipeline, with_trades
 from autopar.passes.solver import memory_binds
 from autopar.passes.strategies import Strategy, variable_nodes
 from autopar.passes.trace import TracedGraph, keep_loss_only, trace
-from autopar.passes.trades import auto_precision, autocast_device, batch_size, half_infos
+from autopar.passes.trades import batch_size
 from autopar.placement import ExpertDispatch, Outputs
 from autopar.plan import Plan
 

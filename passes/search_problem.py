@@ -35,7 +35,7 @@ class Problem:
 
     tg: TracedGraph
     infos: dict[str, NodeInfo]
-    cinfos: dict[str, NodeInfo]  # as the cost model prices them (``passes/trades.py:half_infos``)
+    cinfos: dict[str, NodeInfo]  # as the cost model prices them (``passes/precision.py:half_infos``)
     classes: Classes | None
     blocks: list[Block]
     cluster: ClusterSpec

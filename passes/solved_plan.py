@@ -17,7 +17,8 @@ from autopar.passes.mesh_solve import Solved
 from autopar.passes.pipeline import PipelinePrice
 from autopar.passes.price import buffers_inputs_bytes, price_plan
 from autopar.passes.trace import Role, TracedGraph
-from autopar.passes.trades import TradeTerms, param_state
+from autopar.passes.trade_terms import TradeTerms
+from autopar.passes.trades import param_state
 from autopar.plan import Plan
 
 

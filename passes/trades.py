@@ -5,7 +5,7 @@ choice for the whole step (not per op), there are few combinations, and each cha
 coefficients of the cost tables, not their structure: so every rung of the ladder below is the
 same ILP on transformed tables (``apply_trades``), solved by ``passes/mesh_solve.py:solve_mesh``, and
 what a trade costs that the tables cannot see until the placements are chosen (gathers exposed
-behind compute, one block recomputed at a time) is priced on the solution (``trade_terms``). An
+behind compute, one block recomputed at a time) is priced on the solution (``passes/trade_terms.py:trade_terms``). An
 ILP with the trades as variables would need products of trade and placement variables in every
 memory row; the ladder keeps rows linear and each rung's solve as fast as the untraded one.
 
@@ -37,7 +37,7 @@ parameter's):
   flight only (its transient). The optimizer step runs on ``1/d`` of the elements
   from ZeRO-1 (``compute.optimizer_step_time``).
 * ZeRO-1 all-gathers the updated parameters (the fp32 masters under mixed precision, as the
-  data-parallel all-reduce sends fp32 gradients: ``grad_dtype``) after the step, behind the next forward
+  data-parallel all-reduce sends fp32 gradients: ``passes/precision.py:grad_dtype``) after the step, behind the next forward
   (``codegen/zero_one.py``; Megatron-LM's ``--overlap-param-gather``): the gathers run back to
   back from the step's end, bucket ``j``'s readers start once it has landed, and the windows they
   hide behind are the first micro-batch's forward (the gathers run once a step), block by block:
@@ -70,7 +70,7 @@ parameter's):
   reduced once.
 * mixed precision: every value in the dtype the device's autocast gives it (matmuls and attention
   in the half type, at its peak; fp32 masters make an embedding's output, and what it feeds, fp32:
-  ``half_infos``); masters, gradients and optimizer state fp32.
+  ``passes/precision.py:half_infos``); masters, gradients and optimizer state fp32.
 * offload: under ``Offload.OPTIMIZER`` the gradients go to host and the updated parameters come
   back over ``ClusterSpec.host_link`` (``(L_grad + L_param) / bw``); under ``Offload.PARAMETERS``
   every gather of a block copies its shards up first and every reduce-scatter its gradients down,
@@ -85,35 +85,25 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import operator
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 import torch
-import torch.fx as fx
 
 from autopar.cluster import ClusterSpec
-from autopar.cost_model.comm import CommModel
 from autopar.cost_model.compute import (
-    BACKWARD_FACTOR,
-    host_optimizer_step_time,
     node_time,
     optimizer_step_time,
 )
-from autopar.cost_model.overlap import gathers_ahead_exposed_s
-from autopar.hardware import DeviceKind, per_kind
 from autopar.options import Optimizer, SearchOptions
 from autopar.passes.analyze import NodeInfo
 from autopar.passes.blocks import Block, alternate_matmuls
 from autopar.passes.costs import CostTables
-from autopar.passes.half_reshard import casts_before_reshard
 from autopar.passes.memory_row import EdgeTrade, lower_bound_bytes
-from autopar.passes.offload import in_flight_bytes, parameter_offload_seconds
-from autopar.passes.rules import tensor_inputs
+from autopar.passes.precision import dtype_bytes
 from autopar.passes.trace import Role, TracedGraph
 from autopar.placement import is_replicate, is_shard, volume_factor
-from autopar.reshard import Collective
 from autopar.trades import Offload, Precision, Recompute, Trades, ZeroStage
 
 # ops whose outputs selective recomputation keeps (Megatron: recompute the cheap work between them)
@@ -127,193 +117,6 @@ MATMULS = frozenset(
     )
 )  # fmt: skip
 MAX_MICRO_BATCHES = 64
-
-
-def _item(dtype: torch.dtype | None) -> int:
-    return dtype.itemsize if dtype is not None else 0
-
-
-def half_dtype(precision: Precision) -> torch.dtype:
-    return torch.float16 if precision is Precision.FP16 else torch.bfloat16
-
-
-# ZeRO-1's parameter all-gathers (``codegen/zero_one.py``): the bytes one gathers (the whole
-# parameters of a bucket, every rank's shares), and how many run at once between a step and the
-# forward reading them
-ZERO_ONE_BUCKET_BYTES = 25 * 2**20
-ZERO_ONE_IN_FLIGHT = 2
-
-
-def grad_dtype(precision: Precision | None) -> torch.dtype | None:
-    """The dtype of a floating parameter's gradient at run time where it is not the traced one:
-    fp32 under mixed precision, whose parameters are fp32 masters (``codegen/zero.py``: a model
-    traced in bf16 is upcast), so its data-parallel all-reduces and ZeRO-1's gathers send fp32."""
-    return torch.float32 if precision is not None and precision.mixed else None
-
-
-def zero_one_axes(trades: Trades | None) -> tuple[int, ...]:
-    """The data axes whose gradient buckets ZeRO-1 reduce-scatters into its shares
-    (``passes/grad_sync.py:scatters``); none below or above ZeRO-1."""
-    if trades is None or trades.zero_stage != ZeroStage.OPTIMIZER:
-        return ()
-    return tuple(trades.data_axes)
-
-
-def auto_precision(infos: dict[str, NodeInfo]) -> Precision:
-    """The parameters' dtype for fp32 models (numerics as the user wrote them); bf16 mixed
-    precision (fp32 masters and optimizer state) for half-precision ones, as they are trained."""
-    dtypes = {i.dtype for i in infos.values() if i.role is Role.PARAM and i.requires_grad}
-    return Precision.BF16 if dtypes and dtypes <= {torch.bfloat16, torch.float16} else Precision.PARAM
-
-
-# CUDA autocast's op lists (torch's "Autocast Op Reference"), as a traced graph names them
-# (overload packets): ops that run in the half type, and ops that run in fp32 whatever their inputs.
-# The half type's also holds the fused output projection + loss and the mixture-of-experts op: the
-# generated code casts their operands as autocast casts a linear's
-# (kernels/cross_entropy.py, kernels/moe.py: autocast_operands)
-AUTOCAST_HALF = frozenset(
-    f"aten.{op}"
-    for op in (
-        "mm", "addmm", "bmm", "baddbmm", "addbmm", "matmul", "linear", "mv", "addmv", "addr", "prelu",
-        "convolution", "_convolution", "conv1d", "conv2d", "conv3d", "conv_transpose1d", "conv_transpose2d",
-        "conv_transpose3d", "scaled_dot_product_attention", "_scaled_dot_product_flash_attention",
-        "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention",
-        "_scaled_dot_product_flash_attention_for_cpu",
-    )
-) | {"autopar.linear_cross_entropy", "autopar.moe_experts"}  # fmt: skip
-AUTOCAST_FP32 = frozenset(
-    f"aten.{op}"
-    for op in (
-        "pow", "rsqrt", "reciprocal", "exp", "expm1", "log", "log1p", "log2", "log10", "acos", "asin", "cosh",
-        "sinh", "tan", "erfinv", "softplus", "softmax", "_softmax", "log_softmax", "_log_softmax", "sum", "prod",
-        "cumsum", "cumprod", "layer_norm", "native_layer_norm", "group_norm", "native_group_norm", "norm",
-        "linalg_vector_norm", "renorm", "dist", "cdist", "cross_entropy_loss", "nll_loss", "nll_loss_forward",
-        "nll_loss2d_forward", "mse_loss", "l1_loss", "smooth_l1_loss", "kl_div", "binary_cross_entropy_with_logits",
-    )
-)  # fmt: skip
-# CPU autocast's fp32 ops (its own list: losses and a few reductions; ``pow``, softmax and the like
-# keep their input's dtype there)
-AUTOCAST_FP32_CPU = frozenset(
-    f"aten.{op}"
-    for op in (
-        "prod", "cdist", "cross_entropy_loss", "nll_loss", "nll_loss_forward", "nll_loss2d_forward", "mse_loss",
-        "l1_loss", "smooth_l1_loss", "huber_loss", "kl_div", "binary_cross_entropy",
-        "binary_cross_entropy_with_logits", "margin_ranking_loss", "soft_margin_loss", "poisson_nll_loss",
-    )
-)  # fmt: skip
-_CASTS = frozenset({"aten.to", "aten._to_copy", "prims.convert_element_type", "aten.type_as"})
-
-
-# per device kind, its autocast's (half-type ops, fp32 ops): how ``torch.autocast(kind.value)``
-# runs a traced graph's ops, which ``half_infos`` prices. A kind without an entry cannot be priced
-# under mixed precision (UnsupportedDeviceKindError), never with another kind's lists.
-AUTOCAST_BY_KIND: dict[DeviceKind, tuple[frozenset[str], frozenset[str]]] = {
-    DeviceKind.CUDA: (AUTOCAST_HALF, AUTOCAST_FP32),
-    DeviceKind.CPU: (AUTOCAST_HALF, AUTOCAST_FP32_CPU),
-}
-
-
-def autocast_device(cluster: ClusterSpec) -> DeviceKind:
-    """The kind of device whose autocast the generated module runs under on ``cluster``
-    (``cluster.device.kind``; ``codegen/zero.py`` autocasts on the runtime device's type)."""
-    return cluster.device.kind
-
-
-def _packet(target: str) -> str:
-    return ".".join(str(target).split(".")[:2])
-
-
-def half_infos(
-    tg: TracedGraph, infos: dict[str, NodeInfo], precision: Precision, kind: DeviceKind
-) -> dict[str, NodeInfo]:
-    """Under mixed precision, every floating value in the dtype it runs in: the parameters are fp32
-    masters and the graph runs under ``torch.autocast`` (``codegen/zero.py``), so, op by op, as
-    the autocast of devices of ``kind`` does (``autocast_device``; its lists: ``AUTOCAST_BY_KIND``,
-    UnsupportedDeviceKindError for a kind it lacks): its half-type ops (matmuls, attention) give
-    the half type, its fp32 ops (CUDA's: ``pow``, ``rsqrt``, softmax, sums, losses, ...; the
-    CPU's: losses) fp32, explicit casts what they cast to, and the
-    rest the widest floating dtype among their inputs (a residual stream fed by an fp32 embedding
-    stays fp32). Bytes (moved, kept, temporaries) follow the dtype. Parameters keep their traced
-    dtype here (``apply_trades`` prices masters and copies). A value whose every use is an
-    autocast GEMM moves through its reshards as its half copy (``NodeInfo.moved_dtype``,
-    ``passes/half_reshard.py``). Halving every fp32 value instead prices a Llama's activations on an H200 at 7.7 GiB where a forward keeps 11.2 GiB
-    (``benchmarks/bench_gpu_trades.py``)."""
-    if not precision.mixed:
-        return infos
-    half = half_dtype(precision)
-    where = "passes/trades.py AUTOCAST_BY_KIND"
-    half_ops, fp32_ops = per_kind(AUTOCAST_BY_KIND, kind, "autocast op lists", where)
-    runtime: dict[str, torch.dtype | None] = {}
-    out = dict(infos)
-    for node in tg.graph.nodes:
-        info = infos.get(node.name)
-        if info is None:
-            continue
-        traced = info.dtype
-        if traced is None or not traced.is_floating_point:
-            runtime[node.name] = traced
-            continue
-        if node.op == "placeholder":
-            rt = torch.float32 if info.role is Role.PARAM else traced
-        elif node.op != "call_function":
-            rt = traced
-        elif node.target is operator.getitem:  # an output of a multi-output op: as that op ran
-            src = node.args[0]
-            same = isinstance(src, fx.Node) and getattr(infos.get(src.name), "dtype", None) == traced
-            rt = runtime.get(src.name) or traced if same else traced
-        else:
-            op = _packet(info.target)
-            ins = [a for a in tensor_inputs(node) if runtime.get(a.name) is not None]
-            # type promotion: tensors with dimensions decide over 0-dim ones
-            ranked = [a for a in ins if infos[a.name].shape] or ins
-            floats = {runtime[a.name] for a in ranked if runtime[a.name].is_floating_point}
-            if op in half_ops:
-                rt = half
-            elif op in fp32_ops:
-                rt = torch.float32
-            elif op in _CASTS or not floats:
-                rt = traced  # cast to what the trace says, or made from no floating input
-            else:
-                rt = max(floats, key=lambda d: (d.itemsize, d == traced))
-        runtime[node.name] = rt
-        # its reshards move the half copy every use casts it to (passes/half_reshard.py)
-        moved = half if rt.itemsize > half.itemsize and casts_before_reshard(node) else None
-        if info.role is Role.PARAM or (rt == traced and moved is None):
-            continue
-        r = rt.itemsize / traced.itemsize
-        out[node.name] = dataclasses.replace(
-            info, dtype=rt, bytes=int(info.bytes * r), saved_temp_bytes=int(info.saved_temp_bytes * r),
-            grad_temp_bytes=int(info.grad_temp_bytes * r), moved_dtype=moved,
-        )  # fmt: skip
-    return out
-
-
-@dataclass
-class TradeTerms:
-    """What a solution's trades cost besides its tables: seconds per trade (added to the step),
-    a transient (bytes, added to the peak), the bytes each trade saved on the device, and the
-    bytes kept in host memory. ``in_tables``: seconds a trade costs that the tables already hold
-    (recomputation's forwards), for the report only."""
-
-    seconds: dict[str, float] = field(default_factory=dict)
-    in_tables: dict[str, float] = field(default_factory=dict)
-    transient: float = 0.0
-    bytes_saved: dict[str, float] = field(default_factory=dict)
-    host_bytes: float = 0.0
-
-    @property
-    def total_s(self) -> float:
-        return sum(self.seconds.values())
-
-    def costs(self) -> dict[str, dict[str, float]]:
-        keys = sorted(set(self.seconds) | set(self.in_tables) | set(self.bytes_saved))
-        return {
-            k: {
-                "seconds": self.seconds.get(k, 0.0) + self.in_tables.get(k, 0.0),
-                "bytes_saved": self.bytes_saved.get(k, 0.0),
-            }
-            for k in keys
-        }
 
 
 @dataclass(frozen=True)
@@ -331,7 +134,7 @@ def state_bytes(
 ) -> StateBytes:
     """The bytes of one parameter piece of ``elems`` elements replicated over data axes of ``d``
     devices (module docstring)."""
-    item = _item(dtype)
+    item = dtype_bytes(dtype)
     master = 4 if trades.precision.mixed else item
     z = trades.zero_stage
     if not trainable:
@@ -354,7 +157,7 @@ def state_bytes(
 
 def piece_elems(info: NodeInfo, spec, mesh: Sequence[int]) -> float:
     """Elements of the piece of ``info``'s tensor one device holds under ``spec``."""
-    return info.out_bytes / _item(info.dtype) / volume_factor(spec, mesh) if info.dtype else 0.0
+    return info.out_bytes / dtype_bytes(info.dtype) / volume_factor(spec, mesh) if info.dtype else 0.0
 
 
 def param_state(
@@ -383,7 +186,7 @@ def data_size(spec, mesh: Sequence[int], data_axes: Sequence[int]) -> int:
     return math.prod(mesh[a] for a in data_axes if is_replicate(spec[a]))
 
 
-def _in_block(tables: CostTables, blocks: Sequence[Block]) -> dict[str, Block]:
+def in_block(tables: CostTables, blocks: Sequence[Block]) -> dict[str, Block]:
     """Each of the tables' nodes inside one of ``blocks``, with its block: kept on ``tables`` per
     list of blocks (every rung with recomputation asks again). Read-only."""
     hit = tables.__dict__.get("_in_block")
@@ -453,7 +256,7 @@ def _untraded(trades: Trades) -> bool:
 
 def _recomputed(tables: CostTables, blocks: Sequence[Block], trades: Trades) -> dict[str, Block]:
     """The nodes ``trades`` recompute, with their blocks (none without recomputation)."""
-    return _in_block(tables, blocks) if trades.recompute is not Recompute.NONE else {}
+    return in_block(tables, blocks) if trades.recompute is not Recompute.NONE else {}
 
 
 def _edge_trade(tables: CostTables, infos: dict[str, NodeInfo], in_block: dict, k: int) -> EdgeTrade:
@@ -484,7 +287,7 @@ def _traded_rows(
     """``tables`` with the nodes' rows traded (``apply_trades``) and ``edges``."""
     k = trades.micro_batches
     outs = _block_outputs(tables, blocks)
-    params = _traded_params(tables, infos, trades, cluster, optimizer)
+    params = _tradedparam_nodes(tables, infos, trades, cluster, optimizer)
     acts = _traded_activations(tables, infos, trades.recompute, k, in_block, outs, cluster, blocks)
     node_cost, node_mem, node_peak = {}, {}, {}
     for v in tables.node_cost:
@@ -529,7 +332,7 @@ def _kept(tables: CostTables, name: str, key: tuple, make):
 _TRADED_PARTS_KEPT = 32
 
 
-def _traded_params(
+def _tradedparam_nodes(
     tables: CostTables, infos: dict[str, NodeInfo], trades: Trades, cluster: ClusterSpec, optimizer: Optimizer
 ) -> dict[str, tuple[list, list, list | None, list | None]]:
     """Each parameter's (seconds, bytes, gradient bytes, step temporaries) per strategy under
@@ -576,7 +379,7 @@ def _param_rows(tables: CostTables, info: NodeInfo, v: str, trades: Trades, clus
                 mems[i] += grads[i]
                 grads[i] = 0.0
         if trainable:
-            master = 4 if trades.precision.mixed else _item(info.dtype)
+            master = 4 if trades.precision.mixed else dtype_bytes(info.dtype)
             shard = elems * master / (d if trades.zero_stage else 1)
             old = optimizer_step_time(info.out_bytes / vol, optimizer.value, cluster.device, optimizer.name)
             new = (
@@ -745,267 +548,7 @@ def _forward_s(info: NodeInfo, tables: CostTables, v: str, i: int, cluster: Clus
     return hit[1]
 
 
-def trade_terms(
-    base: CostTables,
-    tables: CostTables,
-    choice: dict[str, int],
-    infos: dict[str, NodeInfo],
-    trades: Trades,
-    cluster: ClusterSpec,
-    optimizer: Optimizer,
-    blocks: Sequence[Block],
-) -> TradeTerms:
-    """What ``trades`` cost on the solution ``choice`` beyond ``tables`` (module docstring):
-    ``base`` are the tables without trades (for what they saved)."""
-    terms = TradeTerms()
-    mesh = tables.mesh_shape
-    comm = CommModel(cluster, mesh)
-    classes = tables.classes
-    members = classes.members if classes else {v: [v] for v in tables.strategies}
-    k = trades.micro_batches
-    pos_block = {n: b.index for b in blocks for n in b.nodes}
-
-    # per block (by index): forward compute seconds, and the bytes NONE would keep
-    block_c = [0.0] * len(blocks)
-    block_kept = [0.0] * len(blocks)
-    for v, i in choice.items():
-        ms = members[v]
-        bs = [pos_block[m] for m in ms if m in pos_block]
-        if not bs:
-            continue
-        for b in bs:
-            block_c[b] += base.node_cost[v][i] / len(ms)
-            # what recomputation rematerializes: what the block keeps without it, less with it
-            block_kept[b] += (base.node_mem[v][i] - tables.node_mem[v][i] * k) / len(ms)
-    params = _params(infos, choice)
-    # per block: its activations' collectives, forward and backward (an edge's collective and its
-    # transpose, the same size: half of it runs in forward)
-    block_comm = [0.0] * len(blocks)
-    for e0, e1 in zip(base.edges, tables.edges):  # what the block's ops keep of their inputs
-        if e0.dst == "output" or e0.src not in choice or e0.dst not in choice:
-            continue
-        ms = members[e0.dst]
-        a, b_ = choice[e0.src], choice[e0.dst]
-        for b in [pos_block[m] for m in ms if m in pos_block]:
-            block_kept[b] += (e0.mem[a][b_] - e1.mem[a][b_] * (1 if e0.src in params else k)) / len(ms)
-            if e0.src not in params:
-                block_comm[b] += e0.cost[a][b_] / len(ms)
-
-    # ZeRO: gathers and their exposure, host traffic under offload
-    z = trades.zero_stage
-    gather = {b.index: 0.0 for b in blocks}  # half-type (or param-type) bytes of a block's params
-    gather_out = 0.0
-    grads_full = {b.index: 0.0 for b in blocks}  # a block's whole gradient before its reduce-scatter
-    grads_out = 0.0
-    step_elems_host = 0.0
-    # under offload, the host's optimizer step, tensor by tensor (each tensor's own overhead), in
-    # host memory; never faster than the device's own step (on CPU ranks the host is the device)
-    host_step = 0.0
-    axis_parts = [a for a in trades.data_axes if mesh[a] > 1]
-    d = math.prod(mesh[a] for a in axis_parts) if axis_parts else 1
-    for v, i in choice.items():
-        info = infos[v]
-        if info.role is not Role.PARAM or not info.requires_grad:
-            continue
-        elems = piece_elems(info, tables.strategies[v][i].out, mesh)
-        # FSDP2 gathers the half copies (``MixedPrecisionPolicy.param_dtype``), ZeRO-1 the fp32
-        # masters it steps (``codegen/zero_one.py``)
-        gbytes = elems * (4 if trades.precision.mixed else _item(info.dtype))  # the masters' too
-        cbytes = (
-            gbytes
-            if z == ZeroStage.OPTIMIZER
-            else elems * (2 if trades.precision.mixed else _item(info.dtype))
-        )
-        for m in members[v]:
-            b = next((blk.index for blk in blocks if m in blk.params), None)
-            if b is None:
-                gather_out += cbytes
-                grads_out += gbytes
-            else:
-                gather[b] += cbytes
-                grads_full[b] += gbytes
-            step_elems_host += gbytes
-        if trades.offload is not Offload.NONE:
-            shard = gbytes / (d if z else 1)
-            host_step += len(members[v]) * max(
-                host_optimizer_step_time(shard, optimizer.value, cluster.host_step_bandwidth, optimizer.name),
-                optimizer_step_time(shard, optimizer.value, cluster.device, optimizer.name),
-            )
-
-    def ag(nbytes: float) -> float:
-        return sum(comm.time(Collective.ALL_GATHER, nbytes, a) for a in axis_parts)
-
-    def rs(nbytes: float) -> float:
-        return sum(comm.time(Collective.REDUCE_SCATTER, nbytes, a) for a in axis_parts)
-
-    if z and axis_parts:
-        if z == ZeroStage.OPTIMIZER:  # behind the first micro-batch's forward, block by block
-            windows = [0.0] + [(c / (1 + BACKWARD_FACTOR) + m / 2) / k for c, m in zip(block_c, block_comm)]
-            gathers = [ag(gather_out)] + [ag(gather[b.index]) for b in blocks]
-            terms.seconds["zero"] = gathers_ahead_exposed_s(gathers, windows, cluster.device.comm_overlap)
-            # the buckets in flight (their gathered parameters, at most ZERO_ONE_IN_FLIGHT x
-            # ZERO_ONE_BUCKET_BYTES, and the shares concatenated to send) live from the step into
-            # the next forward: the peak counts them at the step's position, not flat
-            # (``passes/grad_sync.py:zero_one_gathers_bytes``, ``GradSyncCost.step_gathers_bytes``)
-        else:  # FSDP2, one group per block and the root's
-            g = [ag(gather[b.index]) for b in blocks]
-            fwd = g[0] + sum(max(0.0, g[j + 1] - block_c[j] / 3) for j in range(len(g) - 1)) if g else 0.0
-            bwd = (
-                g[-1] + sum(max(0.0, g[j] - 2 * block_c[j + 1] / 3) for j in range(len(g) - 1)) if g else 0.0
-            )
-            if z == ZeroStage.GRADIENTS:  # gathered in forward, kept through backward
-                terms.seconds["zero"] = k * (ag(gather_out) + fwd)
-            else:  # and gathered again in backward: two blocks' gathered parameters live at once
-                terms.seconds["zero"] = k * (2 * ag(gather_out) + fwd + bwd)
-                terms.transient += sum(sorted(gather.values())[-2:]) + gather_out
-            # each micro-batch's gradient is reduce-scattered into the shard (codegen/zero.py); a
-            # block's whole gradient, and the root's, live until their reduce-scatter
-            terms.seconds["zero"] += (k - 1) * rs(grads_out + sum(grads_full.values()))
-            terms.transient += max(grads_full.values(), default=0.0) + grads_out
-        # what the stage shards, against the same trades without ZeRO (precision's masters aside)
-        unsharded = dataclasses.replace(trades, zero_stage=ZeroStage.NONE, data_axes=(), offload=Offload.NONE)
-        sharded = dataclasses.replace(trades, offload=Offload.NONE)
-        saved = 0.0
-        for v, i in choice.items():
-            info = infos[v]
-            if info.role is Role.PARAM and info.dtype is not None:
-                spec = tables.strategies[v][i].out
-                sb0 = param_state(info, spec, mesh, unsharded, optimizer)
-                sb1 = param_state(info, spec, mesh, sharded, optimizer)
-                saved += len(members[v]) * (
-                    sb0.param + sb0.grad + sb0.optimizer - sb1.param - sb1.grad - sb1.optimizer
-                )
-        terms.bytes_saved["zero"] = saved
-    if trades.offload is not Offload.NONE:
-        shard = step_elems_host / (d if z else 1)  # bytes of the master pieces this device steps
-        link = cluster.host_link
-        if trades.offload is Offload.OPTIMIZER:
-            traffic = 2 * shard  # gradients down, parameters up
-            terms.seconds["offload"] = traffic / link.bandwidth + link.latency + host_step
-        else:  # streamed block by block, in forward and backward (passes/offload.py)
-            g = [ag(gather[b.index]) for b in blocks] if axis_parts else [0.0] * len(blocks)
-            terms.seconds["offload"] = host_step + parameter_offload_seconds(
-                g, [grads_full[b.index] / d for b in blocks], block_c, grads_out / d, link, k
-            )
-            if not axis_parts:  # one device: ZeRO-3 gathered nothing, the copies are the blocks in flight
-                terms.transient += in_flight_bytes(
-                    list(gather.values()), gather_out, list(grads_full.values()), grads_out
-                )
-        terms.host_bytes = shard * (optimizer.value + 2)  # the master shards, gradients and state
-        terms.bytes_saved["offload"] = terms.host_bytes
-    if trades.recompute is not Recompute.NONE and blocks:
-        # backward rematerializes one block at a time: what NONE keeps of it that this does not
-        remat = max(0.0, max(block_kept)) / k
-        terms.transient += remat
-        inside = _in_block(tables, blocks)
-        edges = sum(
-            e1.cost[choice[e0.src]][choice[e0.dst]] - e0.cost[choice[e0.src]][choice[e0.dst]]
-            for e0, e1 in zip(base.edges, tables.edges)
-            if e0.dst in inside and e0.src in choice
-        )
-        terms.in_tables["recompute"] = edges + sum(
-            tables.node_cost[v][i] - base.node_cost[v][i] for v, i in choice.items() if v in inside
-        )
-    if trades.recompute is not Recompute.NONE or k > 1:
-        saved = activation_saving(base, tables, choice, infos)
-        if trades.recompute is not Recompute.NONE and blocks:
-            saved -= remat
-        terms.bytes_saved["recompute" if trades.recompute is not Recompute.NONE else "micro_batches"] = saved
-    if k > 1:
-        n_calls = sum(  # graph edges that reshard (an entry stands for ``count`` of them)
-            e.count
-            for e in tables.edges
-            if e.src in choice and e.dst in choice and e.cost[choice[e.src]][choice[e.dst]] > 0
-        )
-        lat = max((lk.latency for lk in comm.links), default=0.0)
-        terms.seconds["micro_batches"] = (k - 1) * n_calls * lat
-    return terms
-
-
-def terms_lower_bound(
-    tables: CostTables,
-    infos: dict[str, NodeInfo],
-    trades: Trades,
-    cluster: ClusterSpec,
-    blocks: Sequence[Block],
-    least: dict | None = None,
-) -> float:
-    """A lower bound on ``trade_terms(...).total_s`` over every choice on ``tables``: the seconds
-    of ZeRO-2/3 that no compute hides, each parameter's piece at its smallest over its strategies
-    (the root group's gathers, once per micro-batch and twice under ZeRO-3; the first block's
-    forward gather and, under ZeRO-3, the last block's backward one, each exposed before any
-    compute; every micro-batch but the last reduce-scattering the whole gradient). Every other
-    term of ``trade_terms`` is at least zero and is left out, so the bound is 0 below ZeRO-2.
-
-    It holds because the collectives' time does not fall as bytes grow (latency plus bytes over
-    bandwidth, the least of such algorithms: ``cost_model/comm.py``); a link calibrated with
-    size ranges (``LinkSpec.ranges``) is not held to that, and the bound is then 0.
-    ``least``: a cache of the smallest pieces, per candidate (whose rungs share its strategies).
-    ``tests/test_trades_bound.py`` holds it under the terms of every choice."""
-    z = trades.zero_stage
-    mesh = tables.mesh_shape
-    axis_parts = [a for a in trades.data_axes if mesh[a] > 1]
-    if z < ZeroStage.GRADIENTS or not axis_parts or not blocks:
-        return 0.0
-    comm = CommModel(cluster, mesh)
-    links = [comm.links[a] for a in axis_parts] + [cluster.intra_node, cluster.inter_node]
-    if any(link.ranges for link in links):
-        return 0.0
-    least = {} if least is None else least
-    key = ("terms_lower_bound", trades.precision.mixed)
-    if key not in least:
-        classes = tables.classes
-        members = classes.members if classes else {v: [v] for v in tables.strategies}
-        block_of = {p: b.index for b in blocks for p in b.params}
-        gather = [0.0] * len(blocks)
-        gather_out = grads = 0.0
-        for v, specs in tables.strategies.items():
-            info = infos[v]
-            if info.role is not Role.PARAM or not info.requires_grad:
-                continue
-            elems = min(piece_elems(info, s.out, mesh) for s in specs)
-            cbytes = elems * (2 if trades.precision.mixed else _item(info.dtype))
-            grads += len(members[v]) * elems * (4 if trades.precision.mixed else _item(info.dtype))
-            for m in members[v]:
-                b = block_of.get(m)
-                if b is None:
-                    gather_out += cbytes
-                else:
-                    gather[b] += cbytes
-        least[key] = (gather, gather_out, grads)
-    gather, gather_out, grads = least[key]
-
-    def ag(nbytes: float) -> float:
-        return sum(comm.time(Collective.ALL_GATHER, nbytes, a) for a in axis_parts)
-
-    k = trades.micro_batches
-    if z == ZeroStage.GRADIENTS:
-        exposed = ag(gather_out) + ag(gather[0])
-    else:
-        exposed = 2 * ag(gather_out) + ag(gather[0]) + ag(gather[-1])
-    reduced = (k - 1) * sum(comm.time(Collective.REDUCE_SCATTER, grads, a) for a in axis_parts)
-    return k * exposed + reduced
-
-
-def activation_saving(
-    base: CostTables, tables: CostTables, choice: dict[str, int], infos: dict[str, NodeInfo]
-) -> float:
-    """Bytes the activations' terms lost from ``base`` to ``tables`` under ``choice`` (each
-    counted where the tables charge it, summed: an upper bound on what the peak loses)."""
-    saved = sum(
-        base.node_mem[v][i] - tables.node_mem[v][i]
-        for v, i in choice.items()
-        if infos[v].role not in (Role.PARAM, Role.BUFFER)
-    )
-    for e0, e1 in zip(base.edges, tables.edges):
-        a = choice.get(e0.src)
-        b = 0 if e0.dst == "output" else choice.get(e0.dst)
-        if a is not None and b is not None:
-            saved += e0.mem[a][b] - e1.mem[a][b]
-    return saved
-
-
-def _params(infos: dict[str, NodeInfo], choice: dict[str, int]) -> set[str]:
+def param_nodes(infos: dict[str, NodeInfo], choice: dict[str, int]) -> set[str]:
     return {v for v in choice if infos[v].role in (Role.PARAM, Role.BUFFER)}
 
 

@@ -77,9 +77,10 @@ def rung_tables(model, inputs, cluster: autopar.ClusterSpec, mesh: tuple[int, ..
     from autopar.passes.blocks import find_blocks
     from autopar.passes.coarsen import find_classes
     from autopar.passes.costs import build_costs
+    from autopar.passes.precision import auto_precision, autocast_device, half_infos
     from autopar.passes.strategies import build_strategies, variable_nodes
     from autopar.passes.trace import trace
-    from autopar.passes.trades import auto_precision, autocast_device, half_infos, ladder
+    from autopar.passes.trades import ladder
 
     tg = trace(model, inputs)
     infos = analyze(tg)

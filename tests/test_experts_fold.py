@@ -71,10 +71,10 @@ def test_a_dense_model_has_nothing_to_fold():
 def test_under_autocast_the_experts_run_and_are_priced_in_the_half_type():
     """On fp32 masters under ``torch.autocast`` the experts' matmuls run in bf16, as a linear's do
     (their custom ops are out of autocast's reach: the op casts its operands), and the cost model
-    prices the op in bf16 (``passes/trades.py:AUTOCAST_HALF``)."""
+    prices the op in bf16 (``passes/precision.py:AUTOCAST_HALF``)."""
     from autopar.hardware import DeviceKind
     from autopar.passes.analyze import analyze
-    from autopar.passes.trades import half_infos
+    from autopar.passes.precision import half_infos
     from autopar.trades import Precision
 
     model, batch = moe_tiny("qwen3_moe", layers=1)

@@ -297,7 +297,7 @@ def test_plan_lists_scattered_buckets_as_reduce_scatters():
 
     from autopar.passes.grad_sync import Bucket
     from autopar.passes.price import bucket_collectives
-    from autopar.passes.trades import zero_one_axes
+    from autopar.passes.trade_terms import zero_one_axes
     from autopar.plan import Site
     from autopar.reshard import Collective
 

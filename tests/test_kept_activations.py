@@ -25,9 +25,9 @@ from autopar.options import Optimizer
 from autopar.passes.analyze import analyze
 from autopar.passes.costs import build_costs, kept_for_backward
 from autopar.passes.fuse import fuse
+from autopar.passes.precision import half_infos
 from autopar.passes.strategies import build_strategies
 from autopar.passes.trace import Role, trace
-from autopar.passes.trades import half_infos
 from autopar.placement import spec_to_str, via_to_str
 
 CPU1 = autopar.ClusterSpec.preset("cpu", devices_per_node=1)

@@ -45,6 +45,7 @@ LAYERS = {
     "autopar.fusion": 0,
     "autopar.lowerings": 1,  # read by the cost tables (1) and codegen (3); reads the rules and kernels
     "autopar.passes.trades": 2,
+    "autopar.passes.trade_terms": 2,
     "autopar.passes.pipeline": 2,
     "autopar.passes": 1,
     "autopar.cost_model": 1,

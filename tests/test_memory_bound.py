@@ -14,10 +14,7 @@ from autopar.examples import gpt2_tiny, llama_tiny
 from autopar.options import Optimizer
 from autopar.passes.memory_row import lower_bound_bytes, lower_bound_bytes_loop
 from autopar.passes.pipeline import Regions, stage_tables
-from autopar.passes.trades import (
-    apply_trades,
-    traded_lower_bound,
-)
+from autopar.passes.trades import apply_trades, traded_lower_bound
 
 CASES = {
     "llama-cpu4": lambda: (

@@ -19,10 +19,11 @@ from autopar.passes.analyze import analyze
 from autopar.passes.blocks import find_blocks
 from autopar.passes.costs import build_costs
 from autopar.passes.ladder import costs_no_less
+from autopar.passes.precision import auto_precision, autocast_device, half_infos
 from autopar.passes.solver import fold_followers, lower_bound
 from autopar.passes.strategies import build_strategies
 from autopar.passes.trace import trace
-from autopar.passes.trades import apply_trades, auto_precision, autocast_device, half_infos, ladder
+from autopar.passes.trades import apply_trades, ladder
 
 
 def _bounds(model, inputs, cluster, mesh):

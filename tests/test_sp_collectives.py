@@ -145,7 +145,7 @@ def test_gathers_into_linears_are_priced_in_the_half_type(monkeypatch):
     it ran before (every reshard in the tensor's own dtype): each all-gather into a linear moves
     half the bytes, forward and its backward reduce-scatter; every other collective as many; the
     step is priced faster."""
-    import autopar.passes.trades as trades_pricing
+    import autopar.passes.precision as trades_pricing
 
     model, inputs = build("llama")
     h100 = autopar.ClusterSpec.preset("h100-sxm", devices_per_node=2)

@@ -21,8 +21,9 @@ from autopar.examples import gpt2_tiny, llama, llama_tiny
 from autopar.hardware import DeviceKind
 from autopar.options import Optimizer, SearchOptions
 from autopar.passes.analyze import analyze
+from autopar.passes.precision import AUTOCAST_FP32, _packet, auto_precision, half_infos
 from autopar.passes.trace import Role, trace
-from autopar.passes.trades import AUTOCAST_FP32, _packet, auto_precision, half_infos, ladder, state_bytes
+from autopar.passes.trades import ladder, state_bytes
 from autopar.plan import Plan
 
 CPU2 = autopar.ClusterSpec.preset("cpu", devices_per_node=2)
@@ -72,7 +73,9 @@ def test_ladder_respects_forced_trades_and_the_batch():
     assert {t.micro_batches for t in rungs} == {1, 2, 4, 8}  # divisors of the batch only
     assert all(t.data_axes == ((0,) if t.zero_stage else ()) for t in rungs)
     # optimizer offload with ZeRO-2 only, parameter offload with ZeRO-3 only
-    assert len(set(rungs)) == len(rungs) == 4 * 4 * 4 + 2 * 4 * 4  # 4 ZeRO stages x 4 recomputations x 4 counts
+    assert (
+        len(set(rungs)) == len(rungs) == 4 * 4 * 4 + 2 * 4 * 4
+    )  # 4 ZeRO stages x 4 recomputations x 4 counts
     # no data axis: no ZeRO; no blocks: no recomputation
     assert {t.zero_stage for t in ladder(opts, (), Precision.PARAM, 8, False)} == {ZeroStage.NONE}
     assert {t.recompute for t in ladder(opts, (), Precision.PARAM, 8, False)} == {Recompute.NONE}

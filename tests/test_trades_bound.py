@@ -1,6 +1,6 @@
 """The two proofs the search's rungs are cut short by (``passes/mesh_solve.py``) hold:
 
-* the trades' time lower bound (``passes/trades.py:terms_lower_bound``), taken off the ILP's
+* the trades' time lower bound (``passes/trade_terms.py:terms_lower_bound``), taken off the ILP's
   cutoff (the best objective so far), is at most the trades' terms (``trade_terms``) of every
   choice on the rung's tables: checked on real tables (a coarsened Llama on a 2 x 2 mesh of CPU ranks, every
   ZeRO-2/3 rung of its ladder) against random choices and the choice of each parameter's
@@ -24,7 +24,8 @@ from autopar.examples import llama_tiny
 from autopar.options import Optimizer
 from autopar.passes.memory_row import lower_bound_bytes
 from autopar.passes.solver import solve
-from autopar.passes.trades import apply_trades, piece_elems, terms_lower_bound, trade_terms
+from autopar.passes.trade_terms import terms_lower_bound, trade_terms
+from autopar.passes.trades import apply_trades, piece_elems
 from autopar.trades import ZeroStage
 
 

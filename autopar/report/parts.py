@@ -50,7 +50,7 @@ def op_family(op: str, role: str = "activation") -> str:
 
 FAMILIES = ("matmuls", "attention", "loss", "norms and elementwise", "per-parameter work")
 # trades whose seconds the cost tables hold, so the op families above already count them
-# (``passes/trades.py:TradeTerms.in_tables``)
+# (``passes/trade_terms.py:TradeTerms.in_tables``)
 IN_PARTS = frozenset({"recompute"})
 
 
