@@ -5,7 +5,8 @@
                  [--mesh AxB] [--axis-roles data,tensor] [--recompute ..] [--micro-batches K] [--zero-stage ..] [--offload ..]
                  [--precision ..] [--float8 ..] [--pipeline-stages N] [--schedule ..] [--virtual-stages N]
                  [--sequence-attention gather|ring|all_to_all] [--kernels auto|all|none|K1,K2]
-                 [--overlap-matmuls auto|on|off] [--expert-skew X] [--expert-dispatch auto|expert_all_to_all]
+                 [--overlap-matmuls auto|on|off] [--no-sequence-parallel] [--expert-skew X]
+                 [--expert-dispatch auto|expert_all_to_all]
                  [--profile [--profile-cache PATH] [--profile-threads N]]
     autopar report PLAN.json [--out report.html] [--title TEXT]
     autopar calibrate [--world-size N] [--out cluster.json] [--quick]
@@ -197,6 +198,12 @@ def _build_parser() -> argparse.ArgumentParser:
         "communication with compute: GPUs)",
     )
     pl.add_argument(
+        "--no-sequence-parallel",
+        action="store_true",
+        help="keep every normalization layer whole on each rank of a tensor axis (Megatron-LM without "
+        "--sequence-parallel); default: the search may split them on the sequence",
+    )
+    pl.add_argument(
         "--profile",
         action="store_true",
         help="price ops by running them on this machine (cached) instead of the analytical model; "
@@ -308,6 +315,7 @@ def _cmd_plan(args) -> int:
         time_limit_s=args.time_limit,
         expert_skew=args.expert_skew,
         expert_dispatch=auto(args.expert_dispatch),
+        sequence_parallel=not args.no_sequence_parallel,
         outputs=Outputs(args.outputs),
     )
     # the profiler (a measuring resource, not a search option) goes in beside the options

@@ -107,6 +107,11 @@ class SearchOptions:
       ``ALL_TO_ALL``: the flat all-to-all only (Megatron's "alltoall" dispatcher: a run made with
       it is priced so). The dispatch once per node is not forced: it runs where the search finds it
       faster, and only where the axis spans whole nodes.
+    * ``sequence_parallel``: True (the default) lets the search split the normalization layers
+      (and so the residual stream around them) over a tensor axis, on the sequence, as Megatron-LM's
+      ``--sequence-parallel`` does where that is cheaper; False keeps every normalization layer whole
+      on every rank of a ``TENSOR`` axis, as Megatron-LM without it runs (each rank of the tensor
+      group normalizes the whole sequence; a run made so is priced so).
     * ``float8``: FP8 linears (``autopar.trades.Float8``, ``autopar/lowerings/float8.py``), a
       precision decision per linear. None (auto): where the device has an FP8 rate
       (``DeviceSpec.float8_flops``: H100, H200, B200; not A100 or CPUs), each linear that computes
@@ -137,8 +142,13 @@ class SearchOptions:
     expert_skew: float = 1.0
     float8: Float8 | None = None
     expert_dispatch: ExpertDispatch | None = None
+    sequence_parallel: bool = True
 
     def __post_init__(self) -> None:
+        if not isinstance(self.sequence_parallel, bool):
+            raise SearchOptionsError(
+                f"sequence_parallel must be True or False, got {self.sequence_parallel!r}"
+            )
         if self.float8 is not None:
             object.__setattr__(self, "float8", Float8.parse(self.float8, SearchOptionsError))
         try:

@@ -101,6 +101,8 @@ def forced_options(run: Run) -> dict:
         opts["expert_dispatch"] = run.dispatch
     if run.tp_overlap is not None:
         opts["overlap_matmuls"] = run.tp_overlap
+    if run.sp is False and run.tp > 1:  # Megatron-LM without --sequence-parallel: norms whole per rank
+        opts["sequence_parallel"] = False
     return opts
 
 

@@ -28,7 +28,7 @@ from autopar.passes.local_rows import trace_rows
 from autopar.passes.outcome import Entry, Verdict
 from autopar.passes.search_problem import Problem
 from autopar.passes.solver import solve
-from autopar.passes.strategies import NodeStrategies, Strategy, build_strategies
+from autopar.passes.strategies import NodeStrategies, Strategy, build_strategies, whole_norms_on_tensor_axes
 from autopar.passes.trace import TracedGraph, keep_loss_only
 from autopar.placement import Outputs
 
@@ -122,6 +122,8 @@ def strategies_stage(
         )  # fmt: skip
     except NoPlanFitsError as e:
         return e
+    if not pb.options.sequence_parallel:
+        strats = whole_norms_on_tensor_axes(strats, run.mesh, run.roles)
     if st.dump:
         st.write(f"3_strategies_{run.tag}.tsv", strategies_tsv(strats))
     return strats
@@ -159,6 +161,8 @@ def region_stage(pb: Problem, run: MeshRun) -> tuple[dict[str, NodeStrategies], 
         tg, pb.infos, run.mesh, run.roles, only=only, seq_attention=options.sequence_attention,
         regions=region.options,
     )  # fmt: skip
+    if not options.sequence_parallel:
+        strats = whole_norms_on_tensor_axes(strats, run.mesh, run.roles)
     if pb.st.dump:
         pb.st.write(f"3_strategies_{run.tag}.tsv", strategies_tsv(strats))
     return strats, cost_stage(pb, strats, pb.cluster, run, pb.st)

@@ -30,7 +30,7 @@ import itertools
 import logging
 import operator
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.fx as fx
@@ -543,3 +543,28 @@ def variable_nodes(tg: TracedGraph) -> list[str]:
         for n in tg.graph.nodes
         if n.op == "placeholder" or (n.op == "call_function" and n.target is not operator.getitem)
     ]
+
+
+# normalization ops, as traced and as ``passes/fuse.py`` fuses them (``autopar::layer_norm``,
+# ``autopar::rms_norm``): what sequence parallelism splits on the sequence
+NORM_OPS = ("layer_norm", "rms_norm", "group_norm")
+
+
+def whole_norms_on_tensor_axes(
+    strats: dict[str, NodeStrategies], mesh_shape: Sequence[int], axis_roles: Sequence[AxisRole] | None
+) -> dict[str, NodeStrategies]:
+    """``strats`` without sequence parallelism (``SearchOptions.sequence_parallel=False``): each
+    normalization op keeps only its strategies whose output is whole on every ``TENSOR`` axis of
+    more than one rank (Megatron-LM without ``--sequence-parallel``: the tensor group's ranks each
+    normalize the whole sequence). A norm with no such strategy keeps its own (never none)."""
+    axes = [a for a, (n, r) in enumerate(zip(mesh_shape, axis_roles or ())) if r is AxisRole.TENSOR and n > 1]
+    if not axes:
+        return strats
+    out = dict(strats)
+    for name, ns in strats.items():
+        if ns.node.op != "call_function" or not any(k in str(ns.node.target) for k in NORM_OPS):
+            continue
+        whole = [s for s in ns.strategies if all(is_replicate(s.out[a]) for a in axes)]
+        if whole:
+            out[name] = replace(ns, strategies=whole)
+    return out

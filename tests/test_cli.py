@@ -239,3 +239,19 @@ def test_plan_takes_expert_dispatch(tmp_path):
         }
     assert any("expert_node_all_to_all" in v for v in vias["auto"]), vias
     assert vias["expert_all_to_all"] and not any("node" in v for v in vias["expert_all_to_all"]), vias
+
+
+def test_plan_takes_no_sequence_parallel(tmp_path):
+    """``--no-sequence-parallel`` keeps the norms whole on the tensor axis (SearchOptions.sequence_parallel)."""
+    spec = "autopar.examples:gpt3(layers=2, hidden=2048, heads=16, vocab=51200, batch=8, seq=2048, dtype='float16')"
+    outputs = {}
+    for flags in ([], ["--no-sequence-parallel"]):
+        out = tmp_path / f"{len(flags)}.json"
+        argv = ["plan", spec, "--cluster", "a100-80gb:1x8", "--mesh", "8", "--axis-roles", "tensor", "--meta"]
+        assert (
+            main(argv + ["--precision", "fp16", "--overlap-matmuls", "off", "--out", str(out)] + flags) == 0
+        )
+        decisions = json.loads(out.read_text())["decisions"]
+        outputs[bool(flags)] = {d["output"] for d in decisions if "layer_norm" in d["op"]}
+    assert outputs[False] and "R" not in outputs[False], outputs
+    assert outputs[True] == {"R"}, outputs

@@ -101,3 +101,34 @@ def test_a_batch_of_one_plans_and_a_role_nothing_satisfies_is_named():
         autopar.NoPlanFitsError, match=r"no candidate mesh.*input_ids of shape \(1, 16\).*\['data'\]"
     ):
         autopar.plan(model, cluster, inputs, axis_roles=(AxisRole.DATA,))
+
+
+def test_sequence_parallel_off_keeps_norms_whole_on_a_tensor_axis():
+    """A GPT on 8 A100 over a tensor axis (fp16, collectives not overlapped, as [SC21] ran): the
+    search splits its LayerNorms on the sequence (Megatron's sequence parallelism: an eighth of
+    the norms' work and kept bytes); ``sequence_parallel=False`` keeps every one whole on each
+    rank, as Megatron-LM without ``--sequence-parallel`` runs, and that plan is the slower one."""
+    cluster = autopar.ClusterSpec.preset("a100-80gb", devices_per_node=8)
+    with torch.device("meta"):
+        model, inputs = autopar.examples.gpt3(
+            layers=2, hidden=2048, heads=16, vocab=51200, batch=8, seq=2048, dtype="float16"
+        )
+    plans = {
+        sp: autopar.plan(
+            model,
+            cluster,
+            inputs,
+            mesh_shape=(8,),
+            axis_roles=(AxisRole.TENSOR,),
+            precision="fp16",
+            overlap_matmuls=False,
+            sequence_parallel=sp,
+        )  # fmt: skip
+        for sp in (True, False)
+    }
+    norms = {sp: [d.output for d in p.decisions if "layer_norm" in d.op] for sp, p in plans.items()}
+    assert norms[True] and all(o != "R" for o in norms[True]), norms
+    assert norms[False] and all(o == "R" for o in norms[False]), norms
+    assert plans[False].predicted.step_time_s > plans[True].predicted.step_time_s
+    with pytest.raises(SearchOptionsError, match="sequence_parallel"):
+        SearchOptions(sequence_parallel="no")
