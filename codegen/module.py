@@ -141,6 +141,7 @@ class ParallelModule(torch.nn.Module):
         # all Replicate unless the plan returns outputs as local pieces (autopar.placement.Outputs)
         self.output_specs = tuple(output_specs)
         self._batch_checked = False  # the batch is compared across ranks at the first call
+        self._deferred: list = []  # the last call's outputs still being summed (defer_output_sums)
         # per input leaf: the mesh axis that splits its batch (dim 0), or None; the first such
         # axis on which the plan splits some op is the data-parallel one a loader feeds (data_rank,
         # data_world). On an axis that splits nothing an input split on the batch is gathered
@@ -209,11 +210,15 @@ class ParallelModule(torch.nn.Module):
     def forward(self, *args, **kwargs):
         flat, sliced = self._flat_inputs(args, kwargs)
         flat = [t.to(self._device) if isinstance(t, torch.Tensor) else t for t in flat]
+        # the loss the last call returned, if never read: its sum completed long since (every
+        # rank's backward ran after it), waited for here so that no collective stays unwaited
+        C.wait_deferred(self._deferred)
         for leaf in self._leaves:
             leaf.refresh(self.local_leaves)
         self.zero.leaves_active = self.local_leaves  # FSDP2's gathered parameters' (codegen/zero.py)
         with C.bound_mesh(self.mesh), self.zero.autocast(self._device.type):
             outs = self.local(*self.feeding.to_graph(flat, sliced))
+        self._deferred = [o for o in outs if isinstance(o, C.DeferredSum)]
         enter_backward(self, list(outs))
         return pytree.tree_unflatten(list(outs), self._out_spec)
 
@@ -497,6 +502,28 @@ class ParallelModule(torch.nn.Module):
     def data_world(self) -> int:
         """How many data-parallel slices the global batch is cut into (1 without data parallelism)."""
         return self._data[1]
+
+
+def defer_output_sums(gm: fx.GraphModule) -> fx.GraphModule:
+    """Let the generated forward return without waiting for the all-reduces whose only use is to
+    be returned (the loss of the whole batch, summed over the data-parallel ranks): each becomes
+    ``collectives.all_reduce_deferred``, started where it was and waited for where the caller
+    reads it. Same values, same backward (identity). Only the root graph's outputs: a value the
+    graph reads further is waited for at once anyway."""
+    out = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
+    changed = False
+    for n in pytree.tree_leaves(out.args[0]):
+        if (
+            isinstance(n, fx.Node)
+            and n.op == "call_function"
+            and n.target is C.all_reduce
+            and set(n.users) == {out}
+        ):
+            n.target = C.all_reduce_deferred
+            changed = True
+    if changed:
+        gm.recompile()
+    return gm
 
 
 FULL_STATE_FIX = "call it on every rank; pass rank0_only=True to keep the tensors on rank 0 only"

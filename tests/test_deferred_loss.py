@@ -1,0 +1,67 @@
+"""The loss a data-parallel module returns is summed across ranks without blocking its forward
+(``codegen/module.py:defer_output_sums``, ``collectives.all_reduce_deferred``): the all-reduce is
+started where the graph computed it and waited for where the caller reads the loss. Against the
+single-device model: the loss read after backward, and the gradients."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from harness import free_link_cpu
+
+import autopar
+from autopar.codegen import collectives as C
+from autopar.examples import mlp
+from autopar.launch import run_on_ranks
+
+D = autopar.AxisRole.DATA
+
+
+def _build():
+    return mlp(batch=8, hidden=16, ffn=32)
+
+
+def _rank(rank, world, plan_path):
+    model, inputs = _build()
+    pmodel = autopar.autoparallelize(model, free_link_cpu(world), inputs, plan=plan_path)
+    res = {"code": pmodel.code}
+    loss, _ = pmodel(*inputs)
+    res["type"] = type(loss).__name__
+    res["waited_after_forward"] = getattr(loss, "completed", None)
+    loss.backward()  # seeded by ones_like(loss): reads the loss's shape only
+    res["waited_after_backward"] = getattr(loss, "completed", None)
+    res["grads"] = {k: v.clone() for k, v in pmodel.full_grads().items()}
+    res["loss"] = loss.detach()  # waits here
+    res["ops"] = (loss * 2, torch.stack([loss, loss]), loss.item(), repr(loss))
+    # a second step, the last loss never read: the next forward waits for its sum
+    loss2, _ = pmodel(*inputs)
+    loss2.backward()
+    res["second"] = float(pmodel(*inputs)[0])
+    return res
+
+
+@pytest.mark.slow
+def test_returned_loss_summed_after_backward(tmp_path):
+    model, inputs = _build()
+    res = autopar.search(model, free_link_cpu(2), inputs, mesh_shape=(2,), axis_roles=(D,), zero_stage=0)
+    path = tmp_path / "dp.json"
+    res.plan.save(path)
+    want, _ = model(*inputs)
+    want.backward()
+    grads = {n: p.grad for n, p in model.named_parameters()}
+    for got in run_on_ranks(_rank, 2, str(path)):
+        assert "all_reduce_deferred(" in got["code"]
+        assert got["type"] == C.DeferredSum.__name__
+        assert got["waited_after_forward"] is False and got["waited_after_backward"] is False
+        assert type(got["loss"]) is torch.Tensor
+        torch.testing.assert_close(got["loss"], want.detach(), rtol=1e-5, atol=1e-6)
+        twice, stacked, item, text = got["ops"]
+        torch.testing.assert_close(twice, 2 * want.detach(), rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(stacked, want.detach().expand(2), rtol=1e-5, atol=1e-6)
+        assert item == pytest.approx(want.item(), rel=1e-5)
+        assert f"{want.item():.4f}"[:6] in text
+        assert got["second"] == pytest.approx(want.item(), rel=1e-5)  # no optimizer step: the same loss
+        assert set(got["grads"]) == set(grads)
+        for n, g in got["grads"].items():
+            scale = g.abs().max().item()
+            torch.testing.assert_close(g, grads[n], rtol=1e-4, atol=1e-6 * max(scale, 1.0))
