@@ -185,26 +185,39 @@ class DeferredSum(torch.Tensor):
     this one makes about 40 (``benchmarks/profile_vs_torch.py``)."""
 
     elem: torch.Tensor
-    completed: bool
-    __slots__ = ["elem", "completed"]
+    then: object
+    value: torch.Tensor | None
+    __slots__ = ["elem", "then", "value"]
     __torch_function__ = torch._C._disabled_torch_function_impl  # straight to dispatch, no Python
 
     @staticmethod
-    def __new__(cls, elem: torch.Tensor):
+    def __new__(cls, elem: torch.Tensor, then=None, dtype: torch.dtype | None = None):
+        """``elem``: the all-reduce's output; ``then``: a function of the waited-for ``elem`` that
+        gives the value (None: ``elem`` itself), of ``elem``'s shape and of ``dtype``."""
         r = torch.Tensor._make_wrapper_subclass(
             cls, elem.size(), strides=elem.stride(), storage_offset=elem.storage_offset(),
-            dtype=elem.dtype, layout=elem.layout, device=elem.device, requires_grad=False,
+            dtype=dtype or elem.dtype, layout=elem.layout, device=elem.device, requires_grad=False,
         )  # fmt: skip
-        r.elem = elem
-        r.completed = False
+        r.elem, r.then, r.value = elem, then, None
         return r
 
+    @property
+    def completed(self) -> bool:
+        """Whether the values were waited for already."""
+        return self.value is not None
+
     def wait(self) -> torch.Tensor:
-        """The summed values (waiting for the all-reduce the first time)."""
-        if not self.completed:
+        """The values (waiting for the all-reduce the first time)."""
+        if self.value is None:
             torch.ops._c10d_functional.wait_tensor(self.elem)
-            self.completed = True
-        return self.elem
+            self.value = self.elem if self.then is None else self.then(self.elem)
+        return self.value
+
+    def _like(self) -> torch.Tensor:
+        """A tensor of this one's metadata, for the ops that read nothing else."""
+        if self.then is None:
+            return self.elem
+        return torch.empty_strided(self.shape, self.stride(), dtype=self.dtype, device=self.device)
 
     def __repr__(self) -> str:  # type: ignore[override]
         return f"DeferredSum({self.wait()!r})"
@@ -218,7 +231,7 @@ class DeferredSum(torch.Tensor):
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
         if func in _SHAPE_ONLY:  # reads the metadata only: no wait
-            return func(args[0].elem, *args[1:], **(kwargs or {}))
+            return func(args[0]._like(), *args[1:], **(kwargs or {}))
         args = tuple(_waited(a) for a in args)
         kwargs = {k: _waited(v) for k, v in kwargs.items()} if kwargs else {}
         return func(*args, **kwargs)
@@ -394,6 +407,38 @@ def all_reduce_deferred(x: torch.Tensor, axis: int) -> torch.Tensor:
     ``DistributedDataParallel`` step, which returns each rank's own loss, does not have). Every
     rank issues it in the same place, whether or not it reads it."""
     return _AllReduceDeferred.apply(x, axis, current_mesh())
+
+
+def all_reduce_started(x: torch.Tensor, axis: int) -> DeferredSum:
+    """The sum of ``x`` (no gradient) over mesh axis ``axis``, started now and waited for where it
+    is read: a value the graph needs later (the loss's token count, counted from the labels alone,
+    ``codegen/module.py:defer_output_sums``)."""
+    group = axis_group(current_mesh(), axis)
+    return DeferredSum(torch.ops._c10d_functional.all_reduce(x.contiguous(), "sum", group.group_name))
+
+
+class _MeanDeferred(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, pair, count, axis, mesh, dtype):
+        (count,) = count  # in a tuple: no tensor argument of autograd's
+        ctx.count, ctx.dtype = count, pair.dtype
+        group = axis_group(mesh, axis)
+        total = torch.ops._c10d_functional.all_reduce(pair[0].contiguous(), "sum", group.group_name)
+        return DeferredSum(total, lambda t: (t / count.wait()).to(dtype), dtype)
+
+    @staticmethod
+    def backward(ctx, g):
+        c = ctx.count.wait().to(ctx.dtype)  # started in forward, before the model ran
+        return torch.stack([g.to(ctx.dtype) / c, torch.zeros_like(c)]), None, None, None, None
+
+
+def mean_deferred(pair: torch.Tensor, count: DeferredSum, axis: int, dtype: torch.dtype) -> torch.Tensor:
+    """``mean_of_sum_and_count(all_reduce(pair, axis), dtype)`` (a token-mean loss from this rank's
+    ``[sum, count]``), where the count's sum over ``axis`` was started already
+    (``all_reduce_started``): the sum's all-reduce is started here and waited for where the loss is
+    read (``DeferredSum``); backward needs only the count (d loss / d sum = 1 / count), so neither
+    forward nor backward waits for the other ranks' losses."""
+    return _MeanDeferred.apply(pair, (count,), axis, current_mesh(), dtype)
 
 
 def wait_deferred(outs) -> None:
