@@ -309,11 +309,12 @@ class GradSync:
             if not add and p.grad is None:  # taken from the leaf (``_take``)
                 p.grad = _like(p, flat)
         else:
-            flat = torch.cat([_local(g).reshape(-1) for _, g, _ in members])
+            pieces = [_local(g) for _, g, _ in members]
+            flat = torch.cat([g.reshape(-1) for g in pieces])
             adds, off = [], 0
-            for p, g, add in members:
-                n = _local(g).numel()
-                piece = flat[off : off + n].view_as(_local(g))
+            for (p, _, add), g in zip(members, pieces):
+                n = g.numel()
+                piece = flat[off : off + n].view_as(g)
                 off += n
                 if add:
                     adds.append((p, piece))
