@@ -51,8 +51,11 @@ def _rank(rank, world, plan_path, name):
     res["loss"] = loss.detach()  # waits here
     res["ops"] = (loss * 2, torch.stack([loss, loss]), loss.item(), repr(loss))
     # a second step, the last loss never read: the next forward waits for its sum
-    _loss(pmodel, inputs).backward()
-    res["second"] = float(_loss(pmodel, inputs))
+    unread = _loss(pmodel, inputs)
+    unread.backward()
+    res["unread_waited"] = [unread.completed]
+    res["second"] = float(_loss(pmodel, inputs))  # the next forward waits for the unread one
+    res["unread_waited"].append(unread.completed)
     return res
 
 
@@ -79,7 +82,46 @@ def test_returned_loss_summed_after_backward(tmp_path, name):
         assert item == pytest.approx(want.item(), rel=1e-5)
         assert text == f"DeferredSum({got['loss']!r})"
         assert got["second"] == pytest.approx(want.item(), rel=1e-5)  # no optimizer step: the same loss
+        assert got["unread_waited"] == [False, True]
         assert set(got["grads"]) == set(grads)
         for n, g in got["grads"].items():
             scale = g.abs().max().item()
             torch.testing.assert_close(g, grads[n], rtol=1e-4, atol=1e-6 * max(scale, 1.0))
+
+
+def _graph(label_from_param: bool):
+    """A module graph ending as a token loss's lowering does: ``mean_of_sum_and_count(all_reduce(
+    loss_sum_and_count(logits, target)))``, the target shifted from the labels input, or (where
+    ``label_from_param``) computed from a parameter, which cannot move to the top."""
+    import torch.fx as fx
+
+    from autopar.codegen import local_ops as L
+
+    g = fx.Graph()
+    x, labels = g.placeholder("x"), g.placeholder("labels")
+    w = g.get_attr("w")
+    logits = g.call_function(torch.ops.aten.mm.default, (x, w))
+    src = g.call_function(torch.ops.aten.argmax.default, (w,)) if label_from_param else labels
+    target = g.call_function(torch.ops.aten.add.Tensor, (src, 1))
+    pair = g.call_function(L.loss_sum_and_count, (logits, target, -100))
+    mean = g.call_function(L.mean_of_sum_and_count, (g.call_function(C.all_reduce, (pair, 0)), torch.float32))
+    g.output([mean])
+    root = torch.nn.Module()
+    root.w = torch.nn.Parameter(torch.ones(2, 2))
+    return fx.GraphModule(root, g)
+
+
+@pytest.mark.parametrize("label_from_param", [False, True])
+def test_the_count_moves_to_the_top_only_from_the_inputs_alone(label_from_param):
+    from autopar.codegen.module import defer_output_sums
+
+    gm = defer_output_sums(_graph(label_from_param))
+    order = [n.target if n.op == "call_function" else n.op for n in gm.graph.nodes]
+    if label_from_param:  # left as it was: the blocking all-reduce
+        assert C.all_reduce in order and C.mean_deferred not in order and C.all_reduce_started not in order
+        return
+    assert C.all_reduce not in order
+    started = order.index(C.all_reduce_started)
+    # the target and its count come before the model's first op (the parameter's read, the matmul)
+    assert started < order.index("get_attr") < order.index(torch.ops.aten.mm.default)
+    assert order.index(C.mean_deferred) > order.index(torch.ops.aten.mm.default)
