@@ -142,6 +142,7 @@ class _Bucket:
         mesh: DeviceMesh,
     ):
         self.params = list(params)
+        self.keyed = [(p, id(p)) for p in self.params]  # each member with its key in ``ready``
         self.axes = axes
         self.scatter = scatter
         self.shares = math.prod(mesh.size(a) for a in scatter)
@@ -191,7 +192,7 @@ class GradSync:
                 p.register_post_accumulate_grad_hook(self._post_hook)
                 leaf = leaf_of(p)  # the plain leaf the forward may read instead (codegen/local_params.py)
                 if leaf is not None:
-                    leaf.set_sync(functools.partial(self._leaf_grad, p))
+                    leaf.set_sync(functools.partial(self._leaf_grad, p, id(p)))
 
     @property
     def axes(self) -> set[int]:
@@ -246,7 +247,7 @@ class GradSync:
 
         return hook
 
-    def _leaf_grad(self, p: torch.nn.Parameter, g: torch.Tensor) -> bool:
+    def _leaf_grad(self, p: torch.nn.Parameter, pid: int, g: torch.Tensor) -> bool:
         """The gradient ``g`` of ``p``'s plain leaf, which backward accumulated there and the leaf
         let go of (``LocalLeaf.set_sync``): the tensor hook's and the post-accumulate hook's work
         in one call, on a gradient nobody else holds (so it is handed in as it is, never copied).
@@ -258,8 +259,7 @@ class GradSync:
           ``.grad`` when it arrives;
         * sync on, ``.grad`` holds unreduced sums (``_unreduced``): added to them, the sum handed in;
           a local sum kept aside (``_local``): that sum plus ``g``, added when reduced;
-        * sync off: accumulated locally (module docstring)."""
-        pid = id(p)
+        * sync off: accumulated locally (module docstring). ``pid``: ``id(p)``, bound once."""
         if not self._sync:
             if p.grad is None or pid in self._unreduced:
                 self._unreduced.add(pid)
@@ -268,18 +268,18 @@ class GradSync:
             self._local[pid] = g if local is None else local.add_(g)
             return True
         if pid in self._local:
-            self._hand_in(p, self._local.pop(pid).add_(g), add=True)
+            self._hand_in(p, self._local.pop(pid).add_(g), add=True, pid=pid)
             return True
         if pid in self._unreduced:
             self._unreduced.discard(pid)
             grad = p.grad
             if grad is None:  # set to None meanwhile
-                self._hand_in(p, g, add=False)
+                self._hand_in(p, g, add=False, pid=pid)
                 return True
             _local(grad).add_(g)
-            self._hand_in(p, grad, add=False)
+            self._hand_in(p, grad, add=False, pid=pid)
             return True
-        self._hand_in(p, g, add=p.grad is not None)
+        self._hand_in(p, g, add=p.grad is not None, pid=pid)
         return True
 
     def _post_hook(self, p: torch.nn.Parameter) -> None:
@@ -287,9 +287,11 @@ class GradSync:
             self._marked.discard(id(p))
             self._hand_in(p, p.grad, add=False)
 
-    def _hand_in(self, p: torch.nn.Parameter, grad: torch.Tensor, add: bool) -> None:
-        b = self._bucket_of[id(p)]
-        b.ready[id(p)] = (grad, add)
+    def _hand_in(self, p: torch.nn.Parameter, grad: torch.Tensor, add: bool, pid: int | None = None) -> None:
+        if pid is None:
+            pid = id(p)
+        b = self._bucket_of[pid]
+        b.ready[pid] = (grad, add)
         if len(b.ready) == len(b.params):
             self._start(b)
         if not self._queued:
@@ -297,7 +299,8 @@ class GradSync:
             Variable._execution_engine.queue_callback(self.finish)
 
     def _start(self, b: _Bucket) -> None:
-        members = [(p, *b.ready[id(p)]) for p in b.params if id(p) in b.ready]
+        ready = b.ready
+        members = [(p, *ready[pid]) for p, pid in b.keyed if pid in ready]
         b.ready = {}
         if b.scatter:
             self._start_scatter(b, members)
