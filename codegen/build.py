@@ -23,7 +23,7 @@ from autopar.codegen.grad_sync import GradSync
 from autopar.codegen.local_params import attach_leaves
 from autopar.codegen.lower import batch_axis, lower, mangle
 from autopar.codegen.micro_batches import MicroBatchError, check_same_graph, micro_batch_inputs
-from autopar.codegen.module import ParallelModule
+from autopar.codegen.module import ParallelModule, defer_output_sums
 from autopar.codegen.weights import StandIns
 from autopar.codegen.zero import HALF, apply_trades
 from autopar.errors import DistributedSetupError, PlanFormatError
@@ -157,6 +157,9 @@ def build_parallel_module(
         state.load(gm, _pipeline_targets(tg, plan, gm, full_mesh))  # only what this rank's chunks read
         attrs = {a: operator.attrgetter(a)(gm) for a in state.attrs}
         return _pipelined(tg, plan, choice, gm, mesh, full_mesh, attrs, deferred, common)
+    # the returned loss's all-reduce is waited for where it is read, not in forward (rewritten
+    # before FSDP2 or the blocks' split wrap the graph module)
+    gm = defer_output_sums(gm)
     if trades.recompute is not Recompute.NONE or trades.zero_stage >= ZeroStage.GRADIENTS:
         # one submodule per repeated block, owning its parameters (codegen/blocks.py): recomputed
         # one at a time; under ZeRO 2 and 3 one FSDP2 group each, so that a block's gradients are

@@ -10,6 +10,8 @@ function           forward                     backward
 all_gather         concat shards along dim     local slice (or reduce-scatter, fused)
 chunk              local slice along dim       all-gather
 all_reduce         sum (Partial -> Replicate)  identity
+all_reduce_        the same, waited for where  identity
+deferred           the caller reads it
 reduce_scatter     sum + slice                 all-gather
 to_partial         keep on coordinate 0        identity
 f                  identity                    all-reduce (Megatron-LM's "f")
@@ -170,6 +172,104 @@ class _AllReduce(torch.autograd.Function):
         return g, None, None
 
 
+class DeferredSum(torch.Tensor):
+    """The result of an all-reduce still in flight (``all_reduce_deferred``), waited for when an op
+    first reads its values, as functional collectives' ``AsyncCollectiveTensor`` is, except that the
+    ops that read only its shape, dtype and device (``ones_like``: the gradient ``loss.backward()``
+    seeds backward with, and the other ``*_like`` factories) do not wait. So ``loss.backward()``
+    runs while the loss is still being summed across ranks, and the sum is waited for where it is
+    read (``loss.item()``, ``loss.detach()``, ``print(loss)``, any op on it; each returns plain
+    tensors). Written here rather than on ``AsyncCollectiveTensor`` because that one waits on
+    ``ones_like`` (so backward would start with the wait) and maps every op's arguments through
+    pytree: about 420 Python calls a step for the few ops a training loop runs on its loss, where
+    this one makes about 40 (``benchmarks/profile_vs_torch.py``)."""
+
+    elem: torch.Tensor
+    then: object
+    value: torch.Tensor | None
+    __slots__ = ["elem", "then", "value"]
+    __torch_function__ = torch._C._disabled_torch_function_impl  # straight to dispatch, no Python
+
+    @staticmethod
+    def __new__(cls, elem: torch.Tensor, then=None, dtype: torch.dtype | None = None):
+        """``elem``: the all-reduce's output; ``then``: a function of the waited-for ``elem`` that
+        gives the value (None: ``elem`` itself), of ``elem``'s shape and of ``dtype``."""
+        r = torch.Tensor._make_wrapper_subclass(
+            cls, elem.size(), strides=elem.stride(), storage_offset=elem.storage_offset(),
+            dtype=dtype or elem.dtype, layout=elem.layout, device=elem.device, requires_grad=False,
+        )  # fmt: skip
+        r.elem, r.then, r.value = elem, then, None
+        return r
+
+    @property
+    def completed(self) -> bool:
+        """Whether the values were waited for already."""
+        return self.value is not None
+
+    def wait(self) -> torch.Tensor:
+        """The values (waiting for the all-reduce the first time)."""
+        if self.value is None:
+            torch.ops._c10d_functional.wait_tensor(self.elem)
+            self.value = self.elem if self.then is None else self.then(self.elem)
+        return self.value
+
+    def _like(self) -> torch.Tensor:
+        """A tensor of this one's metadata, for the ops that read nothing else."""
+        if self.then is None:
+            return self.elem
+        return torch.empty_strided(self.shape, self.stride(), dtype=self.dtype, device=self.device)
+
+    def __repr__(self) -> str:  # type: ignore[override]
+        return f"DeferredSum({self.wait()!r})"
+
+    def tolist(self):
+        return self.wait().tolist()
+
+    def numpy(self, *args, **kwargs):  # type: ignore[override]
+        return self.wait().numpy(*args, **kwargs)
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        if func in _SHAPE_ONLY:  # reads the metadata only: no wait
+            return func(args[0]._like(), *args[1:], **(kwargs or {}))
+        args = tuple(_waited(a) for a in args)
+        kwargs = {k: _waited(v) for k, v in kwargs.items()} if kwargs else {}
+        return func(*args, **kwargs)
+
+
+def _waited(a):
+    """An op's argument with every ``DeferredSum`` in it (or in a list or tuple of it) waited for."""
+    if type(a) is DeferredSum:
+        return a.wait()
+    if isinstance(a, (list, tuple)) and any(type(x) is DeferredSum for x in a):
+        return type(a)(x.wait() if type(x) is DeferredSum else x for x in a)
+    return a
+
+
+_SHAPE_ONLY = frozenset(
+    (
+        torch.ops.aten.ones_like.default,
+        torch.ops.aten.zeros_like.default,
+        torch.ops.aten.empty_like.default,
+        torch.ops.aten.full_like.default,
+    )
+)
+
+
+class _AllReduceDeferred(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, axis, mesh):
+        group = axis_group(mesh, axis)
+        # the functional all-reduce: a new tensor, its work registered with it (waited for by
+        # ``wait_tensor``, which ``DeferredSum`` calls when the values are first read)
+        out = torch.ops._c10d_functional.all_reduce(x.contiguous(), "sum", group.group_name)
+        return DeferredSum(out)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g, None, None
+
+
 class _ReduceScatter(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, dim, axis, mesh):
@@ -298,6 +398,54 @@ def chunk(x: torch.Tensor, dim: int, axis: int) -> torch.Tensor:
 
 def all_reduce(x: torch.Tensor, axis: int) -> torch.Tensor:
     return _AllReduce.apply(x, axis, current_mesh())
+
+
+def all_reduce_deferred(x: torch.Tensor, axis: int) -> torch.Tensor:
+    """``all_reduce`` of a value the graph only returns (the model's loss, summed over the batch's
+    ranks): started here, waited for where the caller first reads the values (``DeferredSum``),
+    so the forward does not block on the other ranks' arriving (a sync point a
+    ``DistributedDataParallel`` step, which returns each rank's own loss, does not have). Every
+    rank issues it in the same place, whether or not it reads it."""
+    return _AllReduceDeferred.apply(x, axis, current_mesh())
+
+
+def all_reduce_started(x: torch.Tensor, axis: int) -> DeferredSum:
+    """The sum of ``x`` (no gradient) over mesh axis ``axis``, started now and waited for where it
+    is read: a value the graph needs later (the loss's token count, counted from the labels alone,
+    ``codegen/module.py:defer_output_sums``)."""
+    group = axis_group(current_mesh(), axis)
+    return DeferredSum(torch.ops._c10d_functional.all_reduce(x.contiguous(), "sum", group.group_name))
+
+
+class _MeanDeferred(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, pair, count, axis, mesh, dtype):
+        (count,) = count  # in a tuple: no tensor argument of autograd's
+        ctx.count, ctx.dtype = count, pair.dtype
+        group = axis_group(mesh, axis)
+        total = torch.ops._c10d_functional.all_reduce(pair[0].contiguous(), "sum", group.group_name)
+        return DeferredSum(total, lambda t: (t / count.wait()).to(dtype), dtype)
+
+    @staticmethod
+    def backward(ctx, g):
+        c = ctx.count.wait().to(ctx.dtype)  # started in forward, before the model ran
+        return torch.stack([g.to(ctx.dtype) / c, torch.zeros_like(c)]), None, None, None, None
+
+
+def mean_deferred(pair: torch.Tensor, count: DeferredSum, axis: int, dtype: torch.dtype) -> torch.Tensor:
+    """``mean_of_sum_and_count(all_reduce(pair, axis), dtype)`` (a token-mean loss from this rank's
+    ``[sum, count]``), where the count's sum over ``axis`` was started already
+    (``all_reduce_started``): the sum's all-reduce is started here and waited for where the loss is
+    read (``DeferredSum``); backward needs only the count (d loss / d sum = 1 / count), so neither
+    forward nor backward waits for the other ranks' losses."""
+    return _MeanDeferred.apply(pair, (count,), axis, current_mesh(), dtype)
+
+
+def wait_deferred(outs) -> None:
+    """Wait for the ``DeferredSum`` among ``outs`` (a no-op for those read already)."""
+    for t in outs:
+        if isinstance(t, DeferredSum):
+            t.wait()
 
 
 def reduce_scatter(x: torch.Tensor, dim: int, axis: int) -> torch.Tensor:

@@ -28,13 +28,14 @@ returns with the same gradients as the inline version. Every rank runs the same 
 buckets start in the same order on all of them.
 
 The forward may read a parameter through its plain leaf (``codegen/local_params.py``) rather than
-through ``to_local``: the same two hooks are registered on the leaf too (the tensor hook sees the
-plain gradient, the post-accumulate hook runs once the gradient was moved to the parameter's
-``.grad``), so the parameter's ``.grad`` is what they read and set either way. A marked
-parameter's first gradient is taken from the leaf as it is (``LocalLeaf.add_taker``) and its
-bucket sets ``.grad`` once, over the reduced values: one ``DTensor`` built per parameter and step
-rather than two (about 13 Python calls each: 1,462 -> 1,332 calls a step on the MLP,
-``benchmarks/profile_vs_torch.py``).
+through ``to_local``: then no hook of the parameter runs; the leaf's own post-accumulate hook, which
+moves its gradient to the parameter's ``.grad``, first calls ``_leaf_grad`` (``LocalLeaf.set_sync``),
+which does both hooks' work in one call on the gradient the leaf let go of: handed to the bucket as
+it is (the bucket sets ``.grad`` once, over the reduced values), or handed in to be added to a
+``.grad`` that holds values, or kept aside while accumulating. One Python call and one ``DTensor``
+per parameter and step where the two hooks took a tensor hook, a taker and a post-accumulate hook
+(``benchmarks/profile_vs_torch.py``). ``torch.autograd.grad`` through the leaves is not offered
+(they are private); with ``ParallelModule.local_leaves`` off the parameters' own hooks serve it.
 
 A bucket reduced over several mesh axes starts the first asynchronously and the others after
 it completes (one process group per axis).
@@ -81,6 +82,7 @@ modules on different meshes reduce their gradients on their own groups.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -149,6 +151,7 @@ class _Bucket:
         mesh: DeviceMesh,
     ):
         self.params = list(params)
+        self.keyed = [(p, id(p)) for p in self.params]  # each member with its key in ``ready``
         self.axes = axes
         self.scatter, self.dims = scatter
         self.shares = math.prod(mesh.size(a) for a in self.scatter)
@@ -202,10 +205,7 @@ class GradSync:
                 p.register_post_accumulate_grad_hook(self._post_hook)
                 leaf = leaf_of(p)  # the plain leaf the forward may read instead (codegen/local_params.py)
                 if leaf is not None:
-                    leaf.add_hooks(
-                        lambda acc, p=p, axes=b.axes: self._pre_hook(p, acc, axes), self._post_hook
-                    )
-                    leaf.add_taker(lambda g, p=p: self._take(p, g))
+                    leaf.set_sync(functools.partial(self._leaf_grad, p, id(p)))
 
     @property
     def axes(self) -> set[int]:
@@ -260,14 +260,39 @@ class GradSync:
 
         return hook
 
-    def _take(self, p: torch.nn.Parameter, g: torch.Tensor) -> bool:
-        """A marked parameter's first gradient, straight from its plain leaf, to its bucket: the
-        bucket then sets ``.grad`` once, a ``DTensor`` over the reduced values (building one
-        ``DTensor`` per parameter and step, not one for the leaf's move and one for the bucket)."""
-        if id(p) not in self._marked or p.grad is not None:
-            return False
-        self._marked.discard(id(p))
-        self._hand_in(p, g, add=False)
+    def _leaf_grad(self, p: torch.nn.Parameter, pid: int, g: torch.Tensor) -> bool:
+        """The gradient ``g`` of ``p``'s plain leaf, which backward accumulated there and the leaf
+        let go of (``LocalLeaf.set_sync``): the tensor hook's and the post-accumulate hook's work
+        in one call, on a gradient nobody else holds (so it is handed in as it is, never copied).
+        True: taken (to the bucket, or kept aside); False: the leaf moves it to ``.grad``.
+
+        * sync on, ``.grad`` None: to the bucket as it is, which sets ``.grad`` once, a ``DTensor``
+          over the reduced values (one ``DTensor`` built per parameter and step);
+        * sync on, ``.grad`` holds reduced values: to the bucket, the reduced copy added to
+          ``.grad`` when it arrives;
+        * sync on, ``.grad`` holds unreduced sums (``_unreduced``): added to them, the sum handed in;
+          a local sum kept aside (``_local``): that sum plus ``g``, added when reduced;
+        * sync off: accumulated locally (module docstring). ``pid``: ``id(p)``, bound once."""
+        if not self._sync:
+            if p.grad is None or pid in self._unreduced:
+                self._unreduced.add(pid)
+                return False
+            local = self._local.get(pid)
+            self._local[pid] = g if local is None else local.add_(g)
+            return True
+        if pid in self._local:
+            self._hand_in(p, self._local.pop(pid).add_(g), add=True, pid=pid)
+            return True
+        if pid in self._unreduced:
+            self._unreduced.discard(pid)
+            grad = p.grad
+            if grad is None:  # set to None meanwhile
+                self._hand_in(p, g, add=False, pid=pid)
+                return True
+            _local(grad).add_(g)
+            self._hand_in(p, grad, add=False, pid=pid)
+            return True
+        self._hand_in(p, g, add=p.grad is not None, pid=pid)
         return True
 
     def _post_hook(self, p: torch.nn.Parameter) -> None:
@@ -275,9 +300,11 @@ class GradSync:
             self._marked.discard(id(p))
             self._hand_in(p, p.grad, add=False)
 
-    def _hand_in(self, p: torch.nn.Parameter, grad: torch.Tensor, add: bool) -> None:
-        b = self._bucket_of[id(p)]
-        b.ready[id(p)] = (grad, add)
+    def _hand_in(self, p: torch.nn.Parameter, grad: torch.Tensor, add: bool, pid: int | None = None) -> None:
+        if pid is None:
+            pid = id(p)
+        b = self._bucket_of[pid]
+        b.ready[pid] = (grad, add)
         if len(b.ready) == len(b.params):
             self._start(b)
         if not self._queued:
@@ -285,7 +312,8 @@ class GradSync:
             Variable._execution_engine.queue_callback(self.finish)
 
     def _start(self, b: _Bucket) -> None:
-        members = [(p, *b.ready[id(p)]) for p in b.params if id(p) in b.ready]
+        ready = b.ready
+        members = [(p, *ready[pid]) for p, pid in b.keyed if pid in ready]
         b.ready = {}
         if b.scatter:
             self._start_scatter(b, members)
@@ -297,11 +325,12 @@ class GradSync:
             if not add and p.grad is None:  # taken from the leaf (``_take``)
                 p.grad = _like(p, flat)
         else:
-            flat = torch.cat([_local(g).reshape(-1) for _, g, _ in members])
+            pieces = [_local(g) for _, g, _ in members]
+            flat = torch.cat([g.reshape(-1) for g in pieces])
             adds, off = [], 0
-            for p, g, add in members:
-                n = _local(g).numel()
-                piece = flat[off : off + n].view_as(_local(g))
+            for (p, _, add), g in zip(members, pieces):
+                n = g.numel()
+                piece = flat[off : off + n].view_as(g)
                 off += n
                 if add:
                     adds.append((p, piece))

@@ -140,6 +140,12 @@ def loss_alone(loss: torch.Tensor) -> tuple[torch.Tensor, None]:
     return loss, None
 
 
+def label_count(target: torch.Tensor, ignore_index: int) -> torch.Tensor:
+    """The count of counted tokens ``loss_sum_and_count`` pairs with its sum, in float32 (exact up
+    to 2**24 tokens a rank), from the labels alone."""
+    return (target != ignore_index).sum(dtype=torch.float32)
+
+
 def mean_of_sum_and_count(pair: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """The mean loss from the all-reduced ``[sum, count]``, in the loss's dtype."""
     return (pair[0] / pair[1]).to(dtype)

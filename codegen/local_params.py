@@ -13,8 +13,9 @@ accumulates into the leaf; a post-accumulate-grad hook moves that gradient to th
 ``.grad`` at once, as a ``DTensor`` of the parameter's placements (set where ``.grad`` is None,
 added in place otherwise, as autograd's accumulation does), and leaves the leaf's ``.grad`` None:
 ``p.grad`` is the only gradient a user or an optimizer reads or zeroes. ``codegen/grad_sync.py``
-registers its hooks on both the parameter and its leaf (``LocalLeaf.add_hooks``), so its
-reductions see the gradient whichever of the two the forward read.
+hooks both the parameter (its tensor and post-accumulate hooks) and the leaf (``LocalLeaf.set_sync``:
+one call from the leaf's own post-accumulate hook, which may take the gradient to its bucket), so
+its reductions see the gradient whichever of the two the forward read.
 
 Under ZeRO 2 and 3 the parameters the graph reads are FSDP2's gathered ones, set on the modules
 by FSDP2's pre-forward hook: each FSDP2 group's pre-hook after it gives those their leaves
@@ -72,7 +73,10 @@ def grad_like(p: DTensor, g: torch.Tensor) -> DTensor:
     node or a spec rebuilt from the piece every step; else ``DTensor.from_local``."""
     piece = p._local_tensor
     if g.stride() == piece.stride() and g.shape == piece.shape and g.dtype == piece.dtype:
-        return DTensor(g, p._spec, requires_grad=False)
+        # ``DTensor.__new__`` is the C++ constructor; ``DTensor.__init__`` does nothing but carry
+        # the decorators that keep it out of dynamo and mark it for export (about 10 Python calls
+        # a gradient, per parameter and step), so it is left out at run time
+        return DTensor.__new__(DTensor, g, p._spec, requires_grad=False)
     return DTensor.from_local(g, p.device_mesh, p.placements, run_check=False)
 
 
@@ -97,12 +101,9 @@ class LocalLeaf:
         # True: backward leaves its gradients on the leaf, summed there by autograd, until
         # ``release`` (a pipelined step's micro-batches: one move per step, not one per backward)
         self.hold = False
-        # grad_sync's hooks: (a factory of the tensor hook, given the leaf's AccumulateGrad node;
-        # the post-accumulate hook), registered again on every rebuilt leaf
-        self._hooks: list[tuple[Callable, Callable]] = []
-        # called with the leaf's gradient before it moves: one that returns True took it (the
-        # gradient sync hands it to its bucket as it is, which then sets ``.grad``)
-        self._takers: list[Callable[[torch.Tensor], bool]] = []
+        # the gradient sync's (``set_sync``): called with the leaf's gradient before it moves, and
+        # True where it took it (to its bucket, which sets ``.grad``); False: moved here, as usual
+        self._sync: Callable[[torch.Tensor], bool] | None = None
         self._build()
 
     def _build(self) -> None:
@@ -114,33 +115,22 @@ class LocalLeaf:
             # kept alive: the leaf holds its AccumulateGrad node only weakly
             self.acc = self.leaf.view_as(self.leaf).grad_fn.next_functions[0][0]
             self.leaf.register_post_accumulate_grad_hook(self._move)
-            for make_pre, post in self._hooks:
-                self._register(make_pre, post)
 
-    def _register(self, make_pre: Callable, post: Callable) -> None:
-        p = self.param
-        self.leaf.register_hook(make_pre(self.acc))
-        self.leaf.register_post_accumulate_grad_hook(lambda _leaf: post(p))
-
-    def add_hooks(self, make_pre: Callable, post: Callable) -> None:
-        """Register ``make_pre(acc)`` as a tensor hook and ``post(param)`` as a post-accumulate
-        hook (after the gradient moved to ``param.grad``) on this leaf and every rebuilt one."""
-        self._hooks.append((make_pre, post))
-        if self.acc is not None:
-            self._register(make_pre, post)
-
-    def add_taker(self, take: Callable[[torch.Tensor], bool]) -> None:
-        """``take(gradient)`` is asked first, each time the leaf's gradient would move to the
-        parameter's ``.grad``: True, it took the gradient (and sets ``.grad`` itself)."""
-        self._takers.append(take)
+    def set_sync(self, sync: Callable[[torch.Tensor], bool]) -> None:
+        """``sync(gradient)`` is called each time the leaf's gradient would move to the parameter's
+        ``.grad`` (one backward's, or ``release``'s sum), with the gradient, which the leaf no longer
+        holds: True, it took it (and sees to ``.grad`` itself); False, the leaf moves it. One call a
+        parameter and backward, from the leaf's one hook: the gradient sync's whole work per
+        gradient (``codegen/grad_sync.py``), where a tensor hook and a second post-accumulate hook
+        would each cost a Python call and their dispatch."""
+        self._sync = sync
 
     def _move(self, leaf: torch.Tensor) -> None:
         if self.hold:  # accumulating over micro-batches: ``release`` moves the sum once
             return
         g, leaf.grad = leaf.grad, None
-        for take in self._takers:
-            if take(g):
-                return
+        if self._sync is not None and self._sync(g):
+            return
         p = self.param
         if p.grad is None:
             p.grad = grad_like(p, g)

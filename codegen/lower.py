@@ -67,7 +67,7 @@ from autopar.lowerings.local import EMBEDDING, INDEX, MEAN, MSE, mean_dims
 from autopar.lowerings.loss import CROSS_ENTROPY_MEAN, LINEAR_CROSS_ENTROPY, fused_axes
 from autopar.lowerings.matmul_nd import MATMUL_2D, MATMUL_3D, OPERANDS, SUMMA, cube_axes, grid_axes, is_grid
 from autopar.passes.collective_matmul import LINEAR, gather_step, regathers, scatter_step, sole_use
-from autopar.passes.grad_sync import emitted_f_axes, plan_uses, reshard_key
+from autopar.passes.grad_sync import deferred_sources, emitted_f_axes, plan_uses, reshard_key
 from autopar.passes.half_reshard import casts_before_reshard
 from autopar.passes.local_rows import local_call
 from autopar.passes.rules import map_args, tensor_inputs
@@ -510,7 +510,8 @@ def lower(
     (``autopar/lowerings/float8.py``), never as a collective matmul. ``half``: the autocast dtype
     under mixed precision (else None): an activation whose every use is an autocast GEMM is cast
     to it once, before its reshards (``passes/half_reshard.py``), so they move the half copy."""
-    deferred = deferred or {}
+    # the parameters' and, under the same axes, their replicated chains' (passes/grad_sync.py)
+    deferred = deferred_sources(tg, choice, deferred or {})
     float8 = float8 or {}
     if float8:  # torchao, imported only for a plan that runs FP8
         from autopar.codegen.float8 import float8_linear

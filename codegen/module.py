@@ -67,6 +67,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from autopar.codegen import collectives as C
+from autopar.codegen import local_ops as L
 from autopar.codegen import state as S
 from autopar.codegen.agree import ENTRY_TIMEOUT_S, agree, all_entered, collective_section, enter_backward
 from autopar.codegen.feeding import Feeding, InputsError
@@ -141,6 +142,7 @@ class ParallelModule(torch.nn.Module):
         # all Replicate unless the plan returns outputs as local pieces (autopar.placement.Outputs)
         self.output_specs = tuple(output_specs)
         self._batch_checked = False  # the batch is compared across ranks at the first call
+        self._deferred: list = []  # the last call's outputs still being summed (defer_output_sums)
         # per input leaf: the mesh axis that splits its batch (dim 0), or None; the first such
         # axis on which the plan splits some op is the data-parallel one a loader feeds (data_rank,
         # data_world). On an axis that splits nothing an input split on the batch is gathered
@@ -209,11 +211,15 @@ class ParallelModule(torch.nn.Module):
     def forward(self, *args, **kwargs):
         flat, sliced = self._flat_inputs(args, kwargs)
         flat = [t.to(self._device) if isinstance(t, torch.Tensor) else t for t in flat]
+        # the loss the last call returned, if never read: its sum completed long since (every
+        # rank's backward ran after it), waited for here so that no collective stays unwaited
+        C.wait_deferred(self._deferred)
         for leaf in self._leaves:
             leaf.refresh(self.local_leaves)
         self.zero.leaves_active = self.local_leaves  # FSDP2's gathered parameters' (codegen/zero.py)
         with C.bound_mesh(self.mesh), self.zero.autocast(self._device.type):
             outs = self.local(*self.feeding.to_graph(flat, sliced))
+        self._deferred = [o for o in outs if isinstance(o, C.DeferredSum)]
         enter_backward(self, list(outs))
         return pytree.tree_unflatten(list(outs), self._out_spec)
 
@@ -499,7 +505,94 @@ class ParallelModule(torch.nn.Module):
         return self._data[1]
 
 
-FULL_STATE_FIX = "call it on every rank; pass rank0_only=True to keep the tensors on rank 0 only"
+def defer_output_sums(gm: fx.GraphModule) -> fx.GraphModule:
+    """Let the generated forward return without waiting for the all-reduces whose only use is to
+    be returned (the loss of the whole batch, summed over the data-parallel ranks):
+
+    * ``all_reduce(x)`` returned as it is (a mean loss: MSE) becomes
+      ``collectives.all_reduce_deferred``, started where it was and waited for where the caller
+      reads it; same values, same backward (identity);
+    * ``mean_of_sum_and_count(all_reduce([sum, count]))`` (a token-mean cross-entropy, whose
+      backward needs the whole batch's count) becomes ``collectives.mean_deferred``: the count,
+      which the labels alone give, is counted and its all-reduce started at the top of the forward
+      (the label ops it needs moved there, ``_hoist``), the sum's is waited for where the loss is
+      read. Same values; the same backward (d loss / d sum = 1 / count).
+
+    Only the root graph's outputs: a value the graph reads further is waited for at once anyway."""
+    out = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
+    changed = False
+    for n in pytree.tree_leaves(out.args[0]):
+        if not isinstance(n, fx.Node) or n.op != "call_function" or set(n.users) != {out}:
+            continue
+        if n.target is C.all_reduce:
+            n.target = C.all_reduce_deferred
+            changed = True
+        elif n.target is L.mean_of_sum_and_count:
+            changed |= _defer_mean(gm.graph, n)
+    if changed:
+        gm.graph.lint()
+        gm.recompile()
+    return gm
+
+
+# the ops that give a rank's [sum, count] of a token loss -> positions of (target, ignore_index)
+_SUM_AND_COUNT = {L.loss_sum_and_count: (1, 2), L.fused_loss_sum_and_count: (2, 3)}
+
+
+def _defer_mean(graph: fx.Graph, mean: fx.Node) -> bool:
+    """``defer_output_sums``' second rewrite, where ``mean`` reads ``all_reduce([sum, count])``
+    alone and the labels the count needs can move to the top of the forward."""
+    reduced = mean.args[0]
+    if not isinstance(reduced, fx.Node) or reduced.target is not C.all_reduce or set(reduced.users) != {mean}:
+        return False
+    pair, axis = reduced.args
+    where = _SUM_AND_COUNT.get(getattr(pair, "target", None))
+    if where is None:
+        return False
+    target, ignore = pair.args[where[0]], pair.args[where[1]]
+    if not isinstance(target, fx.Node) or not _hoist(graph, target):
+        return False
+    with graph.inserting_after(target):
+        count = graph.call_function(L.label_count, (target, ignore))
+    with graph.inserting_after(count):
+        started = graph.call_function(C.all_reduce_started, (count, axis))
+    with graph.inserting_after(mean):
+        deferred = graph.call_function(C.mean_deferred, (pair, started, axis, mean.args[1]))
+    mean.replace_all_uses_with(deferred)
+    graph.erase_node(mean)
+    graph.erase_node(reduced)
+    return True
+
+
+def _hoist(graph: fx.Graph, node: fx.Node) -> bool:
+    """Move ``node`` and what it is computed from to the top of the forward (after the inputs), in
+    their order, where those are inputs and ops on inputs alone (the labels sliced, shifted, cast:
+    nothing a parameter or the model computes); False, and nothing moved, otherwise."""
+    chain: list[fx.Node] = []
+    seen: set[fx.Node] = set()
+
+    def visit(n: fx.Node) -> bool:
+        if n.op == "placeholder" or n in seen:
+            return True
+        if n.op != "call_function" or not all(visit(i) for i in n.all_input_nodes):
+            return False
+        seen.add(n)
+        chain.append(n)  # after everything it reads: the order to place them in
+        return True
+
+    if not visit(node):
+        return False
+    nodes = list(graph.nodes)
+    last_input = max(i for i, n in enumerate(nodes) if n.op == "placeholder")
+    anchor = next(n for n in nodes[last_input + 1 :] if n not in seen)
+    for n in chain:
+        anchor.prepend(n)
+    return True
+
+
+FULL_STATE_FIX = FULL_STATE_FIX = (
+    "call it on every rank; pass rank0_only=True to keep the tensors on rank 0 only"
+)
 
 
 def full_tensor(t: torch.Tensor, spec: Spec, mesh: DeviceMesh) -> torch.Tensor:

@@ -42,6 +42,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.fx as fx
+import torch.utils._pytree as pytree
 
 from autopar.cost_model.comm import CommModel
 from autopar.cost_model.compute import BACKWARD_FACTOR
@@ -128,6 +129,7 @@ def plan_uses(
     """Every use whose input has a producer in ``choice``, in graph order (the graph's outputs
     taken in their ``outputs`` placement)."""
     seen: set[tuple] = set()
+    deferred = deferred_sources(tg, choice, deferred)
 
     def use(node, k, inp, src, need, fops):
         key = reshard_key(inp, choice[src].out, need, fops, node)
@@ -370,26 +372,118 @@ def deferred_grad_axes(
     tg: TracedGraph, choice: dict[str, Strategy], mesh_shape: Sequence[int]
 ) -> dict[str, tuple[int, ...]]:
     """Parameter placeholder name -> mesh axes its accumulated gradient is all-reduced over after
-    backward produces it; parameters not listed keep their "f" inline."""
+    backward produces it; parameters not listed keep their "f" inline.
+
+    A use counts where the parameter is read, or, through a *replicated chain*, where a value
+    computed from it alone is: ops whose every other tensor input carries no gradient and whose
+    output is Replicate on the "f" axes ``D``, as the parameter is (GPT-2's position embedding:
+    ``wpe`` -> ``embedding(wpe, positions)`` -> cast, added to the batch-split token embeddings, the
+    "f" on the add). Such a chain computes the same values on every rank of ``D``, and its backward
+    is linear in the gradient, so an all-reduce over ``D`` at its end equals one of the parameter's
+    accumulated gradient: the "f"s at the chain's ends are left out (``deferred_sources``) and the
+    parameter's gradient joins a bucket."""
     params = {p.name for p in tg.placeholders if p.role is Role.PARAM}
     out: dict[str, tuple[int, ...]] = {}
+    grads = _carries_grad(tg)
     for node in tg.graph.nodes:
         if node.name not in params or not _needs_grad(node):
             continue
-        stored = choice[node.name].out
-        sets = set()
-        for user in node.users:
-            if user.op != "call_function":
-                sets.add(())  # the output or an unknown consumer: never defer
-                continue
-            s = choice[user.name]
-            for k, inp in enumerate(tensor_inputs(user)):
-                if inp is node:
-                    sets.add(pure_f_axes(stored, s, k, mesh_shape))
+        sets: set[tuple[int, ...]] = set()
+        chain: list[fx.Node] = []
+        _collect_uses(node, choice, mesh_shape, sets, chain, grads)
         if len(sets) == 1:
             (axes,) = sets
-            if axes:
+            if axes and all(_same_on(choice[c.name].out, axes) for c in [node, *chain]):
                 out[node.name] = axes
+    return out
+
+
+def _collect_uses(
+    node: fx.Node, choice: dict[str, Strategy], mesh_shape: Sequence[int], sets: set, chain: list, grads: set
+) -> None:
+    """The pure-"f" axes of every use of ``node`` into ``sets`` (``()``: a use that rules the
+    deferral out), going through the ops of a replicated chain (``deferred_grad_axes``), which
+    are appended to ``chain``."""
+    stored = choice[node.name].out
+    for user in node.users:
+        if user.op != "call_function" or user.name not in choice:
+            sets.add(())  # the output or an unknown consumer: never defer
+            continue
+        s = choice[user.name]
+        for k, inp in enumerate(tensor_inputs(user)):
+            if inp is not node:
+                continue
+            axes = pure_f_axes(stored, s, k, mesh_shape)
+            if axes or f_axes(s, k) or not _passes_through(user, node, grads):
+                sets.add(axes)
+            elif user not in chain:
+                chain.append(user)
+                _collect_uses(user, choice, mesh_shape, sets, chain, grads)
+
+
+def _passes_through(user: fx.Node, src: fx.Node, grads: set[str]) -> bool:
+    """Whether ``user`` may be a link of a replicated chain from ``src``: one tensor output, no
+    input written, and no tensor input other than ``src`` that carries a gradient (``grads``)."""
+    if (
+        user.target is operator.getitem
+        or writes_inputs(user)
+        or not isinstance(user.meta.get("val"), torch.Tensor)
+    ):
+        return False
+    return all(inp is src or inp.name not in grads for inp in user.all_input_nodes)
+
+
+def _carries_grad(tg: TracedGraph) -> set[str]:
+    """The nodes whose values carry a gradient back: trainable parameters, and the floating
+    results of ops that read one (the traced values' own ``requires_grad`` is off for activations)."""
+    out: set[str] = set()
+    for n in tg.graph.nodes:
+        if n.op == "placeholder":
+            if _needs_grad(n):
+                out.add(n.name)
+        elif n.op == "call_function" and any(i.name in out for i in n.all_input_nodes):
+            vals = pytree.tree_leaves(n.meta.get("val"))
+            if any(isinstance(v, torch.Tensor) and v.dtype.is_floating_point for v in vals):
+                out.add(n.name)
+    return out
+
+
+def _same_on(spec: Spec, axes: tuple[int, ...]) -> bool:
+    """Whether a value placed ``spec`` holds the same values on every rank of each of ``axes``."""
+    return all(is_replicate(spec[a]) for a in axes)
+
+
+def deferred_sources(
+    tg: TracedGraph, choice: dict[str, Strategy], deferred: dict[str, tuple[int, ...]]
+) -> dict[str, tuple[int, ...]]:
+    """``deferred`` (parameter -> axes) and, under the same axes, the nodes of each one's
+    replicated chain (``deferred_grad_axes``): every producer whose uses' "f" on those axes codegen
+    leaves out (``plan_uses``, ``codegen/lower.py``)."""
+    if not deferred:
+        return deferred
+    out = dict(deferred)
+    nodes = {n.name: n for n in tg.graph.nodes if n.name in deferred}
+    grads = _carries_grad(tg)
+    for name, axes in deferred.items():
+        node = nodes.get(name)
+        if node is None:
+            continue
+        stack = [node]
+        while stack:
+            x = stack.pop()
+            for user in x.users:
+                if user.name in out or user.op != "call_function" or user.name not in choice:
+                    continue
+                s = choice[user.name]
+                ks = [k for k, inp in enumerate(tensor_inputs(user)) if inp is x]
+                if (
+                    ks
+                    and not any(set(f_axes(s, k)) & set(axes) for k in ks)
+                    and _passes_through(user, x, grads)
+                    and _same_on(s.out, axes)
+                ):
+                    out[user.name] = axes
+                    stack.append(user)
     return out
 
 

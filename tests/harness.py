@@ -40,7 +40,7 @@ SQUEEZE = 0.7
 # the functions of autopar.codegen.collectives the generated code calls with a mesh axis: each
 # communicates over it, forward or backward (chunk's backward gathers, f's all-reduces, ...)
 COLLECTIVE_FNS = (
-    "all_gather", "chunk", "all_reduce", "reduce_scatter", "to_partial", "f", "batch_slice",
+    "all_gather", "chunk", "all_reduce", "all_reduce_deferred", "all_reduce_started", "mean_deferred", "reduce_scatter", "to_partial", "f", "batch_slice",
     "all_gather_linear", "linear_reduce_scatter",
 )  # fmt: skip
 

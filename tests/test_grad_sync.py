@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.utils._pytree as pytree
 from harness import free_link_cpu
 
 import autopar
@@ -70,26 +71,49 @@ def _rank(rank, world, plan_path, bucket_bytes=None):
 
 def _f_uses(tg, choice, mesh_shape, deferred=None) -> dict[str, list[tuple[int, ...]]]:
     """Parameter -> for each use, the axes of the "f" the inline lowering puts on it (read from
-    the generated graph: the chain of collectives between the parameter and the op using it)."""
+    the generated graph: the chain of collectives between the parameter and the op using it, and
+    of ops that compute, from it alone, values the same on every rank: a replicated chain, whose
+    uses are the parameter's, ``passes/grad_sync.py:deferred_grad_axes``)."""
     from autopar.codegen.lower import lower, mangle
 
     params = {mangle(p.target): p.name for p in tg.placeholders if p.role.value == "param"}
     attrs = {attr: torch.nn.Parameter(torch.empty(0)) for attr in params}
     gm = lower(tg, choice, mesh_shape, attrs, deferred)
+    traced = {n.name: n for n in tg.graph.nodes}
+    grads = set()  # the traced nodes whose values carry a gradient
+    for n in tg.graph.nodes:
+        if n.op == "placeholder" and getattr(n.meta.get("val"), "requires_grad", False):
+            grads.add(n.name)
+        elif any(i.name in grads for i in n.all_input_nodes) and n.meta.get("val") is not None:
+            vals = [v for v in pytree.tree_leaves(n.meta["val"]) if isinstance(v, torch.Tensor)]
+            if any(v.dtype.is_floating_point for v in vals):
+                grads.add(n.name)
+
+    def link(u) -> bool:  # an op of a replicated chain from the value that reaches it
+        t = traced.get(u.meta.get("traced"))
+        if t is None or u.op != "call_function" or not isinstance(t.meta.get("val"), torch.Tensor):
+            return False
+        # the value that reaches it is its only input that carries a gradient (on the traced op)
+        return sum(i.name in grads for i in t.all_input_nodes) == 1
+
     coll = {getattr(C, n) for n in ("f", "all_gather", "chunk", "all_reduce", "reduce_scatter", "to_partial")}
     out: dict[str, list[tuple[int, ...]]] = {}
     for node in gm.graph.nodes:
         if node.op != "get_attr" or node.target not in params:
             continue
         uses = out.setdefault(params[node.target], [])
-        stack = [(u, ()) for u in node.users]
+        stack = [(u, (), ()) for u in node.users]
         while stack:
-            u, axes = stack.pop()
-            if u.target in coll or u.target is C.local:  # C.local: the parameter's local piece
+            u, axes, links = stack.pop()
+            if u.target in coll or u.target is C.local:
                 axes = axes + ((u.args[1],) if u.target is C.f else ())
-                stack.extend((v, axes) for v in u.users)
-            else:
+                stack.extend((v, axes, links) for v in u.users)
+            elif not axes and link(u):
+                stack.extend((v, axes, (*links, u.meta["traced"])) for v in u.users)
+            elif all(choice[t].out[a].is_replicate() for t in links for a in axes):
                 uses.append(tuple(sorted(axes)))
+            else:  # the chain's values differ across the ranks of the "f" at its end: not the parameter's
+                uses.append(())
     return out
 
 

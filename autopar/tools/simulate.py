@@ -211,6 +211,7 @@ _SIMULATED = {  # collective -> (kind, index of dim argument or None, index of a
     C.all_gather: ("all_gather", 1, 2),
     C.chunk: ("chunk", 1, 2),
     C.all_reduce: ("all_reduce", None, 1),
+    C.all_reduce_deferred: ("all_reduce", None, 1),
     C.reduce_scatter: ("reduce_scatter", 1, 2),
     C.to_partial: ("to_partial", None, 1),
     C.f: ("f", None, 1),
