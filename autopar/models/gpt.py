@@ -25,6 +25,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from autopar.models import next_token_loss
+
 ATTENTIONS = ("sdpa", "eager")
 
 
@@ -103,7 +105,5 @@ class GPT(nn.Module):
         logits = F.linear(self.final_layernorm(x), self.embed_tokens.weight)  # tied output embedding
         loss = None
         if labels is not None:
-            # predict token t+1 at position t: shift the labels left, ignore the last position
-            shifted = F.pad(labels.to(logits.device), (0, 1), value=-100)[:, 1:]
-            loss = F.cross_entropy(logits.view(-1, logits.shape[-1]), shifted.reshape(-1))
+            loss = next_token_loss(logits, labels)
         return GPTOutput(loss, logits)

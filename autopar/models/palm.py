@@ -15,6 +15,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from autopar.models import next_token_loss
+
 
 class PalmOutput(NamedTuple):
     loss: torch.Tensor | None
@@ -119,7 +121,5 @@ class PalmLM(nn.Module):
         logits = F.linear(self.norm(x), self.embed.weight)  # tied output embedding
         loss = None
         if labels is not None:
-            # predict token t+1 at position t: shift the labels left, ignore the last position
-            shifted = F.pad(labels.to(logits.device), (0, 1), value=-100)[:, 1:]
-            loss = F.cross_entropy(logits.view(-1, logits.shape[-1]), shifted.reshape(-1))
+            loss = next_token_loss(logits, labels)
         return PalmOutput(loss, logits)
