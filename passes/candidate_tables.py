@@ -180,7 +180,7 @@ def cost_stage(
     tables = build_costs(
         pb.tg, pb.cinfos, strats, cluster, run.mesh, options.optimizer, run.roles, pb.classes, pb.profiler,
         options.outputs, options.fuses_matmuls(cluster.device.comm_overlap),
-        Float8Offer.of(options.float8, cluster.device),
+        Float8Offer.of(options.float8, cluster.device), memos=pb.table_memos,
     )  # fmt: skip
     if pb.profiler is not None:
         st.say(f"profile: mesh {run.mesh}: {pb.profiler.take_stats().line()}")
