@@ -132,9 +132,6 @@ class MeshOutcome:
     refused_at_full_peak: bool = False
     refused_peak: float = math.inf  # the full peak of the plan refused at it (inf: none was)
     host_needed: float = math.inf  # host bytes per device of a plan refused for host memory (inf: none)
-    # the plan refused at its full peak (node -> strategy): a plan of the ILP's rows, which a later
-    # rung with more room may take as a hint (``MeshProblem.hints``); None where none was
-    refused_choice: dict[str, Strategy] | None = None
 
     @property
     def fitted(self) -> bool:
@@ -235,7 +232,7 @@ def solve_mesh(p: MeshProblem, best_objective: float = math.inf, st: Stages | No
                 f"solve: mesh {label}: no plan fits {limit / 2**30:.2f} GiB per device "
                 "with its gradient buckets' flattening and its optimizer step's temporaries"
             )
-            return replace(ended(Verdict.INFEASIBLE, refused=peak), refused_choice=choice)
+            return ended(Verdict.INFEASIBLE, refused=peak)
     if p.check_micro_batches and not micro_batch_ok(p.tg, p.infos, sol.choice, tables, trades.micro_batches):
         st.say(f"solve: mesh {label}: the batch does not split into its micro-batches as the plan splits it")
         return ended(Verdict.INFEASIBLE)

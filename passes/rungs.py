@@ -107,11 +107,6 @@ class SpmdRungs:
             mem_needed=tables.needed,
         )  # fmt: skip
         outcome = solve_mesh(problem, best_objective, pb.st)
-        if outcome.refused_choice is not None:
-            # a plan of this rung's rows that its full peak refused: a later rung, with more room,
-            # may well take it; where it does, that shows the later rung has a plan (a HiGHS run
-            # of a few seconds on DeepSeek-V3's meshes, ``passes/solver.py:_has_plan``), first
-            self.hints = (outcome.refused_choice, *self.hints)
         entry = outcome.entry
         if entry.verdict is Verdict.BLOCKED and not self.tried_region:
             # an op the data role cannot split: the ops around it as one region run on each rank's
