@@ -49,6 +49,7 @@ Resharding one tensor from ``src`` to ``dst`` placements runs the steps of its r
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
 
@@ -127,7 +128,10 @@ class CommModel:
         self.mesh_shape = tuple(mesh_shape)
         self.links = [axis_link(cluster, self.mesh_shape, a) for a in range(len(self.mesh_shape))]
         self.splits = [node_split(cluster, self.mesh_shape, a) for a in range(len(self.mesh_shape))]
-        self._cache: dict[tuple, tuple[float, tuple[CollectiveCall, ...]]] = {}
+        # the reshards priced so far on this cluster and mesh, by value: shared by every model of
+        # the same two (a search's candidates of one mesh under other axis roles price the same
+        # pairs again), since a price depends on nothing else
+        self._cache = _reshard_cache(cluster, self.mesh_shape)
         self._by_id: dict[tuple, tuple] = {}
 
     def ranges(self, name: str, axis: int) -> str:
@@ -225,6 +229,15 @@ class CommModel:
     def calls_time(self, calls: Sequence[CollectiveCall]) -> float:
         """Seconds of ``calls`` run one after the other."""
         return sum(self.time(c.kind, c.nbytes, c.axis, c.group) for c in calls)
+
+
+# (cluster, mesh) -> its reshards priced (``CommModel.reshard``): the last few kept
+RESHARD_CACHES = 32
+
+
+@functools.lru_cache(maxsize=RESHARD_CACHES)
+def _reshard_cache(cluster: ClusterSpec, mesh_shape: tuple[int, ...]) -> dict:
+    return {}
 
 
 def _flat(

@@ -75,8 +75,9 @@ def pinned_axes(pb: Problem, cluster: ClusterSpec, run: MeshRun) -> dict | None 
     if key not in pb.data_axis:
         try:
             pb.data_axis[key] = data_parallel_axis(
-                pb.tg, pb.infos, cluster, size, pb.options.optimizer, pb.classes, pb.profiler, role
-            )
+                pb.tg, pb.infos, cluster, size, pb.options.optimizer, pb.classes, pb.profiler, role,
+                pb.table_memos,
+            )  # fmt: skip
         except NoPlanFitsError as e:
             pb.data_axis[key] = e
     got = pb.data_axis[key]
@@ -92,14 +93,15 @@ def data_parallel_axis(
     classes: Classes | None,
     profiler: NodeTimer | None = None,
     role: AxisRole = AxisRole.DATA,
+    memos: dict | None = None,
 ) -> dict[str, Strategy]:
     """Every node's placement on one data-parallel axis of ``size`` devices: the plan the solver
     picks on the mesh ``(size,)`` with parameters replicated and inputs split on dim 0 (``role``
-    ``EXPERT``: the experts split over it)."""
+    ``EXPERT``: the experts split over it). ``memos``: ``build_costs``'s."""
     mesh = (size,)
     roles = (role,)
     strats = build_strategies(tg, infos, mesh, roles, only=set(classes.members) if classes else None)
-    tables = build_costs(tg, infos, strats, cluster, mesh, optimizer, roles, classes, profiler)
+    tables = build_costs(tg, infos, strats, cluster, mesh, optimizer, roles, classes, profiler, memos=memos)
     sol = solve(tables, math.inf)
     if sol is None:  # no memory limit: cannot happen unless the roles forbid every strategy somewhere
         raise NoPlanFitsError(
@@ -184,7 +186,7 @@ def cost_stage(
     tables = build_costs(
         pb.tg, pb.cinfos, strats, cluster, run.mesh, options.optimizer, run.roles, pb.classes, pb.profiler,
         options.outputs, options.fuses_matmuls(cluster.device.comm_overlap),
-        Float8Offer.of(options.float8, cluster.device),
+        Float8Offer.of(options.float8, cluster.device), memos=pb.table_memos,
     )  # fmt: skip
     if pb.profiler is not None:
         st.say(f"profile: mesh {run.mesh}: {pb.profiler.take_stats().line()}")

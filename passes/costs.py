@@ -208,6 +208,18 @@ class CostTables:
     float8: dict[str, list[Float8 | None]] = field(default_factory=dict)
 
 
+def _memo(memos: dict | None, key: tuple, make):
+    """``memos[key]``, made by ``make()`` where absent (every time where ``memos`` is None). Keys
+    that name the graph and infos by ``id`` are safe while ``memos`` lives no longer than they
+    do (``passes/search_problem.py:Problem`` holds all three)."""
+    if memos is None:
+        return make()
+    got = memos.get(key)
+    if got is None:
+        got = memos[key] = make()
+    return got
+
+
 def resolve_source(node: fx.Node) -> fx.Node:
     while node.op == "call_function" and node.target is operator.getitem:
         node = node.args[0]
@@ -227,6 +239,7 @@ def build_costs(
     outputs: Outputs = Outputs.FULL,
     overlap_matmuls: bool = False,
     float8: Float8Offer | None = None,
+    memos: dict | None = None,
 ) -> CostTables:
     """Cost tables over class representatives (every node its own class when ``classes`` is None):
     node costs are multiplied by the class size, edges between the same two classes are priced once
@@ -236,12 +249,15 @@ def build_costs(
     ``overlap_matmuls``: the edges where a linear and its collective fuse into a collective matmul
     are priced as it runs (``passes/collective_matmul.py``, ``overlap_price``). ``float8``: the
     linears that may run FP8, each strategy priced at the cheaper of its FP8 and its own precision
-    (``float8_price``; ``CostTables.float8`` says which)."""
+    (``float8_price``; ``CostTables.float8`` says which). ``memos``: what earlier tables of
+    the same graph computed, taken and added to (``_memo``): the tensors kept for backward, the
+    gradient uses, and the edge pairs priced, by cluster, mesh and data axes (a pair's price
+    depends on those and its key in ``_edge`` alone)."""
     comm = CommModel(cluster, mesh_shape)
     device = cluster.device
     slow = cluster.compute_slowdown  # CPU ranks sharing too few cores
     classes = classes or Classes.identity(list(strats))
-    kept = kept_for_backward(tg, infos)
+    kept = _memo(memos, ("kept", id(tg), id(infos)), lambda: kept_for_backward(tg, infos))
     tables = CostTables(mesh_shape, {k: v.strategies for k, v in strats.items()}, {}, {}, classes=classes)
     tables.overlap_matmuls = overlap_matmuls
     order = {n.name: i for i, n in enumerate(tg.graph.nodes)}
@@ -252,7 +268,7 @@ def build_costs(
         if kept.source.get(base, base) in classes.rep:
             rep = classes.rep[kept.source.get(base, base)]
             tables.keep_positions[rep] = (*tables.keep_positions.get(rep, ()), order[base])
-    uses = grad_uses(tg, infos)
+    uses = _memo(memos, ("uses", id(tg), id(infos)), lambda: grad_uses(tg, infos))
     for name, ns in strats.items():
         checkpoint()  # on a search's worker thread: only while the search waits (passes/background.py)
         info = infos[name]
@@ -366,7 +382,7 @@ def build_costs(
     data_axes = tuple(a for a, r in enumerate(axis_roles or ()) if r.splits_batch and mesh_shape[a] > 1)
     tables.bucket_fixed = {a: bucket_fixed_s(comm, a) for a in data_axes}
     matmul_s = tables.matmul_s if overlap_matmuls else None
-    memo: dict = {}
+    memo: dict = _memo(memos, ("edges", cluster, tuple(mesh_shape), data_axes), dict)
     mutated = mutated_views(tg)
     for (src, dst, i, _, _, orig, owner, cast), (inp, count, user) in groups.items():
         checkpoint()
@@ -784,7 +800,7 @@ def _edge(
 ) -> Edge:  # fmt: skip
     """The edge of ``inp`` into input ``i`` of ``dst``: per (source, destination) strategy pair
     its seconds, kept bytes, transient, storage kept as it is, copy and bucketed axes. ``memo``:
-    pairs priced by earlier edges of the same tables (``comm`` and ``data_axes`` fixed)."""
+    pairs priced by earlier edges (``comm`` and ``data_axes`` fixed: ``build_costs``'s ``memos``)."""
     memo = {} if memo is None else memo
     info = infos[inp.name]
     nbytes = info.moved_bytes  # in the half type where every use casts it so (passes/half_reshard.py)

@@ -50,6 +50,10 @@ class Problem:
     example_inputs: object
     data_axis: dict[int | tuple, dict[str, Strategy] | NoPlanFitsError] = field(default_factory=dict)
     regions: dict[int, DataRegion | str] = field(default_factory=dict)
+    # what the candidates' cost tables share (``passes/costs.py:build_costs``'s ``memos``): the
+    # graph's kept tensors and gradient uses, and the edge pairs priced, by cluster, mesh and data
+    # axes (candidates of one mesh under other axis roles price the same pairs again)
+    table_memos: dict[tuple, object] = field(default_factory=dict)
 
 
 @dataclass

@@ -285,6 +285,10 @@ def fold_followers(tables: CostTables, exact: bool | None = None) -> Folded:
         # fold constant sources and self-loops into node costs, then look for a follower
         sources: dict[str, set[str]] = {}
         kept = []
+        # each node's edges in and out, in the order of ``edges``: what a scan of ``edges`` for
+        # one node's would give, found once per fold instead of once per node looked at
+        ins: dict[str, list[Edge]] = {}
+        outs: dict[str, list[Edge]] = {}
         for e in edges:
             if e.dst != "output" and (e.src == e.dst or len(strategies[e.src]) == 1):
                 for b in range(len(strategies[e.dst])):
@@ -294,6 +298,8 @@ def fold_followers(tables: CostTables, exact: bool | None = None) -> Folded:
                     shared.absorb_edge(tables, e, a, b, e.dst, b, len(strategies[e.dst]))
                 continue
             kept.append(e)
+            ins.setdefault(e.dst, []).append(e)
+            outs.setdefault(e.src, []).append(e)  # no self-loop is left: folded just above
             if e.dst != "output":
                 sources.setdefault(e.dst, set()).add(e.src)
         edges = kept
@@ -302,17 +308,15 @@ def fold_followers(tables: CostTables, exact: bool | None = None) -> Folded:
             if len(srcs) != 1 or len(strategies[cand]) == 1 or cand in rejected:
                 continue
             (u,) = srcs
-            if exact:
-                response = _dominant_responses(cand, edges, cost[cand], len(strategies[u]))
-            else:
-                response = _best_responses(cand, edges, cost[cand], len(strategies[u]))
+            respond = _dominant_responses if exact else _best_responses
+            response = respond(ins.get(cand, []), outs.get(cand, []), cost[cand], len(strategies[u]))
             if response is not None:
                 v = cand
                 break
             rejected.add(cand)
         if v is None:
             break
-        into = [e for e in edges if e.dst == v]
+        into = ins.get(v, [])
         nu = len(strategies[u])
         for a, b in enumerate(response):
             cost[u][a] += sum(e.cost[a][b] for e in into) + cost[v][b]
@@ -335,11 +339,10 @@ def fold_followers(tables: CostTables, exact: bool | None = None) -> Folded:
     return reduced, merged
 
 
-def _best_responses(v: str, edges: list[Edge], v_cost: list[float], na: int) -> list[int]:
+def _best_responses(into: list[Edge], out: list[Edge], v_cost: list[float], na: int) -> list[int]:
     """For each strategy a of the producer, v's cheapest response counting what its consumers pay
-    at least to take its output (their own choices still open): a heuristic, see fold_followers."""
-    into = [e for e in edges if e.dst == v]
-    out = [e for e in edges if e.src == v and e.dst != v]
+    at least to take its output (their own choices still open): a heuristic, see fold_followers.
+    ``into``, ``out``: v's edges in and out (a self-loop in neither)."""
     nb = len(v_cost)
     ahead = [sum(min(e.cost[b]) for e in out) for b in range(nb)]
     return [
@@ -348,13 +351,12 @@ def _best_responses(v: str, edges: list[Edge], v_cost: list[float], na: int) -> 
     ]
 
 
-def _dominant_responses(v: str, edges: list[Edge], v_cost: list[float], na: int) -> list[int] | None:
+def _dominant_responses(into: list[Edge], out: list[Edge], v_cost: list[float], na: int) -> list[int] | None:
     """For each strategy a of v's producer u, the response b of v that is best whatever v's consumers
     choose: ``t[a, b] + sum_e max_c (c[e, b, c] - c[e, b', c]) <= t[a, b']`` for every b', with
     ``t[a, b] = c[u->v, a, b] + c[v, b]``. None if some a has no such b: then v stays a variable
-    (folding it would fix a choice that depends on the consumers, and lose optimality)."""
-    into = [e for e in edges if e.dst == v]
-    out = [e for e in edges if e.src == v and e.dst != v]
+    (folding it would fix a choice that depends on the consumers, and lose optimality). ``into``,
+    ``out``: v's edges in and out, in the tables' order (a self-loop in neither)."""
     nb = len(v_cost)
     t = np.asarray(v_cost, dtype=float)[None, :].repeat(na, axis=0)
     for e in into:
@@ -370,13 +372,14 @@ def _dominant_responses(v: str, edges: list[Edge], v_cost: list[float], na: int)
         # -inf + inf: b' forbidden downstream on one edge, b on another; as if b cost the most
         regret = np.where(np.isnan(regret), np.inf, regret)
     response = []
+    worst = regret.max(axis=1)  # [b]: the most choosing b can cost downstream against any b'
     for a in range(na):
         row = t[a]
         if not np.isfinite(row).any():
             response.append(0)
             continue
         # a response the producer's strategy forbids (inf) is never best where another is allowed
-        score = np.where(np.isfinite(row), row + regret.max(axis=1), np.inf)
+        score = np.where(np.isfinite(row), row + worst, np.inf)
         if not np.isfinite(score).any():
             return None  # every allowed response may be forbidden downstream: leave v to the ILP
         best = int(np.argmin(score))
