@@ -13,15 +13,28 @@ from __future__ import annotations
 
 import pytest
 import torch
-from harness import D, S, T, adam_reference, assert_rank_as_reference, parallel_axes, plan_and_train
+from harness import (
+    D,
+    S,
+    T,
+    adam_reference,
+    assert_rank_as_reference,
+    parallel_axes,
+    plan_and_train,
+    saved_bytes,
+)  # fmt: skip
 
 import autopar
 from autopar import Recompute
 from autopar.examples import llama_tiny
+from autopar.launch import run_on_ranks
+from autopar.options import Optimizer
 from autopar.passes.analyze import analyze
+from autopar.passes.costs import build_costs
+from autopar.passes.fuse import fuse
 from autopar.passes.strategies import build_strategies, nest_axes, nested
-from autopar.passes.trace import trace
-from autopar.placement import spec_from_str
+from autopar.passes.trace import Role, trace
+from autopar.placement import spec_from_str, spec_to_str, via_to_str
 
 LR, EPS, STEPS = 1e-2, 1e-5, 2
 SEQ, HIDDEN = 128, 32
@@ -30,8 +43,16 @@ LAYOUT = dict(mesh_shape=(2, 2), axis_roles=(S, T), recompute=Recompute.NONE, ze
 
 
 def build(name):
-    assert name == "llama"
-    return llama_tiny(batch=1, seq=SEQ, hidden=HIDDEN, vocab=128)
+    layers = {"llama": 2, "llama1": 1}[name]
+    return llama_tiny(batch=1, seq=SEQ, hidden=HIDDEN, vocab=128, layers=layers)
+
+
+def _squeezed(name: str, cluster) -> autopar.Plan:
+    """``name`` planned under ``SQUEEZE`` times its unconstrained plan's peak."""
+    model, inputs = build(name)
+    free = autopar.plan(model, cluster, inputs, **LAYOUT)
+    limit = SQUEEZE * free.predicted.peak_memory_bytes / (1 - cluster.memory_reserve)
+    return autopar.plan(model, cluster, inputs, memory_limit_bytes=limit, **LAYOUT)
 
 
 def _residual_adds(plan) -> list:
@@ -99,3 +120,76 @@ def test_sequence_parallel_inside_context_parallel_trains_as_one_device(tmp_path
             # the tensor axis gathers the sequence before a column-parallel linear, and
             # reduce-scatters it after a row-parallel one
             assert "all_gather(" in code and "reduce_scatter(" in code, code
+
+
+def _tables_kept(name: str, plan, cluster) -> float:
+    """Bytes the cost tables keep for backward on one device under ``plan``'s strategies: nodes,
+    edges (a consumer's resharded copy: the all-gathered sequence a column-parallel linear keeps),
+    and each storage several consumers keep, once (as ``tests/test_kept_activations.py``)."""
+    model, inputs = build(name)
+    tg = trace(model, inputs)
+    fuse(tg, {u.kernel for u in plan.kernels})
+    infos = analyze(tg)
+    mesh, roles = tuple(plan.mesh_shape), LAYOUT["axis_roles"]
+    tables = build_costs(
+        tg, infos, build_strategies(tg, infos, mesh, roles), cluster, mesh, Optimizer.ADAM, roles
+    )
+    choice = {v: 0 for v in tables.strategies}
+    for d in plan.decisions:
+        if d.name in tables.strategies:
+            hits = [
+                i
+                for i, st in enumerate(tables.strategies[d.name])
+                if (spec_to_str(st.out), tuple(spec_to_str(x) for x in st.ins), via_to_str(st.via))
+                == (d.output, d.inputs, d.via)
+            ]
+            assert hits, f"the plan's strategy of {d.name} is not in the tables"
+            choice[d.name] = hits[0]
+    total = sum(
+        tables.node_mem[v][choice[v]]
+        for v in tables.strategies
+        if infos[v].role in (Role.ACTIVATION, Role.INPUT)
+    )
+    shared: dict[str, float] = {}
+    for e in tables.edges:
+        a, b = choice[e.src], (choice[e.dst] if e.dst in choice else 0)
+        total += e.mem[a][b]
+        if e.owner:
+            shared[e.owner] = max(shared.get(e.owner, 0.0), e.keep[a][b])
+    return total + sum(shared.values())
+
+
+def _saved_rank(rank, world, paths):
+    cluster = autopar.ClusterSpec.preset("cpu", devices_per_node=world)
+    out = {}
+    for name, path in paths:
+        model, inputs = build(name)
+        out[name] = saved_bytes(autopar.autoparallelize(model, cluster, inputs, plan=path), inputs)
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.xfail(
+    strict=True,
+    reason="open: the tables keep 116,224 bytes a layer on each rank, autograd saves 119,808 (3,584 "
+    "more) under this fp32 sequence-parallel plan; not yet told apart from the tables' fp32 "
+    "accounting without sequence parallelism (tests/test_kept_activations.py checks bf16)",
+)
+def test_a_sequence_parallel_layers_kept_bytes_are_what_autograd_saves(tmp_path):
+    """Per layer (two layers less one: the embedding and the loss cancel), what the tables keep
+    under the squeezed plans against the bytes autograd saves in each rank's forward."""
+    cluster = autopar.ClusterSpec.preset("cpu", devices_per_node=4)
+    plans, paths = {}, []
+    for name in ("llama1", "llama"):
+        plans[name] = _squeezed(name, cluster)
+        path = tmp_path / f"{name}.json"
+        plans[name].save(path)
+        paths.append((name, str(path)))
+    both = spec_from_str("S(1),S(1)")
+    assert all(spec_from_str(d.output) == both for d in _residual_adds(plans["llama"]))
+    per_layer = _tables_kept("llama", plans["llama"], cluster) - _tables_kept(
+        "llama1", plans["llama1"], cluster
+    )
+    for got in run_on_ranks(_saved_rank, 4, paths, timeout_s=600):
+        measured = got["llama"] - got["llama1"]
+        assert per_layer == measured, (per_layer, measured)
