@@ -193,3 +193,45 @@ def test_a_sequence_parallel_layers_kept_bytes_are_what_autograd_saves(tmp_path)
     for got in run_on_ranks(_saved_rank, 4, paths, timeout_s=600):
         measured = got["llama"] - got["llama1"]
         assert per_layer == measured, (per_layer, measured)
+
+
+def test_every_reshard_on_three_axes_ends_where_it_should():
+    """Every placement of a 3-D tensor to every other on a (2, 2, 2) mesh: the steps end at the
+    target, with no shard sliced out of order (a dim several axes split is cut outer axis first,
+    gathered inner axis first). (R, R, S(1)) -> (S(0), S(1), S(1)), the sequence nested on the
+    last two axes of a (data, sequence, tensor) mesh, once re-cut axis 0 for ever."""
+    import itertools
+
+    from torch.distributed.tensor.placement_types import Partial, Replicate, Shard
+
+    from autopar.reshard import StepKind, reshard_plan
+
+    opts = [Replicate(), Shard(0), Shard(1), Shard(2), Partial()]
+    moves = {
+        StepKind.ALL_GATHER: Replicate(),
+        StepKind.ALL_REDUCE: Replicate(),
+        StepKind.TO_PARTIAL: Partial(),
+    }
+    for src, dst in itertools.product(itertools.product(opts, repeat=3), repeat=2):
+        if any(isinstance(p, Partial) for p in src) and any(isinstance(p, Partial) for p in dst):
+            continue  # a partial sum kept partial on another axis: not a reshard anything asks for
+        cur = list(src)
+        for step in reshard_plan(src, dst, (2, 2, 2), 1.0).steps:
+            if step.kind is StepKind.F:
+                continue
+            if step.kind in (StepKind.CHUNK, StepKind.REDUCE_SCATTER):
+                # an axis after this one holds the dim already: its piece would be cut, not the tensor
+                assert not any(isinstance(q, Shard) and q.dim == step.dim for q in cur[step.axis + 1 :]), (
+                    src,
+                    dst,
+                )
+                cur[step.axis] = Shard(step.dim)
+            else:
+                if step.kind is StepKind.ALL_GATHER:  # inner axes holding the dim are gathered first
+                    dim = cur[step.axis].dim
+                    assert not any(isinstance(q, Shard) and q.dim == dim for q in cur[step.axis + 1 :]), (
+                        src,
+                        dst,
+                    )
+                cur[step.axis] = moves[step.kind]
+        assert tuple(cur) == dst, (src, dst, cur)
