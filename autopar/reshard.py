@@ -257,7 +257,16 @@ def reshard_plan(
         (a for a in range(len(src)) if mesh_shape[a] > 1 and src[a] != dst[a]),
         key=lambda a: not is_replicate(dst[a]),
     )
+    rounds = 0
     while pending:
+        rounds += 1
+        if rounds > 3 * len(src) + 2:
+            # a nesting the order below cannot untangle (each axis moves at most three times on
+            # any path it finds): gather to whole, innermost axis first, then cut to ``dst``, outer
+            # axis first; a correct path, if not the cheapest, never a loop without end
+            whole = (Replicate(),) * len(src)
+            there = reshard_plan(src, whole, mesh_shape, nbytes).steps
+            return ReshardPlan(there + reshard_plan(whole, dst, mesh_shape, nbytes, f_axes).steps)
         # the first axis in order whose step does not slice a dim another axis still holds
         # sharded (that would cut the other axis's piece, not the tensor: wrong rows, or a dim of
         # one row cut in two), nor gathers a dim an inner axis splits too; where every pending
@@ -273,9 +282,23 @@ def reshard_plan(
             None,
         )
         if a is None:
+            # first an axis whose shard holds the dim a pending step must slice (an inner axis
+            # holding the dim a nested target splits on an outer one: (R, R, S(1)) -> (S(0), S(1),
+            # S(1)) gathers axis 2 first); gathering any other shard would not unblock it, and
+            # the step that re-cut it would come round again, for ever
+            blockers = [
+                b
+                for b in range(len(cur))
+                if is_shard(cur[b])
+                and any(
+                    b != c and cur[b].dim == getattr(dst[c], "dim", None)  # c would slice b's dim
+                    or c < b and is_shard(cur[c]) and cur[c].dim == cur[b].dim  # c would gather outer
+                    for c in pending
+                )
+            ]
             a = next(
                 b
-                for b in [*pending, *range(len(cur))]
+                for b in [*blockers, *pending, *range(len(cur))]
                 if is_shard(cur[b]) and mesh_shape[b] > 1 and not _gathers_outer(cur, b, mesh_shape)
             )
             if a not in pending:

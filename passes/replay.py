@@ -29,9 +29,9 @@ from autopar.passes.experts import mark_nodes, mark_skew
 from autopar.passes.fuse import fuse_as_planned
 from autopar.passes.local_rows import trace_rows
 from autopar.passes.rules import AxisOption
-from autopar.passes.strategies import NodeStrategies, Strategy, build_strategies
+from autopar.passes.strategies import Nest, NodeStrategies, Strategy, build_strategies
 from autopar.passes.trace import Role, TracedGraph, keep_loss_only, trace
-from autopar.placement import Outputs, own_rows_axes, spec_from_str, spec_to_str, via_from_str
+from autopar.placement import Outputs, is_shard, own_rows_axes, spec_from_str, spec_to_str, via_from_str
 from autopar.plan import Plan
 
 
@@ -115,16 +115,26 @@ def plan_strategies(
     )  # fmt: skip
 
 
-def batch_nest(tg: TracedGraph, choice: dict[str, Strategy], mesh_shape) -> tuple[int, ...]:
-    """The axes of more than one device on which the plan splits its inputs' batch (dim 0), where
-    two or more do (expert parallelism beside data parallelism): those a dim may be split on
-    together (``passes/strategies.py:nest_axes``, which reads them off the search's axis roles)."""
+def batch_nest(tg: TracedGraph, choice: dict[str, Strategy], mesh_shape) -> Nest:
+    """The groups of axes a plan read back may split a dim on together (its axis roles are not
+    recorded; ``passes/strategies.py:nest_axes`` reads them off the search's): the axes of more
+    than one device on which the plan splits its inputs' batch (dim 0), where two or more do
+    (expert parallelism beside data parallelism), and each set of axes one of its decisions splits
+    one dim on (sequence parallelism inside context parallelism, the batch's own)."""
     axes = set()
     for p in tg.placeholders:
         s = choice.get(p.name)
         if p.role is Role.INPUT and s is not None:
             axes.update(a for a, x in enumerate(s.out) if x == Shard(0) and mesh_shape[a] > 1)
-    return tuple(sorted(axes)) if len(axes) > 1 else ()
+    groups = {tuple(sorted(axes))} if len(axes) > 1 else set()
+    for s in choice.values():
+        for spec in (s.out, *s.ins):
+            held: dict[int, list[int]] = {}
+            for a, x in enumerate(spec):
+                if is_shard(x) and mesh_shape[a] > 1:
+                    held.setdefault(x.dim, []).append(a)
+            groups.update(tuple(g) for g in held.values() if len(g) > 1)
+    return tuple(sorted(groups))
 
 
 def decoded_choice(plan: Plan) -> dict[str, Strategy]:

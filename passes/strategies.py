@@ -2,10 +2,15 @@
 
 Per-axis options from ``rules.py`` are expanded to the mesh as their cartesian product, keeping a
 combination only if every tensor it touches divides evenly (each sharded dim by its axis size) and
-no tensor dim is sharded by two axes, except where two axes split the batch (``DATA`` and
-``EXPERT``: expert parallelism beside data parallelism): a dim may then be split on both, nested
-as DTensor nests them (the lower axis outer; ``nest_axes``), save by an op whose lowering cuts by
-one axis's coordinate (``_nest_ok``). Placeholders (parameters, buffers, user inputs) may take
+no tensor dim is sharded by two axes, except on the axes of one nest group (``nest_axes``), nested
+as DTensor nests them (the lower axis outer), save by an op whose lowering cuts by one axis's
+coordinate (``_nest_ok``). Two groups nest: the axes that split the batch, where two do (``DATA``
+and ``EXPERT``: expert parallelism beside data parallelism), and the ``SEQUENCE`` axes with the
+``TENSOR`` axes after them (Megatron's sequence parallelism inside context parallelism: the norms,
+residual adds and dropout run on a sequence split over the context axis and, inside it, over the
+tensor group; the sequence axis outer, DTensor's ``(Shard(1), Shard(1))``; an all-gather over the
+tensor axis before a column-parallel linear, a reduce-scatter after a row-parallel one, are the
+reshards between those placements and the matmuls': ``autopar/reshard.py``). Placeholders (parameters, buffers, user inputs) may take
 Replicate or Shard(d) for any dim. Ops without a rule of autopar's own take the options PyTorch's
 DTensor strategies give them (``rules/dtensor.py``); ops with neither get the all-Replicate strategy
 only, and the fallback is logged once per op.
@@ -124,9 +129,12 @@ class NodeStrategies:
 _warned_fallback: set[str] = set()
 
 
-def _fits(shape: Sequence[int], spec: Spec, mesh_shape: Sequence[int], nest: Sequence[int] = ()) -> bool:
-    """Does ``spec`` split ``shape`` evenly, each dim on one axis, or on several of ``nest`` (the
-    axes that split the batch, where two do: nested as DTensor nests them, the lower axis outer)?"""
+Nest = tuple[tuple[int, ...], ...]  # groups of mesh axes a dim may be split on together (``nest_axes``)
+
+
+def _fits(shape: Sequence[int], spec: Spec, mesh_shape: Sequence[int], nest: Nest = ()) -> bool:
+    """Does ``spec`` split ``shape`` evenly, each dim on one axis, or on several of one group of
+    ``nest`` (nested as DTensor nests them, the lower axis outer)?"""
     held: dict[int, list[int]] = {}
     rest = list(shape)
     for a, (p, n) in enumerate(zip(spec, mesh_shape)):
@@ -134,7 +142,7 @@ def _fits(shape: Sequence[int], spec: Spec, mesh_shape: Sequence[int], nest: Seq
             if not shape:
                 return False
             d = p.dim % len(shape)
-            if d in held and not (a in nest and all(b in nest for b in held[d])):
+            if d in held and not any(a in g and all(b in g for b in held[d]) for g in nest):
                 return False
             if rest[d] % n or rest[d] < n:
                 return False
@@ -152,11 +160,23 @@ def nested(s: Strategy, mesh_shape: Sequence[int]) -> bool:
     return False
 
 
-def nest_axes(mesh_shape: Sequence[int], axis_roles: Sequence[AxisRole]) -> tuple[int, ...]:
-    """The axes a dim may be split on together: those of more than one rank that split the batch,
-    where two or more do (expert parallelism beside data parallelism); none otherwise."""
-    axes = tuple(a for a, (n, r) in enumerate(zip(mesh_shape, axis_roles)) if r.splits_batch and n > 1)
-    return axes if len(axes) > 1 else ()
+def nest_axes(mesh_shape: Sequence[int], axis_roles: Sequence[AxisRole]) -> Nest:
+    """The groups of axes a dim may be split on together, each of axes of more than one rank:
+    those that split the batch, where two or more do (expert parallelism beside data
+    parallelism); and a ``SEQUENCE`` axis with a ``TENSOR`` axis after it in the mesh
+    (sequence parallelism inside context parallelism, the sequence axis outer as DTensor nests
+    ``(Shard(1), Shard(1))``: a tensor axis before the sequence axis would be the outer one, and
+    gathering it for a matmul would first gather the sequence axis inside it). None otherwise:
+    e.g. a data axis and a tensor axis never split one dim together."""
+    live = [(a, r) for a, (n, r) in enumerate(zip(mesh_shape, axis_roles)) if n > 1]
+    batch = tuple(a for a, r in live if r.splits_batch)
+    pairs = tuple(
+        (s, t)
+        for s, rs in live
+        for t, rt in live
+        if rs is AxisRole.SEQUENCE and rt is AxisRole.TENSOR and s < t
+    )
+    return ((batch,) if len(batch) > 1 else ()) + pairs
 
 
 # the registered lowerings (autopar/lowerings) that take a dim split on several axes: they reduce
@@ -201,10 +221,10 @@ def expand(
     in_shapes: Sequence[Sequence[int]],
     mesh_shape: Sequence[int],
     pinned: dict[int, AxisOption] | None = None,
-    nest: Sequence[int] = (),
+    nest: Nest = (),
 ) -> list[Strategy]:
     """Cartesian product of per-axis options, filtered for even, non-overlapping sharding (a dim
-    may be split on several axes of ``nest``: ``_fits``); an axis in ``pinned`` takes that one
+    may be split on several axes of one group of ``nest``: ``_fits``); an axis in ``pinned`` takes that one
     option."""
     per_axis = [AxisOption(R, (R,) * n_in)] + [o for o in options if len(o.ins) == n_in]
     choices = [[pinned[a]] if pinned and a in pinned else per_axis for a in range(len(mesh_shape))]
@@ -279,15 +299,15 @@ def build_strategies(
     fixed: dict[int, dict[str, Strategy]] | None = None,
     seq_attention: SeqAttention | None = None,
     regions: dict[str, AxisOption] | None = None,
-    nest: tuple[int, ...] | None = None,
+    nest: Nest | None = None,
 ) -> dict[str, NodeStrategies]:
     """Strategies of every placeholder and op node (or of the names in ``only``: class representatives).
 
     ``fixed[a][name]``: a strategy on a 1-axis mesh that node ``name`` takes on mesh axis ``a``.
     ``regions[name]``: the one option of a node of a data-parallel region (``passes/data_region.py``)
     on the mesh's data axis; such a node is replicated on every other axis. ``nest``: the axes a
-    dim may be split on together (default ``nest_axes`` of the roles; a plan read back, whose roles
-    are not recorded, passes the axes its inputs' batch is split on: ``passes/replay.py``)."""
+    dims may be split on together (default ``nest_axes`` of the roles; a plan read back, whose roles
+    are not recorded, passes the groups its own decisions nest: ``passes/replay.py``)."""
     axis_roles = tuple(axis_roles or (AxisRole.AUTO,) * len(mesh_shape))
     if len(axis_roles) != len(mesh_shape):
         raise ValueError(f"axis_roles {axis_roles} must have one entry per mesh axis {tuple(mesh_shape)}")
