@@ -11,6 +11,8 @@ and that a data x tensor mesh offers no nested split at all.
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 from harness import (
@@ -169,6 +171,10 @@ def _saved_rank(rank, world, paths):
 
 
 @pytest.mark.slow
+@pytest.mark.skipif(
+    not os.environ.get("AUTOPAR_OPEN_GAPS"),
+    reason="an open gap (issue 42), about 140 s: run with AUTOPAR_OPEN_GAPS=1",
+)
 @pytest.mark.xfail(
     strict=True,
     reason="open: the tables keep 116,224 bytes a layer on each rank, autograd saves 119,808 (3,584 "
