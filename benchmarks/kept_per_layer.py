@@ -52,7 +52,10 @@ def kept(layers: int, cp: int, tp: int, seq: int) -> dict[str, float]:
     infos = analyze(tg)
     cinfos = half_infos(tg, infos, Precision.BF16, cluster.device.kind)
     strats = build_strategies(tg, infos, mesh, roles)
-    tables = build_costs(tg, cinfos, strats, cluster, mesh, Optimizer.ADAM, roles, outputs=Outputs.LOSS)
+    tables = build_costs(
+        tg, cinfos, strats, cluster, mesh, Optimizer.ADAM, roles, outputs=Outputs.LOSS,
+        overlap_matmuls=plan.overlap_matmuls,
+    )  # fmt: skip
     choice = {v: 0 for v in tables.strategies}
     for d in plan.decisions:
         if d.name in tables.strategies:
