@@ -181,7 +181,7 @@ class DeviceKind(enum.Enum):
     table for a kind it lacks (never another kind's entry). Adding a kind (an XPU, say) is a member
     here, valued as its torch device type, and its entry in each place that knows kinds:
 
-    * ``passes/trades.py`` ``AUTOCAST_BY_KIND``: the ops its autocast runs in the half type and
+    * ``passes/precision.py`` ``AUTOCAST_BY_KIND``: the ops its autocast runs in the half type and
       in fp32 (pricing mixed precision);
     * ``passes/fuse.py`` ``AUTO_KERNELS``: the fused kernels a search uses there by default;
     * ``autopar/tools/profiler.py`` ``profile_device_for``: the local device that measures for it

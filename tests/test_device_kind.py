@@ -19,7 +19,7 @@ from autopar.cluster import PRESET_NAMES, ClusterSpec, DeviceKind, DeviceSpec
 from autopar.errors import ClusterSpecError, UnsupportedDeviceKindError
 from autopar.fusion import Kernel
 from autopar.hardware import per_kind
-from autopar.passes import fuse, trades
+from autopar.passes import fuse, precision
 from autopar.passes.analyze import analyze
 from autopar.passes.trace import trace
 from autopar.plan import Plan
@@ -124,8 +124,8 @@ def _renamed(preset: str, name: str) -> ClusterSpec:
 def test_per_kind_choices_read_the_kind_not_the_name():
     gpu_named_cpu = _renamed("h100-sxm", "cpu (a GPU, despite its name)")
     cpu_named_gpu = _renamed("cpu", "NVIDIA H100 80GB HBM3")
-    assert trades.autocast_device(gpu_named_cpu) is DeviceKind.CUDA
-    assert trades.autocast_device(cpu_named_gpu) is DeviceKind.CPU
+    assert precision.autocast_device(gpu_named_cpu) is DeviceKind.CUDA
+    assert precision.autocast_device(cpu_named_gpu) is DeviceKind.CPU
     assert fuse.chosen_kernels(gpu_named_cpu.device.kind, None) == frozenset(Kernel)
     assert fuse.chosen_kernels(cpu_named_gpu.device.kind, None) == frozenset()
 
@@ -141,11 +141,11 @@ def test_mixed_precision_is_priced_with_the_kinds_autocast_lists(traced_gpt2):
     """CUDA's autocast runs ``pow``, ``rsqrt``, softmax ... in fp32 where the CPU's keeps their
     input's dtype: the lists the pricing takes follow the kind."""
     tg, infos = traced_gpt2
-    cuda_only = trades.AUTOCAST_FP32 - trades.AUTOCAST_FP32_CPU
-    ops = [n for n, i in infos.items() if i.target and trades._packet(i.target) in cuda_only]
+    cuda_only = precision.AUTOCAST_FP32 - precision.AUTOCAST_FP32_CPU
+    ops = [n for n, i in infos.items() if i.target and precision._packet(i.target) in cuda_only]
     assert ops
-    cuda = trades.half_infos(tg, infos, Precision.BF16, DeviceKind.CUDA)
-    cpu = trades.half_infos(tg, infos, Precision.BF16, DeviceKind.CPU)
+    cuda = precision.half_infos(tg, infos, Precision.BF16, DeviceKind.CUDA)
+    cpu = precision.half_infos(tg, infos, Precision.BF16, DeviceKind.CPU)
     assert {cuda[n].dtype for n in ops} == {torch.float32}
     assert torch.bfloat16 in {cpu[n].dtype for n in ops}
 
@@ -155,13 +155,13 @@ def test_a_kind_without_autocast_lists_or_default_kernels_is_refused(traced_gpt2
     instead of taking another kind's (CUDA's autocast lists, as it once did for every non-CPU
     name); what needs no entry (fp32 pricing, kernels asked for by name) still works."""
     tg, infos = traced_gpt2
-    monkeypatch.delitem(trades.AUTOCAST_BY_KIND, DeviceKind.CUDA)
+    monkeypatch.delitem(precision.AUTOCAST_BY_KIND, DeviceKind.CUDA)
     monkeypatch.delitem(fuse.AUTO_KERNELS, DeviceKind.CUDA)
     with pytest.raises(
-        UnsupportedDeviceKindError, match=r"autocast.*CUDA.*passes/trades\.py AUTOCAST_BY_KIND"
+        UnsupportedDeviceKindError, match=r"autocast.*CUDA.*passes/precision\.py AUTOCAST_BY_KIND"
     ):
-        trades.half_infos(tg, infos, Precision.BF16, DeviceKind.CUDA)
-    assert trades.half_infos(tg, infos, Precision.PARAM, DeviceKind.CUDA) is infos
+        precision.half_infos(tg, infos, Precision.BF16, DeviceKind.CUDA)
+    assert precision.half_infos(tg, infos, Precision.PARAM, DeviceKind.CUDA) is infos
     with pytest.raises(UnsupportedDeviceKindError, match=r"kernels.*CUDA.*passes/fuse\.py AUTO_KERNELS"):
         fuse.chosen_kernels(DeviceKind.CUDA, None)
     assert fuse.chosen_kernels(DeviceKind.CUDA, frozenset({Kernel.ROPE})) == {Kernel.ROPE}
