@@ -29,9 +29,9 @@ from autopar.passes.analyze import analyze
 from autopar.passes.costs import build_costs
 from autopar.passes.fuse import fuse
 from autopar.passes.precision import half_infos
+from autopar.passes.replay import table_indices
 from autopar.passes.strategies import build_strategies
 from autopar.passes.trace import Role, trace
-from autopar.placement import spec_to_str, via_to_str
 
 SHAPE = dict(hidden=16384, ffn=53248, heads=128, kv_heads=8, batch=1, dtype="bfloat16")
 
@@ -56,18 +56,7 @@ def kept(layers: int, cp: int, tp: int, seq: int) -> dict[str, float]:
         tg, cinfos, strats, cluster, mesh, Optimizer.ADAM, roles, outputs=Outputs.LOSS,
         overlap_matmuls=plan.overlap_matmuls,
     )  # fmt: skip
-    choice = {v: 0 for v in tables.strategies}
-    for d in plan.decisions:
-        if d.name in tables.strategies:
-            hits = [
-                i
-                for i, st in enumerate(tables.strategies[d.name])
-                if (spec_to_str(st.out), tuple(spec_to_str(x) for x in st.ins), via_to_str(st.via))
-                == (d.output, d.inputs, d.via)
-            ]
-            if not hits:
-                raise SystemExit(f"the plan's strategy of {d.name} is not in the tables")
-            choice[d.name] = hits[0]
+    choice = table_indices(tables, plan)
     mods = {n.name: (n.meta.get("nn_module_stack") or {}) for n in tg.graph.nodes}
 
     def label(name: str) -> str:

@@ -24,6 +24,7 @@ from torch.distributed.tensor.placement_types import Replicate, Shard
 from autopar.errors import PlanFormatError, PlanMismatchError
 from autopar.options import AxisRole
 from autopar.passes.analyze import NodeInfo, analyze
+from autopar.passes.costs import CostTables
 from autopar.passes.data_region import plan_region
 from autopar.passes.experts import mark_nodes, mark_skew
 from autopar.passes.fuse import fuse_as_planned
@@ -31,7 +32,15 @@ from autopar.passes.local_rows import trace_rows
 from autopar.passes.rules import AxisOption
 from autopar.passes.strategies import Nest, NodeStrategies, Strategy, build_strategies
 from autopar.passes.trace import Role, TracedGraph, keep_loss_only, trace
-from autopar.placement import Outputs, is_shard, own_rows_axes, spec_from_str, spec_to_str, via_from_str
+from autopar.placement import (
+    Outputs,
+    is_shard,
+    own_rows_axes,
+    spec_from_str,
+    spec_to_str,
+    via_from_str,
+    via_to_str,
+)
 from autopar.plan import Plan
 
 
@@ -158,6 +167,26 @@ def choice_from_plan(
     ``allowed``: ``plan_strategies``' where the caller has them)."""
     choice = decoded_choice(plan)
     check_choice(tg, plan.mesh_shape, choice, regions, allowed)
+    return choice
+
+
+def table_indices(tables: CostTables, plan: Plan) -> dict[str, int]:
+    """Each node's index in ``tables.strategies`` of the strategy ``plan`` decided for it (the
+    first of equal ones; 0 for a node the plan does not name), to read the tables' prices and
+    bytes under the plan; PlanMismatchError where a decision is not among the node's strategies."""
+    choice = dict.fromkeys(tables.strategies, 0)
+    for d in plan.decisions:
+        if d.name not in tables.strategies:
+            continue
+        hits = [
+            i
+            for i, st in enumerate(tables.strategies[d.name])
+            if (spec_to_str(st.out), tuple(spec_to_str(x) for x in st.ins), via_to_str(st.via))
+            == (d.output, d.inputs, d.via)
+        ]
+        if not hits:
+            raise PlanMismatchError(f"the plan's strategy of {d.name} is not in the tables")
+        choice[d.name] = hits[0]
     return choice
 
 

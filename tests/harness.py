@@ -455,6 +455,27 @@ def saved_bytes(pmodel, inputs) -> int:
     return sum(seen.values())
 
 
+def kept_bytes(tables, infos, choice: dict[str, int]) -> float:
+    """Bytes the cost tables keep for backward on one device under ``choice`` (indices into
+    ``tables.strategies``, ``passes/replay.py:table_indices``): the activations' and inputs' nodes,
+    every edge's (a consumer's resharded copy), and each storage several consumers keep, once
+    (``Edge.keep``, its largest): what ``saved_bytes`` measures autograd keeping."""
+    from autopar.passes.trace import Role
+
+    total = sum(
+        tables.node_mem[v][choice[v]]
+        for v in tables.strategies
+        if infos[v].role in (Role.ACTIVATION, Role.INPUT)
+    )
+    shared: dict[str, float] = {}
+    for e in tables.edges:
+        a, b = choice[e.src], (choice[e.dst] if e.dst in choice else 0)
+        total += e.mem[a][b]
+        if e.owner:
+            shared[e.owner] = max(shared.get(e.owner, 0.0), e.keep[a][b])
+    return total + sum(shared.values())
+
+
 def force_matmuls(plan, model, inputs, fits):
     """``plan`` with every ``linear``/``mm``/``addmm`` that has a strategy ``fits(node, s)`` (the
     first such, in the order the search is offered them) running it, and each weight or bias whose

@@ -15,6 +15,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
+from harness import kept_bytes
 
 import autopar
 from autopar import Precision, Recompute, SeqAttention
@@ -26,9 +27,9 @@ from autopar.passes.analyze import analyze
 from autopar.passes.costs import build_costs, kept_for_backward
 from autopar.passes.fuse import fuse
 from autopar.passes.precision import half_infos
+from autopar.passes.replay import table_indices
 from autopar.passes.strategies import build_strategies
-from autopar.passes.trace import Role, trace
-from autopar.placement import spec_to_str, via_to_str
+from autopar.passes.trace import trace
 
 CPU1 = autopar.ClusterSpec.preset("cpu", devices_per_node=1)
 # one head: attention's output transposed back is contiguous on every device (CPU's kernel lays
@@ -61,31 +62,8 @@ def _tables_kept(layers: int, plan=None, shape=SHAPE, cluster=CPU1, plan_roles=(
     roles = tuple(plan_roles) if plan is not None else (autopar.AxisRole.DATA,)
     strats = build_strategies(tg, infos, mesh, roles)
     tables = build_costs(tg, cinfos, strats, cluster, mesh, Optimizer.ADAM, roles)
-    choice = {v: 0 for v in tables.strategies}
-    if plan is not None:
-        for d in plan.decisions:
-            if d.name not in tables.strategies:
-                continue
-            hits = [
-                i
-                for i, st in enumerate(tables.strategies[d.name])
-                if (spec_to_str(st.out), tuple(spec_to_str(x) for x in st.ins), via_to_str(st.via))
-                == (d.output, d.inputs, d.via)
-            ]
-            assert hits, f"the plan's strategy of {d.name} is not in the tables"
-            choice[d.name] = hits[0]
-    total = sum(
-        tables.node_mem[v][choice[v]]
-        for v in tables.strategies
-        if infos[v].role in (Role.ACTIVATION, Role.INPUT)
-    )
-    shared: dict[str, float] = {}
-    for e in tables.edges:
-        a, b = choice[e.src], (choice[e.dst] if e.dst in choice else 0)
-        total += e.mem[a][b]
-        if e.owner:
-            shared[e.owner] = max(shared.get(e.owner, 0.0), e.keep[a][b])
-    return total + sum(shared.values())
+    choice = table_indices(tables, plan) if plan is not None else dict.fromkeys(tables.strategies, 0)
+    return kept_bytes(tables, infos, choice)
 
 
 def _plan(layers: int, shape=SHAPE, cluster=CPU1, **layout):

@@ -21,6 +21,7 @@ from harness import (
     T,
     adam_reference,
     assert_rank_as_reference,
+    kept_bytes,
     parallel_axes,
     plan_and_train,
     saved_bytes,
@@ -34,9 +35,10 @@ from autopar.options import Optimizer
 from autopar.passes.analyze import analyze
 from autopar.passes.costs import build_costs
 from autopar.passes.fuse import fuse
+from autopar.passes.replay import table_indices
 from autopar.passes.strategies import build_strategies, nest_axes, nested
-from autopar.passes.trace import Role, trace
-from autopar.placement import spec_from_str, spec_to_str, via_to_str
+from autopar.passes.trace import trace
+from autopar.placement import spec_from_str
 
 LR, EPS, STEPS = 1e-2, 1e-5, 2
 SEQ, HIDDEN = 128, 32
@@ -136,29 +138,8 @@ def _tables_kept(name: str, plan, cluster) -> float:
     tables = build_costs(
         tg, infos, build_strategies(tg, infos, mesh, roles), cluster, mesh, Optimizer.ADAM, roles
     )
-    choice = {v: 0 for v in tables.strategies}
-    for d in plan.decisions:
-        if d.name in tables.strategies:
-            hits = [
-                i
-                for i, st in enumerate(tables.strategies[d.name])
-                if (spec_to_str(st.out), tuple(spec_to_str(x) for x in st.ins), via_to_str(st.via))
-                == (d.output, d.inputs, d.via)
-            ]
-            assert hits, f"the plan's strategy of {d.name} is not in the tables"
-            choice[d.name] = hits[0]
-    total = sum(
-        tables.node_mem[v][choice[v]]
-        for v in tables.strategies
-        if infos[v].role in (Role.ACTIVATION, Role.INPUT)
-    )
-    shared: dict[str, float] = {}
-    for e in tables.edges:
-        a, b = choice[e.src], (choice[e.dst] if e.dst in choice else 0)
-        total += e.mem[a][b]
-        if e.owner:
-            shared[e.owner] = max(shared.get(e.owner, 0.0), e.keep[a][b])
-    return total + sum(shared.values())
+    choice = table_indices(tables, plan)
+    return kept_bytes(tables, infos, choice)
 
 
 def _saved_rank(rank, world, paths):
