@@ -70,7 +70,12 @@ from torch.distributed.tensor.placement_types import _StridedShard
 
 from autopar.codegen.collectives import gather_into
 from autopar.codegen.local_params import PENDING_ATTR, clear_grads, wait_param, wait_params
-from autopar.passes.grad_sync import ZERO_ONE_BUCKET_BYTES, ZERO_ONE_IN_FLIGHT, share_cut_of
+from autopar.passes.grad_sync import (
+    ZERO_ONE_BUCKET_BYTES,
+    ZERO_ONE_IN_FLIGHT,
+    share_cut_of,
+    share_slot_elements,
+)
 from autopar.placement import is_shard
 
 __all__ = [
@@ -154,8 +159,7 @@ def share_of(local: torch.Tensor, d: int, r: int, dim: int = 0) -> torch.Tensor:
 def slot_elements(p: torch.Tensor, d: int, dim: int = 0) -> int:
     """Elements a share of ``p`` cut on ``dim`` takes in a gather or reduce-scatter: ``c`` rows
     of that dim (``share_rows``)."""
-    local = p._local_tensor
-    return share_rows(local.shape[dim], d, 0)[2] * (local.numel() // max(local.shape[dim], 1))
+    return share_slot_elements(tuple(p._local_tensor.shape), d, dim)
 
 
 def slots_of(local: torch.Tensor, d: int, dim: int = 0) -> torch.Tensor:

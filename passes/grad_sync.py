@@ -622,6 +622,13 @@ def price_grad_sync(
     )  # fmt: skip
 
 
+def share_slot_elements(local: Sequence[int], d: int, dim: int = 0) -> int:
+    """Elements one of ``d`` shares of a local piece of shape ``local`` cut on ``dim`` takes in a
+    gather or reduce-scatter: ``ceil(local[dim] / d)`` of that dim's slices, every share padded to
+    that (``torch.chunk``'s cut; ``codegen/zero_one.py:share_rows``)."""
+    return -(-local[dim] // d) * (math.prod(local) // max(local[dim], 1))
+
+
 def zero_one_gathers_bytes(
     tg: TracedGraph,
     choice: dict[str, Strategy],
@@ -657,7 +664,7 @@ def zero_one_gathers_bytes(
         d = math.prod(mesh_shape[a] for a in on)
         dtype = param_dtype if param_dtype is not None and val.dtype.is_floating_point else val.dtype
         local = local_shape(tuple(val.shape), spec, mesh_shape)
-        slot = -(-local[dim] // d) * (math.prod(local) // max(local[dim], 1))  # ``zero_one.slot_elements``
+        slot = share_slot_elements(local, d, dim)
         first = min((order[u.name] for u in node.users), default=order[node.name])
         sizes.append((first, d * slot * dtype.itemsize, d))
     buckets: list[float] = []
