@@ -232,6 +232,77 @@ def _memo(memos: dict | None, key: tuple, make):
     return got
 
 
+class PairMemo:
+    """The edge pairs priced on one cluster, mesh and data axes (``_edge``), shared by the edges and
+    candidates that price them. A pair is found by two small integers, its source placement's and
+    its (destination placement, "f" axes)' ids, under the edge's ``alike`` key: hashing a
+    placement is a Python call per ``Shard``, once per distinct placement of an edge here rather
+    than once per pair (DeepSeek-V3's data x expert tables look up 40,000 pairs a candidate)."""
+
+    def __init__(self) -> None:
+        self.have_ids: dict = {}
+        self.need_ids: dict = {}
+        self.by_alike: dict[tuple, dict[int, tuple]] = {}
+
+    def __len__(self) -> int:
+        return sum(len(t) for t in self.by_alike.values())
+
+
+@dataclass(frozen=True)
+class GraphLayout:
+    """What ``build_costs`` reads of the graph and its classes alone, whatever the mesh: graph
+    positions, last uses, the edge groups (``build_costs``) with whether each is a written chain's
+    link. Built once per (graph, infos, classes) where the caller keeps ``memos``."""
+
+    classes: Classes  # held: the memo's key names it by ``id``
+    order: dict[str, int]
+    positions: dict[str, tuple[int, ...]]  # every class representative's members' positions
+    step_position: int
+    last_use: dict[str, int]
+    keep_positions: dict[str, tuple[int, ...]]
+    # (source class, destination class, input index, bytes, requires grad, kept bytes, owner, cast)
+    # -> (the input node, how many graph edges, a consumer, taken as stored)
+    groups: dict[tuple, tuple[fx.Node, int, fx.Node, bool]]
+    grad_total: float
+
+
+def graph_layout(tg: TracedGraph, infos: dict[str, NodeInfo], classes: Classes, kept) -> GraphLayout:
+    """``GraphLayout`` of ``tg`` under ``classes`` (``kept``: ``kept_for_backward(tg, infos)``)."""
+    order = {n.name: i for i, n in enumerate(tg.graph.nodes)}
+    positions = {r: tuple(sorted(order[m] for m in ms)) for r, ms in classes.members.items()}
+    step_position = max((order[p.name] for p in tg.placeholders), default=0)
+    last_use = {n.name: max((order[u.name] for u in n.users), default=order[n.name]) for n in tg.graph.nodes}
+    keep_positions: dict[str, tuple[int, ...]] = {}
+    for base in sorted(kept.shared, key=order.__getitem__):
+        if kept.source.get(base, base) in classes.rep:
+            rep = classes.rep[kept.source.get(base, base)]
+            keep_positions[rep] = (*keep_positions.get(rep, ()), order[base])
+    # group edges by (source class, destination class, input index, tensor): price each group once
+    groups: dict[tuple, list] = {}
+    nodes = {n.name: n for n in tg.graph.nodes}
+    for name, rep in classes.rep.items():
+        node = nodes[name]
+        if node.op != "call_function":
+            continue
+        for i, inp in enumerate(tensor_inputs(node)):
+            src = resolve_source(inp).name
+            if src not in classes.rep:
+                continue
+            info = infos[inp.name]
+            orig, owner = kept_owner(kept, (name, i), infos, classes)
+            cast = kept.keeper.get((name, i)) in kept.cast_each
+            if name in kept.kept_views and infos[name].view_of == inp.name:
+                cast = None  # the view's copy is kept (Kept.kept_views); None: no GEMM casts it
+            key = (classes.rep[src], rep, i, info.moved_bytes, info.requires_grad, orig, owner, cast)
+            groups.setdefault(key, [inp, 0, node])[1] += 1
+    mutated = mutated_views(tg)
+    return GraphLayout(
+        classes, order, positions, step_position, last_use, keep_positions,
+        {k: (inp, count, user, takes_as_stored(user, inp, mutated)) for k, (inp, count, user) in groups.items()},
+        trainable_bytes(tg, infos),
+    )  # fmt: skip
+
+
 def resolve_source(node: fx.Node) -> fx.Node:
     while node.op == "call_function" and node.target is operator.getitem:
         node = node.args[0]
@@ -268,18 +339,24 @@ def build_costs(
     comm = CommModel(cluster, mesh_shape)
     device = cluster.device
     slow = cluster.compute_slowdown  # CPU ranks sharing too few cores
+    given_classes = classes is not None and memos is not None
     classes = classes or Classes.identity(list(strats))
     kept = _memo(memos, ("kept", id(tg), id(infos)), lambda: kept_for_backward(tg, infos))
     tables = CostTables(mesh_shape, {k: v.strategies for k, v in strats.items()}, {}, {}, classes=classes)
     tables.overlap_matmuls = overlap_matmuls
-    order = {n.name: i for i, n in enumerate(tg.graph.nodes)}
-    tables.positions = {r: tuple(sorted(order[m] for m in classes.members[r])) for r in strats}
-    tables.step_position = max((order[p.name] for p in tg.placeholders), default=0)
-    last_use = {n.name: max((order[u.name] for u in n.users), default=order[n.name]) for n in tg.graph.nodes}
-    for base in sorted(kept.shared, key=order.__getitem__):
-        if kept.source.get(base, base) in classes.rep:
-            rep = classes.rep[kept.source.get(base, base)]
-            tables.keep_positions[rep] = (*tables.keep_positions.get(rep, ()), order[base])
+    # the graph's layout under the classes, the same on every mesh: once per search (the memo holds
+    # ``classes``, so its id names it while the memo lives; classes made here are never shared)
+    layout = (
+        _memo(
+            memos, ("layout", id(tg), id(infos), id(classes)), lambda: graph_layout(tg, infos, classes, kept)
+        )
+        if given_classes
+        else graph_layout(tg, infos, classes, kept)
+    )
+    order, last_use = layout.order, layout.last_use
+    tables.positions = {r: layout.positions[r] for r in strats}
+    tables.step_position = layout.step_position
+    tables.keep_positions = dict(layout.keep_positions)
     uses = _memo(memos, ("uses", id(tg), id(infos)), lambda: grad_uses(tg, infos))
     for name, ns in strats.items():
         checkpoint()  # on a search's worker thread: only while the search waits (passes/background.py)
@@ -372,34 +449,15 @@ def build_costs(
     if profiler is not None:
         profiler.flush()
 
-    # group edges by (source class, destination class, input index, tensor): price each group once
-    groups: dict[tuple, list] = {}
-    nodes = {n.name: n for n in tg.graph.nodes}
-    for name, rep in classes.rep.items():
-        node = nodes[name]
-        if node.op != "call_function":
-            continue
-        for i, inp in enumerate(tensor_inputs(node)):
-            src = resolve_source(inp).name
-            if src not in classes.rep:
-                continue
-            info = infos[inp.name]
-            orig, owner = kept_owner(kept, (name, i), infos, classes)
-            cast = kept.keeper.get((name, i)) in kept.cast_each
-            if name in kept.kept_views and infos[name].view_of == inp.name:
-                cast = None  # the view's copy is kept (Kept.kept_views); None: no GEMM casts it
-            key = (classes.rep[src], rep, i, info.moved_bytes, info.requires_grad, orig, owner, cast)
-            groups.setdefault(key, [inp, 0, node])[1] += 1
-    grad_total = trainable_bytes(tg, infos)
+    grad_total = layout.grad_total
     data_axes = tuple(a for a, r in enumerate(axis_roles or ()) if r.splits_batch and mesh_shape[a] > 1)
     tables.bucket_fixed = {a: bucket_fixed_s(comm, a) for a in data_axes}
     matmul_s = tables.matmul_s if overlap_matmuls else None
-    memo: dict = _memo(memos, ("edges", cluster, tuple(mesh_shape), data_axes), dict)
-    mutated = mutated_views(tg)
-    for (src, dst, i, _, _, orig, owner, cast), (inp, count, user) in groups.items():
+    memo: PairMemo = _memo(memos, ("edges", cluster, tuple(mesh_shape), data_axes), PairMemo)
+    for (src, dst, i, _, _, orig, owner, cast), (inp, count, user, stored) in layout.groups.items():
         checkpoint()
         pinned = pinned_axes(infos[src], axis_roles)
-        if takes_as_stored(user, inp, mutated):  # a written chain's link: never moved (on any axis)
+        if stored:  # a written chain's link (strategies.takes_as_stored): never moved (on any axis)
             pinned = list(range(len(mesh_shape)))
         e = _edge(
             src, dst, i, inp, infos, strats, comm, pinned, orig, owner, grad_total, data_axes, memo, cast
@@ -484,12 +542,12 @@ def _fuse_matmuls(
 
 def _edge(
     src, dst, i, inp, infos, strats, comm: CommModel, pinned=(), orig: int = 0, owner: str = "",
-    grad_total: float = 0.0, data_axes: Sequence[int] = (), memo: dict | None = None, cast_each: bool | None = False,
+    grad_total: float = 0.0, data_axes: Sequence[int] = (), memo: PairMemo | None = None, cast_each: bool | None = False,
 ) -> Edge:  # fmt: skip
     """The edge of ``inp`` into input ``i`` of ``dst``: per (source, destination) strategy pair
     its seconds, kept bytes, transient, storage kept as it is, copy and bucketed axes. ``memo``:
     pairs priced by earlier edges (``comm`` and ``data_axes`` fixed: ``build_costs``'s ``memos``)."""
-    memo = {} if memo is None else memo
+    memo = PairMemo() if memo is None else memo
     info = infos[inp.name]
     nbytes = info.moved_bytes  # in the half type where every use casts it so (passes/half_reshard.py)
     rg = info.requires_grad
@@ -509,12 +567,16 @@ def _edge(
     # what a pair costs depends on these and the placements alone: edges of one size share it
     # (three in four pairs of a Llama's tables are priced by an earlier edge)
     alike = (nbytes, rg, param, tuple(pinned), is_param, checked, keeps, orig, cast_each, view)
+    priced = memo.by_alike.setdefault(alike, {})
+    have_ids, need_ids = memo.have_ids, memo.need_ids
+    needs = [(need, f, need_ids.setdefault((need, f), len(need_ids))) for need, f in need_ix]
     row_c, row_m, row_p, row_k, row_cp, row_b = [], [], [], [], [], []
     for have in have_ix:
         rc, rm, rp, rk, rcp, rb = [], [], [], [], [], []
-        for need, f in need_ix:
-            key = (have, need, f, alike)
-            hit = memo.get(key)
+        h = have_ids.setdefault(have, len(have_ids)) << 32  # a pair's key: h | its need's id (< 2**32)
+        for need, f, n in needs:
+            key = h | n
+            hit = priced.get(key)
             if hit is None:
                 c, bucketed = use_price(comm, have, need, nbytes, rg, f, param, data_axes)
                 pinned_moves = any(have[a] != need[a] for a in pinned)
@@ -524,7 +586,7 @@ def _edge(
                 if view and all(is_replicate(h) for h, w in zip(have, need) if h != w):
                     copy = 0.0  # a slice of a replicated tensor: a view of the storage kept anyway
                 peak = reshard_transient(have, need, nbytes, comm.mesh_shape, rg, f, keeps)
-                hit = memo[key] = (c, bucketed, copy, own, peak)
+                hit = priced[key] = (c, bucketed, copy, own, peak)
             c, bucketed, copy, own, peak = hit
             rb.append(bucketed)
             rc.append(c)

@@ -351,6 +351,36 @@ def _best_responses(into: list[Edge], out: list[Edge], v_cost: list[float], na: 
     ]
 
 
+def edge_regret(c: np.ndarray) -> np.ndarray:
+    """``[b, b']``: the most taking row ``b`` of an edge's costs ``c`` rather than row ``b'`` can
+    cost, ``max_c (c[b, c] - c[b', c])``, inf - inf (both forbidden) counted as no difference.
+    Rows that are bit for bit the same (the strategies of one output placement) give the same
+    entries, so the ``nb x nb x nc`` differences are taken over the distinct rows only and spread
+    back: the same floats as over every row, at a fraction of the work (an edge's rows repeat
+    several times over where many strategies share an output placement)."""
+    first: dict[bytes, int] = {}
+    which = [first.setdefault(row.tobytes(), len(first)) for row in c]
+    distinct = len(first) < len(c)
+    u = c[_firsts(which)] if distinct else c
+    with np.errstate(invalid="ignore"):
+        d = u[:, None, :] - u[None, :, :]
+    d = np.where(np.isnan(d), 0.0, d)  # inf - inf: both forbidden, no difference
+    r = d.max(axis=2)
+    if distinct:
+        ix = np.asarray(which, dtype=np.intp)
+        r = r[np.ix_(ix, ix)]
+    return r
+
+
+def _firsts(which: list[int]) -> list[int]:
+    """The row that first has each distinct id of ``which`` (ids numbered in order of appearance)."""
+    out: list[int] = []
+    for k, w in enumerate(which):
+        if w == len(out):
+            out.append(k)
+    return out
+
+
 def _dominant_responses(into: list[Edge], out: list[Edge], v_cost: list[float], na: int) -> list[int] | None:
     """For each strategy a of v's producer u, the response b of v that is best whatever v's consumers
     choose: ``t[a, b] + sum_e max_c (c[e, b, c] - c[e, b', c]) <= t[a, b']`` for every b', with
@@ -363,12 +393,8 @@ def _dominant_responses(into: list[Edge], out: list[Edge], v_cost: list[float], 
         t = t + np.asarray(e.cost, dtype=float)
     regret = np.zeros((nb, nb))  # [b, b']: the most choosing b over b' can cost downstream
     for e in out:
-        c = np.asarray(e.cost, dtype=float)
         with np.errstate(invalid="ignore"):
-            d = c[:, None, :] - c[None, :, :]
-        d = np.where(np.isnan(d), 0.0, d)  # inf - inf: both forbidden, no difference
-        with np.errstate(invalid="ignore"):
-            regret = regret + d.max(axis=2)
+            regret = regret + edge_regret(np.asarray(e.cost, dtype=float))
         # -inf + inf: b' forbidden downstream on one edge, b on another; as if b cost the most
         regret = np.where(np.isnan(regret), np.inf, regret)
     response = []
