@@ -37,7 +37,12 @@ Which engine does what, and why
   the traced aten graph carries no dtype asserts, ``passes/trace.py``): the parameters are fp32
   masters (a half-precision model's weights are upcast here), so gradients and optimizer state
   are fp32 too; with FSDP2 also ``MixedPrecisionPolicy(param_dtype=half, reduce_dtype=fp32)``:
-  the gathered parameters are half, the gradient reduce-scatter fp32.
+  the gathered parameters are half, the gradient reduce-scatter fp32. Every parameter FSDP2 does
+  not gather (ZeRO-0/1, pipeline stages, FSDP2's ignored ones) is read as a half copy cast once
+  per forward call or step (``AppliedTrades.mark_half_reads``, ``codegen/local_params.py``), so
+  every stage runs the same numerics: embeddings and norms read half weights and the residual
+  stream is half; autocast stays for the ops that upcast (losses; CUDA's softmax, norms' sums).
+  ZeRO-1 all-gathers the half copies of the updated shares (``codegen/zero_one.py``).
 * **Offload: FSDP2's ``CPUOffloadPolicy``** (pinned host memory where CUDA is there): sharded
   parameters (the fp32 masters), their gradients and so the optimizer state live in host memory,
   and the optimizer's step runs there. Each all-gather first copies the group's shards onto the
@@ -124,7 +129,7 @@ except ImportError:  # pragma: no cover - older torch: FSDP2 over plain local te
     DataParallelMeshDims = None
     SPMD_FSDP = False
 
-from autopar.codegen.local_params import LEAF_ATTR, LocalLeaf
+from autopar.codegen.local_params import LEAF_ATTR, LocalLeaf, mark_half
 from autopar.codegen.local_step import LocalStepOptimizer, all_replicated
 from autopar.codegen.lower import mangle
 from autopar.codegen.zero_one import ZeroOneOptimizer
@@ -153,11 +158,25 @@ class AppliedTrades:
     # the parameters FSDP2 was told to leave alone (whole on the data axis or needing no data
     # reduction): the module's own, read through leaves of their own (codegen/build.py)
     ignored: list = field(default_factory=list)
+    # the parameters the forward reads as half copies under mixed precision (``mark_half_reads``)
+    half_params: list = field(default_factory=list)
 
     @property
     def half(self) -> torch.dtype | None:
         """The autocast dtype under mixed precision, else None."""
         return HALF.get(self.trades.precision)
+
+    def mark_half_reads(self, params: Iterable[torch.Tensor]) -> list[torch.Tensor]:
+        """Under mixed precision, mark the fp32 masters among ``params`` that the forward reads as
+        they are (all but FSDP2's sharded ones, which FSDP2 gathers in the half type) to be read as
+        half copies (``codegen/local_params.py``), so every ZeRO stage runs what FSDP2's
+        ``MixedPrecisionPolicy`` runs; kept in ``half_params``, returned."""
+        params = list(params)
+        if self.fsdp_modules:
+            mine = {id(p) for p in self.ignored}
+            params = [p for p in params if id(p) in mine]
+        self.half_params = mark_half(params, self.half)
+        return self.half_params
 
     def bucketed(self, deferred: dict[str, tuple[int, ...]]) -> dict[str, tuple[int, ...]]:
         """The deferred gradient reductions left to ``GradSync``: all but FSDP2's."""

@@ -37,6 +37,16 @@ def grad_dtype(precision: Precision | None) -> torch.dtype | None:
     return torch.float32 if precision is not None and precision.mixed else None
 
 
+def compute_param_dtype(precision: Precision | None) -> torch.dtype | None:
+    """The dtype the forward reads floating parameters in where it is not the traced one: the half
+    type under mixed precision, at every ZeRO stage (FSDP2's ``MixedPrecisionPolicy.param_dtype``
+    under ZeRO-2/3, the half copies of ``codegen/local_params.py`` otherwise), so embeddings and
+    norms output half and the residual stream is half. ZeRO-1's all-gathers after the step send
+    it too (``codegen/zero_one.py``): what the next forward reads is the half copy of the masters.
+    One rule for the runtime and the prices (``half_infos``, ``passes/grad_sync.py``)."""
+    return half_dtype(precision) if precision is not None and precision.mixed else None
+
+
 def auto_precision(infos: dict[str, NodeInfo]) -> Precision:
     """The parameters' dtype for fp32 models (numerics as the user wrote them); bf16 mixed
     precision (fp32 masters and optimizer state) for half-precision ones, as they are trained."""
@@ -149,6 +159,8 @@ def half_infos(
                 rt = half
             elif op in fp32_ops:
                 rt = torch.float32
+            elif op == "aten.to" and "dtype" in node.kwargs and node.kwargs["dtype"] is None and floats:
+                rt = max(floats, key=lambda d: d.itemsize)  # a device move keeps its input's dtype
             elif op in _CASTS or not floats:
                 rt = traced  # cast to what the trace says, or made from no floating input
             else:
