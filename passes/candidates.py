@@ -92,7 +92,7 @@ def mesh_runs(cluster: ClusterSpec, options: SearchOptions) -> Iterator[MeshRun]
     up to ``MAX_MESH_AXES`` axes (as many as the roles when roles are given); without roles, each
     mesh of fewer than ``DATA_OUTER_MIN_AXES`` axes twice, free and with axis 0 data parallel (the
     ILP prices a weight's gradient all-reduce as a bucket share only on a data axis, so the free
-    search overprices data parallelism; see passes/costs.py:bucketed_axes), and larger ones with
+    search overprices data parallelism; see passes/use_price.py:bucketed_axes), and larger ones with
     their outer axis pinned data parallel."""
     axis_roles = options.axis_roles
     if options.mesh_shape is not None:

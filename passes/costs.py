@@ -41,15 +41,17 @@
   (``cost_model.memory.reshard_transient``).
 
 ``getitem`` nodes take their producer's placement; their edges are attached to the producer.
+
+What one use of a tensor costs and may take is ``passes/use_price.py``; which storages are kept
+for backward, and who pays for them, ``passes/kept.py``. This module builds the tables from both.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 import operator
-from collections.abc import Collection, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -73,18 +75,28 @@ from autopar.passes.background import checkpoint
 from autopar.passes.coarsen import Classes
 from autopar.passes.collective_matmul import LINEAR, fused_steps, overlap_saving_s, sole_use
 from autopar.passes.float8_price import Float8Offer, float8_choice
+from autopar.passes.kept import kept_for_backward, kept_owner, use_kept_bytes
 from autopar.passes.op_price import local_gemm_min_dim, node_elements, priced_calls, run_ratio
-from autopar.passes.rules import tensor_inputs, writes_inputs
+from autopar.passes.rules import tensor_inputs
 from autopar.passes.strategies import AxisRole, NodeStrategies, Strategy, mutated_views, takes_as_stored
 from autopar.passes.trace import Role, TracedGraph
+from autopar.passes.use_price import (
+    bucket_fixed_s,
+    data_parallel_pair,
+    f_axes,
+    indexes_whole,
+    pinned_axes,
+    takes_whole,
+    trainable_bytes,
+    use_price,
+)
 from autopar.placement import (
     Outputs,
     is_replicate,
-    is_shard,
     output_placement,
     volume_factor,
 )
-from autopar.reshard import Collective, reshard_plan
+from autopar.reshard import reshard_plan
 from autopar.trades import Float8
 
 
@@ -372,7 +384,7 @@ def build_costs(
             if src not in classes.rep:
                 continue
             info = infos[inp.name]
-            orig, owner = _owner(kept, (name, i), infos, classes)
+            orig, owner = kept_owner(kept, (name, i), infos, classes)
             cast = kept.keeper.get((name, i)) in kept.cast_each
             if name in kept.kept_views and infos[name].view_of == inp.name:
                 cast = None  # the view's copy is kept (Kept.kept_views); None: no GEMM casts it
@@ -386,7 +398,7 @@ def build_costs(
     mutated = mutated_views(tg)
     for (src, dst, i, _, _, orig, owner, cast), (inp, count, user) in groups.items():
         checkpoint()
-        pinned = _pinned_axes(infos[src], axis_roles)
+        pinned = pinned_axes(infos[src], axis_roles)
         if takes_as_stored(user, inp, mutated):  # a written chain's link: never moved (on any axis)
             pinned = list(range(len(mesh_shape)))
         e = _edge(
@@ -402,14 +414,14 @@ def build_costs(
             continue
         src = classes.rep[resolve_source(inp).name]
         nbytes = infos[inp.name].out_bytes
-        orig, owner = _owner(kept, ("output", k), infos, classes)
+        orig, owner = kept_owner(kept, ("output", k), infos, classes)
         row_c, row_m, row_p, row_k, row_cp = [], [], [], [], []
         for su in strats[src].strategies:
             r = output_placement(su.out, outputs)
             c, _ = comm.reshard(su.out, r, nbytes, False)
             row_c.append([c])
             # the caller holds the output through backward: a gathered copy, or the tensor itself
-            copy, own = _kept_bytes(su.out, r, nbytes, True, orig, mesh_shape)
+            copy, own = use_kept_bytes(su.out, r, nbytes, True, orig, mesh_shape)
             row_cp.append([copy])
             row_m.append([copy + (0.0 if owner else own)])
             row_k.append([own])
@@ -435,281 +447,6 @@ def grad_uses(tg: TracedGraph, infos: dict[str, NodeInfo]) -> dict[str, int]:
             if infos.get(inp.name) is not None and infos[inp.name].requires_grad:
                 uses[inp.name] = uses.get(inp.name, 0) + 1
     return uses
-
-
-def _base(node: fx.Node, infos: dict[str, NodeInfo]) -> fx.Node:
-    """The node that owns the storage a view (or getitem, or an op returning its input) refers to."""
-    while node.op == "call_function":
-        if node.target is operator.getitem:
-            node = node.args[0]
-        elif infos.get(node.name) is not None and infos[node.name].view_of:
-            view_of = infos[node.name].view_of
-            node = next(a for a in node.all_input_nodes if a.name == view_of)
-        else:
-            break
-    return node
-
-
-def _base_output(node: fx.Node, infos: dict[str, NodeInfo]) -> fx.Node:
-    """The storage a use of ``node`` keeps: ``_base``'s node, or, for one output of an op with several
-    that the op does not keep itself (``NodeInfo.saved_outputs``), that output's ``getitem``: its own
-    storage, which the op's backward never holds (``autopar::rms_norm`` keeps the residual sum; its
-    normed value is kept by whoever saves it, or by nobody: under autocast its linears save their
-    half-type casts of it)."""
-    part = None
-    while node.op == "call_function":
-        if node.target is operator.getitem:
-            part, node = node, node.args[0]
-        elif infos.get(node.name) is not None and infos[node.name].view_of:
-            view_of = infos[node.name].view_of
-            node = next(a for a in node.all_input_nodes if a.name == view_of)
-        else:
-            break
-    which = infos[node.name].saved_outputs if node.name in infos else ()
-    if part is not None and isinstance(part.args[1], int) and part.args[1] < len(which):
-        return node if which[part.args[1]] else part
-    return node
-
-
-@dataclass(frozen=True)
-class Kept:
-    """Which activation storages autograd (or the caller) keeps until backward, and who pays for them.
-
-    A node's output is kept when an op saves it as an input (``NodeInfo.saves_inputs``; a saved view
-    keeps its base), when an op saves its own output, or when it is a graph output (the caller holds
-    outputs through backward, as ``out = model(x); out.loss.backward()`` does). A consumer that
-    needs the tensor in another placement saves the resharded copy codegen makes for it, not the
-    producer's tensor. So a storage that only consumers keep is paid on their edges (``keeper``:
-    (consumer, input index) -> base; the graph output's index is its position among the output's
-    inputs): a copy where the edge reshards, the storage itself where it does not, counted once
-    however many consumers keep it as it is (``shared``: those with several keepers; a max over
-    their edges, ``Edge.keep``; a GEMM's own half-type cast is its alone: ``cast_each``). A storage its own op saves is paid at its node (``at_node``): of an
-    op with several outputs, the outputs it saves (``node_bytes``); another output is a storage of
-    its own (its ``getitem``, ``_base_output``), paid by its keepers like any other (``source``:
-    that ``getitem`` -> the op, whose class it is charged to)."""
-
-    at_node: frozenset[str]
-    keeper: dict[tuple[str, int], str]
-    shared: frozenset[str]
-    node_bytes: dict[str, int] = field(default_factory=dict)
-    source: dict[str, str] = field(default_factory=dict)
-    # storages whose every use is an autocast GEMM under mixed precision: kept as half-type casts
-    # (``_owner``), one per GEMM that takes it as it is and casts it itself; one for all where
-    # the generated code casts it first, before a collective or the Megatron "f" of its uses
-    # (``codegen/lower.py``, ``passes/half_reshard.py``): ``_edge``'s ``cast_each``
-    cast_each: frozenset[str] = frozenset()
-    # views (and ops returning their input) of an ``at_node`` storage whose output some op keeps
-    # through them: where the edge into one reshards, the view is of the resharded copy, a new
-    # storage, which is kept (a view of a gathered attention output that the output projection
-    # saves); charged on that edge
-    kept_views: frozenset[str] = frozenset()
-
-    def at_node_bytes(self, name: str, info: NodeInfo) -> int:
-        """Bytes of ``name``'s own outputs kept at it (0 when it is not in ``at_node``)."""
-        if name not in self.at_node:
-            return 0
-        return self.node_bytes.get(name, info.out_bytes)
-
-
-def kept_for_backward(tg: TracedGraph, infos: dict[str, NodeInfo]) -> Kept:
-    uses: dict[str, list[tuple[str, int]]] = {}
-    self_saved: set[str] = set()
-    source: dict[str, str] = {}
-    views: dict[str, set[str]] = {}  # storage -> the views its keepers keep it through
-
-    def base_of(inp: fx.Node) -> str:
-        v, seen = inp, []
-        while v.op == "call_function" and infos.get(v.name) is not None and infos[v.name].view_of:
-            seen.append(v.name)
-            v = next(a for a in v.all_input_nodes if a.name == infos[v.name].view_of)
-        b = _base_output(inp, infos)
-        if b.target is operator.getitem:
-            source[b.name] = b.args[0].name
-        views.setdefault(b.name, set()).update(seen)
-        return b.name
-
-    for node in tg.graph.nodes:
-        if node.op == "output":
-            for k, inp in enumerate(node.all_input_nodes):
-                if isinstance(inp.meta.get("val"), torch.Tensor):
-                    uses.setdefault(base_of(inp), []).append(("output", k))
-            continue
-        info = infos.get(node.name)
-        if node.op != "call_function" or info is None or not info.requires_grad:
-            continue
-        if info.saves_output:
-            self_saved.add(_base(node, infos).name)
-        for i, (inp, saved) in enumerate(zip(tensor_inputs(node), info.saves_inputs)):
-            if saved:
-                uses.setdefault(base_of(inp), []).append((node.name, i))
-    at_node, keeper, shared = set(self_saved), {}, set()
-    for base, users in uses.items():
-        if base in self_saved or infos[base].role is not Role.ACTIVATION:
-            at_node.add(base)
-            continue
-        keeper.update((u, base) for u in users)
-        if len(users) > 1:
-            shared.add(base)
-    node_bytes = {
-        b: sum(infos[b].output_bytes(k) for k, kept in enumerate(infos[b].saved_outputs) if kept)
-        for b in at_node
-        if infos[b].saved_outputs
-    }
-    cast_each = frozenset(b for b in keeper.values() if infos[b].moved_dtype is not None)
-    return Kept(
-        frozenset(at_node),
-        keeper,
-        frozenset(shared),
-        node_bytes,
-        source,
-        cast_each,
-        # only of a storage its own op keeps: its keepers pay nothing for it (a storage they keep
-        # is charged on their edges, as it is where no reshard comes between: a copy there too)
-        frozenset(v for b in at_node if infos[b].role is Role.ACTIVATION for v in views.get(b, ())),
-    )
-
-
-def _owner(kept: Kept, use: tuple[str, int], infos, classes: Classes) -> tuple[int, str]:
-    """(bytes of the storage this use keeps when it takes it as it is, owner if others keep it too).
-    A storage whose every use is an autocast GEMM under mixed precision is kept as the half-type
-    cast each makes of it (``NodeInfo.moved_bytes``; ``passes/half_reshard.py``), not as itself."""
-    base = kept.keeper.get(use)
-    node = kept.source.get(base, base)
-    if base is None or node not in classes.rep:
-        return 0, ""
-    return infos[base].moved_bytes, (classes.rep[node] if base in kept.shared else "")
-
-
-def _kept_bytes(have, need, nbytes: int, keeps: bool, orig: int, mesh_shape) -> tuple[float, float]:
-    """Bytes per device a consumer keeps until backward by taking a tensor (``nbytes``) from
-    placement ``have`` in placement ``need``: (the resharded copy, if it saves it; the producer's
-    storage of ``orig`` bytes, if no collective runs and the consumer keeps it). The storage is cut
-    as the tensor the consumer sees (a view of all of it, or a slice cut alike)."""
-    if any(n > 1 and h != w for h, w, n in zip(have, need, mesh_shape)):
-        return (nbytes / volume_factor(need, mesh_shape) if keeps else 0.0), 0.0
-    return 0.0, orig / volume_factor(have, mesh_shape)
-
-
-@functools.cache
-def f_axes(s: Strategy, i: int) -> tuple[int, ...]:
-    """Axes on which input ``i`` is Replicate while the op is split: Megatron "f" goes there."""
-    return tuple(a for a, split in enumerate(s.split_axes()) if split and is_replicate(s.ins[i][a]))
-
-
-def _pinned_axes(info: NodeInfo, axis_roles) -> list[int]:
-    """Tensor-parallel axes: there a weight (2+ dims) is used where it is stored (never gathered)."""
-    if info.role is not Role.PARAM or not axis_roles or len(info.shape) < 2:
-        return []
-    return [a for a, r in enumerate(axis_roles) if r is AxisRole.TENSOR]
-
-
-# Bytes per gradient bucket (``passes/grad_sync.py:grad_buckets``): DistributedDataParallel's
-# default ``bucket_cap_mb=25`` (torch/nn/parallel/distributed.py). Larger buckets pay the latency
-# of fewer collectives; smaller ones start reducing earlier in backward.
-BUCKET_BYTES = 25 * 2**20
-
-
-def trainable_bytes(tg: TracedGraph, infos: dict[str, NodeInfo]) -> float:
-    """Bytes of every parameter that takes a gradient: what gradient buckets hold at most."""
-    return float(
-        sum(
-            infos[p.name].out_bytes
-            for p in tg.placeholders
-            if p.role is Role.PARAM and infos[p.name].requires_grad
-        )
-    )
-
-
-def bucket_fixed_s(comm: CommModel, axis: int) -> float:
-    """Seconds of an all-reduce of nothing on ``axis``: the part of a bucket's all-reduce that does
-    not grow with its bytes (the ILP pays it once per axis, ``CostTables.bucket_fixed``)."""
-    return comm.time(Collective.ALL_REDUCE, 0.0, axis)
-
-
-def bucketed_axes(have, need, f: Sequence[int], axes: Collection[int]) -> tuple[int, ...]:
-    """Axes of a parameter use's "f" that the tables price as a gradient bucket's share: the pure
-    ones (stored as used; a fused gather + reduce-scatter stays inline) among ``axes``, the mesh's
-    data-parallel axes (``CostTables.bucket_fixed``). Only there is every weight's gradient
-    certain to join a bucket: elsewhere the few that do (a norm's weight beside tensor-parallel
-    matmuls) would be priced a share of a bucket they do not fill."""
-    return tuple(a for a in f if a in axes and have[a] == need[a])
-
-
-def flatten_s(nbytes: float, cluster: ClusterSpec) -> float:
-    """Seconds of flattening ``nbytes`` of gradients into a bucket's one tensor: each byte read and
-    written once (``torch.cat``; the gradients then become views of it, no copy back)."""
-    return 2 * nbytes / cluster.device.memory_bandwidth * cluster.compute_slowdown
-
-
-def use_price(
-    comm: CommModel,
-    have,
-    need,
-    nbytes: float,
-    rg: bool,
-    f: Sequence[int],
-    grad_total: float = 0.0,
-    axes: Collection[int] = (),
-) -> tuple[float, list[str], tuple[int, ...]]:
-    """Seconds the tables charge a use for resharding its input and for the "f" all-reduces of its
-    gradient (``CommModel.reshard``). ``grad_total`` > 0: the input is a trainable parameter of a
-    model whose trainable parameters hold that many bytes. Its pure "f" on the data-parallel
-    ``axes`` (``bucketed_axes``) goes
-    to a gradient bucket (``passes/grad_sync.py:grad_buckets``): it pays its share of the bucket's
-    all-reduce beyond the fixed part, and of flattening the bucket (``flatten_s``),
-
-        share = (t_AR(B) - t_AR(0)) * b / B + 2 b / memory_bandwidth * slowdown,
-        B = min(BUCKET_BYTES, T / v)                                                          [s]
-
-    with ``b`` its local bytes, ``T = grad_total`` and ``v`` the pieces its placement cuts it into;
-    the ILP adds ``t_AR(0)`` once per axis where any use does this (``bucket_fixed_s``). The shares
-    of parameters that fill one bucket add up to its price: exact for data parallelism up to
-    ``BUCKET_BYTES`` of gradients, one ``t_AR(0)`` short per further bucket. Chosen plans are priced
-    bucket by bucket as they run (``passes/grad_sync.py:price_grad_sync``). Returns the seconds
-    and the axes priced as bucket shares."""
-    mesh = comm.mesh_shape
-    pure = bucketed_axes(have, need, f, axes) if grad_total and rg else ()
-    t, _ = comm.reshard(have, need, nbytes, rg, tuple(a for a in f if a not in pure) if pure else f)
-    if pure:
-        vol = volume_factor(need, mesh)
-        local = nbytes / vol
-        full = min(BUCKET_BYTES, grad_total / vol)
-        for a in pure:
-            t += max(comm.time(Collective.ALL_REDUCE, full, a) - bucket_fixed_s(comm, a), 0.0) * local / full
-        t += flatten_s(local, comm.cluster)
-    return t, pure
-
-
-def overlap_price(
-    comm: CommModel,
-    user: fx.Node,
-    k: int,
-    inp: fx.Node,
-    have,
-    need,
-    nbytes: float,
-    rg: bool,
-    f: Sequence[int],
-    matmul_s,
-    user_out,
-    state: bool = False,
-    grid: tuple[bool, bool] = (False, False),
-) -> float:
-    """Seconds a use's collective matmuls hide (``passes/collective_matmul.py``): 0 where none
-    fuses; its price is ``use_price`` less these. ``matmul_s(linear)``: the linear's tabled
-    compute under the strategy in question; ``user_out``: ``user``'s output placement under it;
-    ``state``: ``inp`` is a parameter or buffer; ``grid``: ``collective_matmul.fused_steps``'s."""
-    fused = use_fusions(comm, user, k, inp, have, need, nbytes, f, user_out, state, grid)
-    return overlap_saving_s(comm, fused, matmul_s, rg) if fused else 0.0
-
-
-def use_fusions(
-    comm: CommModel, user, k, inp, have, need, nbytes, f, user_out, state=False, grid=(False, False)
-):
-    """The collective matmuls of a use (``overlap_price``'s arguments): ``collective_matmul.fused_steps``
-    of its reshard plan."""
-    steps = reshard_plan(tuple(have), tuple(need), comm.mesh_shape, nbytes, tuple(f)).steps
-    return fused_steps(user, k, inp, steps, user_out, state, grid)
 
 
 def _fuse_matmuls(
@@ -745,55 +482,6 @@ def _fuse_matmuls(
                     e.mem[a] = [x - cut if j == b else x for j, x in enumerate(e.mem[a])]
 
 
-def data_parallel_pair(have, need, param: bool, data_axes: Sequence[int]) -> bool:
-    """May a use take a tensor stored as ``have`` in placement ``need`` under data parallelism on
-    ``data_axes`` (``AxisRole.DATA``)? There a split activation is never gathered or re-split (the
-    batch stays split, every op runs on its rows) and a parameter is used whole, as stored; a
-    pending sum may be reduced (a mean loss) and a replicated tensor sliced (a mask built whole).
-    Uses that cannot take a piece are not checked (``_takes_whole``)."""
-    for a in data_axes:
-        if have[a] != need[a] and (param or is_shard(have[a])):
-            return False
-    return True
-
-
-def data_role_takes(node: fx.Node, i: int, info: NodeInfo, have, need, param: bool, data_axes) -> bool:
-    """May input ``i`` of ``node`` (the tensor ``info``), stored as ``have``, be taken as ``need``
-    under data parallelism on ``data_axes``? The test ``_edge`` prices the pair by (a forbidden pair
-    is infinite): ``data_parallel_pair`` unless the use takes its input whole (``_takes_whole``,
-    ``_indexes_whole``)."""
-    if _takes_whole(node) or _indexes_whole(node, i, info):
-        return True
-    return data_parallel_pair(have, need, param, data_axes)
-
-
-# ops that read only their input's dtype and device (``x.new_zeros(shape)``)
-_METADATA_ONLY = frozenset(
-    [aten.new_zeros.default, aten.new_ones.default, aten.new_full.default, aten.new_empty.default]
-)
-
-
-def _takes_whole(node: fx.Node) -> bool:
-    """May ``node`` take its inputs whole whatever the plan: an in-place op (it may write into a
-    buffer kept whole, as T5 shifts its labels into one; the buffer it writes into is taken as
-    stored, ``strategies.takes_as_stored``), or one that reads only its input's metadata
-    (``_METADATA_ONLY``)?"""
-    return node.target in _METADATA_ONLY or writes_inputs(node)
-
-
-def _indexes_whole(node: fx.Node, i: int, info: NodeInfo) -> bool:
-    """Is input ``i`` of ``node`` an integer or boolean tensor that ``aten.index`` looks up whole?
-    Hugging Face builds its padding masks as ``mask[batch_idx, kv_idx]``: the batch indices pick
-    rows of the whole mask, which no rule runs on a slice of them, so under data parallelism the
-    (small, integer) mask is gathered; floating tensors never are."""
-    return (
-        node.target is aten.index.Tensor
-        and i == 0
-        and info.dtype is not None
-        and not info.dtype.is_floating_point
-    )
-
-
 def _edge(
     src, dst, i, inp, infos, strats, comm: CommModel, pinned=(), orig: int = 0, owner: str = "",
     grad_total: float = 0.0, data_axes: Sequence[int] = (), memo: dict | None = None, cast_each: bool | None = False,
@@ -806,7 +494,7 @@ def _edge(
     nbytes = info.moved_bytes  # in the half type where every use casts it so (passes/half_reshard.py)
     rg = info.requires_grad
     param = grad_total if infos[src].role is Role.PARAM else 0.0
-    checked = () if _takes_whole(strats[dst].node) or _indexes_whole(strats[dst].node, i, info) else data_axes
+    checked = () if takes_whole(strats[dst].node) or indexes_whole(strats[dst].node, i, info) else data_axes
     saves = infos[dst].saves_inputs
     keeps = infos[dst].requires_grad and (saves[i] if i < len(saves) else True)
     view = cast_each is None  # a view kept through (Kept.kept_views): a gathered input's copy is kept
@@ -831,8 +519,8 @@ def _edge(
                 c, bucketed = use_price(comm, have, need, nbytes, rg, f, param, data_axes)
                 pinned_moves = any(have[a] != need[a] for a in pinned)
                 if pinned_moves or not data_parallel_pair(have, need, is_param, checked):
-                    c = math.inf  # forbidden pair (see _pinned_axes, data_parallel_pair)
-                copy, own = _kept_bytes(have, need, nbytes, keeps, orig, comm.mesh_shape)
+                    c = math.inf  # forbidden pair (see pinned_axes, data_parallel_pair)
+                copy, own = use_kept_bytes(have, need, nbytes, keeps, orig, comm.mesh_shape)
                 if view and all(is_replicate(h) for h, w in zip(have, need) if h != w):
                     copy = 0.0  # a slice of a replicated tensor: a view of the storage kept anyway
                 peak = reshard_transient(have, need, nbytes, comm.mesh_shape, rg, f, keeps)

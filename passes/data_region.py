@@ -64,12 +64,12 @@ from torch.distributed.tensor.placement_types import Replicate, Shard
 
 from autopar.passes.analyze import NodeInfo, tensor_nbytes, tensor_vals
 from autopar.passes.coarsen import Classes
-from autopar.passes.costs import data_role_takes
 from autopar.passes.index_bounds import index_bound
 from autopar.passes.local_rows import ODD, Rows, local_call, localize, row_dims, tensors
 from autopar.passes.rules import AxisOption, tensor_inputs, writes_inputs
 from autopar.passes.strategies import NodeStrategies
 from autopar.passes.trace import Role, TracedGraph
+from autopar.passes.use_price import data_role_takes
 from autopar.placement import OwnRows, Placement
 
 R = Replicate()

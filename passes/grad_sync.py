@@ -1,7 +1,7 @@
 """Which parameter gradients are synchronized after backward accumulates them (DDP-style), not inline.
 
 Under data parallelism a replicated weight used by a batch-split op gets Megatron's "f" on its
-input edge: identity forward, all-reduce of the gradient backward (``passes/costs.py:f_axes``).
+input edge: identity forward, all-reduce of the gradient backward (``passes/use_price.py:f_axes``).
 Issued inline, that all-reduce blocks backward until it completes. Because it is linear and every
 rank applies the same local ops, it commutes with summing the parameter's uses: when *every*
 gradient-carrying use of a parameter needs the pure "f" on the same mesh axes ``D``,
@@ -48,19 +48,19 @@ from autopar.cost_model.comm import CommModel
 from autopar.cost_model.compute import BACKWARD_FACTOR
 from autopar.cost_model.overlap import hidden_seconds
 from autopar.lowerings.matmul_nd import is_grid
-from autopar.passes.costs import (
+from autopar.passes.costs import resolve_source
+from autopar.passes.rules import tensor_inputs, writes_inputs
+from autopar.passes.strategies import Strategy
+from autopar.passes.trace import Role, TracedGraph
+from autopar.passes.use_price import (
     BUCKET_BYTES,
     bucket_fixed_s,
     f_axes,
     flatten_s,
     overlap_price,
-    resolve_source,
     trainable_bytes,
     use_price,
 )
-from autopar.passes.rules import tensor_inputs, writes_inputs
-from autopar.passes.strategies import Strategy
-from autopar.passes.trace import Role, TracedGraph
 from autopar.placement import (
     Outputs,
     Spec,
@@ -497,7 +497,7 @@ class GradSyncCost:
     """What overlapping the deferred gradient all-reduces changes in a plan's step time [s].
 
     The cost tables price each use's reshard and "f" (``inline_f_s`` in all, beyond what runs
-    inline: a parameter's pure "f" at its share of a bucket, ``costs.use_price``, and a bucket's
+    inline: a parameter's pure "f" at its share of a bucket, ``use_price.use_price``, and a bucket's
     fixed price once per axis where any use has one); what runs is one all-reduce per gradient bucket
     (``allreduce_s`` in all; ``buckets``), of which ``hidden_s`` runs behind backward compute
     (``cost_model/overlap.py``), and the flattening of the buckets (``copy_s``). The step time

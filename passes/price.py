@@ -32,7 +32,7 @@ from autopar.cost_model.sync import SyncNode, sync_wait_s
 from autopar.lowerings.matmul_nd import is_grid
 from autopar.options import Optimizer
 from autopar.passes.analyze import NodeInfo
-from autopar.passes.costs import CostTables, resolve_source, use_fusions
+from autopar.passes.costs import CostTables, resolve_source
 from autopar.passes.grad_sync import (
     Bucket,
     GradSyncCost,
@@ -47,6 +47,7 @@ from autopar.passes.op_price import lowering_collectives
 from autopar.passes.solver import Solution, objective_s
 from autopar.passes.strategies import Strategy
 from autopar.passes.trace import Role, TracedGraph, module_path
+from autopar.passes.use_price import use_fusions
 from autopar.placement import Outputs, spec_to_str, via_to_str, volume_factor
 from autopar.plan import NodeDecision, Plan, PlannedCollective, Predicted, Site, SolverInfo
 from autopar.reshard import Collective, CollectiveCall, Phase

@@ -16,7 +16,7 @@ Objective (seconds per training step, per device)
     (an end with one strategy, a folded follower) are paid per edge.
 
     + sum_a b[a] g[a]: a parameter's gradient all-reduce deferred to a bucket on mesh axis a is
-    priced on its pair as its share of the bucket (``costs.use_price``), and the bucket's fixed
+    priced on its pair as its share of the bucket (``use_price.use_price``), and the bucket's fixed
     part ``b[a]`` (``CostTables.bucket_fixed``) once: ``g[a] >= [pair chosen]`` for every such
     pair, linearized over the folded problem's variables (``_bucket_rows``).
 

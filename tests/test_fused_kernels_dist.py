@@ -30,8 +30,8 @@ from autopar.examples import gpt2_tiny, llama_tiny, palm_tiny
 from autopar.fusion import Kernel
 from autopar.launch import run_on_ranks
 from autopar.passes.analyze import analyze
-from autopar.passes.costs import kept_for_backward
 from autopar.passes.fuse import fuse
+from autopar.passes.kept import kept_for_backward
 from autopar.passes.trace import Role, keep_loss_only, trace
 from autopar.placement import Outputs, is_shard, spec_from_str
 
@@ -149,7 +149,7 @@ def _saved_bytes_rank(rank, world, paths):
 
 def _predicted_saved(model, inputs, kernels) -> int:
     """What the memory model says autograd keeps for backward, on one device: the activation
-    storages some op saves (``passes/costs.py:kept_for_backward``, from what ``passes/analyze.py``
+    storages some op saves (``passes/kept.py:kept_for_backward``, from what ``passes/analyze.py``
     probed each op's autograd to save) plus the tensors ops keep that are neither inputs nor
     outputs."""
     tg = trace(model, inputs)

@@ -24,8 +24,9 @@ from autopar.fusion import Kernel
 from autopar.launch import free_port, run_on_ranks
 from autopar.options import Optimizer
 from autopar.passes.analyze import analyze
-from autopar.passes.costs import build_costs, kept_for_backward
+from autopar.passes.costs import build_costs
 from autopar.passes.fuse import fuse
+from autopar.passes.kept import kept_for_backward
 from autopar.passes.precision import half_infos
 from autopar.passes.replay import table_indices
 from autopar.passes.strategies import build_strategies

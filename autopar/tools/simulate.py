@@ -31,9 +31,9 @@ from autopar.codegen import collectives as C
 from autopar.codegen import context_parallel as CP
 from autopar.codegen import summa as SM
 from autopar.codegen.lower import LOWERINGS, emit_reshard
-from autopar.passes.costs import f_axes
 from autopar.passes.rules import map_args, tensor_inputs
 from autopar.passes.strategies import Strategy
+from autopar.passes.use_price import f_axes
 from autopar.placement import is_partial, is_shard
 
 aten = torch.ops.aten

@@ -34,7 +34,7 @@ Backward check (if the output and some input are floating point)
     shards are concatenated, Replicate and Partial inputs must hold the same full gradient on
     every rank. For a Replicate input on an axis where the op is split, the per-rank gradients are
     partial sums; the "f" that the generated code inserts there (and that the simulation runs,
-    see ``passes/costs.py:f_axes``) all-reduces them, so the check also covers that "f" is placed
+    see ``passes/use_price.py:f_axes``) all-reduces them, so the check also covers that "f" is placed
     where it must be. The result must equal the dense gradient ``d<G, op(x)>/dx``.
 
 Graph check (debugging tool)
