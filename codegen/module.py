@@ -345,8 +345,13 @@ class ParallelModule(torch.nn.Module):
     def _settle(self) -> None:
         """Complete the ZeRO-1 all-gathers still in flight into the parameters (started by the
         optimizer step, waited for by the next forward: ``codegen/zero_one.py``) before anything
-        outside the forward reads or writes them."""
+        outside the forward reads or writes them; under mixed precision, where they gathered half
+        copies, gather the owners' exact fp32 shares into every rank's parameters
+        (``ZeroOneOptimizer.exact``): a collective over the data axes, once after a step, so
+        ``state_dict`` (and DCP's save and load through it), ``full_state_dict`` and the
+        optimizer-state methods are collective then, and never read a rounded master."""
         wait_params(self.parameters())
+        self.zero.exact()
 
     @torch.no_grad()
     def full_output(self, piece: torch.Tensor, index: int) -> torch.Tensor:

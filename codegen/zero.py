@@ -113,6 +113,7 @@ import contextlib
 import math
 import re
 import warnings
+import weakref
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
@@ -160,6 +161,9 @@ class AppliedTrades:
     ignored: list = field(default_factory=list)
     # the parameters the forward reads as half copies under mixed precision (``mark_half_reads``)
     half_params: list = field(default_factory=list)
+    # the ZeRO-1 optimizers ``optimizer`` made (held weakly), whose half gathers round the
+    # parameters until ``exact``
+    zero_one: weakref.WeakSet = field(default_factory=weakref.WeakSet)
 
     @property
     def half(self) -> torch.dtype | None:
@@ -177,6 +181,13 @@ class AppliedTrades:
             params = [p for p in params if id(p) in mine]
         self.half_params = mark_half(params, self.half)
         return self.half_params
+
+    def exact(self) -> None:
+        """The parameters exactly the fp32 masters on every rank (``ZeroOneOptimizer.exact``:
+        collective over the data axes where a ZeRO-1 step gathered half copies; nothing
+        otherwise). ``ParallelModule`` calls it before any state is read."""
+        for opt in list(self.zero_one):
+            opt.exact()
 
     def bucketed(self, deferred: dict[str, tuple[int, ...]]) -> dict[str, tuple[int, ...]]:
         """The deferred gradient reductions left to ``GradSync``: all but FSDP2's."""
@@ -199,7 +210,13 @@ class AppliedTrades:
         the parameters in the order the forward reads them (ZeRO-1's gather buckets follow it)."""
         params = list(params)
         if self.trades.zero_stage is ZeroStage.OPTIMIZER and self.data_axes:
-            return ZeroOneOptimizer(params, optimizer_class, self.mesh, self.data_axes, order=order, **kwargs)
+            # the gathers send the forward's half copies (codegen/zero_one.py); the module makes
+            # every rank's masters exact before its state is read (``exact``)
+            opt = ZeroOneOptimizer(
+                params, optimizer_class, self.mesh, self.data_axes, order=order, half=self.half, **kwargs
+            )
+            self.zero_one.add(opt)
+            return opt
         shards = [p for p in params if isinstance(p, DTensor)]
         plain = [p for p in params if not isinstance(p, DTensor)]
         kwargs = foreach_kwargs(optimizer_class, shards, kwargs)

@@ -115,14 +115,17 @@ def half_infos(
     tg: TracedGraph, infos: dict[str, NodeInfo], precision: Precision, kind: DeviceKind
 ) -> dict[str, NodeInfo]:
     """Under mixed precision, every floating value in the dtype it runs in: the parameters are fp32
-    masters and the graph runs under ``torch.autocast`` (``codegen/zero.py``), so, op by op, as
+    masters, read by the forward as half copies at every ZeRO stage (``compute_param_dtype``), and
+    the graph runs under ``torch.autocast`` (``codegen/zero.py``), so, op by op, as
     the autocast of devices of ``kind`` does (``autocast_device``; its lists: ``AUTOCAST_BY_KIND``,
     UnsupportedDeviceKindError for a kind it lacks): its half-type ops (matmuls, attention) give
     the half type, its fp32 ops (CUDA's: ``pow``, ``rsqrt``, softmax, sums, losses, ...; the
     CPU's: losses) fp32, explicit casts what they cast to, and the
-    rest the widest floating dtype among their inputs (a residual stream fed by an fp32 embedding
-    stays fp32). Bytes (moved, kept, temporaries) follow the dtype. Parameters keep their traced
-    dtype here (``apply_trades`` prices masters and copies). A value whose every use is an
+    rest the widest floating dtype among their inputs (a residual stream fed by the half embedding
+    is half; one an fp32 op or cast feeds is fp32), a device move (``passes/trace.py:
+    device_moves_keep_dtype``) its input's. Bytes (moved, kept, temporaries) follow the dtype.
+    Parameters keep their traced dtype and bytes here (``apply_trades`` prices masters and the
+    half copies); their reshards move the half copy (``moved_dtype``). A value whose every use is an
     autocast GEMM moves through its reshards as its half copy (``NodeInfo.moved_dtype``,
     ``passes/half_reshard.py``). Halving every fp32 value instead prices a Llama's activations on an H200 at 7.7 GiB where a forward keeps 11.2 GiB
     (``benchmarks/bench_gpu_trades.py``)."""
@@ -142,7 +145,8 @@ def half_infos(
             runtime[node.name] = traced
             continue
         if node.op == "placeholder":
-            rt = torch.float32 if info.role is Role.PARAM else traced
+            # the forward reads a parameter as its half copy (compute_param_dtype)
+            rt = half if info.role is Role.PARAM else traced
         elif node.op != "call_function":
             rt = traced
         elif node.target is operator.getitem:  # an output of a multi-output op: as that op ran
@@ -168,7 +172,13 @@ def half_infos(
         runtime[node.name] = rt
         # its reshards move the half copy every use casts it to (passes/half_reshard.py)
         moved = half if rt.itemsize > half.itemsize and casts_before_reshard(node) else None
-        if info.role is Role.PARAM or (rt == traced and moved is None):
+        if info.role is Role.PARAM:
+            # its bytes stay the traced ones (``apply_trades`` prices masters and the half copy);
+            # its reshards move the half copy the forward reads
+            if traced.itemsize > half.itemsize:
+                out[node.name] = dataclasses.replace(info, moved_dtype=half)
+            continue
+        if rt == traced and moved is None:
             continue
         r = rt.itemsize / traced.itemsize
         out[node.name] = dataclasses.replace(

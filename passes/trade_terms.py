@@ -20,7 +20,7 @@ from autopar.passes.analyze import NodeInfo
 from autopar.passes.blocks import Block
 from autopar.passes.costs import CostTables
 from autopar.passes.offload import in_flight_bytes, parameter_offload_seconds
-from autopar.passes.precision import dtype_bytes
+from autopar.passes.precision import compute_param_dtype, dtype_bytes
 from autopar.passes.trace import Role
 from autopar.passes.trades import in_block, param_nodes, param_state, piece_elems
 from autopar.reshard import Collective
@@ -126,14 +126,11 @@ def trade_terms(
         if info.role is not Role.PARAM or not info.requires_grad:
             continue
         elems = piece_elems(info, tables.strategies[v][i].out, mesh)
-        # FSDP2 gathers the half copies (``MixedPrecisionPolicy.param_dtype``), ZeRO-1 the fp32
-        # masters it steps (``codegen/zero_one.py``)
+        # FSDP2 gathers the half copies (``MixedPrecisionPolicy.param_dtype``), ZeRO-1 the half
+        # copies of the shares it steps (``codegen/zero_one.py``): ``compute_param_dtype``
         gbytes = elems * (4 if trades.precision.mixed else dtype_bytes(info.dtype))  # the masters' too
-        cbytes = (
-            gbytes
-            if z == ZeroStage.OPTIMIZER
-            else elems * (2 if trades.precision.mixed else dtype_bytes(info.dtype))
-        )
+        read = compute_param_dtype(trades.precision)
+        cbytes = elems * dtype_bytes(read if read is not None else info.dtype)
         for m in members[v]:
             b = next((blk.index for blk in blocks if m in blk.params), None)
             if b is None:
