@@ -6,9 +6,10 @@ Tiny bf16 models (planned in bf16 mixed precision, their traced casts in bf16 as
 two Adam steps on gloo ranks:
 
 * the losses and the state after the steps, ZeRO-0 and ZeRO-1 over a data axis (world 2) and
-  ZeRO-1 over the data axis of a data x tensor mesh (world 4), against one device running the same
+  over the data axis of a data x tensor mesh (world 4), against one device running the same
   policy (``harness.half_copy_forward``); the old policy (fp32 weights under autocast alone) is a
-  measurably different run, so the losses are held closer than the two policies differ;
+  measurably different run, so over data alone the losses are held closer than the two policies
+  differ (under tensor parallelism its bf16 partial sums round on their own: rtol 1e-4);
 * ZeRO-1's gathers sent bf16 (its parameters hold other ranks' shares rounded before a reader
   asks), and every reader of state returns the exact fp32 masters: ``full_state_dict``,
   ``state_dict()`` (gathered whole) and a DCP save and load round trip into a fresh module all equal
@@ -136,8 +137,10 @@ def test_every_zero_stage_reads_half_copies_and_zero1_state_stays_exact(world, t
             for zero in stages:
                 res, where = results[(name, zero)], f"{name} ZeRO-{zero} world {world} rank {rank}"
                 err = max(abs(a - b) for a, b in zip(res["losses"], ref_losses))
-                # closer to the half-copy reference than the old policy is to it
-                assert err < gap / 4, f"{where}: losses {res['losses']} vs {ref_losses} (old policy {old})"
+                # over data alone: closer to the half-copy reference than the old policy is to it;
+                # tensor parallelism adds its own rounding (bf16 partial sums all-reduced)
+                bound = gap / 4 if T not in roles else 1e-4 * abs(ref_losses[0])
+                assert err < bound, f"{where}: losses {res['losses']} vs {ref_losses} (old policy {old})"
                 for k, want in ref_state.items():
                     # bf16 gradients of half batches round otherwise than the whole batch's, and Adam
                     # moves a weight whose gradient is near zero by up to LR a step either way: on
@@ -155,7 +158,11 @@ def test_every_zero_stage_reads_half_copies_and_zero1_state_stays_exact(world, t
                 torch.testing.assert_close(res["norm"], exact["norm"], rtol=1e-6, atol=0, msg=where)
                 for k, want in exact["grads"].items():
                     torch.testing.assert_close(
-                        res["grads"][k], want, rtol=1e-6, atol=1e-9, msg=lambda m, k=k, w=where: f"{w} grad {k}: {m}"
+                        res["grads"][k],
+                        want,
+                        rtol=1e-6,
+                        atol=1e-9,
+                        msg=lambda m, k=k, w=where: f"{w} grad {k}: {m}",
                     )
                 if zero == 1:
                     sent, rounded = res["sent"]
