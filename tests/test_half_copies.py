@@ -29,7 +29,7 @@ from harness import D, T, adam_reference
 import autopar
 from autopar.examples import gpt2_tiny, llama_tiny
 from autopar.launch import run_on_ranks
-from autopar.trades import Precision, ZeroStage
+from autopar.trades import Precision, Schedule, ZeroStage
 
 LR, EPS, STEPS = 1e-3, 1e-6, 2
 MODELS = {
@@ -65,6 +65,9 @@ def _rank(rank, world, jobs, ckpt):
         model, inputs = _build(name)
         pmodel = autopar.autoparallelize(model, cluster, inputs, plan=path)
         opt = pmodel.optimizer(torch.optim.Adam, lr=LR, eps=EPS)
+        if zero == "pp":
+            out[(name, zero)] = _pipelined(pmodel, inputs, opt)
+            continue
         losses = _train(pmodel, inputs, opt, STEPS)
         res = {"losses": losses}
         if zero == 1:
@@ -89,6 +92,35 @@ def _rank(rank, world, jobs, ckpt):
         res["norm"] = pmodel.clip_grad_norm_(1.0).item()
         out[(name, zero)] = res
     return out
+
+
+def _pipelined(pmodel, inputs, opt) -> dict:
+    """A pipelined module's losses, state, and the casts each step made (``half_copy``'s misses)."""
+    from autopar.codegen import collectives as C
+    from autopar.codegen.local_params import COPY_ATTR
+
+    casts, cast = [], C.half_copy
+
+    def counted(p, dtype, piece):
+        casts.append(p.__dict__.get(COPY_ATTR) is None)
+        return cast(p, dtype, piece)
+
+    C.half_copy = counted
+    try:
+        losses = []
+        for _ in range(STEPS):
+            losses.append(float(pmodel.step(**inputs)))
+            opt.step()
+            opt.zero_grad()
+    finally:
+        C.half_copy = cast
+    return {
+        "losses": losses,
+        "full": pmodel.full_state_dict(),
+        "casts": sum(casts) / STEPS,
+        "reads": len(casts) / STEPS,
+        "half_params": len(pmodel.zero.half_params),
+    }
 
 
 def _reference(name: str, half: torch.dtype | None):
@@ -127,7 +159,28 @@ def test_every_zero_stage_reads_half_copies_and_zero1_state_stays_exact(world, t
             path = tmp_path / f"{name}{zero}.json"
             dataclasses.replace(plan, trades=trades).save(path)
             jobs.append(((name, zero), str(path)))
+    if world == 2:  # two pipeline stages of two micro-batches
+        model, inputs = _build("llama")
+        plan = autopar.plan(
+            model, cluster, inputs, pipeline_stages=2, schedule=Schedule.ONE_F_ONE_B, micro_batches=2,
+            mesh_shape=(1,), axis_roles=(D,),
+        )  # fmt: skip
+        plan.save(tmp_path / "pp.json")
+        jobs.append((("llama", "pp"), str(tmp_path / "pp.json")))
     per_rank = run_on_ranks(_rank, world, jobs, str(tmp_path), timeout_s=600)
+    if world == 2:
+        ref_losses, ref_state = _reference("llama", torch.bfloat16)
+        gap = max(abs(a - b) for a, b in zip(_old_policy_losses("llama"), ref_losses))
+        for rank, results in enumerate(per_rank):
+            res, where = results[("llama", "pp")], f"llama pp2 rank {rank}"
+            err = max(abs(a - b) for a, b in zip(res["losses"], ref_losses))
+            assert err < gap / 4, f"{where}: losses {res['losses']} vs {ref_losses}"
+            for k, want in ref_state.items():
+                off = (res["full"][k].float() - want.float()).abs().mean().item()
+                assert off < LR / 10, f"{where} {k}: mean difference {off:.3g} from the reference"
+            # each stage casts each of its parameters once a step, read by both micro-batches
+            assert res["half_params"] > 0 and res["casts"] == res["half_params"], (where, res["casts"])
+            assert res["reads"] >= 2 * res["casts"], (where, res["reads"])
     for name in names:
         ref_losses, ref_state = _reference(name, torch.bfloat16)
         old = _old_policy_losses(name)
