@@ -454,7 +454,9 @@ class ParallelModule(torch.nn.Module):
     def state_dict(self, *args, destination=None, prefix: str = "", keep_vars: bool = False):
         """The state under the original model's state-dict names (tied names included), each this
         rank's tensor with the plan's placements (a ``DTensor``; never gathered): what
-        ``torch.distributed.checkpoint.save`` / ``load`` take (``codegen/state.py``)."""
+        ``torch.distributed.checkpoint.save`` / ``load`` take (``codegen/state.py``). Collective
+        after a ZeRO-1 step under mixed precision (``_settle``: the exact fp32 masters gathered
+        over the data axes, as DCP's save is collective anyway): call it on every rank."""
         self._settle()
         attrs = {fqn: attr for fqn, (attr, _) in self._state_specs.items()}
         out = S.model_state_dict(self._state_tensors(), self._aliases, attrs, self._extra_state, keep_vars)
