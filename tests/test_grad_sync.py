@@ -282,7 +282,10 @@ def test_zero_one_gathers_priced_in_the_half_type():
     ):
         model, inputs = mlp(batch=64, hidden=512, ffn=2048)
         if dtype is not None:
-            model, inputs = model.to(dtype), pytree.tree_map_only(torch.Tensor, lambda t: t.to(dtype), inputs)
+            model, inputs = (
+                model.to(dtype),
+                pytree.tree_map_only(torch.Tensor, lambda t, d=dtype: t.to(d), inputs),
+            )
         res = autopar.search(
             model, cluster, inputs, mesh_shape=(16,), axis_roles=(D,), zero_stage=1,
             precision=precision, recompute="none", micro_batches=1,

@@ -334,6 +334,25 @@ def test_half_precision_models_train_with_fp32_masters():
     assert kept.predicted.optimizer_bytes == pytest.approx(4 * n, rel=1e-6)
 
 
+def test_half_copies_cast_once_a_step_are_priced():
+    """Under mixed precision below ZeRO-2 the forward reads half copies of the fp32 masters, cast
+    once a step (``codegen/local_params.py``): each parameter element read (4 B) and written (2 B)
+    once at the device's memory bandwidth; twice with recomputation in a single forward, once with
+    micro-batches (the copies kept for all of them)."""
+    with torch.device("meta"):
+        model, inputs = llama(layers=2, hidden=256, ffn=512, heads=4, kv_heads=2, vocab=1024, batch=2, seq=64)
+    cluster = autopar.ClusterSpec.preset("h100-sxm", devices_per_node=1)
+    n = sum(p.numel() for p in model.parameters())
+    once = 6 * n / cluster.device.memory_bandwidth
+    for recompute, k, casts in (("none", 1, 1), ("full", 1, 2), ("full", 2, 1)):
+        plan = autopar.plan(model, cluster, inputs, recompute=recompute, micro_batches=k, zero_stage=0)
+        assert plan.trade_costs["precision"]["seconds"] == pytest.approx(casts * once, rel=1e-9), recompute
+    fsdp = autopar.plan(model, cluster, inputs, recompute="none", micro_batches=1, zero_stage=2)
+    assert "precision" not in fsdp.trade_costs
+    fp32 = autopar.plan(model, cluster, inputs, precision=Precision.PARAM, recompute="none", micro_batches=1)
+    assert "precision" not in fp32.trade_costs
+
+
 def auto_precision_of(model) -> Precision:
     from autopar.passes.analyze import NodeInfo
     from autopar.passes.trace import Role
