@@ -21,6 +21,7 @@ from autopar.codegen.blocks import apply_recompute, split_blocks
 from autopar.codegen.feeding import input_names
 from autopar.codegen.grad_sync import GradSync
 from autopar.codegen.local_params import attach_leaves
+from autopar.codegen.loss_weights import loss_weights
 from autopar.codegen.lower import batch_axis, lower, mangle
 from autopar.codegen.micro_batches import MicroBatchError, check_same_graph, micro_batch_inputs
 from autopar.codegen.module import ParallelModule, defer_output_sums
@@ -225,6 +226,8 @@ def _module_kwargs(
         out_spec=tg.out_spec,
         plan=plan,
         output_specs=output_specs,
+        # how step weighs its micro-batches' losses: by the labels each counts (codegen/loss_weights.py)
+        loss_weights=loss_weights(tg) if getattr(plan, "trades", Trades()).micro_batches > 1 else None,
     )
 
 

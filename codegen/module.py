@@ -72,7 +72,8 @@ from autopar.codegen import state as S
 from autopar.codegen.agree import ENTRY_TIMEOUT_S, agree, all_entered, collective_section, enter_backward
 from autopar.codegen.feeding import Feeding, InputsError
 from autopar.codegen.local_params import LocalLeaf, drop_copies, wait_params
-from autopar.codegen.micro_batches import batch_size, split_batch
+from autopar.codegen.loss_weights import LossWeights
+from autopar.codegen.micro_batches import MicroBatchError, batch_size, split_batch
 from autopar.codegen.zero import AppliedTrades
 from autopar.lowerings.experts import PackedSplit
 from autopar.placement import Spec
@@ -118,8 +119,11 @@ class ParallelModule(torch.nn.Module):
         arg_names: Sequence[str] = (),
         leaves: Sequence[LocalLeaf] = (),
         stored: dict[str, PackedSplit] | None = None,
+        loss_weights: LossWeights | None = None,
     ):
         super().__init__()
+        # how ``step`` weighs its micro-batches' losses (codegen/loss_weights.py; None: equally)
+        self._loss_weights = loss_weights
         # canonical FQN -> the permuted order a packed gate-up weight is kept in (ETP on its 2I
         # dim: autopar/lowerings/experts.py:PackedSplit); whole tensors cross in the model's order
         self._stored = dict(stored or {})
@@ -152,6 +156,7 @@ class ParallelModule(torch.nn.Module):
         split = split_axes(plan)
         axis = next((a for a in self._batch_axes if a is not None and a in split), None)
         self._data = (mesh.get_local_rank(axis), mesh.size(axis)) if axis is not None else (0, 1)
+        self._data_axis = axis
         # the inputs a call may give (each input's name, the whole batch or this rank's slice)
         self.feeding = Feeding(
             tuple(arg_names) or tuple(f"input {i}" for i in range(len(self._input_shapes))),
@@ -260,13 +265,13 @@ class ParallelModule(torch.nn.Module):
         into ``k`` equal parts, forward and backward on each in turn, the gradients accumulated in
         ``.grad`` and reduced across ranks once, in the last backward. The loss of a micro-batch is
         ``loss_fn(out)`` when given, else ``out.loss`` (Hugging Face style outputs), else ``out``
-        when it is a scalar tensor; each is divided by ``k`` before its backward, so the
-        accumulated gradient is that of the mean of the micro-batches' losses, and the loss
-        returned is that mean. This equals the gradient and loss of the global batch exactly when
-        every micro-batch's loss is a mean over equally many elements (e.g. a token-mean
-        cross-entropy with no ignored labels); a loss that is a sum, or a mean over a number of
-        elements that varies between micro-batches, gets a differently weighted gradient. With
-        ``k == 1``: one forward and one backward of the unscaled loss."""
+        when it is a scalar tensor. The graph's own loss (``loss_fn`` may return it as it is) is
+        weighted as the global batch's (``codegen/loss_weights.py``): a token-mean cross-entropy
+        by the labels each micro-batch counts (``ignore_index`` ones left out), a summed one by 1,
+        any other by ``1/k``; the accumulated gradient and the returned loss are then the global
+        batch's. A loss ``loss_fn`` computes itself is weighted ``1/k``: exact when it is a mean
+        over equally many elements in every micro-batch. With ``k == 1``: one forward and one
+        backward of the unscaled loss."""
         k = self.micro_batches
         if k > 1:
             batch, micro = batch_size((args, kwargs), 1), self._input_shapes[0][0]
@@ -276,7 +281,8 @@ class ParallelModule(torch.nn.Module):
                     f"or this rank's slice of it; got {batch}; plans are specialized to the example inputs' shapes: "
                     "re-plan for this batch"
                 )
-            self._flat_inputs(args, kwargs, k)  # checked (and compared across ranks) whole
+            flat, sliced = self._flat_inputs(args, kwargs, k)  # checked (and compared across ranks) whole
+            factors = self._micro_batch_factors(flat, sliced, k)
             parts = split_batch((args, kwargs), k)
         else:
             parts = [(args, kwargs)]
@@ -287,7 +293,13 @@ class ParallelModule(torch.nn.Module):
         try:
             for i, (a, kw) in enumerate(parts):
                 self._set_grad_sync(i == k - 1)
-                loss = _loss_of(self(*a, **kw), loss_fn)
+                out = self(*a, **kw)
+                loss = _loss_of(out, loss_fn)
+                # the graph's own loss (a caller's loss_fn may return it as it is) times k c_i / sum c
+                # (codegen/loss_weights.py); a loss the caller computes, as it is
+                if k > 1 and factors[i] != 1.0 and any(loss is t for t in self._last_outputs(out)):
+                    loss = loss * factors[i]
+                del out
                 (loss / k if k > 1 else loss).backward()
                 losses.append(loss.detach())
                 del loss  # this micro-batch's graph is freed before the next forward
@@ -297,7 +309,39 @@ class ParallelModule(torch.nn.Module):
             drop_copies(self.zero.half_params)
         if self.grad_sync is not None:
             self.grad_sync.finish()  # what a last backward that reached no bucketed parameter left
-        return torch.stack(losses).mean() if k > 1 else losses[0]
+        return torch.stack(losses).mean() if k > 1 else losses[0]  # sum_i c_i L_i / sum c
+
+    def _last_outputs(self, out) -> list:
+        """The leaves of ``out``, a structure ``forward`` returned."""
+        return pytree.tree_leaves(out) if not isinstance(out, torch.Tensor) else [out]
+
+    def _micro_batch_factors(self, flat: list, sliced: int, k: int) -> list[float]:
+        """Per micro-batch, the factor ``step`` multiplies the graph's own loss by before dividing
+        by ``k`` (``codegen/loss_weights.py``): 1 each where the plain mean is the global batch's.
+        ``flat``: the step's inputs (``_flat_inputs``); ``sliced`` > 1: this rank's slice, whose
+        counts are summed over the data-parallel ranks."""
+        if self._loss_weights is None:
+            return [1.0] * k
+        parts = [
+            [t.chunk(k, dim=0)[i] if isinstance(t, torch.Tensor) and t.dim() else t for t in flat]
+            for i in range(k)
+        ]
+        reduce = None
+        if sliced > 1 and self._data_axis is not None:
+            group = self.mesh.get_group(self._data_axis)
+
+            def reduce(counts: torch.Tensor) -> torch.Tensor:
+                counts = counts.to(self._device)
+                dist.all_reduce(counts, group=group)
+                return counts.cpu()
+
+        try:
+            return self._loss_weights.factors(parts, reduce)
+        except RuntimeError as e:
+            raise MicroBatchError(
+                f"counting the labels each micro-batch's loss averages over failed on this rank's slice ({e}); "
+                "feed step the whole global batch on every rank"
+            ) from e
 
     def _set_grad_sync(self, enabled: bool) -> None:
         """Whether the next backward reduces gradients across ranks (True) or only accumulates them

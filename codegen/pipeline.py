@@ -31,8 +31,10 @@ autocast. ``step(**batch)`` calls the plan's schedule (``ScheduleGPipe``, ``Sche
 ``ScheduleInterleaved1F1B``) with the global batch as keyword arguments: the schedule splits it
 into the plan's micro-batches, runs forwards and backwards in its order and sends activations and
 their gradients between stages. The loss of a micro-batch is the model's (``out.loss``) or
-``loss_fn(out)``; gradients are those of the mean over micro-batches (divided by ``k`` here, not by
-the schedule: a parameter two chunks of one rank share must be divided once). The chunks compute
+``loss_fn(out)``, weighted as ``ParallelModule.step`` weighs it (``codegen/loss_weights.py``: by the
+labels it counts, for the model's own token-mean loss; the weights travel as the schedule's
+per-micro-batch ``target``); gradients are those of the weighted mean over micro-batches (divided
+by ``k`` here, not by the schedule: a parameter two chunks of one rank share must be divided once). The chunks compute
 on the parameters' plain leaves (``codegen/local_params.py``; not under zero bubble, whose split
 backward finds the weights through the chunk's parameters): autograd sums the micro-batches'
 gradients on each leaf, moved to the parameter's ``.grad`` once, after the schedule. Data-parallel
@@ -312,9 +314,11 @@ class PipelinedModule(ParallelModule):
         self._loss_sent: tuple[torch.Tensor, Any] | None = None  # the last step's loss broadcast, unwaited
         stage_arg = self.stages if pipe.schedule.multi_chunk else self.stages[0]
         self.schedule = cls(stage_arg, n_microbatches=k, loss_fn=self._loss, scale_grads=False)
-        # the schedule's ``target``, unused by ``_loss`` but indexed per micro-batch on the last
-        # stage: made once, and given only where this rank runs the last chunk
-        self._target = torch.zeros(k) if any(c.index == pipe.chunks - 1 for c in chunks) else None
+        # the schedule's ``target``, indexed per micro-batch on the last stage: each micro-batch's
+        # loss factor (``step``), given only where this rank runs the last chunk
+        self._target = (
+            torch.ones(k, dtype=torch.float64) if any(c.index == pipe.chunks - 1 for c in chunks) else None
+        )
 
     @property
     def code(self) -> str:
@@ -350,9 +354,18 @@ class PipelinedModule(ParallelModule):
                     yield prefix + name, p
 
     def _loss(self, out, target):
+        """The micro-batch's loss as the schedule backpropagates it: the graph's own (returned as it is
+        by a caller's ``loss_fn`` too) times its factor, ``target`` (this micro-batch's entry of
+        ``step``'s factors); a loss the caller's ``loss_fn`` computes, as it is."""
+        loss, own = self._micro_loss(out)
+        factor = float(target.reshape(-1)[0]) if own else 1.0
+        return loss if factor == 1.0 else loss * factor
+
+    def _micro_loss(self, out) -> tuple[torch.Tensor, bool]:
+        """(The micro-batch's loss, whether it is one of the graph's outputs as they are.)"""
         sent = list(out) if isinstance(out, (tuple, list)) else [out]
         if self._step_loss_fn is None and self._loss_at is not None:
-            return sent[self._loss_at]
+            return sent[self._loss_at], True
         outs = list(sent)
         for i in self._chunks[-1].absent:  # the last stage's rank holds the last chunk
             outs.insert(i, None)
@@ -362,7 +375,7 @@ class PipelinedModule(ParallelModule):
             # outputs at every call, as the plan fixes their structure, so later micro-batches take
             # it from there without building the model's output (a Hugging Face ModelOutput) again
             self._loss_at = next((i for i, t in enumerate(sent) if t is loss), None)
-        return loss
+        return loss, any(t is loss for t in sent)
 
     def forward(self, *args, **kwargs):
         raise TypeError(
@@ -379,6 +392,13 @@ class PipelinedModule(ParallelModule):
             self._loss_sent[1].wait()
             self._loss_sent = None
         flat, sliced = self._flat_inputs(args, kwargs, k)  # of the global batch: k micro-batches
+        if self._target is not None or self._loss_weights is not None:
+            # each micro-batch's loss factor, read by ``_loss`` from the schedule's per-micro-batch
+            # ``target`` (codegen/loss_weights.py; counted on every rank, the slices' summed over
+            # the data axis: the same collectives on every pipeline rank)
+            factors = self._micro_batch_factors(flat, sliced, k)
+            if self._target is not None:
+                self._target = torch.tensor(factors, dtype=torch.float64)
         flat = [t.to(self._device) if isinstance(t, torch.Tensor) else t for t in flat]
         with C.bound_mesh(self.mesh):
             flat = self.feeding.to_graph(flat, sliced, k)
