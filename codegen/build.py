@@ -176,6 +176,7 @@ def build_parallel_module(
     # gathered into tensors of its own before each forward, so under ZeRO 2 and 3 those get
     # theirs as FSDP2 gathers them (codegen/zero.py:_gathered_leaves); those FSDP2 leaves alone, here
     leaves = attach_leaves(gm.parameters() if trades.zero_stage < ZeroStage.GRADIENTS else zero.ignored)
+    zero.mark_half_reads(gm.parameters())  # mixed precision: read as half copies (local_params.py)
     # the parameters as the module holds them now (the pieces made after lowering, FSDP2's shards)
     grad_sync = GradSync(
         [([getattr(gm, mangle(names[n])) for n in b.params], b.axes, b.scatter) for b in buckets], mesh
@@ -351,6 +352,7 @@ def _pipelined(tg, plan, choice, gm, mesh, full_mesh, attrs, deferred, common: d
         if pipe.schedule is Schedule.ZERO_BUBBLE
         else attach_leaves(v for c in chunks for v in c.params.values())
     )
+    zero.mark_half_reads(v for c in chunks for v in c.params.values())  # once a step (local_params.py)
     names = {p.name: p.target for p in tg.placeholders}
     buckets = _grad_buckets(tg, choice, zero.bucketed(deferred), plan)
     grad_sync = GradSync(

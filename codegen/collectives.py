@@ -55,7 +55,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
-from autopar.codegen.local_params import LEAF_ATTR, PENDING_ATTR
+from autopar.codegen.local_params import HALF_ATTR, LEAF_ATTR, PENDING_ATTR, half_copy
 from autopar.errors import DistributedSetupError
 from autopar.kernels import collective_matmul as K
 from autopar.placement import is_partial, is_shard
@@ -334,10 +334,19 @@ def local(x: torch.Tensor) -> torch.Tensor:
     rotary frequencies, masks) is read as its local tensor itself: ``to_local`` would give a view
     of it through an autograd function, host work each call that carries nothing back. A
     parameter whose ZeRO-1 all-gather is still in flight (``codegen/zero_one.py``) is waited for
-    first: this is where the gathers started after the optimizer step meet the next forward."""
+    first: this is where the gathers started after the optimizer step meet the next forward. Under
+    mixed precision a parameter marked ``HALF_ATTR`` is read as its half copy (``half_copy``)."""
     pending = getattr(x, PENDING_ATTR, None)
     if pending is not None:
         pending[0].wait(pending[1])
+    half = getattr(x, HALF_ATTR, None)
+    if half is not None:  # mixed precision: the forward's half copy (codegen/local_params.py)
+        return half_copy(x, half, _piece(x))
+    return _piece(x)
+
+
+def _piece(x: torch.Tensor) -> torch.Tensor:
+    """``local``'s piece of ``x`` in its own dtype."""
     leaf = getattr(x, LEAF_ATTR, None)
     if leaf is not None and leaf.active:
         return leaf.leaf

@@ -35,6 +35,19 @@ changed is rebuilt with its hooks, and ``active`` follows ``ParallelModule.local
 parameters themselves are then in the graph. A re-run of the forward during backward (activation
 checkpointing, ``codegen/blocks.py``) reads the same leaf the forward read: ``collectives.local``
 finds it on the parameter (``LEAF_ATTR``), not in a binding of the forward call.
+
+**Half copies under mixed precision** (``passes/precision.py:compute_param_dtype``). FSDP2's
+``MixedPrecisionPolicy(param_dtype=half)`` makes ZeRO-2/3's forward read half parameters, so
+embeddings and norms output half and the residual stream is half. Every other parameter (ZeRO-0/1,
+pipeline stages, the parameters FSDP2 leaves alone) is marked (``mark_half``) and read through
+``half_copy``: the parameter's piece (its leaf, or ``to_local``) cast to the half type, once per
+forward call as FSDP2 casts once per gather, and once per step where a step runs several
+micro-batches (``ParallelModule.step``, ``PipelinedModule.step``: ``hold_copies``), so a pipeline
+stage casts once a step, not once a micro-batch. The copy is cached on the parameter
+(``COPY_ATTR``) until ``drop_copies``; the gradient flows back through the cast into the fp32
+leaf (autograd's ``ToCopyBackward`` upcasts it), reduced in fp32 as FSDP2's ``reduce_dtype``. A
+recomputation in backward reads the cached copy where one is held, else casts anew without caching
+(nothing then outlives the backward). Every ZeRO stage computes the same numerics.
 """
 
 from __future__ import annotations
@@ -49,6 +62,10 @@ LEAF_ATTR = "_autopar_local_leaf"
 # the attribute of a parameter whose ZeRO-1 all-gather is in flight: (the optimizer, its bucket)
 # (``codegen/zero_one.py``: the gathers run behind the next forward)
 PENDING_ATTR = "_autopar_pending_gather"
+# the attributes of a parameter the forward reads as a half copy: its half type (``mark_half``),
+# and the copy of the current forward call or step (``half_copy``)
+HALF_ATTR = "_autopar_half_dtype"
+COPY_ATTR = "_autopar_half_copy"
 
 
 def wait_param(p: torch.Tensor) -> None:
@@ -180,3 +197,36 @@ def attach_leaves(params: Iterable[torch.nn.Parameter]) -> list[LocalLeaf]:
 def leaf_of(p: torch.Tensor) -> LocalLeaf | None:
     """The ``LocalLeaf`` of parameter ``p``, if it has one."""
     return getattr(p, LEAF_ATTR, None)
+
+
+def mark_half(params: Iterable[torch.Tensor], dtype: torch.dtype | None) -> list[torch.Tensor]:
+    """Mark the floating parameters among ``params`` of another dtype than ``dtype`` to be read as
+    half copies (module docstring); returns them. ``dtype`` None (no mixed precision): none."""
+    out, seen = [], set()
+    if dtype is None:
+        return out
+    for p in params:
+        if id(p) in seen or not p.is_floating_point() or p.dtype == dtype:
+            continue
+        seen.add(id(p))
+        setattr(p, HALF_ATTR, dtype)
+        out.append(p)
+    return out
+
+
+def half_copy(p: torch.Tensor, dtype: torch.dtype, piece: torch.Tensor) -> torch.Tensor:
+    """The half copy of parameter ``p`` whose piece the forward reads is ``piece``: the cached one,
+    else ``piece`` cast to ``dtype``, cached unless made in a backward (a recomputation)."""
+    c = p.__dict__.get(COPY_ATTR)
+    if c is not None:
+        return c
+    c = piece.to(dtype)
+    if torch._C._current_graph_task_id() == -1:  # not inside a backward
+        p.__dict__[COPY_ATTR] = c
+    return c
+
+
+def drop_copies(params: Iterable[torch.Tensor]) -> None:
+    """Forget the cached half copies of ``params`` (autograd keeps what backward still needs)."""
+    for p in params:
+        p.__dict__.pop(COPY_ATTR, None)

@@ -71,7 +71,7 @@ from autopar.codegen import local_ops as L
 from autopar.codegen import state as S
 from autopar.codegen.agree import ENTRY_TIMEOUT_S, agree, all_entered, collective_section, enter_backward
 from autopar.codegen.feeding import Feeding, InputsError
-from autopar.codegen.local_params import LocalLeaf, wait_params
+from autopar.codegen.local_params import LocalLeaf, drop_copies, wait_params
 from autopar.codegen.loss_weights import LossWeights
 from autopar.codegen.micro_batches import MicroBatchError, batch_size, split_batch
 from autopar.codegen.zero import AppliedTrades
@@ -146,6 +146,7 @@ class ParallelModule(torch.nn.Module):
         # all Replicate unless the plan returns outputs as local pieces (autopar.placement.Outputs)
         self.output_specs = tuple(output_specs)
         self._batch_checked = False  # the batch is compared across ranks at the first call
+        self._hold_copies = False  # keep the half copies between forward calls (``step``)
         self._deferred: list = []  # the last call's outputs still being summed (defer_output_sums)
         # per input leaf: the mesh axis that splits its batch (dim 0), or None; the first such
         # axis on which the plan splits some op is the data-parallel one a loader feeds (data_rank,
@@ -222,8 +223,12 @@ class ParallelModule(torch.nn.Module):
         for leaf in self._leaves:
             leaf.refresh(self.local_leaves)
         self.zero.leaves_active = self.local_leaves  # FSDP2's gathered parameters' (codegen/zero.py)
-        with C.bound_mesh(self.mesh), self.zero.autocast(self._device.type):
-            outs = self.local(*self.feeding.to_graph(flat, sliced))
+        try:
+            with C.bound_mesh(self.mesh), self.zero.autocast(self._device.type):
+                outs = self.local(*self.feeding.to_graph(flat, sliced))
+        finally:
+            if not self._hold_copies:  # one cast per forward call, or per step (``step``)
+                drop_copies(self.zero.half_params)
         self._deferred = [o for o in outs if isinstance(o, C.DeferredSum)]
         enter_backward(self, list(outs))
         return pytree.tree_unflatten(list(outs), self._out_spec)
@@ -282,6 +287,9 @@ class ParallelModule(torch.nn.Module):
         else:
             parts = [(args, kwargs)]
         losses = []
+        # mixed precision: the parameters' half copies cast once for the step's micro-batches
+        # (codegen/local_params.py), as the pricing's parameter memory holds them through the step
+        self._hold_copies = k > 1
         try:
             for i, (a, kw) in enumerate(parts):
                 self._set_grad_sync(i == k - 1)
@@ -297,6 +305,8 @@ class ParallelModule(torch.nn.Module):
                 del loss  # this micro-batch's graph is freed before the next forward
         finally:
             self._set_grad_sync(True)
+            self._hold_copies = False
+            drop_copies(self.zero.half_params)
         if self.grad_sync is not None:
             self.grad_sync.finish()  # what a last backward that reached no bucketed parameter left
         return torch.stack(losses).mean() if k > 1 else losses[0]  # sum_i c_i L_i / sum c
@@ -379,8 +389,13 @@ class ParallelModule(torch.nn.Module):
     def _settle(self) -> None:
         """Complete the ZeRO-1 all-gathers still in flight into the parameters (started by the
         optimizer step, waited for by the next forward: ``codegen/zero_one.py``) before anything
-        outside the forward reads or writes them."""
+        outside the forward reads or writes them; under mixed precision, where they gathered half
+        copies, gather the owners' exact fp32 shares into every rank's parameters
+        (``ZeroOneOptimizer.exact``): a collective over the data axes, once after a step, so
+        ``state_dict`` (and DCP's save and load through it), ``full_state_dict`` and the
+        optimizer-state methods are collective then, and never read a rounded master."""
         wait_params(self.parameters())
+        self.zero.exact()
 
     @torch.no_grad()
     def full_output(self, piece: torch.Tensor, index: int) -> torch.Tensor:
@@ -483,7 +498,9 @@ class ParallelModule(torch.nn.Module):
     def state_dict(self, *args, destination=None, prefix: str = "", keep_vars: bool = False):
         """The state under the original model's state-dict names (tied names included), each this
         rank's tensor with the plan's placements (a ``DTensor``; never gathered): what
-        ``torch.distributed.checkpoint.save`` / ``load`` take (``codegen/state.py``)."""
+        ``torch.distributed.checkpoint.save`` / ``load`` take (``codegen/state.py``). Collective
+        after a ZeRO-1 step under mixed precision (``_settle``: the exact fp32 masters gathered
+        over the data axes, as DCP's save is collective anyway): call it on every rank."""
         self._settle()
         attrs = {fqn: attr for fqn, (attr, _) in self._state_specs.items()}
         out = S.model_state_dict(self._state_tensors(), self._aliases, attrs, self._extra_state, keep_vars)

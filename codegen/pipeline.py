@@ -67,6 +67,7 @@ from torch.distributed.tensor import DTensor
 from autopar.codegen import collectives as C
 from autopar.codegen.agree import collective_section
 from autopar.codegen.blocks import _COMPUTE, _set_attr, origins
+from autopar.codegen.local_params import drop_copies
 from autopar.codegen.module import FULL_STATE_FIX, ParallelModule, _loss_of, full_tensor
 from autopar.errors import AutoparError
 from autopar.passes.blocks import Block, between_blocks
@@ -425,6 +426,7 @@ class PipelinedModule(ParallelModule):
             self.schedule.step(target=self._target, losses=losses, return_outputs=False, **named)
         finally:
             self._step_loss_fn = None
+            drop_copies(self.zero.half_params)  # cast once a step, read by every micro-batch
             for leaf in self._leaves:
                 leaf.release()
             if self.grad_sync is not None:

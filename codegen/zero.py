@@ -37,7 +37,12 @@ Which engine does what, and why
   the traced aten graph carries no dtype asserts, ``passes/trace.py``): the parameters are fp32
   masters (a half-precision model's weights are upcast here), so gradients and optimizer state
   are fp32 too; with FSDP2 also ``MixedPrecisionPolicy(param_dtype=half, reduce_dtype=fp32)``:
-  the gathered parameters are half, the gradient reduce-scatter fp32.
+  the gathered parameters are half, the gradient reduce-scatter fp32. Every parameter FSDP2 does
+  not gather (ZeRO-0/1, pipeline stages, FSDP2's ignored ones) is read as a half copy cast once
+  per forward call or step (``AppliedTrades.mark_half_reads``, ``codegen/local_params.py``), so
+  every stage runs the same numerics: embeddings and norms read half weights and the residual
+  stream is half; autocast stays for the ops that upcast (losses; CUDA's softmax, norms' sums).
+  ZeRO-1 all-gathers the half copies of the updated shares (``codegen/zero_one.py``).
 * **Offload: FSDP2's ``CPUOffloadPolicy``** (pinned host memory where CUDA is there): sharded
   parameters (the fp32 masters), their gradients and so the optimizer state live in host memory,
   and the optimizer's step runs there. Each all-gather first copies the group's shards onto the
@@ -108,6 +113,7 @@ import contextlib
 import math
 import re
 import warnings
+import weakref
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
@@ -124,7 +130,7 @@ except ImportError:  # pragma: no cover - older torch: FSDP2 over plain local te
     DataParallelMeshDims = None
     SPMD_FSDP = False
 
-from autopar.codegen.local_params import LEAF_ATTR, LocalLeaf
+from autopar.codegen.local_params import LEAF_ATTR, LocalLeaf, mark_half
 from autopar.codegen.local_step import LocalStepOptimizer, all_replicated
 from autopar.codegen.lower import mangle
 from autopar.codegen.zero_one import ZeroOneOptimizer
@@ -153,11 +159,35 @@ class AppliedTrades:
     # the parameters FSDP2 was told to leave alone (whole on the data axis or needing no data
     # reduction): the module's own, read through leaves of their own (codegen/build.py)
     ignored: list = field(default_factory=list)
+    # the parameters the forward reads as half copies under mixed precision (``mark_half_reads``)
+    half_params: list = field(default_factory=list)
+    # the ZeRO-1 optimizers ``optimizer`` made (held weakly), whose half gathers round the
+    # parameters until ``exact``
+    zero_one: weakref.WeakSet = field(default_factory=weakref.WeakSet)
 
     @property
     def half(self) -> torch.dtype | None:
         """The autocast dtype under mixed precision, else None."""
         return HALF.get(self.trades.precision)
+
+    def mark_half_reads(self, params: Iterable[torch.Tensor]) -> list[torch.Tensor]:
+        """Under mixed precision, mark the fp32 masters among ``params`` that the forward reads as
+        they are (all but FSDP2's sharded ones, which FSDP2 gathers in the half type) to be read as
+        half copies (``codegen/local_params.py``), so every ZeRO stage runs what FSDP2's
+        ``MixedPrecisionPolicy`` runs; kept in ``half_params``, returned."""
+        params = list(params)
+        if self.fsdp_modules:
+            mine = {id(p) for p in self.ignored}
+            params = [p for p in params if id(p) in mine]
+        self.half_params = mark_half(params, self.half)
+        return self.half_params
+
+    def exact(self) -> None:
+        """The parameters exactly the fp32 masters on every rank (``ZeroOneOptimizer.exact``:
+        collective over the data axes where a ZeRO-1 step gathered half copies; nothing
+        otherwise). ``ParallelModule`` calls it before any state is read."""
+        for opt in list(self.zero_one):
+            opt.exact()
 
     def bucketed(self, deferred: dict[str, tuple[int, ...]]) -> dict[str, tuple[int, ...]]:
         """The deferred gradient reductions left to ``GradSync``: all but FSDP2's."""
@@ -180,7 +210,13 @@ class AppliedTrades:
         the parameters in the order the forward reads them (ZeRO-1's gather buckets follow it)."""
         params = list(params)
         if self.trades.zero_stage is ZeroStage.OPTIMIZER and self.data_axes:
-            return ZeroOneOptimizer(params, optimizer_class, self.mesh, self.data_axes, order=order, **kwargs)
+            # the gathers send the forward's half copies (codegen/zero_one.py); the module makes
+            # every rank's masters exact before its state is read (``exact``)
+            opt = ZeroOneOptimizer(
+                params, optimizer_class, self.mesh, self.data_axes, order=order, half=self.half, **kwargs
+            )
+            self.zero_one.add(opt)
+            return opt
         shards = [p for p in params if isinstance(p, DTensor)]
         plain = [p for p in params if not isinstance(p, DTensor)]
         kwargs = foreach_kwargs(optimizer_class, shards, kwargs)

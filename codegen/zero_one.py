@@ -37,6 +37,19 @@ so learning-rate schedulers work as on any optimizer) steps the shares in place,
 part ``r`` of each parameter; then each bucket of shares (its gather filling about ``BUCKET_BYTES``) is all-gathered
 over the data axis, one collective per bucket, and the other ranks' parts copied into place.
 
+**Half gathers under mixed precision** (``half``: ``passes/precision.py:compute_param_dtype``;
+Megatron-LM's distributed optimizer gathers its bf16 parameters too). The forward reads half
+copies of the parameters (``codegen/local_params.py``), so each owner casts its updated fp32
+share to the half type and the all-gather sends that: half the bytes of an fp32 gather. Each
+rank's fp32 parameter then holds its own share exact and the other ranks' half-rounded, which is
+exact for the forward (the half copy of either is the value sent) but not for state: the exact
+fp32 master of every share lives on its owner alone, in its own part of the parameter (the
+share the inner optimizer steps). ``exact`` gathers those in fp32 back into every rank's
+parameters (collective; once after a step, nothing until the next); ``ParallelModule`` calls it
+before anything reads state (``full_state_dict``, ``state_dict`` and so DCP's save and load, the
+optimizer-state methods: their ``_settle``), so no reader sees a rounded master. Gradients are
+untouched by the rounding (``full_grads``, clip norms read them as they are).
+
 **The gathers behind the next forward** (Megatron-LM's ``--overlap-param-gather``: its
 distributed optimizer starts the first bucket's all-gather after the step and, in a forward
 pre-hook, waits for bucket ``k`` and starts bucket ``k + 1``'s, ``megatron/core/distributed/
@@ -54,7 +67,7 @@ the generated forward waits for all first: ``wait`` (``step`` itself, ``Parallel
 ``wait_params``); ``zero_grad`` touches gradients only and the gathers write parameters only, so it
 does not wait (waiting there would serialize every gather, since a loop zeroes right after the
 step). A user who reads ``pmodel.parameters()`` directly between the step and the next forward
-calls ``opt.wait()`` first. ``overlap=False`` waits for every bucket inside ``step``: the same
+calls ``opt.exact()`` first (``wait`` alone leaves half-rounded shares under mixed precision). ``overlap=False`` waits for every bucket inside ``step``: the same
 collectives on the same values, so the same parameters.
 """
 
@@ -185,7 +198,8 @@ class ZeroOneOptimizer(torch.optim.Optimizer):
     inner optimizer's; ``shares`` maps each parameter to the tensor the state is kept for.
     ``overlap``: the gathers run behind the next forward (module docstring), else inside ``step``;
     ``order``: the parameters in the order the forward reads them (the buckets' order; those not
-    listed last, in ``params``' order)."""
+    listed last, in ``params``' order); ``half``: the dtype the gathers send (mixed precision: the
+    forward's half type; module docstring), None: the parameters' own."""
 
     def __init__(
         self,
@@ -196,9 +210,13 @@ class ZeroOneOptimizer(torch.optim.Optimizer):
         *,
         overlap: bool = True,
         order: Sequence[torch.Tensor] = (),
+        half: torch.dtype | None = None,
         **kwargs,
     ):
         self.params = [p for p in params if p.requires_grad]
+        self.half = half
+        # whether the parameters hold other ranks' shares rounded to ``half`` (since the last step)
+        self.rounded = False
         self.mesh = mesh
         self.axes = (axes,) if isinstance(axes, int) else tuple(sorted(axes))
         self.overlap = overlap
@@ -241,6 +259,11 @@ class ZeroOneOptimizer(torch.optim.Optimizer):
         """The outer data axis (one data axis: the one)."""
         return self.axes[0]
 
+    def _sent(self, share: torch.Tensor) -> torch.dtype:
+        """The dtype a share's gather sends: ``half`` for a floating share of another dtype."""
+        dtype = share.dtype
+        return self.half if self.half is not None and dtype.is_floating_point else dtype
+
     def _size(self, axes: tuple[int, ...]) -> int:
         return math.prod(self.mesh.size(a) for a in axes)
 
@@ -255,10 +278,8 @@ class ZeroOneOptimizer(torch.optim.Optimizer):
         buckets, size = [[]], 0
         for p, share, on, dim in ranked:
             # what the gather fills: d slots (not the share: uneven shares differ by rank, the
-            # buckets may not)
-            nbytes = (
-                self._size(on) * slot_elements(p, self._size(on), dim) * share._local_tensor.element_size()
-            )
+            # buckets may not), in the dtype it sends
+            nbytes = self._size(on) * slot_elements(p, self._size(on), dim) * self._sent(share).itemsize
             prev = buckets[-1]
             if prev and (size + nbytes > BUCKET_BYTES or share.dtype != prev[0][1].dtype or on != prev[0][2]):
                 buckets.append([])
@@ -287,6 +308,7 @@ class ZeroOneOptimizer(torch.optim.Optimizer):
         self.inner.step()
         for _, share, _, _ in self._split:
             share.grad = None
+        self.rounded = any(self._sent(s) != s.dtype for _, s, _, _ in self._split)
         self._next = 0
         for _ in range(min(IN_FLIGHT, len(self._buckets))):
             self._start_next()
@@ -295,20 +317,27 @@ class ZeroOneOptimizer(torch.optim.Optimizer):
         return loss
 
     def _start_next(self) -> None:
-        """Start the next bucket's all-gather (asynchronous) and mark its parameters pending. Over
-        several axes, one gather per axis, the inner first (each concatenates its group's pieces in
-        its coordinate's order, so the last holds all ``d`` in share order): the inner ones run
-        here, the outer one asynchronously."""
+        """Start the next bucket's all-gather (asynchronous) and mark its parameters pending."""
         j, self._next = self._next, self._next + 1
+        work, parts = self._gather(j, self._sent(self._buckets[j][0][1]), async_op=True)
+        self._inflight.append((j, work, parts))
+        for p, _, _, _ in self._buckets[j]:
+            setattr(p, PENDING_ATTR, (self, j))
+
+    def _gather(self, j: int, dtype: torch.dtype, async_op: bool):
+        """Bucket ``j``'s all-gather of its shares sent in ``dtype``: (its work, the ``[d, n]``
+        parts it fills). Over several axes, one gather per axis, the inner first (each
+        concatenates its group's pieces in its coordinate's order, so the last holds all ``d`` in
+        share order): the inner ones run here, the outer one as ``async_op`` says."""
         bucket = self._buckets[j]
         on = bucket[0][2]
         d = self._size(on)
         slots = [slot_elements(p, d, dim) for p, _, _, dim in bucket]
         # each share flattened (a contiguous copy where it is cut on another dim than 0)
         if all(s._local_tensor.numel() == n for (_, s, _, _), n in zip(bucket, slots)):
-            parts = torch.cat([s._local_tensor.reshape(-1) for _, s, _, _ in bucket])
+            parts = torch.cat([s._local_tensor.reshape(-1).to(dtype) for _, s, _, _ in bucket])
         else:  # uneven shares: each in a slot of ``c`` rows (share_rows), the rest padding
-            parts = bucket[0][1]._local_tensor.new_zeros(sum(slots))
+            parts = bucket[0][1]._local_tensor.new_zeros(sum(slots), dtype=dtype)
             off = 0
             for (_, s, _, _), n in zip(bucket, slots):
                 parts[off : off + s._local_tensor.numel()].copy_(s._local_tensor.reshape(-1))
@@ -318,10 +347,8 @@ class ZeroOneOptimizer(torch.optim.Optimizer):
         for k, a in enumerate(reversed(on)):
             mine, parts = parts, parts.new_empty(self.mesh.size(a) * parts.numel())
             outer = k == len(on) - 1
-            work = gather_into(parts, mine, group=self.mesh.get_group(a), async_op=outer)
-        self._inflight.append((j, work, parts.view(self._size(on), n)))
-        for p, _, _, _ in bucket:
-            setattr(p, PENDING_ATTR, (self, j))
+            work = gather_into(parts, mine, group=self.mesh.get_group(a), async_op=outer and async_op)
+        return work, parts.view(self._size(on), n)
 
     @torch.no_grad()
     def wait(self, upto: int | None = None) -> None:
@@ -333,19 +360,39 @@ class ZeroOneOptimizer(torch.optim.Optimizer):
         while self._inflight and self._inflight[0][0] <= last:
             j, work, parts = self._inflight.pop(0)
             work.wait()
-            on = self._buckets[j][0][2]
-            d, r = self._size(on), self._rank(on)
-            off = 0
-            for p, _, _, dim in self._buckets[j]:
-                local = p._local_tensor
-                for q in range(d):
-                    part = share_of(local, d, q, dim)
-                    if q != r and part.numel():
-                        part.copy_(parts[q, off : off + part.numel()].view(part.shape))
-                off += slot_elements(p, d, dim)
-                setattr(p, PENDING_ATTR, None)
+            self._place(j, parts)
             if self._next < len(self._buckets):
                 self._start_next()
+
+    def _place(self, j: int, parts: torch.Tensor) -> None:
+        """Copy the other ranks' parts of bucket ``j``'s gather into the parameters (a half part
+        upcast into the fp32 parameter) and clear their pending mark."""
+        on = self._buckets[j][0][2]
+        d, r = self._size(on), self._rank(on)
+        off = 0
+        for p, _, _, dim in self._buckets[j]:
+            local = p._local_tensor
+            for q in range(d):
+                part = share_of(local, d, q, dim)
+                if q != r and part.numel():
+                    part.copy_(parts[q, off : off + part.numel()].view(part.shape))
+            off += slot_elements(p, d, dim)
+            setattr(p, PENDING_ATTR, None)
+
+    @torch.no_grad()
+    def exact(self) -> None:
+        """Every rank's parameters exactly the owners' fp32 masters: the gathers in flight waited
+        for, then, where the last step gathered half copies (``rounded``), each bucket gathered
+        again in the parameters' own dtype (module docstring). Collective over the data axes: every
+        rank calls it (``ParallelModule`` does, before any state is read); nothing where nothing is
+        rounded."""
+        self.wait()
+        if not self.rounded:
+            return
+        for j, bucket in enumerate(self._buckets):
+            _, parts = self._gather(j, bucket[0][1].dtype, async_op=False)
+            self._place(j, parts)
+        self.rounded = False
 
     @property
     def in_flight(self) -> int:
@@ -360,7 +407,7 @@ class ZeroOneOptimizer(torch.optim.Optimizer):
         return self.inner.state_dict()
 
     def load_state_dict(self, state_dict) -> None:
-        self.wait()
+        self.exact()
         self.inner.load_state_dict(state_dict)
         self.param_groups = self.inner.param_groups
         self.state = self.inner.state

@@ -545,6 +545,7 @@ def price_grad_sync(
     micro_batches: int = 1,
     grad_dtype: torch.dtype | None = None,
     scatter_axes: Collection[int] = (),
+    gather_dtype: torch.dtype | None = None,
 ) -> GradSyncCost:
     """Price the deferred all-reduces of a plan on the backward timeline.
 
@@ -566,7 +567,9 @@ def price_grad_sync(
     DDP's ``no_sync``, ``megatron/core/pipeline_parallel/schedules.py``), so there too only the last
     micro-batch's backward hides the data-parallel reduction. ``grad_dtype``: the gradients' dtype
     at run time (``grad_buckets``): the buckets hold, and the all-reduces send, what runs;
-    ``scatter_axes``: ZeRO-1's data axes, whose shares' buckets are reduce-scattered."""
+    ``scatter_axes``: ZeRO-1's data axes, whose shares' buckets are reduce-scattered;
+    ``gather_dtype``: what ZeRO-1's parameter all-gathers send where it is not the traced dtype
+    (the half copies under mixed precision, ``passes/precision.py:compute_param_dtype``)."""
     mesh = comm.mesh_shape
     share = 1.0 / max(micro_batches, 1)  # of the tables' seconds, in the backward that reduces
     deferred = deferred_grad_axes(tg, choice, mesh)
@@ -615,7 +618,7 @@ def price_grad_sync(
     # at the step, a reduce-scattered bucket's gradients are this rank's shares only, where the
     # tables hold them whole: the gathers in flight then add only what exceeds that
     saved = sum(b.nbytes * (1 - 1 / math.prod(mesh[a] for a in b.axes)) for b in buckets if b.scatter)
-    gathers = zero_one_gathers_bytes(tg, choice, mesh, scatter_axes, grad_dtype)
+    gathers = zero_one_gathers_bytes(tg, choice, mesh, scatter_axes, gather_dtype)
     return GradSyncCost(
         deferred, inline_f, allreduce, hidden, shared, copy, tuple(buckets),
         gathers_bytes=gathers, shares_saved_bytes=saved,
@@ -645,9 +648,9 @@ def zero_one_gathers_bytes(
     gathered parameters (every rank's slot) and this rank's shares concatenated to send (``1 / d``
     of that), until the forward waits for it and its parts are copied into place. They start while
     the step's gradients are still held (a training loop zeroes them after ``step`` returns), so the
-    plan's peak counts them at the step's position (``plan_peak``). ``param_dtype``: the masters'
-    dtype where it is not the traced one (fp32 under mixed precision, ``passes/trades.py:
-    grad_dtype``). 0 without ZeRO-1's axes. Buckets of one dtype and one set of axes, as codegen
+    plan's peak counts them at the step's position (``plan_peak``). ``param_dtype``: the dtype the
+    gathers send where it is not the traced one (the half copies of the masters under mixed
+    precision, ``passes/precision.py:compute_param_dtype``: ``codegen/zero_one.py`` gathers half). 0 without ZeRO-1's axes. Buckets of one dtype and one set of axes, as codegen
     forms them, are not told apart here (a model has one of each under one plan)."""
     if not scatter_axes:
         return 0.0

@@ -34,7 +34,7 @@ from autopar.passes.infeasible import blocked
 from autopar.passes.memory_row import lower_bound_bytes
 from autopar.passes.outcome import Entry, Verdict
 from autopar.passes.pipeline import PipelinePrice
-from autopar.passes.precision import grad_dtype
+from autopar.passes.precision import compute_param_dtype, grad_dtype
 from autopar.passes.price import expanded_choice, grad_sync_cost, plan_peak
 from autopar.passes.solver import (
     EXACT_FOLD_MAX_PAIRS,
@@ -270,8 +270,9 @@ def priced_solution(p: MeshProblem, sol: Solution) -> tuple[dict[str, Strategy],
     k = ctx.trades.micro_batches if ctx is not None else 1
     gd = grad_dtype(ctx.trades.precision) if ctx is not None else None
     sa = zero_one_axes(ctx.trades) if ctx is not None else ()
+    pd = compute_param_dtype(ctx.trades.precision) if ctx is not None else None
     gs = grad_sync_cost(
-        p.tg, p.infos, p.tables, sol, choice, p.cluster, p.run.mesh, p.options.outputs, k, gd, sa
+        p.tg, p.infos, p.tables, sol, choice, p.cluster, p.run.mesh, p.options.outputs, k, gd, sa, pd
     )
     if ctx is None:
         return choice, gs, TradeTerms()

@@ -37,6 +37,16 @@ def grad_dtype(precision: Precision | None) -> torch.dtype | None:
     return torch.float32 if precision is not None and precision.mixed else None
 
 
+def compute_param_dtype(precision: Precision | None) -> torch.dtype | None:
+    """The dtype the forward reads floating parameters in where it is not the traced one: the half
+    type under mixed precision, at every ZeRO stage (FSDP2's ``MixedPrecisionPolicy.param_dtype``
+    under ZeRO-2/3, the half copies of ``codegen/local_params.py`` otherwise), so embeddings and
+    norms output half and the residual stream is half. ZeRO-1's all-gathers after the step send
+    it too (``codegen/zero_one.py``): what the next forward reads is the half copy of the masters.
+    One rule for the runtime and the prices (``half_infos``, ``passes/grad_sync.py``)."""
+    return half_dtype(precision) if precision is not None and precision.mixed else None
+
+
 def auto_precision(infos: dict[str, NodeInfo]) -> Precision:
     """The parameters' dtype for fp32 models (numerics as the user wrote them); bf16 mixed
     precision (fp32 masters and optimizer state) for half-precision ones, as they are trained."""
@@ -105,14 +115,17 @@ def half_infos(
     tg: TracedGraph, infos: dict[str, NodeInfo], precision: Precision, kind: DeviceKind
 ) -> dict[str, NodeInfo]:
     """Under mixed precision, every floating value in the dtype it runs in: the parameters are fp32
-    masters and the graph runs under ``torch.autocast`` (``codegen/zero.py``), so, op by op, as
+    masters, read by the forward as half copies at every ZeRO stage (``compute_param_dtype``), and
+    the graph runs under ``torch.autocast`` (``codegen/zero.py``), so, op by op, as
     the autocast of devices of ``kind`` does (``autocast_device``; its lists: ``AUTOCAST_BY_KIND``,
     UnsupportedDeviceKindError for a kind it lacks): its half-type ops (matmuls, attention) give
     the half type, its fp32 ops (CUDA's: ``pow``, ``rsqrt``, softmax, sums, losses, ...; the
     CPU's: losses) fp32, explicit casts what they cast to, and the
-    rest the widest floating dtype among their inputs (a residual stream fed by an fp32 embedding
-    stays fp32). Bytes (moved, kept, temporaries) follow the dtype. Parameters keep their traced
-    dtype here (``apply_trades`` prices masters and copies). A value whose every use is an
+    rest the widest floating dtype among their inputs (a residual stream fed by the half embedding
+    is half; one an fp32 op or cast feeds is fp32), a device move (``passes/trace.py:
+    device_moves_keep_dtype``) its input's. Bytes (moved, kept, temporaries) follow the dtype.
+    Parameters keep their traced dtype and bytes here (``apply_trades`` prices masters and the
+    half copies); their reshards move the half copy (``moved_dtype``). A value whose every use is an
     autocast GEMM moves through its reshards as its half copy (``NodeInfo.moved_dtype``,
     ``passes/half_reshard.py``). Halving every fp32 value instead prices a Llama's activations on an H200 at 7.7 GiB where a forward keeps 11.2 GiB
     (``benchmarks/bench_gpu_trades.py``)."""
@@ -132,7 +145,8 @@ def half_infos(
             runtime[node.name] = traced
             continue
         if node.op == "placeholder":
-            rt = torch.float32 if info.role is Role.PARAM else traced
+            # the forward reads a parameter as its half copy (compute_param_dtype)
+            rt = half if info.role is Role.PARAM else traced
         elif node.op != "call_function":
             rt = traced
         elif node.target is operator.getitem:  # an output of a multi-output op: as that op ran
@@ -149,6 +163,8 @@ def half_infos(
                 rt = half
             elif op in fp32_ops:
                 rt = torch.float32
+            elif op == "aten.to" and "dtype" in node.kwargs and node.kwargs["dtype"] is None and floats:
+                rt = max(floats, key=lambda d: d.itemsize)  # a device move keeps its input's dtype
             elif op in _CASTS or not floats:
                 rt = traced  # cast to what the trace says, or made from no floating input
             else:
@@ -156,7 +172,13 @@ def half_infos(
         runtime[node.name] = rt
         # its reshards move the half copy every use casts it to (passes/half_reshard.py)
         moved = half if rt.itemsize > half.itemsize and casts_before_reshard(node) else None
-        if info.role is Role.PARAM or (rt == traced and moved is None):
+        if info.role is Role.PARAM:
+            # its bytes stay the traced ones (``apply_trades`` prices masters and the half copy);
+            # its reshards move the half copy the forward reads
+            if traced.itemsize > half.itemsize:
+                out[node.name] = dataclasses.replace(info, moved_dtype=half)
+            continue
+        if rt == traced and moved is None:
             continue
         r = rt.itemsize / traced.itemsize
         out[node.name] = dataclasses.replace(

@@ -88,16 +88,18 @@ def grad_sync_cost(
     micro_batches: int = 1,
     grad_dtype: torch.dtype | None = None,
     scatter_axes: tuple[int, ...] = (),
+    gather_dtype: torch.dtype | None = None,
 ) -> GradSyncCost:
     """The solution's gradient buckets on the backward timeline (``price_grad_sync``; with
     ``micro_batches``, that of the last micro-batch, which alone reduces; ``grad_dtype``: the
     gradients' dtype at run time, ``passes/precision.py:grad_dtype``; ``scatter_axes``: ZeRO-1's,
-    ``passes/trade_terms.py:zero_one_axes``)."""
+    ``passes/trade_terms.py:zero_one_axes``; ``gather_dtype``: what ZeRO-1's gathers send,
+    ``passes/precision.py:compute_param_dtype``)."""
     compute = {n: _node_compute(tables, sol, n) for n in choice}
     comm = CommModel(cluster, mesh)
     return price_grad_sync(
         tg, infos, choice, compute, comm, cluster.device.comm_overlap, outputs, tuple(tables.bucket_fixed),
-        chosen_matmul_s(tables, sol), micro_batches, grad_dtype, scatter_axes,
+        chosen_matmul_s(tables, sol), micro_batches, grad_dtype, scatter_axes, gather_dtype,
     )  # fmt: skip
 
 

@@ -37,7 +37,7 @@ from autopar.passes.pipeline import (
     price_pipeline,
     stage_tables,
 )
-from autopar.passes.precision import grad_dtype
+from autopar.passes.precision import compute_param_dtype, grad_dtype
 from autopar.passes.price import grad_sync_cost
 from autopar.passes.search_problem import Problem
 from autopar.passes.trace import Role, TracedGraph
@@ -201,7 +201,7 @@ class PipelineRungs:
         if trades is not solved.trades:
             gs = grad_sync_cost(
                 tg, cinfos, traded, solved.sol, solved.choice, sub, run.mesh, options.outputs, trades.micro_batches,
-                grad_dtype(trades.precision), zero_one_axes(trades),
+                grad_dtype(trades.precision), zero_one_axes(trades), compute_param_dtype(trades.precision),
             )  # fmt: skip
         else:
             gs = solved.gs

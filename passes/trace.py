@@ -150,6 +150,7 @@ def trace(
     if experts:
         fold_experts(tg.graph_module)
     unmerge_row_reshapes(tg.graph_module, recompile=False)
+    device_moves_keep_dtype(tg.graph_module)
     # the passes above and the tracers' clean-ups edit the graph alone: its code is generated once
     # here (a recompile of a 32-layer Llama's graph costs a tenth of a second)
     tg.graph_module.recompile()
@@ -246,6 +247,24 @@ def _merge_tied(
         gm.graph.erase_node(nodes[p.name])
         del state[p.target]
     return keep  # ``trace`` recompiles the root once
+
+
+def device_moves_keep_dtype(gm: fx.GraphModule) -> None:
+    """A ``x.to(device)`` is traced as ``aten.to.dtype_layout(x, dtype=<x's traced dtype>,
+    device=...)``: a no-op in the trace, but under mixed precision, where ``x`` runs in the half
+    type (GPT-2's position embedding, read as a half copy: ``codegen/local_params.py``), it would
+    upcast it to the traced fp32 where eager PyTorch keeps its dtype. Such a node (a device given,
+    the dtype its input's own in the trace) is given ``dtype=None``: the same value at the traced
+    dtypes, the input's dtype at run time (``passes/precision.py:half_infos`` prices it so). An
+    explicit cast (``x.to(torch.float32)``, ``aten.to.dtype``: RMSNorm's upcast) is left alone."""
+    for n in gm.graph.nodes:
+        if n.op != "call_function" or n.target is not torch.ops.aten.to.dtype_layout:
+            continue
+        src = n.args[0] if n.args else None
+        val = src.meta.get("val") if isinstance(src, fx.Node) else None
+        dtype = n.kwargs.get("dtype")
+        if n.kwargs.get("device") is not None and isinstance(val, torch.Tensor) and dtype == val.dtype:
+            n.kwargs = {**n.kwargs, "dtype": None}
 
 
 _ASSERTS = (torch.ops.aten._assert_tensor_metadata.default, torch.ops.aten._assert_scalar.default)

@@ -20,7 +20,7 @@ from autopar.passes.analyze import NodeInfo
 from autopar.passes.blocks import Block
 from autopar.passes.costs import CostTables
 from autopar.passes.offload import in_flight_bytes, parameter_offload_seconds
-from autopar.passes.precision import dtype_bytes
+from autopar.passes.precision import compute_param_dtype, dtype_bytes
 from autopar.passes.trace import Role
 from autopar.passes.trades import in_block, param_nodes, param_state, piece_elems
 from autopar.reshard import Collective
@@ -121,19 +121,19 @@ def trade_terms(
     host_step = 0.0
     axis_parts = [a for a in trades.data_axes if mesh[a] > 1]
     d = math.prod(mesh[a] for a in axis_parts) if axis_parts else 1
+    read = compute_param_dtype(trades.precision)
+    cast_elems = 0.0  # elements of the half copies cast each step (below ZeRO-2)
     for v, i in choice.items():
         info = infos[v]
         if info.role is not Role.PARAM or not info.requires_grad:
             continue
         elems = piece_elems(info, tables.strategies[v][i].out, mesh)
-        # FSDP2 gathers the half copies (``MixedPrecisionPolicy.param_dtype``), ZeRO-1 the fp32
-        # masters it steps (``codegen/zero_one.py``)
+        if read is not None and info.dtype is not None and info.dtype.is_floating_point:
+            cast_elems += elems * len(members[v])  # of its fp32 master (``codegen/zero.py:_upcast``)
+        # FSDP2 gathers the half copies (``MixedPrecisionPolicy.param_dtype``), ZeRO-1 the half
+        # copies of the shares it steps (``codegen/zero_one.py``): ``compute_param_dtype``
         gbytes = elems * (4 if trades.precision.mixed else dtype_bytes(info.dtype))  # the masters' too
-        cbytes = (
-            gbytes
-            if z == ZeroStage.OPTIMIZER
-            else elems * (2 if trades.precision.mixed else dtype_bytes(info.dtype))
-        )
+        cbytes = elems * dtype_bytes(read if read is not None else info.dtype)
         for m in members[v]:
             b = next((blk.index for blk in blocks if m in blk.params), None)
             if b is None:
@@ -229,6 +229,14 @@ def trade_terms(
         if trades.recompute is not Recompute.NONE and blocks:
             saved -= remat
         terms.bytes_saved["recompute" if trades.recompute is not Recompute.NONE else "micro_batches"] = saved
+    if read is not None and z < ZeroStage.GRADIENTS and cast_elems:
+        # the half copies the forward reads (``codegen/local_params.py``): each fp32 master read and
+        # its copy written once a step (kept for every micro-batch and a pipeline's chunks), twice
+        # where a single forward's recomputation casts its blocks' anew in backward. FSDP2's casts
+        # (ZeRO-2/3) run in its gathers' copy-in and are not priced here
+        casts = 2 if trades.recompute is not Recompute.NONE and k == 1 else 1
+        per_elem = 4 + read.itemsize
+        terms.seconds["precision"] = casts * cast_elems * per_elem / cluster.device.memory_bandwidth
     if k > 1:
         n_calls = sum(  # graph edges that reshard (an entry stands for ``count`` of them)
             e.count

@@ -25,8 +25,8 @@ elements, ``d`` the product of the data axes' sizes it is replicated over, ``q``
 state copies, ``b`` the master/optimizer bytes per element: 4 under mixed precision, else the
 parameter's):
 
-* parameter memory: ``e b`` (+ ``2e`` under mixed precision: the half copy autocast makes and
-  backward keeps) below ZeRO-2; from ZeRO-2 (FSDP2) a shard ``e b / d`` and, under ZeRO-2 only,
+* parameter memory: ``e b`` (+ ``2e`` under mixed precision: the half copy the forward reads
+  and backward keeps, ``codegen/local_params.py``) below ZeRO-2; from ZeRO-2 (FSDP2) a shard ``e b / d`` and, under ZeRO-2 only,
   the gathered parameter kept through the step (``2e`` under mixed precision, FSDP2 gathering in
   the half type); gradients ``e b / (d if ZeRO >= 2)`` (ZeRO-1's reduce-scatters leave ``1/d`` of
   them once backward has reduced each bucket, but the whole gradients are built first: priced
@@ -36,8 +36,9 @@ parameter's):
   device keeps ZeRO-2's gathered parameters only, under ``Offload.PARAMETERS`` ZeRO-3's blocks in
   flight only (its transient). The optimizer step runs on ``1/d`` of the elements
   from ZeRO-1 (``compute.optimizer_step_time``).
-* ZeRO-1 all-gathers the updated parameters (the fp32 masters under mixed precision, as the
-  data-parallel all-reduce sends fp32 gradients: ``passes/precision.py:grad_dtype``) after the step, behind the next forward
+* ZeRO-1 all-gathers the updated parameters (their half copies under mixed precision, what the
+  next forward reads: ``passes/precision.py:compute_param_dtype``; the owner keeps its share's fp32
+  master) after the step, behind the next forward
   (``codegen/zero_one.py``; Megatron-LM's ``--overlap-param-gather``): the gathers run back to
   back from the step's end, bucket ``j``'s readers start once it has landed, and the windows they
   hide behind are the first micro-batch's forward (the gathers run once a step), block by block:
@@ -149,7 +150,7 @@ def state_bytes(
         return StateBytes(gathered + shard, g, o, 0.0)
     p = elems * master
     if trades.precision.mixed:
-        p += elems * 2  # the half copy autocast makes, kept for backward
+        p += elems * 2  # the half copy the forward reads, kept for backward
     g = elems * master
     o = optimizer.value * elems * master / (d if z >= ZeroStage.OPTIMIZER else 1)
     return StateBytes(p, g, o, 0.0)

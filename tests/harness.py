@@ -162,17 +162,28 @@ def padded(model, inputs):
     return model, {**inputs, "attention_mask": mask, "labels": inputs["labels"].masked_fill(mask == 0, -100)}
 
 
+def half_copy_forward(model, inputs: dict, dtype: torch.dtype = torch.bfloat16, device_type: str = "cpu"):
+    """One forward of the single-device ``model`` as autopar runs mixed precision at every ZeRO
+    stage (``codegen/local_params.py``, FSDP2's ``MixedPrecisionPolicy``): every floating parameter
+    read as its half copy, cast once (tied ones once), under ``torch.autocast``; the gradients flow
+    back through the casts into the fp32 parameters."""
+    params = {n: p.to(dtype) if p.is_floating_point() else p for n, p in model.named_parameters()}
+    with torch.autocast(device_type, dtype=dtype):
+        return torch.func.functional_call(model, params, (), inputs, tie_weights=True)
+
+
 def adam_reference(
-    model, inputs, steps: int, lr: float, eps: float = 1e-8
+    model, inputs, steps: int, lr: float, eps: float = 1e-8, half: torch.dtype | None = None
 ) -> tuple[list[float], dict[str, torch.Tensor]]:
     """The single-device run a parallel one is checked against: ``steps`` Adam steps on the
     model's own loss; (the loss of every step, the state dict after them). A larger ``eps`` keeps
     Adam from blowing up rounding noise where a gradient is zero in exact arithmetic (attention's
-    key bias: softmax ignores a shift shared by a row's scores)."""
+    key bias: softmax ignores a shift shared by a row's scores). ``half``: mixed precision, each
+    forward ``half_copy_forward`` in that type (fp32 masters: the model's parameters)."""
     opt = torch.optim.Adam(model.parameters(), lr=lr, eps=eps)
     losses = []
     for _ in range(steps):
-        loss = model(**inputs).loss
+        loss = (half_copy_forward(model, inputs, half) if half is not None else model(**inputs)).loss
         loss.backward()
         losses.append(loss.item())
         opt.step()

@@ -264,24 +264,39 @@ def test_half_model_priced_as_its_fp32_twin(zero):
     assert bf16.peak_memory_bytes == fp32.peak_memory_bytes
 
 
-def test_zero_one_gathers_priced_as_fp32_masters():
-    """ZeRO-1 steps the fp32 masters and all-gathers them (``codegen/zero_one.py``), under mixed
-    precision too, as it reduces fp32 gradients: its communication under bf16 mixed precision is
-    that of the same fp32 model trained in fp32 (the data-parallel plan sends nothing else). It was
-    priced with half-type gathers."""
+def test_zero_one_gathers_priced_in_the_half_type():
+    """Under mixed precision ZeRO-1 reduce-scatters fp32 gradients into the shares it steps and
+    all-gathers their half copies (``codegen/zero_one.py``; ``passes/precision.py:
+    compute_param_dtype``): its communication (the data-parallel plan sends nothing else) lies
+    strictly between the fp32 model's in fp32 (fp32 both ways) and the bf16 model's in bf16 (bf16
+    both ways). Gathers priced fp32 would price it as the fp32 model's."""
     from autopar.examples import mlp
     from autopar.trades import Precision
 
-    model, inputs = mlp(batch=64, hidden=512, ffn=2048)
     cluster = autopar.ClusterSpec.parse("h100-sxm:2x8")
     comm = {}
-    for precision in (Precision.PARAM, Precision.BF16):
+    for dtype, precision in (
+        (None, Precision.PARAM),
+        (None, Precision.BF16),
+        (torch.bfloat16, Precision.PARAM),
+    ):
+        model, inputs = mlp(batch=64, hidden=512, ffn=2048)
+        if dtype is not None:
+            model, inputs = (
+                model.to(dtype),
+                pytree.tree_map_only(torch.Tensor, lambda t, d=dtype: t.to(d), inputs),
+            )
         res = autopar.search(
             model, cluster, inputs, mesh_shape=(16,), axis_roles=(D,), zero_stage=1,
             precision=precision, recompute="none", micro_batches=1,
         )  # fmt: skip
-        comm[precision] = res.plan.predicted.comm_s
-    assert comm[Precision.BF16] == pytest.approx(comm[Precision.PARAM], rel=1e-9)
+        comm[(dtype, precision)] = res.plan.predicted.comm_s
+    fp32, mixed, bf16 = (
+        comm[(None, Precision.PARAM)],
+        comm[(None, Precision.BF16)],
+        comm[(torch.bfloat16, Precision.PARAM)],
+    )
+    assert bf16 < mixed < fp32, comm
 
 
 def test_zero_one_buckets_are_reduce_scattered():

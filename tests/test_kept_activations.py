@@ -2,12 +2,12 @@
 autograd saves in a real forward of the generated module (CPU autocast; one gloo rank, and two:
 TP2, CP2 as a ring and as all-to-all).
 
-Under mixed precision (fp32 masters, ``torch.autocast``) a Llama's residual stream is fp32 (the
-fp32 embedding feeds it) and the fused ``autopar::rms_norm`` keeps only its residual sum; its
-normed output is fp32 too, but nobody keeps it: each linear that reads it saves its own bf16
-cast (autocast caches casts of leaf parameters only), or, under TP, the one cast the generated
-code makes before their Megatron "f". The tables once charged the norm with both of its outputs
-(the normed fp32 value it never keeps) and its linears with nothing.
+Under mixed precision (fp32 masters read as bf16 copies, ``torch.autocast``: ``codegen/
+local_params.py``, as FSDP2's ``MixedPrecisionPolicy`` runs every ZeRO stage) a Llama's residual
+stream is bf16 (the bf16 embedding feeds it) and the fused ``autopar::rms_norm`` keeps only its
+residual sum; its normed output, bf16 too, is kept by the linears that read it. The tables once
+charged the norm with both of its outputs (the normed value it never keeps) and its linears with
+nothing; before the half copies the stream was fp32 and each linear kept its own bf16 cast.
 """
 
 from __future__ import annotations
@@ -76,7 +76,7 @@ def _plan(layers: int, shape=SHAPE, cluster=CPU1, **layout):
 
 def _saved(layers: int, plan=None, shape=SHAPE, cluster=CPU1) -> tuple[int, int]:
     """(bytes of the storages autograd saves in one forward of the generated module, those of them
-    that are bf16 casts of its parameters)."""
+    that are the bf16 copies of its parameters the forward reads: ``codegen/local_params.py``)."""
     model, inputs = _model(layers, shape)
     plan = plan if plan is not None else _plan(layers, mesh_shape=(1,))
     pmodel = autopar.autoparallelize(model, cluster, inputs, plan=plan)
@@ -86,7 +86,7 @@ def _saved(layers: int, plan=None, shape=SHAPE, cluster=CPU1) -> tuple[int, int]
         t._local_tensor if isinstance(t, DTensor) else t for t in [*pmodel.parameters(), *pmodel.buffers()]
     ]
     state = {t.untyped_storage().data_ptr() for t in local}
-    weights = {tuple(p.shape) for p in local if p.dim() == 2}
+    weights = {tuple(p.shape) for p in local if p.dim() and p.is_floating_point()}
     seen: dict[int, tuple[int, bool]] = {}
 
     def pack(t):
@@ -117,10 +117,11 @@ def test_analyze_says_the_fused_norm_keeps_its_residual_sum_alone():
 
 def test_a_layers_kept_bytes_are_what_autograd_saves_under_mixed_precision(one_rank):
     """Per layer (two layers less one: the embedding and the loss cancel), the tables' kept bytes
-    against the bytes autograd saves in the generated module's forward, less the bf16 casts of the
-    layer's weights that autocast makes and autograd keeps (not activations: priced nowhere here).
-    The two agree exactly: the fp32 residual sums of the two norms, each linear's bf16 cast of its
-    input, attention's q, k, v, output and log-sum-exp, the rotary cos/sin, the MLP's three."""
+    against the bytes autograd saves in the generated module's forward, less the bf16 copies of the
+    layer's parameters that the forward reads and autograd keeps (not activations: priced as
+    parameter memory, ``passes/trades.py:state_bytes``). The two agree exactly: the bf16 residual
+    sums of the two norms, each linear's input, attention's q, k, v, output and log-sum-exp, the
+    rotary cos/sin, the MLP's three."""
     per_layer = _tables_kept(2) - _tables_kept(1)
     (all2, casts2), (all1, casts1) = _saved(2), _saved(1)
     measured = (all2 - casts2) - (all1 - casts1)

@@ -3,8 +3,8 @@ machine (skipped elsewhere), on its GPU (NCCL).
 
 One process, world 1, as a user with one GPU runs autopar: Hugging Face GPT-2 and Llama and
 the PaLM-style model, in bf16 (the plan's default for a half-precision model: fp32 master weights,
-bf16 compute), against the same model in eager PyTorch (fp32 weights under
-``torch.autocast``): the losses of three Adam steps and the weights
+bf16 compute), against the same model in eager PyTorch (bf16 copies of fp32 weights under
+``torch.autocast``, ``harness.half_copy_forward``): the losses of three Adam steps and the weights
 after them, within bf16's precision. A Llama built on the meta device and loaded from a
 ``save_pretrained`` folder trains as the model that was saved. Every parameter, gradient and
 optimizer state lives on the device.
@@ -21,6 +21,7 @@ import os
 import pytest
 import torch
 import torch.distributed as dist
+from harness import half_copy_forward
 from torch.distributed.tensor import Shard
 
 import autopar
@@ -65,14 +66,14 @@ def _build(name: str):
 
 
 def _eager(model, batch, device: str):
-    """(losses, state) of eager PyTorch: fp32 weights under bf16 autocast, Adam."""
+    """(losses, state) of eager PyTorch: fp32 weights read as bf16 copies under bf16 autocast
+    (``harness.half_copy_forward``: how autopar runs mixed precision), Adam."""
     model = copy.deepcopy(model).float().to(device)
     batch = {k: v.to(device) for k, v in batch.items()}
     opt = torch.optim.Adam(model.parameters(), lr=LR)
     losses = []
     for _ in range(STEPS):
-        with torch.autocast(device, dtype=torch.bfloat16):
-            loss = model(**batch).loss
+        loss = half_copy_forward(model, batch, torch.bfloat16, device).loss
         loss.backward()
         losses.append(loss.detach().float().cpu())
         opt.step()

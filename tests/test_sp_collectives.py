@@ -125,15 +125,12 @@ def test_sequence_parallel_gathers_in_bf16_and_trains_as_one_device(tmp_path, mo
     assert len(gathered) == 5
     want = sum(x.meta["val"].numel() * 2 / 2 for x in gathered)  # bf16, the half the other rank holds
     assert kept - regather == want
-    # measured, what autograd saves on each rank: that, and the bf16 copies autocast makes of the
-    # weights of K, V and up (the linears after the first of each group) when they run as
-    # aten.linear (kept for their backward); the stacked matmul keeps the masters it casts again in
-    # backward (the memory model prices the parameters' half copies as parameter memory, not here)
-    later = [n for x in gathered for n in list(x.users)[1:]]
-    copies = sum(n.args[1].meta["val"].numel() // 2 * 2 for n in later)  # column-parallel: half each
-    assert len(later) == 6
+    # measured, what autograd saves on each rank: that alone. Both paths read the same bf16 copies
+    # of the weights (``codegen/local_params.py``: cast once a forward, whatever op reads them),
+    # priced as parameter memory; before those, autocast's own casts for the linears after the first
+    # of each group (K, V, up) were kept by one path and not the other
     for rank, results in enumerate(per_rank):
-        assert results["kept"][3] - results["fused"][3] == want + copies, (
+        assert results["kept"][3] - results["fused"][3] == want, (
             rank,
             results["kept"][3],
             results["fused"][3],

@@ -220,8 +220,8 @@ def test_one_device_offloads_its_optimizer_only_when_short():
 @pytest.mark.parametrize("name", ["llama", "gpt2"])
 def test_mixed_precision_values_have_the_dtypes_autocast_gives_them(name, device):
     """Every value of the traced graph as the search prices it under bf16 mixed precision has the
-    dtype it has when the graph runs as the generated module runs it: fp32 master parameters,
-    under the device's autocast. CPU autocast runs the graph here; for CUDA's, its fp32 ops
+    dtype it has when the graph runs as the generated module runs it: fp32 master parameters read
+    as bf16 copies (``codegen/local_params.py``), under the device's autocast. CPU autocast runs the graph here; for CUDA's, its fp32 ops
     (``AUTOCAST_FP32``: ``pow``, softmax, ... which CPU autocast leaves alone) get their inputs in
     fp32, as CUDA's autocast does."""
     model, inputs = (llama_tiny if name == "llama" else gpt2_tiny)(batch=2, seq=16)
@@ -235,7 +235,8 @@ def test_mixed_precision_values_have_the_dtypes_autocast_gives_them(name, device
         if n.op == "placeholder":
             p = roles[n.name]
             value = tg.state[p.target] if p.target in tg.state else inputs[p.target]
-            args.append(value.detach().float() if p.role is Role.PARAM else value)
+            # the fp32 master's half copy, as the forward reads it
+            args.append(value.detach().float().bfloat16() if p.role is Role.PARAM else value)
     ran: dict[str, torch.dtype] = {}
 
     def fp32_op(n) -> bool:
@@ -260,8 +261,10 @@ def test_mixed_precision_values_have_the_dtypes_autocast_gives_them(name, device
     assert len(ran) > 50
     wrong = {n: (priced[n].dtype, d) for n, d in ran.items() if n in priced and priced[n].dtype != d}
     assert not wrong, wrong
-    # and the residual stream of a bf16 model trained with fp32 masters is fp32: more bytes than traced
-    assert sum(priced[n].out_bytes for n in ran) > sum(infos[n].out_bytes for n in ran)
+    # and the residual stream of a bf16 model trained with fp32 masters is bf16: the embedding's
+    # output (it was fp32 when the forward read the masters themselves)
+    embeds = [n for n in ran if _packet(infos[n].target) == "aten.embedding"]
+    assert embeds and all(priced[n].dtype == torch.bfloat16 for n in embeds), embeds
 
 
 # measured on one H200 (torch 2.11, world 1), ``benchmarks/bench_gpu_trades.py --size medium``:
@@ -289,6 +292,10 @@ def h200_llama():
     }
 
 
+@pytest.mark.skip(
+    reason="measured under the runtime before issue 42's half copies (an fp32 residual stream under ZeRO-0/1); "
+    "re-measure on an H200 with benchmarks/bench_gpu_trades.py --size medium and update H200_PEAK_MIB"
+)
 def test_mixed_precision_peaks_are_what_an_h200_measured(h200_llama):
     """The predicted peak of a bf16 Llama's step, and what recomputation and micro-batches save of
     it, within 10% of what one H200 measured (``torch.cuda.max_memory_allocated``)."""
@@ -325,6 +332,25 @@ def test_half_precision_models_train_with_fp32_masters():
     assert plan.predicted.grad_bytes == pytest.approx(4 * n, rel=1e-6)
     kept = autopar.plan(model, cluster, inputs, precision=Precision.PARAM)
     assert kept.predicted.optimizer_bytes == pytest.approx(4 * n, rel=1e-6)
+
+
+def test_half_copies_cast_once_a_step_are_priced():
+    """Under mixed precision below ZeRO-2 the forward reads half copies of the fp32 masters, cast
+    once a step (``codegen/local_params.py``): each parameter element read (4 B) and written (2 B)
+    once at the device's memory bandwidth; twice with recomputation in a single forward, once with
+    micro-batches (the copies kept for all of them)."""
+    with torch.device("meta"):
+        model, inputs = llama(layers=2, hidden=256, ffn=512, heads=4, kv_heads=2, vocab=1024, batch=2, seq=64)
+    cluster = autopar.ClusterSpec.preset("h100-sxm", devices_per_node=1)
+    n = sum(p.numel() for p in model.parameters())
+    once = 6 * n / cluster.device.memory_bandwidth
+    for recompute, k, casts in (("none", 1, 1), ("full", 1, 2), ("full", 2, 1)):
+        plan = autopar.plan(model, cluster, inputs, recompute=recompute, micro_batches=k, zero_stage=0)
+        assert plan.trade_costs["precision"]["seconds"] == pytest.approx(casts * once, rel=1e-9), recompute
+    fsdp = autopar.plan(model, cluster, inputs, recompute="none", micro_batches=1, zero_stage=2)
+    assert "precision" not in fsdp.trade_costs
+    fp32 = autopar.plan(model, cluster, inputs, precision=Precision.PARAM, recompute="none", micro_batches=1)
+    assert "precision" not in fp32.trade_costs
 
 
 def auto_precision_of(model) -> Precision:

@@ -6,8 +6,9 @@ trades with ``dataclasses.replace(plan, trades=Trades(...))``; one spawn per wor
 configuration with ``autoparallelize(..., plan=path)`` and trains two Adam steps with
 ``pmodel.optimizer(torch.optim.Adam, lr=LR)``: the losses, the first step's full gradients (Adam
 hardly sees a gradient's scale: these catch one reduced twice or never) and ``full_state_dict()``
-equal the single-device model's (fp32: tight; bf16 mixed precision: against the model run under
-``torch.autocast("cpu", dtype=torch.bfloat16)``, within bf16's precision).
+equal the single-device model's (fp32: tight; bf16 mixed precision: against the model run on half
+copies of its fp32 weights under ``torch.autocast("cpu", dtype=torch.bfloat16)``,
+``harness.half_copy_forward``, as every ZeRO stage runs it, within bf16's precision).
 
 World 2 is a (2,) data-parallel mesh, world 4 a (2, 2) data x tensor mesh (TP x ZeRO). Memory
 moves as each stage says, per rank, measured as the bytes of the distinct local storages held
@@ -27,7 +28,7 @@ import dataclasses
 
 import pytest
 import torch
-from harness import D, T, assert_adam_state_close
+from harness import D, T, assert_adam_state_close, half_copy_forward
 from torch.distributed.tensor import DTensor
 
 import autopar
@@ -189,9 +190,8 @@ def _reference(name: str, precision: Precision):
     opt = torch.optim.Adam(model.parameters(), lr=LR)
     losses, grads = [], {}
     for step in range(STEPS):
-        if precision is BF16:
-            with torch.autocast("cpu", dtype=torch.bfloat16):
-                out = model(**inputs)
+        if precision is BF16:  # every ZeRO stage reads half copies of the fp32 masters
+            out = half_copy_forward(model, inputs, torch.bfloat16)
         else:
             out = model(**inputs)
         loss = out.loss
