@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import json
 import os
 import pstats
 import sys
@@ -109,6 +110,11 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--feed", choices=("slices", "whole"), default="slices", help="as bench_vs_torch.py's")
     ap.add_argument("--top", type=int, default=15, help="differences shown per count")
+    ap.add_argument(
+        "--dump",
+        type=Path,
+        help="write rank 0's counts per model, side and function here (JSON), to diff two runs",
+    )
     args = ap.parse_args()
     os.environ.setdefault(PRELOAD_ENV, "transformers")
     names, sizes, layouts = (a.split(",") for a in (args.models, args.sizes, args.layouts))
@@ -121,6 +127,15 @@ def main() -> None:
         )
     for key, _, _ in jobs:
         _show(key, per_rank[0][key], args.top)
+    if args.dump:
+        dumped = {
+            " ".join(key): {
+                side: {w: dict(s[w]) for w in ("per", "ops")} for side, s in per_rank[0][key].items()
+            }
+            for key, _, _ in jobs
+            if "na" not in per_rank[0][key]
+        }
+        args.dump.write_text(json.dumps(dumped, indent=1, sort_keys=True))
 
 
 if __name__ == "__main__":

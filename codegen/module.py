@@ -33,6 +33,15 @@ where some ranks do not come within ``entry_timeout_s`` seconds, those that came
 other rank of the job then raises ``PeerFailedError`` (``codegen/failures.py``), rather than
 abort in the backend or hang.
 
+The returned loss. A data-parallel plan returns the whole batch's loss, summed across ranks
+(``defer_output_sums``) without a collective of its own where backward runs: the forward leaves
+it pending (``collectives.riding``) and backward's first gradient bucket all-reduces it with the
+gradients (``codegen/grad_sync.py``, "The loss rides"), as ``DistributedDataParallel`` runs one
+collective a step; read after backward, it is there. Where no backward follows (``torch.no_grad``,
+eval, the sync turned off to accumulate) the forward starts its all-reduce itself. A read before
+backward sums it on its own: a collective, so read it there on every rank or on none (with
+``check_calls``, a rank that does alone raises ``CollectiveCallError``).
+
 Training loop. ``step(**batch)`` runs one step's forward and backward on the global batch and
 returns its loss; the optimizer steps as usual::
 
@@ -55,6 +64,7 @@ the same ``step``, ``optimizer`` and ``full_state_dict``, run by torch's pipelin
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -217,11 +227,29 @@ class ParallelModule(torch.nn.Module):
         for leaf in self._leaves:
             leaf.refresh(self.local_leaves)
         self.zero.leaves_active = self.local_leaves  # FSDP2's gathered parameters' (codegen/zero.py)
-        with C.bound_mesh(self.mesh), self.zero.autocast(self._device.type):
-            outs = self.local(*self.feeding.to_graph(flat, sliced))
+        # the returned loss rides in backward's buckets (``collectives.riding``, set here directly)
+        sync = self.grad_sync if torch.is_grad_enabled() else None
+        ride = C.RIDE.set((sync, self._read_check) if sync is not None else None)
+        try:
+            with C.bound_mesh(self.mesh), self.zero.autocast(self._device.type):
+                outs = self.local(*self.feeding.to_graph(flat, sliced))
+        finally:
+            C.RIDE.reset(ride)
         self._deferred = [o for o in outs if isinstance(o, C.DeferredSum)]
         enter_backward(self, list(outs))
         return pytree.tree_unflatten(list(outs), self._out_spec)
+
+    @property
+    def _read_check(self) -> Callable[[], None] | None:
+        """What reading the loss before backward runs first (``collectives.DeferredSum``): the loss
+        rides in backward's first gradient bucket, so a read before backward sums it on its own,
+        a collective every rank must make; with ``check_calls``, checked so (``all_entered``)."""
+        if not (self.check_calls and self.issues_collectives):
+            return None
+        ranks = self._collective_mesh().mesh.flatten().tolist()
+        return functools.partial(
+            all_entered, "reading the loss before backward", ranks, READ_FIX, self.entry_timeout_s
+        )
 
     @property
     def issues_collectives(self) -> bool:
@@ -589,6 +617,12 @@ def _hoist(graph: fx.Graph, node: fx.Node) -> bool:
         anchor.prepend(n)
     return True
 
+
+READ_FIX = (
+    "the loss is summed across ranks in backward's first gradient bucket; a rank that reads it before backward "
+    "sums it on its own, a collective: read it before backward on every rank or on none (after backward any rank "
+    "may read it alone)"
+)
 
 FULL_STATE_FIX = FULL_STATE_FIX = (
     "call it on every rank; pass rank0_only=True to keep the tensors on rank 0 only"
