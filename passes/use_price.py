@@ -78,6 +78,16 @@ def flatten_s(nbytes: float, cluster: ClusterSpec) -> float:
     return 2 * nbytes / cluster.device.memory_bandwidth * cluster.compute_slowdown
 
 
+def deferred_output(calls: Sequence) -> bool:
+    """Whether the collectives that bring a graph output to the caller (``calls``, the reshard's)
+    run off the step's path: one all-reduce (a Partial loss summed over one axis), which the
+    generated forward neither runs nor waits for (``codegen/module.py:defer_output_sums``: carried
+    by backward's first gradient bucket, or started at the forward's end and waited for where the
+    caller reads it). The output edge then costs no seconds (``passes/costs.py``) and adds no wait
+    for the slowest rank at the forward's end (``passes/price.py``)."""
+    return len(calls) == 1 and calls[0].kind is Collective.ALL_REDUCE
+
+
 def use_price(
     comm: CommModel,
     have,
