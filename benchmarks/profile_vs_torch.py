@@ -42,9 +42,12 @@ def _calls(step) -> tuple[int, Counter]:
     prof.disable()
     st = pstats.Stats(prof)
     per = Counter()
-    for (file, line, name), (_cc, nc, _tt, _ct, _callers) in st.stats.items():
-        per[f"{Path(file).name}:{line} {name}"] += nc
-    return sum(per.values()), per
+    for (file, line, name), (_cc, nc, _tt, _ct, callers) in st.stats.items():
+        key = f"{Path(file).name}:{line} {name}"
+        per[key] += nc
+        for (cfile, cline, cname), c in callers.items():  # "callee <- caller": who makes the calls
+            per[f"{key} <- {Path(cfile).name}:{cline} {cname}"] += c[0] if isinstance(c, tuple) else c
+    return sum(v for k, v in per.items() if " <- " not in k), per
 
 
 def _ops(step) -> tuple[Counter, Counter]:
@@ -91,8 +94,8 @@ def _show(key, res: dict, n: int) -> None:
             f"top-level {sum(s['top'].values()):5d}, collectives {coll}"
         )
     for what in ("top", "ops", "per"):
-        diff = Counter(a[what])
-        diff.subtract(r[what])
+        diff = Counter({k: v for k, v in a[what].items() if " <- " not in k})
+        diff.subtract({k: v for k, v in r[what].items() if " <- " not in k})
         worst = sorted(diff.items(), key=lambda kv: -abs(kv[1]))[:n]
         print(f"  {what}: autopar - reference, largest differences:")
         for name, d in worst:

@@ -164,6 +164,7 @@ class _Bucket:
         mesh: DeviceMesh,
     ):
         self.params = list(params)
+        self.size = len(self.params)
         self.keyed = [(p, id(p)) for p in self.params]  # each member with its key in ``ready``
         self.axes = axes
         self.scatter, self.dims = scatter
@@ -326,7 +327,15 @@ class GradSync:
             _local(grad).add_(g)
             self._hand_in(p, grad, add=False, pid=pid)
             return True
-        self._hand_in(p, g, add=p.grad is not None, pid=pid)
+        # ``_hand_in``, inlined: the one call a parameter makes on the usual path
+        b = self._bucket_of[pid]
+        ready = b.ready
+        ready[pid] = (g, p.grad is not None)
+        if len(ready) == b.size:
+            self._start(b)
+        if not self._queued:
+            self._queued = True
+            Variable._execution_engine.queue_callback(self.finish)
         return True
 
     def _post_hook(self, p: torch.nn.Parameter) -> None:
@@ -339,7 +348,7 @@ class GradSync:
             pid = id(p)
         b = self._bucket_of[pid]
         b.ready[pid] = (grad, add)
-        if len(b.ready) == len(b.params):
+        if len(b.ready) == b.size:
             self._start(b)
         if not self._queued:
             self._queued = True
@@ -360,7 +369,8 @@ class GradSync:
             if not add and p.grad is None:  # taken from the leaf (``_take``)
                 p.grad = _like(p, flat)
         else:
-            pieces = [_local(g) for _, g, _ in members]
+            # a plain gradient (a leaf's, the usual) costs no call; a DTensor's, its local piece
+            pieces = [g if type(g) is torch.Tensor else _local(g) for _, g, _ in members]
             flat = torch.cat([g.reshape(-1) for g in pieces] + [r.elem.reshape(-1) for r in riders])
             adds, off = [], 0
             for (p, _, add), g in zip(members, pieces):
@@ -369,8 +379,18 @@ class GradSync:
                 off += n
                 if add:
                     adds.append((p, piece))
-                else:
-                    p.grad = _like(p, piece)  # the reduced values land in .grad; the old one is freed
+                    continue
+                # the reduced values land in .grad, the old one freed: ``_like(p, piece)``, where
+                # the parameter's piece is contiguous (then its strides are the slice's) and of
+                # the slice's dtype and shape, wrapped by ``DTensor``'s C++ constructor under the
+                # parameter's own spec, as ``local_params.grad_like`` does after comparing strides
+                # (here one call, not its frame and two ``stride()``, per parameter and step)
+                if type(p) is DTensor:
+                    local = p._local_tensor
+                    if piece.dtype == local.dtype and piece.shape == local.shape and local.is_contiguous():
+                        p.grad = DTensor.__new__(DTensor, piece, p._spec, requires_grad=False)
+                        continue
+                p.grad = _like(p, piece)
         work = dist.all_reduce(flat, group=b.group, async_op=True)
         if riders:
             off = flat.numel()

@@ -81,7 +81,7 @@ from autopar.codegen import local_ops as L
 from autopar.codegen import state as S
 from autopar.codegen.agree import ENTRY_TIMEOUT_S, agree, all_entered, collective_section, enter_backward
 from autopar.codegen.feeding import Feeding, InputsError
-from autopar.codegen.local_params import LocalLeaf, wait_params
+from autopar.codegen.local_params import LocalLeaf, refresh_leaves, wait_params
 from autopar.codegen.micro_batches import batch_size, split_batch
 from autopar.codegen.zero import AppliedTrades
 from autopar.lowerings.experts import PackedSplit
@@ -224,8 +224,7 @@ class ParallelModule(torch.nn.Module):
         # the loss the last call returned, if never read: its sum completed long since (every
         # rank's backward ran after it), waited for here so that no collective stays unwaited
         C.wait_deferred(self._deferred)
-        for leaf in self._leaves:
-            leaf.refresh(self.local_leaves)
+        refresh_leaves(self._leaves, self.local_leaves)
         self.zero.leaves_active = self.local_leaves  # FSDP2's gathered parameters' (codegen/zero.py)
         # the returned loss rides in backward's buckets (``collectives.riding``, set here directly)
         sync = self.grad_sync if torch.is_grad_enabled() else None
