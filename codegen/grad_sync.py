@@ -75,15 +75,15 @@ runs inline (the "f" of tensor-parallel parameter uses) still run in each backwa
 linear, so reducing each micro-batch's gradient and summing equals reducing the sum.
 ``reductions`` counts the bucket all-reduces started, so a test can see them run once per step.
 
-**The loss rides.** The forward of a data-parallel module leaves the loss it returns (a sum
-across ranks, ``collectives.DeferredSum``) pending, handed here (``add_rider``) where some bucket
-is all-reduced over exactly its group (``rides``). The first such bucket started in the backward
-carries it: its value is appended to the bucket's flat buffer and its slot read when the
-all-reduce completes (``DeferredSum.rode``), so a step runs no collective for its loss, as
-``DistributedDataParallel``, whose ranks read their own losses, runs none. A bucket of one large
-gradient, reduced in place, carries none (``RIDE_COPY_BYTES``); one of another dtype neither. A
-sum no bucket took is started on its own in ``finish`` (the loss's backward queues it, so every
-backward through the loss ends with it started, on every rank alike).
+**The loss rides** (``ParallelModule.loss_rides``, off by default). The forward of a data-parallel
+module leaves the loss it returns (a sum across ranks, ``collectives.DeferredSum``) pending, handed
+here (``add_rider``) where some bucket is all-reduced over exactly its group (``rides``). The first
+such bucket started in the backward carries it: its value is appended to the bucket's flat buffer
+and its slot read when the all-reduce completes (``DeferredSum.rode``), so a step runs no
+collective for its loss, as ``DistributedDataParallel``, whose ranks read their own losses, runs
+none. A bucket of one large gradient, reduced in place, carries none (``RIDE_COPY_BYTES``); one of
+another dtype neither. A sum no bucket took is started on its own in ``finish`` (the loss's
+backward queues it, so every backward through the loss ends with it started, on every rank alike).
 
 The mesh whose axes the buckets name is given at construction (``codegen/build.py`` passes the
 module's own): the hooks run in backward, where no mesh is bound, and never read a global, so

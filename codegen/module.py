@@ -34,13 +34,17 @@ other rank of the job then raises ``PeerFailedError`` (``codegen/failures.py``),
 abort in the backend or hang.
 
 The returned loss. A data-parallel plan returns the whole batch's loss, summed across ranks
-(``defer_output_sums``) without a collective of its own where backward runs: the forward leaves
-it pending (``collectives.riding``) and backward's first gradient bucket all-reduces it with the
-gradients (``codegen/grad_sync.py``, "The loss rides"), as ``DistributedDataParallel`` runs one
-collective a step; read after backward, it is there. Where no backward follows (``torch.no_grad``,
-eval, the sync turned off to accumulate) the forward starts its all-reduce itself. A read before
-backward sums it on its own: a collective, so read it there on every rank or on none (with
-``check_calls``, a rank that does alone raises ``CollectiveCallError``).
+(``defer_output_sums``): its all-reduce starts where the graph computes it and is waited for where
+the caller reads it, so nothing blocks on it. With ``loss_rides`` (``AUTOPAR_LOSS_RIDES=1``; off
+by default) it costs no collective of its own where backward runs: the forward leaves it pending
+(``collectives.riding``) and backward's first gradient bucket all-reduces it with the gradients
+(``codegen/grad_sync.py``, "The loss rides"), as ``DistributedDataParallel`` runs one collective a
+step; read after backward, it is there. Where no backward follows (``torch.no_grad``, eval, the
+sync turned off to accumulate) the forward starts its all-reduce itself. A read before backward
+sums it on its own: a collective, so read it there on every rank or on none (with
+``check_calls``, a rank that does alone raises ``CollectiveCallError``). Off by default because on
+gloo CPU ranks a step measured slower with it (backward about 1.5 ms longer on the tiny Llama,
+``benchmarks/README.md``, "The loss riding in the bucket"), though it runs one collective fewer.
 
 Training loop. ``step(**batch)`` runs one step's forward and backward on the global batch and
 returns its loss; the optimizer steps as usual::
@@ -102,6 +106,9 @@ class ParallelModule(torch.nn.Module):
     # its process exits, as ``PeerFailedError`` (``codegen/failures.py``). ``AUTOPAR_CHECK_CALLS=1``
     # turns it on for every module.
     check_calls: bool = os.environ.get("AUTOPAR_CHECK_CALLS", "") not in ("", "0")
+    # the returned loss rides in backward's first gradient bucket (module docstring, "The returned
+    # loss"): off by default, measured slower on gloo CPU ranks (benchmarks/README.md)
+    loss_rides: bool = os.environ.get("AUTOPAR_LOSS_RIDES", "") not in ("", "0")
     # whether the generated forward computes on the parameters' plain leaves (shared storage, the
     # gradient moved to the DTensor parameter's .grad: codegen/local_params.py) rather than through
     # DTensor.to_local; False (AUTOPAR_LOCAL_LEAVES=0 for every module) puts the parameters
@@ -226,8 +233,9 @@ class ParallelModule(torch.nn.Module):
         C.wait_deferred(self._deferred)
         refresh_leaves(self._leaves, self.local_leaves)
         self.zero.leaves_active = self.local_leaves  # FSDP2's gathered parameters' (codegen/zero.py)
-        # the returned loss rides in backward's buckets (``collectives.riding``, set here directly)
-        sync = self.grad_sync if torch.is_grad_enabled() else None
+        # with ``loss_rides``, the returned loss rides in backward's buckets (``collectives.riding``,
+        # set here directly); else a ride set by an outer module's forward is cleared
+        sync = self.grad_sync if self.loss_rides and torch.is_grad_enabled() else None
         ride = C.RIDE.set((sync, self._read_check) if sync is not None else None)
         try:
             with C.bound_mesh(self.mesh), self.zero.autocast(self._device.type):

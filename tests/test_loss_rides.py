@@ -1,5 +1,5 @@
-"""The loss a data-parallel module returns rides in backward's first gradient bucket
-(``codegen/grad_sync.py``, "The loss rides"): a training step runs as many gloo collectives as it
+"""With ``loss_rides``, the loss a data-parallel module returns rides in backward's first gradient
+bucket (``codegen/grad_sync.py``, "The loss rides"): a training step runs as many gloo collectives as it
 has buckets (``GradSync.reductions``), none for the loss, as ``DistributedDataParallel`` runs none
 for it. Against the single-device model, on 2 gloo ranks, the MLP (a mean loss) and GPT-2 (a
 token-mean cross-entropy whose count is all-reduced from the top of the forward): the loss read
@@ -49,6 +49,7 @@ def _gloo_all_reduces(fn) -> tuple[int, object]:
 def _rank(rank, world, plan_path, name):
     model, inputs = BUILDS[name]()
     pmodel = autopar.autoparallelize(model, free_link_cpu(world), inputs, plan=plan_path)
+    pmodel.loss_rides = True
     sync = pmodel.grad_sync
     res = {}
 
@@ -124,6 +125,7 @@ def test_the_loss_rides_in_the_first_bucket(tmp_path, name):
 def _lone_reader(rank, world, plan_path):
     model, inputs = _mlp()
     pmodel = autopar.autoparallelize(model, free_link_cpu(world), inputs, plan=plan_path)
+    pmodel.loss_rides = True
     pmodel.check_calls = True
     pmodel.entry_timeout_s = 20.0
     loss = _loss(pmodel, inputs)
