@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import json
 import os
 import pstats
 import sys
@@ -41,9 +42,12 @@ def _calls(step) -> tuple[int, Counter]:
     prof.disable()
     st = pstats.Stats(prof)
     per = Counter()
-    for (file, line, name), (_cc, nc, _tt, _ct, _callers) in st.stats.items():
-        per[f"{Path(file).name}:{line} {name}"] += nc
-    return sum(per.values()), per
+    for (file, line, name), (_cc, nc, _tt, _ct, callers) in st.stats.items():
+        key = f"{Path(file).name}:{line} {name}"
+        per[key] += nc
+        for (cfile, cline, cname), c in callers.items():  # "callee <- caller": who makes the calls
+            per[f"{key} <- {Path(cfile).name}:{cline} {cname}"] += c[0] if isinstance(c, tuple) else c
+    return sum(v for k, v in per.items() if " <- " not in k), per
 
 
 def _ops(step) -> tuple[Counter, Counter]:
@@ -90,8 +94,8 @@ def _show(key, res: dict, n: int) -> None:
             f"top-level {sum(s['top'].values()):5d}, collectives {coll}"
         )
     for what in ("top", "ops", "per"):
-        diff = Counter(a[what])
-        diff.subtract(r[what])
+        diff = Counter({k: v for k, v in a[what].items() if " <- " not in k})
+        diff.subtract({k: v for k, v in r[what].items() if " <- " not in k})
         worst = sorted(diff.items(), key=lambda kv: -abs(kv[1]))[:n]
         print(f"  {what}: autopar - reference, largest differences:")
         for name, d in worst:
@@ -109,6 +113,11 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--feed", choices=("slices", "whole"), default="slices", help="as bench_vs_torch.py's")
     ap.add_argument("--top", type=int, default=15, help="differences shown per count")
+    ap.add_argument(
+        "--dump",
+        type=Path,
+        help="write rank 0's counts per model, side and function here (JSON), to diff two runs",
+    )
     args = ap.parse_args()
     os.environ.setdefault(PRELOAD_ENV, "transformers")
     names, sizes, layouts = (a.split(",") for a in (args.models, args.sizes, args.layouts))
@@ -121,6 +130,15 @@ def main() -> None:
         )
     for key, _, _ in jobs:
         _show(key, per_rank[0][key], args.top)
+    if args.dump:
+        dumped = {
+            " ".join(key): {
+                side: {w: dict(s[w]) for w in ("per", "ops")} for side, s in per_rank[0][key].items()
+            }
+            for key, _, _ in jobs
+            if "na" not in per_rank[0][key]
+        }
+        args.dump.write_text(json.dumps(dumped, indent=1, sort_keys=True))
 
 
 if __name__ == "__main__":

@@ -182,23 +182,35 @@ class DeferredSum(torch.Tensor):
     tensors). Written here rather than on ``AsyncCollectiveTensor`` because that one waits on
     ``ones_like`` (so backward would start with the wait) and maps every op's arguments through
     pytree: about 420 Python calls a step for the few ops a training loop runs on its loss, where
-    this one makes about 40 (``benchmarks/profile_vs_torch.py``)."""
+    this one makes about 40 (``benchmarks/profile_vs_torch.py``).
+
+    A sum may also be not started yet (``pending``: ``elem`` is this rank's own value, ``group``
+    the group to sum it over, ``riding``): it then rides in the first gradient bucket backward
+    all-reduces (``codegen/grad_sync.py``, "The loss rides"), which calls ``rode`` with its slot
+    of the bucket and the bucket's work, so the sum costs no collective of its own. Where it is
+    read before any bucket took it, or ``start`` is called (the next forward, the end of a
+    backward that started no bucket), it is all-reduced on its own."""
 
     elem: torch.Tensor
     then: object
     value: torch.Tensor | None
-    __slots__ = ["elem", "then", "value"]
+    group: object
+    work: object
+    check: object
+    __slots__ = ["elem", "then", "value", "group", "work", "check"]
     __torch_function__ = torch._C._disabled_torch_function_impl  # straight to dispatch, no Python
 
     @staticmethod
-    def __new__(cls, elem: torch.Tensor, then=None, dtype: torch.dtype | None = None):
-        """``elem``: the all-reduce's output; ``then``: a function of the waited-for ``elem`` that
-        gives the value (None: ``elem`` itself), of ``elem``'s shape and of ``dtype``."""
+    def __new__(cls, elem: torch.Tensor, then=None, dtype: torch.dtype | None = None, group=None, check=None):
+        """``elem``: the all-reduce's output (or, with ``group``, this rank's value, not yet summed
+        over ``group``); ``then``: a function of the waited-for sum that gives the value (None: the
+        sum itself), of ``elem``'s shape and of ``dtype``; ``check``: called before a read starts
+        a pending sum on its own (``ParallelModule.check_calls``: every rank must read it so)."""
         r = torch.Tensor._make_wrapper_subclass(
             cls, elem.size(), strides=elem.stride(), storage_offset=elem.storage_offset(),
             dtype=dtype or elem.dtype, layout=elem.layout, device=elem.device, requires_grad=False,
         )  # fmt: skip
-        r.elem, r.then, r.value = elem, then, None
+        r.elem, r.then, r.value, r.group, r.work, r.check = elem, then, None, group, None, check
         return r
 
     @property
@@ -206,10 +218,34 @@ class DeferredSum(torch.Tensor):
         """Whether the values were waited for already."""
         return self.value is not None
 
+    @property
+    def pending(self) -> bool:
+        """Whether the sum is not started yet (it waits for a gradient bucket to ride in)."""
+        return self.group is not None
+
+    def rode(self, slot: torch.Tensor, work) -> None:
+        """The sum rides in a bucket: ``slot`` (``elem.numel()`` elements) is where the bucket's
+        all-reduce, ``work``, leaves it."""
+        self.elem, self.work, self.group = slot.view(self.elem.shape), work, None
+
+    def start(self) -> None:
+        """Start a pending sum on its own (a functional all-reduce); nothing for a started one."""
+        group = self.group
+        if group is not None:
+            self.group = None
+            self.elem = torch.ops._c10d_functional.all_reduce(self.elem.contiguous(), "sum", group.group_name)
+
     def wait(self) -> torch.Tensor:
         """The values (waiting for the all-reduce the first time)."""
         if self.value is None:
-            torch.ops._c10d_functional.wait_tensor(self.elem)
+            if self.group is not None:  # read before backward: the sum, on its own
+                if self.check is not None:
+                    self.check()
+                self.start()
+            if self.work is not None:
+                self.work.wait()
+            else:
+                torch.ops._c10d_functional.wait_tensor(self.elem)
             self.value = self.elem if self.then is None else self.then(self.elem)
         return self.value
 
@@ -237,6 +273,34 @@ class DeferredSum(torch.Tensor):
         return func(*args, **kwargs)
 
 
+# (the gradient sync, the read check) where a returned sum may ride in a bucket (``riding``)
+RIDE: ContextVar[tuple | None] = ContextVar("autopar_loss_ride", default=None)
+
+
+@contextmanager
+def riding(sync, check=None) -> Iterator[None]:
+    """Inside, a returned sum (``all_reduce_deferred``, ``mean_deferred``) of a value that requires
+    gradient is left pending and handed to ``sync`` (``codegen/grad_sync.GradSync``: ``rides``,
+    ``add_rider``), to ride in backward's first bucket reduced over its group, rather than started
+    at once; ``check``: what a read before backward calls first (``DeferredSum``). ``sync`` None:
+    no effect."""
+    token = RIDE.set((sync, check) if sync is not None else None)
+    try:
+        yield
+    finally:
+        RIDE.reset(token)
+
+
+def _rider(ride: tuple | None, x: torch.Tensor, group, then=None, dtype=None) -> DeferredSum | None:
+    """A pending sum of ``x`` over ``group``, handed to the sync of ``ride`` (``riding``'s), or
+    None: no ride, or none of its buckets is reduced over ``group`` alone."""
+    if ride is None or not ride[0].rides(group):
+        return None
+    d = DeferredSum(x.detach(), then, dtype, group=group, check=ride[1])
+    ride[0].add_rider(d)
+    return d
+
+
 def _waited(a):
     """An op's argument with every ``DeferredSum`` in it (or in a list or tuple of it) waited for."""
     if type(a) is DeferredSum:
@@ -258,8 +322,12 @@ _SHAPE_ONLY = frozenset(
 
 class _AllReduceDeferred(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, axis, mesh):
+    def forward(ctx, x, axis, mesh, ride):
         group = axis_group(mesh, axis)
+        rider = _rider(ride, x, group)
+        ctx.sync = ride[0] if rider is not None else None
+        if rider is not None:  # pending: rides in backward's first bucket (``riding``)
+            return rider
         # the functional all-reduce: a new tensor, its work registered with it (waited for by
         # ``wait_tensor``, which ``DeferredSum`` calls when the values are first read)
         out = torch.ops._c10d_functional.all_reduce(x.contiguous(), "sum", group.group_name)
@@ -267,7 +335,9 @@ class _AllReduceDeferred(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g):
-        return g, None, None
+        if ctx.sync is not None:  # the sum, if no bucket took it, is started where backward ends
+            ctx.sync.queue_finish()
+        return g, None, None, None
 
 
 class _ReduceScatter(torch.autograd.Function):
@@ -415,7 +485,7 @@ def all_reduce_deferred(x: torch.Tensor, axis: int) -> torch.Tensor:
     so the forward does not block on the other ranks' arriving (a sync point a
     ``DistributedDataParallel`` step, which returns each rank's own loss, does not have). Every
     rank issues it in the same place, whether or not it reads it."""
-    return _AllReduceDeferred.apply(x, axis, current_mesh())
+    return _AllReduceDeferred.apply(x, axis, current_mesh(), RIDE.get() if x.requires_grad else None)
 
 
 def all_reduce_started(x: torch.Tensor, axis: int) -> DeferredSum:
@@ -428,17 +498,24 @@ def all_reduce_started(x: torch.Tensor, axis: int) -> DeferredSum:
 
 class _MeanDeferred(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, pair, count, axis, mesh, dtype):
+    def forward(ctx, pair, count, axis, mesh, dtype, ride):
         (count,) = count  # in a tuple: no tensor argument of autograd's
         ctx.count, ctx.dtype = count, pair.dtype
         group = axis_group(mesh, axis)
+        then = lambda t: (t / count.wait()).to(dtype)  # noqa: E731
+        rider = _rider(ride, pair[0], group, then, dtype)
+        ctx.sync = ride[0] if rider is not None else None
+        if rider is not None:  # the sum rides in backward's first bucket (``riding``)
+            return rider
         total = torch.ops._c10d_functional.all_reduce(pair[0].contiguous(), "sum", group.group_name)
-        return DeferredSum(total, lambda t: (t / count.wait()).to(dtype), dtype)
+        return DeferredSum(total, then, dtype)
 
     @staticmethod
     def backward(ctx, g):
+        if ctx.sync is not None:
+            ctx.sync.queue_finish()
         c = ctx.count.wait().to(ctx.dtype)  # started in forward, before the model ran
-        return torch.stack([g.to(ctx.dtype) / c, torch.zeros_like(c)]), None, None, None, None
+        return torch.stack([g.to(ctx.dtype) / c, torch.zeros_like(c)]), None, None, None, None, None
 
 
 def mean_deferred(pair: torch.Tensor, count: DeferredSum, axis: int, dtype: torch.dtype) -> torch.Tensor:
@@ -447,13 +524,16 @@ def mean_deferred(pair: torch.Tensor, count: DeferredSum, axis: int, dtype: torc
     (``all_reduce_started``): the sum's all-reduce is started here and waited for where the loss is
     read (``DeferredSum``); backward needs only the count (d loss / d sum = 1 / count), so neither
     forward nor backward waits for the other ranks' losses."""
-    return _MeanDeferred.apply(pair, (count,), axis, current_mesh(), dtype)
+    return _MeanDeferred.apply(
+        pair, (count,), axis, current_mesh(), dtype, RIDE.get() if pair.requires_grad else None
+    )
 
 
 def wait_deferred(outs) -> None:
     """Wait for the ``DeferredSum`` among ``outs`` (a no-op for those read already)."""
     for t in outs:
         if isinstance(t, DeferredSum):
+            t.start()  # every rank starts it here (no read's ``check``)
             t.wait()
 
 

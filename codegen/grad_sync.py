@@ -75,6 +75,16 @@ runs inline (the "f" of tensor-parallel parameter uses) still run in each backwa
 linear, so reducing each micro-batch's gradient and summing equals reducing the sum.
 ``reductions`` counts the bucket all-reduces started, so a test can see them run once per step.
 
+**The loss rides** (``ParallelModule.loss_rides``, off by default). The forward of a data-parallel
+module leaves the loss it returns (a sum across ranks, ``collectives.DeferredSum``) pending, handed
+here (``add_rider``) where some bucket is all-reduced over exactly its group (``rides``). The first
+such bucket started in the backward carries it: its value is appended to the bucket's flat buffer
+and its slot read when the all-reduce completes (``DeferredSum.rode``), so a step runs no
+collective for its loss, as ``DistributedDataParallel``, whose ranks read their own losses, runs
+none. A bucket of one large gradient, reduced in place, carries none (``RIDE_COPY_BYTES``); one of
+another dtype neither. A sum no bucket took is started on its own in ``finish`` (the loss's
+backward queues it, so every backward through the loss ends with it started, on every rank alike).
+
 The mesh whose axes the buckets name is given at construction (``codegen/build.py`` passes the
 module's own): the hooks run in backward, where no mesh is bound, and never read a global, so
 modules on different meshes reduce their gradients on their own groups.
@@ -103,6 +113,9 @@ from autopar.codegen.zero_one import (
     slot_elements,
     slots_of,
 )
+
+# a bucket of one gradient larger than this is all-reduced in place, without the sums that ride
+RIDE_COPY_BYTES = 1 << 20
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -151,12 +164,14 @@ class _Bucket:
         mesh: DeviceMesh,
     ):
         self.params = list(params)
+        self.size = len(self.params)
         self.keyed = [(p, id(p)) for p in self.params]  # each member with its key in ``ready``
         self.axes = axes
         self.scatter, self.dims = scatter
         self.shares = math.prod(mesh.size(a) for a in self.scatter)
         self.mine = share_index(mesh, self.scatter)
         self.ready: dict[int, tuple[torch.Tensor, bool]] = {}
+        self.group = C.axis_group(mesh, axes[0])  # its first axis's group, looked up once
 
 
 def _scatter_cut(
@@ -194,6 +209,10 @@ class GradSync:
         # started reductions: (bucket, the tensor reduced, its work, [(param, slice) to add])
         self._pending: list[tuple[_Bucket, torch.Tensor, object, list]] = []
         self._queued = False
+        # the returned sums (the loss) waiting to ride in the next bucket (module docstring)
+        self._riders: list[C.DeferredSum] = []
+        # the groups of the buckets a sum may ride in: all-reduced over one axis
+        self._ride_groups = {b.group.group_name for b in self._buckets if not b.scatter and len(b.axes) == 1}
         # each parameter's AccumulateGrad node, kept alive: the parameter holds it only weakly, and
         # a node rebuilt later would not be the one the engine runs
         self._accumulators = []
@@ -235,6 +254,22 @@ class GradSync:
             yield self
         finally:
             self._sync = previous
+
+    def rides(self, group) -> bool:
+        """Whether a sum over ``group`` may ride in this backward's buckets: the sync is on and
+        some bucket is all-reduced over ``group`` alone (``collectives.riding``)."""
+        return self._sync and group.group_name in self._ride_groups
+
+    def add_rider(self, rider: C.DeferredSum) -> None:
+        """``rider`` (a pending sum) rides in the first bucket started over its group, or is
+        started on its own when the backward ends (``finish``)."""
+        self._riders.append(rider)
+
+    def queue_finish(self) -> None:
+        """Run ``finish`` when the running backward ends (once)."""
+        if not self._queued:
+            self._queued = True
+            Variable._execution_engine.queue_callback(self.finish)
 
     def _pre_hook(self, p: torch.nn.Parameter, acc, axes: tuple[int, ...]):
         def hook(g: torch.Tensor) -> torch.Tensor:
@@ -292,7 +327,15 @@ class GradSync:
             _local(grad).add_(g)
             self._hand_in(p, grad, add=False, pid=pid)
             return True
-        self._hand_in(p, g, add=p.grad is not None, pid=pid)
+        # ``_hand_in``, inlined: the one call a parameter makes on the usual path
+        b = self._bucket_of[pid]
+        ready = b.ready
+        ready[pid] = (g, p.grad is not None)
+        if len(ready) == b.size:
+            self._start(b)
+        if not self._queued:
+            self._queued = True
+            Variable._execution_engine.queue_callback(self.finish)
         return True
 
     def _post_hook(self, p: torch.nn.Parameter) -> None:
@@ -305,7 +348,7 @@ class GradSync:
             pid = id(p)
         b = self._bucket_of[pid]
         b.ready[pid] = (grad, add)
-        if len(b.ready) == len(b.params):
+        if len(b.ready) == b.size:
             self._start(b)
         if not self._queued:
             self._queued = True
@@ -318,15 +361,17 @@ class GradSync:
         if b.scatter:
             self._start_scatter(b, members)
             return
-        if len(members) == 1:
+        riders = self._riding(b, members) if self._riders else ()
+        if len(members) == 1 and not riders:
             (p, g, add) = members[0]
             flat = _local(g)
             adds = [(p, flat)] if add else []
             if not add and p.grad is None:  # taken from the leaf (``_take``)
                 p.grad = _like(p, flat)
         else:
-            pieces = [_local(g) for _, g, _ in members]
-            flat = torch.cat([g.reshape(-1) for g in pieces])
+            # a plain gradient (a leaf's, the usual) costs no call; a DTensor's, its local piece
+            pieces = [g if type(g) is torch.Tensor else _local(g) for _, g, _ in members]
+            flat = torch.cat([g.reshape(-1) for g in pieces] + [r.elem.reshape(-1) for r in riders])
             adds, off = [], 0
             for (p, _, add), g in zip(members, pieces):
                 n = g.numel()
@@ -334,11 +379,47 @@ class GradSync:
                 off += n
                 if add:
                     adds.append((p, piece))
-                else:
-                    p.grad = _like(p, piece)  # the reduced values land in .grad; the old one is freed
-        work = dist.all_reduce(flat, group=C.axis_group(self._mesh, b.axes[0]), async_op=True)
+                    continue
+                # the reduced values land in .grad, the old one freed: ``_like(p, piece)``, where
+                # the parameter's piece is contiguous (then its strides are the slice's) and of
+                # the slice's dtype and shape, wrapped by ``DTensor``'s C++ constructor under the
+                # parameter's own spec, as ``local_params.grad_like`` does after comparing strides
+                # (here one call, not its frame and two ``stride()``, per parameter and step)
+                if type(p) is DTensor:
+                    local = p._local_tensor
+                    if piece.dtype == local.dtype and piece.shape == local.shape and local.is_contiguous():
+                        p.grad = DTensor.__new__(DTensor, piece, p._spec, requires_grad=False)
+                        continue
+                p.grad = _like(p, piece)
+        work = dist.all_reduce(flat, group=b.group, async_op=True)
+        if riders:
+            off = flat.numel()
+            for r in reversed(riders):  # their slots end the flat buffer
+                n = r.elem.numel()
+                off -= n
+                r.rode(flat[off : off + n], work)
         self.reductions += 1
         self._pending.append((b, flat, work, adds))
+
+    def _riding(self, b: _Bucket, members: list) -> list[C.DeferredSum]:
+        """The pending sums that ride in bucket ``b``'s all-reduce (taken off ``_riders``): those
+        over its one axis's group, of its gradients' dtype and device. A bucket of one parameter
+        carries them only where its gradient is small (``RIDE_COPY_BYTES``): it is all-reduced in
+        place otherwise, and would be copied into a new buffer with the sums."""
+        if len(b.axes) != 1 or b.scatter:
+            return []
+        g = _local(members[0][1])
+        if len(members) == 1 and g.numel() * g.element_size() > RIDE_COPY_BYTES:
+            return []
+        name = b.group.group_name
+        take, keep = [], []
+        for r in self._riders:
+            if r.group is None:  # started on its own meanwhile (read before backward)
+                continue
+            fits = r.group.group_name == name and r.elem.dtype == g.dtype and r.elem.device == g.device
+            (take if fits else keep).append(r)
+        self._riders = keep
+        return take
 
     def _start_scatter(self, b: _Bucket, members: list) -> None:
         """Reduce-scatter ``members``' gradients into this rank's shares (module docstring): the
@@ -404,6 +485,9 @@ class GradSync:
         for b in self._buckets:
             if b.ready:
                 self._start(b)
+        riders, self._riders = self._riders, []
+        for r in riders:  # no bucket took them: on their own, every rank here alike
+            r.start()
         pending, self._pending, self._queued = self._pending, [], False
         for b, flat, work, adds in pending:
             work.wait()

@@ -169,16 +169,23 @@ class LocalLeaf:
     def refresh(self, active: bool) -> None:
         """Rebuild the leaf where the parameter's piece or ``requires_grad`` changed; ``active``:
         whether the forward reads it (module docstring)."""
-        self.active = active
-        p, leaf = self.param, self.leaf
+        refresh_leaves((self,), active)
+
+
+def refresh_leaves(leaves: Iterable[LocalLeaf], active: bool) -> None:
+    """``LocalLeaf.refresh`` of each of ``leaves``, in one loop: a forward's one call, not one a
+    parameter (``ParallelModule.forward``)."""
+    for h in leaves:
+        h.active = active
+        p, leaf = h.param, h.leaf
         src = p._local_tensor
         if (
-            src is not self.src
+            src is not h.src
             or leaf.requires_grad != p.requires_grad
             or leaf.data_ptr() != src.data_ptr()
             or leaf.shape != src.shape
         ):
-            self._build()
+            h._build()
 
 
 def attach_leaves(params: Iterable[torch.nn.Parameter]) -> list[LocalLeaf]:

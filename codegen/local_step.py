@@ -78,9 +78,25 @@ class LocalStepOptimizer(torch.optim.Optimizer):
         super().__init__(self.params, self.inner.defaults)
         self._built = True
         self.state = _StateView(self)
+        self._pair()
+
+    def _pair(self) -> None:
+        """Per group, each parameter with its local tensor when aliased and its alias: what a step
+        reads, with no ``id`` lookups per parameter."""
+        self._pairs = [
+            [(p, self._src[id(p)], self._alias[id(p)]) for p in group["params"]]
+            for group in self.param_groups
+        ]
 
     def _refresh(self) -> None:
         """A new alias, with the old one's state, for each parameter whose local tensor changed."""
+        changed = False
+        for pairs in self._pairs:  # a loop, not all(genexpr): no call per parameter
+            for p, src, _ in pairs:
+                if p._local_tensor is not src:
+                    changed = True
+        if not changed:
+            return
         for p in self.params:
             if p._local_tensor is self._src[id(p)]:
                 continue
@@ -90,6 +106,7 @@ class LocalStepOptimizer(torch.optim.Optimizer):
                 g["params"] = [new if t is old else t for t in g["params"]]
             if old in self.inner.state:
                 self.inner.state[new] = self.inner.state.pop(old)
+        self._pair()
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -98,18 +115,22 @@ class LocalStepOptimizer(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         self._refresh()
-        for outer, inner in zip(self.param_groups, self.inner.param_groups):
+        for outer, inner, pairs in zip(self.param_groups, self.inner.param_groups, self._pairs):
             for k, v in outer.items():
                 if k != "params":
                     inner[k] = v
-            for p in outer["params"]:
+            for p, _, alias in pairs:
                 g = p.grad
-                self._alias[id(p)].grad = (
-                    None if g is None else (g._local_tensor if isinstance(g, DTensor) else g)
+                # ``type is`` first: a DTensor gradient (the usual) costs no isinstance call
+                alias.grad = (
+                    None
+                    if g is None
+                    else (g._local_tensor if type(g) is DTensor or isinstance(g, DTensor) else g)
                 )
         self.inner.step()
-        for p in self.params:
-            self._alias[id(p)].grad = None
+        for pairs in self._pairs:
+            for _, _, alias in pairs:
+                alias.grad = None
         return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:

@@ -33,6 +33,19 @@ where some ranks do not come within ``entry_timeout_s`` seconds, those that came
 other rank of the job then raises ``PeerFailedError`` (``codegen/failures.py``), rather than
 abort in the backend or hang.
 
+The returned loss. A data-parallel plan returns the whole batch's loss, summed across ranks
+(``defer_output_sums``): its all-reduce starts where the graph computes it and is waited for where
+the caller reads it, so nothing blocks on it. With ``loss_rides`` (``AUTOPAR_LOSS_RIDES=1``; off
+by default) it costs no collective of its own where backward runs: the forward leaves it pending
+(``collectives.riding``) and backward's first gradient bucket all-reduces it with the gradients
+(``codegen/grad_sync.py``, "The loss rides"), as ``DistributedDataParallel`` runs one collective a
+step; read after backward, it is there. Where no backward follows (``torch.no_grad``, eval, the
+sync turned off to accumulate) the forward starts its all-reduce itself. A read before backward
+sums it on its own: a collective, so read it there on every rank or on none (with
+``check_calls``, a rank that does alone raises ``CollectiveCallError``). Off by default because on
+gloo CPU ranks a step measured slower with it (backward about 1.5 ms longer on the tiny Llama,
+``benchmarks/README.md``, "The loss riding in the bucket"), though it runs one collective fewer.
+
 Training loop. ``step(**batch)`` runs one step's forward and backward on the global batch and
 returns its loss; the optimizer steps as usual::
 
@@ -55,6 +68,7 @@ the same ``step``, ``optimizer`` and ``full_state_dict``, run by torch's pipelin
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -71,7 +85,7 @@ from autopar.codegen import local_ops as L
 from autopar.codegen import state as S
 from autopar.codegen.agree import ENTRY_TIMEOUT_S, agree, all_entered, collective_section, enter_backward
 from autopar.codegen.feeding import Feeding, InputsError
-from autopar.codegen.local_params import LocalLeaf, drop_copies, wait_params
+from autopar.codegen.local_params import LocalLeaf, drop_copies, refresh_leaves, wait_params
 from autopar.codegen.loss_weights import LossWeights
 from autopar.codegen.micro_batches import MicroBatchError, batch_size, split_batch
 from autopar.codegen.zero import AppliedTrades
@@ -93,6 +107,9 @@ class ParallelModule(torch.nn.Module):
     # its process exits, as ``PeerFailedError`` (``codegen/failures.py``). ``AUTOPAR_CHECK_CALLS=1``
     # turns it on for every module.
     check_calls: bool = os.environ.get("AUTOPAR_CHECK_CALLS", "") not in ("", "0")
+    # the returned loss rides in backward's first gradient bucket (module docstring, "The returned
+    # loss"): off by default, measured slower on gloo CPU ranks (benchmarks/README.md)
+    loss_rides: bool = os.environ.get("AUTOPAR_LOSS_RIDES", "") not in ("", "0")
     # whether the generated forward computes on the parameters' plain leaves (shared storage, the
     # gradient moved to the DTensor parameter's .grad: codegen/local_params.py) rather than through
     # DTensor.to_local; False (AUTOPAR_LOCAL_LEAVES=0 for every module) puts the parameters
@@ -220,18 +237,34 @@ class ParallelModule(torch.nn.Module):
         # the loss the last call returned, if never read: its sum completed long since (every
         # rank's backward ran after it), waited for here so that no collective stays unwaited
         C.wait_deferred(self._deferred)
-        for leaf in self._leaves:
-            leaf.refresh(self.local_leaves)
+        refresh_leaves(self._leaves, self.local_leaves)
         self.zero.leaves_active = self.local_leaves  # FSDP2's gathered parameters' (codegen/zero.py)
+        # with ``loss_rides``, the returned loss rides in backward's buckets (``collectives.riding``,
+        # set here directly); else a ride set by an outer module's forward is cleared
+        sync = self.grad_sync if self.loss_rides and torch.is_grad_enabled() else None
+        ride = C.RIDE.set((sync, self._read_check) if sync is not None else None)
         try:
             with C.bound_mesh(self.mesh), self.zero.autocast(self._device.type):
                 outs = self.local(*self.feeding.to_graph(flat, sliced))
         finally:
+            C.RIDE.reset(ride)
             if not self._hold_copies:  # one cast per forward call, or per step (``step``)
                 drop_copies(self.zero.half_params)
         self._deferred = [o for o in outs if isinstance(o, C.DeferredSum)]
         enter_backward(self, list(outs))
         return pytree.tree_unflatten(list(outs), self._out_spec)
+
+    @property
+    def _read_check(self) -> Callable[[], None] | None:
+        """What reading the loss before backward runs first (``collectives.DeferredSum``): the loss
+        rides in backward's first gradient bucket, so a read before backward sums it on its own,
+        a collective every rank must make; with ``check_calls``, checked so (``all_entered``)."""
+        if not (self.check_calls and self.issues_collectives):
+            return None
+        ranks = self._collective_mesh().mesh.flatten().tolist()
+        return functools.partial(
+            all_entered, "reading the loss before backward", ranks, READ_FIX, self.entry_timeout_s
+        )
 
     @property
     def issues_collectives(self) -> bool:
@@ -650,6 +683,12 @@ def _hoist(graph: fx.Graph, node: fx.Node) -> bool:
         anchor.prepend(n)
     return True
 
+
+READ_FIX = (
+    "the loss is summed across ranks in backward's first gradient bucket; a rank that reads it before backward "
+    "sums it on its own, a collective: read it before backward on every rank or on none (after backward any rank "
+    "may read it alone)"
+)
 
 FULL_STATE_FIX = FULL_STATE_FIX = (
     "call it on every rank; pass rank0_only=True to keep the tensors on rank 0 only"

@@ -83,6 +83,7 @@ from autopar.passes.trace import Role, TracedGraph
 from autopar.passes.use_price import (
     bucket_fixed_s,
     data_parallel_pair,
+    deferred_output,
     f_axes,
     indexes_whole,
     pinned_axes,
@@ -476,8 +477,8 @@ def build_costs(
         row_c, row_m, row_p, row_k, row_cp = [], [], [], [], []
         for su in strats[src].strategies:
             r = output_placement(su.out, outputs)
-            c, _ = comm.reshard(su.out, r, nbytes, False)
-            row_c.append([c])
+            c, calls = comm.reshard(su.out, r, nbytes, False)
+            row_c.append([0.0 if deferred_output(calls) else c])  # a loss's sum: off the path
             # the caller holds the output through backward: a gathered copy, or the tensor itself
             copy, own = use_kept_bytes(su.out, r, nbytes, True, orig, mesh_shape)
             row_cp.append([copy])

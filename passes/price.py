@@ -29,6 +29,7 @@ import torch.fx as fx
 from autopar.cluster import ClusterSpec, DeviceSpec
 from autopar.cost_model.comm import CommModel
 from autopar.cost_model.sync import SyncNode, sync_wait_s
+from autopar.lowerings import describe
 from autopar.lowerings.matmul_nd import is_grid
 from autopar.options import Optimizer
 from autopar.passes.analyze import NodeInfo
@@ -47,7 +48,7 @@ from autopar.passes.op_price import lowering_collectives
 from autopar.passes.solver import Solution, objective_s
 from autopar.passes.strategies import Strategy
 from autopar.passes.trace import Role, TracedGraph, module_path
-from autopar.passes.use_price import use_fusions
+from autopar.passes.use_price import deferred_output, use_fusions
 from autopar.placement import Outputs, spec_to_str, via_to_str, volume_factor
 from autopar.plan import NodeDecision, Plan, PlannedCollective, Predicted, Site, SolverInfo
 from autopar.reshard import Collective, CollectiveCall, Phase
@@ -156,6 +157,7 @@ def price_plan(
         tg, infos, choice, comm, gs.deferred, gs.buckets, outputs, chosen_matmul_s(tables, sol)
     )
     decisions = []
+    off_path: set[tuple[str, int]] = set()  # (node, index in its collectives) of deferred calls
     param_b = grad_b = 0.0
     compute = 0.0
     for n in tg.graph.nodes:
@@ -165,6 +167,10 @@ def price_plan(
         s = choice[n.name]
         # the collectives a lowering runs inside the op are in its table cost: communication here
         inside = lowering_collectives(n, s, comm, info=info) if n.op == "call_function" else []
+        if inside:  # a returned loss's sums run off the step's path (``LoweringCall.deferred``)
+            first = len(colls.get(n.name, ()))
+            calls = describe(n, s, mesh).calls
+            off_path.update((n.name, first + i) for i, c in enumerate(calls) if c.deferred)
         # their seconds as the tables priced them (a ring's hops against its compute, passes/costs.py)
         rep = tables.classes.rep.get(n.name) if tables.classes else n.name
         recipe = tables.float8[rep][sol.choice[rep]] if rep in tables.float8 else None
@@ -199,7 +205,11 @@ def price_plan(
     mem = plan_peak(tables, sol, gs)
     overhead = cluster.device.step_overhead_s * cluster.compute_slowdown  # the same for every plan
     compute += overhead
-    t_step += gs.adjustment_s + overhead + _sync_wait(decisions, cluster.device, out_colls, bool(gs.buckets))
+    t_step += (
+        gs.adjustment_s
+        + overhead
+        + _sync_wait(decisions, cluster.device, out_colls, bool(gs.buckets), off_path)
+    )
     comm = t_step - compute
     opt_b = grad_b * optimizer.value
     act_b = mem - param_b - grad_b - opt_b - buffers_inputs_bytes(infos, choice, mesh)
@@ -241,9 +251,12 @@ def _sync_wait(
     device: DeviceSpec,
     output_collectives: Sequence[CollectiveCall],
     buckets: bool,
+    off_path: set[tuple[str, int]] = frozenset(),
 ) -> float:
     """Seconds the plan's step waits for the slowest rank at its collectives (cost_model/sync.py):
-    each node's, the outputs' when forward ends, the gradient buckets' when backward ends."""
+    each node's, the outputs' when forward ends, the gradient buckets' when backward ends; not the
+    deferred ones (``off_path``: (node, index in its collectives), a returned loss's sums, which
+    nothing in the step waits for)."""
 
     def c(calls: Iterable[CollectiveCall | PlannedCollective]) -> float | None:
         kinds = [call.kind.value for call in calls]
@@ -259,7 +272,10 @@ def _sync_wait(
     nodes = [
         SyncNode(
             d.compute_s,
-            *(c(n for n in d.collectives if where(n) == w) for w in ("inputs", "inside", "backward")),
+            *(
+                c(n for i, n in enumerate(d.collectives) if where(n) == w and (d.name, i) not in off_path)
+                for w in ("inputs", "inside", "backward")
+            ),
         )
         for d in decisions
     ]
@@ -304,7 +320,8 @@ def _node_collectives(
                 )  # fmt: skip
                 called = (*called, *(x for f in fused for x in f.extra_calls(info.requires_grad)))
         if u.user.op == "output":
-            out_calls.extend(called)
+            if not deferred_output(called):  # a deferred sum: no wait at the forward's end
+                out_calls.extend(called)
         elif called:
             n = u.user.name
             seconds[n] = seconds.get(n, 0.0) + c

@@ -78,6 +78,27 @@ def flatten_s(nbytes: float, cluster: ClusterSpec) -> float:
     return 2 * nbytes / cluster.device.memory_bandwidth * cluster.compute_slowdown
 
 
+# the largest output whose deferred all-reduce is priced off the step's path: a scalar (a loss)
+DEFERRED_OUTPUT_BYTES = 8
+
+
+def deferred_output(calls: Sequence) -> bool:
+    """Whether the collectives that bring a graph output to the caller (``calls``, the reshard's)
+    run off the step's path: one all-reduce of a scalar (a Partial loss summed over one axis),
+    which the generated forward neither runs nor waits for (``codegen/module.py:defer_output_sums``:
+    started at the forward's end and waited for where the caller reads it, or carried by
+    backward's first gradient bucket). The output edge then costs no seconds
+    (``passes/costs.py``) and adds no wait for the slowest rank at the forward's end
+    (``passes/price.py``). A larger output (Partial logits returned whole) is deferred too, but its
+    bytes still cross the link while backward runs, and a caller that returns it reads it: priced
+    as before."""
+    return (
+        len(calls) == 1
+        and calls[0].kind is Collective.ALL_REDUCE
+        and calls[0].nbytes <= DEFERRED_OUTPUT_BYTES
+    )
+
+
 def use_price(
     comm: CommModel,
     have,

@@ -357,12 +357,14 @@ def test_hierarchical_collectives_on_an_axis_spanning_whole_nodes():
     assert CommModel(_cluster(2, 4), (2, 4)).splits == [None, None]
 
 
-def test_split_mean_cross_entropy_pays_its_all_reduces_on_every_split_axis():
+def test_split_mean_cross_entropy_pays_its_all_reduces_on_every_split_axis(monkeypatch):
     """The lowering all-reduces loss sum and token count (one collective) on each axis the batch is split over; the
-    price must follow, whichever axis that is (not axis 0's alone)."""
+    price must follow, whichever axis that is (not axis 0's alone). A loss the graph only returns, split over one
+    axis, runs it off the step's path (``LoweringCall.deferred``): the same record, at no seconds."""
     import torch
     from torch.distributed.tensor.placement_types import Shard
 
+    import autopar.lowerings.loss as loss
     from autopar.passes.op_price import lowering_collectives
     from autopar.tools.validate import node_strategies, one_node_graph
 
@@ -371,9 +373,18 @@ def test_split_mean_cross_entropy_pays_its_all_reduces_on_every_split_axis():
     comm = CommModel(_cluster(1, 4), (2, 2))
     per_axis = comm.time(Collective.ALL_REDUCE, 8, 0)  # sum and count, two float32, at once
     assert per_axis > 0
-    by_split = {}
-    for s in node_strategies(node, (2, 2)):
-        by_split[tuple(isinstance(p, Shard) for p in s.ins[0])] = lowering_collectives(node, s, comm)
+
+    def priced():
+        by_split = {}
+        for s in node_strategies(node, (2, 2)):
+            by_split[tuple(isinstance(p, Shard) for p in s.ins[0])] = lowering_collectives(node, s, comm)
+        return by_split
+
+    returned = priced()  # the one-node graph returns the loss alone
+    assert [(_names([c]), t) for c, t in returned[(True, False)]] == [(["all_reduce@0"], 0.0)]
+    assert [(_names([c]), t) for c, t in returned[(False, True)]] == [(["all_reduce@1"], 0.0)]
+    monkeypatch.setattr(loss, "returned_alone", lambda node, rows: False)
+    by_split = priced()
     assert by_split[(False, False)] == []
     assert [(_names([c]), t) for c, t in by_split[(True, False)]] == [(["all_reduce@0"], approx(per_axis))]
     # split on axis 1 only: priced on axis 1

@@ -37,7 +37,8 @@ on the inter- or intra-node link over those ranks (``cost_model/comm.py:CommMode
 Overlap: calls that share a ``window`` run while the same slice of the op's compute runs; together
 they cost ``max(0, sum of their seconds - hides * compute_s)``, with ``compute_s`` the op's own
 compute (forward + backward, per rank) and ``hides`` the window's share of it. A call with no
-window hides behind nothing.
+window hides behind nothing. A ``deferred`` call (a returned loss's sums) runs off the step's
+path and adds nothing.
 
 Adding a lowering: a module here declaring its :class:`Lowering` (and imported below), its
 emission in ``codegen/lower.py``, its sharding rule in ``passes/rules``, and example ops for the
@@ -86,10 +87,18 @@ class LoweringCall:
     op_dtype: bool = False
     # the part of the axis's group it runs over: a rail or a node of an axis that spans nodes
     group: AxisGroup = AxisGroup.WHOLE
+    # off the step's path: a returned loss's sums, which the generated forward neither runs nor
+    # waits for in the op (``codegen/module.py:defer_output_sums``: the token count all-reduced
+    # from the top of the forward, overlapping it; the sum carried by backward's first gradient
+    # bucket, or started at the forward's end and waited for where the caller reads it); priced
+    # at no seconds (``price_calls``) and no wait for the slowest rank (``passes/price.py``)
+    deferred: bool = False
 
     def __post_init__(self) -> None:
         if self.axis < 0 or self.nbytes < 0:
             raise ValueError(f"bad lowering call {self}: axis and bytes must be >= 0")
+        if self.deferred and self.window is not None:
+            raise ValueError(f"bad lowering call {self}: a deferred call hides behind no window of the op")
         if not 0.0 <= self.hides <= 1.0:
             raise ValueError(f"bad lowering call {self}: hides is a share of the op's compute, in [0, 1]")
         if self.hides and self.window is None:
@@ -193,7 +202,7 @@ def price_calls(
 ) -> list[tuple[CollectiveCall, float]]:
     """Each call with what it adds to the step: ``seconds(call)`` (the comm model's price), less
     what its window hides of ``compute_s`` (the op's own compute, forward + backward per rank),
-    a window's saving shared out in proportion to its calls' seconds."""
+    a window's saving shared out in proportion to its calls' seconds; a deferred call, nothing."""
     raw = [seconds(c) for c in calls]
     totals: dict[int, float] = {}
     for c, t in zip(calls, raw):
@@ -201,6 +210,9 @@ def price_calls(
             totals[c.window] = totals.get(c.window, 0.0) + t
     out = []
     for c, t in zip(calls, raw):
+        if c.deferred:  # off the step's path (``LoweringCall.deferred``)
+            out.append((c.collective(), 0.0))
+            continue
         if c.window is None:
             out.append((c.collective(), t))
             continue

@@ -4,7 +4,9 @@
 some axes: each rank computes its rows' loss sum and count of counted tokens as one tensor
 ``[sum, count]`` (float32 at least, ``codegen/local_ops.py:loss_sum_and_count``), all-reduced once
 per split axis forward (``2 * max(4, itemsize)`` bytes), then divided. Backward issues nothing (the
-all-reduce's gradient is the identity). A sum or ``'none'`` needs no collective.
+all-reduce's gradient is the identity). A sum or ``'none'`` needs no collective. Where the loss is
+only returned, over one axis (``returned_alone``), the all-reduce runs off the step's path
+(``codegen/module.py:defer_output_sums``) and is priced so (``LoweringCall.deferred``).
 
 ``linear_cross_entropy``: the fused output projection + loss (``passes/rules/fused.py``), rows
 split on some axes and the vocabulary (the weight's rows) on others:
@@ -49,12 +51,31 @@ def cross_entropy_reduction(node: fx.Node) -> int:
     return node.args[3] if len(node.args) > 3 else node.kwargs.get("reduction", 1)
 
 
+def returned_alone(node: fx.Node, rows: Sequence[int]) -> bool:
+    """Whether the ``[sum, count]`` all-reduce of a token-mean loss over ``rows`` runs off the
+    step's path (``LoweringCall.deferred``): the loss is one tensor the graph only returns, its
+    mean over one axis, as ``codegen/module.py:defer_output_sums`` rewrites it (the count
+    all-reduced from the top of the forward, the sum in backward's first gradient bucket). That
+    rewrite also needs the labels to come from the inputs alone, which a loss's labels do (a
+    target computed from the model's state keeps the blocking all-reduce, priced as deferred)."""
+    users = list(node.users)
+    return (
+        len(rows) == 1
+        and len(users) == 1
+        and users[0].op == "output"
+        and not isinstance(node.meta.get("val"), (tuple, list))
+    )
+
+
 def _cross_entropy_mean(node: fx.Node, s, mesh_shape: tuple[int, ...]) -> LoweringPlan | None:
     split = split_rows_axes(s, mesh_shape)
     if not split or cross_entropy_reduction(node) != 1:
         return None
     nbytes = _pair_bytes(node.args[0].meta["val"].dtype)
-    return LoweringPlan(tuple(LoweringCall(Collective.ALL_REDUCE, a, nbytes, Phase.FORWARD) for a in split))
+    off = returned_alone(node, split)
+    return LoweringPlan(
+        tuple(LoweringCall(Collective.ALL_REDUCE, a, nbytes, Phase.FORWARD, deferred=off) for a in split)
+    )
 
 
 CROSS_ENTROPY_MEAN = register(
@@ -93,7 +114,8 @@ def _linear_cross_entropy(node: fx.Node, s, mesh_shape: tuple[int, ...]) -> Lowe
         return None
     calls = _vocab_parallel_calls(node, rows, vocab, mesh_shape) if vocab else []
     if mean_rows:  # the loss sum and count of this rank's rows, float32 (the kernels' loss dtype)
-        calls += [LoweringCall(Collective.ALL_REDUCE, a, 8, Phase.FORWARD) for a in rows]
+        off = returned_alone(node, rows)
+        calls += [LoweringCall(Collective.ALL_REDUCE, a, 8, Phase.FORWARD, deferred=off) for a in rows]
     return LoweringPlan(tuple(calls))
 
 
