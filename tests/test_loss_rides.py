@@ -129,13 +129,20 @@ def _lone_reader(rank, world, plan_path):
     pmodel.check_calls = True
     pmodel.entry_timeout_s = 20.0
     loss = _loss(pmodel, inputs)
+    store = torch.distributed.distributed_c10d._get_default_store()
+    outcome = None
     try:
         if rank == 0:
             loss.item()  # rank 0 alone reads before backward
         loss.backward()
     except autopar.errors.AutoparError as e:
-        return type(e).__name__
-    return None
+        outcome = type(e).__name__
+    # rank 0's process serves the store: it stays until rank 1 has read the failure from it (else
+    # rank 1, late, finds only that rank 0's process exited: "Connection reset by peer")
+    store.set(f"test/rank {rank} done", "1")
+    if rank == 0:
+        store.wait(["test/rank 1 done"])
+    return outcome
 
 
 @pytest.mark.slow
