@@ -13,30 +13,13 @@ from __future__ import annotations
 import pytest
 import torch
 from harness import free_link_cpu
+from test_deferred_loss import _gpt2, _loss, _mlp  # the same models and loss read as the deferral's tests
 
 import autopar
-from autopar.examples import gpt2_tiny, mlp
 from autopar.launch import run_on_ranks
 
 D = autopar.AxisRole.DATA
-
-
-def _mlp():
-    return mlp(batch=8, hidden=16, ffn=32)
-
-
-def _gpt2():
-    model, inputs = gpt2_tiny(batch=4, seq=16, hidden=32, vocab=128)
-    labels = inputs["labels"].clone()
-    labels[0, 4:] = -100  # the ranks count different numbers of tokens
-    return model, {**inputs, "labels": labels}
-
-
 BUILDS = {"mlp": _mlp, "gpt2": _gpt2}
-
-
-def _loss(model, inputs):
-    return model(**inputs).loss if isinstance(inputs, dict) else model(*inputs)[0]
 
 
 def _gloo_all_reduces(fn) -> tuple[int, object]:
