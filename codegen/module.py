@@ -330,7 +330,7 @@ class ParallelModule(torch.nn.Module):
                 loss = _loss_of(out, loss_fn)
                 # the graph's own loss (a caller's loss_fn may return it as it is) times k c_i / sum c
                 # (codegen/loss_weights.py); a loss the caller computes, as it is
-                if k > 1 and factors[i] != 1.0 and any(loss is t for t in self._last_outputs(out)):
+                if k > 1 and factors[i] != 1.0 and any(loss is t for t in pytree.tree_leaves(out)):
                     loss = loss * factors[i]
                 del out
                 (loss / k if k > 1 else loss).backward()
@@ -344,10 +344,6 @@ class ParallelModule(torch.nn.Module):
             self.grad_sync.finish()  # what a last backward that reached no bucketed parameter left
         return torch.stack(losses).mean() if k > 1 else losses[0]  # sum_i c_i L_i / sum c
 
-    def _last_outputs(self, out) -> list:
-        """The leaves of ``out``, a structure ``forward`` returned."""
-        return pytree.tree_leaves(out) if not isinstance(out, torch.Tensor) else [out]
-
     def _micro_batch_factors(self, flat: list, sliced: int, k: int) -> list[float]:
         """Per micro-batch, the factor ``step`` multiplies the graph's own loss by before dividing
         by ``k`` (``codegen/loss_weights.py``): 1 each where the plain mean is the global batch's.
@@ -355,10 +351,7 @@ class ParallelModule(torch.nn.Module):
         counts are summed over the data-parallel ranks."""
         if self._loss_weights is None:
             return [1.0] * k
-        parts = [
-            [t.chunk(k, dim=0)[i] if isinstance(t, torch.Tensor) and t.dim() else t for t in flat]
-            for i in range(k)
-        ]
+        parts = split_batch(list(flat), k)
         reduce = None
         if sliced > 1 and self._data_axis is not None:
             group = self.mesh.get_group(self._data_axis)
