@@ -138,13 +138,10 @@ def loss_weights(tg: TracedGraph) -> LossWeights | None:
     return None if program is None else LossWeights(program)
 
 
-def _count_program(tg: TracedGraph, labels, ignore_index) -> fx.GraphModule | None:
-    """A graph of ``tg``'s flat inputs (its input placeholders, in order) that computes ``labels``
-    as ``tg`` does and returns how many are not ``ignore_index``; None where the labels need
-    anything but inputs."""
-    if not isinstance(labels, fx.Node) or not isinstance(ignore_index, int):
-        return None
-    inputs = {p.name for p in tg.placeholders if p.role is Role.INPUT}
+def inputs_chain(node: fx.Node, is_input) -> list[fx.Node] | None:
+    """The ops ``node`` is computed from, ``node`` last, each after what it reads, where those are
+    ``call_function`` nodes on placeholders that ``is_input`` accepts alone (the labels sliced,
+    shifted, cast: nothing a parameter or the model computes); None otherwise."""
     chain: list[fx.Node] = []
     seen: set[fx.Node] = set()
 
@@ -152,14 +149,25 @@ def _count_program(tg: TracedGraph, labels, ignore_index) -> fx.GraphModule | No
         if n in seen:
             return True
         if n.op == "placeholder":
-            return n.name in inputs
+            return is_input(n)
         if n.op != "call_function" or not all(visit(i) for i in n.all_input_nodes):
             return False
         seen.add(n)
         chain.append(n)
         return True
 
-    if not visit(labels):
+    return chain if visit(node) else None
+
+
+def _count_program(tg: TracedGraph, labels, ignore_index) -> fx.GraphModule | None:
+    """A graph of ``tg``'s flat inputs (its input placeholders, in order) that computes ``labels``
+    as ``tg`` does and returns how many are not ``ignore_index``; None where the labels need
+    anything but inputs."""
+    if not isinstance(labels, fx.Node) or not isinstance(ignore_index, int):
+        return None
+    inputs = {p.name for p in tg.placeholders if p.role is Role.INPUT}
+    chain = inputs_chain(labels, lambda n: n.name in inputs)
+    if chain is None:
         return None
     g = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}

@@ -86,7 +86,7 @@ from autopar.codegen import state as S
 from autopar.codegen.agree import ENTRY_TIMEOUT_S, agree, all_entered, collective_section, enter_backward
 from autopar.codegen.feeding import Feeding, InputsError
 from autopar.codegen.local_params import LocalLeaf, drop_copies, refresh_leaves, wait_params
-from autopar.codegen.loss_weights import LossWeights
+from autopar.codegen.loss_weights import LossWeights, inputs_chain
 from autopar.codegen.micro_batches import MicroBatchError, batch_size, split_batch
 from autopar.codegen.zero import AppliedTrades
 from autopar.lowerings.experts import PackedSplit
@@ -655,20 +655,10 @@ def _hoist(graph: fx.Graph, node: fx.Node) -> bool:
     """Move ``node`` and what it is computed from to the top of the forward (after the inputs), in
     their order, where those are inputs and ops on inputs alone (the labels sliced, shifted, cast:
     nothing a parameter or the model computes); False, and nothing moved, otherwise."""
-    chain: list[fx.Node] = []
-    seen: set[fx.Node] = set()
-
-    def visit(n: fx.Node) -> bool:
-        if n.op == "placeholder" or n in seen:
-            return True
-        if n.op != "call_function" or not all(visit(i) for i in n.all_input_nodes):
-            return False
-        seen.add(n)
-        chain.append(n)  # after everything it reads: the order to place them in
-        return True
-
-    if not visit(node):
+    chain = inputs_chain(node, lambda n: True)  # the lowered graph's placeholders are its inputs
+    if chain is None:
         return False
+    seen = set(chain)
     nodes = list(graph.nodes)
     last_input = max(i for i, n in enumerate(nodes) if n.op == "placeholder")
     anchor = next(n for n in nodes[last_input + 1 :] if n not in seen)
