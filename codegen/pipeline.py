@@ -392,10 +392,10 @@ class PipelinedModule(ParallelModule):
             self._loss_sent[1].wait()
             self._loss_sent = None
         flat, sliced = self._flat_inputs(args, kwargs, k)  # of the global batch: k micro-batches
-        if self._target is not None or self._loss_weights is not None:
+        if self._loss_weights is not None:
             # each micro-batch's loss factor, read by ``_loss`` from the schedule's per-micro-batch
             # ``target`` (codegen/loss_weights.py; counted on every rank, the slices' summed over
-            # the data axis: the same collectives on every pipeline rank)
+            # the data axis: the same collectives on every pipeline rank; without weights it stays 1)
             factors = self._micro_batch_factors(flat, sliced, k)
             if self._target is not None:
                 self._target = torch.tensor(factors, dtype=torch.float64)
