@@ -39,6 +39,7 @@ import torch.utils._pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode
 
+from autopar.cost_model.compute import GEMM_OPS
 from autopar.errors import UnpricedOpError
 from autopar.passes.rules import ALIASING_OPS, tensor_inputs, writes_inputs
 from autopar.passes.trace import Role, TracedGraph, retarget_region
@@ -72,6 +73,19 @@ class NodeInfo:
     # per tensor output of an op with several: the op itself keeps it for backward (empty: one
     # output, or it keeps none); ``autopar::rms_norm`` keeps the residual sum, not the normed value
     saved_outputs: tuple[bool, ...] = ()
+    # a GEMM's operands' dtype where it differs from its output's (the fused output projection +
+    # loss returns an fp32 loss from bf16 operands): the rate its arithmetic runs at (``rate_dtype``)
+    operand_dtype: torch.dtype | None = None
+
+    @property
+    def rate_dtype(self) -> torch.dtype | None:
+        """The dtype whose peak the op's arithmetic runs at: its own, or a GEMM's operands' where
+        they are narrower (a bf16 product accumulated into an fp32 output runs on the bf16 tensor
+        cores). Under mixed precision ``dtype`` is already the half type (``half_infos``)."""
+        o, d = self.operand_dtype, self.dtype
+        if o is not None and d is not None and o.itemsize < d.itemsize:
+            return o
+        return d
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -442,6 +456,16 @@ def _unpriced(node: fx.Node, flops_why: str, saved_why: str, strict: bool) -> tu
     return reasons
 
 
+def _operand_dtype(node: fx.Node, tins: list[fx.Node], dtype: torch.dtype | None) -> torch.dtype | None:
+    """``NodeInfo.operand_dtype``: for a GEMM-family op (``cost_model.compute.GEMM_OPS``), its
+    floating tensor inputs' narrowest dtype where that is not ``dtype`` (its output's); else None."""
+    if str(node.target) not in GEMM_OPS:
+        return None
+    got = [v.dtype for a in tins for v in tensor_vals(a.meta.get("val")) if v.dtype.is_floating_point]
+    narrow = min(got, key=lambda d: d.itemsize, default=None)
+    return narrow if narrow is not None and narrow != dtype else None
+
+
 def analyze(tg: TracedGraph, strict: bool | None = None) -> dict[str, NodeInfo]:
     """Per-node :class:`NodeInfo`. ``strict`` (default: :func:`strict_default`, the
     ``AUTOPAR_STRICT_ANALYZE`` environment variable) raises :class:`UnpricedOpError` for an op whose
@@ -487,6 +511,7 @@ def analyze(tg: TracedGraph, strict: bool | None = None) -> dict[str, NodeInfo]:
                 probe.grad_temp_bytes,
                 _unpriced(node, flops_why, saved_why, strict),
                 saved_outputs=probe.saved_outputs,
+                operand_dtype=_operand_dtype(node, tins, dtype),
             )
         elif node.op == "output":
             infos[node.name] = NodeInfo(node.name, Role.OUTPUT, "output", (), None, 0.0, 0, False)

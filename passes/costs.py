@@ -631,7 +631,7 @@ def analytical_node_time(
     # its output's gradient read and the new ones written; nothing where it passes the gradient on
     grad_bytes = info.out_bytes + sum(infos[a.name].out_bytes for a in new) if new else 0
     return node_time(
-        info.flops, info.bytes, info.dtype, device, k, info.requires_grad,
+        info.flops, info.bytes, info.rate_dtype, device, k, info.requires_grad,
         new_grads=len(new), op=info.target, elements=node_elements(info, inputs), grad_bytes=grad_bytes,
         min_dim=local_gemm_min_dim(info.target, inputs, s, mesh_shape),
     )  # fmt: skip

@@ -544,7 +544,7 @@ def _forward_s(info: NodeInfo, tables: CostTables, v: str, i: int, cluster: Clus
     if hit is None or hit[0] is not cluster.device:
         s = tables.strategies[v][i]
         k = s.work_divisor(tables.mesh_shape)
-        t = node_time(info.flops, info.bytes, info.dtype, cluster.device, k, False, op=info.target)
+        t = node_time(info.flops, info.bytes, info.rate_dtype, cluster.device, k, False, op=info.target)
         hit = memo[key] = (cluster.device, t)
     return hit[1]
 
