@@ -56,11 +56,17 @@ from torch import Tensor
 from torch.distributed.device_mesh import DeviceMesh
 
 from autopar.codegen.collectives import axis_group, current_mesh
-from autopar.kernels.moe import Act, autocast_operands, combine, experts_mlp, moe_experts, route
+from autopar.kernels.moe import Act, MoeOperands, autocast_operands, combine, experts_mlp, moe_experts, route
 
 
-def _block(num_experts: int, w_in: Tensor, n: int) -> int:
-    """The experts each rank holds, checked against ``w_in``'s."""
+def experts_per_rank(op: MoeOperands, n: int) -> int:
+    """The experts each rank holds, checked against ``w_in``'s; the op is the whole layer's."""
+    num_experts, w_in = op.num_experts, op.w_in
+    if op.first_expert:
+        raise ValueError(
+            f"expert parallelism splits a whole layer's experts: this moe_experts holds experts from "
+            f"{op.first_expert} on (first_expert=0 is the whole layer)"
+        )
     if num_experts % n or w_in.shape[0] != num_experts // n:
         raise ValueError(
             f"expert parallelism over {n} ranks: each holds num_experts / {n} experts, {num_experts} / {n}; "
@@ -119,27 +125,15 @@ def _regroup(recv_counts: Tensor, cap: int | None) -> tuple[Tensor, Tensor]:
     return order[position < cap], counts.clamp(max=cap)
 
 
-def expert_parallel(
-    x: Tensor,
-    weights: Tensor,
-    ids: Tensor,
-    w_in: Tensor,
-    w_up: Tensor | None,
-    w_out: Tensor,
-    act: str | Act,
-    gated: bool,
-    transposed: bool,
-    num_experts: int,
-    axis: int,
-    capacity_factor: float | None = None,
-) -> Tensor:
+def expert_parallel(op: MoeOperands, axis: int, capacity_factor: float | None = None) -> Tensor:
     """This rank's rows of the layer's output, tokens dispatched to the experts' ranks and back by
-    all-to-all over mesh axis ``axis`` (module docstring)."""
-    act = Act.of(act)
-    x, w_in, w_up, w_out = autocast_operands(x, w_in, w_up, w_out)
+    all-to-all over mesh axis ``axis`` (module docstring); ``op``: this rank's rows and experts."""
+    act = Act.of(op.act)
+    x, w_in, w_up, w_out = autocast_operands(op.x, op.w_in, op.w_up, op.w_out)
     mesh = current_mesh()
     n = mesh.size(axis)
-    local = _block(num_experts, w_in, n)
+    local = experts_per_rank(op, n)
+    ids, num_experts = op.ids, op.num_experts
     tokens, k = ids.shape
     routing = route(ids, num_experts, 0, num_experts)
     rows = x[torch.div(routing.order, k, rounding_mode="floor")].to(w_in.dtype)
@@ -158,30 +152,15 @@ def expert_parallel(
         dist.all_reduce(total, group=axis_group(mesh, axis))
         cap = capacity(capacity_factor, int(total), k, num_experts)
     kept, kept_counts = _regroup(recv_counts, cap)
-    out = experts_mlp(received[kept], kept_counts, w_in, w_up, w_out, act, gated, transposed)
+    out = experts_mlp(received[kept], kept_counts, w_in, w_up, w_out, act, op.gated, op.transposed)
     back = out.new_zeros(received.shape[0], out.shape[1]).index_copy(0, kept, out)
     returned = all_to_all_rows(back, recv, send, axis, mesh)
-    return combine(returned, routing.order, weights, x.dtype)
+    return combine(returned, routing.order, op.weights, x.dtype)
 
 
-def local_experts(
-    x: Tensor,
-    weights: Tensor,
-    ids: Tensor,
-    w_in: Tensor,
-    w_up: Tensor | None,
-    w_out: Tensor,
-    act: str | Act,
-    gated: bool,
-    transposed: bool,
-    num_experts: int,
-    axis: int,
-) -> Tensor:
+def local_experts(op: MoeOperands, axis: int) -> Tensor:
     """This rank's summand (Partial over ``axis``) of the layer's output: every token, this rank's
-    block of the experts; no collective."""
+    block of the experts (``op``'s ``w_*``); no collective."""
     mesh = current_mesh()
-    local = _block(num_experts, w_in, mesh.size(axis))
-    first = mesh.get_local_rank(axis) * local
-    return moe_experts(
-        x, weights, ids, w_in, w_up, w_out, Act.of(act).value, gated, transposed, num_experts, first
-    )
+    first = mesh.get_local_rank(axis) * experts_per_rank(op, mesh.size(axis))
+    return moe_experts(*op._replace(act=Act.of(op.act).value, first_expert=first))

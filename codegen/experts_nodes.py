@@ -65,7 +65,8 @@ from torch import Tensor
 from torch.distributed.device_mesh import DeviceMesh
 
 from autopar.codegen.collectives import current_mesh
-from autopar.kernels.moe import Act, autocast_operands, experts_mlp, route
+from autopar.codegen.experts import experts_per_rank
+from autopar.kernels.moe import Act, MoeOperands, autocast_operands, experts_mlp, route
 
 # the mesh attribute that keeps its groups made here: (axis, m) -> (rail, node)
 NODE_GROUPS_ATTR = "_autopar_node_groups"
@@ -162,37 +163,27 @@ def _dedup(
     return out
 
 
-def local_pairs(
-    rows: Tensor,
-    weights: Tensor,
-    ids: Tensor,
-    w_in: Tensor,
-    w_up: Tensor | None,
-    w_out: Tensor,
-    act: Act,
-    gated: bool,
-    transposed: bool,
-    num_experts: int,
-    first: int,
-) -> Tensor:
-    """Each copy's partial over the pairs of this rank's experts (``first ..``): ``moe_experts``'s
-    sum, but only those pairs' rows gathered and run (a copy carries all ``k`` of its token's
-    pairs, most of them elsewhere), each copy's terms added in increasing ``j`` from zeros: one
-    ``index_add`` per rank of a pair among its copy's local pairs, whose copies are distinct."""
+def local_pairs(op: MoeOperands) -> Tensor:
+    """Each copy's partial over the pairs of this rank's experts (``op.first_expert ..``; ``op.x``
+    the copies' rows): ``moe_experts``'s sum, but only those pairs' rows gathered and run (a copy
+    carries all ``k`` of its token's pairs, most of them elsewhere), each copy's terms added in
+    increasing ``j`` from zeros: one ``index_add`` per rank of a pair among its copy's local pairs,
+    whose copies are distinct."""
+    rows, ids = op.x, op.ids
     tokens, k = ids.shape
-    routing = route(ids, num_experts, first, w_in.shape[0])
+    routing = route(ids, op.num_experts, op.first_expert, op.w_in.shape[0])
     mine = routing.order[: int(routing.counts.sum())]
     out = experts_mlp(
         rows[torch.div(mine, k, rounding_mode="floor")],
         routing.counts,
-        w_in,
-        w_up,
-        w_out,
-        act,
-        gated,
-        transposed,
+        op.w_in,
+        op.w_up,
+        op.w_out,
+        op.act,
+        op.gated,
+        op.transposed,
     )
-    weighted = out * weights.reshape(-1)[mine].unsqueeze(-1)
+    weighted = out * op.weights.reshape(-1)[mine].unsqueeze(-1)
     pair = torch.sort(mine).indices  # the local pairs by copy, then j
     copy = torch.div(mine[pair], k, rounding_mode="floor")
     first_of = torch.searchsorted(copy, copy)  # each pair's copy's first local pair
@@ -206,41 +197,27 @@ def local_pairs(
     return total.to(rows.dtype)  # the partials travel in the op dtype, as moe_experts returns them
 
 
-def expert_parallel_nodes(
-    x: Tensor,
-    weights: Tensor,
-    ids: Tensor,
-    w_in: Tensor,
-    w_up: Tensor | None,
-    w_out: Tensor,
-    act: str | Act,
-    gated: bool,
-    transposed: bool,
-    num_experts: int,
-    axis: int,
-    ranks_per_node: int,
-) -> Tensor:
+def expert_parallel_nodes(op: MoeOperands, axis: int, ranks_per_node: int) -> Tensor:
     """This rank's rows of the layer's output, its tokens dispatched once per destination node over
     the rail, then once per destination rank inside the node, and combined the reverse way
-    (module docstring). ``ranks_per_node``: the coordinates of ``axis`` in one node."""
-    act = Act.of(act)
+    (module docstring); ``op``: this rank's rows and experts. ``ranks_per_node``: the coordinates
+    of ``axis`` in one node."""
     mesh = current_mesh()
     n, m = mesh.size(axis), ranks_per_node
-    if num_experts % n or w_in.shape[0] != num_experts // n:
-        raise ValueError(
-            f"expert parallelism over {n} ranks: each holds num_experts / {n} experts, {num_experts} / {n}; "
-            f"this rank's w_in holds {w_in.shape[0]} (split the experts in {n} equal contiguous blocks)"
-        )
+    local = experts_per_rank(op, n)
     rail, node = node_groups(mesh, axis, m)
-    dtype = x.dtype
-    x, w_in, w_up, w_out = autocast_operands(x, w_in, w_up, w_out)
-    first = mesh.get_local_rank(axis) * (num_experts // n)
+    dtype = op.x.dtype
+    x, w_in, w_up, w_out = autocast_operands(op.x, op.w_in, op.w_up, op.w_out)
+    experts = op._replace(w_in=w_in, w_up=w_up, w_out=w_out, act=Act.of(op.act))
+    first = mesh.get_local_rank(axis) * local
 
     def on_rank(rows, w, i):
-        return local_pairs(rows, w, i, w_in, w_up, w_out, act, gated, transposed, num_experts, first)
+        return local_pairs(experts._replace(x=rows, weights=w, ids=i, first_expert=first))
 
     def on_node(rows, w, i):  # the copies that reached this node: to its ranks (node q's first is q m)
-        return _dedup(rows, w, i, num_experts // n, first_rank, node, m, on_rank)
+        return _dedup(rows, w, i, local, first_rank, node, m, on_rank)
 
     first_rank = mesh.get_local_rank(axis) // m * m
-    return _dedup(x.to(w_in.dtype), weights, ids, num_experts // (n // m), 0, rail, n // m, on_node).to(dtype)
+    return _dedup(
+        x.to(w_in.dtype), op.weights, op.ids, op.num_experts // (n // m), 0, rail, n // m, on_node
+    ).to(dtype)

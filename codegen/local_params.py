@@ -27,7 +27,7 @@ micro-batches' backwards: autograd sums their gradients on the leaf, and ``relea
 once: the sum of the same gradients in the same order as moving each and adding it to a
 ``.grad`` that was None (the step sets aside a ``.grad`` that holds values while it runs).
 
-``ParallelModule.forward`` calls ``refresh`` on each leaf before the graph runs: a leaf whose
+``ParallelModule.forward`` calls ``refresh_leaves`` on its leaves before the graph runs: a leaf whose
 parameter's piece was replaced (``p.data = ...``, a load that assigns) or whose ``requires_grad``
 changed is rebuilt with its hooks, and ``active`` follows ``ParallelModule.local_leaves``. With
 ``local_leaves`` False (``AUTOPAR_LOCAL_LEAVES=0`` for every module) the graph reads
@@ -166,15 +166,12 @@ class LocalLeaf:
         if self.leaf.grad is not None:
             self._move(self.leaf)
 
-    def refresh(self, active: bool) -> None:
-        """Rebuild the leaf where the parameter's piece or ``requires_grad`` changed; ``active``:
-        whether the forward reads it (module docstring)."""
-        refresh_leaves((self,), active)
-
 
 def refresh_leaves(leaves: Iterable[LocalLeaf], active: bool) -> None:
-    """``LocalLeaf.refresh`` of each of ``leaves``, in one loop: a forward's one call, not one a
-    parameter (``ParallelModule.forward``)."""
+    """Rebuild each of ``leaves`` where its parameter's piece or ``requires_grad`` changed;
+    ``active``: whether the forward reads them (module docstring). One loop a forward
+    (``ParallelModule.forward``, ``PipelinedModule.step``, FSDP2's pre-forward hook in
+    ``codegen/zero.py``), not one call a parameter."""
     for h in leaves:
         h.active = active
         p, leaf = h.param, h.leaf

@@ -52,6 +52,7 @@ from autopar.codegen import local_ops as L
 from autopar.codegen import summa as SM
 from autopar.errors import PlanMismatchError
 from autopar.kernels import ops as kernel_ops
+from autopar.kernels.moe import MoeOperands
 from autopar.lowerings import float8 as F8
 from autopar.lowerings import lowering_of
 from autopar.lowerings.attention import ALL_TO_ALL, RING, SDPA_ARGS, is_causal, query_rows_axis
@@ -352,13 +353,13 @@ def _lower_moe_experts(g, node, args, kwargs, s, mesh_shape):
         )
     if how is None:
         return g.call_function(node.target, args, kwargs)
-    full = list(args) + [kwargs[k] for k in ("first_expert",) if k in kwargs]
+    op = MoeOperands(*args, **kwargs)  # one argument of the call: FX keeps a NamedTuple's nodes
     if how is EXPERT_NODE_ALL_TO_ALL:
         a = experts_axis(s, mesh_shape)
         m, _ = ranks_per_node(node, mesh_shape, a)
-        return g.call_function(EXN.expert_parallel_nodes, (*full[:10], a, m))
+        return g.call_function(EXN.expert_parallel_nodes, (op, a, m))
     call = EX.expert_parallel if how is EXPERT_ALL_TO_ALL else EX.local_experts
-    return g.call_function(call, (*full[:10], experts_axis(s, mesh_shape)))
+    return g.call_function(call, (op, experts_axis(s, mesh_shape)))
 
 
 @lowering(aten.cross_entropy_loss.default)

@@ -67,7 +67,7 @@ from torch.distributed.tensor import DTensor
 from autopar.codegen import collectives as C
 from autopar.codegen.agree import collective_section
 from autopar.codegen.blocks import _COMPUTE, _set_attr, origins
-from autopar.codegen.local_params import drop_copies
+from autopar.codegen.local_params import drop_copies, refresh_leaves
 from autopar.codegen.module import FULL_STATE_FIX, ParallelModule, _loss_of, full_tensor
 from autopar.errors import AutoparError
 from autopar.passes.blocks import Block, between_blocks
@@ -405,8 +405,7 @@ class PipelinedModule(ParallelModule):
         named = {
             INPUT_PREFIX + name: t for name, t in zip(self._input_names, flat) if name in self._read_inputs
         }
-        for leaf in self._leaves:
-            leaf.refresh(self.local_leaves)
+        refresh_leaves(self._leaves, self.local_leaves)
         self._step_loss_fn = loss_fn
         losses: list[torch.Tensor] = []
         if self.grad_sync is not None:

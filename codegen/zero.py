@@ -130,7 +130,7 @@ except ImportError:  # pragma: no cover - older torch: FSDP2 over plain local te
     DataParallelMeshDims = None
     SPMD_FSDP = False
 
-from autopar.codegen.local_params import LEAF_ATTR, LocalLeaf, mark_half
+from autopar.codegen.local_params import LEAF_ATTR, LocalLeaf, mark_half, refresh_leaves
 from autopar.codegen.local_step import LocalStepOptimizer, all_replicated
 from autopar.codegen.lower import mangle
 from autopar.codegen.zero_one import ZeroOneOptimizer
@@ -431,7 +431,7 @@ def _gathered_leaves(applied: AppliedTrades, owners: list[tuple[torch.nn.Module,
     is made once and refreshed only where that storage changed."""
 
     def hook(module, args) -> None:
-        active = applied.leaves_active
+        leaves = []
         for owner, name in owners:
             p = owner._parameters[name]
             leaf = getattr(p, LEAF_ATTR, None)
@@ -440,7 +440,8 @@ def _gathered_leaves(applied: AppliedTrades, owners: list[tuple[torch.nn.Module,
                     continue
                 leaf = LocalLeaf(p)
                 setattr(p, LEAF_ATTR, leaf)
-            leaf.refresh(active)
+            leaves.append(leaf)
+        refresh_leaves(leaves, applied.leaves_active)
 
     return hook
 

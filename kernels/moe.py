@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -150,19 +151,49 @@ def combine(out_rows: Tensor, order: Tensor, weights: Tensor, dtype: torch.dtype
     return weighted[inverse].view(tokens, k, out_rows.shape[-1]).sum(1).to(dtype)
 
 
-def check(
-    x: Tensor,
-    weights: Tensor,
-    ids: Tensor,
-    w_in: Tensor,
-    w_up: Tensor | None,
-    w_out: Tensor,
-    gated: bool,
-    transposed: bool,
-    num_experts: int,
-    first_expert: int,
-) -> None:
+class MoeOperands(NamedTuple):
+    """The arguments of ``moe_experts``, in its schema's order (the schema is written from these
+    fields, ``_schema``): the one list of them that the op, its checks and the expert-parallel
+    forms (``codegen/experts.py``, ``codegen/experts_nodes.py``) read. A NamedTuple so that an FX
+    graph can carry it as one argument whose fields are nodes (``codegen/lower.py``)."""
+
+    x: Tensor
+    weights: Tensor
+    ids: Tensor
+    w_in: Tensor
+    w_up: Tensor | None
+    w_out: Tensor
+    act: str | Act
+    gated: bool
+    transposed: bool
+    num_experts: int
+    first_expert: int = 0
+
+
+# each field's annotation (written as a string: ``from __future__ import annotations``; NamedTuple
+# keeps it as a ForwardRef) -> its schema type
+_SCHEMA_TYPES = {
+    "Tensor": "Tensor",
+    "Tensor | None": "Tensor?",
+    "str | Act": "str",
+    "bool": "bool",
+    "int": "int",
+}
+
+
+def _schema() -> str:
+    """``moe_experts``'s argument list in ``torch.library`` schema syntax, from ``MoeOperands``."""
+    defaults = MoeOperands._field_defaults
+    return ", ".join(
+        f"{_SCHEMA_TYPES[getattr(kind, '__forward_arg__', kind)]} {name}"
+        + (f"={defaults[name]}" if name in defaults else "")
+        for name, kind in MoeOperands.__annotations__.items()
+    )
+
+
+def check(op: MoeOperands) -> None:
     """Raise ``ValueError`` naming what disagrees in the operands of ``moe_experts``."""
+    x, weights, ids, w_in, w_up, w_out = op.x, op.weights, op.ids, op.w_in, op.w_up, op.w_out
     shapes = (
         f"x {tuple(x.shape)}, weights {tuple(weights.shape)}, ids {tuple(ids.shape)}, w_in {tuple(w_in.shape)}, "
         f"w_up {None if w_up is None else tuple(w_up.shape)}, w_out {tuple(w_out.shape)}"
@@ -178,25 +209,25 @@ def check(
             f"moe_experts: w_in and w_out are [E, ., .] stacks of the experts' weights: got {shapes}"
         )
     experts = w_in.shape[0]
-    if not 0 <= first_expert <= num_experts - experts:
+    if not 0 <= op.first_expert <= op.num_experts - experts:
         raise ValueError(
-            f"moe_experts: experts {first_expert}..{first_expert + experts - 1} (w_in holds {experts}) are not "
-            f"among the layer's {num_experts}"
+            f"moe_experts: experts {op.first_expert}..{op.first_expert + experts - 1} (w_in holds {experts}) are not "
+            f"among the layer's {op.num_experts}"
         )
     hidden = x.shape[1]
-    f_dim, h_in = (w_in.shape[1], w_in.shape[2]) if transposed else (w_in.shape[2], w_in.shape[1])
-    h_out, i_dim = (w_out.shape[1], w_out.shape[2]) if transposed else (w_out.shape[2], w_out.shape[1])
-    packed = gated and w_up is None
+    f_dim, h_in = (w_in.shape[1], w_in.shape[2]) if op.transposed else (w_in.shape[2], w_in.shape[1])
+    h_out, i_dim = (w_out.shape[1], w_out.shape[2]) if op.transposed else (w_out.shape[2], w_out.shape[1])
+    packed = op.gated and w_up is None
     want_f = 2 * i_dim if packed else i_dim
-    layout = "[E, F, H] and [E, H, I]" if transposed else "[E, H, F] and [E, I, H]"
+    layout = "[E, F, H] and [E, H, I]" if op.transposed else "[E, H, F] and [E, I, H]"
     if h_in != hidden or h_out != hidden or f_dim != want_f or w_out.shape[0] != experts:
         raise ValueError(
-            f"moe_experts (transposed={transposed}: w_in, w_out are {layout}; F = {'2I' if packed else 'I'}): "
+            f"moe_experts (transposed={op.transposed}: w_in, w_out are {layout}; F = {'2I' if packed else 'I'}): "
             f"got {shapes}"
         )
-    if w_up is not None and (not gated or w_up.shape != w_in.shape):
+    if w_up is not None and (not op.gated or w_up.shape != w_in.shape):
         raise ValueError(
-            f"moe_experts: w_up goes with gated=True and has w_in's shape: got gated={gated}, {shapes}"
+            f"moe_experts: w_up goes with gated=True and has w_in's shape: got gated={op.gated}, {shapes}"
         )
 
 
@@ -215,34 +246,21 @@ def autocast_operands(
     return x.to(dtype), w_in.to(dtype), None if w_up is None else w_up.to(dtype), w_out.to(dtype)
 
 
-def moe_experts_impl(
-    x: Tensor,
-    weights: Tensor,
-    ids: Tensor,
-    w_in: Tensor,
-    w_up: Tensor | None,
-    w_out: Tensor,
-    act: str,
-    gated: bool,
-    transposed: bool,
-    num_experts: int,
-    first_expert: int = 0,
-) -> Tensor:
-    """``moe_experts`` as its pieces (the op's composite implementation)."""
-    Act.of(act)
-    check(x, weights, ids, w_in, w_up, w_out, gated, transposed, num_experts, first_expert)
-    x, w_in, w_up, w_out = autocast_operands(x, w_in, w_up, w_out)
-    routing = route(ids, num_experts, first_expert, w_in.shape[0])
-    rows = x[torch.div(routing.order, ids.shape[1], rounding_mode="floor")]
-    out_rows = experts_mlp(rows, routing.counts, w_in, w_up, w_out, act, gated, transposed)
-    return combine(out_rows, routing.order, weights, x.dtype)
+def moe_experts_impl(*args, **kwargs) -> Tensor:
+    """``moe_experts`` as its pieces (the op's composite implementation); the arguments are
+    ``MoeOperands``'."""
+    op = MoeOperands(*args, **kwargs)
+    Act.of(op.act)
+    check(op)
+    x, w_in, w_up, w_out = autocast_operands(op.x, op.w_in, op.w_up, op.w_out)
+    routing = route(op.ids, op.num_experts, op.first_expert, w_in.shape[0])
+    rows = x[torch.div(routing.order, op.ids.shape[1], rounding_mode="floor")]
+    out_rows = experts_mlp(rows, routing.counts, w_in, w_up, w_out, op.act, op.gated, op.transposed)
+    return combine(out_rows, routing.order, op.weights, x.dtype)
 
 
 _LIB = torch.library.Library("autopar", "FRAGMENT")
-_LIB.define(
-    "moe_experts(Tensor x, Tensor weights, Tensor ids, Tensor w_in, Tensor? w_up, Tensor w_out, str act, "
-    "bool gated, bool transposed, int num_experts, int first_expert=0) -> Tensor"
-)
+_LIB.define(f"moe_experts({_schema()}) -> Tensor")
 _LIB.impl("moe_experts", moe_experts_impl, "CompositeImplicitAutograd")
 
 

@@ -23,7 +23,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import autopar.kernels.moe  # noqa: F401  (registers torch.ops.autopar.moe_experts)
+from autopar.kernels.moe import MoeOperands  # registers torch.ops.autopar.moe_experts too
 from autopar.launch import run_on_ranks
 
 pytestmark = pytest.mark.slow
@@ -69,11 +69,16 @@ def _tensors(case: Case) -> dict[str, torch.Tensor | None]:
 GRADS = ("x", "weights", "w_in", "w_up", "w_out")
 
 
-def _moe(tensors, case: Case, fn, *extra):
-    return fn(
+def _operands(tensors, case: Case) -> MoeOperands:
+    return MoeOperands(
         tensors["x"], tensors["weights"], tensors["ids"], tensors["w_in"], tensors["w_up"], tensors["w_out"],
-        case.act, case.mode != "plain", case.transposed, case.experts, *extra,
+        case.act, case.mode != "plain", case.transposed, case.experts,
     )  # fmt: skip
+
+
+def _moe(tensors, case: Case, fn, *extra):
+    """An expert-parallel form ``fn`` (``codegen/experts*.py``) on the case's tensors."""
+    return fn(_operands(tensors, case), *extra)
 
 
 def _leaves(tensors) -> dict:
@@ -106,7 +111,7 @@ def _reference(case: Case):
     leaves = _leaves(tensors)
     mask = _kept(case, tensors["ids"]).to(torch.float64)
     masked = dict(leaves, weights=leaves["weights"] * mask)
-    out = _moe(masked, case, torch.ops.autopar.moe_experts)
+    out = torch.ops.autopar.moe_experts(*_operands(masked, case))
     out.backward(tensors["grad"])
     return out.detach(), _grads(leaves)
 

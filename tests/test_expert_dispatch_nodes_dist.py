@@ -18,7 +18,18 @@ from __future__ import annotations
 import pytest
 import torch
 from hypothesis import given, settings
-from test_expert_dispatch_dist import GRADS, Case, _experts, _grads, _leaves, _moe, _rows, _tensors, cases
+from test_expert_dispatch_dist import (
+    GRADS,
+    Case,
+    _experts,
+    _grads,
+    _leaves,
+    _moe,
+    _operands,
+    _rows,
+    _tensors,
+    cases,
+)
 
 import autopar.kernels.moe  # noqa: F401  (registers torch.ops.autopar.moe_experts)
 from autopar.launch import run_on_ranks
@@ -133,7 +144,7 @@ def _results():
 def _reference(case: Case):
     tensors = _tensors(case)
     leaves = _leaves(tensors)
-    out = _moe(leaves, case, torch.ops.autopar.moe_experts)
+    out = torch.ops.autopar.moe_experts(*_operands(leaves, case))
     out.backward(tensors["grad"])
     return out.detach(), _grads(leaves)
 
