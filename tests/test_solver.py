@@ -551,3 +551,26 @@ def test_relaxation_by_simplex_first_is_the_interior_point_ones(lp, work):
     if want.status == "Optimal":
         assert got.objective == pytest.approx(want.objective, rel=1e-7, abs=1e-9)
         assert len(got.values) == len(want.values)
+
+
+def test_where_memory_binds_an_uncut_ilp_with_no_fractional_plan_never_runs(monkeypatch):
+    """With no cutoff (a mesh's first candidate) but memory binding, the LP relaxation still runs
+    before the MIP, by the capped simplex and then the interior point method: where no fractional
+    plan fits, the answer (no plan) comes from it, and HiGHS's MIP, whose own root relaxation by
+    the dual simplex took 527 s to say the same on a DeepSeek-V3 candidate, never runs."""
+    from autopar.passes import lp_model
+    from autopar.passes.lp_model import highs_available
+    from autopar.passes.solver import _solve
+
+    if not highs_available():
+        pytest.skip("highspy not installed")
+    tables, limit = _knapsack()
+    full = lp_model.Model.solve
+
+    def no_mip(self, *args, **kwargs):
+        raise AssertionError("the MIP ran where the relaxation proves there is no plan")
+
+    monkeypatch.setattr(lp_model.Model, "solve", no_mip)
+    assert _solve(tables, 3.0, None) is None  # 4 bytes at the least: no plan under 3
+    monkeypatch.setattr(lp_model.Model, "solve", full)
+    assert _solve(tables, limit, None).objective == pytest.approx(10.0)  # a plan: the MIP's optimum
