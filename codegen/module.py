@@ -643,7 +643,11 @@ def defer_output_sums(gm: fx.GraphModule) -> fx.GraphModule:
       backward needs the whole batch's count) becomes ``collectives.mean_deferred``: the count,
       which the labels alone give, is counted and its all-reduce started at the top of the forward
       (the label ops it needs moved there, ``_hoist``), the sum's is waited for where the loss is
-      read. Same values; the same backward (d loss / d sum = 1 / count).
+      read. Same values; the same backward (d loss / d sum = 1 / count). Where the whole batch's
+      count is known without it (``ParallelModule._known_count``: a rank fed the whole batch,
+      ``step``'s micro-batches), that all-reduce does not run (``collectives.KNOWN_SUM``). It cannot
+      ride in a gradient bucket, since backward needs it from its start, and merged with the sum's
+      at the forward's end it would make backward wait for the ranks to meet again.
 
     Only the root graph's outputs: a value the graph reads further is waited for at once anyway."""
     out = next(n for n in reversed(gm.graph.nodes) if n.op == "output")

@@ -14,6 +14,11 @@ is all-reduced only where no rank can know it otherwise (``ParallelModule._known
   ranks in one all-reduce where the ranks are fed slices (none where fed whole), and each
   micro-batch's forward takes its count from there (slices: 1 + k + 1; whole: k + 1).
 
+And a tensor-parallel residual MLP on CPU ranks (``test_gloo_tensor_plan.py``): Megatron's all-reduce
+per block in forward, one per block input and the head's in backward, the loss's (deferred): 5,
+where the sequence-split plan gloo's reduce-scatter was once priced into ran 9 (5 all-reduces, 4
+all-gathers; ``parallelize_module`` runs 3, its head whole).
+
 Each loss is checked against the single-device model's, so that a count taken from the wrong
 place fails here too (the gradients with these counts: ``test_loss_weights.py``,
 ``test_deferred_loss.py``).
@@ -28,7 +33,7 @@ import autopar
 from autopar.examples import gpt2_tiny, mlp
 from autopar.launch import run_on_ranks
 
-D = autopar.AxisRole.DATA
+D, T = autopar.AxisRole.DATA, autopar.AxisRole.TENSOR
 BATCH, SEQ, K = 4, 8, 2
 
 # (model, micro-batches, fed) -> gloo collectives per step, rank 0
@@ -38,10 +43,16 @@ EXPECTED = {
     ("gpt2", K, "slices"): 1 + K + 1,
     ("gpt2", K, "whole"): K + 1,
     ("mlp", 1, "slices"): 2,
+    ("mlp_tp", 1, "whole"): 5,
 }
 
 
 def build(name: str):
+    if name == "mlp_tp":
+        from test_gloo_tensor_plan import ResidualMLP
+
+        torch.manual_seed(0)
+        return ResidualMLP(hidden=16, inter=32), (torch.randn(BATCH, SEQ, 16), torch.randn(BATCH, SEQ, 16))
     if name == "mlp":
         return mlp(batch=BATCH, hidden=16, ffn=32)
     model, inputs = gpt2_tiny(batch=BATCH, seq=SEQ, hidden=32, vocab=64)
@@ -52,6 +63,8 @@ def build(name: str):
 
 
 def _loss(out):
+    if isinstance(out, torch.Tensor):
+        return out
     return out.loss if hasattr(out, "loss") else out[0]
 
 
@@ -91,13 +104,14 @@ def _rank(rank: int, world: int, jobs: list):
 def test_collectives_per_data_parallel_step(tmp_path):
     cluster = autopar.ClusterSpec.preset("cpu", devices_per_node=2)
     jobs, want = [], {}
-    for name in ("gpt2", "mlp"):
+    for name in ("gpt2", "mlp", "mlp_tp"):
         model, inputs = build(name)
         loss = _loss(model(**inputs) if isinstance(inputs, dict) else model(*inputs))
         want[name] = loss.item()
         for k in sorted({k for (n, k, _) in EXPECTED if n == name}):
             plan = autopar.plan(  # the step reads the loss alone (the logits are not gathered)
-                model, cluster, inputs, mesh_shape=(2,), axis_roles=(D,), zero_stage=0, micro_batches=k,
+                model, cluster, inputs, mesh_shape=(2,), axis_roles=(T if name == "mlp_tp" else D,), zero_stage=0,
+                micro_batches=k,
                 outputs=autopar.Outputs.LOSS,
             )  # fmt: skip
             path = tmp_path / f"{name}-{k}.json"
