@@ -347,7 +347,7 @@ class ParallelModule(torch.nn.Module):
             factors, counts = self._micro_batch_factors(flat, sliced, k)
             parts = split_batch((args, kwargs), k)
         else:
-            parts = [(args, kwargs)]
+            parts, counts = [(args, kwargs)], None
         losses = []
         # mixed precision: the parameters' half copies cast once for the step's micro-batches
         # (codegen/local_params.py), as the pricing's parameter memory holds them through the step
