@@ -184,6 +184,8 @@ class DeviceKind(enum.Enum):
     * ``passes/precision.py`` ``AUTOCAST_BY_KIND``: the ops its autocast runs in the half type and
       in fp32 (pricing mixed precision);
     * ``passes/fuse.py`` ``AUTO_KERNELS``: the fused kernels a search uses there by default;
+    * ``cost_model/comm.py`` ``NATIVE_REDUCE_SCATTER``: whether its transport has a reduce-scatter
+      (else it runs, and is priced as, an all-reduce);
     * ``autopar/tools/profiler.py`` ``profile_device_for``: the local device that measures for it
       (ProfilerDeviceError without one);
     * where the kind of the machine the code runs on is learnt from the process group's backend

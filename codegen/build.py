@@ -208,6 +208,8 @@ def _module_kwargs(
     """What every rank-local module is built with from the traced graph and the plan: the inputs'
     structure, names, shapes and batch-splitting axes, the outputs' structure and placements."""
     out_node = next(n for n in tg.graph.nodes if n.op == "output")
+    micro_batches = getattr(plan, "trades", Trades()).micro_batches
+    pipelined = getattr(getattr(plan, "pipeline", None), "enabled", False)
     output_specs = tuple(
         output_placement(choice[resolve_source(leaf).name].out, outputs)
         if isinstance(leaf, fx.Node) and isinstance(leaf.meta.get("val"), torch.Tensor)
@@ -226,8 +228,10 @@ def _module_kwargs(
         out_spec=tg.out_spec,
         plan=plan,
         output_specs=output_specs,
-        # how step weighs its micro-batches' losses: by the labels each counts (codegen/loss_weights.py)
-        loss_weights=loss_weights(tg) if getattr(plan, "trades", Trades()).micro_batches > 1 else None,
+        # how step weighs its micro-batches' losses: by the labels each counts (codegen/loss_weights.py);
+        # an unpipelined module's forward also counts the whole batch's labels with it, where it is fed
+        # the whole batch, rather than all-reduce the ranks' counts (ParallelModule._known_count)
+        loss_weights=loss_weights(tg) if micro_batches > 1 or not pipelined else None,
     )
 
 

@@ -488,10 +488,24 @@ def all_reduce_deferred(x: torch.Tensor, axis: int) -> torch.Tensor:
     return _AllReduceDeferred.apply(x, axis, current_mesh(), RIDE.get() if x.requires_grad else None)
 
 
+# the sum the forward's one ``all_reduce_started`` would give, where the module knows it already
+# (``ParallelModule.forward``: the labels' count of the whole batch, counted where every rank holds
+# it, or by ``step``'s micro-batch weights, which summed it over the ranks once for the step)
+KNOWN_SUM: ContextVar[torch.Tensor | None] = ContextVar("autopar_known_sum", default=None)
+
+
 def all_reduce_started(x: torch.Tensor, axis: int) -> DeferredSum:
     """The sum of ``x`` (no gradient) over mesh axis ``axis``, started now and waited for where it
     is read: a value the graph needs later (the loss's token count, counted from the labels alone,
-    ``codegen/module.py:defer_output_sums``)."""
+    ``codegen/module.py:defer_output_sums``). Where the module knows that sum already
+    (``KNOWN_SUM``), it is that value, and no collective runs: every rank of the group knows it
+    alike, so all of them skip it together."""
+    known = KNOWN_SUM.get()
+    if known is not None:
+        value = known.to(device=x.device, dtype=x.dtype).reshape(x.shape)
+        done = DeferredSum(value)
+        done.value = value
+        return done
     group = axis_group(current_mesh(), axis)
     return DeferredSum(torch.ops._c10d_functional.all_reduce(x.contiguous(), "sum", group.group_name))
 

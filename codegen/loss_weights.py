@@ -92,10 +92,21 @@ class LossWeights:
         k = len(parts)
         if self.counts is None:
             return [float(k)] * k
+        return self.weigh(self.counted(parts, reduce))
+
+    def counted(self, parts: list[list], reduce=None) -> torch.Tensor:
+        """Per micro-batch (``parts`` and ``reduce`` as ``factors`` takes them), the labels its loss
+        counts over the whole micro-batch (float64, on the host): what the graph's own count of
+        that micro-batch, summed over the ranks, gives (``ParallelModule.step`` hands it to the
+        forward, which then all-reduces no count). Only where ``counts`` is a program."""
         with torch.no_grad():
             c = torch.stack([self.counts(*flat).to(torch.float64).cpu() for flat in parts])
-        if reduce is not None:
-            c = reduce(c)
+        return reduce(c) if reduce is not None else c
+
+    @staticmethod
+    def weigh(c: torch.Tensor) -> list[float]:
+        """``factors`` from the micro-batches' counts ``c`` (``counted``)."""
+        k = len(c)
         total = float(c.sum())
         if total == 0:  # nothing counted anywhere: the losses are NaN, as one device's; keep the mean
             return [1.0] * k

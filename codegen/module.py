@@ -139,8 +139,18 @@ class ParallelModule(torch.nn.Module):
         loss_weights: LossWeights | None = None,
     ):
         super().__init__()
-        # how ``step`` weighs its micro-batches' losses (codegen/loss_weights.py; None: equally)
+        # how ``step`` weighs its micro-batches' losses (codegen/loss_weights.py; None: equally);
+        # its label count also gives the forward's token count where every rank holds the batch
         self._loss_weights = loss_weights
+        # the whole batch's label count the next forward's ``all_reduce_started`` takes as known
+        # (``step``: its micro-batch's, summed over the ranks with the step's weights); None: the
+        # forward counts it itself where it can (``_known_count``)
+        self._step_count: torch.Tensor | None = None
+        # whether the graph all-reduces its loss's label count (``defer_output_sums``): once
+        self._counts_labels = (
+            isinstance(local, fx.GraphModule)
+            and sum(n.target is C.all_reduce_started for n in local.graph.nodes) == 1
+        )
         # canonical FQN -> the permuted order a packed gate-up weight is kept in (ETP on its 2I
         # dim: autopar/lowerings/experts.py:PackedSplit); whole tensors cross in the model's order
         self._stored = dict(stored or {})
@@ -243,16 +253,35 @@ class ParallelModule(torch.nn.Module):
         # set here directly); else a ride set by an outer module's forward is cleared
         sync = self.grad_sync if self.loss_rides and torch.is_grad_enabled() else None
         ride = C.RIDE.set((sync, self._read_check) if sync is not None else None)
+        known = C.KNOWN_SUM.set(self._known_count(flat, sliced))
         try:
             with C.bound_mesh(self.mesh), self.zero.autocast(self._device.type):
                 outs = self.local(*self.feeding.to_graph(flat, sliced))
         finally:
+            C.KNOWN_SUM.reset(known)
             C.RIDE.reset(ride)
             if not self._hold_copies:  # one cast per forward call, or per step (``step``)
                 drop_copies(self.zero.half_params)
         self._deferred = [o for o in outs if isinstance(o, C.DeferredSum)]
         enter_backward(self, list(outs))
         return pytree.tree_unflatten(list(outs), self._out_spec)
+
+    def _known_count(self, flat: list, sliced: int) -> torch.Tensor | None:
+        """The whole batch's label count the graph's token-mean loss divides by, where it is known
+        without the all-reduce the graph starts for it (``defer_output_sums``), so that none runs:
+        ``step``'s (its micro-batch weights summed the counts over the ranks once for the step),
+        or, where this rank was fed the whole batch, counted here from its labels by the weights'
+        program (``codegen/loss_weights.py``); the same integer the all-reduce of the ranks' counts
+        gives, on every rank. None: this rank holds only its slice of the labels."""
+        if self._step_count is not None:
+            return self._step_count
+        if not self._counts_labels or sliced > 1:
+            return None
+        weights = self._loss_weights
+        if weights is None or weights.counts is None:
+            return None
+        with torch.no_grad():
+            return weights.counts(*flat)
 
     @property
     def _read_check(self) -> Callable[[], None] | None:
@@ -315,10 +344,10 @@ class ParallelModule(torch.nn.Module):
                     "re-plan for this batch"
                 )
             flat, sliced = self._flat_inputs(args, kwargs, k)  # checked (and compared across ranks) whole
-            factors = self._micro_batch_factors(flat, sliced, k)
+            factors, counts = self._micro_batch_factors(flat, sliced, k)
             parts = split_batch((args, kwargs), k)
         else:
-            parts = [(args, kwargs)]
+            parts, counts = [(args, kwargs)], None
         losses = []
         # mixed precision: the parameters' half copies cast once for the step's micro-batches
         # (codegen/local_params.py), as the pricing's parameter memory holds them through the step
@@ -326,6 +355,9 @@ class ParallelModule(torch.nn.Module):
         try:
             for i, (a, kw) in enumerate(parts):
                 self._set_grad_sync(i == k - 1)
+                # the micro-batch's label count, summed over the ranks already: its forward's
+                # all-reduce of it would give the same (``_known_count``), so none runs
+                self._step_count = counts[i] if counts is not None and self._counts_labels else None
                 out = self(*a, **kw)
                 loss = _loss_of(out, loss_fn)
                 # the graph's own loss (a caller's loss_fn may return it as it is) times k c_i / sum c
@@ -337,6 +369,7 @@ class ParallelModule(torch.nn.Module):
                 losses.append(loss.detach())
                 del loss  # this micro-batch's graph is freed before the next forward
         finally:
+            self._step_count = None
             self._set_grad_sync(True)
             self._hold_copies = False
             drop_copies(self.zero.half_params)
@@ -344,13 +377,19 @@ class ParallelModule(torch.nn.Module):
             self.grad_sync.finish()  # what a last backward that reached no bucketed parameter left
         return torch.stack(losses).mean() if k > 1 else losses[0]  # sum_i c_i L_i / sum c
 
-    def _micro_batch_factors(self, flat: list, sliced: int, k: int) -> list[float]:
+    def _micro_batch_factors(
+        self, flat: list, sliced: int, k: int
+    ) -> tuple[list[float], torch.Tensor | None]:
         """Per micro-batch, the factor ``step`` multiplies the graph's own loss by before dividing
-        by ``k`` (``codegen/loss_weights.py``): 1 each where the plain mean is the global batch's.
+        by ``k`` (``codegen/loss_weights.py``): 1 each where the plain mean is the global batch's;
+        and the labels each micro-batch's loss counts over the whole micro-batch (None: no count).
         ``flat``: the step's inputs (``_flat_inputs``); ``sliced`` > 1: this rank's slice, whose
-        counts are summed over the data-parallel ranks."""
-        if self._loss_weights is None:
-            return [1.0] * k
+        counts are summed over the data-parallel ranks (one all-reduce of ``k`` numbers)."""
+        weights = self._loss_weights
+        if weights is None:
+            return [1.0] * k, None
+        if weights.counts is None:
+            return weights.factors(split_batch(list(flat), k)), None
         parts = split_batch(list(flat), k)
         reduce = None
         if sliced > 1 and self._data_axis is not None:
@@ -362,12 +401,13 @@ class ParallelModule(torch.nn.Module):
                 return counts.cpu()
 
         try:
-            return self._loss_weights.factors(parts, reduce)
+            counts = weights.counted(parts, reduce)
         except RuntimeError as e:
             raise MicroBatchError(
                 f"counting the labels each micro-batch's loss averages over failed on this rank's slice ({e}); "
                 "feed step the whole global batch on every rank"
             ) from e
+        return weights.weigh(counts), counts
 
     def _set_grad_sync(self, enabled: bool) -> None:
         """Whether the next backward reduces gradients across ranks (True) or only accumulates them
@@ -603,7 +643,11 @@ def defer_output_sums(gm: fx.GraphModule) -> fx.GraphModule:
       backward needs the whole batch's count) becomes ``collectives.mean_deferred``: the count,
       which the labels alone give, is counted and its all-reduce started at the top of the forward
       (the label ops it needs moved there, ``_hoist``), the sum's is waited for where the loss is
-      read. Same values; the same backward (d loss / d sum = 1 / count).
+      read. Same values; the same backward (d loss / d sum = 1 / count). Where the whole batch's
+      count is known without it (``ParallelModule._known_count``: a rank fed the whole batch,
+      ``step``'s micro-batches), that all-reduce does not run (``collectives.KNOWN_SUM``). It cannot
+      ride in a gradient bucket, since backward needs it from its start, and merged with the sum's
+      at the forward's end it would make backward wait for the ranks to meet again.
 
     Only the root graph's outputs: a value the graph reads further is waited for at once anyway."""
     out = next(n for n in reversed(gm.graph.nodes) if n.op == "output")

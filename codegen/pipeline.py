@@ -396,7 +396,7 @@ class PipelinedModule(ParallelModule):
             # each micro-batch's loss factor, read by ``_loss`` from the schedule's per-micro-batch
             # ``target`` (codegen/loss_weights.py; counted on every rank, the slices' summed over
             # the data axis: the same collectives on every pipeline rank; without weights it stays 1)
-            factors = self._micro_batch_factors(flat, sliced, k)
+            factors, _ = self._micro_batch_factors(flat, sliced, k)
             if self._target is not None:
                 self._target = torch.tensor(factors, dtype=torch.float64)
         flat = [t.to(self._device) if isinstance(t, torch.Tensor) else t for t in flat]

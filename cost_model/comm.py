@@ -42,6 +42,13 @@ Traeff, "Two-tree algorithms for full bandwidth broadcast, reduction and scan", 
 
 ``CommModel.time`` prices each collective at the cheapest algorithm that applies.
 
+A reduce-scatter where the transport has none (gloo: ``NATIVE_REDUCE_SCATTER``) runs as an
+all-reduce of the full tensor and a local slice (``codegen/collectives.py:_reduce_scatter``; gloo's
+own ``reduce_scatter_tensor``, which FSDP2 calls, is no cheaper: 4.3 ms against the all-reduce's
+4.1 ms for 64 KiB over 4 ranks on the development VM, the all-gather 2.2 ms): it is priced as that
+all-reduce, not as a ring reduce-scatter at half of it, unless the link has figures measured for it
+(``autopar calibrate`` times a reduce-scatter as codegen runs it).
+
 Resharding one tensor from ``src`` to ``dst`` placements runs the steps of its reshard plan
 (``autopar/reshard.py:reshard_plan``, the same steps codegen emits), forward and backward:
 ``CommModel.reshard`` is the sum of their collectives at the prices above.
@@ -54,11 +61,16 @@ import math
 from collections.abc import Sequence
 
 from autopar.cluster import ClusterSpec, LinkSpec
+from autopar.hardware import DeviceKind, per_kind
 from autopar.placement import Spec
 from autopar.reshard import AxisGroup, Collective, CollectiveCall, axis_nodes, expert_nodes, reshard_plan
 
 # ``LinkSpec.ranges`` name of the all-reduce issued behind another one still in flight
 QUEUED_ALL_REDUCE = "all_reduce_queued"
+
+# whether the transport a device kind's ranks use runs a reduce-scatter of its own (NCCL) or an
+# all-reduce and a slice (gloo: module docstring)
+NATIVE_REDUCE_SCATTER = {DeviceKind.CUDA: True, DeviceKind.CPU: False}
 
 
 def group_ranges(name: str, n: int, stride: int) -> str:
@@ -133,6 +145,15 @@ class CommModel:
         # pairs again), since a price depends on nothing else
         self._cache = _reshard_cache(cluster, self.mesh_shape)
         self._by_id: dict[tuple, tuple] = {}
+        native = per_kind(
+            NATIVE_REDUCE_SCATTER, cluster.device.kind, "reduce-scatter transport", "cost_model/comm.py"
+        )
+        # per axis: whether its reduce-scatter runs as an all-reduce, which prices it, where the link
+        # has no figures measured for a reduce-scatter (module docstring)
+        self._scatter_reduces = [
+            not native and not any(r[0].split("/")[0] == Collective.REDUCE_SCATTER.value for r in link.ranges)
+            for link in self.links
+        ]
 
     def ranges(self, name: str, axis: int) -> str:
         """The ``LinkSpec.ranges`` name that prices collective ``name`` on ``axis``: its group's
@@ -150,7 +171,10 @@ class CommModel:
         """Seconds for one collective on ``axis``: the cheapest of ring, tree and hierarchical.
         ``group``: a rail (the axis's ranks with this rank's local index, one per node: ``k``
         ranks on the inter-node link) or a node (its ``m`` ranks on the intra-node link) of an
-        axis that spans whole nodes (``node_split``), priced as a ring over those ranks."""
+        axis that spans whole nodes (``node_split``), priced as a ring over those ranks. A
+        reduce-scatter the transport runs as an all-reduce is priced as one (module docstring)."""
+        if kind is Collective.REDUCE_SCATTER and self._scatter_reduces[axis]:
+            kind = Collective.ALL_REDUCE
         if group is not AxisGroup.WHOLE:
             split = expert_nodes(self.mesh_shape, axis, self.cluster.devices_per_node)
             if split is None:

@@ -24,7 +24,9 @@ INTER = LinkSpec(bandwidth=1e10, latency=1e-5)  # 10 GB/s, 10 us
 
 
 def _cluster(nodes: int, devices_per_node: int) -> ClusterSpec:
-    return ClusterSpec.preset("cpu", nodes=nodes, devices_per_node=devices_per_node).with_overrides(
+    """GPUs (whose transport has a reduce-scatter of its own: the ring formulas above hold for every
+    collective) on the round-number links."""
+    return ClusterSpec.preset("h100-sxm", nodes=nodes, devices_per_node=devices_per_node).with_overrides(
         intra_node=INTRA, inter_node=INTER
     )
 
@@ -452,3 +454,27 @@ def test_no_tree_inside_a_node_when_both_links_are_one_object():
     link = LinkSpec(1e11, 1e-3)
     same = ClusterSpec.preset("cpu", devices_per_node=4).with_overrides(intra_node=link, inter_node=link)
     assert CommModel(same, (4,)).time(Collective.ALL_REDUCE, 1e3, 0) == approx(2 * 3 / 4 * 1e3 / 1e11 + 6e-3)
+
+
+def test_gloo_reduce_scatter_is_priced_as_the_all_reduce_it_runs():
+    """CPU ranks' transport (gloo) has no reduce-scatter: codegen runs an all-reduce and a slice, and
+    a reduce-scatter is priced as that all-reduce (twice the ring's), unless the link has figures
+    measured for a reduce-scatter (``autopar calibrate`` measures it as codegen runs it). GPUs' NCCL
+    keeps the ring's price."""
+    b = 65536.0
+    for name in ("cpu", "h100-sxm"):
+        cluster = ClusterSpec.preset(name, devices_per_node=4).with_overrides(
+            intra_node=INTRA, inter_node=INTER
+        )
+        m = CommModel(cluster, (4,))
+        ring = collective_time(Collective.REDUCE_SCATTER, b, 4, INTRA)
+        all_reduce = collective_time(Collective.ALL_REDUCE, b, 4, INTRA)
+        assert all_reduce == approx(2 * ring)
+        want = all_reduce if name == "cpu" else ring
+        assert m.time(Collective.REDUCE_SCATTER, b, 0) == approx(want), name
+        assert m.time(Collective.ALL_GATHER, b, 0) == approx(ring), name  # gloo gathers as a ring does
+    measured = LinkSpec(bandwidth=1e11, latency=1e-6, ranges=(("reduce_scatter", 1e9, 2e10, 5e-6),))
+    cpu = ClusterSpec.preset("cpu", devices_per_node=4).with_overrides(
+        intra_node=measured, inter_node=measured
+    )
+    assert CommModel(cpu, (4,)).time(Collective.REDUCE_SCATTER, b, 0) == approx(3 / 4 * b / 2e10 + 3 * 5e-6)

@@ -2,7 +2,7 @@
 bucket (``codegen/grad_sync.py``, "The loss rides"): a training step runs as many gloo collectives as it
 has buckets (``GradSync.reductions``), none for the loss, as ``DistributedDataParallel`` runs none
 for it. Against the single-device model, on 2 gloo ranks, the MLP (a mean loss) and GPT-2 (a
-token-mean cross-entropy whose count is all-reduced from the top of the forward): the loss read
+token-mean cross-entropy whose count each rank, fed the whole batch, counts itself): the loss read
 after backward; read before backward on every rank (summed on its own); under ``torch.no_grad``
 (no backward: the forward starts it); never read, with the next forward after it; the sync off
 (``accumulating``: no bucket runs, so the forward starts it); and, with ``check_calls``, a read
@@ -80,7 +80,10 @@ def test_the_loss_rides_in_the_first_bucket(tmp_path, name):
     want = _loss(model, inputs)
     want.backward()
     grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
-    count = 1 if name == "gpt2" else 0  # GPT-2's token count, all-reduced from the top of the forward
+    # no collective for GPT-2's token count either: every rank is fed the whole batch, so it counts
+    # the whole batch's labels itself (ParallelModule._known_count; fed slices, it is all-reduced
+    # from the top of the forward: tests/test_step_collectives.py)
+    count = 0
     for got in run_on_ranks(_rank, 2, str(path), name):
         assert got["pending_after_forward"] is True
         (gloo, (buckets, loss)) = got["after"]
