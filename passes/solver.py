@@ -481,14 +481,14 @@ def _solve(
 
     name = solver_name()
     objective_bound = None  # the MIP's cutoff (HiGHS's objective_bound), where memory binds
-    binds = name == "HiGHS" and not relax and memory_binds(tables, memory_limit_bytes)
+    binds = name == "HiGHS" and memory_binds(tables, memory_limit_bytes)
     # the relaxation runs first where there is a cutoff to test, and where memory binds even
     # without one: there HiGHS's MIP starts from its own root relaxation by the dual simplex, which
     # took 527 s to prove one DeepSeek-V3 candidate on 1,024 H100 infeasible (25,613 columns, the
     # first candidate of its mesh: no cutoff yet), where the capped simplex and then the interior
     # point method (``Model.relaxation``) prove it in seconds
     if name == "HiGHS" and not relax and (math.isfinite(cutoff) or binds):
-        lp = prob.relaxation(time_limit_s, ipm=binds)
+        lp = prob.relaxation(time_limit_s, ipm=binds, status_only=not math.isfinite(cutoff))
         if lp.status == "Infeasible":
             return None  # no fractional plan fits: nor does an integral one
         if binds and math.isfinite(cutoff):
@@ -510,7 +510,12 @@ def _solve(
     # passed under the best and whose optimum did not, 10 s of branch and bound, then its re-solve
     # under the full peak). Elsewhere the MIP runs without: a different path through the tree may
     # take another of equal optima, and those searches are quick
-    got = prob.solve(name, time_limit_s, node_limit=MIP_NODE_LIMIT, objective_bound=objective_bound)
+    if relax and name == "HiGHS":  # only whether a fractional plan fits
+        got = prob.relaxation(time_limit_s, ipm=binds, status_only=True)
+        if got.status != "Infeasible" and not got.has_solution:  # not proven: the caller solves on
+            return Solution({}, math.nan, got.status, time.perf_counter() - t0, got.solver, 0, 0)
+    else:
+        got = prob.solve(name, time_limit_s, node_limit=MIP_NODE_LIMIT, objective_bound=objective_bound)
     if (
         objective_bound is not None
         and not got.node_limited
