@@ -9,9 +9,9 @@ In order, each step cheaper than the next and skipping the rest where it decides
    relaxation already passes it;
 4. on the chosen solution: the gradient buckets (``passes/price.py:grad_sync_cost``) and the
    trades' terms (``passes/trade_terms.py:trade_terms``), the full peak against the limit (solving
-   again, once, with as much less room as that peak passes it: the buckets' flattening and the
-   optimizer step's temporaries are not in the ILP's rows), the micro-batches' split of the batch
-   and the host memory offload needs.
+   again, once, with as much less room as that peak passes it and the best so far as its cutoff
+   again: the buckets' flattening and the optimizer step's temporaries are not in the ILP's rows),
+   the micro-batches' split of the batch and the host memory offload needs.
 
 The outcome is typed (``MeshOutcome``: its ``Entry`` and ``Verdict``, ``passes/outcome.py``).
 """
