@@ -4,6 +4,9 @@ machine's wall time tracks (its worker thread builds the next candidate's tables
 solves, ``passes/prefetch.py``).
 
     .venv/bin/python benchmarks/profile_plan.py --row deepseek-v3-2048 [--cprofile 40]
+    .venv/bin/python benchmarks/profile_plan.py --published llama3-405b-16384xh100-cp16
+
+``--published NAME``: a ``bench_published.py`` row's own search (its plan's last column) instead.
 
 Prints each progress line with its wall, process-CPU and search-thread-CPU seconds; then the
 totals (and the load average), HiGHS's runs by kind (count, CPU of the calling thread, wall),
