@@ -4,6 +4,9 @@ machine's wall time tracks (its worker thread builds the next candidate's tables
 solves, ``passes/prefetch.py``).
 
     .venv/bin/python benchmarks/profile_plan.py --row deepseek-v3-2048 [--cprofile 40]
+    .venv/bin/python benchmarks/profile_plan.py --published llama3-405b-16384xh100-cp16
+
+``--published NAME``: a ``bench_published.py`` row's own search (its plan's last column) instead.
 
 Prints each progress line with its wall, process-CPU and search-thread-CPU seconds; then the
 totals (and the load average), HiGHS's runs by kind (count, CPU of the calling thread, wall),
@@ -101,17 +104,33 @@ def _count_parts() -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--row", default="deepseek-v3-2048", help="a bench_moe.py row name")
+    ap.add_argument(
+        "--published", default=None, metavar="NAME",
+        help="a bench_published.py row instead: the search's own plan for it (its last column)",
+    )  # fmt: skip
     ap.add_argument("--seq", type=int, default=4096)
     ap.add_argument("--cprofile", type=int, default=0, help="print the N heaviest functions (cProfile)")
     args = ap.parse_args()
     _count_highs()
     _count_parts()
-    make, preset, nodes, batch, *told = bench_moe.ROWS[args.row]
-    cls, cfg = make()
-    with torch.device("meta"):
-        model = cls(cfg)
-    ids = torch.zeros(batch, args.seq, dtype=torch.long, device="meta")
-    cluster = autopar.ClusterSpec.preset(preset, nodes, 8)
+    if args.published:
+        import bench_published
+
+        run = bench_published.BY_NAME[args.published]
+        model, inputs = bench_published.build(run)
+        cluster = autopar.ClusterSpec.parse(run.cluster)
+        options = dict(outputs=Outputs.LOSS, precision=bench_published.precision(run), float8=run.float8)
+    else:
+        make, preset, nodes, batch, *told = bench_moe.ROWS[args.row]
+        cls, cfg = make()
+        with torch.device("meta"):
+            model = cls(cfg)
+        ids = torch.zeros(batch, args.seq, dtype=torch.long, device="meta")
+        inputs = {"input_ids": ids, "labels": ids}
+        cluster = autopar.ClusterSpec.preset(preset, nodes, 8)
+        options = dict(
+            outputs=Outputs.LOSS, precision=Precision.BF16, float8=Float8.OFF, **(told[0] if told else {})
+        )
     load0 = os.getloadavg()
     w0, p0, t0 = time.perf_counter(), time.process_time(), time.thread_time()
 
@@ -125,10 +144,7 @@ def main() -> None:
     prof = cProfile.Profile() if args.cprofile else None
     if prof:
         prof.enable()
-    plan = autopar.plan(
-        model, cluster, {"input_ids": ids, "labels": ids}, outputs=Outputs.LOSS, precision=Precision.BF16,
-        float8=Float8.OFF, progress=progress, **(told[0] if told else {}),
-    )  # fmt: skip
+    plan = autopar.plan(model, cluster, inputs, progress=progress, **options)
     if prof:
         prof.disable()
     wall, cpu, own = time.perf_counter() - w0, time.process_time() - p0, time.thread_time() - t0

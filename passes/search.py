@@ -55,6 +55,7 @@ from autopar.passes.costs import NodeTimer
 from autopar.passes.dumps import Stages, classes_tsv, infos_tsv
 from autopar.passes.experts import has_experts, mark_nodes, mark_skew
 from autopar.passes.fuse import chosen_kernels, fuse
+from autopar.passes.grad_sync import walked_once
 from autopar.passes.mesh_solve import Solved
 from autopar.passes.micro_batch_check import MicroBatchCheck
 from autopar.passes.no_fit import no_fit_message
@@ -156,15 +157,17 @@ def _search(
         cinfos=half_infos(tg, infos, precision, autocast_device(cluster)),
         profiler=profiler, st=st, micro=micro, model=model, example_inputs=example_inputs,
     )  # fmt: skip
-    found = explore(pb)
-    # one-row micro-batches are explored unchecked (tracing the model on one row costs as much as
-    # the first trace); only where a plan with them wins is the model traced on one row. Where its
-    # graph changes there, the search runs again without them: that plan may have pruned others
-    while found.best is not None and not micro.allows(pb.batch, _micro_batches_of(found.best)):
-        st.say("search: again, without one-row micro-batches")
+    with walked_once(tg):  # the graph's structure, as every solution's gradient sync reads it
         found = explore(pb)
-    best = select_stage(found, pb)
-    plan = price_stage(pb, best, found.candidates)
+        # one-row micro-batches are explored unchecked (tracing the model on one row costs as much
+        # as the first trace); only where a plan with them wins is the model traced on one row.
+        # Where its graph changes there, the search runs again without them: that plan may have
+        # pruned others
+        while found.best is not None and not micro.allows(pb.batch, _micro_batches_of(found.best)):
+            st.say("search: again, without one-row micro-batches")
+            found = explore(pb)
+        best = select_stage(found, pb)
+        plan = price_stage(pb, best, found.candidates)
     return SearchResult(plan, tg, best.choice)
 
 
