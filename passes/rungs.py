@@ -42,9 +42,16 @@ from autopar.passes.price import grad_sync_cost
 from autopar.passes.search_problem import Problem
 from autopar.passes.trace import Role, TracedGraph
 from autopar.passes.trade_terms import trade_terms, zero_one_axes
-from autopar.passes.trades import apply_trades, ladder, micro_batch_ok, traded_lower_bound, zero_axes
+from autopar.passes.trades import (
+    apply_trades,
+    ladder,
+    micro_batch_ok,
+    partial_sides,
+    traded_lower_bound,
+    zero_axes,
+)
 from autopar.placement import is_shard
-from autopar.trades import Offload, Schedule, Trades
+from autopar.trades import Offload, Pipeline, Schedule, Trades
 
 
 class SpmdRungs:
@@ -159,7 +166,14 @@ class PipelineRungs:
 
     def _traded(self, trades: Trades) -> CostTables:
         pb = self.pb
-        return apply_trades(self.base, pb.tg, pb.cinfos, trades, self.sub, pb.options.optimizer, pb.blocks)
+        # a partly recomputed step's rows as the stages' even cut chooses its blocks (each pipeline
+        # is priced on its own cut: ``price_pipeline``, ``PipelineProblem.sides``)
+        cuts = (
+            Pipeline.even_cuts(len(pb.blocks), self.run.stages) if trades.recompute_blocks is not None else ()
+        )
+        return apply_trades(
+            self.base, pb.tg, pb.cinfos, trades, self.sub, pb.options.optimizer, pb.blocks, cuts
+        )  # fmt: skip
 
     def tables(self, trades: Trades) -> RungTables:
         traded, stages = self._traded(trades), self.run.stages
@@ -217,6 +231,7 @@ class PipelineRungs:
                 tg, cinfos, self.base, traded, solved.sol.choice, solved.choice, pb.blocks, trades, stages,
                 pb.cluster, options, pb.limit, gs.adjustment_s + terms.total_s, terms.transient,
                 step_transient=gs.step_gathers_bytes(stages),
+                sides=partial_sides(self.base, tg, cinfos, trades, sub, options.optimizer, pb.blocks),
             ),
             why=why,
         )  # fmt: skip
