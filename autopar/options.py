@@ -87,9 +87,9 @@ class SearchOptions:
       precision for half-precision ones), ``zero_stage`` (0-3 or ``ZeroStage``), ``offload``
       (``Offload``: ``OPTIMIZER`` runs with ZeRO-2 only, ``PARAMETERS`` with ZeRO-3 only),
       ``recompute_blocks`` (how many repeated blocks of each pipeline stage recompute, the first
-      ones: Megatron-LM's ``--recompute-num-layers``; None: the search chooses, every block or a
-      part of them; forced, the search's rungs all recompute, in the mode ``recompute`` gives or
-      it chooses).
+      ones: Megatron-LM's ``--recompute-num-layers``; None: every block where ``recompute`` is
+      forced, else the search chooses every block or a part of them; forced, the search's rungs
+      all recompute, in the mode ``recompute`` gives or it chooses).
     * pipeline stages (``autopar/trades.py:Pipeline``, ``passes/pipeline.py``), each None (auto) or
       forced: ``pipeline_stages`` (1: no pipeline; ``mesh_shape`` is then one stage's mesh, of
       ``world / pipeline_stages`` devices), ``schedule`` (``Schedule``), ``virtual_stages``

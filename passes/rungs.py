@@ -147,7 +147,9 @@ def spmd_climb(
     other candidates on its mesh (``MeshProblem.hints``)."""
     zaxes, one_device = zero_axes(run.mesh, run.data_axes), math.prod(run.mesh) == 1
     rungs = list(ladder(pb.options, zaxes, pb.precision, pb.batch, bool(pb.blocks), one_device))
-    return climb(rungs, SpmdRungs(pb, run, got, rungs, hints), pb.limit, best_objective)
+    return climb(
+        rungs, SpmdRungs(pb, run, got, rungs, hints), pb.limit, best_objective, partial_blocks(pb, 1)
+    )
 
 
 class PipelineRungs:
@@ -270,7 +272,20 @@ def pipeline_climb(
     rungs = [
         t for t in ladder(popts, run.data_axes, pb.precision, batch, bool(pb.blocks)) if t.zero_stage <= 1
     ]
-    return climb(rungs, PipelineRungs(pb, run, sub, tables, k, parts), pb.limit, best_objective)
+    return climb(
+        rungs, PipelineRungs(pb, run, sub, tables, k, parts), pb.limit, best_objective, partial_blocks(pb, stages)
+    )  # fmt: skip
+
+
+def partial_blocks(pb: Problem, stages: int) -> int:
+    """The most repeated blocks one of ``stages`` pipeline stages holds (their even cut), where the
+    climb may offer rungs recomputing only part of them (``passes/ladder.py:_partial_rung``); 0
+    where recomputation is forced (a forced mode recomputes every block unless its count is
+    forced too, which the ladder's rungs then carry)."""
+    o = pb.options
+    if o.recompute is not None or o.recompute_blocks is not None or not pb.blocks:
+        return 0
+    return math.ceil(len(pb.blocks) / stages)
 
 
 def solution_batch_parts(

@@ -33,6 +33,7 @@ from autopar.demo import train_step
 from autopar.examples import llama_tiny
 from autopar.launch import free_port, run_on_ranks
 from autopar.options import Optimizer, SearchOptions, SearchOptionsError
+from autopar.passes.ladder import costs_no_less, recomputes_no_more, relieves_no_more
 from autopar.passes.trades import apply_trades, ladder
 from autopar.trades import Pipeline, Recompute, Schedule, Trades, TradesError, recomputed_blocks
 
@@ -75,6 +76,20 @@ def test_a_forced_count_makes_every_rung_recompute_that_many():
     rungs = ladder(SearchOptions(recompute_blocks=2), (0,), autopar.Precision.PARAM, 8, True)
     assert rungs and all(t.recompute is not NONE and t.recompute_blocks == 2 for t in rungs)
     assert {t.recompute for t in rungs} == {Recompute.SELECTIVE, Recompute.HALF_MATMULS, FULL}
+
+
+def test_partial_rungs_are_ordered_against_whole_ones():
+    """``passes/ladder.py``: a partial rung frees (and costs) no more than the same mode on more
+    blocks, at least as much as none; against a whole rung of a lower mode it is not ordered."""
+    full = Trades(recompute=FULL)
+    part = dataclasses.replace(full, recompute_blocks=2)
+    half = Trades(recompute=Recompute.HALF_MATMULS)
+    assert recomputes_no_more(part, full) and not recomputes_no_more(full, part)
+    assert recomputes_no_more(Trades(), part) and not recomputes_no_more(part, Trades())
+    assert recomputes_no_more(dataclasses.replace(part, recompute_blocks=1), part)
+    assert not recomputes_no_more(part, half) and not recomputes_no_more(half, part)
+    assert relieves_no_more(part, full) and not relieves_no_more(full, part)
+    assert costs_no_less(full, part) and not costs_no_less(part, full)
 
 
 # -- pricing ------------------------------------------------------------------------------------
@@ -197,6 +212,41 @@ def test_the_predicted_peak_bounds_the_measured_one(one_rank):
         assert plan.predicted.peak_memory_bytes <= 1.25 * got, n  # a bound, not a guess
         measured.append(got)
     assert measured[0] > measured[1] > measured[2]
+
+
+def _plan_cpu1(limit=None, **options):
+    model, inputs = llama_tiny(batch=8, seq=64, hidden=128, vocab=512, layers=L)
+    cpu1 = autopar.ClusterSpec.preset("cpu", devices_per_node=1)
+    return autopar.plan(
+        model, cpu1, inputs, optimizer=autopar.Optimizer.SGD, micro_batches=1, memory_limit_bytes=limit, **options
+    )  # fmt: skip
+
+
+def test_the_search_recomputes_only_the_blocks_the_memory_needs():
+    """Under a limit that FULL on 3 of the 4 blocks fits and no cheaper whole mode does, the search
+    takes a partial rung (its step between none's and full's); forced recompute=full recomputes
+    every block, as a published layout that ran so."""
+    cpu1 = autopar.ClusterSpec.preset("cpu", devices_per_node=1)
+    peak = {}
+    for key, opts in {
+        "part": dict(recompute=FULL, recompute_blocks=L - 1),
+        "half": dict(recompute=Recompute.HALF_MATMULS),
+        "selective": dict(recompute=Recompute.SELECTIVE),
+        "full": dict(recompute=FULL),
+    }.items():
+        plan = _plan_cpu1(**opts)
+        peak[key] = (plan.predicted.peak_memory_bytes, plan.predicted.step_time_s)
+    assert peak["part"][0] < min(peak["half"][0], peak["selective"][0])
+    usable = (peak["part"][0] + min(peak["half"][0], peak["selective"][0])) / 2
+    limit = usable / (1 - cpu1.memory_reserve)
+    got = _plan_cpu1(limit)
+    assert got.trades.recompute is FULL and got.trades.recompute_blocks is not None, got.trades.describe()
+    assert 0 < got.trades.recompute_blocks < L
+    assert got.predicted.peak_memory_bytes <= cpu1.memory_limit(limit)
+    assert got.predicted.step_time_s < peak["full"][1]
+    forced = _plan_cpu1(limit, recompute=FULL)
+    assert forced.trades.recompute_blocks is None
+    assert forced.predicted.step_time_s > got.predicted.step_time_s
 
 
 # -- two gloo ranks -----------------------------------------------------------------------------
