@@ -15,6 +15,10 @@ taken (a forced trade fixes its dimension):
     ZeRO 0 -> 1 -> 2 -> 3  (on data axes)  ->  + selective recompute  ->  + half the matmuls  ->  + full recompute
       ->  + micro-batches 2, 4, 8, ...  ->  + optimizer offload (ZeRO-2)  ->  + parameter offload (ZeRO-3)
 
+and where memory binds, full recomputation of only the fewest blocks of each pipeline stage that
+fit comes before full recomputation of every block (``Trades.recompute_blocks``, offered by
+``passes/ladder.py:climb`` as it goes; ``partly_recomputed`` prices it).
+
 ZeRO 1-2 cost (almost) nothing and save much; recomputation adds one forward of what it frees;
 micro-batches add a collective's latency per micro-batch and the ZeRO-3 gathers again; offload
 adds the host link's traffic. A rung whose memory lower bound (``memory_row.lower_bound_bytes``)
@@ -63,7 +67,8 @@ parameter's):
   the matmuls' forward FLOPs among them; the bytes freed leave the tables; backward rematerializes
   one block at a time (a transient: the block's kept bytes as NONE counts them); the time added is
   the forward of every recomputed op and half of the block's reshard time (its forward collectives
-  run again: selective recomputation saves only the matmuls' and attention's outputs).
+  run again: selective recomputation saves only the matmuls' and attention's outputs). Recomputing
+  only the first ``N`` blocks of each stage mixes each class's rows of the two (``partly_recomputed``).
 * micro-batches ``k``: activations, inputs and their transients are ``1/k``; gradients live through
   the whole step (they accumulate from the first micro-batch's backward); compute and activation
   collectives keep their total (less efficient small GEMMs are not priced); each activation
