@@ -8,7 +8,7 @@ A ``Trades`` value says, for the whole step:
   other matmul of a block recomputed too, torchtitan's op-level selective checkpointing
   (``passes/blocks.py:alternate_matmuls``) / ``FULL``: only each block's inputs kept);
 * ``recompute_blocks``: None, every repeated block recomputes under ``recompute``; ``N``, only the
-  first ``N`` blocks of each pipeline chunk (of the model, without stages) do, the others keep
+  first ``N`` blocks of each pipeline stage (of the model, without stages) do, the others keep
   every activation (as ``Recompute.NONE``): Megatron-LM's ``--recompute-method block
   --recompute-num-layers N``, which recomputes the first ``N`` layers of each stage
   (``recomputed_blocks``);
@@ -233,12 +233,12 @@ class Trades:
             None if blocks is None else int(blocks),
         )
 
-    def recomputed(self, n_blocks: int, cuts: tuple[int, ...] = ()) -> frozenset[int]:
-        """The indices of the blocks (of ``n_blocks``, in pipeline chunks cut at ``cuts``) that
-        recompute under these trades (``recomputed_blocks``)."""
+    def recomputed(self, n_blocks: int, cuts: tuple[int, ...] = (), stages: int = 1) -> frozenset[int]:
+        """The indices of the blocks (of ``n_blocks``, in pipeline chunks cut at ``cuts`` over
+        ``stages`` ranks) that recompute under these trades (``recomputed_blocks``)."""
         if self.recompute is Recompute.NONE:
             return frozenset()
-        return recomputed_blocks(n_blocks, self.recompute_blocks, cuts)
+        return recomputed_blocks(n_blocks, self.recompute_blocks, cuts, stages)
 
 
 def check_recompute_blocks(n, recompute, error: type[Exception] = TradesError) -> None:
@@ -257,17 +257,27 @@ def check_recompute_blocks(n, recompute, error: type[Exception] = TradesError) -
         )
 
 
-def recomputed_blocks(n_blocks: int, n: int | None, cuts: tuple[int, ...] = ()) -> frozenset[int]:
+def recomputed_blocks(
+    n_blocks: int, n: int | None, cuts: tuple[int, ...] = (), stages: int = 1
+) -> frozenset[int]:
     """The blocks (indices of ``n_blocks`` repeated blocks) that recompute when ``n`` of each
-    pipeline chunk do (``Trades.recompute_blocks``): the first ``n`` of each chunk, the chunks cut at
-    ``cuts`` (``Pipeline.cuts``; none: one chunk, the model). ``n`` None: every block. Megatron-LM's
-    block method recomputes the first ``--recompute-num-layers`` of each stage's layers
-    (``TransformerBlock._checkpointed_forward``): the earlier layers, whose activations live longest
-    under 1F1B."""
+    pipeline stage do (``Trades.recompute_blocks``): the first ``n`` blocks each pipeline rank
+    holds, in the order it runs its chunks (the chunks cut at ``cuts``, chunk ``c`` on rank
+    ``c % stages``: ``Pipeline``; no cuts: one chunk, the model). ``n`` None: every block.
+    Megatron-LM's block method recomputes the first ``--recompute-num-layers`` of each stage's
+    layers (``TransformerBlock._checkpointed_forward``); counted per rank rather than per chunk
+    under an interleaved schedule, so that a stage's count means the same with any number of
+    chunks (the search bounds a stage's memory before it picks the schedule).
+    """
     if n is None:
         return frozenset(range(n_blocks))
     bounds = [0, *cuts, n_blocks]
-    return frozenset(i for a, b in zip(bounds, bounds[1:]) for i in range(a, min(a + n, b)))
+    chunks = [range(a, b) for a, b in zip(bounds, bounds[1:])]
+    out: list[int] = []
+    for rank in range(max(stages, 1)):
+        mine = [i for c in chunks[rank :: max(stages, 1)] for i in c]
+        out.extend(mine[:n])
+    return frozenset(out)
 
 
 # -- pipeline stages ------------------------------------------------------------------------------

@@ -342,7 +342,7 @@ def _pipelined(tg, plan, choice, gm, mesh, full_mesh, attrs, deferred, common: d
             own = [b for b in blocks if pipe.chunk_of_block(b.index) == c.index]
             c.module = apply_recompute(
                 split_blocks(c.module, own, tg.graph), trades.recompute, mesh, tg.graph, own,
-                trades.recomputed(len(blocks), pipe.cuts),  # the first of each chunk (Megatron's)
+                trades.recomputed(len(blocks), pipe.cuts, pipe.stages),  # the first of each stage (Megatron's)
             )  # fmt: skip
     read = {n.target for n in gm.graph.nodes if n.op == "get_attr" and n.users}
     zero = apply_trades(trades, gm, mesh, tg, deferred)

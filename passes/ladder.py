@@ -16,7 +16,8 @@ its trades. How a rung's tables are made and how it is priced is the candidate's
   bisection on that bound: memory falls with each block recomputed) is priced first, and where
   it has no plan one half-way to every block, ``MAX_PARTIAL_RUNGS`` at most
   (``_partial_rung``): Megatron-LM's ``--recompute-num-layers``, which pays the recomputation of
-  only as many blocks as the memory needs;
+  only as many blocks as the memory needs. The rung of every block is priced after them all the
+  same (a partial rung that fits does not end the climb), so no plan is slower for them;
 * after ``MAX_EMPTY_RUNGS`` rungs with no plan, only rungs with more room every way than one of
   them are solved (``relieves_more``);
 * the rest are priced; each priced rung's ``Lesson`` says what it teaches about the rungs after
@@ -187,18 +188,22 @@ def climb(
         if rung.entry is not None:
             out.entries.append(rung.entry)
         about = rung.about if rung.about is not None else trades
-        if rung.lesson is Lesson.NO_PLAN or rung.lesson is Lesson.TOO_BIG:
-            (short if rung.lesson is Lesson.NO_PLAN else over).append(about)
-            whole = replace(trades, recompute_blocks=None)
-            if (
-                trades.recompute_blocks is not None
-                and partial.get(whole, MAX_PARTIAL_RUNGS) < MAX_PARTIAL_RUNGS
-            ):
-                # the fewest blocks its bound allowed had no plan: half-way to every block, once
-                more = (trades.recompute_blocks + partial_blocks + 1) // 2
-                if more < partial_blocks:
-                    partial[whole] += 1
-                    todo.insert(0, replace(trades, recompute_blocks=more))
+        whole = replace(trades, recompute_blocks=None)
+        if (
+            rung.lesson in (Lesson.NO_PLAN, Lesson.TOO_BIG, Lesson.NOTHING)
+            and trades.recompute_blocks is not None
+            and partial.get(whole, MAX_PARTIAL_RUNGS) < MAX_PARTIAL_RUNGS
+        ):
+            # the fewest blocks its bound allowed had no plan (a pipeline's solve that finds none
+            # teaches NOTHING): half-way to every block, once
+            more = (trades.recompute_blocks + partial_blocks + 1) // 2
+            if more < partial_blocks:
+                partial[whole] += 1
+                todo.insert(0, replace(trades, recompute_blocks=more))
+        if rung.lesson is Lesson.NO_PLAN:
+            short.append(about)
+        elif rung.lesson is Lesson.TOO_BIG:
+            over.append(about)
         elif rung.lesson is Lesson.SLOW:
             slow.append(about)
         elif rung.lesson is Lesson.LAST:
@@ -209,6 +214,10 @@ def climb(
                     tight = rung.peak >= TIGHT * limit
                 out.objective = min(out.objective, rung.objective)
                 out.solved.append(rung.solved)
+            if partial_blocks > 1 and trades.recompute_blocks is not None:
+                # an offered partial rung: the rung of every block after it is still priced (its
+                # placement can differ and win: Llama 3 405B's interleaved stages under 55 GiB)
+                continue
             solved += 1
             if not finishing and solved >= (RUNGS_SOLVED_TIGHT if tight else RUNGS_SOLVED):
                 # later rungs tend to add time (passes/trades.py:ladder), but a higher ZeRO stage

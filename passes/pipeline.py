@@ -587,10 +587,10 @@ def price_pipeline(p: PipelineProblem, why: list[str] | None = None) -> Pipeline
 
     def by_chosen_costs(cuts: tuple[int, ...]) -> dict:
         """The regions' costs with the blocks the cut ``cuts`` recomputes (the first
-        ``trades.recompute_blocks`` of each chunk; every block's own where all or none do)."""
+        ``trades.recompute_blocks`` of each rank's; every block's own where all or none do)."""
         if p.sides is None:
             return base_costs
-        chosen = trades.recomputed(n, cuts)
+        chosen = trades.recomputed(n, cuts, stages)
         if chosen not in by_chosen:
             by_chosen[chosen] = _regions_costs(p, regions, chosen)
         return by_chosen[chosen]

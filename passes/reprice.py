@@ -101,7 +101,17 @@ def given_choice(
     problem = MeshProblem(
         tg=tg,
         infos=cinfos,
-        tables=apply_trades(base, tg, cinfos, plan.trades, devices, optimizer, blocks, plan.pipeline.cuts),
+        tables=apply_trades(
+            base,
+            tg,
+            cinfos,
+            plan.trades,
+            devices,
+            optimizer,
+            blocks,
+            plan.pipeline.cuts,
+            plan.pipeline.stages,
+        ),
         cluster=devices,
         run=MeshRun(mesh, None),
         options=options,

@@ -170,11 +170,10 @@ class PipelineRungs:
         pb = self.pb
         # a partly recomputed step's rows as the stages' even cut chooses its blocks (each pipeline
         # is priced on its own cut: ``price_pipeline``, ``PipelineProblem.sides``)
-        cuts = (
-            Pipeline.even_cuts(len(pb.blocks), self.run.stages) if trades.recompute_blocks is not None else ()
-        )
+        stages = self.run.stages
+        cuts = Pipeline.even_cuts(len(pb.blocks), stages) if trades.recompute_blocks is not None else ()
         return apply_trades(
-            self.base, pb.tg, pb.cinfos, trades, self.sub, pb.options.optimizer, pb.blocks, cuts
+            self.base, pb.tg, pb.cinfos, trades, self.sub, pb.options.optimizer, pb.blocks, cuts, stages
         )  # fmt: skip
 
     def tables(self, trades: Trades) -> RungTables:

@@ -219,10 +219,12 @@ def apply_trades(
     optimizer: Optimizer,
     blocks: Sequence[Block],
     cuts: tuple[int, ...] = (),
+    stages: int = 1,
 ) -> CostTables:
     """The tables as the step runs under ``trades`` (module docstring). ``infos``: as the tables
-    were built (``half_infos`` under mixed precision). ``cuts``: the pipeline's chunks, where
-    ``trades`` recompute only some blocks of each (``Trades.recompute_blocks``: ``partly_recomputed``).
+    were built (``half_infos`` under mixed precision). ``cuts``, ``stages``: the pipeline's chunks
+    and ranks, where ``trades`` recompute only some blocks of each stage
+    (``Trades.recompute_blocks``: ``partly_recomputed``).
 
     A parameter's rows depend on the trades but recomputation (``_traded_params``), an
     activation's on recomputation and micro-batches alone (``_traded_activations``), an edge's on
@@ -232,7 +234,7 @@ def apply_trades(
     if _untraded(trades):
         return tables
     if trades.recompute_blocks is not None:
-        return partly_recomputed(tables, tg, infos, trades, cluster, optimizer, blocks, cuts)
+        return partly_recomputed(tables, tg, infos, trades, cluster, optimizer, blocks, cuts, stages)
     in_block = _recomputed(tables, blocks, trades)
     edges = _traded_edges(tables, infos, in_block, trades.micro_batches)
     return _traded_rows(tables, infos, trades, cluster, optimizer, blocks, in_block, edges)
@@ -298,9 +300,10 @@ def partly_recomputed(
     optimizer: Optimizer,
     blocks: Sequence[Block],
     cuts: tuple[int, ...] = (),
+    stages: int = 1,
 ) -> CostTables:
     """The tables under ``trades`` where they recompute only the first ``trades.recompute_blocks``
-    blocks of each chunk cut at ``cuts`` (``Trades.recomputed``), the others kept whole as
+    blocks of each of ``stages`` ranks, the chunks cut at ``cuts`` (``Trades.recomputed``), the others kept whole as
     ``Recompute.NONE`` keeps them.
 
     Repeated blocks share their rows (``passes/coarsen.py``: a class's row is the sum over its
@@ -311,7 +314,7 @@ def partly_recomputed(
     mix is exact for sums; the memory row, a sum of what is kept, is then an upper bound of the
     step's peak wherever in the step the kept blocks lie (Megatron recomputes the first ones).
     No block recomputed gives the ``NONE`` tables, every block the whole mode's, as they are."""
-    chosen = trades.recomputed(len(blocks), cuts)
+    chosen = trades.recomputed(len(blocks), cuts, stages)
     whole, none = sides(trades)
     if len(chosen) == len(blocks):
         return apply_trades(tables, tg, infos, whole, cluster, optimizer, blocks)

@@ -6,11 +6,12 @@ pipeline chunk recompute, the rest keep every activation; Megatron-LM's ``--reco
   blocks it names (``recomputed_blocks``);
 * pricing (``passes/trades.py:partly_recomputed``): ``N = 0`` gives exactly the ``NONE`` rows,
   ``N = L`` exactly the whole mode's, and every row moves monotonically in between (more seconds,
-  fewer bytes kept); on a pipeline the blocks are chosen per chunk;
+  fewer bytes kept); on a pipeline the blocks are chosen per stage;
 * the peak a forced partial plan predicts is at least what one CPU device holds (the tables' sum
   of what is kept is an upper bound wherever the kept blocks lie);
 * gloo world 2 (slow): a tiny Llama of 4 blocks, FULL on 2 of 4 over a tensor axis, and on 2
-  pipeline stages FULL on 1 of each stage's 2: only those blocks are checkpointed, and the losses
+  pipeline stages FULL on 1 of each stage's 2 (1F1B, and interleaved: the first block each rank
+  runs), SELECTIVE on 3 of 4 over a data axis: only those blocks are checkpointed, and the losses
   and the state after two Adam steps equal one device's.
 """
 
@@ -62,13 +63,15 @@ def test_the_trade_is_validated_and_round_trips():
     assert Trades.from_dict(old).recompute_blocks is None
 
 
-def test_recomputed_blocks_are_the_first_of_each_chunk():
+def test_recomputed_blocks_are_the_first_of_each_stage():
     assert recomputed_blocks(4, None) == {0, 1, 2, 3}
     assert recomputed_blocks(4, 2) == {0, 1}
     assert recomputed_blocks(4, 0) == set()
     assert recomputed_blocks(4, 9) == {0, 1, 2, 3}
-    assert recomputed_blocks(8, 1, (3, 5)) == {0, 3, 5}
-    assert recomputed_blocks(8, 2, Pipeline.even_cuts(8, 2)) == {0, 1, 4, 5}
+    assert recomputed_blocks(8, 1, (3, 5)) == {0}  # one rank runs the three chunks
+    assert recomputed_blocks(8, 2, Pipeline.even_cuts(8, 2), 2) == {0, 1, 4, 5}
+    # interleaved: rank 0 runs chunks 0 and 2 (blocks 0, 1, 4, 5), rank 1 chunks 1 and 3
+    assert recomputed_blocks(8, 3, (2, 4, 6), 2) == {0, 1, 4, 2, 3, 6}
     assert Trades(recompute=NONE).recomputed(4) == set()
 
 
@@ -108,9 +111,9 @@ def llama4():
     return _llama4()
 
 
-def _traded(r, trades, cuts=()):
+def _traded(r, trades, cuts=(), stages=1):
     cluster = autopar.ClusterSpec.preset("cpu", devices_per_node=2)
-    return apply_trades(r.tables, r.tg, r.cinfos, trades, cluster, Optimizer.ADAM, r.blocks, cuts)
+    return apply_trades(r.tables, r.tg, r.cinfos, trades, cluster, Optimizer.ADAM, r.blocks, cuts, stages)
 
 
 def _rows(tables):
@@ -149,17 +152,17 @@ def test_rows_move_monotonically_in_the_count(a, b, cut):
     rise and their kept bytes fall (summed: a block's output is kept by its node under FULL, by
     the edges into the next block under NONE), strictly where more blocks recompute."""
     lo, hi = min(a, b), max(a, b)
-    cuts = Pipeline.even_cuts(L, 2) if cut else ()
-    t_lo = _traded(_llama4(), Trades(recompute=FULL, recompute_blocks=lo), cuts)
-    t_hi = _traded(_llama4(), Trades(recompute=FULL, recompute_blocks=hi), cuts)
+    cuts, stages = (Pipeline.even_cuts(L, 2), 2) if cut else ((), 1)
+    t_lo = _traded(_llama4(), Trades(recompute=FULL, recompute_blocks=lo), cuts, stages)
+    t_hi = _traded(_llama4(), Trades(recompute=FULL, recompute_blocks=hi), cuts, stages)
     for v, row in t_lo.node_cost.items():
         for x, y in zip(row, t_hi.node_cost[v]):
             assert y >= x - 1e-12 * abs(x) or not math.isfinite(x), v
     s_lo, k_lo = _totals(t_lo)
     s_hi, k_hi = _totals(t_hi)
     assert s_hi >= s_lo * (1 - 1e-12) and k_hi <= k_lo * (1 + 1e-12)
-    n_lo = len(recomputed_blocks(L, lo, cuts))
-    n_hi = len(recomputed_blocks(L, hi, cuts))
+    n_lo = len(recomputed_blocks(L, lo, cuts, stages))
+    n_hi = len(recomputed_blocks(L, hi, cuts, stages))
     if n_hi > n_lo:
         assert k_hi < k_lo and s_hi > s_lo
 
@@ -258,6 +261,10 @@ CASES = {
         pipeline_stages=2, schedule=Schedule.ONE_F_ONE_B, micro_batches=2, mesh_shape=(1,), recompute=FULL,
         recompute_blocks=1,
     ),
+    "pp2 interleaved full 1 of 2 per stage": dict(
+        pipeline_stages=2, schedule=Schedule.INTERLEAVED_1F1B, virtual_stages=2, micro_batches=2, mesh_shape=(1,),
+        recompute=FULL, recompute_blocks=1,
+    ),
     "dp2 selective 3 of 4": dict(
         mesh_shape=(2,), axis_roles=(D,), recompute=Recompute.SELECTIVE, recompute_blocks=3, micro_batches=1
     ),
@@ -265,6 +272,7 @@ CASES = {
 CHECKPOINTED = {
     "tp2 full 2 of 4": {0, 1},
     "pp2 full 1 of 2 per stage": {0, 2},
+    "pp2 interleaved full 1 of 2 per stage": {0, 1},  # rank 0 runs blocks 0 and 2, rank 1 blocks 1 and 3
     "dp2 selective 3 of 4": {0, 1, 2},
 }
 
