@@ -175,6 +175,32 @@ def test_kept_bytes_are_linear_in_the_recomputed_blocks(llama4):
     assert max(steps) - min(steps) <= 1e-9 * kept[0]
 
 
+def test_a_pipeline_prices_each_stage_on_its_own_blocks():
+    """A pipeline of 2 stages of 2 blocks, repriced (``autopar.reprice``: the plan's placements,
+    ``passes/pipeline.py:price_pipeline`` per member) with 0, 1 and 2 blocks of each stage
+    recomputed: each chunk's activation bytes and backward seconds with 1 are the mean of those
+    with 0 and 2 (one block kept, one recomputed, exactly), the step rises with the count, and the
+    plan the search priced at 1 reprices to its own figures."""
+    model, inputs = llama_tiny(batch=8, seq=32, layers=L, hidden=64, vocab=256)
+    cpu2 = autopar.ClusterSpec.preset("cpu", devices_per_node=2)
+    plan = autopar.plan(
+        model, cpu2, inputs, pipeline_stages=2, schedule=Schedule.ONE_F_ONE_B, micro_batches=2,
+        mesh_shape=(1,), recompute=FULL, recompute_blocks=1,
+    )  # fmt: skip
+    assert plan.pipeline.stages == 2 and plan.pipeline.cuts == (2,)
+    got = {}
+    for n in (0, 1, 2):
+        p = dataclasses.replace(plan, trades=dataclasses.replace(plan.trades, recompute_blocks=n))
+        got[n] = autopar.reprice(model, cpu2, inputs, p)
+    assert got[1].predicted.step_time_s == pytest.approx(plan.predicted.step_time_s, rel=1e-9)
+    assert got[0].predicted.step_time_s < got[1].predicted.step_time_s < got[2].predicted.step_time_s
+    for c in range(2):
+        for key in ("activation_bytes", "backward_s"):
+            lo, mid, hi = (got[n].stage_costs[c][key] for n in (0, 1, 2))
+            assert lo != hi, (c, key)
+            assert mid == pytest.approx((lo + hi) / 2, rel=1e-9), (c, key)
+
+
 # -- the peak on one device -------------------------------------------------------------------------
 
 
