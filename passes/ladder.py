@@ -15,7 +15,7 @@ its trades. How a rung's tables are made and how it is priced is the candidate's
   blocks of each stage whose memory lower bound fits (``Trades.recompute_blocks``, found by
   bisection on that bound: memory falls with each block recomputed) is priced first, and where
   it has no plan one half-way to every block, ``MAX_PARTIAL_RUNGS`` at most
-  (``_partial_rung``): Megatron-LM's ``--recompute-num-layers``, which pays the recomputation of
+  (``MAX_PARTIAL_RUNGS_PER_CLIMB`` in all; ``_partial_rung``): Megatron-LM's ``--recompute-num-layers``, which pays the recomputation of
   only as many blocks as the memory needs. The rung of every block is priced after them all the
   same (a partial rung that fits does not end the climb), so no plan is slower for them;
 * after ``MAX_EMPTY_RUNGS`` rungs with no plan, only rungs with more room every way than one of
@@ -56,8 +56,11 @@ RUNGS_SOLVED_TIGHT = 4
 # after this many rungs of one candidate had no plan, only rungs with more room every way than one
 # of them are solved (each empty rung of a large mesh is a solve of seconds)
 MAX_EMPTY_RUNGS = 4
-# per rung of full recomputation, how many rungs recomputing only part of its blocks are solved
+# per rung of full recomputation, how many rungs recomputing only part of its blocks are solved,
+# and per climb (a long ladder has a rung of full recomputation per ZeRO stage, micro-batch count
+# and offload; each partial rung of a large mesh is a solve of seconds)
 MAX_PARTIAL_RUNGS = 2
+MAX_PARTIAL_RUNGS_PER_CLIMB = 4
 
 
 class Lesson(enum.Enum):
@@ -156,7 +159,13 @@ def climb(
         trades = todo.pop(0)
         if not pricer.admits(trades):
             continue
-        if partial_blocks > 1 and trades not in partial and _memory_binds(trades, short + over):
+        offered = sum(partial.values())
+        if (
+            partial_blocks > 1
+            and offered < MAX_PARTIAL_RUNGS_PER_CLIMB
+            and trades not in partial
+            and _memory_binds(trades, short + over)
+        ):
             partial[trades] = 0
             part = _partial_rung(pricer, trades, partial_blocks, limit, known)
             if part is not None:
@@ -193,6 +202,7 @@ def climb(
             rung.lesson in (Lesson.NO_PLAN, Lesson.TOO_BIG, Lesson.NOTHING)
             and trades.recompute_blocks is not None
             and partial.get(whole, MAX_PARTIAL_RUNGS) < MAX_PARTIAL_RUNGS
+            and sum(partial.values()) < MAX_PARTIAL_RUNGS_PER_CLIMB
         ):
             # the fewest blocks its bound allowed had no plan (a pipeline's solve that finds none
             # teaches NOTHING): half-way to every block, once
