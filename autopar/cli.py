@@ -2,7 +2,7 @@
 
     autopar demo [--out DIR] [--model MODEL_SPEC] [--world-size N] [--cluster SPEC_FILE]
     autopar plan MODEL_SPEC --cluster PRESET[:NODESxDEVICES] | SPEC_FILE --out plan.json [--report r.html]
-                 [--mesh AxB] [--axis-roles data,tensor] [--recompute ..] [--micro-batches K] [--zero-stage ..] [--offload ..]
+                 [--mesh AxB] [--axis-roles data,tensor] [--recompute ..] [--recompute-blocks N] [--micro-batches K] [--zero-stage ..] [--offload ..]
                  [--precision ..] [--float8 ..] [--pipeline-stages N] [--schedule ..] [--virtual-stages N]
                  [--sequence-attention gather|ring|all_to_all] [--kernels auto|all|none|K1,K2]
                  [--overlap-matmuls auto|on|off] [--no-sequence-parallel] [--expert-skew X]
@@ -125,6 +125,13 @@ def _build_parser() -> argparse.ArgumentParser:
         default="auto",
         help="activation recomputation per repeated block (default: auto, the search chooses): "
         "selective keeps every matmul's output, half_matmuls every other one (torchtitan's op SAC)",
+    )
+    pl.add_argument(
+        "--recompute-blocks",
+        default="auto",
+        metavar="N|auto",
+        help="how many repeated blocks of each pipeline stage recompute, the first ones (Megatron-LM's "
+        "--recompute-num-layers; default: auto, the search chooses every block or a part)",
     )
     pl.add_argument(
         "--micro-batches", default="auto", metavar="K|auto", help="micro-batches per step (default: auto)"
@@ -283,12 +290,13 @@ def _cmd_plan(args) -> int:
         return None if text == "auto" else kind(text)
 
     counts = {}
-    for flag in ("micro_batches", "pipeline_stages", "virtual_stages"):
+    for flag in ("micro_batches", "pipeline_stages", "virtual_stages", "recompute_blocks"):
         text = getattr(args, flag)
         try:
             counts[flag] = auto(text, int)
         except ValueError:
-            print(f"autopar: error: --{flag.replace('_', '-')} must be a positive integer or auto, got {text!r}",
+            what = "an integer >= 0" if flag == "recompute_blocks" else "a positive integer"
+            print(f"autopar: error: --{flag.replace('_', '-')} must be {what} or auto, got {text!r}",
                   file=sys.stderr)  # fmt: skip
             return 2
     try:
@@ -299,6 +307,7 @@ def _cmd_plan(args) -> int:
     options = autopar.SearchOptions(
         kernels=kernels,
         recompute=auto(args.recompute),
+        recompute_blocks=counts["recompute_blocks"],
         micro_batches=counts["micro_batches"],
         pipeline_stages=counts["pipeline_stages"],
         schedule=auto(args.schedule),

@@ -26,6 +26,7 @@ from autopar.trades import (
     Trades,
     TradesError,
     ZeroStage,
+    check_recompute_blocks,
     coerce,
     coerce_schedule,
     offload_stage_text,
@@ -84,7 +85,11 @@ class SearchOptions:
       ``passes/trades.py``) or forced: ``recompute`` (``Recompute``), ``micro_batches`` (int),
       ``precision`` (``Precision``; auto: the parameters' dtype for fp32 models, bf16 mixed
       precision for half-precision ones), ``zero_stage`` (0-3 or ``ZeroStage``), ``offload``
-      (``Offload``: ``OPTIMIZER`` runs with ZeRO-2 only, ``PARAMETERS`` with ZeRO-3 only).
+      (``Offload``: ``OPTIMIZER`` runs with ZeRO-2 only, ``PARAMETERS`` with ZeRO-3 only),
+      ``recompute_blocks`` (how many repeated blocks of each pipeline stage recompute, the first
+      ones: Megatron-LM's ``--recompute-num-layers``; None: every block where ``recompute`` is
+      forced, else the search chooses every block or a part of them; forced, the search's rungs
+      all recompute, in the mode ``recompute`` gives or it chooses).
     * pipeline stages (``autopar/trades.py:Pipeline``, ``passes/pipeline.py``), each None (auto) or
       forced: ``pipeline_stages`` (1: no pipeline; ``mesh_shape`` is then one stage's mesh, of
       ``world / pipeline_stages`` devices), ``schedule`` (``Schedule``), ``virtual_stages``
@@ -129,6 +134,7 @@ class SearchOptions:
     coarsen: bool = True
     profile: bool = False
     recompute: Recompute | None = None
+    recompute_blocks: int | None = None
     micro_batches: int | None = None
     precision: Precision | None = None
     zero_stage: ZeroStage | None = None
@@ -189,6 +195,7 @@ class SearchOptions:
             and self.zero_stage != self.offload.stage
         ):
             raise SearchOptionsError(offload_stage_text(self.offload, self.zero_stage))
+        check_recompute_blocks(self.recompute_blocks, self.recompute, SearchOptionsError)
         if self.micro_batches is not None:
             try:
                 Trades(micro_batches=self.micro_batches)

@@ -25,7 +25,8 @@ JSON layout (schema_version 4; 3 is the same without "pipeline", 2 also without 
       "overlap_matmuls": true,   (linears run with the all-gather before or the reduce-scatter after
                  them as collective matmuls, kernels/collective_matmul.py; absent in older plans: false)
       "trades": {"recompute": "none", "micro_batches": 1, "precision": "param", "zero_stage": 0,
-                 "offload": "none", "data_axes": []},   (autopar/trades.py; absent: none taken)
+                 "offload": "none", "data_axes": []},   (autopar/trades.py; absent: none taken;
+                 "recompute_blocks": N where only the first N blocks of each stage recompute)
       "trade_costs": {"zero": {"seconds": ..., "bytes_saved": ...}, ...},
       "pipeline": {"stages": 4, "schedule": "1f1b", "virtual_stages": 1, "cuts": [3, 6, 9]},
                  (autopar/trades.py:Pipeline; absent: no pipeline; mesh_shape is one stage's)

@@ -7,6 +7,11 @@ A ``Trades`` value says, for the whole step:
   outputs are kept, everything between them recomputed / ``HALF_MATMULS``: the same, and every
   other matmul of a block recomputed too, torchtitan's op-level selective checkpointing
   (``passes/blocks.py:alternate_matmuls``) / ``FULL``: only each block's inputs kept);
+* ``recompute_blocks``: None, every repeated block recomputes under ``recompute``; ``N``, only the
+  first ``N`` blocks of each pipeline stage (of the model, without stages) do, the others keep
+  every activation (as ``Recompute.NONE``): Megatron-LM's ``--recompute-method block
+  --recompute-num-layers N``, which recomputes the first ``N`` layers of each stage
+  (``recomputed_blocks``);
 * ``micro_batches``: the global batch runs as this many micro-batches per step (gradient
   accumulation); one micro-batch's activations are live at a time, gradients are reduced once;
 * ``precision``: ``Precision.PARAM`` computes in the parameters' dtype and keeps the optimizer state
@@ -161,10 +166,12 @@ class Trades:
     zero_stage: ZeroStage = ZeroStage.NONE
     offload: Offload = Offload.NONE
     data_axes: tuple[int, ...] = ()
+    recompute_blocks: int | None = None
 
     def __post_init__(self) -> None:
         for name in ENUM_FIELDS:
             object.__setattr__(self, name, coerce(name, getattr(self, name)))
+        check_recompute_blocks(self.recompute_blocks, self.recompute)
         if (
             isinstance(self.micro_batches, bool)
             or not isinstance(self.micro_batches, int)
@@ -189,6 +196,8 @@ class Trades:
         parts = []
         if self.recompute is not Recompute.NONE:
             parts.append(f"recompute {self.recompute.value}")
+            if self.recompute_blocks is not None:
+                parts[-1] += f" on the first {self.recompute_blocks} blocks per stage"
         if self.micro_batches > 1:
             parts.append(f"{self.micro_batches} micro-batches")
         if self.precision.mixed:
@@ -207,12 +216,13 @@ class Trades:
             "zero_stage": int(self.zero_stage),
             "offload": self.offload.value,
             "data_axes": list(self.data_axes),
-        }
+        } | ({} if self.recompute_blocks is None else {"recompute_blocks": self.recompute_blocks})
 
     @classmethod
     def from_dict(cls, d: dict[str, Any] | None) -> Trades:
         if not d:
             return cls()
+        blocks = d.get("recompute_blocks")  # absent in plans before partial recomputation: every block
         return cls(
             Recompute(d.get("recompute", "none")),
             int(d.get("micro_batches", 1)),
@@ -220,7 +230,54 @@ class Trades:
             ZeroStage(int(d.get("zero_stage", 0))),
             Offload(d.get("offload", "none")),
             tuple(d.get("data_axes", ())),
+            None if blocks is None else int(blocks),
         )
+
+    def recomputed(self, n_blocks: int, cuts: tuple[int, ...] = (), stages: int = 1) -> frozenset[int]:
+        """The indices of the blocks (of ``n_blocks``, in pipeline chunks cut at ``cuts`` over
+        ``stages`` ranks) that recompute under these trades (``recomputed_blocks``)."""
+        if self.recompute is Recompute.NONE:
+            return frozenset()
+        return recomputed_blocks(n_blocks, self.recompute_blocks, cuts, stages)
+
+
+def check_recompute_blocks(n, recompute, error: type[Exception] = TradesError) -> None:
+    """``error`` where ``n`` (``Trades.recompute_blocks``) is not None or a count >= 0, or is given
+    without recomputation (``recompute`` None, auto, passes)."""
+    if n is None:
+        return
+    if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+        raise error(
+            f"recompute_blocks must be a count of blocks >= 0 per pipeline stage (or None: every block), got {n!r}"
+        )
+    if recompute is not None and Recompute(recompute) is Recompute.NONE:
+        raise error(
+            f"recompute_blocks={n} says how many blocks recompute, but recompute is none: pass recompute="
+            "full (or selective, half_matmuls) with it, or recompute_blocks=None"
+        )
+
+
+def recomputed_blocks(
+    n_blocks: int, n: int | None, cuts: tuple[int, ...] = (), stages: int = 1
+) -> frozenset[int]:
+    """The blocks (indices of ``n_blocks`` repeated blocks) that recompute when ``n`` of each
+    pipeline stage do (``Trades.recompute_blocks``): the first ``n`` blocks each pipeline rank
+    holds, in the order it runs its chunks (the chunks cut at ``cuts``, chunk ``c`` on rank
+    ``c % stages``: ``Pipeline``; no cuts: one chunk, the model). ``n`` None: every block.
+    Megatron-LM's block method recomputes the first ``--recompute-num-layers`` of each stage's
+    layers (``TransformerBlock._checkpointed_forward``); counted per rank rather than per chunk
+    under an interleaved schedule, so that a stage's count means the same with any number of
+    chunks (the search bounds a stage's memory before it picks the schedule).
+    """
+    if n is None:
+        return frozenset(range(n_blocks))
+    bounds = [0, *cuts, n_blocks]
+    chunks = [range(a, b) for a, b in zip(bounds, bounds[1:])]
+    out: list[int] = []
+    for rank in range(max(stages, 1)):
+        mine = [i for c in chunks[rank :: max(stages, 1)] for i in c]
+        out.extend(mine[:n])
+    return frozenset(out)
 
 
 # -- pipeline stages ------------------------------------------------------------------------------

@@ -56,7 +56,7 @@ from __future__ import annotations
 import functools
 import operator
 import threading
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 
 import torch
 import torch.fx as fx
@@ -319,8 +319,11 @@ def apply_recompute(
     mesh: DeviceMesh,
     traced: fx.Graph | None = None,
     blocks: Sequence[Block] = (),
+    only: Collection[int] | None = None,
 ) -> fx.GraphModule:
-    """Run every ``block_<i>`` of ``split_gm`` under activation checkpointing (module docstring);
+    """Run every ``block_<i>`` of ``split_gm`` (or those whose index ``i`` is in ``only``: the
+    blocks ``Trades.recomputed`` names where the plan recomputes part of them, the rest keeping
+    every activation) under activation checkpointing (module docstring);
     in place, returns ``split_gm``. ``Recompute.NONE`` leaves it as it is. The checkpointed forward
     is an instance attribute of each block: a ``copy.deepcopy`` of the module (which re-creates
     each GraphModule from its graph) runs without recomputation. ``Recompute.HALF_MATMULS`` needs
@@ -338,6 +341,8 @@ def apply_recompute(
         again = alternate_matmuls(list(blocks), lambda v: target.get(v, ""))
     for name, block in split_gm.named_children():
         if name.startswith("block_"):
+            if only is not None and int(name.removeprefix("block_")) not in only:
+                continue
             if again:
                 _mark_matmuls(block, traced, again)
             # an instance attribute wins over the generated class-level forward, recompiled or not

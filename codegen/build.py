@@ -166,7 +166,10 @@ def build_parallel_module(
         # one at a time; under ZeRO 2 and 3 one FSDP2 group each, so that a block's gradients are
         # reduce-scattered as its backward ends (one group would hold every full gradient)
         blocks = find_blocks(tg)
-        gm = apply_recompute(split_blocks(gm, blocks, tg.graph), trades.recompute, mesh, tg.graph, blocks)
+        gm = apply_recompute(
+            split_blocks(gm, blocks, tg.graph), trades.recompute, mesh, tg.graph, blocks,
+            trades.recomputed(len(blocks)),
+        )  # fmt: skip
     names = {p.name: p.target for p in tg.placeholders}
     # the plan's trades (ZeRO, mixed precision, offload: codegen/zero.py); the gradients FSDP2
     # reduces are not bucketed again
@@ -342,8 +345,9 @@ def _pipelined(tg, plan, choice, gm, mesh, full_mesh, attrs, deferred, common: d
         for c in chunks:
             own = [b for b in blocks if pipe.chunk_of_block(b.index) == c.index]
             c.module = apply_recompute(
-                split_blocks(c.module, own, tg.graph), trades.recompute, mesh, tg.graph, own
-            )
+                split_blocks(c.module, own, tg.graph), trades.recompute, mesh, tg.graph, own,
+                trades.recomputed(len(blocks), pipe.cuts, pipe.stages),  # the first of each stage (Megatron's)
+            )  # fmt: skip
     read = {n.target for n in gm.graph.nodes if n.op == "get_attr" and n.users}
     zero = apply_trades(trades, gm, mesh, tg, deferred)
     held = {id(v) for c in chunks for v in c.params.values()}

@@ -10,6 +10,14 @@ its trades. How a rung's tables are made and how it is priced is the candidate's
   limit (``relieves_no_more``), and one whose time bound is at least that of a rung pruned by its
   bound (``costs_no_less``);
 * a rung whose memory lower bound passes the limit is skipped without a solve;
+* where memory binds (the rung without recomputation has no plan or passes the limit) and the
+  rung with full recomputation of every block is next, the rung that recomputes only the fewest
+  blocks of each stage whose memory lower bound fits (``Trades.recompute_blocks``, found by
+  bisection on that bound: memory falls with each block recomputed) is priced first, and where
+  it has no plan one half-way to every block, ``MAX_PARTIAL_RUNGS`` at most
+  (``MAX_PARTIAL_RUNGS_PER_CLIMB`` in all; ``_partial_rung``): Megatron-LM's ``--recompute-num-layers``, which pays the recomputation of
+  only as many blocks as the memory needs. The rung of every block is priced after them all the
+  same (a partial rung that fits does not end the climb), so no plan is slower for them;
 * after ``MAX_EMPTY_RUNGS`` rungs with no plan, only rungs with more room every way than one of
   them are solved (``relieves_more``);
 * the rest are priced; each priced rung's ``Lesson`` says what it teaches about the rungs after
@@ -33,7 +41,7 @@ from autopar.passes.costs import CostTables
 from autopar.passes.memory_row import lower_bound_bytes
 from autopar.passes.mesh_solve import Solved
 from autopar.passes.outcome import Entry
-from autopar.trades import Trades, ZeroStage
+from autopar.trades import Recompute, Trades, ZeroStage
 
 # per candidate mesh, how many trades rungs that fit are solved before the next mesh: the ladder
 # puts the cheapest first (a later one can win where the first fits only with a worse placement,
@@ -48,6 +56,11 @@ RUNGS_SOLVED_TIGHT = 4
 # after this many rungs of one candidate had no plan, only rungs with more room every way than one
 # of them are solved (each empty rung of a large mesh is a solve of seconds)
 MAX_EMPTY_RUNGS = 4
+# per rung of full recomputation, how many rungs recomputing only part of its blocks are solved,
+# and per climb (a long ladder has a rung of full recomputation per ZeRO stage, micro-batch count
+# and offload; each partial rung of a large mesh is a solve of seconds)
+MAX_PARTIAL_RUNGS = 2
+MAX_PARTIAL_RUNGS_PER_CLIMB = 4
 
 
 class Lesson(enum.Enum):
@@ -123,9 +136,13 @@ class Climb:
     tried: list[Trades] = field(default_factory=list)
 
 
-def climb(rungs: Iterable[Trades], pricer: Pricer, limit: float, best_objective: float) -> Climb:
+def climb(
+    rungs: Iterable[Trades], pricer: Pricer, limit: float, best_objective: float, partial_blocks: int = 0
+) -> Climb:
     """Down the ladder ``rungs`` of one candidate (module docstring), pruned against
-    ``best_objective`` and the plans it finds."""
+    ``best_objective`` and the plans it finds. ``partial_blocks``: the most repeated blocks one
+    pipeline stage holds (of the model, without stages), where the climb may offer rungs that
+    recompute part of them (0: none; ``_partial_rung``)."""
     out = Climb(best_objective)
     todo = list(rungs)
     known: dict[Trades, tuple[float, RungTables | None]] = {}  # bounds computed ahead (``_refused``)
@@ -137,10 +154,24 @@ def climb(rungs: Iterable[Trades], pricer: Pricer, limit: float, best_objective:
     solved = 0
     tight = False  # the best plan that fit came within TIGHT of the limit
     finishing = False  # the climb has ended but for the sharded-step siblings left in ``todo``
+    partial: dict[Trades, int] = {}  # per rung of full recomputation, its partial rungs offered
     while todo:
         trades = todo.pop(0)
         if not pricer.admits(trades):
             continue
+        offered = sum(partial.values())
+        if (
+            partial_blocks > 1
+            and offered < MAX_PARTIAL_RUNGS_PER_CLIMB
+            and trades not in partial
+            and _memory_binds(trades, short + over)
+        ):
+            partial[trades] = 0
+            part = _partial_rung(pricer, trades, partial_blocks, limit, known)
+            if part is not None:
+                partial[trades] = 1
+                todo[:0] = [part, trades]
+                continue
         out.tried.append(trades)
         if any(relieves_no_more(trades, t) for t in short + over):
             continue  # a rung with at least this much room each way had no plan
@@ -166,6 +197,19 @@ def climb(rungs: Iterable[Trades], pricer: Pricer, limit: float, best_objective:
         if rung.entry is not None:
             out.entries.append(rung.entry)
         about = rung.about if rung.about is not None else trades
+        whole = replace(trades, recompute_blocks=None)
+        if (
+            rung.lesson in (Lesson.NO_PLAN, Lesson.TOO_BIG, Lesson.NOTHING)
+            and trades.recompute_blocks is not None
+            and partial.get(whole, MAX_PARTIAL_RUNGS) < MAX_PARTIAL_RUNGS
+            and sum(partial.values()) < MAX_PARTIAL_RUNGS_PER_CLIMB
+        ):
+            # the fewest blocks its bound allowed had no plan (a pipeline's solve that finds none
+            # teaches NOTHING): half-way to every block, once
+            more = (trades.recompute_blocks + partial_blocks + 1) // 2
+            if more < partial_blocks:
+                partial[whole] += 1
+                todo.insert(0, replace(trades, recompute_blocks=more))
         if rung.lesson is Lesson.NO_PLAN:
             short.append(about)
         elif rung.lesson is Lesson.TOO_BIG:
@@ -180,6 +224,10 @@ def climb(rungs: Iterable[Trades], pricer: Pricer, limit: float, best_objective:
                     tight = rung.peak >= TIGHT * limit
                 out.objective = min(out.objective, rung.objective)
                 out.solved.append(rung.solved)
+            if partial_blocks > 1 and trades.recompute_blocks is not None:
+                # an offered partial rung: the rung of every block after it is still priced (its
+                # placement can differ and win: Llama 3 405B's interleaved stages under 55 GiB)
+                continue
             solved += 1
             if not finishing and solved >= (RUNGS_SOLVED_TIGHT if tight else RUNGS_SOLVED):
                 # later rungs tend to add time (passes/trades.py:ladder), but a higher ZeRO stage
@@ -188,6 +236,40 @@ def climb(rungs: Iterable[Trades], pricer: Pricer, limit: float, best_objective:
                 finishing = True
                 todo = [t for t in todo if rung.lesson is Lesson.FITS and sharded_step_sibling(t, trades)]
     return out
+
+
+def _memory_binds(trades: Trades, failed: list[Trades]) -> bool:
+    """``trades`` recompute every block fully, and the same rung without recomputation is known
+    to have no plan or to pass the memory limit (it relieves no more than one of ``failed``)."""
+    if trades.recompute is not Recompute.FULL or trades.recompute_blocks is not None:
+        return False
+    bare = replace(trades, recompute=Recompute.NONE)
+    return any(relieves_no_more(bare, t) for t in failed)
+
+
+def _partial_rung(pricer: Pricer, trades: Trades, blocks: int, limit: float, known: dict) -> Trades | None:
+    """``trades`` recomputing only the fewest of each stage's ``blocks`` (the first ones) whose
+    memory lower bound fits ``limit``: bisection over ``1 .. blocks - 1``, as each block recomputed
+    lowers the bound (``passes/trades.py:partly_recomputed``: the rows mix the kept and recomputed
+    blocks); None where even ``blocks - 1`` do not fit, or every block's bound passes the limit.
+    ``log2(blocks) + 1`` bounds, kept in ``known`` for the climb."""
+
+    def fits(n: int | None) -> bool:
+        t = replace(trades, recompute_blocks=n)
+        if t not in known:
+            known[t] = _bound(pricer, t)
+        return known[t][0] <= limit
+
+    if not fits(None) or not fits(blocks - 1):
+        return None
+    lo, hi = 0, blocks - 1  # lo: not known to fit (none recomputed: memory binds), hi: fits
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if fits(mid):
+            hi = mid
+        else:
+            lo = mid
+    return replace(trades, recompute_blocks=hi)
 
 
 def _refused(rungs: list[Trades], pricer: Pricer, limit: float, known: dict, out: Climb) -> bool:
@@ -243,8 +325,8 @@ def sharded_step_sibling(a: Trades, b: Trades) -> bool:
     return (
         b.zero_stage < a.zero_stage
         and a.zero_stage in (ZeroStage.OPTIMIZER, ZeroStage.GRADIENTS)
-        and (a.recompute, a.micro_batches, a.precision, a.offload)
-        == (b.recompute, b.micro_batches, b.precision, b.offload)
+        and (a.recompute, a.recompute_blocks, a.micro_batches, a.precision, a.offload)
+        == (b.recompute, b.recompute_blocks, b.micro_batches, b.precision, b.offload)
     )
 
 
@@ -253,7 +335,7 @@ def relieves_no_more(a: Trades, b: Trades) -> bool:
     has ``a``: each trade's bytes only fall as it climbs, ZeRO-3's gathered blocks aside)."""
     return (
         a.zero_stage <= b.zero_stage
-        and _RECOMPUTE_ORDER[a.recompute.value] <= _RECOMPUTE_ORDER[b.recompute.value]
+        and recomputes_no_more(a, b)
         and a.micro_batches <= b.micro_batches
         and (a.offload.value == "none" or b.offload.value != "none")
     )
@@ -269,7 +351,7 @@ def costs_no_less(a: Trades, b: Trades) -> bool:
         and a.offload is b.offload
         and a.precision is b.precision
         and a.data_axes == b.data_axes
-        and _RECOMPUTE_ORDER[a.recompute.value] >= _RECOMPUTE_ORDER[b.recompute.value]
+        and recomputes_no_more(b, a)
         and a.micro_batches >= b.micro_batches
     )
 
@@ -280,3 +362,15 @@ def relieves_more(a: Trades, b: Trades) -> bool:
 
 
 _RECOMPUTE_ORDER = {"none": 0, "selective": 1, "half_matmuls": 2, "full": 3}
+
+
+def recomputes_no_more(a: Trades, b: Trades) -> bool:
+    """Rung ``a``'s recomputation frees no more memory, and adds no more time, than ``b``'s: none
+    at all, or a mode no further up the order (``_RECOMPUTE_ORDER``) over no more blocks of each
+    stage (``Trades.recompute_blocks``, None: every block). A partial rung and a whole one of a
+    lower mode (full on 4 blocks of 16, selective on all) are not ordered."""
+    if a.recompute is Recompute.NONE:
+        return True
+    blocks_a = math.inf if a.recompute_blocks is None else a.recompute_blocks
+    blocks_b = math.inf if b.recompute_blocks is None else b.recompute_blocks
+    return _RECOMPUTE_ORDER[a.recompute.value] <= _RECOMPUTE_ORDER[b.recompute.value] and blocks_a <= blocks_b

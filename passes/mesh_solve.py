@@ -88,7 +88,7 @@ class TradeContext:
     @property
     def bound_key(self) -> tuple:
         t = self.trades
-        return (t.zero_stage, t.recompute, t.offload, t.precision)
+        return (t.zero_stage, t.recompute, t.offload, t.precision, t.recompute_blocks)
 
 
 @dataclass(frozen=True)

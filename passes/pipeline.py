@@ -289,9 +289,21 @@ class _Region:
     fixed: float = 0.0  # paid by every micro-batch, forward and forward + backward
 
 
-def _regions_costs(p: PipelineProblem, regions: Regions) -> dict[int | str, _Region]:
-    """Per block and per region outside the blocks: its seconds, bytes and state (``_Region``)."""
+def _regions_costs(
+    p: PipelineProblem, regions: Regions, chosen: frozenset[int] | None = None
+) -> dict[int | str, _Region]:
+    """Per block and per region outside the blocks: its seconds, bytes and state (``_Region``).
+    ``chosen``: the blocks that recompute where ``p.trades`` recompute only some (``p.sides``): a
+    member of a class in one of them is priced on the tables with every block recomputed, any
+    other on those with none (else every member on ``p.tables``, the class total shared equally)."""
     infos, base, tables, picks, choice, trades = p.infos, p.base, p.tables, p.picks, p.choice, p.trades
+    whole = none = tables
+    if chosen is not None and p.sides is not None:
+        whole, none = p.sides
+
+    def side(m: str) -> CostTables:  # the tables member ``m`` (a node) is priced on
+        return whole if chosen is not None and regions.node.get(m) in chosen else none
+
     mesh = tables.mesh_shape
     device, slow = p.cluster.device, p.cluster.compute_slowdown
     members = tables.classes.members if tables.classes else {v: [v] for v in tables.strategies}
@@ -316,11 +328,12 @@ def _regions_costs(p: PipelineProblem, regions: Regions) -> dict[int | str, _Reg
             r = out[regions.node.get(m, EPI)]
             r.fixed_f += launch * slow
             r.fixed += launch * (3 if info.target in MATMULS else 2 if info.requires_grad else 1) * slow
+            t = side(m)
             r.fwd += base.node_cost[v][i] / len(ms)
-            r.total += tables.node_cost[v][i] / len(ms)
-            r.act += tables.node_mem[v][i] / len(ms)
+            r.total += t.node_cost[v][i] / len(ms)
+            r.act += t.node_mem[v][i] / len(ms)
     params = {v for v in picks if infos[v].role in (Role.PARAM, Role.BUFFER)}
-    for e0, e in zip(base.edges, tables.edges):
+    for j, (e0, e) in enumerate(zip(base.edges, tables.edges)):
         if e.src not in picks:
             continue
         a = picks[e.src]
@@ -328,19 +341,19 @@ def _regions_costs(p: PipelineProblem, regions: Regions) -> dict[int | str, _Reg
             ms, b = members.get(e.src, [e.src]), None
         else:
             ms, b = members[e.dst], picks[e.dst]
-        cost = e.cost[a][b] if b is not None else min(e.cost[a])
         cost0 = e0.cost[a][b] if b is not None else min(e0.cost[a])
-        mem = e.mem[a][b] if b is not None else 0.0
-        if not math.isfinite(cost):
-            continue
         for m in ms:
+            em = side(m).edges[j] if b is not None else e
+            cost = em.cost[a][b] if b is not None else min(em.cost[a])
+            if not math.isfinite(cost):
+                continue
             r = out[regions.node.get(m, EPI) if b is not None else EPI]
             if e.src in params:
                 r.once += cost / len(ms)
             else:
                 r.fwd += cost0 / len(ms)
                 r.total += cost / len(ms)
-                r.act += mem / len(ms)
+                r.act += (em.mem[a][b] if b is not None else 0.0) / len(ms)
     for blk in p.blocks:
         for x in blk.inputs:
             info = infos.get(x)
@@ -469,6 +482,10 @@ class PipelineProblem:
     transient: float
     fixed: Pipeline | None = None
     step_transient: float = 0.0
+    # where ``trades`` recompute only some blocks (``Trades.recompute_blocks``): the traded tables
+    # with every block recomputed and with none (``passes/trades.py:partial_sides``); each block is
+    # priced on one or the other once a cut says which blocks lead their chunks
+    sides: tuple[CostTables, CostTables] | None = None
 
 
 def price_pipeline(p: PipelineProblem, why: list[str] | None = None) -> PipelinePrice | None:
@@ -478,6 +495,7 @@ def price_pipeline(p: PipelineProblem, why: list[str] | None = None) -> Pipeline
     tables, picks, trades, stages, limit, fixed = p.tables, p.picks, p.trades, p.stages, p.limit, p.fixed
     regions = Regions.of(p.tg, p.blocks)
     costs = _regions_costs(p, regions)
+    by_chosen: dict[frozenset[int], dict] = {}  # partial recomputation: the regions per chosen blocks
     k = trades.micro_batches
     mesh = tables.mesh_shape
     comm = CommModel(p.cluster, (stages, *mesh))
@@ -500,6 +518,7 @@ def price_pipeline(p: PipelineProblem, why: list[str] | None = None) -> Pipeline
         nonlocal best
         chunks = stages * v
         bounds = [0, *cuts, n]
+        costs = by_chosen_costs(cuts)
         spans = [list(range(bounds[c], bounds[c + 1])) for c in range(chunks)]
         regs = [
             [*spans[c], *([PRO] if c == 0 else []), *([EPI] if c == chunks - 1 else [])]
@@ -566,6 +585,17 @@ def price_pipeline(p: PipelineProblem, why: list[str] | None = None) -> Pipeline
             tuple(parts[worst]), timeline.peak_bytes[worst],
         )  # fmt: skip
 
+    def by_chosen_costs(cuts: tuple[int, ...]) -> dict:
+        """The regions' costs with the blocks the cut ``cuts`` recomputes (the first
+        ``trades.recompute_blocks`` of each rank's; every block's own where all or none do)."""
+        if p.sides is None:
+            return base_costs
+        chosen = trades.recomputed(n, cuts, stages)
+        if chosen not in by_chosen:
+            by_chosen[chosen] = _regions_costs(p, regions, chosen)
+        return by_chosen[chosen]
+
+    base_costs = costs
     block_t = [costs[b].total for b in range(n)]
     for schedule, v in pairs:
         chunks = stages * v

@@ -41,7 +41,7 @@ from autopar.passes.replay import choice_from_plan, plan_regions, plan_strategie
 from autopar.passes.solved_plan import price_solved
 from autopar.passes.solver import Solution, objective_s
 from autopar.passes.strategies import Strategy
-from autopar.passes.trades import apply_trades
+from autopar.passes.trades import apply_trades, partial_sides
 from autopar.placement import Outputs
 from autopar.plan import Plan
 
@@ -101,7 +101,17 @@ def given_choice(
     problem = MeshProblem(
         tg=tg,
         infos=cinfos,
-        tables=apply_trades(base, tg, cinfos, plan.trades, devices, optimizer, blocks),
+        tables=apply_trades(
+            base,
+            tg,
+            cinfos,
+            plan.trades,
+            devices,
+            optimizer,
+            blocks,
+            plan.pipeline.cuts,
+            plan.pipeline.stages,
+        ),
         cluster=devices,
         run=MeshRun(mesh, None),
         options=options,
@@ -142,6 +152,7 @@ def solved_as_searched(given: GivenChoice) -> Solved:
             blocks=p.trade.blocks, trades=plan.trades, stages=plan.pipeline.stages, cluster=given.cluster,
             options=p.options, limit=math.inf, extra_s=gs.adjustment_s + terms.total_s,
             transient=terms.transient, fixed=plan.pipeline, step_transient=gs.step_gathers_bytes(plan.pipeline.stages),
+            sides=partial_sides(p.trade.base, p.tg, p.infos, plan.trades, p.cluster, p.options.optimizer, p.trade.blocks),
         )
     )  # fmt: skip
     return dataclasses.replace(solved, t_step=pipe.step_s, pipe=pipe)

@@ -42,9 +42,16 @@ from autopar.passes.price import grad_sync_cost
 from autopar.passes.search_problem import Problem
 from autopar.passes.trace import Role, TracedGraph
 from autopar.passes.trade_terms import trade_terms, zero_one_axes
-from autopar.passes.trades import apply_trades, ladder, micro_batch_ok, traded_lower_bound, zero_axes
+from autopar.passes.trades import (
+    apply_trades,
+    ladder,
+    micro_batch_ok,
+    partial_sides,
+    traded_lower_bound,
+    zero_axes,
+)
 from autopar.placement import is_shard
-from autopar.trades import Offload, Schedule, Trades
+from autopar.trades import Offload, Pipeline, Schedule, Trades
 
 
 class SpmdRungs:
@@ -140,7 +147,9 @@ def spmd_climb(
     other candidates on its mesh (``MeshProblem.hints``)."""
     zaxes, one_device = zero_axes(run.mesh, run.data_axes), math.prod(run.mesh) == 1
     rungs = list(ladder(pb.options, zaxes, pb.precision, pb.batch, bool(pb.blocks), one_device))
-    return climb(rungs, SpmdRungs(pb, run, got, rungs, hints), pb.limit, best_objective)
+    return climb(
+        rungs, SpmdRungs(pb, run, got, rungs, hints), pb.limit, best_objective, partial_blocks(pb, 1)
+    )
 
 
 class PipelineRungs:
@@ -159,7 +168,13 @@ class PipelineRungs:
 
     def _traded(self, trades: Trades) -> CostTables:
         pb = self.pb
-        return apply_trades(self.base, pb.tg, pb.cinfos, trades, self.sub, pb.options.optimizer, pb.blocks)
+        # a partly recomputed step's rows as the stages' even cut chooses its blocks (each pipeline
+        # is priced on its own cut: ``price_pipeline``, ``PipelineProblem.sides``)
+        stages = self.run.stages
+        cuts = Pipeline.even_cuts(len(pb.blocks), stages) if trades.recompute_blocks is not None else ()
+        return apply_trades(
+            self.base, pb.tg, pb.cinfos, trades, self.sub, pb.options.optimizer, pb.blocks, cuts, stages
+        )  # fmt: skip
 
     def tables(self, trades: Trades) -> RungTables:
         traded, stages = self._traded(trades), self.run.stages
@@ -217,6 +232,7 @@ class PipelineRungs:
                 tg, cinfos, self.base, traded, solved.sol.choice, solved.choice, pb.blocks, trades, stages,
                 pb.cluster, options, pb.limit, gs.adjustment_s + terms.total_s, terms.transient,
                 step_transient=gs.step_gathers_bytes(stages),
+                sides=partial_sides(self.base, tg, cinfos, trades, sub, options.optimizer, pb.blocks),
             ),
             why=why,
         )  # fmt: skip
@@ -255,7 +271,20 @@ def pipeline_climb(
     rungs = [
         t for t in ladder(popts, run.data_axes, pb.precision, batch, bool(pb.blocks)) if t.zero_stage <= 1
     ]
-    return climb(rungs, PipelineRungs(pb, run, sub, tables, k, parts), pb.limit, best_objective)
+    return climb(
+        rungs, PipelineRungs(pb, run, sub, tables, k, parts), pb.limit, best_objective, partial_blocks(pb, stages)
+    )  # fmt: skip
+
+
+def partial_blocks(pb: Problem, stages: int) -> int:
+    """The most repeated blocks one of ``stages`` pipeline stages holds (their even cut), where the
+    climb may offer rungs recomputing only part of them (``passes/ladder.py:_partial_rung``); 0
+    where recomputation is forced (a forced mode recomputes every block unless its count is
+    forced too, which the ladder's rungs then carry)."""
+    o = pb.options
+    if o.recompute is not None or o.recompute_blocks is not None or not pb.blocks:
+        return 0
+    return math.ceil(len(pb.blocks) / stages)
 
 
 def solution_batch_parts(

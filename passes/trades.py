@@ -15,6 +15,10 @@ taken (a forced trade fixes its dimension):
     ZeRO 0 -> 1 -> 2 -> 3  (on data axes)  ->  + selective recompute  ->  + half the matmuls  ->  + full recompute
       ->  + micro-batches 2, 4, 8, ...  ->  + optimizer offload (ZeRO-2)  ->  + parameter offload (ZeRO-3)
 
+and where memory binds, full recomputation of only the fewest blocks of each pipeline stage that
+fit comes before full recomputation of every block (``Trades.recompute_blocks``, offered by
+``passes/ladder.py:climb`` as it goes; ``partly_recomputed`` prices it).
+
 ZeRO 1-2 cost (almost) nothing and save much; recomputation adds one forward of what it frees;
 micro-batches add a collective's latency per micro-batch and the ZeRO-3 gathers again; offload
 adds the host link's traffic. A rung whose memory lower bound (``memory_row.lower_bound_bytes``)
@@ -63,7 +67,8 @@ parameter's):
   the matmuls' forward FLOPs among them; the bytes freed leave the tables; backward rematerializes
   one block at a time (a transient: the block's kept bytes as NONE counts them); the time added is
   the forward of every recomputed op and half of the block's reshard time (its forward collectives
-  run again: selective recomputation saves only the matmuls' and attention's outputs).
+  run again: selective recomputation saves only the matmuls' and attention's outputs). Recomputing
+  only the first ``N`` blocks of each stage mixes each class's rows of the two (``partly_recomputed``).
 * micro-batches ``k``: activations, inputs and their transients are ``1/k``; gradients live through
   the whole step (they accumulate from the first micro-batch's backward); compute and activation
   collectives keep their total (less efficient small GEMMs are not priced); each activation
@@ -213,9 +218,13 @@ def apply_trades(
     cluster: ClusterSpec,
     optimizer: Optimizer,
     blocks: Sequence[Block],
+    cuts: tuple[int, ...] = (),
+    stages: int = 1,
 ) -> CostTables:
     """The tables as the step runs under ``trades`` (module docstring). ``infos``: as the tables
-    were built (``half_infos`` under mixed precision).
+    were built (``half_infos`` under mixed precision). ``cuts``, ``stages``: the pipeline's chunks
+    and ranks, where ``trades`` recompute only some blocks of each stage
+    (``Trades.recompute_blocks``: ``partly_recomputed``).
 
     A parameter's rows depend on the trades but recomputation (``_traded_params``), an
     activation's on recomputation and micro-batches alone (``_traded_activations``), an edge's on
@@ -224,6 +233,8 @@ def apply_trades(
     the result's rows are those parts' lists, shared between the rungs that read them. Read-only."""
     if _untraded(trades):
         return tables
+    if trades.recompute_blocks is not None:
+        return partly_recomputed(tables, tg, infos, trades, cluster, optimizer, blocks, cuts, stages)
     in_block = _recomputed(tables, blocks, trades)
     edges = _traded_edges(tables, infos, in_block, trades.micro_batches)
     return _traded_rows(tables, infos, trades, cluster, optimizer, blocks, in_block, edges)
@@ -244,10 +255,128 @@ def traded_lower_bound(
     them (``memory_row.EdgeTrade``): the same float (``tests/test_memory_bound.py``)."""
     if _untraded(trades):
         return lower_bound_bytes(tables)
+    if trades.recompute_blocks is not None:  # a mix of two tables: bounded on the mix, built
+        return lower_bound_bytes(apply_trades(tables, None, infos, trades, cluster, optimizer, blocks))
     k = trades.micro_batches
     in_block = _recomputed(tables, blocks, trades)
     rows = _traded_rows(tables, infos, trades, cluster, optimizer, blocks, in_block, tables.edges)
     return lower_bound_bytes(rows, _edge_trade(tables, infos, in_block, k))
+
+
+def sides(trades: Trades) -> tuple[Trades, Trades]:
+    """``trades`` with every block recomputed, and with none (``Trades.recompute_blocks``'s two
+    sides: a block of a partly recomputed step is priced as one or the other)."""
+    whole = dataclasses.replace(trades, recompute_blocks=None)
+    return whole, dataclasses.replace(whole, recompute=Recompute.NONE)
+
+
+def partial_sides(
+    tables: CostTables,
+    tg,
+    infos: dict[str, NodeInfo],
+    trades: Trades,
+    cluster: ClusterSpec,
+    optimizer: Optimizer,
+    blocks: Sequence[Block],
+) -> tuple[CostTables, CostTables] | None:
+    """The traded tables of ``sides(trades)`` where ``trades`` recompute part of the blocks (None
+    otherwise): what a pipeline prices each block on once its cut is known
+    (``passes/pipeline.py:price_pipeline``)."""
+    if trades.recompute_blocks is None or trades.recompute is Recompute.NONE:
+        return None
+    whole, none = sides(trades)
+    return (
+        apply_trades(tables, tg, infos, whole, cluster, optimizer, blocks),
+        apply_trades(tables, tg, infos, none, cluster, optimizer, blocks),
+    )
+
+
+def partly_recomputed(
+    tables: CostTables,
+    tg,
+    infos: dict[str, NodeInfo],
+    trades: Trades,
+    cluster: ClusterSpec,
+    optimizer: Optimizer,
+    blocks: Sequence[Block],
+    cuts: tuple[int, ...] = (),
+    stages: int = 1,
+) -> CostTables:
+    """The tables under ``trades`` where they recompute only the first ``trades.recompute_blocks``
+    blocks of each of ``stages`` ranks, the chunks cut at ``cuts`` (``Trades.recomputed``), the others kept whole as
+    ``Recompute.NONE`` keeps them.
+
+    Repeated blocks share their rows (``passes/coarsen.py``: a class's row is the sum over its
+    ``n`` members, one per block), so a class whose members lie ``r`` in recomputed blocks and
+    ``n - r`` in kept ones is priced as that mix: ``r / n`` of its row with every block recomputed
+    and ``(n - r) / n`` of its row with none, per strategy, and so each edge by the class of the
+    node it feeds. Every term of a row is a sum over the members (seconds, kept bytes), so the
+    mix is exact for sums; the memory row, a sum of what is kept, is then an upper bound of the
+    step's peak wherever in the step the kept blocks lie (Megatron recomputes the first ones).
+    No block recomputed gives the ``NONE`` tables, every block the whole mode's, as they are."""
+    chosen = trades.recomputed(len(blocks), cuts, stages)
+    whole, none = sides(trades)
+    if len(chosen) == len(blocks):
+        return apply_trades(tables, tg, infos, whole, cluster, optimizer, blocks)
+    if not chosen:
+        return apply_trades(tables, tg, infos, none, cluster, optimizer, blocks)
+    w, k = partial_sides(tables, tg, infos, trades, cluster, optimizer, blocks)
+    return _mix(k, w, recomputed_share(tables, blocks, chosen))
+
+
+def recomputed_share(tables: CostTables, blocks: Sequence[Block], chosen: frozenset[int]) -> dict[str, float]:
+    """Per class representative inside a block, the fraction of its members inside the blocks
+    ``chosen`` (a member outside every block counts with its representative's block)."""
+    inside = in_block(tables, blocks)
+    where = {n: b.index for b in blocks for n in b.nodes}
+    members = tables.classes.members if tables.classes else {}
+    out = {}
+    for v, blk in inside.items():
+        ms = members.get(v, [v])
+        out[v] = sum(1 for m in ms if where.get(m, blk.index) in chosen) / len(ms)
+    return out
+
+
+def _mix(none: CostTables, whole: CostTables, share: dict[str, float]) -> CostTables:
+    """``none``'s rows mixed with ``whole``'s, ``share[v]`` of node ``v``'s (and of each edge
+    into ``v``) from ``whole`` (``partly_recomputed``)."""
+
+    def row(a: list, b: list, f: float) -> list:
+        if a is b or f == 0.0:
+            return a
+        if f == 1.0:
+            return b
+        return [x if x == y or not (math.isfinite(x) and math.isfinite(y)) else (1 - f) * x + f * y
+                for x, y in zip(a, b)]  # fmt: skip
+
+    def rows(a: dict, b: dict) -> dict:
+        return {v: row(r, b[v], share.get(v, 0.0)) if v in b else r for v, r in a.items()}
+
+    def grid(a, b, f):
+        if a is None or b is None or a is b:
+            return a
+        return [row(x, y, f) for x, y in zip(a, b)]
+
+    edges = []
+    for e0, e1 in zip(none.edges, whole.edges):
+        f = share.get(e0.dst, 0.0)
+        if e0 is e1 or f == 0.0:
+            edges.append(e0)
+        elif f == 1.0:
+            edges.append(e1)
+        else:
+            edges.append(
+                dataclasses.replace(
+                    e0, cost=grid(e0.cost, e1.cost, f), mem=grid(e0.mem, e1.mem, f),
+                    copy=grid(e0.copy, e1.copy, f), keep=grid(e0.keep, e1.keep, f),
+                    peak=grid(e0.peak, e1.peak, f),
+                )
+            )  # fmt: skip
+    return dataclasses.replace(
+        none, node_cost=rows(none.node_cost, whole.node_cost), node_mem=rows(none.node_mem, whole.node_mem),
+        node_peak=rows(none.node_peak, whole.node_peak), grad_mem=rows(none.grad_mem, whole.grad_mem),
+        step_peak=rows(none.step_peak, whole.step_peak), edges=edges, node_keep={}, peak_at={}, mem_at={},
+    )  # fmt: skip
 
 
 def _untraded(trades: Trades) -> bool:
@@ -632,13 +761,16 @@ def ladder(
     rs = [options.recompute] if options.recompute is not None else (
         list(Recompute) if has_blocks else [Recompute.NONE]
     )  # fmt: skip
+    part = options.recompute_blocks if has_blocks else None
+    if part is not None:  # forced: every rung recomputes that many blocks of each stage
+        rs = [r for r in rs if r is not Recompute.NONE]
     if options.micro_batches is not None:
         ks = [options.micro_batches]
     else:
         ks = [1] + [k for k in (2, 4, 8, 16, 32, MAX_MICRO_BATCHES) if batch and batch % k == 0]
     os_ = [options.offload] if options.offload is not None else list(Offload)
     rungs = [
-        Trades(r, k, precision, z, o, data_axes if z else ())
+        Trades(r, k, precision, z, o, data_axes if z else (), part)
         for z in zs
         for r in rs
         for k in ks

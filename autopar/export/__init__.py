@@ -232,6 +232,11 @@ def _notes(plan: Plan) -> list[str]:
     if t.recompute.value != "none":
         notes.append(
             f"recomputation {t.recompute.value}: wrap the blocks with activation checkpointing yourself"
+            + (
+                ""
+                if t.recompute_blocks is None
+                else f" (only the first {t.recompute_blocks} of each pipeline stage)"
+            )
         )
     if t.micro_batches > 1:
         notes.append(f"{t.micro_batches} micro-batches: accumulate gradients over them in your loop")

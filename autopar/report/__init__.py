@@ -211,7 +211,11 @@ def _trades_tag(t: dict | None, pipeline: dict | None = None) -> str:
     if t.get("zero_stage"):
         out.append(f"Z{t['zero_stage']}")
     if t.get("recompute", "none") != "none":
-        out.append("R" + t["recompute"][0])
+        out.append(
+            "R"
+            + t["recompute"][0]
+            + (f"/{t['recompute_blocks']}" if t.get("recompute_blocks") is not None else "")
+        )
     if t.get("micro_batches", 1) > 1:
         out.append(f"k{t['micro_batches']}")
     if t.get("offload", "none") != "none":
@@ -239,7 +243,8 @@ def trades_table(plan: Plan) -> str:
     costs = plan.trade_costs
     axes = ", ".join(f"axis {a} ({mesh[a]} devices)" for a in t.data_axes) or "—"
     rows = [
-        ("recomputation", f"{t.recompute.value} (per repeated block)", "recompute"),
+        ("recomputation", f"{t.recompute.value} " + ("(per repeated block)" if t.recompute_blocks is None else
+         f"(the first {t.recompute_blocks} repeated blocks of each pipeline stage, the rest kept whole)"), "recompute"),
         ("micro-batches", f"{t.micro_batches} per step, gradients reduced once", "micro_batches"),
         ("precision", {"param": "the parameters' dtype", "bf16": "bf16 compute, fp32 masters and optimizer state",
                        "fp16": "fp16 compute, fp32 masters and optimizer state"}[t.precision.value], "precision"),
