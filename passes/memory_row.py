@@ -273,6 +273,8 @@ def lower_bound_bytes(tables: CostTables, edge_trade: EdgeTrade | None = None) -
         if edge_trade.k > 1:
             mem = np.where(edge_trade.divide, mem / edge_trade.k, mem)
             peak = np.where(edge_trade.divide[terms.has_peak], peak / edge_trade.k, peak)
+        if edge_trade.kept is not None:  # (1 - f) * x, as the mixed row's entries: its least too
+            mem = mem * edge_trade.kept
     edge_at = np.zeros(len(where.positions))
     np.add.at(edge_at, where.edge_at, mem[terms.charge_of] / terms.charge_len)
     at = np.zeros(len(where.positions))
@@ -297,6 +299,10 @@ class EdgeTrade:
     zero: np.ndarray
     divide: np.ndarray
     k: int
+    # per edge, the share of its kept bytes left after the division (None: all of them): a partly
+    # recomputed step's edges into a class of which ``f`` of the members recompute keep ``1 - f``
+    # (``passes/trades.py:traded_lower_bound``)
+    kept: np.ndarray | None = None
 
 
 def lower_bound_bytes_loop(tables: CostTables) -> float:

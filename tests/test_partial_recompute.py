@@ -167,6 +167,26 @@ def test_rows_move_monotonically_in_the_count(a, b, cut):
         assert k_hi < k_lo and s_hi > s_lo
 
 
+@settings(max_examples=16, deadline=None)
+@given(
+    n=st.integers(1, L - 1),
+    mode=st.sampled_from([FULL, Recompute.SELECTIVE, Recompute.HALF_MATMULS]),
+    k=st.sampled_from([1, 2, 4]),
+)
+def test_the_climbs_bound_of_a_partial_rung_is_its_tables_bound(n, mode, k):
+    """``traded_lower_bound`` of a partly recomputed rung, priced from the two sides' node rows and
+    the edges' least terms without building their traded edges, is the memory lower bound of the
+    mixed tables the rung's ILP solves, bit for bit."""
+    from autopar.passes.memory_row import lower_bound_bytes
+    from autopar.passes.trades import traded_lower_bound
+
+    r = _llama4()
+    trades = Trades(recompute=mode, micro_batches=k, recompute_blocks=n)
+    cluster = autopar.ClusterSpec.preset("cpu", devices_per_node=2)
+    cheap = traded_lower_bound(r.tables, r.cinfos, trades, cluster, Optimizer.ADAM, r.blocks)
+    assert cheap == lower_bound_bytes(_traded(r, trades))
+
+
 def test_kept_bytes_are_linear_in_the_recomputed_blocks(llama4):
     """Each block kept or recomputed, whole: the kept bytes fall by the same amount per block."""
     kept = [_totals(_traded(llama4, Trades(recompute=FULL, recompute_blocks=n)))[1] for n in range(L + 1)]
