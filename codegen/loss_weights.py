@@ -170,6 +170,19 @@ def inputs_chain(node: fx.Node, is_input) -> list[fx.Node] | None:
     return chain if visit(node) else None
 
 
+def _on_their_device(n: fx.Node) -> fx.Node:
+    """A copied label op without its device move: the trace's device (``meta`` for a model built
+    there, ``tests/test_weights.py``) is not the run's, and a count needs the labels where the
+    caller put them. ``aten.to.device(x, device, dtype, ...)`` becomes ``aten.to.dtype(x, dtype,
+    ...)``; a ``device=`` keyword is dropped."""
+    if n.target is aten.to.device:
+        n.target = aten.to.dtype
+        n.args = (n.args[0], *n.args[2:])
+    if "device" in n.kwargs:
+        n.kwargs = {k: v for k, v in n.kwargs.items() if k != "device"}
+    return n
+
+
 def _count_program(tg: TracedGraph, labels, ignore_index) -> fx.GraphModule | None:
     """A graph of ``tg``'s flat inputs (its input placeholders, in order) that computes ``labels``
     as ``tg`` does and returns how many are not ``ignore_index``; None where the labels need
@@ -186,7 +199,7 @@ def _count_program(tg: TracedGraph, labels, ignore_index) -> fx.GraphModule | No
         if n.op == "placeholder" and n.name in inputs:
             env[n] = g.placeholder(n.name)
     for n in chain:  # in the order they were reached: each after what it reads
-        env[n] = g.node_copy(n, lambda a: env[a])
+        env[n] = _on_their_device(g.node_copy(n, lambda a: env[a]))
     counted = g.call_function(aten.ne.Scalar, (env[labels], ignore_index))
     g.output(g.call_function(aten.sum.default, (counted,)))
     return fx.GraphModule(torch.nn.Module(), g)

@@ -96,9 +96,7 @@ def test_micro_batches_weigh_their_tokens(tmp_path):
     model, inputs = model_and_batch()
     cluster = autopar.ClusterSpec.preset("cpu", devices_per_node=2)
     plans = {
-        "pipeline": autopar.plan(
-            model, cluster, inputs, pipeline_stages=2, micro_batches=4, mesh_shape=(1,)
-        ),
+        "pipeline": autopar.plan(model, cluster, inputs, pipeline_stages=2, micro_batches=4, mesh_shape=(1,)),
         "data": autopar.plan(model, cluster, inputs, mesh_shape=(2,), axis_roles=(D,), micro_batches=2),
     }
     jobs = []
@@ -114,7 +112,9 @@ def test_micro_batches_weigh_their_tokens(tmp_path):
             losses, state = res[key]
             assert losses == pytest.approx(want_losses, rel=RTOL), (rank, key)
             for name, want in want_state.items():
-                torch.testing.assert_close(state[name], want, rtol=RTOL, atol=ATOL, msg=f"{rank} {key} {name}")
+                torch.testing.assert_close(
+                    state[name], want, rtol=RTOL, atol=ATOL, msg=f"{rank} {key} {name}"
+                )
 
 
 def test_uneven_counts_matter():
@@ -124,6 +124,21 @@ def test_uneven_counts_matter():
     assert abs(got_loss - want_loss) > RTOL * abs(want_loss)  # near log V at initialization
     worst = max(float((got_state[n] - want_state[n]).abs().max()) for n in want_state)
     assert worst > 10 * (ATOL + RTOL)
+
+
+def test_a_model_traced_on_meta_counts_the_labels_where_they_are():
+    """A model built on the meta device traces its labels' device move (Hugging Face's
+    ``labels.to(logits.device)``) to ``meta``; the counting program counts real labels anyway, on
+    their own device (it had copied the move, and ``autoparallelize`` of a meta-built model failed
+    at its first step: "Cannot copy out of meta tensor")."""
+    model, inputs = model_and_batch()
+    with torch.device("meta"):
+        meta_model, _ = gpt2_tiny(batch=BATCH, seq=SEQ, hidden=32, vocab=VOCAB)
+    weights = loss_weights(trace(meta_model, inputs))
+    assert weights is not None and weights.counts is not None
+    got = weights.counts(inputs["input_ids"], inputs["labels"])
+    assert got.device.type == "cpu"
+    assert int(got) == int((inputs["labels"][:, 1:] != -100).sum())
 
 
 @settings(max_examples=25, deadline=None)
