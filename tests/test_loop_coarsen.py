@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from harness import sgd_losses
+from harness import ring_scatter_cpu, sgd_losses
 from torch import nn
 
 import autopar
@@ -117,7 +117,7 @@ def test_limited_search_plans_as_the_uncoarsened_one(fraction):
 def _rank(rank: int, world: int, plan_path: str) -> list[float]:
     torch.manual_seed(0)
     model, x = Net(), torch.randn(8, STEPS, 16)
-    cluster = autopar.ClusterSpec.preset("cpu", devices_per_node=world)
+    cluster = ring_scatter_cpu(world)
     pmodel = autopar.autoparallelize(model, cluster, (x,), plan=plan_path)
     return [float(v) for v in sgd_losses(pmodel, x)]
 
@@ -128,7 +128,9 @@ def test_a_tied_plan_trains_as_the_model(tmp_path):
     split), trains as the single-device model does."""
     torch.manual_seed(0)
     model, x = Net(), torch.randn(8, STEPS, 16)
-    cluster = autopar.ClusterSpec.preset("cpu", devices_per_node=2)
+    # a ring's reduce-scatter: the split selects are reduce-scattered into (gloo's all-reduce price
+    # keeps them whole)
+    cluster = ring_scatter_cpu(2)
     # one micro-batch, no pipeline: the step is the module's forward and backward (sgd_losses)
     plan = autopar.plan(
         model, cluster, (x,), axis_roles=(AxisRole.TENSOR,), micro_batches=1, pipeline_stages=1
