@@ -202,7 +202,13 @@ class DeferredSum(torch.Tensor):
 
     @staticmethod
     def __new__(
-        cls, elem: torch.Tensor, then=None, dtype: torch.dtype | None = None, group=None, check=None, shape=None
+        cls,
+        elem: torch.Tensor,
+        then=None,
+        dtype: torch.dtype | None = None,
+        group=None,
+        check=None,
+        shape=None,
     ):
         """``elem``: the all-reduce's output (or, with ``group``, this rank's value, not yet summed
         over ``group``; or another ``DeferredSum``, whose waited values ``then`` reads); ``then``: a

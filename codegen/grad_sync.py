@@ -85,6 +85,16 @@ none. A bucket of one large gradient, reduced in place, carries none (``RIDE_COP
 another dtype neither. A sum no bucket took is started on its own in ``finish`` (the loss's
 backward queues it, so every backward through the loss ends with it started, on every rank alike).
 
+**The count divides after the reduction** (``divide_after``). A token-mean loss whose ranks were
+fed slices (``ParallelModule._scale_after``) runs backward on its sum over this rank's tokens, not
+on its mean: the loss's backward registers the loss's ``[sum, count]`` (summed over the ranks in
+the forward, or riding in the first bucket) here, and ``finish`` divides every gradient this
+backward reduced by that count (the buckets' gradient slots, not the riders'; a ZeRO-1 share
+before it lands), before the caller clips or steps, as Megatron-LM's ``calculate_per_token_loss``
+scales its reduced gradients by the summed token count. So the count needs no all-reduce of its
+own at the forward's top. A backward with the sync off, or with unreduced accumulated gradients,
+is not divided here (``divide_after`` answers None): the loss's backward divides by the count first.
+
 The mesh whose axes the buckets name is given at construction (``codegen/build.py`` passes the
 module's own): the hooks run in backward, where no mesh is bound, and never read a global, so
 modules on different meshes reduce their gradients on their own groups.
@@ -206,6 +216,7 @@ class GradSync:
         self._local: dict[int, torch.Tensor] = {}  # unreduced sums kept beside a reduced .grad
         self.reductions = 0  # bucket reductions started so far
         self.scatters = 0  # of them, reduce-scatters (ZeRO-1's shares)
+        self.divisions = 0  # backwards whose reduced gradients were divided by a count (``divide_after``)
         # started reductions: (bucket, the tensor reduced, its work, [(param, slice) to add])
         self._pending: list[tuple[_Bucket, torch.Tensor, object, list]] = []
         self._queued = False
@@ -525,6 +536,7 @@ class GradSync:
             r.start()
         pending, self._pending, self._queued = self._pending, [], False
         count, self._divisor = self._count(), None  # the loss's pair was summed in forward (or rides)
+        self.divisions += count is not None
         for b, flat, work, adds in pending:
             work.wait()
             if b.scatter:

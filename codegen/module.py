@@ -676,9 +676,14 @@ def defer_output_sums(gm: fx.GraphModule) -> fx.GraphModule:
       (the label ops it needs moved there, ``_hoist``), the sum's is waited for where the loss is
       read. Same values; the same backward (d loss / d sum = 1 / count). Where the whole batch's
       count is known without it (``ParallelModule._known_count``: a rank fed the whole batch,
-      ``step``'s micro-batches), that all-reduce does not run (``collectives.KNOWN_SUM``). It cannot
-      ride in a gradient bucket, since backward needs it from its start, and merged with the sum's
-      at the forward's end it would make backward wait for the ranks to meet again.
+      ``step``'s micro-batches), that all-reduce does not run (``collectives.KNOWN_SUM``). Where
+      every gradient the loss reaches is reduced in buckets (``ParallelModule._scale_after``), it
+      does not run either: backward runs on the sum (d loss / d sum = 1), the count is summed with
+      the sum (one all-reduce of ``[sum, count]``, or it rides in the first bucket), and the
+      reduced gradients are divided by it where backward ends (``GradSync.divide_after``,
+      Megatron-LM's ``calculate_per_token_loss``). Elsewhere it stays at the top: backward needs it
+      from its start, and merged with the sum's at the forward's end it would make backward wait
+      for the ranks to meet again.
 
     Only the root graph's outputs: a value the graph reads further is waited for at once anyway."""
     out = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
