@@ -11,7 +11,8 @@ GPT-2 on 2 gloo ranks (data parallel, ZeRO 0 and 1), each row of the batch with 
 of ignored labels, so that the two ranks' slices count different numbers; 2 steps of SGD and of
 Adam with the gradient norm clipped (the clip biting): the losses, the gradients (as reduced, and
 clipped), the norms and the weights equal the single device's. The collectives of a step's forward and backward are the
-buckets' and the loss's one: no all-reduce of the count alone.
+buckets' and the loss's one: no all-reduce of the count alone; with the loss riding in the first
+bucket (``loss_rides``), the buckets' alone, as ``DistributedDataParallel``'s.
 """
 
 from __future__ import annotations
@@ -68,6 +69,7 @@ def _rank(rank, world, jobs):
     for key, path in jobs:
         model, inputs = _build()
         pmodel = autopar.autoparallelize(model, free_link_cpu(world), inputs, plan=path)
+        pmodel.loss_rides = key[2]
         d, r = pmodel.data_world, pmodel.data_rank
         batch = {n: t[r::d] for n, t in inputs.items()}
         opt = pmodel.optimizer(OPT[key[1]], lr=LR[key[1]])
@@ -108,15 +110,19 @@ def test_count_summed_with_the_loss_divides_reduced_gradients(tmp_path):
         plan = dataclasses.replace(base, trades=trades)
         path = tmp_path / f"zero{zero}.json"
         plan.save(path)
-        jobs += [((zero, name), str(path)) for name in LR]
+        jobs += [((zero, name, False), str(path)) for name in LR]
+        if (
+            zero == 0
+        ):  # the loss's [sum, count] rides in the first bucket (loss_rides): no collective of its own
+            jobs.append(((zero, "sgd", True), str(path)))
     refs = {name: _reference(name) for name in LR}
     for name, (_, _, norms, _) in refs.items():
         assert min(norms) > 2 * CLIP, (name, norms)  # the clip bites
     for rank, res in enumerate(run_on_ranks(_rank, 2, jobs, timeout_s=600)):
         for key, (losses, grads, norms, events, buckets, state) in res.items():
-            zero, name = key
+            zero, name, rides = key
             ref_losses, ref_grads, ref_norms, ref_state = refs[name]
-            label = f"rank {rank}, ZeRO-{zero}, {name}"
+            label = f"rank {rank}, ZeRO-{zero}, {name}{', the loss riding' if rides else ''}"
             assert losses == pytest.approx(ref_losses, rel=1e-5), label
             assert norms == pytest.approx(ref_norms, rel=1e-4), label
             for step, (got, want) in enumerate(zip(grads, ref_grads, strict=True)):
@@ -140,4 +146,4 @@ def test_count_summed_with_the_loss_divides_reduced_gradients(tmp_path):
             assert divisions == STEPS, (label, divisions)  # every backward divided after reducing
             # (the first step's forward also compares the ranks' batches: the second's alone; gloo
             # runs a reduce-scatter as an all-reduce, so the events cannot tell them apart)
-            assert len(events[-1]) == buckets + 1, (label, buckets, events[-1])
+            assert len(events[-1]) == buckets + (0 if rides else 1), (label, buckets, events[-1])
