@@ -7,6 +7,13 @@ count is summed with the loss's sum (one all-reduce of ``[sum, count]``), and th
 gradients are divided by it where backward ends (``GradSync.divide_after``), before clipping and
 the optimizer: Megatron-LM's ``calculate_per_token_loss``. One collective less a step.
 
+And the backwards that cannot leave the division to the end (``GradSync.divide_after``): a loss
+read before backward on one rank alone (its pair's sum started in forward: no collective of its
+own), two losses of different counts in one backward (the second's gradient scaled to the first's
+count), gradients accumulated unreduced and then reduced once (each loss's backward divides by its
+own count); each against one device, and each able to fail (a second loss weighed 1, or the
+accumulated sums divided again, is off on every element).
+
 GPT-2 on 2 gloo ranks (data parallel, ZeRO 0 and 1), each row of the batch with a different number
 of ignored labels, so that the two ranks' slices count different numbers; 2 steps of SGD and of
 Adam with the gradient norm clipped (the clip biting): the losses, the gradients (as reduced, and
@@ -147,3 +154,74 @@ def test_count_summed_with_the_loss_divides_reduced_gradients(tmp_path):
             # (the first step's forward also compares the ranks' batches: the second's alone; gloo
             # runs a reduce-scatter as an all-reduce, so the events cannot tell them apart)
             assert len(events[-1]) == buckets + (0 if rides else 1), (label, buckets, events[-1])
+
+
+def _second_batch(inputs):
+    """Another batch: the rows rolled, so each rank's slice counts another number of labels, and the
+    row that had every label ignored now counts all of them (the whole batch counts 19, not 12)."""
+    out = {n: t.roll(1, dims=0) for n, t in inputs.items()}
+    out["labels"][0] = out["input_ids"][0]
+    return out
+
+
+def _two_rank(rank, world, path):
+    model, inputs = _build()
+    pmodel = autopar.autoparallelize(model, free_link_cpu(world), inputs, plan=path)
+    d, r = pmodel.data_world, pmodel.data_rank
+    first = {n: t[r::d] for n, t in inputs.items()}
+    second = {n: t[r::d] for n, t in _second_batch(inputs).items()}
+    out = {}
+    # a read before backward on one rank alone: the pair's sum was started in forward, no new collective
+    loss = _loss(pmodel(**first))
+    out["read"] = loss.item() if rank == 0 else None
+    loss.backward()
+    out["one"] = {n: g.clone() for n, g in pmodel.full_grads().items()}
+    pmodel.zero_grad(set_to_none=True)
+    # two losses in one backward: the second's gradient scaled to the first's count
+    (_loss(pmodel(**first)) + _loss(pmodel(**second))).backward()
+    out["summed"] = {n: g.clone() for n, g in pmodel.full_grads().items()}
+    pmodel.zero_grad(set_to_none=True)
+    # accumulated unreduced, then reduced once: each loss's backward divides by its own count
+    with pmodel.grad_sync.accumulating():
+        _loss(pmodel(**first)).backward()
+    _loss(pmodel(**second)).backward()
+    out["accumulated"] = {n: g.clone() for n, g in pmodel.full_grads().items()}
+    out["divisions"] = pmodel.grad_sync.divisions
+    return out
+
+
+@pytest.mark.slow
+def test_backwards_the_division_cannot_wait_for(tmp_path):
+    model, inputs = _build()
+    plan = autopar.plan(
+        model,
+        free_link_cpu(2),
+        inputs,
+        mesh_shape=(2,),
+        axis_roles=(D,),
+        zero_stage=0,
+        outputs=autopar.Outputs.LOSS,
+    )
+    path = tmp_path / "zero0.json"
+    plan.save(path)
+    ref_model, _ = _build()
+    first = ref_model(**inputs).loss
+    first.backward()
+    one = {n: p.grad.clone() for n, p in ref_model.named_parameters()}
+    (ref_model(**_second_batch(inputs)).loss).backward()  # accumulated onto the first's
+    two = {n: p.grad.clone() for n, p in ref_model.named_parameters()}
+    per_rank = run_on_ranks(_two_rank, 2, str(path), timeout_s=300)
+    assert per_rank[0]["read"] == pytest.approx(first.item(), rel=1e-5)
+    for rank, res in enumerate(per_rank):
+        for case, want in (("one", one), ("summed", two), ("accumulated", two)):
+            for n, g in res[case].items():
+                w = want[n]
+                torch.testing.assert_close(
+                    g,
+                    w,
+                    rtol=1e-4,
+                    atol=1e-5 * float(w.abs().max()),
+                    msg=labelled(f"rank {rank}, {case}: {n}"),
+                )
+        # the first two backwards divided after reducing; the accumulated one in the losses' backwards
+        assert res["divisions"] == 2, (rank, res["divisions"])
