@@ -597,6 +597,12 @@ def mean_deferred(pair: torch.Tensor, count, axis: int, dtype: torch.dtype) -> t
     )  # fmt: skip
 
 
+def is_paired_mean(t) -> bool:
+    """Whether ``t`` is a token-mean loss ``mean_deferred`` returned from its summed ``[sum, count]``
+    (``SCALE_AFTER``): the one output whose backward the gradient buckets divide by the count."""
+    return type(t) is DeferredSum and type(t.elem) is DeferredSum
+
+
 def wait_deferred(outs) -> None:
     """Wait for the ``DeferredSum`` among ``outs`` (a no-op for those read already)."""
     for t in outs:

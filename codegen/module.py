@@ -268,7 +268,7 @@ class ParallelModule(torch.nn.Module):
                 drop_copies(self.zero.half_params)
         self._deferred = [o for o in outs if isinstance(o, C.DeferredSum)]
         if scale is not None and any(
-            isinstance(o, torch.Tensor) and o.requires_grad and not isinstance(o, C.DeferredSum) for o in outs
+            isinstance(o, torch.Tensor) and o.requires_grad and not C.is_paired_mean(o) for o in outs
         ):  # backward may run through another output too: the loss's backward divides by its count
             scale[0] = None
         enter_backward(self, list(outs))
