@@ -217,7 +217,9 @@ class GradSync:
         self.reductions = 0  # bucket reductions started so far
         self.scatters = 0  # of them, reduce-scatters (ZeRO-1's shares)
         self.divisions = 0  # backwards whose reduced gradients were divided by a count (``divide_after``)
-        # started reductions: (bucket, the tensor reduced, its work, [(param, slice) to add])
+        # started reductions: (bucket, the tensor reduced, its work, ([(param, slice) to add], how
+        # many of its elements are gradients: the riders' slots end it)); a reduce-scattered
+        # bucket's last item: (its members, the laid-out gradients)
         self._pending: list[tuple[_Bucket, torch.Tensor, object, list]] = []
         self._queued = False
         # the returned sums (the loss) waiting to ride in the next bucket (module docstring)

@@ -269,8 +269,11 @@ class ParallelModule(torch.nn.Module):
         self._deferred = [o for o in outs if isinstance(o, C.DeferredSum)]
         if scale is not None and any(
             isinstance(o, torch.Tensor) and o.requires_grad and not C.is_paired_mean(o) for o in outs
-        ):  # backward may run through another output too: the loss's backward divides by its count
+        ):  # backward may run through another output too (the logits): the loss's backward divides
+            # by its count, and the next forwards all-reduce the count at their top, as before, so that
+            # backward does not wait at its start for the pair summed at the forward's end
             scale[0] = None
+            self.__dict__["_scale_blocked"] = True
         enter_backward(self, list(outs))
         return pytree.tree_unflatten(list(outs), self._out_spec)
 
@@ -300,9 +303,12 @@ class ParallelModule(torch.nn.Module):
         backward makes is reduced in those buckets: a data-parallel plan's (ZeRO 0 and 1; FSDP2's
         ZeRO 2 and 3, pipelines and tensor-parallel reductions keep the count's all-reduce), no
         input requiring gradient; an output other than the loss requiring gradient clears it
-        (``forward``). None: the count is all-reduced at the forward's top, as before."""
+        (``forward``), and keeps it off for the module's later forwards. None: the count is
+        all-reduced at the forward's top, as before."""
         sync = self.grad_sync
         if sync is None or not self._counts_labels or not torch.is_grad_enabled():
+            return None
+        if self.__dict__.get("_scale_blocked"):  # its outputs other than the loss require gradient
             return None
         unsynced = self.__dict__.get("_unsynced")
         if unsynced is None:  # the parameters whose gradients no bucket reduces (looked up once)

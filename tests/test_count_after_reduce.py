@@ -11,8 +11,9 @@ And the backwards that cannot leave the division to the end (``GradSync.divide_a
 read before backward on one rank alone (its pair's sum started in forward: no collective of its
 own), two losses of different counts in one backward (the second's gradient scaled to the first's
 count), gradients accumulated unreduced and then reduced once (each loss's backward divides by its
-own count); each against one device, and each able to fail (a second loss weighed 1, or the
-accumulated sums divided again, is off on every element).
+own count), a backward through the returned logits too (the loss's backward divides; the logits'
+gradient is not divided); each against one device, and each able to fail (a second loss weighed
+1, or the accumulated sums divided again, is off on every element).
 
 GPT-2 on 2 gloo ranks (data parallel, ZeRO 0 and 1), each row of the batch with a different number
 of ignored labels, so that the two ranks' slices count different numbers; 2 steps of SGD and of
@@ -164,7 +165,7 @@ def _second_batch(inputs):
     return out
 
 
-def _two_rank(rank, world, path):
+def _two_rank(rank, world, path, logits_path):
     model, inputs = _build()
     pmodel = autopar.autoparallelize(model, free_link_cpu(world), inputs, plan=path)
     d, r = pmodel.data_world, pmodel.data_rank
@@ -187,6 +188,18 @@ def _two_rank(rank, world, path):
     _loss(pmodel(**second)).backward()
     out["accumulated"] = {n: g.clone() for n, g in pmodel.full_grads().items()}
     out["divisions"] = pmodel.grad_sync.divisions
+    # the logits returned too (requiring gradient): backward through both divides in the loss's
+    # backward, and the next forwards all-reduce the count at their top again
+    model, inputs = _build()
+    pmodel = autopar.autoparallelize(model, free_link_cpu(world), inputs, plan=logits_path)
+    both = []
+    for _ in range(2):
+        o = pmodel(**first)
+        (o.loss + 1e-3 * o.logits.sum()).backward()
+        both.append({n: g.clone() for n, g in pmodel.full_grads().items()})
+        pmodel.zero_grad(set_to_none=True)
+    out["both"] = both
+    out["both_divisions"] = pmodel.grad_sync.divisions
     return out
 
 
@@ -204,13 +217,21 @@ def test_backwards_the_division_cannot_wait_for(tmp_path):
     )
     path = tmp_path / "zero0.json"
     plan.save(path)
+    logits_path = tmp_path / "logits.json"
+    autopar.plan(model, free_link_cpu(2), inputs, mesh_shape=(2,), axis_roles=(D,), zero_stage=0).save(
+        logits_path
+    )
     ref_model, _ = _build()
     first = ref_model(**inputs).loss
     first.backward()
     one = {n: p.grad.clone() for n, p in ref_model.named_parameters()}
     (ref_model(**_second_batch(inputs)).loss).backward()  # accumulated onto the first's
     two = {n: p.grad.clone() for n, p in ref_model.named_parameters()}
-    per_rank = run_on_ranks(_two_rank, 2, str(path), timeout_s=300)
+    ref_model.zero_grad(set_to_none=True)
+    o = ref_model(**inputs)
+    (o.loss + 1e-3 * o.logits.sum()).backward()
+    both = {n: p.grad.clone() for n, p in ref_model.named_parameters()}
+    per_rank = run_on_ranks(_two_rank, 2, str(path), str(logits_path), timeout_s=300)
     assert per_rank[0]["read"] == pytest.approx(first.item(), rel=1e-5)
     for rank, res in enumerate(per_rank):
         for case, want in (("one", one), ("summed", two), ("accumulated", two)):
@@ -225,3 +246,14 @@ def test_backwards_the_division_cannot_wait_for(tmp_path):
                 )
         # the first two backwards divided after reducing; the accumulated one in the losses' backwards
         assert res["divisions"] == 2, (rank, res["divisions"])
+        for step, got in enumerate(res["both"]):
+            for n, g in got.items():
+                w = both[n]
+                torch.testing.assert_close(
+                    g,
+                    w,
+                    rtol=1e-4,
+                    atol=1e-5 * float(w.abs().max()),
+                    msg=labelled(f"rank {rank}, logits {step}: {n}"),
+                )
+        assert res["both_divisions"] == 0, (rank, res["both_divisions"])
