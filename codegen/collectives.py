@@ -201,13 +201,26 @@ class DeferredSum(torch.Tensor):
     __torch_function__ = torch._C._disabled_torch_function_impl  # straight to dispatch, no Python
 
     @staticmethod
-    def __new__(cls, elem: torch.Tensor, then=None, dtype: torch.dtype | None = None, group=None, check=None):
+    def __new__(
+        cls,
+        elem: torch.Tensor,
+        then=None,
+        dtype: torch.dtype | None = None,
+        group=None,
+        check=None,
+        shape=None,
+    ):
         """``elem``: the all-reduce's output (or, with ``group``, this rank's value, not yet summed
-        over ``group``); ``then``: a function of the waited-for sum that gives the value (None: the
-        sum itself), of ``elem``'s shape and of ``dtype``; ``check``: called before a read starts
-        a pending sum on its own (``ParallelModule.check_calls``: every rank must read it so)."""
+        over ``group``; or another ``DeferredSum``, whose waited values ``then`` reads); ``then``: a
+        function of the waited-for sum that gives the value (None: the sum itself), of ``elem``'s
+        shape (or ``shape``) and of ``dtype``; ``check``: called before a read starts a pending sum
+        on its own (``ParallelModule.check_calls``: every rank must read it so)."""
+        if shape is None:
+            size, strides, offset = elem.size(), elem.stride(), elem.storage_offset()
+        else:  # a value of another shape than the sum (a mean of the summed ``[sum, count]``)
+            size, strides, offset = torch.Size(shape), torch.empty(shape, device="meta").stride(), 0
         r = torch.Tensor._make_wrapper_subclass(
-            cls, elem.size(), strides=elem.stride(), storage_offset=elem.storage_offset(),
+            cls, size, strides=strides, storage_offset=offset,
             dtype=dtype or elem.dtype, layout=elem.layout, device=elem.device, requires_grad=False,
         )  # fmt: skip
         r.elem, r.then, r.value, r.group, r.work, r.check = elem, then, None, group, None, check
@@ -221,7 +234,7 @@ class DeferredSum(torch.Tensor):
     @property
     def pending(self) -> bool:
         """Whether the sum is not started yet (it waits for a gradient bucket to ride in)."""
-        return self.group is not None
+        return self.group is not None or (type(self.elem) is DeferredSum and self.elem.pending)
 
     def rode(self, slot: torch.Tensor, work) -> None:
         """The sum rides in a bucket: ``slot`` (``elem.numel()`` elements) is where the bucket's
@@ -230,6 +243,9 @@ class DeferredSum(torch.Tensor):
 
     def start(self) -> None:
         """Start a pending sum on its own (a functional all-reduce); nothing for a started one."""
+        if type(self.elem) is DeferredSum:  # the sum is the inner one's
+            self.elem.start()
+            return
         group = self.group
         if group is not None:
             self.group = None
@@ -238,6 +254,10 @@ class DeferredSum(torch.Tensor):
     def wait(self) -> torch.Tensor:
         """The values (waiting for the all-reduce the first time)."""
         if self.value is None:
+            if type(self.elem) is DeferredSum:  # the inner sum, waited (or started) on its own
+                total = self.elem.wait()
+                self.value = total if self.then is None else self.then(total)
+                return self.value
             if self.group is not None:  # read before backward: the sum, on its own
                 if self.check is not None:
                     self.check()
@@ -488,6 +508,12 @@ def all_reduce_deferred(x: torch.Tensor, axis: int) -> torch.Tensor:
     return _AllReduceDeferred.apply(x, axis, current_mesh(), RIDE.get() if x.requires_grad else None)
 
 
+# where the forward's loss divides the gradients by the whole batch's count after they are reduced
+# (``mean_deferred``; ``ParallelModule.forward`` sets it): a one-item list holding the
+# ``codegen/grad_sync.GradSync`` that reduces every gradient the loss reaches, which the forward
+# may clear (to None) once it sees an output that backward could also reach
+SCALE_AFTER: ContextVar[list | None] = ContextVar("autopar_scale_after", default=None)
+
 # the sum the forward's one ``all_reduce_started`` would give, where the module knows it already
 # (``ParallelModule.forward``: the labels' count of the whole batch, counted where every rank holds
 # it, or by ``step``'s micro-batch weights, which summed it over the ranks once for the step)
@@ -506,41 +532,75 @@ def all_reduce_started(x: torch.Tensor, axis: int) -> DeferredSum:
         done = DeferredSum(value)
         done.value = value
         return done
+    if SCALE_AFTER.get() is not None:  # summed with the loss's sum instead (``mean_deferred``)
+        return x
     group = axis_group(current_mesh(), axis)
     return DeferredSum(torch.ops._c10d_functional.all_reduce(x.contiguous(), "sum", group.group_name))
 
 
 class _MeanDeferred(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, pair, count, axis, mesh, dtype, ride):
+    def forward(ctx, pair, count, axis, mesh, dtype, ride, scale):
         (count,) = count  # in a tuple: no tensor argument of autograd's
-        ctx.count, ctx.dtype = count, pair.dtype
+        ctx.dtype = pair.dtype
         group = axis_group(mesh, axis)
-        then = lambda t: (t / count.wait()).to(dtype)  # noqa: E731
-        rider = _rider(ride, pair[0], group, then, dtype)
-        ctx.sync = ride[0] if rider is not None else None
-        if rider is not None:  # the sum rides in backward's first bucket (``riding``)
-            return rider
-        total = torch.ops._c10d_functional.all_reduce(pair[0].contiguous(), "sum", group.group_name)
-        return DeferredSum(total, then, dtype)
+        if isinstance(count, DeferredSum):  # the count's sum, started before the model ran
+            ctx.count, ctx.scale, ctx.paired = count, None, False
+            then = lambda t: (t / count.wait()).to(dtype)  # noqa: E731
+            rider = _rider(ride, pair[0], group, then, dtype)
+            ctx.sync = ride[0] if rider is not None else None
+            if rider is not None:  # the sum rides in backward's first bucket (``riding``)
+                return rider
+            total = torch.ops._c10d_functional.all_reduce(pair[0].contiguous(), "sum", group.group_name)
+            return DeferredSum(total, then, dtype)
+        # this rank's count (``SCALE_AFTER``): ``[sum, count]`` summed together, in one collective
+        inner = _rider(ride, pair, group)
+        ctx.sync = ride[0] if inner is not None else None
+        if inner is None:
+            inner = DeferredSum(
+                torch.ops._c10d_functional.all_reduce(pair.detach().contiguous(), "sum", group.group_name)
+            )
+        ctx.count, ctx.scale, ctx.paired = inner, scale, True
+        return DeferredSum(inner, lambda t: (t[0] / t[1]).to(dtype), dtype, shape=())
 
     @staticmethod
     def backward(ctx, g):
         if ctx.sync is not None:
             ctx.sync.queue_finish()
-        c = ctx.count.wait().to(ctx.dtype)  # started in forward, before the model ran
-        return torch.stack([g.to(ctx.dtype) / c, torch.zeros_like(c)]), None, None, None, None, None
+        zero = torch.zeros((), dtype=ctx.dtype, device=g.device)
+        sync = ctx.scale[0] if ctx.scale is not None else None
+        if sync is not None:  # d loss / d sum = 1 / count, applied after the gradients are reduced
+            factor = sync.divide_after(ctx.count)
+            if factor is not None:
+                return torch.stack([g.to(ctx.dtype) * factor, zero]), None, None, None, None, None, None
+        c = ctx.count.wait()
+        c = (c[1] if ctx.paired else c).to(ctx.dtype)  # the summed pair's count, or the count
+        return torch.stack([g.to(ctx.dtype) / c, zero]), None, None, None, None, None, None
 
 
-def mean_deferred(pair: torch.Tensor, count: DeferredSum, axis: int, dtype: torch.dtype) -> torch.Tensor:
+def mean_deferred(pair: torch.Tensor, count, axis: int, dtype: torch.dtype) -> torch.Tensor:
     """``mean_of_sum_and_count(all_reduce(pair, axis), dtype)`` (a token-mean loss from this rank's
     ``[sum, count]``), where the count's sum over ``axis`` was started already
     (``all_reduce_started``): the sum's all-reduce is started here and waited for where the loss is
     read (``DeferredSum``); backward needs only the count (d loss / d sum = 1 / count), so neither
-    forward nor backward waits for the other ranks' losses."""
+    forward nor backward waits for the other ranks' losses.
+
+    Where ``count`` is this rank's own (``SCALE_AFTER``: the gradients this loss reaches are all
+    reduced in buckets), the count is summed with the sum, one all-reduce of ``[sum, count]``, and
+    backward runs on the sum (d loss / d sum = 1): the reduced gradients are divided by the count
+    where backward ends (``GradSync.divide_after``), as Megatron-LM's ``calculate_per_token_loss``
+    divides its reduced gradients by the summed token count. A backward that cannot divide so (the
+    sync off, gradients accumulated unreduced) waits for the pair and divides here."""
     return _MeanDeferred.apply(
-        pair, (count,), axis, current_mesh(), dtype, RIDE.get() if pair.requires_grad else None
-    )
+        pair, (count,), axis, current_mesh(), dtype, RIDE.get() if pair.requires_grad else None,
+        SCALE_AFTER.get() if pair.requires_grad and not isinstance(count, DeferredSum) else None,
+    )  # fmt: skip
+
+
+def is_paired_mean(t) -> bool:
+    """Whether ``t`` is a token-mean loss ``mean_deferred`` returned from its summed ``[sum, count]``
+    (``SCALE_AFTER``): the one output whose backward the gradient buckets divide by the count."""
+    return type(t) is DeferredSum and type(t.elem) is DeferredSum
 
 
 def wait_deferred(outs) -> None:

@@ -85,6 +85,16 @@ none. A bucket of one large gradient, reduced in place, carries none (``RIDE_COP
 another dtype neither. A sum no bucket took is started on its own in ``finish`` (the loss's
 backward queues it, so every backward through the loss ends with it started, on every rank alike).
 
+**The count divides after the reduction** (``divide_after``). A token-mean loss whose ranks were
+fed slices (``ParallelModule._scale_after``) runs backward on its sum over this rank's tokens, not
+on its mean: the loss's backward registers the loss's ``[sum, count]`` (summed over the ranks in
+the forward, or riding in the first bucket) here, and ``finish`` divides every gradient this
+backward reduced by that count (the buckets' gradient slots, not the riders'; a ZeRO-1 share
+before it lands), before the caller clips or steps, as Megatron-LM's ``calculate_per_token_loss``
+scales its reduced gradients by the summed token count. So the count needs no all-reduce of its
+own at the forward's top. A backward with the sync off, or with unreduced accumulated gradients,
+is not divided here (``divide_after`` answers None): the loss's backward divides by the count first.
+
 The mesh whose axes the buckets name is given at construction (``codegen/build.py`` passes the
 module's own): the hooks run in backward, where no mesh is bound, and never read a global, so
 modules on different meshes reduce their gradients on their own groups.
@@ -206,11 +216,17 @@ class GradSync:
         self._local: dict[int, torch.Tensor] = {}  # unreduced sums kept beside a reduced .grad
         self.reductions = 0  # bucket reductions started so far
         self.scatters = 0  # of them, reduce-scatters (ZeRO-1's shares)
-        # started reductions: (bucket, the tensor reduced, its work, [(param, slice) to add])
+        self.divisions = 0  # backwards whose reduced gradients were divided by a count (``divide_after``)
+        # started reductions: (bucket, the tensor reduced, its work, ([(param, slice) to add], how
+        # many of its elements are gradients: the riders' slots end it)); a reduce-scattered
+        # bucket's last item: (its members, the laid-out gradients)
         self._pending: list[tuple[_Bucket, torch.Tensor, object, list]] = []
         self._queued = False
         # the returned sums (the loss) waiting to ride in the next bucket (module docstring)
         self._riders: list[C.DeferredSum] = []
+        # the summed ``[sum, count]`` of the loss whose backward runs on its sum: the gradients
+        # reduced in this backward are divided by its count in ``finish`` (``divide_after``)
+        self._divisor: C.DeferredSum | None = None
         # the groups of the buckets a sum may ride in: all-reduced over one axis
         self._ride_groups = {b.group.group_name for b in self._buckets if not b.scatter and len(b.axes) == 1}
         # each parameter's AccumulateGrad node, kept alive: the parameter holds it only weakly, and
@@ -230,6 +246,11 @@ class GradSync:
     def axes(self) -> set[int]:
         """The mesh axes the buckets' all-reduces run on."""
         return {a for b in self._buckets for a in b.axes}
+
+    @property
+    def parameters(self) -> list[torch.nn.Parameter]:
+        """The parameters whose gradients the buckets reduce."""
+        return list(self._param.values())
 
     @property
     def num_buckets(self) -> int:
@@ -265,6 +286,27 @@ class GradSync:
         started on its own when the backward ends (``finish``)."""
         self._riders.append(rider)
 
+    def divide_after(self, total: C.DeferredSum):
+        """The factor a token-mean loss's backward multiplies its gradient by when it runs on its
+        loss's sum (``collectives.mean_deferred``), the gradients that this backward reduces being
+        divided by ``total``'s count (``total``: the loss's ``[sum, count]``, summed over the ranks)
+        where it ends, once reduced (Megatron-LM's ``calculate_per_token_loss``): 1 for the first
+        such loss of a backward, ``count / its count`` for another; None where this backward will
+        not reduce what it accumulates (the sync off, or gradients accumulated unreduced, whose
+        division is the caller's: it divides before backward goes on)."""
+        if not self._sync or self._unreduced or self._local:
+            return None
+        self.queue_finish()
+        if self._divisor is None or self._divisor is total:
+            self._divisor = total
+            return 1.0
+        return self._divisor.wait()[1] / total.wait()[1]  # a second loss in the same backward
+
+    def _count(self) -> torch.Tensor | None:
+        """The summed count the gradients reduced in this backward are divided by, or None."""
+        d = self._divisor
+        return d.wait()[1] if d is not None else None
+
     def queue_finish(self) -> None:
         """Run ``finish`` when the running backward ends (once)."""
         if not self._queued:
@@ -274,7 +316,9 @@ class GradSync:
     def _pre_hook(self, p: torch.nn.Parameter, acc, axes: tuple[int, ...]):
         def hook(g: torch.Tensor) -> torch.Tensor:
             if not _accumulates(acc):
-                return _reduced(g, self._mesh, axes)
+                reduced = _reduced(g, self._mesh, axes)
+                c = self._count()
+                return reduced if c is None else reduced / c.to(reduced.dtype)
             pid = id(p)
             if not self._sync:  # accumulate locally, reduce nothing
                 if p.grad is None or pid in self._unreduced:
@@ -391,6 +435,7 @@ class GradSync:
                         p.grad = DTensor.__new__(DTensor, piece, p._spec, requires_grad=False)
                         continue
                 p.grad = _like(p, piece)
+        grads = flat.numel() - sum(r.elem.numel() for r in riders)  # the riders' slots end it
         work = dist.all_reduce(flat, group=b.group, async_op=True)
         if riders:
             off = flat.numel()
@@ -399,7 +444,7 @@ class GradSync:
                 off -= n
                 r.rode(flat[off : off + n], work)
         self.reductions += 1
-        self._pending.append((b, flat, work, adds))
+        self._pending.append((b, flat, work, (adds, grads)))
 
     def _riding(self, b: _Bucket, members: list) -> list[C.DeferredSum]:
         """The pending sums that ride in bucket ``b``'s all-reduce (taken off ``_riders``): those
@@ -442,12 +487,15 @@ class GradSync:
         self.scatters += 1
         self._pending.append((b, out, work, (parts, laid)))  # laid: alive until the work completes
 
-    def _land_scatter(self, b: _Bucket, out: torch.Tensor, parts: list) -> None:
-        """The other axes' reduce-scatters, then each member's share as its ``.grad``."""
+    def _land_scatter(self, b: _Bucket, out: torch.Tensor, parts: list, count: torch.Tensor | None) -> None:
+        """The other axes' reduce-scatters, then each member's share as its ``.grad`` (divided by
+        ``count``, the loss's, where backward ran on its sum: ``divide_after``)."""
         for a in b.scatter[1:]:
             nxt = out.new_empty(out.numel() // self._mesh.size(a))
             C.scatter_into(nxt, out, group=C.axis_group(self._mesh, a))
             out = nxt
+        if count is not None:
+            out.div_(count.to(out.dtype))
         d, r = b.shares, b.mine
         off = 0
         for p in parts:
@@ -489,13 +537,18 @@ class GradSync:
         for r in riders:  # no bucket took them: on their own, every rank here alike
             r.start()
         pending, self._pending, self._queued = self._pending, [], False
+        count, self._divisor = self._count(), None  # the loss's pair was summed in forward (or rides)
+        self.divisions += count is not None
         for b, flat, work, adds in pending:
             work.wait()
             if b.scatter:
-                self._land_scatter(b, flat, adds[0])
+                self._land_scatter(b, flat, adds[0], count)
                 continue
             for a in b.axes[1:]:
                 dist.all_reduce(flat, group=C.axis_group(self._mesh, a))
+            adds, grads = adds
+            if count is not None:  # the gradients, reduced, over the loss's count (``divide_after``)
+                flat[:grads].div_(count.to(flat.dtype))
             for p, piece in adds:
                 if p.grad is None:  # set to None after it accumulated
                     p.grad = _like(p, piece)

@@ -253,16 +253,27 @@ class ParallelModule(torch.nn.Module):
         # set here directly); else a ride set by an outer module's forward is cleared
         sync = self.grad_sync if self.loss_rides and torch.is_grad_enabled() else None
         ride = C.RIDE.set((sync, self._read_check) if sync is not None else None)
-        known = C.KNOWN_SUM.set(self._known_count(flat, sliced))
+        count = self._known_count(flat, sliced)
+        known = C.KNOWN_SUM.set(count)
+        scale = self._scale_after(flat) if count is None else None
+        scaled = C.SCALE_AFTER.set(scale)
         try:
             with C.bound_mesh(self.mesh), self.zero.autocast(self._device.type):
                 outs = self.local(*self.feeding.to_graph(flat, sliced))
         finally:
+            C.SCALE_AFTER.reset(scaled)
             C.KNOWN_SUM.reset(known)
             C.RIDE.reset(ride)
             if not self._hold_copies:  # one cast per forward call, or per step (``step``)
                 drop_copies(self.zero.half_params)
         self._deferred = [o for o in outs if isinstance(o, C.DeferredSum)]
+        if scale is not None and any(
+            isinstance(o, torch.Tensor) and o.requires_grad and not C.is_paired_mean(o) for o in outs
+        ):  # backward may run through another output too (the logits): the loss's backward divides
+            # by its count, and the next forwards all-reduce the count at their top, as before, so that
+            # backward does not wait at its start for the pair summed at the forward's end
+            scale[0] = None
+            self.__dict__["_scale_blocked"] = True
         enter_backward(self, list(outs))
         return pytree.tree_unflatten(list(outs), self._out_spec)
 
@@ -282,6 +293,32 @@ class ParallelModule(torch.nn.Module):
             return None
         with torch.no_grad():
             return weights.counts(*flat)
+
+    def _scale_after(self, flat: list) -> list | None:
+        """``collectives.SCALE_AFTER`` for a forward whose token-mean loss's count is not known
+        (``_known_count``): its backward then runs on the loss's sum, the gradient buckets divide
+        the reduced gradients by the whole batch's count (summed with the loss, one all-reduce of
+        ``[sum, count]``, rather than the count's own at the forward's top: one collective less a
+        step, as Megatron-LM's ``calculate_per_token_loss``). Only where every gradient this
+        backward makes is reduced in those buckets: a data-parallel plan's (ZeRO 0 and 1; FSDP2's
+        ZeRO 2 and 3, pipelines and tensor-parallel reductions keep the count's all-reduce), no
+        input requiring gradient; an output other than the loss requiring gradient clears it
+        (``forward``), and keeps it off for the module's later forwards. None: the count is
+        all-reduced at the forward's top, as before."""
+        sync = self.grad_sync
+        if sync is None or not self._counts_labels or not torch.is_grad_enabled():
+            return None
+        if self.__dict__.get("_scale_blocked"):  # its outputs other than the loss require gradient
+            return None
+        unsynced = self.__dict__.get("_unsynced")
+        if unsynced is None:  # the parameters whose gradients no bucket reduces (looked up once)
+            bucketed = {id(p) for p in sync.parameters}
+            unsynced = self.__dict__["_unsynced"] = [p for p in self.parameters() if id(p) not in bucketed]
+        if any(p.requires_grad for p in unsynced):
+            return None
+        if any(isinstance(t, torch.Tensor) and t.requires_grad for t in flat):
+            return None
+        return [sync]
 
     @property
     def _read_check(self) -> Callable[[], None] | None:
@@ -645,9 +682,14 @@ def defer_output_sums(gm: fx.GraphModule) -> fx.GraphModule:
       (the label ops it needs moved there, ``_hoist``), the sum's is waited for where the loss is
       read. Same values; the same backward (d loss / d sum = 1 / count). Where the whole batch's
       count is known without it (``ParallelModule._known_count``: a rank fed the whole batch,
-      ``step``'s micro-batches), that all-reduce does not run (``collectives.KNOWN_SUM``). It cannot
-      ride in a gradient bucket, since backward needs it from its start, and merged with the sum's
-      at the forward's end it would make backward wait for the ranks to meet again.
+      ``step``'s micro-batches), that all-reduce does not run (``collectives.KNOWN_SUM``). Where
+      every gradient the loss reaches is reduced in buckets (``ParallelModule._scale_after``), it
+      does not run either: backward runs on the sum (d loss / d sum = 1), the count is summed with
+      the sum (one all-reduce of ``[sum, count]``, or it rides in the first bucket), and the
+      reduced gradients are divided by it where backward ends (``GradSync.divide_after``,
+      Megatron-LM's ``calculate_per_token_loss``). Elsewhere it stays at the top: backward needs it
+      from its start, and merged with the sum's at the forward's end it would make backward wait
+      for the ranks to meet again.
 
     Only the root graph's outputs: a value the graph reads further is waited for at once anyway."""
     out = next(n for n in reversed(gm.graph.nodes) if n.op == "output")

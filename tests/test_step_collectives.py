@@ -4,11 +4,13 @@
 ``DistributedDataParallel`` runs one all-reduce a step on these models (its gradient bucket). A
 data-parallel ``ParallelModule`` returns the whole batch's loss, so it also sums the loss over the
 ranks (deferred, ``codegen/module.py:defer_output_sums``); a token-mean loss divides by the whole
-batch's label count, which backward needs from its start (d loss / d sum = 1 / count). That count
-is all-reduced only where no rank can know it otherwise (``ParallelModule._known_count``):
+batch's label count. That count is all-reduced only where no rank can know it otherwise
+(``ParallelModule._known_count``), and then with the loss's sum, in one all-reduce:
 
-* a rank fed its slice of the batch, one forward: the count's all-reduce, started at the top of
-  the forward (3 a step: count, loss, bucket);
+* a rank fed its slice of the batch, one forward: backward runs on the loss's sum, and the reduced
+  gradients are divided by the count where it ends (``ParallelModule._scale_after``, Megatron-LM's
+  ``calculate_per_token_loss``), so the count is summed with the loss (2 a step: loss and count,
+  bucket; 3 when the count had an all-reduce of its own, started at the top of the forward);
 * a rank fed the whole batch: the count is counted from its labels, no all-reduce (2);
 * ``step`` over ``k`` micro-batches: the step's weights sum every micro-batch's count over the
   ranks in one all-reduce where the ranks are fed slices (none where fed whole), and each
@@ -38,7 +40,7 @@ BATCH, SEQ, K = 4, 8, 2
 
 # (model, micro-batches, fed) -> gloo collectives per step, rank 0
 EXPECTED = {
-    ("gpt2", 1, "slices"): 3,
+    ("gpt2", 1, "slices"): 2,
     ("gpt2", 1, "whole"): 2,
     ("gpt2", K, "slices"): 1 + K + 1,
     ("gpt2", K, "whole"): K + 1,
