@@ -135,18 +135,12 @@ def test_count_summed_with_the_loss_divides_reduced_gradients(tmp_path):
             assert norms == pytest.approx(ref_norms, rel=1e-4), label
             for step, (got, want) in enumerate(zip(grads, ref_grads, strict=True)):
                 for n, g in got.items():
-                    w = want[n]
-                    scale = float(w.abs().max())
-                    torch.testing.assert_close(
-                        g, w, rtol=1e-4, atol=1e-4 * scale, msg=labelled(f"{label}, step {step}, grad {n}")
-                    )
+                    _close(g, want[n], 1e-4, f"{label}, step {step}, grad {n}")
             for n, w in ref_state.items():
                 if name == "adam":
                     assert_adam_state_close(state[n], w, LR[name], STEPS, f"{label}: {n}")
                 else:
-                    torch.testing.assert_close(
-                        state[n], w, rtol=1e-4, atol=1e-5, msg=labelled(f"{label}: {n}")
-                    )
+                    _close(state[n], w, 1e-5, f"{label}: {n}")
             # the buckets' reductions and the loss's [sum, count]: no collective for the count alone
             assert buckets is not None, label
             buckets, scattered, divisions = buckets
@@ -155,6 +149,11 @@ def test_count_summed_with_the_loss_divides_reduced_gradients(tmp_path):
             # (the first step's forward also compares the ranks' batches: the second's alone; gloo
             # runs a reduce-scatter as an all-reduce, so the events cannot tell them apart)
             assert len(events[-1]) == buckets + (0 if rides else 1), (label, buckets, events[-1])
+
+
+def _close(got: torch.Tensor, want: torch.Tensor, share: float, msg: str) -> None:
+    """``got`` equals ``want`` within rtol 1e-4 and ``share`` of ``want``'s largest magnitude."""
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=share * float(want.abs().max()), msg=labelled(msg))
 
 
 def _second_batch(inputs):
@@ -236,24 +235,10 @@ def test_backwards_the_division_cannot_wait_for(tmp_path):
     for rank, res in enumerate(per_rank):
         for case, want in (("one", one), ("summed", two), ("accumulated", two)):
             for n, g in res[case].items():
-                w = want[n]
-                torch.testing.assert_close(
-                    g,
-                    w,
-                    rtol=1e-4,
-                    atol=1e-5 * float(w.abs().max()),
-                    msg=labelled(f"rank {rank}, {case}: {n}"),
-                )
+                _close(g, want[n], 1e-5, f"rank {rank}, {case}: {n}")
         # the first two backwards divided after reducing; the accumulated one in the losses' backwards
         assert res["divisions"] == 2, (rank, res["divisions"])
         for step, got in enumerate(res["both"]):
             for n, g in got.items():
-                w = both[n]
-                torch.testing.assert_close(
-                    g,
-                    w,
-                    rtol=1e-4,
-                    atol=1e-5 * float(w.abs().max()),
-                    msg=labelled(f"rank {rank}, logits {step}: {n}"),
-                )
+                _close(g, both[n], 1e-5, f"rank {rank}, logits {step}: {n}")
         assert res["both_divisions"] == 0, (rank, res["both_divisions"])

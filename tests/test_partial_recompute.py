@@ -382,7 +382,7 @@ def test_partly_recomputed_plans_train_as_one_device(world2, key):
     for rank, results in enumerate(per_rank):
         losses, state, here = results[key]
         marked |= here
-        torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-4, atol=1e-5)
+        assert losses == pytest.approx(ref_losses, rel=1e-4)  # losses near log V: relative alone
         assert set(state) == set(ref_state)
         for k, want in ref_state.items():
             assert_adam_state_close(state[k], want, LR, STEPS, f"rank {rank} {k}")
