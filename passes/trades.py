@@ -278,10 +278,11 @@ def _partial_lower_bound(
     ``EdgeTrade.kept`` applies to its least term: the same float as the mixed tables' bound
     (``tests/test_partial_recompute.py``). Building both sides' traded edges and mixing them took
     a DeepSeek-V3 search on 1,024 H100 10 s of its 78 s over 335 partial rungs' bounds."""
-    whole, none = sides(trades)
     chosen = trades.recomputed(len(blocks), (), 1)
-    if len(chosen) == len(blocks) or not chosen:
-        return traded_lower_bound(tables, infos, whole if chosen else none, cluster, optimizer, blocks)
+    only = _one_side(trades, chosen, len(blocks))
+    if only is not None:
+        return traded_lower_bound(tables, infos, only, cluster, optimizer, blocks)
+    whole, none = sides(trades)
     in_whole = _recomputed(tables, blocks, whole)
     rows_w = _traded_rows(tables, infos, whole, cluster, optimizer, blocks, in_whole, tables.edges)
     rows_n = _traded_rows(tables, infos, none, cluster, optimizer, blocks, {}, tables.edges)
@@ -299,6 +300,15 @@ def sides(trades: Trades) -> tuple[Trades, Trades]:
     sides: a block of a partly recomputed step is priced as one or the other)."""
     whole = dataclasses.replace(trades, recompute_blocks=None)
     return whole, dataclasses.replace(whole, recompute=Recompute.NONE)
+
+
+def _one_side(trades: Trades, chosen: frozenset[int], blocks: int) -> Trades | None:
+    """The side of ``sides(trades)`` that prices the step alone where ``chosen`` (the blocks
+    recomputed) is every one of ``blocks`` or none; None where the step mixes both."""
+    whole, none = sides(trades)
+    if len(chosen) == blocks:
+        return whole
+    return None if chosen else none
 
 
 def partial_sides(
@@ -346,11 +356,9 @@ def partly_recomputed(
     step's peak wherever in the step the kept blocks lie (Megatron recomputes the first ones).
     No block recomputed gives the ``NONE`` tables, every block the whole mode's, as they are."""
     chosen = trades.recomputed(len(blocks), cuts, stages)
-    whole, none = sides(trades)
-    if len(chosen) == len(blocks):
-        return apply_trades(tables, tg, infos, whole, cluster, optimizer, blocks)
-    if not chosen:
-        return apply_trades(tables, tg, infos, none, cluster, optimizer, blocks)
+    only = _one_side(trades, chosen, len(blocks))
+    if only is not None:
+        return apply_trades(tables, tg, infos, only, cluster, optimizer, blocks)
     w, k = partial_sides(tables, tg, infos, trades, cluster, optimizer, blocks)
     return _mix(k, w, recomputed_share(tables, blocks, chosen))
 
