@@ -485,8 +485,8 @@ def _solve(
     # the relaxation runs first where there is a cutoff to test, and where memory binds even
     # without one: there HiGHS's MIP starts from its own root relaxation by the dual simplex, which
     # took 527 s to prove one DeepSeek-V3 candidate on 1,024 H100 infeasible (25,613 columns, the
-    # first candidate of its mesh: no cutoff yet), where the capped simplex and then the interior
-    # point method (``Model.relaxation``) prove it in seconds
+    # first candidate of its mesh: no cutoff yet). Read only for its status there, it runs the
+    # interior point method alone (``Model.relaxation``'s ``status_only``: 0.8 s on that model)
     if name == "HiGHS" and not relax and (math.isfinite(cutoff) or binds):
         lp = prob.relaxation(time_limit_s, ipm=binds, status_only=not math.isfinite(cutoff))
         if lp.status == "Infeasible":
@@ -504,17 +504,17 @@ def _solve(
             if prob.integral(lp.values) or _has_plan(prob, x, tables, hints, time_limit_s, lp.values):
                 return Pruned(lp.objective, time.perf_counter() - t0)
             return None  # infeasible, or no plan within the time limit: as the full solve would say
-    # where memory binds (the slow MIPs), the cutoff is HiGHS's objective bound: its tree drops
-    # every node whose bound passes it, so it gives the optimum where that is under the cutoff,
-    # else nothing under it (DeepSeek-V3 on 2,048 H100: a free (256, 8) rung whose relaxation
-    # passed under the best and whose optimum did not, 10 s of branch and bound, then its re-solve
-    # under the full peak). Elsewhere the MIP runs without: a different path through the tree may
-    # take another of equal optima, and those searches are quick
     if relax and name == "HiGHS":  # only whether a fractional plan fits
         got = prob.relaxation(time_limit_s, ipm=binds, status_only=True)
         if got.status != "Infeasible" and not got.has_solution:  # not proven: the caller solves on
             return Solution({}, math.nan, got.status, time.perf_counter() - t0, got.solver, 0, 0)
     else:
+        # where memory binds (the slow MIPs), the cutoff is HiGHS's objective bound: its tree drops
+        # every node whose bound passes it, so it gives the optimum where that is under the cutoff,
+        # else nothing under it (DeepSeek-V3 on 2,048 H100: a free (256, 8) rung whose relaxation
+        # passed under the best and whose optimum did not, 10 s of branch and bound, then its
+        # re-solve under the full peak). Elsewhere the MIP runs without: a different path through
+        # the tree may take another of equal optima, and those searches are quick
         got = prob.solve(name, time_limit_s, node_limit=MIP_NODE_LIMIT, objective_bound=objective_bound)
     if (
         objective_bound is not None
