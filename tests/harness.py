@@ -102,20 +102,20 @@ def rung_tables(model, inputs, cluster: autopar.ClusterSpec, mesh: tuple[int, ..
 def free_link_cpu(world: int) -> autopar.ClusterSpec:
     """CPU ranks on a link priced as free (no latency, 1 TB/s): the toy models of a test, whose ops
     take microseconds, are then data parallel wherever the batch splits; on loopback gloo's ~1 ms
-    per collective they rightly stay replicated. For tests of what data parallelism runs."""
-    # its reduce-scatter at the link's figures too (``ring_scatter_cpu``): free, and half an all-reduce
-    link = autopar.LinkSpec(bandwidth=1e12, latency=0.0, ranges=(("reduce_scatter", 2.0**50, 1e12, 0.0),))
-    return autopar.ClusterSpec.preset("cpu", devices_per_node=world).with_overrides(intra_node=link)
+    per collective they rightly stay replicated. For tests of what data parallelism runs. Its
+    reduce-scatter is priced at the link's figures too (``ring_scatter_cpu``)."""
+    return ring_scatter_cpu(world, autopar.LinkSpec(bandwidth=1e12, latency=0.0))
 
 
-def ring_scatter_cpu(world: int) -> autopar.ClusterSpec:
-    """The ``cpu`` preset whose link reduce-scatters at its own bandwidth and latency, as a ring
-    does (half an all-reduce's bytes): how a reduce-scatter was priced on CPU ranks before gloo's
-    was priced as the all-reduce it runs (``cost_model/comm.py:NATIVE_REDUCE_SCATTER``). For tests
-    of layouts (sequence splits reduce-scattered into) that the gloo prices no longer choose; a
-    link with figures measured for a reduce-scatter is priced by them (``autopar calibrate``)."""
+def ring_scatter_cpu(world: int, link: autopar.LinkSpec | None = None) -> autopar.ClusterSpec:
+    """The ``cpu`` preset (on ``link``, default its own) whose link reduce-scatters at its own
+    bandwidth and latency, as a ring does (half an all-reduce's bytes): how a reduce-scatter was
+    priced on CPU ranks before gloo's was priced as the all-reduce it runs
+    (``cost_model/comm.py:NATIVE_REDUCE_SCATTER``). For tests of layouts (sequence splits
+    reduce-scattered into) that the gloo prices no longer choose; a link with figures measured for
+    a reduce-scatter is priced by them (``autopar calibrate``)."""
     cluster = autopar.ClusterSpec.preset("cpu", devices_per_node=world)
-    link = cluster.intra_node
+    link = link or cluster.intra_node
     ring = dataclasses.replace(
         link, ranges=(*link.ranges, ("reduce_scatter", 2.0**50, link.bandwidth, link.latency))
     )
